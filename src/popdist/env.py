@@ -1,0 +1,120 @@
+"""The environment contract between poprun and its instances.
+
+This module is the one place where the variable names live: the launcher formats them with
+`instance_environment`, the instance side (`popdist`) reads them with `read_int`/`read_str`.
+Names are Graphcore's (real applications read them directly), plus the ones mpirun used to set
+(PopTorch reads them) and the ones torch.distributed reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# --- PopDist (Graphcore) ---------------------------------------------------------------
+NUM_TOTAL_REPLICAS = "POPDIST_NUM_TOTAL_REPLICAS"
+NUM_IPUS_PER_REPLICA = "POPDIST_NUM_IPUS_PER_REPLICA"
+NUM_LOCAL_REPLICAS = "POPDIST_NUM_LOCAL_REPLICAS"
+UNIFORM_REPLICAS_PER_INSTANCE = "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE"
+REPLICA_INDEX_OFFSET = "POPDIST_REPLICA_INDEX_OFFSET"
+LOCAL_INSTANCE_INDEX = "POPDIST_LOCAL_INSTANCE_INDEX"
+EXECUTABLE_CACHE_PATH = "POPDIST_EXECUTABLE_CACHE_PATH"
+AUTOREPORT_DIRECTORY = "POPDIST_AUTOREPORT_DIRECTORY"
+
+# --- IPU over fabric / V-IPU ------------------------------------------------------------
+IPUOF_CONFIG_PATH = "IPUOF_CONFIG_PATH"  # removed from every instance's environment
+VIPU_API_HOST = "IPUOF_VIPU_API_HOST"
+VIPU_API_PORT = "IPUOF_VIPU_API_PORT"
+VIPU_API_PARTITION_ID = "IPUOF_VIPU_API_PARTITION_ID"
+VIPU_API_TIMEOUT = "IPUOF_VIPU_API_TIMEOUT"
+VIPU_API_GCD_ID = "IPUOF_VIPU_API_GCD_ID"
+
+# --- Poplar -----------------------------------------------------------------------------
+POPLAR_TARGET_OPTIONS = "POPLAR_TARGET_OPTIONS"
+POPLAR_ENGINE_OPTIONS = "POPLAR_ENGINE_OPTIONS"
+
+# Framework variables that choose an executable cache of their own (guide §2.3): they
+# conflict with an explicit --executable-cache-path.
+FRAMEWORK_CACHE_VARIABLES = ("POPTORCH_CACHE_DIR", "POPART_CACHE_DIR")
+TF_POPLAR_FLAGS = "TF_POPLAR_FLAGS"  # conflicts when it holds --executable_cache_path
+
+# --- What mpirun used to set (PopTorch reads these) -------------------------------------
+OMPI_RANK = "OMPI_COMM_WORLD_RANK"
+OMPI_SIZE = "OMPI_COMM_WORLD_SIZE"
+OMPI_LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
+OMPI_LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
+
+# --- torch.distributed ------------------------------------------------------------------
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+
+# Variables forwarded to remote hosts without being asked for (`-x` names the others).
+FORWARDED_TO_REMOTE = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", POPLAR_ENGINE_OPTIONS)
+
+
+@dataclass(frozen=True)
+class InstanceIdentity:
+    """Who one instance is: the facts poprun hands to it through the environment."""
+
+    index: int
+    num_instances: int
+    local_index: int
+    local_size: int
+    num_total_replicas: int
+    ipus_per_replica: int
+    master_addr: str
+    master_port: int
+    executable_cache_path: str | None = None
+    autoreport_dir: str | None = None
+
+    @property
+    def num_local_replicas(self) -> int:
+        return self.num_total_replicas // self.num_instances
+
+    @property
+    def replica_index_offset(self) -> int:
+        return self.index * self.num_local_replicas
+
+
+def instance_environment(who: InstanceIdentity) -> dict[str, str]:
+    """The variables poprun adds to one instance's environment (DESIGN.md §3)."""
+    env = {
+        NUM_TOTAL_REPLICAS: str(who.num_total_replicas),
+        NUM_IPUS_PER_REPLICA: str(who.ipus_per_replica),
+        NUM_LOCAL_REPLICAS: str(who.num_local_replicas),
+        UNIFORM_REPLICAS_PER_INSTANCE: "1",
+        REPLICA_INDEX_OFFSET: str(who.replica_index_offset),
+        LOCAL_INSTANCE_INDEX: str(who.local_index),
+        OMPI_RANK: str(who.index),
+        OMPI_SIZE: str(who.num_instances),
+        OMPI_LOCAL_RANK: str(who.local_index),
+        OMPI_LOCAL_SIZE: str(who.local_size),
+        RANK: str(who.index),
+        WORLD_SIZE: str(who.num_instances),
+        LOCAL_RANK: str(who.local_index),
+        LOCAL_WORLD_SIZE: str(who.local_size),
+        MASTER_ADDR: who.master_addr,
+        MASTER_PORT: str(who.master_port),
+    }
+    if who.executable_cache_path is not None:
+        env[EXECUTABLE_CACHE_PATH] = who.executable_cache_path
+    if who.autoreport_dir is not None:
+        env[AUTOREPORT_DIRECTORY] = who.autoreport_dir
+    return env
+
+
+def read_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    """An integer variable, or `default` when it is unset, empty or not a number."""
+    try:
+        return int(environ[name])
+    except (KeyError, ValueError):
+        return default
+
+
+def read_str(environ: Mapping[str, str], name: str) -> str | None:
+    """A string variable, or None when it is unset or empty."""
+    return environ.get(name) or None

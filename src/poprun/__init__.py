@@ -1,0 +1,35 @@
+"""poprun: launch instances of a program with replicas divided among them, without MPI.
+
+    from poprun import launch, LaunchConfig
+    result = await launch(LaunchConfig(program=("python3", "train.py"), num_instances=2,
+                                       num_replicas=2, offline_mode=True))
+
+The launcher (and asyncio with it) is imported on first use, so `poprun --version` stays fast.
+"""
+
+from ._version import __version__
+from .config import LaunchConfig
+from .errors import ConfigError, LaunchError, PoprunError
+
+__all__ = [
+    "ConfigError",
+    "InstanceResult",
+    "LaunchConfig",
+    "LaunchError",
+    "LaunchResult",
+    "PoprunError",
+    "__version__",
+    "launch",
+]
+
+
+def __getattr__(name: str):
+    if name == "launch":
+        from .launcher import launch
+
+        return launch
+    if name in ("LaunchResult", "InstanceResult"):
+        from . import result
+
+        return getattr(result, name)
+    raise AttributeError(f"module 'poprun' has no attribute {name!r}")

@@ -1,0 +1,310 @@
+"""The `poprun` command: parse the command line, build a LaunchConfig, hand it to the library.
+
+Real scripts call poprun in Boost.Program_options style, so the parser accepts `--opt=value` and
+`--opt value`, boolean words (yes/no/true/false/on/off/1/0, or the bare flag for yes), `-v`,
+`-vv`, `--vv`, repeated list options that accumulate, and any unambiguous prefix of a long option.
+Everything from the program name on belongs to the program, `--help` included.
+
+The option table below is the one definition of the options: it drives parsing, `--help` and
+the TOML names of `--export-config`. Defaults live on `LaunchConfig`.
+
+Why not typer (as first planned): typer 0.29 imports pydantic, ~65 ms here, which alone is more
+than mpirun needs to start 8 processes; the launch-latency and `--version` budgets rule it out.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ._version import __version__
+from .config import LaunchConfig, field_defaults, load_toml
+from .errors import ConfigError, PoprunError
+
+
+class Kind(enum.Enum):
+    """How an option takes its value."""
+
+    INT = "INT"
+    """One integer."""
+    FLOAT = "SECONDS"
+    """One number."""
+    STR = "ARG"
+    """One string."""
+    BOOL = "BOOL"
+    """A boolean word, or nothing (meaning yes)."""
+    LIST = "ARG"
+    """One string each time; repeats accumulate."""
+    COUNT = ""
+    """No value; each occurrence counts."""
+    ACTION = "-"
+    """No value; does something at once (--help, --version)."""
+
+
+@dataclass(frozen=True)
+class Opt:
+    long: str
+    kind: Kind
+    help: str
+    short: str | None = None
+    dest: str = ""
+    default: object = None  # only for options that are not LaunchConfig fields
+    step: int = 1  # for COUNT: --vv counts twice
+
+    @property
+    def name(self) -> str:
+        return self.dest or self.long.replace("-", "_")
+
+
+B = Kind.BOOL
+OPTIONS: tuple[Opt, ...] = (
+    Opt("help", Kind.ACTION, "Show this help and exit"),
+    Opt("version", Kind.ACTION, "Show poprun's version and exit"),
+    Opt("num-instances", Kind.INT, "The number of instances"),
+    Opt("num-replicas", Kind.INT, "The total number of replicas"),
+    Opt("ipus-per-replica", Kind.INT, "The number of IPUs per replica"),
+    Opt("num-ilds", Kind.INT, "The number of IPU-Link domains"),
+    Opt("offline-mode", B, "Run without requiring or attaching to any IPU (no V-IPU server)"),
+    Opt("print-topology", B, "Print the hosts/ILDs/instances/replicas table before starting"),
+    Opt("only-output-from-instance", Kind.INT,
+        "Show only this instance's output (hides the others' errors: use with care)"),
+    Opt("executable-cache-path", Kind.STR,
+        "Executable cache directory, created if needed and kept; \"\" disables caching. "
+        "Default: a temporary directory removed at exit when there is more than one instance"),
+    Opt("env", Kind.LIST, "Set VAR=VALUE in, or forward VAR to, every instance (repeatable)",
+        short="x"),
+    Opt("tag-output", B, "Prefix every line with [1,<instance>]<stdout|stderr>:"),
+    Opt("timestamp-output", B, "Prefix every line with the time it was read"),
+    Opt("output-filename", Kind.STR,
+        "Also write each instance's output to DIR/1/rank.<i>/stdout and stderr"),
+    Opt("merge-stderr-to-stdout", B, "Send the instances' stderr to poprun's stdout"),
+    Opt("mpi-global-args", Kind.LIST,
+        "mpirun options, read not passed on: -x, --tag-output, --timestamp-output, "
+        "--output-filename, --merge-stderr-to-stdout are honoured; --mca and "
+        "--allow-run-as-root are ignored (repeatable)"),
+    Opt("mpi-local-args", Kind.LIST, "As --mpi-global-args (repeatable)"),
+    Opt("instance-mpi-local-args", Kind.LIST,
+        "<instance>:<mpi args> for one instance only, e.g. 0:-x VAR=1 (repeatable)"),
+    Opt("kill-timeout", Kind.FLOAT,
+        "Seconds between SIGTERM and SIGKILL when stopping instances"),
+    Opt("export-config", Kind.STR, "Write the options and program to this TOML file, then launch",
+        default=None),
+    Opt("import-config", Kind.STR,
+        "Read options and program from a file written by --export-config; command-line options "
+        "override it, a program given on the command line replaces the stored one", default=None),
+    Opt("overwrite-config", B,
+        "Overwrite an existing --export-config file (otherwise a timestamp is appended)",
+        default=False),
+    Opt("dry-run", B, "Print the plan (per instance: host, replicas, environment, argv) and "
+        "start nothing", default=False),
+    Opt("json", B, "With --dry-run: print the plan as one JSON object", default=False),
+    Opt("verbose", Kind.COUNT, "Verbose output (-vv: more)", short="v"),
+    Opt("vv", Kind.COUNT, "Very verbose output", dest="verbose", step=2),
+)
+_BY_LONG = {o.long: o for o in OPTIONS}
+_BY_SHORT = {o.short: o for o in OPTIONS if o.short}
+_BOOL_WORDS = {"yes": True, "true": True, "on": True, "1": True,
+               "no": False, "false": False, "off": False, "0": False}
+
+
+@dataclass
+class Parsed:
+    values: dict[str, object] = field(default_factory=dict)
+    given: set[str] = field(default_factory=set)  # names set on the command line
+    program: list[str] = field(default_factory=list)
+    action: str | None = None  # "help" or "version"
+
+
+def parse_args(argv: list[str]) -> Parsed:
+    """Parse poprun's own options up to the program name. Raises ConfigError."""
+    out = Parsed()
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            out.program = argv[i + 1:]
+            break
+        if tok.startswith("--"):
+            name, eq, inline = tok[2:].partition("=")
+            opt, value = _resolve_long(name), (inline if eq else None)
+        elif tok.startswith("-") and len(tok) > 1:
+            opt, value = _short(tok)
+        else:
+            out.program = argv[i:]
+            break
+        if opt.kind is Kind.ACTION:
+            out.action = out.action or opt.long
+        elif opt.kind is Kind.COUNT:
+            if value is not None and value != "" and not set(value) <= {"v"}:
+                raise ConfigError(f"option '{tok}' takes no value")
+            count = (1 + len(value)) if (value and opt.short) else 1
+            out.values[opt.name] = out.values.get(opt.name, 0) + opt.step * count
+        elif opt.kind is Kind.BOOL:
+            if value is None and i + 1 < len(argv) and argv[i + 1].lower() in _BOOL_WORDS:
+                i += 1
+                value = argv[i]
+            out.values[opt.name] = True if value is None else _bool(opt, value)
+        else:
+            if value is None:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"option '--{opt.long}' needs a value")
+                i += 1
+                value = argv[i]
+            _store(out, opt, value)
+        out.given.add(opt.name)
+        i += 1
+    return out
+
+
+def _resolve_long(name: str) -> Opt:
+    if name in _BY_LONG:
+        return _BY_LONG[name]
+    matches = [o for long, o in _BY_LONG.items() if long.startswith(name)] if name else []
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        names = ", ".join("--" + o.long for o in matches)
+        raise ConfigError(f"option '--{name}' is ambiguous: it could be {names}")
+    raise ConfigError(f"unrecognised option '--{name}' (see poprun --help)")
+
+
+def _short(tok: str) -> tuple[Opt, str | None]:
+    opt = _BY_SHORT.get(tok[1])
+    if opt is None:
+        raise ConfigError(f"unrecognised option '{tok}' (see poprun --help)")
+    rest = tok[2:]
+    return opt, (rest or None)
+
+
+def _bool(opt: Opt, value: str) -> bool:
+    try:
+        return _BOOL_WORDS[value.lower()]
+    except KeyError:
+        raise ConfigError(f"option '--{opt.long}': {value!r} is not a boolean "
+                          "(use yes/no, true/false, on/off or 1/0)") from None
+
+
+def _store(out: Parsed, opt: Opt, value: str) -> None:
+    if opt.kind is Kind.LIST:
+        out.values.setdefault(opt.name, []).append(value)  # type: ignore[union-attr]
+        return
+    try:
+        converted: object = {Kind.INT: int, Kind.FLOAT: float}.get(opt.kind, str)(value)
+    except ValueError:
+        what = "an integer" if opt.kind is Kind.INT else "a number"
+        raise ConfigError(f"option '--{opt.long}' expects {what}, got {value!r}") from None
+    out.values[opt.name] = converted
+
+
+# --- from parsed options to a config ------------------------------------------------------
+
+
+def build_config(parsed: Parsed) -> LaunchConfig:
+    """Options from --import-config, overridden by the command line."""
+    fields = field_defaults()
+    stored: dict[str, object] = {}
+    if parsed.values.get("import_config"):
+        stored = load_toml(str(parsed.values["import_config"]))
+    program = tuple(parsed.program) or tuple(stored.pop("program", ()))
+    stored.pop("program", None)
+    options = {k: v for k, v in stored.items() if k in fields}
+    options.update({k: v for k, v in parsed.values.items() if k in fields})
+    for name, value in options.items():
+        if isinstance(value, list):
+            options[name] = tuple(value)
+    return LaunchConfig(program=program, **options)
+
+
+def export_config(config: LaunchConfig, path: str, overwrite: bool) -> str:
+    """Write the config; an existing file gets a timestamped sibling unless `overwrite`."""
+    if os.path.exists(path) and not overwrite:
+        path = f"{path}.{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(config.to_toml())
+    except OSError as exc:
+        raise ConfigError(f"--export-config: cannot write {path}: {exc.strerror}") from None
+    return path
+
+
+def help_text() -> str:
+    lines = [
+        "Usage: poprun [options] program [program args]",
+        "",
+        "Launch instances of a program (with replicas divided among them) on this host,",
+        "without MPI. Everything after the program name is passed to it untouched.",
+        "Values: --opt=value or --opt value; booleans yes/no, true/false, on/off, 1/0",
+        "(a bare boolean option means yes); any unambiguous prefix of an option works.",
+        "",
+        "Options:",
+    ]
+    defaults = field_defaults()
+    for opt in OPTIONS:
+        spell = (f"-{opt.short} [ --{opt.long} ]" if opt.short else f"--{opt.long}")
+        if opt.kind.value and opt.kind not in (Kind.ACTION, Kind.COUNT):
+            spell += f" {opt.kind.value}"
+        default = defaults.get(opt.name, opt.default)
+        note = f" (default: {default})" if default not in (None, (), False, 0) else ""
+        lines.append(f"  {spell:<36} {opt.help}{note}")
+    lines += ["", "Exit status: 0 when every instance exits 0; otherwise the status of the first",
+              "instance to fail (128+N for signal N), 128+N when poprun is stopped by signal N,",
+              "2 for a usage error."]
+    return "\n".join(lines) + "\n"
+
+
+# --- entry point --------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except PoprunError as exc:
+        sys.stderr.write(f"poprun: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C before the launch took the signals over
+        return 130
+
+
+def _main(argv: list[str]) -> int:
+    parsed = parse_args(argv)
+    if parsed.action == "help":
+        sys.stdout.write(help_text())
+        return 0
+    if parsed.action == "version":
+        sys.stdout.write(f"poprun {__version__}\n")
+        return 0
+    values = parsed.values
+    if values.get("export_config") and values.get("import_config"):
+        raise ConfigError("--export-config and --import-config cannot be used together")
+    config = build_config(parsed)
+    if values.get("export_config"):
+        written = export_config(config, str(values["export_config"]),
+                                bool(values.get("overwrite_config")))
+        sys.stderr.write(f"poprun: configuration written to {written}\n")
+    if values.get("dry_run"):
+        return _dry_run(config, bool(values.get("json")))
+    import asyncio  # only a real launch pays for asyncio
+
+    from .launcher import launch
+
+    result = asyncio.run(launch(config))
+    return result.exit_code
+
+
+def _dry_run(config: LaunchConfig, as_json: bool) -> int:
+    from .launcher import make_plan
+    from .render import dry_run_text, topology_table
+
+    launch_plan = make_plan(config, os.environ, os.getcwd())
+    if as_json:
+        import json
+
+        sys.stdout.write(json.dumps(launch_plan.to_json(), indent=2) + "\n")
+        return 0
+    if config.print_topology:
+        sys.stdout.write(topology_table(launch_plan))
+    sys.stdout.write(dry_run_text(launch_plan))
+    return 0

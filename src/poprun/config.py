@@ -1,0 +1,179 @@
+"""`LaunchConfig`: everything a launch needs to know, validated on construction.
+
+The CLI builds one from the command line (and `--import-config`); Python callers build one
+directly. It is frozen: planning and launching only read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from . import mpiargs
+from .errors import ConfigError
+from .mpiargs import MpiArgs
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+DEFAULT_KILL_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One job: the program, how many instances and replicas, and how to run them."""
+
+    program: tuple[str, ...]
+    num_instances: int = 1
+    num_replicas: int = 1
+    ipus_per_replica: int = 1
+    num_ilds: int = 1
+    offline_mode: bool = False
+    print_topology: bool = False
+    only_output_from_instance: int | None = None
+    # None: automatic (a temporary dir with more than one instance); "": caching disabled.
+    executable_cache_path: str | None = None
+    env: tuple[str, ...] = ()  # `VAR` (forward the launcher's value) or `VAR=VALUE`
+    tag_output: bool = False
+    timestamp_output: bool = False
+    output_filename: str | None = None
+    merge_stderr_to_stdout: bool = False
+    mpi_global_args: tuple[str, ...] = ()
+    mpi_local_args: tuple[str, ...] = ()
+    instance_mpi_local_args: tuple[str, ...] = ()
+    kill_timeout: float = DEFAULT_KILL_TIMEOUT
+    verbose: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("program", "env", "mpi_global_args", "mpi_local_args",
+                     "instance_mpi_local_args"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ConfigError(f"{name} must be a sequence of strings, not one string")
+            object.__setattr__(self, name, tuple(value))
+        self._validate()
+
+    def _validate(self) -> None:
+        if not self.program or not self.program[0]:
+            raise ConfigError("no program given: usage is poprun [options] program [program args]")
+        for name in ("num_instances", "num_replicas", "ipus_per_replica", "num_ilds"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                  f"got {value!r}")
+        if self.num_replicas % self.num_instances:
+            raise ConfigError(
+                f"--num-replicas={self.num_replicas} is not divisible by "
+                f"--num-instances={self.num_instances}: every instance needs the same number "
+                "of replicas")
+        if self.num_replicas % self.num_ilds:
+            raise ConfigError(f"--num-replicas={self.num_replicas} is not divisible by "
+                              f"--num-ilds={self.num_ilds}")
+        only = self.only_output_from_instance
+        if only is not None and not 0 <= only < self.num_instances:
+            raise ConfigError(f"--only-output-from-instance={only} is not an instance index "
+                              f"(0..{self.num_instances - 1})")
+        if self.kill_timeout < 0:
+            raise ConfigError(f"--kill-timeout must not be negative, got {self.kill_timeout}")
+        for entry in self.env:
+            _check_env_entry(entry, "--env")
+        # Parsing here reports a bad mpi-args token at construction, not mid-launch.
+        self.mpi
+        for index in self.instance_mpi:
+            if index >= self.num_instances:
+                raise ConfigError(f"--instance-mpi-local-args names instance {index}, but there "
+                                  f"are only {self.num_instances}")
+
+    # --- derived views ----------------------------------------------------------------
+
+    @cached_property
+    def mpi(self) -> MpiArgs:
+        """The global and local mpi-args together."""
+        parts = [mpiargs.parse_mpi_args(t, "--mpi-global-args") for t in self.mpi_global_args]
+        parts += [mpiargs.parse_mpi_args(t, "--mpi-local-args") for t in self.mpi_local_args]
+        merged = mpiargs.merge(parts)
+        for entry in merged.env:
+            _check_env_entry(entry, "-x")
+        return merged
+
+    @cached_property
+    def instance_mpi(self) -> dict[int, MpiArgs]:
+        """Per-instance mpi-args from --instance-mpi-local-args."""
+        by_index: dict[int, list[MpiArgs]] = {}
+        for text in self.instance_mpi_local_args:
+            index, parsed = mpiargs.parse_instance_args(text)
+            by_index.setdefault(index, []).append(parsed)
+        return {i: mpiargs.merge(parts) for i, parts in by_index.items()}
+
+    @property
+    def effective_tag_output(self) -> bool:
+        return self.tag_output or self.mpi.tag_output
+
+    @property
+    def effective_timestamp_output(self) -> bool:
+        return self.timestamp_output or self.mpi.timestamp_output
+
+    @property
+    def effective_merge_stderr(self) -> bool:
+        return self.merge_stderr_to_stdout or self.mpi.merge_stderr_to_stdout
+
+    @property
+    def effective_output_filename(self) -> str | None:
+        return self.output_filename or self.mpi.output_filename
+
+    def env_entries(self, instance: int) -> tuple[str, ...]:
+        """`-x` entries for one instance: native, then mpi-args, then per-instance."""
+        extra = self.instance_mpi.get(instance)
+        return self.env + self.mpi.env + (extra.env if extra else ())
+
+    # --- TOML import / export ---------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options that differ from their defaults, keyed by CLI name, plus the program."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "program" or value != f.default:
+                out[f.name.replace("_", "-")] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def to_toml(self) -> str:
+        import tomli_w  # only export needs it
+
+        return tomli_w.dumps(self.to_dict())
+
+
+def field_defaults() -> dict[str, Any]:
+    """Default of every option field, by field name (the one definition of the defaults)."""
+    return {f.name: f.default for f in dataclasses.fields(LaunchConfig) if f.name != "program"}
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Options stored by --export-config, keyed by field name; unknown keys are an error."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"--import-config: cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--import-config: {path} is not valid TOML: {exc}") from None
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"--import-config: {path}: unknown option {key!r}")
+        out[name] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def _check_env_entry(entry: str, source: str) -> None:
+    name = entry.partition("=")[0]
+    if not name or not (name[0].isalpha() or name[0] == "_") or not all(
+            c.isalnum() or c == "_" for c in name):
+        raise ConfigError(f"{source}: {entry!r} is not VAR or VAR=VALUE")

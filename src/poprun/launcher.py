@@ -1,0 +1,283 @@
+"""`launch(config)`: plan the job, start it, watch it, stop it, clean up after it.
+
+Exit paths and what they do (every one of them runs the `finally` in `_run`, which kills what
+still runs, removes temporary cache dirs and restores signal handlers; a SIGKILL of poprun
+itself is covered by the lifeline instead):
+
+- all instances exit 0                   -> exit code 0
+- an instance fails (non-zero or signal) -> SIGTERM to the others, SIGKILL after
+                                            `kill_timeout`; exit code = its status (128+N)
+- SIGINT / SIGTERM / SIGHUP to poprun    -> forwarded to every instance; SIGKILL after
+                                            `kill_timeout`, or at once on a second signal;
+                                            exit code 128+N
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from spawner.lifeline import Lifeline
+from spawner.local import LocalSpawner, ProcessSpec, Stream, resolve_program
+
+from . import plan as planning
+from .config import LaunchConfig
+from .errors import ConfigError, LaunchError
+from .log import Log
+from .output import OutputOptions, OutputRouter
+from .plan import CacheMode, LaunchPlan
+from .render import topology_table
+from .result import InstanceResult, LaunchResult
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+DRY_RUN_CACHE_DIR = "<temporary directory, created at launch>"
+
+
+def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> LaunchPlan:
+    """The plan `--dry-run` shows: a launch's plan, with a placeholder for a temporary cache."""
+    program, mode = preflight(config, environ, cwd)
+    cache = _explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
+    return planning.plan(config, environ, program=program, master_port=free_port(),
+                         cache_paths={planning.LOCALHOST: cache})
+
+
+def preflight(config: LaunchConfig, environ: Mapping[str, str],
+              cwd: str) -> tuple[tuple[str, ...], CacheMode]:
+    """Everything checked before anything starts: the program with argv[0] resolved, and
+    the executable cache mode. Touches nothing."""
+    if not config.offline_mode:
+        raise ConfigError("V-IPU partitions are not supported by this poprun yet: run with "
+                          "--offline-mode=yes (instances may still attach to IPUs themselves)")
+    program = config.program
+    resolved = resolve_program(program[0], environ.get("PATH"), cwd)
+    if resolved is None:
+        raise ConfigError(f"program {program[0]!r} not found or not executable "
+                          f"(looked in PATH and in {cwd})")
+    return (resolved,) + program[1:], planning.cache_mode(config, environ)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for torch.distributed's MASTER_PORT."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _explicit_cache(config: LaunchConfig, mode: CacheMode) -> str | None:
+    if mode is CacheMode.EXPLICIT and config.executable_cache_path:
+        return os.path.abspath(config.executable_cache_path)
+    return None
+
+
+async def launch(config: LaunchConfig, *, stdout_fd: int = 1, stderr_fd: int = 2,
+                 environ: Mapping[str, str] | None = None, cwd: str | None = None) -> LaunchResult:
+    """Run the job to its end. Raises ConfigError/LaunchError when it cannot start; a job
+    whose instances fail is not an error: the result says so."""
+    environ = dict(os.environ if environ is None else environ)
+    cwd = cwd or os.getcwd()
+    log = Log(config.verbose, stderr_fd)
+    program, mode = preflight(config, environ, cwd)
+    if config.num_instances == 1 and config.num_replicas == 1:
+        log.warning("Using --num-instances=1 and --num-replicas=1 together is not supported and "
+                    "might give additional overhead and/or raise other issues.")
+    for ignored in config.mpi.ignored:
+        log.info(f"ignoring mpirun argument {ignored!r}: poprun does not use MPI")
+    lifeline = Lifeline()
+    cache = _CacheDir(config, mode, lifeline, log)
+    try:
+        cache_dir = cache.create()
+        launch_plan = planning.plan(
+            config, environ, program=program, master_port=free_port(),
+            cache_paths={planning.LOCALHOST: cache_dir} if cache_dir else {})
+        for warning in launch_plan.warnings:
+            log.warning(warning)
+        if config.print_topology:
+            os.write(stdout_fd, topology_table(launch_plan).encode())
+        job = _Job(config, launch_plan, environ, cwd, log, stdout_fd, stderr_fd)
+        result = await job.run(lifeline)
+    finally:
+        cache.remove()
+        lifeline.close()
+    report = result.failure_report()
+    if report:
+        os.write(stderr_fd, report.encode())
+    return result
+
+
+class _CacheDir:
+    """The executable cache directory of this host, for the job's lifetime."""
+
+    def __init__(self, config: LaunchConfig, mode: CacheMode, lifeline: Lifeline,
+                 log: Log) -> None:
+        self._config, self._mode, self._lifeline, self._log = config, mode, lifeline, log
+        self.path: str | None = None
+        self._temporary = False
+
+    def create(self) -> str | None:
+        if self._mode is CacheMode.EXPLICIT:
+            self.path = _explicit_cache(self._config, self._mode)
+            try:
+                os.makedirs(self.path, exist_ok=True)
+            except OSError as exc:
+                raise LaunchError(f"cannot create executable cache {self.path}: "
+                                  f"{exc.strerror}") from None
+        elif self._mode is CacheMode.TEMPORARY:
+            self.path = tempfile.mkdtemp(prefix="poprun-cache-")  # mode 0700
+            self._temporary = True
+            self._lifeline.add_dir(self.path)
+        if self.path:
+            self._log.info(f"executable cache ({self._mode.value}): {self.path}")
+        return self.path
+
+    def remove(self) -> None:
+        if self._temporary and self.path:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self._lifeline.discard_dir(self.path)
+            self._log.info(f"removed temporary executable cache {self.path}")
+
+
+@dataclass
+class _Started:
+    pid: int
+    start: float
+    end: float = 0.0
+    returncode: int | None = None
+    signalled: bool = False
+
+
+class _Job:
+    """One run of the plan: the spawner's sink, and the failure and signal policy."""
+
+    def __init__(self, config: LaunchConfig, launch_plan: LaunchPlan, environ: dict[str, str],
+                 cwd: str, log: Log, stdout_fd: int, stderr_fd: int) -> None:
+        self.config, self.plan, self.environ, self.cwd, self.log = (
+            config, launch_plan, environ, cwd, log)
+        directory = config.effective_output_filename
+        nocopy = bool(directory) and directory.lower().endswith(":nocopy")
+        self.router = OutputRouter(OutputOptions(
+            tag=config.effective_tag_output, timestamp=config.effective_timestamp_output,
+            only_instance=config.only_output_from_instance,
+            directory=os.path.abspath(directory[:-7] if nocopy else directory) if directory
+            else None, copy_to_console=not nocopy), stdout_fd, stderr_fd, self._broken_pipe)
+        self.started: dict[int, _Started] = {}
+        self.root_cause: int | None = None
+        self.stop_signal: int | None = None
+        self._kill_timer: asyncio.TimerHandle | None = None
+        self.spawner: LocalSpawner | None = None
+
+    async def run(self, lifeline: Lifeline) -> LaunchResult:
+        loop = asyncio.get_running_loop()
+        self.spawner = LocalSpawner(self, lifeline)
+        restore = _install_signal_handlers(loop, self.on_signal)
+        try:
+            self._spawn_all()
+            await self.spawner.wait()
+        finally:
+            if self._kill_timer:
+                self._kill_timer.cancel()
+            await self.spawner.close()
+            self.router.close()
+            restore()
+        return self._result()
+
+    def _spawn_all(self) -> None:
+        merge = self.config.effective_merge_stderr
+        for inst in self.plan.instances:
+            spec = ProcessSpec(
+                key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge,
+                env=planning.instance_environ(self.environ, inst, self.plan),
+                inherit_stdin=inst.index == 0)  # as mpirun: stdin goes to the first instance
+            try:
+                pid = self.spawner.spawn(spec)
+            except OSError as exc:
+                raise LaunchError(f"cannot start instance {inst.index} ({inst.argv[0]}): "
+                                  f"{exc.strerror or exc}") from None
+            self.started[inst.index] = _Started(pid=pid, start=time.time())
+            self.log.debug(f"started instance {inst.index} pid {pid}: {' '.join(inst.argv)}")
+
+    # --- spawner sink -----------------------------------------------------------------
+
+    def on_output(self, key: int, stream: Stream, data: bytes) -> None:
+        self.router.on_output(key, stream, data)
+
+    def on_exit(self, key: int, returncode: int) -> None:
+        record = self.started[key]
+        record.returncode, record.end = returncode, time.time()
+        self.log.info(f"instance {key} (pid {record.pid}) exited with {returncode}")
+        if returncode != 0 and self.root_cause is None and self.stop_signal is None:
+            self.root_cause = key
+            self._stop(signal.SIGTERM)
+
+    # --- stopping ---------------------------------------------------------------------
+
+    def on_signal(self, sig: int) -> None:
+        if self.stop_signal is not None or self.root_cause is not None:
+            self.log.warning(f"{signal.Signals(sig).name} again: killing every instance now")
+            self._signal_all(signal.SIGKILL)
+            return
+        self.stop_signal = sig
+        self.log.warning(f"{signal.Signals(sig).name} received: stopping "
+                         f"{len(self.spawner.running())} running instance(s)")
+        self._stop(sig)
+
+    def _broken_pipe(self) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signal.SIGPIPE
+            self._stop(signal.SIGTERM)
+
+    def _stop(self, sig: int) -> None:
+        """Signal every instance still running; SIGKILL them all after the one deadline."""
+        self._signal_all(sig)
+        if self._kill_timer is None:
+            loop = asyncio.get_running_loop()
+            self._kill_timer = loop.call_later(self.config.kill_timeout, self._signal_all,
+                                               signal.SIGKILL)
+
+    def _signal_all(self, sig: int) -> None:
+        for key in self.spawner.running():
+            self.started[key].signalled = True
+            self.spawner.signal(key, sig)
+
+    def _result(self) -> LaunchResult:
+        instances = tuple(
+            InstanceResult(
+                index=i, host=self.plan.instances[i].host, pid=r.pid,
+                returncode=r.returncode if r.returncode is not None else -signal.SIGKILL,
+                start_time=r.start, end_time=r.end or time.time(),
+                lines=self.router.instances[i].lines,
+                stderr_tail=tuple(self.router.instances[i].stderr_tail),
+                stopped_by_poprun=r.signalled)
+            for i, r in sorted(self.started.items()))
+        if self.stop_signal is not None:
+            code = 128 + self.stop_signal
+        elif self.root_cause is not None:
+            code = instances[self.root_cause].exit_status
+        else:
+            code = 0
+        return LaunchResult(instances=instances, exit_code=code, root_cause=self.root_cause,
+                            stop_signal=self.stop_signal)
+
+
+def _install_signal_handlers(loop: asyncio.AbstractEventLoop, handler):
+    """Route SIGINT/SIGTERM/SIGHUP to `handler`; returns a function restoring the old ones.
+    Only the main thread can own signals: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, handler, sig)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+    return restore

@@ -1,0 +1,169 @@
+"""Pure planning: which instance runs where, with which replicas, environment and argv.
+
+Nothing here touches the file system, the network or a process: every fact from the outside
+(the launcher's environment, the hosts, the port picked for torch.distributed, the cache
+directories) comes in as an argument, so `--dry-run` and the tests see exactly what a launch uses.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+from popdist import env as E
+
+from .config import LaunchConfig
+from .errors import ConfigError
+
+LOCALHOST = "localhost"
+
+
+class CacheMode(str, enum.Enum):
+    """Which executable cache the instances use (guide §2.3, §2.4)."""
+
+    NONE = "none"
+    """No cache: one instance and no path given, or caching disabled with an empty path."""
+    EXPLICIT = "explicit"
+    """The user's --executable-cache-path: created when missing, kept afterwards."""
+    TEMPORARY = "temporary"
+    """A temporary directory on each host, shared by its instances, removed on every exit."""
+    FRAMEWORK = "framework"
+    """A framework cache variable (e.g. POPTORCH_CACHE_DIR) is set; poprun stays out of it."""
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    """One instance: where it runs, what it controls and exactly how it is started."""
+
+    index: int
+    host: str
+    local_index: int
+    replicas: tuple[int, ...]
+    ild: int
+    env: Mapping[str, str]  # what poprun adds to (or overrides in) the launcher's environment
+    argv: tuple[str, ...]
+    cpus: tuple[int, ...] | None = None
+    mems: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The whole job, ready to start."""
+
+    instances: tuple[InstancePlan, ...]
+    hosts: tuple[str, ...]
+    num_ilds: int
+    cache_mode: CacheMode
+    unset_env: tuple[str, ...] = (E.IPUOF_CONFIG_PATH,)
+    warnings: tuple[str, ...] = field(default=())
+
+    def on_host(self, host: str) -> list[InstancePlan]:
+        return [i for i in self.instances if i.host == host]
+
+    def to_json(self) -> dict:
+        return {
+            "hosts": list(self.hosts),
+            "num_ilds": self.num_ilds,
+            "cache_mode": self.cache_mode.value,
+            "unset_env": list(self.unset_env),
+            "warnings": list(self.warnings),
+            "instances": [
+                {k: (list(v) if isinstance(v, tuple) else dict(v) if k == "env" else v)
+                 for k, v in asdict(inst).items()}
+                for inst in self.instances
+            ],
+        }
+
+
+def cache_mode(config: LaunchConfig, environ: Mapping[str, str]) -> CacheMode:
+    """Decide the executable cache; an explicit path next to a framework variable is an error."""
+    framework = framework_cache_setting(environ)
+    path = config.executable_cache_path
+    if path == "":
+        return CacheMode.NONE
+    if path is not None:
+        if framework:
+            raise ConfigError(
+                f"--executable-cache-path={path} conflicts with {framework} in the environment: "
+                "set only one of them (guide §2.3)")
+        return CacheMode.EXPLICIT
+    if config.num_instances == 1:
+        return CacheMode.NONE
+    return CacheMode.FRAMEWORK if framework else CacheMode.TEMPORARY
+
+
+def framework_cache_setting(environ: Mapping[str, str]) -> str | None:
+    """`NAME=value` of a framework's own executable-cache setting, if one is in force."""
+    for name in E.FRAMEWORK_CACHE_VARIABLES:
+        if environ.get(name):
+            return f"{name}={environ[name]}"
+    flags = environ.get(E.TF_POPLAR_FLAGS, "")
+    if "--executable_cache_path" in flags:
+        return f"{E.TF_POPLAR_FLAGS}={flags}"
+    return None
+
+
+def plan(
+    config: LaunchConfig,
+    environ: Mapping[str, str],
+    *,
+    program: tuple[str, ...],
+    master_port: int,
+    hosts: tuple[str, ...] = (LOCALHOST,),
+    master_addr: str = "127.0.0.1",
+    cache_paths: Mapping[str, str] | None = None,
+) -> LaunchPlan:
+    """Plan the job. `program` is the argv with argv[0] resolved; `cache_paths` maps each host
+    to its cache directory when `cache_mode()` is EXPLICIT or TEMPORARY."""
+    mode = cache_mode(config, environ)
+    if config.num_instances % len(hosts):
+        raise ConfigError(f"--num-instances={config.num_instances} is not divisible by the "
+                          f"{len(hosts)} hosts")
+    per_host = config.num_instances // len(hosts)
+    local_replicas = config.num_replicas // config.num_instances
+    replicas_per_ild = config.num_replicas // config.num_ilds
+    warnings: list[str] = []
+    instances = []
+    for index in range(config.num_instances):
+        host = hosts[index // per_host]
+        cache = (cache_paths or {}).get(host) if mode in (CacheMode.EXPLICIT,
+                                                          CacheMode.TEMPORARY) else None
+        who = E.InstanceIdentity(
+            index=index, num_instances=config.num_instances, local_index=index % per_host,
+            local_size=per_host, num_total_replicas=config.num_replicas,
+            ipus_per_replica=config.ipus_per_replica, master_addr=master_addr,
+            master_port=master_port, executable_cache_path=cache)
+        added = E.instance_environment(who)
+        added.update(_user_env(config.env_entries(index), environ, warnings))
+        first = index * local_replicas
+        instances.append(InstancePlan(
+            index=index, host=host, local_index=who.local_index,
+            replicas=tuple(range(first, first + local_replicas)),
+            ild=first // replicas_per_ild, env=added, argv=program))
+    return LaunchPlan(instances=tuple(instances), hosts=hosts, num_ilds=config.num_ilds,
+                      cache_mode=mode, warnings=tuple(dict.fromkeys(warnings)))
+
+
+def _user_env(entries: tuple[str, ...], environ: Mapping[str, str],
+              warnings: list[str]) -> dict[str, str]:
+    """`-x VAR=VALUE` sets; `-x VAR` forwards the launcher's value (it matters on remote hosts)."""
+    out: dict[str, str] = {}
+    for entry in entries:
+        name, eq, value = entry.partition("=")
+        if eq:
+            out[name] = value
+        elif name in environ:
+            out[name] = environ[name]
+        else:
+            warnings.append(f"-x {name}: not set in poprun's environment, nothing to forward")
+    return out
+
+
+def instance_environ(base: Mapping[str, str], inst: InstancePlan,
+                     launch_plan: LaunchPlan) -> dict[str, str]:
+    """The complete environment of a local instance: the launcher's, less the unset names,
+    plus what the plan adds."""
+    env = {k: v for k, v in base.items() if k not in launch_plan.unset_env}
+    env.update(inst.env)
+    return env

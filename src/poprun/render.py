@@ -1,0 +1,94 @@
+"""Text renderings of plans and results: the topology table, the dry run, the failure report.
+
+Pure functions from data to str; the caller decides where the text goes.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+from collections.abc import Iterable
+
+from .plan import LaunchPlan
+
+_HEADERS = ("hosts", "ILDs", "instances", "replicas")
+
+
+def fold_indices(indices: Iterable[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "[0-2,5,7-8]"."""
+    runs: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return "[" + ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) + "]"
+
+
+def topology_table(launch_plan: LaunchPlan) -> str:
+    """The guide's `--print-topology` table; host names too long for their cells are listed
+    in full after it (as PopRun 2.1 does)."""
+    insts = launch_plan.instances
+    per_instance = len(insts[0].replicas)
+    num_replicas = per_instance * len(insts)
+    per_ild = num_replicas // launch_plan.num_ilds
+    per_host = num_replicas // len(launch_plan.hosts)
+    cell = len(str(num_replicas - 1)) + 2
+    rows = {
+        "hosts": [(h, per_host) for h in launch_plan.hosts],
+        "ILDs": [(str(i), per_ild) for i in range(launch_plan.num_ilds)],
+        "instances": [(str(i.index), per_instance) for i in insts],
+        "replicas": [(str(r), 1) for r in range(num_replicas)],
+    }
+    head = max(len(h) for h in _HEADERS) + 2
+    content = num_replicas * cell + num_replicas - 1
+    footnotes: list[str] = []
+    lines = ["|" + "poprun topology".center(head + 1 + content) + "|"]
+    for name in _HEADERS:
+        cells = []
+        for label, span in rows[name]:
+            width = span * cell + span - 1
+            if len(label) > width:
+                short = f"[{len(footnotes)}]"
+                footnotes.append(f"{short} {label}")
+                label = short if len(short) <= width else "*"
+            cells.append(label.center(width))
+        lines.append("|" + f" {name}".ljust(head) + "|" + "|".join(cells) + "|")
+    return "\n".join(lines + footnotes) + "\n"
+
+
+def dry_run_text(launch_plan: LaunchPlan) -> str:
+    insts = launch_plan.instances
+    lines = [
+        f"poprun dry run: {len(insts)} instance(s) on {len(launch_plan.hosts)} host(s), "
+        f"{sum(len(i.replicas) for i in insts)} replica(s), "
+        f"executable cache: {launch_plan.cache_mode.value}",
+        f"removed from every instance's environment: {' '.join(launch_plan.unset_env)}",
+    ]
+    for inst in insts:
+        lines.append(f"instance {inst.index} on {inst.host} (local index {inst.local_index}), "
+                     f"replicas {fold_indices(inst.replicas)}, ILD {inst.ild}")
+        lines.append(f"  argv: {shlex.join(inst.argv)}")
+        lines.append(f"  cpus: {_ints(inst.cpus)}  mems: {_ints(inst.mems)}")
+        for name, value in inst.env.items():
+            lines.append(f"  env:  {name}={value}")
+    lines += [f"warning: {w}" for w in launch_plan.warnings]
+    return "\n".join(lines) + "\n"
+
+
+def _ints(values: tuple[int, ...] | None) -> str:
+    return "not bound" if values is None else fold_indices(values)
+
+
+def describe_status(returncode: int) -> str:
+    """`exited with status 3` / `killed by SIGKILL (signal 9)`."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    return f"killed by {signal_name(-returncode)} (signal {-returncode})"
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

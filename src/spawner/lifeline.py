@@ -1,0 +1,98 @@
+"""A watchdog that outlives its owner by exactly as long as it takes to clean up after it.
+
+`Lifeline()` forks a small process that holds the read end of a pipe. The owner writes to it
+the process groups it starts and the directories it creates. If the owner dies in any way —
+even by SIGKILL, where no `finally` runs — the pipe reaches EOF and the watchdog kills every
+group still registered and removes every directory still registered, then exits.
+
+Why a fork and not PR_SET_PDEATHSIG: a death signal reaches only the direct child, not the
+dataloader workers it started, and setting it needs code between fork and exec, which forces
+the slow spawn path (DESIGN.md §8). One watchdog per launcher costs one fork in total.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+
+class Lifeline:
+    """Owner side of the watchdog. Not thread-safe; use from one thread."""
+
+    def __init__(self) -> None:
+        read_fd, self._write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the watchdog; it never returns from here
+            try:
+                os.close(self._write_fd)
+                _watch(read_fd)
+            finally:
+                os._exit(0)
+        os.close(read_fd)
+        self._pid = pid
+
+    def add_group(self, pgid: int) -> None:
+        self._send(b"+%d\n" % pgid)
+
+    def discard_group(self, pgid: int) -> None:
+        self._send(b"-%d\n" % pgid)
+
+    def add_dir(self, path: str) -> None:
+        self._send(b"d" + os.fsencode(path) + b"\0")
+
+    def discard_dir(self, path: str) -> None:
+        self._send(b"k" + os.fsencode(path) + b"\0")
+
+    def close(self) -> None:
+        """Release the watchdog: it cleans up whatever is still registered and exits."""
+        if self._write_fd < 0:
+            return
+        os.close(self._write_fd)
+        self._write_fd = -1
+        os.waitpid(self._pid, 0)
+
+    def _send(self, message: bytes) -> None:
+        os.write(self._write_fd, message)  # small writes to a pipe are atomic
+
+
+def _watch(read_fd: int) -> None:
+    # Own session: a Ctrl-C or a kill of the launcher's process group must not take the
+    # watchdog down before it has done its work; signals are ignored for the same reason.
+    os.setsid()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_IGN)
+    os.closerange(0, read_fd)
+    os.closerange(read_fd + 1, 4096)  # hold no pipe of the owner's open (its readers wait)
+    groups: set[int] = set()
+    dirs: set[bytes] = set()
+    pending = b""
+    while chunk := os.read(read_fd, 65536):
+        pending += chunk
+        pending = _apply(pending, groups, dirs)
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
+    for path in dirs:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _apply(buf: bytes, groups: set[int], dirs: set[bytes]) -> bytes:
+    """Apply every complete message in `buf`; return the incomplete rest."""
+    while buf:
+        kind = buf[:1]
+        end = buf.find(b"\n" if kind in b"+-" else b"\0")
+        if end < 0:
+            return buf
+        body, buf = buf[1:end], buf[end + 1:]
+        if kind == b"+":
+            groups.add(int(body))
+        elif kind == b"-":
+            groups.discard(int(body))
+        elif kind == b"d":
+            dirs.add(body)
+        elif kind == b"k":
+            dirs.discard(body)
+    return buf

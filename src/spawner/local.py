@@ -1,0 +1,237 @@
+"""Starting, watching and stopping processes on this host.
+
+Each process gets its own session (so its own process group: a signal to the group reaches the
+dataloader workers it starts), pipes for stdout and stderr, and a pidfd that tells the event
+loop when it exits. Nothing runs in Python between fork and exec, which keeps spawning on the
+fast vfork path (DESIGN.md §8); the lifeline (see lifeline.py) does the orphan duty instead.
+
+Output is delivered as blocks of whole lines: a block always ends with `\\n` or `\\r` (or is the
+last bytes before EOF), so a consumer can tag or interleave blocks without splitting a line.
+The exit of a process is reported only after both of its pipes are drained, so no output
+arrives after its exit event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import shutil
+import signal
+import subprocess
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from .lifeline import Lifeline
+
+READ_SIZE = 65536
+# After an instance exits, its group's leftovers are SIGKILLed; a process that escaped the
+# group (setsid) may still hold the pipes: stop waiting for their EOF after this long.
+PIPE_DRAIN_TIMEOUT = 2.0
+
+
+class Stream(enum.IntEnum):
+    """Which of a process's output streams a block came from."""
+
+    STDOUT = 1
+    """The process's standard output."""
+    STDERR = 2
+    """The process's standard error."""
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """How to start one process."""
+
+    key: int  # the caller's name for it (the instance index)
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str | None = None
+    merge_stderr: bool = False  # stderr into the stdout pipe
+    inherit_stdin: bool = False  # otherwise stdin is /dev/null
+
+
+class Sink(Protocol):
+    """Receives what processes do. Called on the event loop's thread."""
+
+    def on_output(self, key: int, stream: Stream, data: bytes) -> None: ...
+
+    def on_exit(self, key: int, returncode: int) -> None:
+        """`returncode` as subprocess gives it: negative for a signal."""
+
+
+def resolve_program(name: str, path: str | None, cwd: str) -> str | None:
+    """The executable `name` runs as, or None. Like mpirun, a program in the current directory
+    runs without `./` when it is not found on PATH."""
+    if os.sep in name:
+        full = os.path.join(cwd, name)
+        return name if os.path.isfile(full) and os.access(full, os.X_OK) else None
+    found = shutil.which(name, path=path)
+    if found:
+        return name
+    local = os.path.join(cwd, name)
+    return local if os.path.isfile(local) and os.access(local, os.X_OK) else None
+
+
+class _Child:
+    __slots__ = ("spec", "proc", "pidfd", "open_fds", "pending", "returncode", "reported")
+
+    def __init__(self, spec: ProcessSpec, proc: subprocess.Popen) -> None:
+        self.spec = spec
+        self.proc = proc
+        self.pidfd = -1
+        self.open_fds: dict[int, Stream] = {}
+        self.pending: dict[int, bytearray] = {}
+        self.returncode: int | None = None
+        self.reported = False
+
+
+class LocalSpawner:
+    """Owns every process it starts: `close()` leaves none of them (or their groups) alive."""
+
+    def __init__(self, sink: Sink, lifeline: Lifeline | None = None) -> None:
+        self._sink = sink
+        self._lifeline = lifeline
+        self._loop = asyncio.get_running_loop()
+        self._children: dict[int, _Child] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # --- starting ---------------------------------------------------------------------
+
+    def spawn(self, spec: ProcessSpec) -> int:
+        """Start one process; returns its pid. Raises OSError when it cannot be started."""
+        proc = subprocess.Popen(
+            spec.argv, env=dict(spec.env), cwd=spec.cwd,
+            stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if spec.merge_stderr else subprocess.PIPE,
+            start_new_session=True, close_fds=True, bufsize=0)
+        if self._lifeline:
+            self._lifeline.add_group(proc.pid)
+        child = _Child(spec, proc)
+        self._children[spec.key] = child
+        self._idle.clear()
+        for pipe, stream in ((proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)):
+            if pipe is None:
+                continue
+            fd = pipe.fileno()
+            os.set_blocking(fd, False)
+            child.open_fds[fd] = stream
+            child.pending[fd] = bytearray()
+            self._loop.add_reader(fd, self._on_readable, child, fd)
+        self._watch_exit(child)
+        return proc.pid
+
+    def _watch_exit(self, child: _Child) -> None:
+        try:
+            child.pidfd = os.pidfd_open(child.proc.pid)
+        except (AttributeError, OSError):  # no pidfd (old kernel): one waiting thread instead
+            threading.Thread(target=self._wait_in_thread, args=(child,), daemon=True).start()
+            return
+        self._loop.add_reader(child.pidfd, self._on_exit, child)
+
+    def _wait_in_thread(self, child: _Child) -> None:
+        os.waitid(os.P_PID, child.proc.pid, os.WEXITED | os.WNOWAIT)
+        self._loop.call_soon_threadsafe(self._on_exit, child)
+
+    # --- output -----------------------------------------------------------------------
+
+    def _on_readable(self, child: _Child, fd: int) -> None:
+        try:
+            data = os.read(fd, READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        buf = child.pending[fd]
+        if not data:
+            self._close_pipe(child, fd)
+            return
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r"))
+        if cut < 0:  # no line end yet: keep collecting (a 20 MB line is still one line)
+            buf += data
+            return
+        if buf:
+            block = bytes(buf) + data[:cut + 1]
+            buf.clear()
+        else:
+            block = data[:cut + 1]
+        buf += data[cut + 1:]
+        self._sink.on_output(child.spec.key, child.open_fds[fd], block)
+
+    def _close_pipe(self, child: _Child, fd: int) -> None:
+        self._loop.remove_reader(fd)
+        stream = child.open_fds.pop(fd)
+        rest = child.pending.pop(fd)
+        os.close(fd)
+        if rest:  # the last line had no newline: deliver it as it is
+            self._sink.on_output(child.spec.key, stream, bytes(rest))
+        self._maybe_report(child)
+
+    # --- exit -------------------------------------------------------------------------
+
+    def _on_exit(self, child: _Child) -> None:
+        if child.pidfd >= 0:
+            self._loop.remove_reader(child.pidfd)
+            os.close(child.pidfd)
+            child.pidfd = -1
+        pid = child.proc.pid
+        # The exited leader is still a zombie, so its group id cannot have been reused: kill
+        # whatever it left behind in its group before reaping it.
+        _killpg(pid, signal.SIGKILL)
+        if self._lifeline:
+            self._lifeline.discard_group(pid)
+        child.returncode = child.proc.wait()
+        if child.open_fds:
+            self._loop.call_later(PIPE_DRAIN_TIMEOUT, self._abandon_pipes, child)
+        self._maybe_report(child)
+
+    def _abandon_pipes(self, child: _Child) -> None:
+        for fd in list(child.open_fds):
+            self._close_pipe(child, fd)
+
+    def _maybe_report(self, child: _Child) -> None:
+        if child.returncode is None or child.open_fds or child.reported:
+            return
+        child.reported = True
+        self._sink.on_exit(child.spec.key, child.returncode)
+        if all(c.reported for c in self._children.values()):
+            self._idle.set()
+
+    # --- stopping ---------------------------------------------------------------------
+
+    def running(self) -> list[int]:
+        """Keys of the processes that have not exited yet."""
+        return [k for k, c in self._children.items() if c.returncode is None]
+
+    def pid(self, key: int) -> int:
+        return self._children[key].proc.pid
+
+    def signal(self, key: int, sig: int) -> None:
+        """Send `sig` to one process's whole group (if it is still running)."""
+        child = self._children[key]
+        if child.returncode is None:
+            _killpg(child.proc.pid, sig)
+
+    def signal_all(self, sig: int) -> None:
+        for key in self.running():
+            self.signal(key, sig)
+
+    async def wait(self) -> None:
+        """Until every process started so far has exited and been reported."""
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        """SIGKILL whatever still runs and wait until all of it is reaped and reported."""
+        self.signal_all(signal.SIGKILL)
+        await self.wait()
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -143,7 +143,7 @@ def getDeviceId(ipus_per_replica: int | None = None) -> int:
         ) from None
     # Choosing a device means asking Poplar's device manager about the partition; this
     # re-implementation does not do that, and inventing an id would mislead the caller.
-    raise NotImplementedError(
+    raise RuntimeError(
         "popdist.getDeviceId(): device selection through Poplar is not implemented by this "
         "popdist; attach to the device with your framework (PopTorch/PopART) instead"
     )

@@ -26,22 +26,32 @@ from .errors import ConfigError, PoprunError
 
 
 class Kind(enum.Enum):
-    """How an option takes its value."""
+    """How an option takes its value. (Values must be distinct: equal values would make
+    members aliases of each other, e.g. every STR option parsed as a LIST.)"""
 
-    INT = "INT"
+    INT = "int"
     """One integer."""
-    FLOAT = "SECONDS"
+    FLOAT = "float"
     """One number."""
-    STR = "ARG"
+    STR = "str"
     """One string."""
-    BOOL = "BOOL"
+    BOOL = "bool"
     """A boolean word, or nothing (meaning yes)."""
-    LIST = "ARG"
+    LIST = "list"
     """One string each time; repeats accumulate."""
-    COUNT = ""
+    COUNT = "count"
     """No value; each occurrence counts."""
-    ACTION = "-"
+    ACTION = "action"
     """No value; does something at once (--help, --version)."""
+
+    @property
+    def metavar(self) -> str:
+        """How `--help` shows the value ("" for options that take none)."""
+        return _METAVARS.get(self, "")
+
+
+_METAVARS = {Kind.INT: "INT", Kind.FLOAT: "SECONDS", Kind.STR: "ARG", Kind.BOOL: "BOOL",
+             Kind.LIST: "ARG"}
 
 
 @dataclass(frozen=True)
@@ -244,8 +254,8 @@ def help_text() -> str:
     defaults = field_defaults()
     for opt in OPTIONS:
         spell = (f"-{opt.short} [ --{opt.long} ]" if opt.short else f"--{opt.long}")
-        if opt.kind.value and opt.kind not in (Kind.ACTION, Kind.COUNT):
-            spell += f" {opt.kind.value}"
+        if opt.kind.metavar:
+            spell += f" {opt.kind.metavar}"
         default = defaults.get(opt.name, opt.default)
         note = f" (default: {default})" if default not in (None, (), False, 0) else ""
         lines.append(f"  {spell:<36} {opt.help}{note}")

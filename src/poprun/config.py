@@ -7,7 +7,6 @@ directly. It is frozen: planning and launching only read it.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -15,11 +14,6 @@ from typing import Any
 from . import mpiargs
 from .errors import ConfigError
 from .mpiargs import MpiArgs
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 DEFAULT_KILL_TIMEOUT = 5.0
 
@@ -155,6 +149,10 @@ def field_defaults() -> dict[str, Any]:
 
 def load_toml(path: str) -> dict[str, Any]:
     """Options stored by --export-config, keyed by field name; unknown keys are an error."""
+    try:  # imported here: only --import-config pays for it
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)

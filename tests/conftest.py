@@ -1,0 +1,42 @@
+"""Shared test helpers: run the real `poprun` (as `python -m poprun`) in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+
+
+def poprun_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a poprun under test: this checkout's sources first on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("CI", None)  # CI disables the dashboard; tests decide that themselves
+    env.update(extra or {})
+    return env
+
+
+def poprun_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "poprun", *args]
+
+
+def run_poprun(*args: str, timeout: float = 60, env: dict[str, str] | None = None,
+               cwd: str | os.PathLike | None = None, input: bytes | None = None
+               ) -> subprocess.CompletedProcess:
+    """Run poprun to completion; stdout/stderr captured as bytes."""
+    return subprocess.run(poprun_argv(*args), env=poprun_env(env), cwd=cwd, input=input,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
+
+
+OFFLINE = ("--offline-mode=yes",)
+
+
+@pytest.fixture
+def poprun():
+    """`poprun(*args, timeout=..., env=..., cwd=...)` -> CompletedProcess (bytes)."""
+    return run_poprun

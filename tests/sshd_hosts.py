@@ -1,0 +1,331 @@
+"""Real OpenSSH ``sshd`` servers on loopback addresses, for multi-host tests.
+
+``start_ssh_hosts(n, tmp_path)`` starts one ``sshd -D -e`` per "host" on 127.0.77.1 ..
+127.0.77.n (Linux routes all of 127/8 to ``lo``, so no setup is needed), each on a free port,
+and writes a HOME-like directory holding a user key, ``authorized_keys``, ``known_hosts`` and an
+``ssh_config`` with one ``Host hN`` alias per server::
+
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        subprocess.run(["ssh", "-F", hosts.ssh_config, "h1", "true"], check=True)
+        hosts.kill_host(0)          # h1 "dies": its sshd and every session on it are killed
+
+``SSH_CONNECTION`` inside a session names the server address, so it tells which host ran it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+__all__ = ["SshHost", "SshHosts", "require_sshd", "require_tool", "start_ssh_hosts"]
+
+READY_TIMEOUT = 10.0
+BIND_ATTEMPTS = 5
+# If pytest is killed outright (no teardown), don't leave servers listening forever.
+# setpriv execs sshd in place, so Popen.pid stays sshd's pid. (The death signal fires when the
+# *thread* that started sshd exits: start hosts from the main thread or a long-lived one.)
+_DIE_WITH_US = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+
+
+def require_tool(name: str, *candidates: str) -> str:
+    """Absolute path of ``name``; skip the test if missing, or fail when CI demands it.
+
+    CI sets POPRUN_REQUIRE_SSHD=1 so multi-host tests cannot silently turn into skips.
+    """
+    for path in (*candidates, shutil.which(name)):
+        if path and os.access(path, os.X_OK):
+            return os.path.abspath(path)  # sshd re-execs itself, so it refuses relative paths
+    reason = f"{name} not found (install openssh-server / openssh-client)"
+    if os.environ.get("POPRUN_REQUIRE_SSHD") == "1":
+        pytest.fail(f"{reason}; POPRUN_REQUIRE_SSHD=1 forbids skipping", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_sshd() -> str:
+    """Path of ``sshd`` (skip/fail as in ``require_tool``); also checks ``ssh-keygen``."""
+    require_tool("ssh-keygen")
+    # /usr/sbin is often not on a non-root PATH.
+    return require_tool("sshd", "/usr/sbin/sshd")
+
+
+@dataclass
+class SshHost:
+    """One loopback "host": its alias in ssh_config, address, port and sshd process."""
+
+    alias: str
+    addr: str
+    port: int
+    dir: Path
+    proc: subprocess.Popen[bytes] | None = None
+    log: list[str] = field(default_factory=list)  # sshd's stderr (-e), for failure messages
+    _listening: bool = False
+    _started: threading.Event = field(default_factory=threading.Event)  # listening, or EOF
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class SshHosts:
+    """The running servers plus the client-side files that reach them."""
+
+    hosts: list[SshHost]
+    home: Path  # HOME-like dir; its .ssh/config is the ssh_config below
+    user: str
+    user_key: Path  # private key; the public one is user_key + ".pub"
+    known_hosts: Path
+    ssh_config: Path
+
+    @property
+    def aliases(self) -> list[str]:
+        return [h.alias for h in self.hosts]
+
+    def env(self) -> dict[str, str]:
+        """os.environ with HOME = ``home``: asyncssh then finds .ssh/config, keys and
+        known_hosts by itself. OpenSSH's ``ssh`` takes ~ from passwd, not $HOME: pass -F."""
+        return {**os.environ, "HOME": str(self.home)}
+
+    def ssh_argv(self, i: int, *command: str) -> list[str]:
+        """``ssh`` argv running ``command`` (a remote shell string) on host ``i``."""
+        return ["ssh", "-F", str(self.ssh_config), self.hosts[i].alias, *command]
+
+    def kill_host(self, i: int) -> None:
+        """Simulate host ``i`` dying: kill its sshd and every session process under it.
+
+        Only killing the listener would leave established connections (and the instances
+        they run) alive, which is not what a dead host looks like to the launcher.
+        """
+        _stop(self.hosts[i])
+
+
+@contextlib.contextmanager
+def start_ssh_hosts(n: int, tmp_path: Path | str) -> Iterator[SshHosts]:
+    """Start ``n`` sshd servers (h1..hn on 127.0.77.1..n); stop them and clean up on exit."""
+    if not 1 <= n <= 254:
+        raise ValueError(f"n must be in 1..254, got {n}")
+    sshd = require_sshd()
+    _ensure_privsep_dir()
+    root = Path(tempfile.mkdtemp(prefix="sshd-hosts-", dir=tmp_path))
+    hosts: list[SshHost] = []
+    try:
+        home = root / "home"
+        ssh_dir = home / ".ssh"
+        ssh_dir.mkdir(parents=True, mode=0o700)
+        user = pwd.getpwuid(os.getuid()).pw_name
+        user_key = ssh_dir / "id_ed25519"
+        hosts = [
+            SshHost(f"h{k}", f"127.0.77.{k}", 0, root / f"h{k}") for k in range(1, n + 1)
+        ]
+        for host in hosts:
+            host.dir.mkdir()
+        # All keys in one go: ssh-keygen processes run concurrently.
+        _keygen([user_key, *(h.dir / "ssh_host_ed25519_key" for h in hosts)])
+        authorized_keys = ssh_dir / "authorized_keys"
+        shutil.copyfile(f"{user_key}.pub", authorized_keys)
+
+        _start_all(sshd, hosts, authorized_keys)
+
+        known_hosts = ssh_dir / "known_hosts"
+        known_hosts.write_text("".join(
+            # Keyed the way OpenSSH looks it up: HostName plus non-default port.
+            f"[{h.addr}]:{h.port} {_pubkey(h.dir / 'ssh_host_ed25519_key')}\n" for h in hosts
+        ))
+        ssh_config = ssh_dir / "config"
+        ssh_config.write_text("".join(
+            f"Host {h.alias}\n"
+            f"    HostName {h.addr}\n"
+            f"    Port {h.port}\n"
+            f"    User {user}\n"
+            f"    IdentityFile {user_key}\n"
+            f"    IdentitiesOnly yes\n"
+            f"    UserKnownHostsFile {known_hosts}\n"
+            f"    GlobalKnownHostsFile /dev/null\n"
+            f"    StrictHostKeyChecking yes\n"
+            f"    BatchMode yes\n"
+            for h in hosts
+        ))
+        yield SshHosts(hosts, home, user, user_key, known_hosts, ssh_config)
+    finally:
+        for host in hosts:
+            _stop(host)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path) -> None:
+    """Start every sshd, then wait for all; restart those that lost their port to a race."""
+    pending = list(hosts)
+    for _ in range(BIND_ATTEMPTS):
+        for host in pending:
+            host.port = _free_port(host.addr)
+            host.log.clear()
+            host._listening = False
+            host._started.clear()
+            _write_sshd_config(host, authorized_keys)
+            host.proc = subprocess.Popen(
+                [*_DIE_WITH_US, sshd, "-D", "-e", "-f", str(host.dir / "sshd_config")],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                start_new_session=True,  # a Ctrl-C aimed at pytest must not hit it first
+            )
+            # sshd logs every connection; keep draining so it never blocks on a full pipe.
+            threading.Thread(target=_pump, args=(host,), daemon=True).start()
+        deadline = time.monotonic() + READY_TIMEOUT
+        retry = []
+        for host in pending:
+            assert host.proc is not None
+            if host._started.wait(max(0.0, deadline - time.monotonic())):
+                if host._listening:
+                    continue
+                host.proc.wait(READY_TIMEOUT)  # stderr hit EOF: sshd is exiting
+                if "Address already in use" in "".join(host.log):
+                    retry.append(host)  # someone took the port since _free_port; pick another
+                    continue
+                what = f"exited with status {host.proc.returncode}"
+            else:
+                host.proc.kill()
+                host.proc.wait()
+                what = f"did not report listening within {READY_TIMEOUT}s"
+            raise RuntimeError(
+                f"sshd for {host.alias} ({host.addr}:{host.port}) {what}; "
+                f"its stderr:\n{''.join(host.log)}"
+            )
+        if not retry:
+            return
+        pending = retry
+    raise RuntimeError(f"sshd could not bind a port after {BIND_ATTEMPTS} attempts")
+
+
+def _pump(host: SshHost) -> None:
+    assert host.proc is not None and host.proc.stderr is not None
+    with host.proc.stderr:
+        for raw in host.proc.stderr:
+            host.log.append(raw.decode(errors="replace"))
+            if b"Server listening on" in raw:
+                host._listening = True
+                host._started.set()
+    host._started.set()  # EOF: sshd died before listening; wake the waiter to report it
+
+
+def _stop(host: SshHost) -> None:
+    # poll() first: once reaped, the pid may belong to an unrelated process.
+    if host.proc is not None and host.proc.poll() is None:
+        _kill_tree(host.proc.pid)
+        host.proc.wait()
+
+
+def _write_sshd_config(host: SshHost, authorized_keys: Path) -> None:
+    lines = [
+        f"ListenAddress {host.addr}:{host.port}",
+        f"HostKey {host.dir / 'ssh_host_ed25519_key'}",
+        f"PidFile {host.dir / 'sshd.pid'}",
+        f"AuthorizedKeysFile {authorized_keys}",
+        "PubkeyAuthentication yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "PermitRootLogin prohibit-password",
+        "UsePAM no",
+        "StrictModes no",  # pytest's tmp dirs may be group/world-writable
+        # Defaults (10 unauthenticated connections, 10 channels per connection) make a
+        # launcher that opens many connections or channels at once fail at random.
+        "MaxStartups 1000",
+        "MaxSessions 1000",
+    ]
+    if _sshd_version() >= (9, 8):
+        # Else a test that provokes auth failures gets later connections refused.
+        lines.append("PerSourcePenalties no")
+    (host.dir / "sshd_config").write_text("\n".join(lines) + "\n")
+
+
+def _keygen(paths: list[Path]) -> None:
+    procs = [
+        subprocess.Popen(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", p.name, "-f", str(p)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for p in paths
+    ]
+    for p, proc in zip(paths, procs):
+        out, _ = proc.communicate(timeout=30)
+        if proc.returncode:
+            raise RuntimeError(f"ssh-keygen for {p} failed: {out.decode(errors='replace')}")
+
+
+def _pubkey(private_key: Path) -> str:
+    kind, blob = Path(f"{private_key}.pub").read_text().split()[:2]  # drop the comment
+    return f"{kind} {blob}"
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _ensure_privsep_dir() -> None:
+    # sshd refuses to start without its privilege-separation dir, absent in fresh containers.
+    if os.getuid() == 0:
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+
+
+@cache
+def _sshd_version() -> tuple[int, int]:
+    out = subprocess.run(
+        [require_sshd(), "-V"], capture_output=True, text=True, timeout=10
+    )
+    m = re.search(r"OpenSSH_(\d+)\.(\d+)", out.stdout + out.stderr)
+    return (int(m[1]), int(m[2])) if m else (0, 0)
+
+
+def _children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue  # exited meanwhile
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])  # comm may contain spaces/parens
+            children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _kill_tree(root: int) -> None:
+    """SIGKILL ``root`` and all its descendants.
+
+    sshd setsid()s every connection, so a process-group kill misses sessions; walk the ppid
+    tree instead. Stop each process as it is found so nothing forks or gets reparented (and
+    lost) between the scan and the kill; rescan until no new process shows up.
+    """
+    found: set[int] = set()
+    while True:
+        children = _children()
+        tree, todo = set(), [root]
+        while todo:
+            pid = todo.pop()
+            tree.add(pid)
+            todo.extend(children.get(pid, ()))
+        new = tree - found
+        if not new:
+            break
+        for pid in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        found |= new
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

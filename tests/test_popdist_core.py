@@ -1,0 +1,297 @@
+"""Tests for the instance-side popdist core API."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import popdist
+from popdist import env, popdist_core
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+ALL_VARS = (
+    env.NUM_TOTAL_REPLICAS,
+    env.NUM_IPUS_PER_REPLICA,
+    env.NUM_LOCAL_REPLICAS,
+    env.UNIFORM_REPLICAS_PER_INSTANCE,
+    env.REPLICA_INDEX_OFFSET,
+    env.LOCAL_INSTANCE_INDEX,
+    env.EXECUTABLE_CACHE_PATH,
+    env.AUTOREPORT_DIRECTORY,
+)
+
+
+def _identity(**overrides) -> env.InstanceIdentity:
+    fields = dict(
+        index=1,
+        num_instances=2,
+        local_index=1,
+        local_size=2,
+        num_total_replicas=4,
+        ipus_per_replica=1,
+        master_addr="127.0.0.1",
+        master_port=1234,
+    )
+    fields.update(overrides)
+    return env.InstanceIdentity(**fields)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    # Tests may run under a real poprun; start every test from "outside poprun".
+    for name in ALL_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def inside(monkeypatch):
+    """Set the environment poprun gives instance `index` of a run described by overrides."""
+
+    def apply(**overrides) -> env.InstanceIdentity:
+        who = _identity(**overrides)
+        for name, value in env.instance_environment(who).items():
+            monkeypatch.setenv(name, value)
+        return who
+
+    return apply
+
+
+def test_defaults_outside_poprun():
+    assert popdist.isPopdistEnvSet() is False
+    assert popdist.getNumTotalReplicas() == 1
+    assert popdist.getNumLocalReplicas() == 1
+    assert popdist.getNumIpusPerReplica() == 1
+    assert popdist.getReplicaIndexOffset() == 0
+    assert popdist.getLocalInstanceIndex() == 0
+    assert popdist.getNumInstances() == 1
+    assert popdist.getInstanceIndex() == 0
+    assert popdist.isUniformReplicasPerInstance() is True
+    assert popdist.getExecutableCachePath() is None
+
+
+def test_values_inside_poprun(inside):
+    inside(
+        index=3,
+        num_instances=4,
+        local_index=1,
+        num_total_replicas=8,
+        ipus_per_replica=2,
+        executable_cache_path="/tmp/cache",
+    )
+    assert popdist.isPopdistEnvSet() is True
+    assert popdist.getNumTotalReplicas() == 8
+    assert popdist.getNumLocalReplicas() == 2
+    assert popdist.getNumIpusPerReplica() == 2
+    assert popdist.getReplicaIndexOffset() == 6
+    assert popdist.getLocalInstanceIndex() == 1
+    assert popdist.isUniformReplicasPerInstance() is True
+    assert popdist.getExecutableCachePath() == "/tmp/cache"
+
+
+def test_derived_instance_count_and_index(inside):
+    inside(index=2, num_instances=3, num_total_replicas=6)
+    assert popdist.getNumInstances() == 3
+    assert popdist.getInstanceIndex() == 2
+
+
+def test_reads_environment_at_call_time(monkeypatch):
+    assert popdist.getNumTotalReplicas() == 1
+    monkeypatch.setenv(env.NUM_TOTAL_REPLICAS, "16")
+    assert popdist.getNumTotalReplicas() == 16
+
+
+def test_partial_env_is_not_popdist_env(monkeypatch):
+    monkeypatch.setenv(env.NUM_TOTAL_REPLICAS, "4")
+    assert popdist.isPopdistEnvSet() is False
+
+
+@pytest.mark.parametrize("raw", ["abc", "", "0", "-3", "1.5"])
+def test_malformed_counts_fall_back_to_defaults(monkeypatch, raw):
+    for name in (env.NUM_TOTAL_REPLICAS, env.NUM_LOCAL_REPLICAS, env.NUM_IPUS_PER_REPLICA):
+        monkeypatch.setenv(name, raw)
+    monkeypatch.setenv(env.REPLICA_INDEX_OFFSET, "x" if raw != "0" else "-1")
+    monkeypatch.setenv(env.LOCAL_INSTANCE_INDEX, "-1")
+    assert popdist.getNumTotalReplicas() == 1
+    assert popdist.getNumLocalReplicas() == 1
+    assert popdist.getNumIpusPerReplica() == 1
+    assert popdist.getReplicaIndexOffset() == 0
+    assert popdist.getLocalInstanceIndex() == 0
+    assert popdist.getNumInstances() == 1
+
+
+def test_non_uniform_raises(inside, monkeypatch):
+    inside()
+    monkeypatch.setenv(env.UNIFORM_REPLICAS_PER_INSTANCE, "0")
+    assert popdist.isUniformReplicasPerInstance() is False
+    with pytest.raises(RuntimeError, match="uniform number of replicas per instance"):
+        popdist.getNumInstances()
+    with pytest.raises(RuntimeError, match="uniform number of replicas per instance"):
+        popdist.getInstanceIndex()
+    with pytest.raises(RuntimeError, match="uniform"):
+        popdist.execute_on_instances(0, lambda: "ran")
+
+
+def test_check_num_ipus_per_replica_with_env(inside):
+    inside(ipus_per_replica=4)
+    assert popdist.checkNumIpusPerReplica(4) is True
+    assert popdist.checkNumIpusPerReplica(2) is False
+
+
+def test_check_num_ipus_per_replica_without_env():
+    # Unset: the inferred number (1) is what is compared.
+    assert popdist.checkNumIpusPerReplica(1) is True
+    assert popdist.checkNumIpusPerReplica(2) is False
+
+
+def test_get_device_id_mismatch_names_both_numbers(inside):
+    inside(ipus_per_replica=2)
+    with pytest.raises(ValueError) as info:
+        popdist.getDeviceId(4)
+    assert "4" in str(info.value) and "2" in str(info.value)
+
+
+def test_get_device_id_rejects_non_positive():
+    with pytest.raises(ValueError):
+        popdist.getDeviceId(0)
+
+
+@pytest.mark.parametrize("ipus", [None, 2])
+def test_get_device_id_without_poplar(inside, monkeypatch, ipus):
+    inside(ipus_per_replica=2)
+    monkeypatch.setitem(sys.modules, "poplar", None)  # makes `import poplar` fail
+    with pytest.raises(RuntimeError, match="Poplar SDK") as info:
+        popdist.getDeviceId(ipus)
+    assert "offline" in str(info.value)
+
+
+def test_get_device_id_outside_poprun_without_poplar(monkeypatch):
+    monkeypatch.setitem(sys.modules, "poplar", None)
+    with pytest.raises(RuntimeError, match="Poplar SDK"):
+        popdist.getDeviceId(8)  # nothing in the env to contradict 8
+
+
+def test_get_device_id_never_fakes_an_id(monkeypatch):
+    monkeypatch.setitem(sys.modules, "poplar", types.ModuleType("poplar"))
+    with pytest.raises(RuntimeError):
+        popdist.getDeviceId()
+
+
+def test_init_outside_poprun_is_noop():
+    assert popdist.init() is None
+    assert popdist.init() is None
+
+
+def test_init_accepts_poprun_env_and_is_idempotent(inside):
+    inside(index=1, num_instances=2, num_total_replicas=4)
+    assert popdist.init() is None
+    assert popdist.init() is None
+    assert popdist.getInstanceIndex() == 1
+
+
+def test_init_local_must_divide_total(inside, monkeypatch):
+    inside()
+    monkeypatch.setenv(env.NUM_TOTAL_REPLICAS, "5")
+    monkeypatch.setenv(env.NUM_LOCAL_REPLICAS, "2")
+    monkeypatch.setenv(env.REPLICA_INDEX_OFFSET, "2")
+    with pytest.raises(RuntimeError, match="does not divide"):
+        popdist.init()
+
+
+def test_init_rejects_non_integer(inside, monkeypatch):
+    inside()
+    monkeypatch.setenv(env.NUM_LOCAL_REPLICAS, "abc")
+    with pytest.raises(RuntimeError, match="not an integer"):
+        popdist.init()
+
+
+def test_init_rejects_missing_variable(inside, monkeypatch):
+    inside()
+    monkeypatch.delenv(env.NUM_IPUS_PER_REPLICA)
+    with pytest.raises(RuntimeError, match="not set"):
+        popdist.init()
+
+
+def test_init_rejects_zero_and_out_of_range(inside, monkeypatch):
+    inside()
+    monkeypatch.setenv(env.NUM_LOCAL_REPLICAS, "0")
+    with pytest.raises(RuntimeError, match="at least 1"):
+        popdist.init()
+    monkeypatch.setenv(env.NUM_LOCAL_REPLICAS, "2")
+    monkeypatch.setenv(env.REPLICA_INDEX_OFFSET, "4")
+    with pytest.raises(RuntimeError, match="outside"):
+        popdist.init()
+    monkeypatch.setenv(env.REPLICA_INDEX_OFFSET, "1")
+    with pytest.raises(RuntimeError, match="multiple"):
+        popdist.init()
+
+
+def test_init_rejects_bad_uniform_flag(inside, monkeypatch):
+    inside()
+    monkeypatch.setenv(env.UNIFORM_REPLICAS_PER_INSTANCE, "yes")
+    with pytest.raises(RuntimeError, match="0 or 1"):
+        popdist.init()
+
+
+def test_init_allows_non_uniform_split(inside, monkeypatch):
+    inside()
+    monkeypatch.setenv(env.UNIFORM_REPLICAS_PER_INSTANCE, "0")
+    monkeypatch.setenv(env.NUM_TOTAL_REPLICAS, "5")
+    monkeypatch.setenv(env.NUM_LOCAL_REPLICAS, "3")
+    monkeypatch.setenv(env.REPLICA_INDEX_OFFSET, "2")
+    assert popdist.init() is None
+
+
+def test_execute_on_instances_with_int(inside):
+    inside(index=1)
+    calls = []
+    def record(x, y=0):
+        calls.append((x, y))
+        return "done"
+
+    assert popdist.execute_on_instances(1, record, 5, y=6) == "done"
+    assert calls == [(5, 6)]
+    assert popdist.execute_on_instances(0, calls.append, "no") is None
+    assert calls == [(5, 6)]
+
+
+def test_execute_on_instances_with_set(inside):
+    inside(index=2, num_instances=4, num_total_replicas=4)
+    assert popdist.execute_on_instances({0, 2}, lambda: "ran") == "ran"
+    assert popdist.execute_on_instances({0, 3}, lambda: "ran") is None
+    assert popdist.execute_on_instances([2], lambda: "ran") == "ran"
+
+
+def test_execute_on_instances_outside_poprun_is_instance_zero():
+    assert popdist.execute_on_instances(0, lambda: 42) == 42
+    assert popdist.execute_on_instances({1}, lambda: 42) is None
+
+
+def test_public_api_is_reexported():
+    assert set(popdist.__all__) == set(popdist_core.__all__)
+    for name in popdist.__all__:
+        assert getattr(popdist, name) is getattr(popdist_core, name)
+
+
+def test_real_subprocess_sees_its_identity():
+    child_env = {k: v for k, v in os.environ.items() if k not in ALL_VARS}
+    child_env.update(env.instance_environment(_identity()))
+    child_env["PYTHONPATH"] = str(SRC)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import popdist; print(popdist.getInstanceIndex(), popdist.getNumInstances())",
+        ],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1 2"

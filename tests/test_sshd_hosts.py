@@ -1,0 +1,248 @@
+"""Tests of the loopback sshd harness itself (tests/sshd_hosts.py).
+
+Every wait is bounded: subprocess timeouts, asyncio.wait_for, or a deadline loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import asyncssh
+import pytest
+
+import sshd_hosts
+from sshd_hosts import SshHosts, require_sshd, require_tool, start_ssh_hosts
+
+TIMEOUT = 20
+PY = shlex.quote(sys.executable)  # the "remote" hosts are this machine
+
+
+@pytest.fixture
+def hosts(tmp_path: Path):
+    require_tool("ssh")
+    with start_ssh_hosts(2, tmp_path) as h:
+        yield h
+
+
+def ssh(hosts: SshHosts, i: int, command: str, **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        hosts.ssh_argv(i, command), capture_output=True, text=True, timeout=TIMEOUT, **kw
+    )
+
+
+def server_addr(ssh_connection: str) -> str:
+    # SSH_CONNECTION = "client_addr client_port server_addr server_port"
+    return ssh_connection.split()[2]
+
+
+def processes_with(marker: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                pids.append(int(entry))
+        except OSError:
+            pass
+    return pids
+
+
+def start_remote_sleeper(hosts: SshHosts, i: int) -> tuple[subprocess.Popen[str], str]:
+    """A long-running session on host i, returned once it is known to be running."""
+    marker = f"marker-{uuid.uuid4().hex}"
+    proc = subprocess.Popen(
+        hosts.ssh_argv(i, f"echo started; exec {PY} -c 'import time; time.sleep(300)' {marker}"),
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "started\n"  # the ssh process exits (EOF) on failure
+    return proc, marker
+
+
+def wait_until(predicate, what: str, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_openssh_runs_on_each_host(hosts: SshHosts) -> None:
+    assert hosts.aliases == ["h1", "h2"]
+    for i, expected in enumerate(["127.0.77.1", "127.0.77.2"]):
+        r = ssh(hosts, i, "echo $SSH_CONNECTION")
+        assert r.returncode == 0, r.stderr
+        assert server_addr(r.stdout) == expected
+        assert hosts.hosts[i].addr == expected and hosts.hosts[i].port > 1024
+
+
+def test_known_hosts_is_enforced(hosts: SshHosts) -> None:
+    # Give h1 h2's host key: OpenSSH must refuse, proving the file is really checked.
+    wrong = hosts.known_hosts.with_name("known_hosts.wrong")
+    h1, h2 = hosts.known_hosts.read_text().splitlines()
+    wrong.write_text(h1.split()[0] + " " + " ".join(h2.split()[1:]) + "\n")
+    r = subprocess.run(
+        ["ssh", "-F", str(hosts.ssh_config), "-o", f"UserKnownHostsFile={wrong}", "h1", "true"],
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert r.returncode == 255
+    assert "Host key verification failed" in r.stderr
+
+
+def test_asyncssh_runs_on_each_host(hosts: SshHosts) -> None:
+    async def main() -> None:
+        for host in hosts.hosts:
+            async with asyncssh.connect(
+                host.addr, port=host.port, known_hosts=str(hosts.known_hosts),
+                client_keys=[str(hosts.user_key)], username=hosts.user, connect_timeout=TIMEOUT,
+            ) as conn:
+                r = await asyncio.wait_for(conn.run("echo $SSH_CONNECTION", check=True), TIMEOUT)
+                assert server_addr(r.stdout) == host.addr
+            # By alias: HostName, Port, User, IdentityFile and UserKnownHostsFile all come
+            # from the generated config (known_hosts is keyed by "[addr]:port", not the alias).
+            async with asyncssh.connect(
+                host.alias, config=[str(hosts.ssh_config)], connect_timeout=TIMEOUT
+            ) as conn:
+                r = await asyncio.wait_for(conn.run("echo $SSH_CONNECTION", check=True), TIMEOUT)
+                assert server_addr(r.stdout) == host.addr
+
+    asyncio.run(main())
+
+
+def test_home_env_is_enough_for_asyncssh(hosts: SshHosts) -> None:
+    # What a launcher under test gets: HOME only, no explicit config/keys/known_hosts.
+    code = (
+        "import asyncio, asyncssh\n"
+        "async def main():\n"
+        "    async with asyncssh.connect('h2', connect_timeout=20) as conn:\n"
+        "        print((await conn.run('echo $SSH_CONNECTION', check=True)).stdout)\n"
+        "asyncio.run(main())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=hosts.env(), capture_output=True,
+                       text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert server_addr(r.stdout) == "127.0.77.2"
+
+
+def test_asyncssh_rejects_unknown_host_key(hosts: SshHosts, tmp_path: Path) -> None:
+    empty = tmp_path / "empty_known_hosts"
+    empty.write_text("")
+    h = hosts.hosts[0]
+
+    async def main() -> None:
+        with pytest.raises(asyncssh.HostKeyNotVerifiable):
+            await asyncssh.connect(
+                h.addr, port=h.port, known_hosts=str(empty), client_keys=[str(hosts.user_key)],
+                username=hosts.user, connect_timeout=TIMEOUT,
+            )
+
+    asyncio.run(main())
+
+
+def test_kill_host_refuses_new_and_drops_existing_connections(hosts: SshHosts) -> None:
+    sleeper, marker = start_remote_sleeper(hosts, 0)
+    assert processes_with(marker)
+
+    hosts.kill_host(0)
+
+    # The established session is torn down too, like on a host that died.
+    assert sleeper.wait(timeout=TIMEOUT) != 0
+    assert processes_with(marker) == []
+    r = ssh(hosts, 0, "true")
+    assert r.returncode == 255 and "Connection refused" in r.stderr, r.stderr
+    h = hosts.hosts[0]
+
+    async def main() -> None:
+        with pytest.raises(ConnectionRefusedError):
+            await asyncssh.connect(h.addr, port=h.port, config=[str(hosts.ssh_config)],
+                                   connect_timeout=TIMEOUT)
+
+    asyncio.run(main())
+    r = ssh(hosts, 1, "echo $SSH_CONNECTION")
+    assert r.returncode == 0 and server_addr(r.stdout) == "127.0.77.2"
+    hosts.kill_host(0)  # idempotent
+
+
+def test_teardown_kills_everything_and_removes_files(tmp_path: Path) -> None:
+    require_tool("ssh")
+    with start_ssh_hosts(3, tmp_path) as hosts:
+        procs = [h.proc for h in hosts.hosts]
+        assert all(p is not None and p.poll() is None for p in procs)
+        sleeper, marker = start_remote_sleeper(hosts, 2)  # a session left running
+        home = hosts.home
+    assert all(p is not None and p.returncode is not None for p in procs)
+    for p in procs:
+        with pytest.raises(ProcessLookupError):
+            os.kill(p.pid, 0)
+    assert processes_with(marker) == []
+    assert sleeper.wait(timeout=TIMEOUT) != 0
+    assert not home.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_teardown_on_exception(tmp_path: Path) -> None:
+    with pytest.raises(KeyError):
+        with start_ssh_hosts(1, tmp_path) as hosts:
+            proc = hosts.hosts[0].proc
+            raise KeyError("boom")
+    assert proc is not None and proc.returncode is not None
+
+
+def test_retries_when_port_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulate losing the race between picking a free port and sshd binding it.
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.77.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        real = sshd_hosts._free_port
+        ports = iter([taken])
+        monkeypatch.setattr(sshd_hosts, "_free_port", lambda addr: next(ports, None) or real(addr))
+        with start_ssh_hosts(1, tmp_path) as hosts:
+            assert hosts.hosts[0].port != taken
+            assert hosts.hosts[0].proc is not None and hosts.hosts[0].proc.poll() is None
+
+
+def test_missing_tool_skips_or_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("POPRUN_REQUIRE_SSHD", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no-such-sshd not found"):
+        require_tool("no-such-sshd")
+    monkeypatch.setenv("POPRUN_REQUIRE_SSHD", "1")
+    with pytest.raises(pytest.fail.Exception, match="POPRUN_REQUIRE_SSHD=1"):
+        require_tool("no-such-sshd")
+
+
+def test_servers_die_with_a_killed_test_process(tmp_path: Path) -> None:
+    # pytest SIGKILLed (no teardown) must not leave sshd listening.
+    require_sshd()
+    if not sshd_hosts._DIE_WITH_US:
+        pytest.skip("setpriv (util-linux) not found")
+    code = (
+        "import sys, time\n"
+        "from sshd_hosts import start_ssh_hosts\n"
+        f"with start_ssh_hosts(1, {str(tmp_path)!r}) as hosts:\n"
+        "    print(hosts.hosts[0].proc.pid, flush=True)\n"
+        "    time.sleep(300)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=Path(__file__).parent, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        sshd_pid = int(child.stdout.readline())
+    finally:
+        child.kill()
+        child.wait(timeout=TIMEOUT)
+
+    def dead() -> bool:  # gone, or a zombie waiting for init to reap it
+        try:
+            return Path(f"/proc/{sshd_pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return True
+
+    wait_until(dead, f"sshd {sshd_pid} to die with its parent")

@@ -65,12 +65,12 @@ class OutputRouter:
         if self._options.copy_to_console and (only is None or only == key) and (
                 stream not in self._closed):
             try:
-                write_all(self._fds[stream], self._format(key, stream, data))
+                self._write(key, stream, data)
             except BrokenPipeError:  # e.g. `poprun ... | head`: stop the job as SIGPIPE would
                 self._closed.add(stream)
                 self._on_broken_pipe()
 
-    def _format(self, key: int, stream: Stream, data: bytes) -> bytes:
+    def _prefix(self, key: int, stream: Stream) -> bytes:
         prefix = b""
         if self._options.timestamp:
             prefix = time.ctime().encode()  # mpirun's --timestamp-output format
@@ -80,14 +80,26 @@ class OutputRouter:
                 tag = self._tags[(key, stream)] = (
                     b"[1,%d]<%s>:" % (key, b"stdout" if stream is Stream.STDOUT else b"stderr"))
             prefix += tag
+        return prefix
+
+    def _write(self, key: int, stream: Stream, data: bytes) -> None:
+        fd = self._fds[stream]
+        prefix = self._prefix(key, stream)
         if not prefix:
-            return data
+            write_all(fd, data)
+            return
         # Every block starts at a line start; a prefix also follows every inner line end.
-        body, last = data[:-1], data[-1:]
-        body = body.replace(b"\n", b"\n" + prefix)
-        if b"\r" in body:
+        # One C-level replace does the work; the prefix it puts after the final newline is
+        # left out of the write rather than sliced off (which would copy the block again).
+        body = data.replace(b"\n", b"\n" + prefix)
+        if b"\r" in data:
             body = _LONE_CR.sub(lambda _m: b"\r" + prefix, body)
-        return prefix + body + last
+        if data.endswith(b"\n"):
+            write_all(fd, prefix, memoryview(body)[:len(body) - len(prefix)])
+        elif data.endswith(b"\r"):
+            write_all(fd, prefix, body)
+        else:  # the last line of a stream, unterminated: end it, or the next tag joins it
+            write_all(fd, prefix, body, b"\n")
 
     def _file(self, key: int, stream: Stream):
         handle = self._files.get((key, stream))
@@ -104,11 +116,19 @@ class OutputRouter:
         self._files.clear()
 
 
-def write_all(fd: int, data: bytes) -> None:
-    """Write everything, waiting when `fd` is non-blocking and full (a slow pipe reader)."""
-    view = memoryview(data)
-    while view:
+def write_all(fd: int, *parts: bytes | memoryview) -> None:
+    """Write all parts in order with as few system calls as possible, waiting when `fd` is
+    non-blocking and full (a slow reader)."""
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
         try:
-            view = view[os.write(fd, view):]
+            done = os.writev(fd, views)
         except BlockingIOError:
             select.select([], [fd], [])
+            continue
+        while done:
+            if done >= len(views[0]):
+                done -= len(views.pop(0))
+            else:
+                views[0] = views[0][done:]
+                done = 0

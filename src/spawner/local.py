@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import fcntl
 import os
 import shutil
 import signal
@@ -26,7 +27,11 @@ from typing import Protocol
 
 from .lifeline import Lifeline
 
-READ_SIZE = 65536
+READ_SIZE = 1 << 18
+# Bigger pipes mean fewer wake-ups of both the writer and the launcher when output is heavy
+# (the kernel allocates the pages only as they fill). Linux only; elsewhere the default stays.
+PIPE_SIZE = 1 << 18
+F_SETPIPE_SZ = 1031
 # After an instance exits, its group's leftovers are SIGKILLed; a process that escaped the
 # group (setsid) may still hold the pipes: stop waiting for their EOF after this long.
 PIPE_DRAIN_TIMEOUT = 2.0
@@ -119,6 +124,7 @@ class LocalSpawner:
                 continue
             fd = pipe.fileno()
             os.set_blocking(fd, False)
+            _grow_pipe(fd)
             child.open_fds[fd] = stream
             child.pending[fd] = bytearray()
             self._loop.add_reader(fd, self._on_readable, child, fd)
@@ -228,6 +234,13 @@ class LocalSpawner:
         """SIGKILL whatever still runs and wait until all of it is reaped and reported."""
         self.signal_all(signal.SIGKILL)
         await self.wait()
+
+
+def _grow_pipe(fd: int) -> None:
+    try:
+        fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)
+    except OSError:
+        pass  # over /proc/sys/fs/pipe-max-size for an unprivileged user: keep the default
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -218,7 +218,8 @@ def build_config(parsed: Parsed) -> LaunchConfig:
     stored: dict[str, object] = {}
     if parsed.values.get("import_config"):
         stored = load_toml(str(parsed.values["import_config"]))
-    program = tuple(parsed.program) or tuple(stored.pop("program", ()))
+    # Not tuple(): a stored `program = "x"` must reach LaunchConfig's check as one string.
+    program = tuple(parsed.program) or stored.pop("program", ())
     stored.pop("program", None)
     options = {k: v for k, v in stored.items() if k in fields}
     options.update({k: v for k, v in parsed.values.items() if k in fields})

@@ -7,6 +7,8 @@ directly. It is frozen: planning and launching only read it.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -44,15 +46,17 @@ class LaunchConfig:
     verbose: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("program", "env", "mpi_global_args", "mpi_local_args",
-                     "instance_mpi_local_args"):
+        for name in _STR_TUPLE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, str):
                 raise ConfigError(f"{name} must be a sequence of strings, not one string")
+            if not isinstance(value, Iterable):
+                raise ConfigError(f"{name} must be a sequence of strings, got {value!r}")
             object.__setattr__(self, name, tuple(value))
         self._validate()
 
     def _validate(self) -> None:
+        self._check_types()
         if not self.program or not self.program[0]:
             raise ConfigError("no program given: usage is poprun [options] program [program args]")
         for name in ("num_instances", "num_replicas", "ipus_per_replica", "num_ilds"):
@@ -82,6 +86,33 @@ class LaunchConfig:
             if index >= self.num_instances:
                 raise ConfigError(f"--instance-mpi-local-args names instance {index}, but there "
                                   f"are only {self.num_instances}")
+
+    def _check_types(self) -> None:
+        """Values from Python callers and --import-config files arrive untyped: a wrong type
+        is a ConfigError here, not a TypeError somewhere later."""
+        def bad(name: str, what: str) -> ConfigError:
+            label = name if name == "program" else "--" + name.replace("_", "-")
+            return ConfigError(f"{label} must be {what}, got {getattr(self, name)!r}")
+
+        for name in _STR_TUPLE_FIELDS:
+            if not all(isinstance(v, str) for v in getattr(self, name)):
+                raise bad(name, "a sequence of strings")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a boolean")
+        for name in ("executable_cache_path", "output_filename"):
+            if not isinstance(getattr(self, name), (str, type(None))):
+                raise bad(name, "a string")
+        only = self.only_output_from_instance
+        if only is not None and (not isinstance(only, int) or isinstance(only, bool)):
+            raise bad("only_output_from_instance", "an integer")
+        if not isinstance(self.verbose, int) or isinstance(self.verbose, bool) \
+                or self.verbose < 0:
+            raise bad("verbose", "a non-negative integer")
+        timeout = self.kill_timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
+                or not math.isfinite(timeout):
+            raise bad("kill_timeout", "a number of seconds")
 
     # --- derived views ----------------------------------------------------------------
 
@@ -140,6 +171,12 @@ class LaunchConfig:
         import tomli_w  # only export needs it
 
         return tomli_w.dumps(self.to_dict())
+
+
+_STR_TUPLE_FIELDS = ("program", "env", "mpi_global_args", "mpi_local_args",
+                     "instance_mpi_local_args")
+_BOOL_FIELDS = ("offline_mode", "print_topology", "tag_output", "timestamp_output",
+                "merge_stderr_to_stdout")
 
 
 def field_defaults() -> dict[str, Any]:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from spawner.local import Stream
 
 TAIL_LINES = 20  # stderr lines kept per instance for the failure report
-_LONE_CR = re.compile(rb"\r(?!\n)")
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+_LINE_END_AT_END = re.compile(rb"(?:\r\n|\r|\n)\Z")
 
 
 @dataclass
@@ -53,6 +54,7 @@ class OutputRouter:
         self.instances: dict[int, InstanceOutput] = collections.defaultdict(InstanceOutput)
         # Tags are rendered once per (instance, stream), not per line.
         self._tags: dict[tuple[int, Stream], bytes] = {}
+        self._after_cr: set[tuple[int, Stream]] = set()  # last block ended with `\r`
 
     def on_output(self, key: int, stream: Stream, data: bytes) -> None:
         record = self.instances[key]
@@ -88,16 +90,28 @@ class OutputRouter:
         if not prefix:
             write_all(fd, data)
             return
+        # Progress updates are passed on as soon as their `\r` arrives, so a `\r\n` can be
+        # split between two blocks: that `\n` ends the tagged line, it does not start one.
+        after_cr = (key, stream) in self._after_cr
+        self._after_cr.discard((key, stream))
+        if data.endswith(b"\r"):
+            self._after_cr.add((key, stream))
+        if after_cr and data.startswith(b"\n"):
+            write_all(fd, b"\n")
+            data = data[1:]
+            if not data:
+                return
         # Every block starts at a line start; a prefix also follows every inner line end.
+        if b"\r" in data:  # progress updates: rare, so simple beats fast here
+            last = _LINE_END_AT_END.search(data)
+            core, end = (data[:last.start()], last.group(0)) if last else (data, b"\n")
+            write_all(fd, prefix, _LINE_END.sub(lambda m: m.group(0) + prefix, core), end)
+            return
         # One C-level replace does the work; the prefix it puts after the final newline is
         # left out of the write rather than sliced off (which would copy the block again).
         body = data.replace(b"\n", b"\n" + prefix)
-        if b"\r" in data:
-            body = _LONE_CR.sub(lambda _m: b"\r" + prefix, body)
         if data.endswith(b"\n"):
             write_all(fd, prefix, memoryview(body)[:len(body) - len(prefix)])
-        elif data.endswith(b"\r"):
-            write_all(fd, prefix, body)
         else:  # the last line of a stream, unterminated: end it, or the next tag joins it
             write_all(fd, prefix, body, b"\n")
 

@@ -55,6 +55,9 @@ class LaunchResult:
             first = self.instances[self.root_cause]
             lines.append(f"poprun: instance {first.index} (pid {first.pid} on {first.host}) "
                          f"failed first: {describe_status(first.returncode)}")
+            if first.returncode == -9 and not first.stopped_by_poprun:
+                lines.append("poprun: poprun did not send that SIGKILL: perhaps the kernel's "
+                             "out-of-memory killer (see `dmesg`) or another user")
             if first.stderr_tail:
                 lines.append(f"poprun: last {len(first.stderr_tail)} line(s) of its stderr:")
                 lines += ["    " + raw.decode("utf-8", "replace") for raw in first.stderr_tail]

@@ -1,0 +1,477 @@
+"""The `poprun` command line: Boost-style parsing, usage errors, --help/--version, dry runs.
+
+Parsing is tested in-process through `poprun.cli.parse_args` / `build_config`; whatever depends
+on the real command (exit status, stderr, "no traceback", what a dry run does not do) runs
+`python -m poprun` in a subprocess through conftest's `run_poprun`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import OFFLINE, run_poprun
+from poprun import ConfigError, __version__, cli
+from poprun.config import LaunchConfig
+
+# A program that exists everywhere the suite runs and is not a boolean word (`true` is one:
+# `--dry-run true` would take it as the option's value).
+PY = sys.executable
+SINGLE_WARNING = ("Using --num-instances=1 and --num-replicas=1 together is not supported and "
+                  "might give additional overhead and/or raise other issues.")
+
+
+def assert_usage_error(proc, *fragments: str) -> str:
+    """Exit status 2, exactly one stderr line `poprun: error: ...` containing `fragments`,
+    nothing on stdout, no traceback. Returns the line."""
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, (proc.returncode, err)
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("poprun: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert proc.stdout == b""
+    return lines[0]
+
+
+def parse(*argv: str) -> cli.Parsed:
+    return cli.parse_args(list(argv))
+
+
+def config(*argv: str) -> LaunchConfig:
+    return cli.build_config(cli.parse_args(list(argv)))
+
+
+def dry_run_json(*args: str, env: dict[str, str] | None = None, cwd=None) -> dict:
+    proc = run_poprun(*OFFLINE, "--dry-run", "--json", *args, env=env, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr.decode()
+    return json.loads(proc.stdout)
+
+
+# --- Boost-style values -------------------------------------------------------------------
+
+
+class TestValues:
+    def test_equals_and_separate_value_are_the_same(self):
+        a = parse("--num-instances=4", "--num-replicas=8", "--executable-cache-path=/c", "prog")
+        b = parse("--num-instances", "4", "--num-replicas", "8", "--executable-cache-path", "/c",
+                  "prog")
+        assert a.values == b.values == {"num_instances": 4, "num_replicas": 8,
+                                        "executable_cache_path": "/c"}
+        assert a.program == b.program == ["prog"]
+
+    def test_string_option_is_a_string_not_a_list(self):
+        values = parse("--executable-cache-path=/c", "--output-filename", "out",
+                       "--export-config=f.toml", "prog").values
+        assert values["executable_cache_path"] == "/c"
+        assert values["output_filename"] == "out"
+        assert values["export_config"] == "f.toml"
+
+    def test_empty_value_after_equals(self):
+        assert parse("--executable-cache-path=", "prog").values["executable_cache_path"] == ""
+        assert config("--executable-cache-path=", "prog").executable_cache_path == ""
+
+    def test_value_that_looks_like_an_option(self):
+        values = parse("--output-filename", "--weird-dir", "prog").values
+        assert values["output_filename"] == "--weird-dir"
+
+    def test_float_option(self):
+        assert parse("--kill-timeout=2.5", "prog").values["kill_timeout"] == 2.5
+        assert parse("--kill-timeout", "3", "prog").values["kill_timeout"] == 3.0
+
+    @pytest.mark.parametrize("word,expected", [
+        ("yes", True), ("no", False), ("true", True), ("false", False), ("on", True),
+        ("off", False), ("1", True), ("0", False), ("YES", True), ("No", False),
+        ("TRUE", True), ("False", False), ("On", True), ("OFF", False),
+    ])
+    def test_bool_words_inline(self, word, expected):
+        assert parse(f"--offline-mode={word}", "prog").values["offline_mode"] is expected
+
+    @pytest.mark.parametrize("word,expected", [
+        ("yes", True), ("no", False), ("True", True), ("off", False), ("1", True), ("0", False),
+    ])
+    def test_bool_words_as_next_token(self, word, expected):
+        parsed = parse("--tag-output", word, "prog")
+        assert parsed.values["tag_output"] is expected
+        assert parsed.program == ["prog"]
+
+    def test_bare_bool_flag_means_yes(self):
+        parsed = parse("--print-topology", "--offline-mode", "prog", "no")
+        assert parsed.values == {"print_topology": True, "offline_mode": True}
+        assert parsed.program == ["prog", "no"]
+
+    def test_bool_takes_a_following_bool_word_as_its_value(self):
+        parsed = parse("--offline-mode", "true")
+        assert parsed.values["offline_mode"] is True
+        assert parsed.program == []
+        with pytest.raises(ConfigError, match="no program given"):
+            cli.build_config(parsed)
+
+    def test_bool_does_not_take_a_non_bool_word(self):
+        parsed = parse("--offline-mode", "maybe", "x")
+        assert parsed.values["offline_mode"] is True
+        assert parsed.program == ["maybe", "x"]
+
+    def test_last_value_wins_for_single_valued_options(self):
+        parsed = parse("--num-instances=2", "--num-instances=4", "--offline-mode=no",
+                       "--offline-mode", "prog")
+        assert parsed.values == {"num_instances": 4, "offline_mode": True}
+
+    def test_given_records_the_options_on_the_command_line(self):
+        assert parse("--num-inst=2", "-v", "--tag-output", "prog").given == {
+            "num_instances", "verbose", "tag_output"}
+
+
+class TestVerbosity:
+    @pytest.mark.parametrize("argv,count", [
+        (["-v"], 1), (["-vv"], 2), (["-vvv"], 3), (["--vv"], 2), (["--verbose"], 1),
+        (["-v", "-v"], 2), (["-v", "-vv", "--vv", "--verbose"], 6), ([], None),
+    ])
+    def test_counts(self, argv, count):
+        assert parse(*argv, "prog").values.get("verbose") == count
+
+    def test_verbosity_reaches_the_config(self):
+        assert config("-vv", "prog").verbose == 2
+        assert config("prog").verbose == 0
+
+    @pytest.mark.parametrize("tok", ["-vx", "--verbose=3", "-v3"])
+    def test_count_takes_no_value(self, tok):
+        with pytest.raises(ConfigError, match="takes no value"):
+            parse(tok, "prog")
+
+
+class TestPrefixes:
+    def test_unambiguous_prefix(self):
+        assert parse("--num-instance", "4", "prog").values == {"num_instances": 4}
+        assert parse("--num-inst=4", "prog").values == {"num_instances": 4}
+        assert parse("--offline", "prog").values == {"offline_mode": True}
+        assert parse("--only", "1", "prog").values == {"only_output_from_instance": 1}
+        assert parse("--exec=/c", "prog").values == {"executable_cache_path": "/c"}
+
+    def test_exact_name_wins_over_longer_names_it_prefixes(self):
+        # `--vv` is exact; `--env` is exact though --executable-cache-path/--export-config
+        # also start with "e".
+        assert parse("--vv", "prog").values == {"verbose": 2}
+        assert parse("--env", "A=1", "prog").values == {"env": ["A=1"]}
+
+    def test_ambiguous_prefix_lists_the_candidates(self):
+        with pytest.raises(ConfigError) as info:
+            parse("--num", "4", "prog")
+        message = str(info.value)
+        assert "'--num' is ambiguous" in message
+        for candidate in ("--num-instances", "--num-replicas", "--num-ilds"):
+            assert candidate in message
+        assert "--ipus-per-replica" not in message
+
+    def test_prefix_error_names_the_full_option(self):
+        with pytest.raises(ConfigError, match="'--num-instances' needs a value"):
+            parse("--num-inst")
+
+
+class TestRepeatedLists:
+    def test_mpi_args_and_env_accumulate_in_order(self):
+        values = parse(
+            "--mpi-global-args=--tag-output", "--mpi-global-args", "-x A=1",
+            "--mpi-local-args=-x B", "--mpi-local-args", "--timestamp-output",
+            "-x", "C=3", "-xD", "--env=E", "--env", "F=6",
+            "--instance-mpi-local-args=0:-x G=1", "--instance-mpi-local-args", "1:-x H=2",
+            "prog").values
+        assert values["mpi_global_args"] == ["--tag-output", "-x A=1"]
+        assert values["mpi_local_args"] == ["-x B", "--timestamp-output"]
+        assert values["env"] == ["C=3", "D", "E", "F=6"]
+        assert values["instance_mpi_local_args"] == ["0:-x G=1", "1:-x H=2"]
+
+    def test_lists_become_tuples_in_the_config(self):
+        cfg = config("--num-instances=2", "--num-replicas=2", "--mpi-global-args=-x A=1",
+                     "--mpi-global-args=--tag-output", "-x", "B=2", "prog", "arg")
+        assert cfg.mpi_global_args == ("-x A=1", "--tag-output")
+        assert cfg.env == ("B=2",)
+        assert cfg.program == ("prog", "arg")
+        assert cfg.effective_tag_output is True
+        assert cfg.env_entries(0) == ("B=2", "A=1")
+
+
+class TestProgramBoundary:
+    def test_everything_after_the_program_is_untouched(self):
+        parsed = parse("--num-instances=2", "prog", "--help", "-v", "--num-instances", "5",
+                       "--version", "--", "-x", "A", "--num")
+        assert parsed.program == ["prog", "--help", "-v", "--num-instances", "5", "--version",
+                                  "--", "-x", "A", "--num"]
+        assert parsed.values == {"num_instances": 2}
+        assert parsed.action is None
+
+    def test_double_dash_ends_the_options(self):
+        parsed = parse("-v", "--", "--looks-like-an-option", "--help")
+        assert parsed.program == ["--looks-like-an-option", "--help"]
+        assert parsed.values == {"verbose": 1}
+        assert parsed.action is None
+
+    def test_only_the_first_double_dash_is_poprun_s(self):
+        assert parse("--", "prog", "--", "x").program == ["prog", "--", "x"]
+
+    def test_lone_dash_is_a_program(self):
+        assert parse("-").program == ["-"]
+
+    def test_help_and_version_before_the_program_are_actions(self):
+        assert parse("--num-instances=2", "--help", "prog").action == "help"
+        assert parse("--version").action == "version"
+        assert parse("--vers").action == "version"  # a prefix, like any option
+
+
+# --- usage errors from the real command ---------------------------------------------------
+
+
+USAGE_ERRORS = {
+    "replicas not divisible": (
+        ["--num-instances=3", "--num-replicas=8", PY],
+        ["--num-replicas=8", "not divisible", "--num-instances=3"]),
+    "zero instances": (["--num-instances=0", PY], ["--num-instances", "positive", "0"]),
+    "negative replicas": (["--num-replicas", "-4", PY], ["--num-replicas", "positive", "-4"]),
+    "zero ipus per replica": (["--ipus-per-replica=0", PY], ["--ipus-per-replica"]),
+    "zero ilds": (["--num-ilds=0", PY], ["--num-ilds"]),
+    "replicas not divisible by ilds": (
+        ["--num-replicas=3", "--num-ilds=2", "--num-instances=1", PY], ["--num-ilds=2"]),
+    "unknown option": (["--no-such-option", PY], ["unrecognised option '--no-such-option'"]),
+    "unknown option with value": (["--bogus=3", PY], ["'--bogus'"]),
+    "unknown short option": (["-q", PY], ["unrecognised option '-q'"]),
+    "ambiguous prefix": (["--num", "2", PY],
+                         ["ambiguous", "--num-instances", "--num-replicas", "--num-ilds"]),
+    "missing program": ([], ["no program given"]),
+    "only a double dash": (["--"], ["no program given"]),
+    "bool swallowed the program": (["--dry-run", "true"], ["no program given"]),
+    "program not found": (["no-such-program-for-poprun-tests", "arg"],
+                          ["'no-such-program-for-poprun-tests'", "not found"]),
+    "program path not found": (["./no/such/prog"], ["'./no/such/prog'", "not found"]),
+    "export with import": (["--export-config=a.toml", "--import-config=b.toml", PY],
+                           ["--export-config", "--import-config", "cannot be used together"]),
+    "bad bool": (["--tag-output=maybe", PY], ["--tag-output", "'maybe'", "not a boolean"]),
+    "bad int": (["--num-instances=two", PY], ["--num-instances", "integer", "'two'"]),
+    "bad float": (["--kill-timeout=soon", PY], ["--kill-timeout", "'soon'"]),
+    "negative kill timeout": (["--kill-timeout=-1", PY], ["--kill-timeout", "negative"]),
+    "missing value": (["--num-instances"], ["'--num-instances' needs a value"]),
+    "missing value of short option": (["-x"], ["'--env' needs a value"]),
+    "count with value": (["--verbose=2", PY], ["'--verbose=2' takes no value"]),
+    "only-output-from-instance too big": (
+        ["--num-instances=2", "--num-replicas=2", "--only-output-from-instance=2", PY],
+        ["--only-output-from-instance=2", "0..1"]),
+    "only-output-from-instance negative": (
+        ["--only-output-from-instance", "-1", PY], ["--only-output-from-instance=-1"]),
+    "instance args name a missing instance": (
+        ["--num-instances=2", "--num-replicas=2", "--instance-mpi-local-args=2:-x A=1", PY],
+        ["--instance-mpi-local-args", "instance 2", "only 2"]),
+    "instance args without index": (
+        ["--instance-mpi-local-args=-x A=1", PY],
+        ["--instance-mpi-local-args", "'<instance index>:<args>'", "'-x A=1'"]),
+    "instance args with a bad index": (
+        ["--instance-mpi-local-args=one:-x A=1", PY], ["'one:-x A=1'"]),
+    "instance args with a bad token": (
+        ["--num-instances=2", "--num-replicas=2", "--instance-mpi-local-args=1:--frobnicate",
+         PY], ["--instance-mpi-local-args=1:--frobnicate", "'--frobnicate'"]),
+    "unsupported mpirun token": (["--mpi-global-args=--foo", PY],
+                                 ["--mpi-global-args", "unsupported mpirun argument '--foo'"]),
+    "unsupported local mpirun token": (
+        ["--mpi-local-args", "-x A=1 --hostfile h", PY], ["--mpi-local-args", "'--hostfile'"]),
+    "unbalanced quote in mpi args": (["--mpi-global-args=-x 'A=1", PY],
+                                     ["--mpi-global-args", "cannot split"]),
+    "bad env name": (["-x", "1BAD=2", PY], ["'1BAD=2'", "VAR=VALUE"]),
+    "bad env name in mpi args": (["--mpi-global-args=-x A-B=1", PY], ["-x", "'A-B=1'"]),
+}
+
+
+@pytest.mark.parametrize("args,fragments", USAGE_ERRORS.values(), ids=USAGE_ERRORS.keys())
+def test_usage_error_is_one_line_and_status_2(args, fragments, tmp_path):
+    proc = run_poprun(*OFFLINE, *args, cwd=tmp_path, timeout=30)
+    assert_usage_error(proc, *fragments)
+
+
+def test_program_without_execute_permission(poprun, tmp_path):
+    script = tmp_path / "not-executable.sh"
+    script.write_text("#!/bin/sh\necho should-not-run\n")
+    script.chmod(0o644)
+    for spelling in ("./not-executable.sh", "not-executable.sh", str(script)):
+        proc = poprun(*OFFLINE, spelling, cwd=tmp_path, timeout=30)
+        assert_usage_error(proc, repr(spelling), "not executable")
+
+
+def test_framework_cache_conflict_names_both(poprun, tmp_path):
+    proc = poprun(*OFFLINE, "--executable-cache-path=/x", PY, cwd=tmp_path, timeout=30,
+                  env={"POPTORCH_CACHE_DIR": "/torch-cache"})
+    assert_usage_error(proc, "--executable-cache-path=/x", "POPTORCH_CACHE_DIR=/torch-cache")
+
+
+def test_error_before_program_is_reported_even_with_help_after_program(poprun, tmp_path):
+    # `--help` after the program is the program's: the usage error still applies.
+    proc = poprun(*OFFLINE, "--num-instances=3", "--num-replicas=4", PY, "--help",
+                  cwd=tmp_path, timeout=30)
+    assert_usage_error(proc, "not divisible")
+
+
+# --- --help, --version --------------------------------------------------------------------
+
+
+class TestHelpVersion:
+    def test_help_lists_every_option(self, poprun):
+        proc = poprun("--help", timeout=30)
+        assert proc.returncode == 0
+        assert proc.stderr == b""
+        out = proc.stdout.decode()
+        assert out.startswith("Usage: poprun [options] program [program args]\n")
+        for opt in cli.OPTIONS:
+            assert f"--{opt.long}" in out, opt.long
+            if opt.short:
+                assert f"-{opt.short} [ --{opt.long} ]" in out
+        # the value placeholder of each kind (regression: STR options once parsed as lists)
+        assert "--num-instances INT" in out
+        assert "--kill-timeout SECONDS" in out
+        assert "--executable-cache-path ARG" in out
+        assert "--offline-mode BOOL" in out
+
+    def test_help_wins_over_an_invalid_configuration(self, poprun):
+        proc = poprun("--num-instances=3", "--num-replicas=4", "--help", timeout=30)
+        assert proc.returncode == 0
+        assert b"--num-instances" in proc.stdout
+        assert proc.stderr == b""
+
+    def test_version(self, poprun):
+        proc = poprun("--version", timeout=30)
+        assert proc.returncode == 0
+        assert proc.stdout.decode() == f"poprun {__version__}\n"
+        assert proc.stderr == b""
+
+    def test_help_text_matches_the_in_process_rendering(self, poprun):
+        assert poprun("--help", timeout=30).stdout.decode() == cli.help_text()
+
+
+# --- real short runs ----------------------------------------------------------------------
+
+
+class TestShortRuns:
+    def test_single_instance_single_replica_warns(self, poprun):
+        proc = poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", "true", timeout=60)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert proc.stdout == b""
+        err = proc.stderr.decode()
+        assert err.count(SINGLE_WARNING) == 1
+        warning_line = next(line for line in err.splitlines() if SINGLE_WARNING in line)
+        assert warning_line.endswith("POPRUN [W] " + SINGLE_WARNING)
+
+    def test_no_warning_with_more_replicas(self, poprun):
+        proc = poprun(*OFFLINE, "--num-instances=1", "--num-replicas=2", "true", timeout=60)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert b"not supported" not in proc.stderr
+
+    def test_program_in_current_directory_runs_without_dot_slash(self, poprun, tmp_path):
+        script = tmp_path / "my-local-prog"
+        script.write_text('#!/bin/sh\necho "local-marker-7f3a $*"\n')
+        script.chmod(script.stat().st_mode | stat.S_IXUSR)
+        path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                               if p not in ("", ".", str(tmp_path)))
+        proc = poprun(*OFFLINE, "--num-replicas=2", "my-local-prog", "a b", cwd=tmp_path,
+                      env={"PATH": path}, timeout=60)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert proc.stdout.decode() == "local-marker-7f3a a b\n"
+
+    def test_ignored_mpirun_args_are_mentioned_once_at_v(self, poprun):
+        args = (*OFFLINE, "--num-replicas=2",
+                "--mpi-global-args=--allow-run-as-root --mca oob_tcp_if_include lo", "true")
+        quiet = poprun(*args, timeout=60)
+        assert quiet.returncode == 0, quiet.stderr.decode()
+        assert b"ignoring" not in quiet.stderr
+        loud = poprun("-v", *args, timeout=60)
+        assert loud.returncode == 0, loud.stderr.decode()
+        lines = loud.stderr.decode().splitlines()
+        root = [line for line in lines if "ignoring mpirun argument '--allow-run-as-root'" in line]
+        mca = [line for line in lines
+               if "ignoring mpirun argument '--mca oob_tcp_if_include lo'" in line]
+        assert len(root) == 1 and len(mca) == 1, lines
+
+
+# --- dry run ------------------------------------------------------------------------------
+
+
+class TestDryRun:
+    def test_dry_run_starts_nothing_and_creates_nothing(self, poprun, tmp_path):
+        work = tmp_path / "work"
+        work.mkdir()
+        tmp = tmp_path / "tmp"
+        tmp.mkdir()
+        cache = work / "explicit-cache"
+        for extra in ([], [f"--executable-cache-path={cache}"]):
+            proc = poprun(*OFFLINE, "--dry-run", "--num-instances=2", "--num-replicas=2",
+                          *extra, "touch", "marker", cwd=work, env={"TMPDIR": str(tmp)},
+                          timeout=30)
+            assert proc.returncode == 0, proc.stderr.decode()
+            assert "instance 1 on localhost" in proc.stdout.decode()
+        assert sorted(os.listdir(work)) == []  # no marker, no explicit cache dir
+        assert sorted(os.listdir(tmp)) == []  # no poprun-cache-* temporary dir
+
+    def test_a_real_run_does_use_tmpdir_for_its_temporary_cache(self, poprun, tmp_path):
+        # Shows the check above would see a temporary cache dir if a dry run made one.
+        tmp = tmp_path / "tmp"
+        tmp.mkdir()
+        proc = poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "sh", "-c",
+                      'echo "$POPDIST_EXECUTABLE_CACHE_PATH"', env={"TMPDIR": str(tmp)},
+                      timeout=60)
+        assert proc.returncode == 0, proc.stderr.decode()
+        paths = set(proc.stdout.decode().split())
+        assert len(paths) == 1
+        (path,) = paths
+        assert Path(path).parent == tmp and Path(path).name.startswith("poprun-cache-")
+        assert os.listdir(tmp) == []  # removed at exit
+
+    def test_dry_run_json_is_one_object_with_the_instances(self, poprun, tmp_path):
+        proc = poprun(*OFFLINE, "--dry-run", "--json", "--print-topology", "--num-instances=2",
+                      "--num-replicas=4", PY, "-c", "pass", cwd=tmp_path, timeout=30)
+        assert proc.returncode == 0, proc.stderr.decode()
+        data = json.loads(proc.stdout)  # the whole of stdout: one object, no table
+        assert isinstance(data, dict)
+        assert [i["index"] for i in data["instances"]] == [0, 1]
+        required = {"index", "host", "local_index", "replicas", "env", "argv", "cpus", "mems"}
+        for inst, replicas in zip(data["instances"], ([0, 1], [2, 3])):
+            # `ild` is the only extra key today
+            assert required <= set(inst) and set(inst) - required <= {"ild"}, set(inst)
+            assert inst["host"] == "localhost"
+            assert inst["local_index"] == inst["index"]
+            assert inst["replicas"] == replicas
+            assert inst["argv"] == [PY, "-c", "pass"]
+            assert isinstance(inst["env"], dict)
+            assert inst["env"]["POPDIST_REPLICA_INDEX_OFFSET"] == str(replicas[0])
+            assert inst["cpus"] is None and inst["mems"] is None
+
+    def test_dry_run_text_shows_topology_and_plan(self, poprun, tmp_path):
+        proc = poprun(*OFFLINE, "--dry-run", "--print-topology=yes", "--num-instances=2",
+                      "--num-replicas=8", PY, "it's", cwd=tmp_path, timeout=30)
+        assert proc.returncode == 0, proc.stderr.decode()
+        out = proc.stdout.decode()
+        assert out.startswith("|              poprun topology              |\n")
+        assert "| instances |       0       |       1       |\n" in out
+        assert "instance 0 on localhost (local index 0), replicas [0-3], ILD 0\n" in out
+        assert "instance 1 on localhost (local index 1), replicas [4-7], ILD 0\n" in out
+        assert "  argv: " + shlex.join([PY, "it's"]) + "\n" in out  # shell-quoted
+        assert "  env:  POPDIST_NUM_LOCAL_REPLICAS=4\n" in out
+        assert "removed from every instance's environment: IPUOF_CONFIG_PATH\n" in out
+        assert "executable cache: temporary" in out
+
+    def test_program_args_reach_the_plan_untouched(self, tmp_path):
+        data = dry_run_json("--num-replicas=2", PY, "--help", "-v", "--num-instances", "9",
+                            "--", "a b", "$HOME", cwd=tmp_path)
+        assert [i["argv"] for i in data["instances"]] == [
+            [PY, "--help", "-v", "--num-instances", "9", "--", "a b", "$HOME"]]
+
+    def test_double_dash_before_the_program(self, tmp_path):
+        data = dry_run_json("--num-replicas=2", "--", PY, "x", cwd=tmp_path)
+        assert data["instances"][0]["argv"] == [PY, "x"]
+
+    def test_prefix_and_bool_words_through_the_real_command(self, tmp_path):
+        data = dry_run_json("--num-instance", "2", "--num-rep=4", "--print-topology", "off",
+                            PY, cwd=tmp_path)
+        assert len(data["instances"]) == 2
+        assert data["instances"][1]["replicas"] == [2, 3]

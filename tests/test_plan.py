@@ -1,0 +1,436 @@
+"""Pure planning (`poprun.plan`, `launcher.make_plan`) and the text renderings (`poprun.render`).
+
+Every fact from outside comes in as an argument (environ dict, hosts, port, cache paths), so
+these tests need no process, network or file-system state beyond a tmp_path for programs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from poprun import ConfigError, LaunchConfig
+from poprun.launcher import DRY_RUN_CACHE_DIR, make_plan
+from poprun.plan import CacheMode, LaunchPlan, cache_mode, instance_environ, plan
+from poprun.render import describe_status, dry_run_text, fold_indices, signal_name, \
+    topology_table
+
+GUIDE_INTRO = Path("/work/shared/reference/poprun-guide-intro.txt")
+PROGRAM = ("/bin/prog", "--flag", "a b")
+
+
+def cfg(**kw) -> LaunchConfig:
+    kw.setdefault("program", PROGRAM)
+    kw.setdefault("offline_mode", True)
+    return LaunchConfig(**kw)
+
+
+def do_plan(config: LaunchConfig, environ=None, **kw) -> LaunchPlan:
+    kw.setdefault("program", config.program)
+    kw.setdefault("master_port", 29500)
+    return plan(config, environ or {}, **kw)
+
+
+def executable(path: Path, mode: int = 0o755) -> Path:
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(mode)
+    return path
+
+
+# --- the environment contract (DESIGN.md §3) ------------------------------------------------
+
+
+class TestInstanceEnvironment:
+    def test_four_instances_eight_replicas_exact_environment(self):
+        config = cfg(num_instances=4, num_replicas=8, ipus_per_replica=2)
+        launch_plan = do_plan(config, cache_paths={"localhost": "/tmp/poprun-cache-x"},
+                              master_addr="10.1.2.3", master_port=31337)
+        assert launch_plan.cache_mode is CacheMode.TEMPORARY
+        assert launch_plan.hosts == ("localhost",)
+        assert len(launch_plan.instances) == 4
+        for i, inst in enumerate(launch_plan.instances):
+            assert inst.index == i
+            assert inst.host == "localhost"
+            assert inst.local_index == i
+            assert inst.replicas == (2 * i, 2 * i + 1)
+            assert inst.ild == 0
+            assert inst.argv == PROGRAM
+            assert inst.cpus is None and inst.mems is None
+            assert dict(inst.env) == {
+                "POPDIST_NUM_TOTAL_REPLICAS": "8",
+                "POPDIST_NUM_IPUS_PER_REPLICA": "2",
+                "POPDIST_NUM_LOCAL_REPLICAS": "2",
+                "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE": "1",
+                "POPDIST_REPLICA_INDEX_OFFSET": str(2 * i),
+                "POPDIST_LOCAL_INSTANCE_INDEX": str(i),
+                "POPDIST_EXECUTABLE_CACHE_PATH": "/tmp/poprun-cache-x",
+                "OMPI_COMM_WORLD_RANK": str(i),
+                "OMPI_COMM_WORLD_SIZE": "4",
+                "OMPI_COMM_WORLD_LOCAL_RANK": str(i),
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+                "RANK": str(i),
+                "WORLD_SIZE": "4",
+                "LOCAL_RANK": str(i),
+                "LOCAL_WORLD_SIZE": "4",
+                "MASTER_ADDR": "10.1.2.3",
+                "MASTER_PORT": "31337",
+            }
+        assert launch_plan.warnings == ()
+
+    def test_single_instance_has_no_cache_variable(self):
+        (inst,) = do_plan(cfg(num_replicas=4), cache_paths={"localhost": "/c"}).instances
+        assert "POPDIST_EXECUTABLE_CACHE_PATH" not in inst.env
+        assert inst.env["POPDIST_NUM_LOCAL_REPLICAS"] == "4"
+        assert inst.env["POPDIST_REPLICA_INDEX_OFFSET"] == "0"
+        assert inst.env["WORLD_SIZE"] == inst.env["OMPI_COMM_WORLD_SIZE"] == "1"
+        assert inst.replicas == (0, 1, 2, 3)
+
+    def test_instances_are_contiguous_blocks_per_host(self):
+        config = cfg(num_instances=4, num_replicas=8)
+        launch_plan = do_plan(config, hosts=("h0", "h1"),
+                              cache_paths={"h0": "/c0", "h1": "/c1"})
+        assert [i.host for i in launch_plan.instances] == ["h0", "h0", "h1", "h1"]
+        assert [i.local_index for i in launch_plan.instances] == [0, 1, 0, 1]
+        assert [i.env["POPDIST_LOCAL_INSTANCE_INDEX"] for i in launch_plan.instances] == [
+            "0", "1", "0", "1"]
+        assert [i.env["OMPI_COMM_WORLD_LOCAL_RANK"] for i in launch_plan.instances] == [
+            "0", "1", "0", "1"]
+        assert [i.env["LOCAL_RANK"] for i in launch_plan.instances] == ["0", "1", "0", "1"]
+        assert {i.env["LOCAL_WORLD_SIZE"] for i in launch_plan.instances} == {"2"}
+        assert {i.env["OMPI_COMM_WORLD_LOCAL_SIZE"] for i in launch_plan.instances} == {"2"}
+        assert [i.env["RANK"] for i in launch_plan.instances] == ["0", "1", "2", "3"]
+        assert {i.env["WORLD_SIZE"] for i in launch_plan.instances} == {"4"}
+        assert [i.env["POPDIST_EXECUTABLE_CACHE_PATH"] for i in launch_plan.instances] == [
+            "/c0", "/c0", "/c1", "/c1"]
+        assert [len(launch_plan.on_host(h)) for h in ("h0", "h1")] == [2, 2]
+        assert launch_plan.on_host("h1")[0].index == 2
+
+    def test_instances_must_divide_among_hosts(self):
+        with pytest.raises(ConfigError, match="--num-instances=3 is not divisible by the 2 hosts"):
+            do_plan(cfg(num_instances=3, num_replicas=3), hosts=("a", "b"))
+
+    def test_ilds(self):
+        launch_plan = do_plan(cfg(num_instances=4, num_replicas=8, num_ilds=2))
+        assert [i.ild for i in launch_plan.instances] == [0, 0, 1, 1]
+        assert launch_plan.num_ilds == 2
+
+    def test_ipuof_config_path_is_removed(self):
+        launch_plan = do_plan(cfg(num_instances=2, num_replicas=2))
+        assert launch_plan.unset_env == ("IPUOF_CONFIG_PATH",)
+        base = {"IPUOF_CONFIG_PATH": "/etc/ipuof.conf", "HOME": "/home/u", "RANK": "99",
+                "PATH": "/usr/bin"}
+        env = instance_environ(base, launch_plan.instances[1], launch_plan)
+        assert "IPUOF_CONFIG_PATH" not in env
+        assert env["HOME"] == "/home/u" and env["PATH"] == "/usr/bin"
+        assert env["RANK"] == "1"  # the plan's value wins over the launcher's
+        assert env == {**{k: v for k, v in base.items() if k != "IPUOF_CONFIG_PATH"},
+                       **launch_plan.instances[1].env}
+        assert base["IPUOF_CONFIG_PATH"] == "/etc/ipuof.conf"  # the input is not modified
+
+    def test_program_is_the_given_resolved_argv(self):
+        launch_plan = do_plan(cfg(num_instances=2, num_replicas=2, program=("prog", "x")),
+                              program=("/resolved/prog", "x"))
+        assert {i.argv for i in launch_plan.instances} == {("/resolved/prog", "x")}
+
+
+class TestUserEnvironment:
+    def test_x_var_forwards_the_launchers_value(self):
+        config = cfg(num_instances=2, num_replicas=2, env=("FOO",))
+        launch_plan = do_plan(config, {"FOO": "from launcher", "BAR": "not asked"})
+        for inst in launch_plan.instances:
+            assert inst.env["FOO"] == "from launcher"
+            assert "BAR" not in inst.env
+        assert launch_plan.warnings == ()
+
+    def test_x_var_missing_from_launcher_warns_once(self):
+        launch_plan = do_plan(cfg(num_instances=2, num_replicas=2, env=("NOPE",)), {})
+        assert all("NOPE" not in i.env for i in launch_plan.instances)
+        assert launch_plan.warnings == (
+            "-x NOPE: not set in poprun's environment, nothing to forward",)
+
+    def test_x_var_value_sets(self):
+        config = cfg(num_instances=2, num_replicas=2, env=("FOO=set", "EMPTY=", "EQ=a=b"))
+        for inst in do_plan(config, {"FOO": "launcher"}).instances:
+            assert inst.env["FOO"] == "set"
+            assert inst.env["EMPTY"] == ""
+            assert inst.env["EQ"] == "a=b"
+
+    def test_per_instance_args_only_reach_that_instance(self):
+        config = cfg(num_instances=3, num_replicas=3, instance_mpi_local_args=("1:-x A=B",))
+        a = [i.env.get("A") for i in do_plan(config).instances]
+        assert a == [None, "B", None]
+
+    def test_later_sources_win(self):
+        config = cfg(num_instances=2, num_replicas=2, env=("V=native",),
+                     mpi_global_args=("-x V=global -x W",), mpi_local_args=("-x V=local",),
+                     instance_mpi_local_args=("1:-x V=instance1",))
+        launch_plan = do_plan(config, {"W": "fwd"})
+        assert [i.env["V"] for i in launch_plan.instances] == ["local", "instance1"]
+        assert [i.env["W"] for i in launch_plan.instances] == ["fwd", "fwd"]
+
+
+# --- executable cache (guide §2.3, §2.4) ------------------------------------------------------
+
+
+class TestCacheMode:
+    @pytest.mark.parametrize("kw,environ,mode", [
+        (dict(num_instances=1, num_replicas=4), {}, CacheMode.NONE),
+        (dict(num_instances=2, num_replicas=4), {}, CacheMode.TEMPORARY),
+        (dict(num_instances=2, num_replicas=4, executable_cache_path=""), {}, CacheMode.NONE),
+        (dict(num_instances=1, executable_cache_path="/c"), {}, CacheMode.EXPLICIT),
+        (dict(num_instances=2, num_replicas=2, executable_cache_path="/c"), {},
+         CacheMode.EXPLICIT),
+        (dict(num_instances=2, num_replicas=2), {"POPTORCH_CACHE_DIR": "/t"},
+         CacheMode.FRAMEWORK),
+        (dict(num_instances=2, num_replicas=2), {"POPART_CACHE_DIR": "/p"},
+         CacheMode.FRAMEWORK),
+        (dict(num_instances=2, num_replicas=2),
+         {"TF_POPLAR_FLAGS": "--executable_cache_path=/tf"}, CacheMode.FRAMEWORK),
+        (dict(num_instances=2, num_replicas=2), {"TF_POPLAR_FLAGS": "--use_ipu_model"},
+         CacheMode.TEMPORARY),
+        (dict(num_instances=2, num_replicas=2), {"POPTORCH_CACHE_DIR": ""},
+         CacheMode.TEMPORARY),
+        (dict(num_instances=1), {"POPTORCH_CACHE_DIR": "/t"}, CacheMode.NONE),
+        (dict(num_instances=2, num_replicas=2, executable_cache_path=""),
+         {"POPTORCH_CACHE_DIR": "/t"}, CacheMode.NONE),
+    ])
+    def test_modes(self, kw, environ, mode):
+        assert cache_mode(cfg(**kw), environ) is mode
+
+    @pytest.mark.parametrize("environ,named", [
+        ({"POPTORCH_CACHE_DIR": "/t"}, "POPTORCH_CACHE_DIR=/t"),
+        ({"POPART_CACHE_DIR": "/p"}, "POPART_CACHE_DIR=/p"),
+        ({"TF_POPLAR_FLAGS": "--max_compilation_threads=4 --executable_cache_path=/tf"},
+         "TF_POPLAR_FLAGS=--max_compilation_threads=4 --executable_cache_path=/tf"),
+    ])
+    def test_explicit_path_conflicts_with_framework_setting(self, environ, named):
+        with pytest.raises(ConfigError) as info:
+            cache_mode(cfg(executable_cache_path="/x"), environ)
+        assert "--executable-cache-path=/x" in str(info.value)
+        assert named in str(info.value)
+        with pytest.raises(ConfigError, match="--executable-cache-path=/x"):
+            do_plan(cfg(executable_cache_path="/x"), environ)
+
+    def test_explicit_path_in_every_instance(self, tmp_path):
+        executable(tmp_path / "prog")
+        config = cfg(num_instances=2, num_replicas=2, program=("prog",),
+                     executable_cache_path="/var/cache/my-exes")
+        launch_plan = make_plan(config, {"PATH": "/nonexistent"}, str(tmp_path))
+        assert launch_plan.cache_mode is CacheMode.EXPLICIT
+        assert [i.env["POPDIST_EXECUTABLE_CACHE_PATH"] for i in launch_plan.instances] == [
+            "/var/cache/my-exes"] * 2
+
+    def test_explicit_path_single_instance(self, tmp_path):
+        executable(tmp_path / "prog")
+        config = cfg(program=("prog",), executable_cache_path="/c")
+        (inst,) = make_plan(config, {"PATH": ""}, str(tmp_path)).instances
+        assert inst.env["POPDIST_EXECUTABLE_CACHE_PATH"] == "/c"
+
+    def test_explicit_relative_path_is_made_absolute(self, tmp_path, monkeypatch):
+        executable(tmp_path / "prog")
+        monkeypatch.chdir(tmp_path)  # as from the CLI: the launch cwd is the process's
+        config = cfg(program=("prog",), executable_cache_path="rel/cache")
+        (inst,) = make_plan(config, {"PATH": ""}, str(tmp_path)).instances
+        assert inst.env["POPDIST_EXECUTABLE_CACHE_PATH"] == str(tmp_path / "rel" / "cache")
+
+    def test_temporary_placeholder_in_a_dry_run_plan(self, tmp_path):
+        executable(tmp_path / "prog")
+        config = cfg(num_instances=2, num_replicas=2, program=("prog",))
+        launch_plan = make_plan(config, {}, str(tmp_path))
+        assert launch_plan.cache_mode is CacheMode.TEMPORARY
+        assert {i.env["POPDIST_EXECUTABLE_CACHE_PATH"] for i in launch_plan.instances} == {
+            DRY_RUN_CACHE_DIR}
+
+    @pytest.mark.parametrize("kw,environ", [
+        (dict(num_instances=2, num_replicas=2), {"POPTORCH_CACHE_DIR": "/t"}),
+        (dict(num_instances=2, num_replicas=2, executable_cache_path=""), {}),
+        (dict(num_instances=1), {}),
+    ])
+    def test_no_cache_variable_without_a_poprun_cache(self, tmp_path, kw, environ):
+        executable(tmp_path / "prog")
+        config = cfg(program=("prog",), **kw)
+        launch_plan = make_plan(config, environ, str(tmp_path))
+        assert launch_plan.cache_mode in (CacheMode.FRAMEWORK, CacheMode.NONE)
+        assert all("POPDIST_EXECUTABLE_CACHE_PATH" not in i.env for i in launch_plan.instances)
+        # nor when the caller hands plan() cache paths anyway
+        direct = do_plan(config, environ, cache_paths={"localhost": "/c"})
+        assert all("POPDIST_EXECUTABLE_CACHE_PATH" not in i.env for i in direct.instances)
+
+
+class TestMakePlan:
+    def test_program_on_path_keeps_its_name(self, tmp_path):
+        bindir = tmp_path / "bin"
+        bindir.mkdir()
+        executable(bindir / "tool")
+        config = cfg(program=("tool", "--x"), num_replicas=2)
+        (inst,) = make_plan(config, {"PATH": str(bindir)}, str(tmp_path / "..")).instances
+        assert inst.argv == ("tool", "--x")
+
+    def test_program_in_cwd_without_dot_slash(self, tmp_path):
+        executable(tmp_path / "local-prog")
+        config = cfg(program=("local-prog", "arg"), num_replicas=2)
+        (inst,) = make_plan(config, {"PATH": "/nonexistent"}, str(tmp_path)).instances
+        assert inst.argv == (str(tmp_path / "local-prog"), "arg")
+
+    def test_program_not_found(self, tmp_path):
+        with pytest.raises(ConfigError, match="program 'missing-prog' not found"):
+            make_plan(cfg(program=("missing-prog",)), {"PATH": "/nonexistent"}, str(tmp_path))
+
+    def test_program_not_executable(self, tmp_path):
+        executable(tmp_path / "plain", mode=0o644)
+        for spelling in ("plain", "./plain", str(tmp_path / "plain")):
+            with pytest.raises(ConfigError, match="not executable"):
+                make_plan(cfg(program=(spelling,)), {"PATH": "/nonexistent"}, str(tmp_path))
+
+    def test_master_port_is_a_real_port_shared_by_all(self, tmp_path):
+        executable(tmp_path / "prog")
+        launch_plan = make_plan(cfg(program=("prog",), num_instances=3, num_replicas=3), {},
+                                str(tmp_path))
+        ports = {i.env["MASTER_PORT"] for i in launch_plan.instances}
+        assert len(ports) == 1
+        assert 0 < int(ports.pop()) < 65536
+        assert {i.env["MASTER_ADDR"] for i in launch_plan.instances} == {"127.0.0.1"}
+
+    def test_conflict_reported_by_make_plan(self, tmp_path):
+        executable(tmp_path / "prog")
+        with pytest.raises(ConfigError, match="POPTORCH_CACHE_DIR=/t"):
+            make_plan(cfg(program=("prog",), executable_cache_path="/x"),
+                      {"POPTORCH_CACHE_DIR": "/t"}, str(tmp_path))
+
+
+class TestJson:
+    def test_shape(self):
+        config = cfg(num_instances=2, num_replicas=4, env=("MISSING",))
+        data = do_plan(config, cache_paths={"localhost": "/c"}).to_json()
+        assert json.loads(json.dumps(data)) == data  # plain JSON types only
+        assert data["hosts"] == ["localhost"]
+        assert data["cache_mode"] == "temporary"
+        assert data["unset_env"] == ["IPUOF_CONFIG_PATH"]
+        assert data["num_ilds"] == 1
+        assert data["warnings"] == [
+            "-x MISSING: not set in poprun's environment, nothing to forward"]
+        assert [i["index"] for i in data["instances"]] == [0, 1]
+        inst = data["instances"][1]
+        assert set(inst) == {"index", "host", "local_index", "ild", "replicas", "env", "argv",
+                             "cpus", "mems"}
+        assert inst["replicas"] == [2, 3]
+        assert inst["argv"] == list(PROGRAM)
+        assert inst["env"]["POPDIST_REPLICA_INDEX_OFFSET"] == "2"
+        assert inst["cpus"] is None and inst["mems"] is None
+
+
+# --- renderings -------------------------------------------------------------------------------
+
+
+# The guide's example (poprun-guide-intro.txt): 8 replicas, 2 instances, one host, one ILD.
+GUIDE_TABLE = """\
+|              poprun topology              |
+| hosts     |           localhost           |
+| ILDs      |               0               |
+| instances |       0       |       1       |
+| replicas  | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |
+"""
+
+
+class TestTopologyTable:
+    def test_guide_example(self):
+        assert topology_table(do_plan(cfg(num_instances=2, num_replicas=8))) == GUIDE_TABLE
+
+    @pytest.mark.skipif(not GUIDE_INTRO.exists(), reason="reference guides not available")
+    def test_guide_example_is_the_guides_text(self):
+        text = GUIDE_INTRO.read_text()
+        start = text.index("|              poprun topology")
+        table = [line for line in text[start:].splitlines()[:5]]
+        assert all(line.startswith("|") and line.endswith("|") for line in table)
+        assert "\n".join(table) + "\n" == GUIDE_TABLE
+
+    def test_two_ilds(self):
+        table = topology_table(do_plan(cfg(num_instances=4, num_replicas=8, num_ilds=2)))
+        assert table == (
+            "|              poprun topology              |\n"
+            "| hosts     |           localhost           |\n"
+            "| ILDs      |       0       |       1       |\n"
+            "| instances |   0   |   1   |   2   |   3   |\n"
+            "| replicas  | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |\n")
+
+    def test_two_hosts_two_ilds(self):
+        table = topology_table(do_plan(cfg(num_instances=4, num_replicas=8, num_ilds=2),
+                                       hosts=("pod1", "pod2")))
+        assert table.splitlines()[1] == "| hosts     |      pod1     |      pod2     |"
+        assert table.splitlines()[2] == "| ILDs      |       0       |       1       |"
+
+    def test_two_digit_replicas_widen_every_cell(self):
+        lines = topology_table(do_plan(cfg(num_instances=2, num_replicas=12))).splitlines()
+        assert lines[-1] == ("| replicas  | 0  | 1  | 2  | 3  | 4  | 5  | 6  | 7  | 8  | 9  "
+                             "| 10 | 11 |")
+        assert len({len(line) for line in lines}) == 1
+
+    def test_ten_replicas_keep_one_digit_cells(self):
+        lines = topology_table(do_plan(cfg(num_instances=2, num_replicas=10))).splitlines()
+        assert lines[-1] == "| replicas  | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 |"
+        assert lines[3] == "| instances |         0         |         1         |"
+
+    def test_long_host_name_becomes_a_footnote(self):
+        table = topology_table(do_plan(cfg(num_instances=2, num_replicas=2),
+                                       hosts=("a-very-long-host-name-indeed",)))
+        assert table == (
+            "|  poprun topology  |\n"
+            "| hosts     |  [0]  |\n"
+            "| ILDs      |   0   |\n"
+            "| instances | 0 | 1 |\n"
+            "| replicas  | 0 | 1 |\n"
+            "[0] a-very-long-host-name-indeed\n")
+
+    def test_each_long_host_gets_its_own_marker(self):
+        table = topology_table(do_plan(
+            cfg(num_instances=2, num_replicas=2),
+            hosts=("first-long-host.example.com", "second-long-host.example.com")))
+        lines = table.splitlines()
+        assert lines[1] == "| hosts     |[0]|[1]|"
+        assert lines[-2:] == ["[0] first-long-host.example.com",
+                              "[1] second-long-host.example.com"]
+
+    def test_short_host_names_have_no_footnotes(self):
+        table = topology_table(do_plan(cfg(num_instances=2, num_replicas=8),
+                                       hosts=("h1", "h2")))
+        assert "[0]" not in table
+        assert len(table.splitlines()) == 5
+
+
+class TestTextRenderings:
+    @pytest.mark.parametrize("indices,text", [
+        ([0, 1, 2, 5, 7, 8], "[0-2,5,7-8]"), ([3], "[3]"), ([], "[]"),
+        ([5, 4, 4, 0], "[0,4-5]"), (range(16), "[0-15]"),
+    ])
+    def test_fold_indices(self, indices, text):
+        assert fold_indices(indices) == text
+
+    def test_dry_run_text(self):
+        config = cfg(num_instances=2, num_replicas=4, env=("MISSING", "A=x y"))
+        text = dry_run_text(do_plan(config, cache_paths={"localhost": "/c"},
+                                    master_port=4242))
+        lines = text.splitlines()
+        assert lines[0] == ("poprun dry run: 2 instance(s) on 1 host(s), 4 replica(s), "
+                            "executable cache: temporary")
+        assert lines[1] == "removed from every instance's environment: IPUOF_CONFIG_PATH"
+        assert lines[2] == "instance 0 on localhost (local index 0), replicas [0-1], ILD 0"
+        assert lines[3] == "  argv: /bin/prog --flag 'a b'"
+        assert lines[4] == "  cpus: not bound  mems: not bound"
+        assert "  env:  MASTER_PORT=4242" in lines
+        assert "  env:  A=x y" in lines
+        assert "instance 1 on localhost (local index 1), replicas [2-3], ILD 0" in lines
+        assert lines[-1] == ("warning: -x MISSING: not set in poprun's environment, "
+                             "nothing to forward")
+        assert text.endswith("\n")
+
+    @pytest.mark.parametrize("code,text", [
+        (0, "exited with status 0"), (3, "exited with status 3"),
+        (-9, "killed by SIGKILL (signal 9)"), (-15, "killed by SIGTERM (signal 15)"),
+    ])
+    def test_describe_status(self, code, text):
+        assert describe_status(code) == text
+
+    def test_unknown_signal_name(self):
+        assert signal_name(250) == "signal 250"

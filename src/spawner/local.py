@@ -168,7 +168,10 @@ class LocalSpawner:
         self._loop.remove_reader(fd)
         stream = child.open_fds.pop(fd)
         rest = child.pending.pop(fd)
-        os.close(fd)
+        # Close through Popen's file object, which owns the fd: after a bare os.close() it
+        # would close the same number again when garbage-collected, by then maybe another
+        # pipe's (a later launch in the same process then never sees that pipe's EOF).
+        (child.proc.stdout if stream is Stream.STDOUT else child.proc.stderr).close()
         if rest:  # the last line had no newline: deliver it as it is
             self._sink.on_output(child.spec.key, stream, bytes(rest))
         self._maybe_report(child)

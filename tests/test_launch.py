@@ -1,0 +1,444 @@
+"""End-to-end tests of normal runs: the real `poprun` starting real instances.
+
+What instances see (DESIGN.md §3), how their output reaches the user (§4, §5: lines are atomic,
+`\\r`, invalid UTF-8 and huge lines pass through), and that arguments arrive byte-for-byte (§5).
+Every wait is bounded: subprocess timeouts, or deadline loops polling a real event.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from conftest import poprun_argv, poprun_env
+
+PY = sys.executable  # the real interpreter, not a pyenv shim (DESIGN.md §8)
+TIMEOUT = 60  # far above anything here takes (each run is well under a few seconds)
+OFF = "--offline-mode=yes"
+# Variables that would change the cache mode or the contract under test if the outer
+# environment happened to set them.
+_FOREIGN = ("POPTORCH_CACHE_DIR", "POPART_CACHE_DIR", "TF_POPLAR_FLAGS", "IPUOF_CONFIG_PATH")
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = poprun_env()
+    for name in _FOREIGN:
+        env.pop(name, None)
+    env.update(extra or {})
+    return env
+
+
+def run(*args: str, env: dict[str, str] | None = None, timeout: float = TIMEOUT,
+        cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(poprun_argv(*args), env=clean_env(env), cwd=cwd,
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, timeout=timeout)
+
+
+def script(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def instance_lines(out: bytes, prefix: bytes = b"") -> list[bytes]:
+    """Lines that instances wrote (poprun's own log lines start with a time, not `prefix`)."""
+    return [line for line in out.splitlines() if line.startswith(prefix)]
+
+
+# --- the guide's validation command ------------------------------------------------------
+
+
+def test_hello_world_twice() -> None:
+    proc = run("--num-instances", "2", "--num-replicas", "2", "--offline-mode=1",
+               "echo", "Hello world!")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == b"Hello world!\nHello world!\n"
+
+
+# --- the environment contract --------------------------------------------------------------
+
+ENV_DUMP = r"""
+import json, os, stat, sys
+import popdist
+cache = os.environ.get("POPDIST_EXECUTABLE_CACHE_PATH")
+st = os.stat(cache) if cache and os.path.isdir(cache) else None
+print(json.dumps({
+    "rank": os.environ["RANK"],
+    "env": dict(os.environ),
+    "cache_is_dir": st is not None,
+    "cache_mode": stat.S_IMODE(st.st_mode) if st else None,
+    "popdist": {
+        "set": popdist.isPopdistEnvSet(),
+        "instance": popdist.getInstanceIndex(),
+        "instances": popdist.getNumInstances(),
+        "local_replicas": popdist.getNumLocalReplicas(),
+        "total_replicas": popdist.getNumTotalReplicas(),
+        "offset": popdist.getReplicaIndexOffset(),
+        "local_instance": popdist.getLocalInstanceIndex(),
+    },
+}), flush=True)
+"""
+
+
+def test_instance_environment(tmp_path: Path) -> None:
+    dump = script(tmp_path, "dump.py", ENV_DUMP)
+    proc = run("--num-instances", "4", "--num-replicas", "8", "--ipus-per-replica", "2", OFF,
+               "-x", "A=1", "-x", "B", "--env", "C=x y=z",
+               PY, dump,
+               env={"IPUOF_CONFIG_PATH": "/etc/ipuof.conf", "B": "from poprun's env"})
+    assert proc.returncode == 0, proc.stderr
+    records = {}
+    for line in proc.stdout.splitlines():
+        record = json.loads(line)
+        records[int(record["rank"])] = record
+    assert sorted(records) == [0, 1, 2, 3]
+
+    ports = {r["env"]["MASTER_PORT"] for r in records.values()}
+    caches = {r["env"]["POPDIST_EXECUTABLE_CACHE_PATH"] for r in records.values()}
+    assert len(ports) == 1 and len(caches) == 1  # one per job (and per host)
+    for rank, r in records.items():
+        env = r["env"]
+        assert {k: env.get(k) for k in (
+            "POPDIST_NUM_TOTAL_REPLICAS", "POPDIST_NUM_IPUS_PER_REPLICA",
+            "POPDIST_NUM_LOCAL_REPLICAS", "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE",
+            "POPDIST_REPLICA_INDEX_OFFSET", "POPDIST_LOCAL_INSTANCE_INDEX",
+            "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+            "A", "B", "C")} == {
+            "POPDIST_NUM_TOTAL_REPLICAS": "8", "POPDIST_NUM_IPUS_PER_REPLICA": "2",
+            "POPDIST_NUM_LOCAL_REPLICAS": "2", "POPDIST_UNIFORM_REPLICAS_PER_INSTANCE": "1",
+            "POPDIST_REPLICA_INDEX_OFFSET": str(2 * rank),
+            "POPDIST_LOCAL_INSTANCE_INDEX": str(rank),
+            "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+            "A": "1", "B": "from poprun's env", "C": "x y=z"}
+        assert "IPUOF_CONFIG_PATH" not in env
+        assert not env.get("POPDIST_AUTOREPORT_DIRECTORY")
+        # The temporary cache: a private directory that exists while the instances run.
+        assert r["cache_is_dir"] and r["cache_mode"] == 0o700
+        assert r["popdist"] == {
+            "set": True, "instance": rank, "instances": 4, "local_replicas": 2,
+            "total_replicas": 8, "offset": 2 * rank, "local_instance": rank}
+
+    (cache,) = caches
+    assert os.path.isabs(cache)
+    assert not os.path.exists(cache), "the temporary cache dir outlived the run"
+    (port,) = ports
+    port = int(port)
+    assert 1024 <= port < 65536
+    with socket.socket() as sock:  # nobody took the port: it is still free to bind
+        sock.bind(("127.0.0.1", port))
+
+
+def test_explicit_cache_path_is_kept(tmp_path: Path) -> None:
+    dump = script(tmp_path, "dump.py", ENV_DUMP)
+    cache = tmp_path / "cache" / "sub"
+    proc = run("--num-instances", "2", "--num-replicas", "2", OFF,
+               f"--executable-cache-path={cache}", PY, dump)
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["env"]["POPDIST_EXECUTABLE_CACHE_PATH"] for r in records] == [str(cache)] * 2
+    assert all(r["cache_is_dir"] for r in records)
+    assert cache.is_dir()  # an explicit cache is the user's: created, and kept
+
+
+# --- arguments ---------------------------------------------------------------------------
+
+
+def test_arguments_arrive_byte_for_byte() -> None:
+    tricky = ["a b", "$HOME", ";rm -rf x", '"q"', "ü", "'", "`id`", "--help", "", "*", "\\n"]
+    proc = run("--num-instances", "2", "--num-replicas", "2", OFF,
+               PY, "-c", "import json, sys; print(json.dumps(sys.argv[1:]))", *tricky)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert json.loads(line) == tricky
+
+
+# --- output ------------------------------------------------------------------------------
+
+NUMBERED = r"""
+import itertools, os, sys
+i = os.environ["RANK"]
+data = "".join(f"{i} {n}\n" for n in range(100000)).encode()
+# Raw writes of odd sizes cut lines anywhere (Python's own buffering would cut them only
+# between lines), so poprun's reads end mid-line all the time.
+sizes, at = itertools.cycle((4093, 1, 17, 65521, 3)), 0
+while at < len(data):
+    size = next(sizes)
+    os.write(1, data[at:at + size])
+    at += size
+sys.stderr.write(f"err {i}\n")
+"""
+
+
+def test_tagged_output_lines_are_atomic(tmp_path: Path) -> None:
+    prog = script(tmp_path, "numbered.py", NUMBERED)
+    proc = run("--num-instances", "8", "--num-replicas", "8", OFF, "--tag-output", PY, prog)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.endswith(b"\n")
+    lines = proc.stdout[:-1].split(b"\n")
+    assert len(lines) == 800_000
+    by_tag: dict[bytes, list[bytes]] = defaultdict(list)
+    for line in lines:
+        by_tag[line[:14]].append(line)  # b"[1,i]<stdout>:" is 14 bytes for one-digit i
+    assert sorted(by_tag) == [b"[1,%d]<stdout>:" % i for i in range(8)]
+    for i in range(8):
+        # every line exactly once, whole, in the instance's order, with the matching tag
+        assert by_tag[b"[1,%d]<stdout>:" % i] == [
+            b"[1,%d]<stdout>:%d %d" % (i, i, n) for n in range(100000)]
+    assert sorted(instance_lines(proc.stderr, b"[1,")) == [
+        b"[1,%d]<stderr>:err %d" % (i, i) for i in range(8)]
+
+
+TWO_STREAMS = r"""
+import os, sys
+i = os.environ["RANK"]
+print(f"out {i}", flush=True)
+print(f"err {i}", file=sys.stderr, flush=True)
+"""
+
+
+def test_stderr_is_tagged(tmp_path: Path) -> None:
+    prog = script(tmp_path, "two.py", TWO_STREAMS)
+    proc = run("--num-instances", "2", "--num-replicas", "2", OFF, "--tag-output", PY, prog)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == [b"[1,0]<stdout>:out 0", b"[1,1]<stdout>:out 1"]
+    assert sorted(instance_lines(proc.stderr, b"[1,")) == [
+        b"[1,0]<stderr>:err 0", b"[1,1]<stderr>:err 1"]
+
+
+def test_mpi_args_spelling(tmp_path: Path) -> None:
+    prog = script(tmp_path, "two.py", TWO_STREAMS + "print('C=' + os.environ['C'])\n")
+    proc = run("--num-instances", "2", "--num-replicas", "2", OFF,
+               "--mpi-global-args=--tag-output", "--mpi-global-args", "-x C=3", PY, prog)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == [
+        b"[1,0]<stdout>:C=3", b"[1,0]<stdout>:out 0", b"[1,1]<stdout>:C=3",
+        b"[1,1]<stdout>:out 1"]
+    assert sorted(instance_lines(proc.stderr, b"[1,")) == [
+        b"[1,0]<stderr>:err 0", b"[1,1]<stderr>:err 1"]
+
+
+_TIME = re.compile(rb"\d\d:\d\d:\d\d")
+
+
+def test_timestamp_output(tmp_path: Path) -> None:
+    prog = script(tmp_path, "two.py", TWO_STREAMS)
+    proc = run("--num-instances", "2", "--num-replicas", "2", OFF, "--timestamp-output",
+               "--tag-output", PY, prog)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        stamp, sep, rest = line.partition(b"[1,")
+        assert sep and _TIME.search(stamp), line
+        assert re.fullmatch(rb"(\d)\]<stdout>:out \1", rest), line
+    # without tags the time still prefixes every line
+    proc = run("--num-instances", "2", "--num-replicas", "2", OFF, "--timestamp-output",
+               PY, prog)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sorted(line[-5:] for line in lines) == [b"out 0", b"out 1"]
+    assert all(len(line) > 5 and _TIME.search(line[:-5]) for line in lines), lines
+
+
+def test_only_output_from_instance(tmp_path: Path) -> None:
+    prog = script(tmp_path, "two.py", TWO_STREAMS)
+    proc = run("--num-instances", "2", "--num-replicas", "2", OFF,
+               "--only-output-from-instance=1", PY, prog)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == b"out 1\n"
+    assert b"err 1\n" in proc.stderr and b"err 0" not in proc.stderr
+
+
+EXACT_BYTES = r"""
+import os, sys
+i = os.environ["RANK"].encode()
+sys.stdout.buffer.write(b"line " + i + b"\n\xff\xfe not utf-8 \xc3\x28\n10%\r50%\r100%\nno end " + i)
+sys.stdout.flush()
+sys.stderr.buffer.write(b"e " + i + b"\r\n\xe2\x82 half\nlast " + i)
+"""
+
+
+def test_output_filename_has_exact_bytes(tmp_path: Path) -> None:
+    prog = script(tmp_path, "exact.py", EXACT_BYTES)
+    out_dir = tmp_path / "logs"
+    proc = run("--num-instances", "2", "--num-replicas", "2", OFF,
+               "--output-filename", str(out_dir), "--tag-output", PY, prog)
+    assert proc.returncode == 0, proc.stderr
+    for i in (0, 1):
+        folder = out_dir / "1" / f"rank.{i}"
+        assert (folder / "stdout").read_bytes() == (
+            b"line %d\n\xff\xfe not utf-8 \xc3\x28\n10%%\r50%%\r100%%\nno end %d" % (i, i))
+        assert (folder / "stderr").read_bytes() == b"e %d\r\n\xe2\x82 half\nlast %d" % (i, i)
+    assert b"[1,0]<stdout>:line 0\n" in proc.stdout  # and a copy on the console
+    assert b"[1,1]<stderr>:e 1" in proc.stderr
+
+
+def test_merge_stderr_to_stdout(tmp_path: Path) -> None:
+    prog = script(tmp_path, "interleave.py", r"""
+import os, sys
+i = os.environ["RANK"]
+for k in range(3):
+    print(f"out {i} {k}", flush=True)
+    print(f"err {i} {k}", file=sys.stderr, flush=True)
+""")
+    for spelling in (("--merge-stderr-to-stdout",),
+                     ("--mpi-global-args=--merge-stderr-to-stdout",)):
+        proc = run("--num-instances", "2", "--num-replicas", "2", OFF, *spelling, PY, prog)
+        assert proc.returncode == 0, proc.stderr
+        for i in (0, 1):  # one pipe per instance: its own order is kept
+            mine = [line for line in proc.stdout.splitlines() if line.split()[1] == b"%d" % i]
+            assert mine == [b"%s %d %d" % (s, i, k) for k in range(3) for s in (b"out", b"err")]
+        assert b"err 0" not in proc.stderr and b"err 1" not in proc.stderr
+
+
+def test_invalid_utf8_passes_through(tmp_path: Path) -> None:
+    payload = b"\xff\xfe\xfd bad \xc3\x28 \xed\xa0\x80 end\n"
+    prog = script(tmp_path, "bad.py", f"""
+import os, sys
+if os.environ["RANK"] == "0":
+    sys.stdout.buffer.write({payload!r})
+    sys.stderr.buffer.write({payload!r})
+""")
+    proc = run("--num-instances", "2", "--num-replicas", "2", OFF, PY, prog)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == payload
+    assert payload in proc.stderr
+    proc = run("--num-instances", "2", "--num-replicas", "2", OFF, "--tag-output", PY, prog)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == b"[1,0]<stdout>:" + payload
+    assert b"[1,0]<stderr>:" + payload in proc.stderr
+
+
+def read_until(fd: int, marker: bytes, deadline: float) -> bytes:
+    """Read from `fd` until `marker` has arrived; fails at `deadline` (time.monotonic)."""
+    got = b""
+    while marker not in got:
+        left = deadline - time.monotonic()
+        assert left > 0, f"timed out waiting for {marker!r}; got {got!r}"
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            chunk = os.read(fd, 65536)
+            assert chunk, f"EOF before {marker!r}; got {got!r}"
+            got += chunk
+    return got
+
+
+PROGRESS = r"""
+import os, sys, time
+if os.environ["RANK"] == "0":
+    go = sys.argv[1]
+    sys.stdout.write("step 1/3\rstep 2/3\r")
+    sys.stdout.flush()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(go):  # the test creates it once it has seen the update
+        if time.monotonic() > deadline:
+            sys.exit("the progress update was not seen in time")
+        time.sleep(0.01)
+    sys.stdout.write("step 3/3\rdone\n")
+"""
+
+
+@pytest.mark.parametrize("tagged", [False, True], ids=["plain", "tagged"])
+def test_carriage_return_progress_streams_through(tmp_path: Path, tagged: bool) -> None:
+    """A `\\r`-terminated update shows while the line is still unfinished, bytes intact."""
+    prog = script(tmp_path, "progress.py", PROGRESS)
+    go = tmp_path / "go"
+    tag = ("--tag-output",) if tagged else ()
+    proc = subprocess.Popen(
+        poprun_argv("--num-instances", "2", "--num-replicas", "2", OFF, *tag, PY, prog,
+                    str(go)),
+        env=clean_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    try:
+        head = read_until(proc.stdout.fileno(), b"step 2/3\r", time.monotonic() + TIMEOUT)
+        go.touch()
+        rest, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+        proc.wait(timeout=TIMEOUT)
+    assert proc.returncode == 0, err
+    out = head + rest
+    if tagged:  # tagged at the start, at most once per segment, bytes otherwise intact
+        tag = b"[1,0]<stdout>:"
+        assert out.startswith(tag) and tag + tag not in out, out
+        assert re.fullmatch(rb"([^\r\n]*(\r|\n)(\[1,0\]<stdout>:)?)*", out), out
+        out = out.replace(tag, b"")
+    assert out == b"step 1/3\rstep 2/3\rstep 3/3\rdone\n"
+
+
+CRLF = r"""
+import os, sys, time
+if os.environ["RANK"] == "0":
+    go = sys.argv[1]
+    sys.stdout.write("abc\r")
+    sys.stdout.flush()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(go):  # the test creates it once "abc\r" went through
+        if time.monotonic() > deadline:
+            sys.exit("the first half was not seen in time")
+        time.sleep(0.01)
+    sys.stdout.write("\ndef\r\n")
+"""
+
+
+def test_crlf_split_between_reads_is_tagged_as_one_line(tmp_path: Path) -> None:
+    """`abc\\r` then `\\n` in a later read is one CRLF line: tagged as if read at once."""
+    prog = script(tmp_path, "crlf.py", CRLF)
+    go = tmp_path / "go"
+    proc = subprocess.Popen(
+        poprun_argv("--num-instances", "2", "--num-replicas", "2", OFF, "--tag-output",
+                    PY, prog, str(go)),
+        env=clean_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    try:
+        head = read_until(proc.stdout.fileno(), b"abc\r", time.monotonic() + TIMEOUT)
+        go.touch()
+        rest, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+        proc.wait(timeout=TIMEOUT)
+    assert proc.returncode == 0, err
+    assert head + rest == b"[1,0]<stdout>:abc\r\n[1,0]<stdout>:def\r\n"
+
+
+HUGE = r"""
+import os, sys
+if os.environ["RANK"] == "0":
+    sys.stdout.buffer.write((bytes(range(32, 127)) * 210527)[:20_000_000])  # no newline
+else:
+    print("short", flush=True)
+"""
+
+
+@pytest.mark.parametrize("tagged", [False, True], ids=["plain", "tagged"])
+def test_20mb_line_without_newline_arrives_whole(tmp_path: Path, tagged: bool) -> None:
+    data = (bytes(range(32, 127)) * 210527)[:20_000_000]
+    prog = script(tmp_path, "huge.py", HUGE)
+    tag = ("--tag-output",) if tagged else ()
+    started = time.monotonic()
+    proc = run("--num-instances", "2", "--num-replicas", "2", OFF, *tag, PY, prog, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started < 60
+    if tagged:  # two whole lines; the unterminated one must not swallow the other's tag
+        assert sorted(proc.stdout.rstrip(b"\n").split(b"\n")) == [
+            b"[1,0]<stdout>:" + data, b"[1,1]<stdout>:short"]
+    else:  # exactly the bytes written
+        assert proc.stdout in (data + b"short\n", b"short\n" + data)

@@ -36,6 +36,22 @@ def run_poprun(*args: str, timeout: float = 60, env: dict[str, str] | None = Non
 OFFLINE = ("--offline-mode=yes",)
 
 
+def assert_usage_error(proc, *fragments: str, stdout_empty: bool = True) -> str:
+    """Exit status 2, exactly one stderr line `poprun: error: ...` containing `fragments`,
+    no traceback (and, unless told otherwise, nothing on stdout). Returns the line."""
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, (proc.returncode, err)
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("poprun: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    if stdout_empty:
+        assert proc.stdout == b""
+    return lines[0]
+
+
 @pytest.fixture
 def poprun():
     """`poprun(*args, timeout=..., env=..., cwd=...)` -> CompletedProcess (bytes)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE, run_poprun
+from conftest import OFFLINE, assert_usage_error, run_poprun
 from poprun import ConfigError, __version__, cli
 from poprun.config import LaunchConfig
 
@@ -25,21 +25,6 @@ from poprun.config import LaunchConfig
 PY = sys.executable
 SINGLE_WARNING = ("Using --num-instances=1 and --num-replicas=1 together is not supported and "
                   "might give additional overhead and/or raise other issues.")
-
-
-def assert_usage_error(proc, *fragments: str) -> str:
-    """Exit status 2, exactly one stderr line `poprun: error: ...` containing `fragments`,
-    nothing on stdout, no traceback. Returns the line."""
-    err = proc.stderr.decode()
-    assert proc.returncode == 2, (proc.returncode, err)
-    assert "Traceback" not in err
-    lines = err.splitlines()
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("poprun: error: "), lines[0]
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    assert proc.stdout == b""
-    return lines[0]
 
 
 def parse(*argv: str) -> cli.Parsed:

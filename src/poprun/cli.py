@@ -297,12 +297,9 @@ def _main(argv: list[str]) -> int:
         sys.stderr.write(f"poprun: configuration written to {written}\n")
     if values.get("dry_run"):
         return _dry_run(config, bool(values.get("json")))
-    import asyncio  # only a real launch pays for asyncio
+    from .launcher import launch_blocking
 
-    from .launcher import launch
-
-    result = asyncio.run(launch(config))
-    return result.exit_code
+    return launch_blocking(config).exit_code
 
 
 def _dry_run(config: LaunchConfig, as_json: bool) -> int:

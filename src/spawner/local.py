@@ -13,16 +13,15 @@ arrives after its exit event.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import os
 import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .lifeline import Lifeline
 
@@ -53,6 +52,18 @@ class ProcessSpec:
     cwd: str | None = None
     merge_stderr: bool = False  # stderr into the stdout pipe
     inherit_stdin: bool = False  # otherwise stdin is /dev/null
+
+
+class EventLoop(Protocol):
+    """What the spawner needs of an event loop: asyncio's loop or spawner.loop.SelectLoop."""
+
+    def add_reader(self, fd: int, callback: Callable[..., Any], *args: Any) -> None: ...
+
+    def remove_reader(self, fd: int) -> bool: ...
+
+    def call_later(self, delay: float, callback: Callable[..., Any], *args: Any) -> Any: ...
+
+    def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any) -> Any: ...
 
 
 class Sink(Protocol):
@@ -93,13 +104,11 @@ class _Child:
 class LocalSpawner:
     """Owns every process it starts: `close()` leaves none of them (or their groups) alive."""
 
-    def __init__(self, sink: Sink, lifeline: Lifeline | None = None) -> None:
+    def __init__(self, sink: Sink, loop: EventLoop, lifeline: Lifeline | None = None) -> None:
         self._sink = sink
+        self._loop = loop
         self._lifeline = lifeline
-        self._loop = asyncio.get_running_loop()
         self._children: dict[int, _Child] = {}
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     # --- starting ---------------------------------------------------------------------
 
@@ -115,7 +124,6 @@ class LocalSpawner:
             self._lifeline.add_group(proc.pid)
         child = _Child(spec, proc)
         self._children[spec.key] = child
-        self._idle.clear()
         for pipe, stream in ((proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)):
             if pipe is None:
                 continue
@@ -203,8 +211,6 @@ class LocalSpawner:
             return
         child.reported = True
         self._sink.on_exit(child.spec.key, child.returncode)
-        if all(c.reported for c in self._children.values()):
-            self._idle.set()
 
     # --- stopping ---------------------------------------------------------------------
 
@@ -225,14 +231,22 @@ class LocalSpawner:
         for key in self.running():
             self.signal(key, sig)
 
-    async def wait(self) -> None:
-        """Until every process started so far has exited and been reported."""
-        await self._idle.wait()
+    @property
+    def idle(self) -> bool:
+        """Every process started so far has exited and been reported."""
+        return all(c.reported for c in self._children.values())
 
-    async def close(self) -> None:
-        """SIGKILL whatever still runs and wait until all of it is reaped and reported."""
-        self.signal_all(signal.SIGKILL)
-        await self.wait()
+    def close(self) -> None:
+        """SIGKILL whatever still runs, reap it and report its exit, without waiting for the
+        loop: for the paths that end a job early (an error, a cancelled launch). Output still
+        in its pipes is dropped."""
+        for child in self._children.values():
+            if child.reported:
+                continue
+            if child.returncode is None:
+                _killpg(child.proc.pid, signal.SIGKILL)
+                self._on_exit(child)
+            self._abandon_pipes(child)
 
 
 def _killpg(pgid: int, sig: int) -> None:

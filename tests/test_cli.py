@@ -19,6 +19,7 @@ import pytest
 from conftest import OFFLINE, assert_usage_error, run_poprun
 from poprun import ConfigError, __version__, cli
 from poprun.config import LaunchConfig
+from poprun.hosts import Host
 
 # A program that exists everywhere the suite runs and is not a boolean word (`true` is one:
 # `--dry-run true` would take it as the option's value).
@@ -268,6 +269,22 @@ USAGE_ERRORS = {
                                      ["--mpi-global-args", "cannot split"]),
     "bad env name": (["-x", "1BAD=2", PY], ["'1BAD=2'", "VAR=VALUE"]),
     "bad env name in mpi args": (["--mpi-global-args=-x A-B=1", PY], ["-x", "'A-B=1'"]),
+    "instances not divisible by hosts": (
+        ["-H", "h[1-2],h3", "--num-instances=4", "--num-replicas=4", PY],
+        ["--num-instances=4", "3 hosts"]),
+    "duplicate host": (["--host", "h1,h[1-2]", "--num-instances=3", "--num-replicas=3", PY],
+                       ["--host", "h1", "twice"]),
+    "duplicate host across repeats": (["-H", "h1", "-H", "h1", PY], ["h1", "twice"]),
+    "bad host range": (["--host=pod[4-1]", PY], ["--host", "'4-1'", "backwards"]),
+    "host and host file": (["-H", "h1", "--host-file", "/dev/null", PY],
+                           ["--host and --host-file"]),
+    "missing host file": (["--host-file", "/no/such/file", PY],
+                          ["--host-file", "/no/such/file", "No such file"]),
+    "empty host file": (["--host-file", "/dev/null", PY], ["--host-file", "no hosts"]),
+    "zero ssh fanout": (["--ssh-fanout=0", PY], ["--ssh-fanout", "positive"]),
+    "zero ssh timeout": (["--ssh-timeout=0", PY], ["--ssh-timeout", "positive"]),
+    "bad key type": (["--distribute-ssh-key-type=rsa4096", PY],
+                     ["--distribute-ssh-key-type='rsa4096'", "ed25519"]),
 }
 
 
@@ -460,3 +477,40 @@ class TestDryRun:
                             PY, cwd=tmp_path)
         assert len(data["instances"]) == 2
         assert data["instances"][1]["replicas"] == [2, 3]
+
+
+def test_hosts_accumulate_and_host_file_fills_them(tmp_path):
+    assert config("-H", "a,b[1-2]", "--host=c", "--num-instances=4", "--num-replicas=4",
+                  PY).host_list == tuple(map(Host, ("a", "b1", "b2", "c")))
+    listing = tmp_path / "hosts"
+    listing.write_text("# the pod\nnode[01-02]   # two\n\nalice@node03:2222\n")
+    got = config("--host-file", str(listing), "--num-instances=3", "--num-replicas=3", PY)
+    assert got.host_list == (Host("node01"), Host("node02"), Host("node03", "alice", 2222))
+
+
+def test_dry_run_divides_instances_among_hosts_in_contiguous_blocks():
+    plan = dry_run_json("-H", "h[1-2]", "--num-instances=4", "--num-replicas=8", PY)
+    assert plan["hosts"] == ["h1", "h2"]
+    assert [(i["host"], i["local_index"], i["replicas"]) for i in plan["instances"]] == [
+        ("h1", 0, [0, 1]), ("h1", 1, [2, 3]), ("h2", 0, [4, 5]), ("h2", 1, [6, 7])]
+
+
+def test_slurm_nodelist_gives_the_hosts_when_none_are_named():
+    env = {"SLURM_JOB_NODELIST": "gc-[001-002]"}
+    plan = dry_run_json("--num-instances=2", "--num-replicas=2", PY, env=env)
+    assert plan["hosts"] == ["gc-001", "gc-002"]
+    plan = dry_run_json("-H", "x", "--num-instances=2", "--num-replicas=2", PY, env=env)
+    assert plan["hosts"] == ["x"]
+
+
+def test_remote_instances_get_the_forwarded_variables_local_ones_inherit_them():
+    env = {**os.environ, "PYTHONPATH": "/site", "POPLAR_ENGINE_OPTIONS": '{"a": 1}',
+           "UNRELATED": "x"}
+    plan = dry_run_json("-H", "localhost,far", "--num-instances=2", "--num-replicas=2", PY,
+                        env=env)
+    local, remote = (i["env"] for i in plan["instances"])
+    assert "PYTHONPATH" not in local  # a local instance inherits the whole environment
+    assert remote["PYTHONPATH"] == "/site" and remote["PATH"] == env["PATH"]
+    assert remote["POPLAR_ENGINE_OPTIONS"] == '{"a": 1}'
+    assert "UNRELATED" not in remote
+    assert remote["MASTER_ADDR"] == local["MASTER_ADDR"] == "localhost"

@@ -3,7 +3,8 @@
 import pytest
 
 from poprun.errors import ConfigError
-from poprun.hosts import Host, expand_brackets, parse_host_file, parse_host_list
+from poprun.hosts import (Host, expand_brackets, is_local, job_hosts, parse_host_file,
+                          parse_host_list)
 
 
 def names(hosts):
@@ -49,3 +50,21 @@ def test_host_file_comments_and_blank_lines():
     assert names(parse_host_file(text, "hosts.txt")) == ["h1", "node1", "node2"]
     with pytest.raises(ConfigError, match="no hosts"):
         parse_host_file("# nothing\n", "hosts.txt")
+
+
+def test_job_hosts_prefer_the_given_ones_then_slurm_then_none():
+    slurm = {"SLURM_JOB_NODELIST": "n[1-2],m7"}
+    assert job_hosts((Host("a"),), slurm) == (Host("a"),)
+    assert job_hosts((), slurm) == (Host("n1"), Host("n2"), Host("m7"))
+    assert job_hosts((), {}) == ()
+    with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST"):
+        job_hosts((), {"SLURM_JOB_NODELIST": "n[1-"})
+
+
+def test_only_names_of_this_machine_are_local():
+    assert is_local(Host("localhost"), "gc01.example.com")
+    assert is_local(Host("gc01"), "gc01.example.com")
+    assert is_local(Host("gc01.example.com"), "gc01.example.com")
+    assert not is_local(Host("gc02"), "gc01.example.com")
+    assert not is_local(Host("127.0.0.2"), "gc01")  # an address may be a test sshd
+    assert not is_local(Host("localhost", port=2222), "gc01")  # a port means an sshd

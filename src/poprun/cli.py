@@ -98,6 +98,24 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("mpi-local-args", Kind.LIST, "As --mpi-global-args (repeatable)"),
     Opt("instance-mpi-local-args", Kind.LIST,
         "<instance>:<mpi args> for one instance only, e.g. 0:-x VAR=1 (repeatable)"),
+    Opt("host", Kind.LIST, "Comma-separated hosts to run instances on, e.g. h1,h2 or "
+        "node[01-04] or user@host:port (repeatable; default: this host, or the Slurm "
+        "allocation's nodes). Instances are divided evenly, in contiguous blocks",
+        short="H", dest="hosts"),
+    Opt("host-file", Kind.STR, "Read the hosts from this file: one per line, # comments "
+        "(instead of --host)", default=None),
+    Opt("ssh-fanout", Kind.INT, "Open at most this many SSH connections at a time"),
+    Opt("ssh-timeout", Kind.FLOAT, "Give up connecting to a host after this many seconds"),
+    Opt("remote-python", Kind.STR, "Python that runs poprun's agent on remote hosts "
+        "(default: the path of the launcher's own Python)"),
+    Opt("check", B, "Check every host (reachable, authenticated, same Python and poprun, "
+        "working directory, NUMA) and start nothing", default=False),
+    Opt("distribute-ssh-key", B, "Append your public key to ~/.ssh/authorized_keys on every "
+        "host that lacks it (asks the password once), then launch"),
+    Opt("distribute-ssh-key-path", Kind.STR,
+        "Folder of the key to distribute (default: ~/.ssh)"),
+    Opt("distribute-ssh-key-type", Kind.STR,
+        "Generate a key of this type first: dsa, ecdsa, ed25519 or rsa"),
     Opt("kill-timeout", Kind.FLOAT,
         "Seconds between SIGTERM and SIGKILL when stopping instances"),
     Opt("export-config", Kind.STR, "Write the options and program to this TOML file, then launch",
@@ -226,7 +244,25 @@ def build_config(parsed: Parsed) -> LaunchConfig:
     for name, value in options.items():
         if isinstance(value, list):
             options[name] = tuple(value)
+    if parsed.values.get("host_file"):
+        if "hosts" in parsed.given:
+            raise ConfigError("--host and --host-file cannot be used together")
+        options["hosts"] = _read_host_file(str(parsed.values["host_file"]))
     return LaunchConfig(program=program, **options)
+
+
+def _read_host_file(path: str) -> tuple[str, ...]:
+    """The file's hosts, each as one host-list entry (validated when the config is built)."""
+    from .hosts import parse_host_file
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            content = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"--host-file: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--host-file: {path} is not a text file") from None
+    return tuple(str(h) for h in parse_host_file(content, f"--host-file {path}"))
 
 
 def export_config(config: LaunchConfig, path: str, overwrite: bool) -> str:

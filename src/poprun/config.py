@@ -15,9 +15,13 @@ from typing import Any
 
 from . import mpiargs
 from .errors import ConfigError
+from .hosts import Host, parse_host_list
 from .mpiargs import MpiArgs
 
 DEFAULT_KILL_TIMEOUT = 5.0
+DEFAULT_SSH_FANOUT = 64
+DEFAULT_SSH_TIMEOUT = 10.0
+SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,15 @@ class LaunchConfig:
     instance_mpi_local_args: tuple[str, ...] = ()
     kill_timeout: float = DEFAULT_KILL_TIMEOUT
     verbose: int = 0
+    # Host-list entries as given (`h1,h2`, `pod[1-4]`, `user@host:port`); empty: this host
+    # (or the Slurm allocation's nodes, see hosts.job_hosts).
+    hosts: tuple[str, ...] = ()
+    ssh_fanout: int = DEFAULT_SSH_FANOUT
+    ssh_timeout: float = DEFAULT_SSH_TIMEOUT
+    remote_python: str | None = None  # None: the launcher's own interpreter path
+    distribute_ssh_key: bool = False
+    distribute_ssh_key_path: str | None = None  # the key's folder; None: ~/.ssh
+    distribute_ssh_key_type: str | None = None  # set: generate a key of this type first
 
     def __post_init__(self) -> None:
         for name in _STR_TUPLE_FIELDS:
@@ -59,7 +72,8 @@ class LaunchConfig:
         self._check_types()
         if not self.program or not self.program[0]:
             raise ConfigError("no program given: usage is poprun [options] program [program args]")
-        for name in ("num_instances", "num_replicas", "ipus_per_replica", "num_ilds"):
+        for name in ("num_instances", "num_replicas", "ipus_per_replica", "num_ilds",
+                     "ssh_fanout"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
@@ -78,6 +92,16 @@ class LaunchConfig:
                               f"(0..{self.num_instances - 1})")
         if self.kill_timeout < 0:
             raise ConfigError(f"--kill-timeout must not be negative, got {self.kill_timeout}")
+        if self.ssh_timeout <= 0:
+            raise ConfigError(f"--ssh-timeout must be positive, got {self.ssh_timeout}")
+        if self.host_list and self.num_instances % len(self.host_list):
+            raise ConfigError(
+                f"--num-instances={self.num_instances} is not divisible by the "
+                f"{len(self.host_list)} hosts: every host runs the same number of instances")
+        key_type = self.distribute_ssh_key_type
+        if key_type is not None and key_type not in SSH_KEY_TYPES:
+            raise ConfigError(f"--distribute-ssh-key-type={key_type!r}: use one of "
+                              f"{', '.join(SSH_KEY_TYPES)}")
         for entry in self.env:
             _check_env_entry(entry, "--env")
         # Parsing here reports a bad mpi-args token at construction, not mid-launch.
@@ -100,7 +124,8 @@ class LaunchConfig:
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a boolean")
-        for name in ("executable_cache_path", "output_filename"):
+        for name in ("executable_cache_path", "output_filename", "remote_python",
+                     "distribute_ssh_key_path", "distribute_ssh_key_type"):
             if not isinstance(getattr(self, name), (str, type(None))):
                 raise bad(name, "a string")
         only = self.only_output_from_instance
@@ -109,12 +134,18 @@ class LaunchConfig:
         if not isinstance(self.verbose, int) or isinstance(self.verbose, bool) \
                 or self.verbose < 0:
             raise bad("verbose", "a non-negative integer")
-        timeout = self.kill_timeout
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
-                or not math.isfinite(timeout):
-            raise bad("kill_timeout", "a number of seconds")
+        for name in ("kill_timeout", "ssh_timeout"):
+            seconds = getattr(self, name)
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) \
+                    or not math.isfinite(seconds):
+                raise bad(name, "a number of seconds")
 
     # --- derived views ----------------------------------------------------------------
+
+    @cached_property
+    def host_list(self) -> tuple[Host, ...]:
+        """The hosts named by `hosts`, expanded; duplicates are an error."""
+        return parse_host_list(",".join(self.hosts)) if self.hosts else ()
 
     @cached_property
     def mpi(self) -> MpiArgs:
@@ -174,9 +205,9 @@ class LaunchConfig:
 
 
 _STR_TUPLE_FIELDS = ("program", "env", "mpi_global_args", "mpi_local_args",
-                     "instance_mpi_local_args")
+                     "instance_mpi_local_args", "hosts")
 _BOOL_FIELDS = ("offline_mode", "print_topology", "tag_output", "timestamp_output",
-                "merge_stderr_to_stdout")
+                "merge_stderr_to_stdout", "distribute_ssh_key")
 
 
 def field_defaults() -> dict[str, Any]:

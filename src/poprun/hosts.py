@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -27,6 +28,28 @@ class Host:
     def __str__(self) -> str:
         text = f"{self.user}@{self.name}" if self.user else self.name
         return f"{text}:{self.port}" if self.port else text
+
+
+SLURM_NODELIST = "SLURM_JOB_NODELIST"
+LOCAL_NAMES = ("localhost",)
+
+
+def job_hosts(hosts: tuple[Host, ...], environ: Mapping[str, str]) -> tuple[Host, ...]:
+    """The hosts a job runs on: those given, else a Slurm allocation's nodes, else none
+    (meaning this host only)."""
+    if hosts:
+        return hosts
+    nodelist = environ.get(SLURM_NODELIST, "").strip()
+    return parse_host_list(nodelist, SLURM_NODELIST) if nodelist else ()
+
+
+def is_local(host: Host, this_host: str) -> bool:
+    """Whether `host` names this machine, so its instances start without SSH (as mpirun
+    does). Only names count, not addresses: `127.0.0.2` may well be an sshd in a test."""
+    if host.user or host.port:
+        return False
+    short = this_host.split(".", 1)[0]
+    return host.name in LOCAL_NAMES or host.name in (this_host, short)
 
 
 def parse_host_list(text: str, source: str = "--host") -> tuple[Host, ...]:

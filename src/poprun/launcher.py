@@ -30,6 +30,7 @@ from spawner.local import LocalSpawner, ProcessSpec, Stream, resolve_program
 from . import plan as planning
 from .config import LaunchConfig
 from .errors import ConfigError, LaunchError
+from .hosts import Host, is_local, job_hosts
 from .log import Log
 from .output import OutputOptions, OutputRouter
 from .plan import CacheMode, LaunchPlan
@@ -38,24 +39,57 @@ from .result import InstanceResult, LaunchResult
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DRY_RUN_CACHE_DIR = "<temporary directory, created at launch>"
+LOOPBACK = "127.0.0.1"
 
 
 def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> LaunchPlan:
-    """The plan `--dry-run` shows: a launch's plan, with a placeholder for a temporary cache."""
-    program, mode = preflight(config, environ, cwd)
+    """The plan `--dry-run` shows: a launch's plan, contacting no host. Cache dirs not made
+    yet are placeholders; MASTER_ADDR is the first host's name (a launch uses its address)."""
+    hosts = JobHosts.of(config, environ)
+    program, mode = preflight(config, environ, cwd, resolve=hosts.any_local)
     cache = _explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
+    master = LOOPBACK if hosts.first_is_local and not hosts.remote else hosts.labels[0]
     return planning.plan(config, environ, program=program, master_port=free_port(),
-                         cache_paths={planning.LOCALHOST: cache})
+                         hosts=hosts.labels, master_addr=master, remote_hosts=hosts.remote,
+                         cache_paths={label: cache for label in hosts.labels})
 
 
-def preflight(config: LaunchConfig, environ: Mapping[str, str],
-              cwd: str) -> tuple[tuple[str, ...], CacheMode]:
-    """Everything checked before anything starts: the program with argv[0] resolved, and
-    the executable cache mode. Touches nothing."""
+@dataclass(frozen=True)
+class JobHosts:
+    """Where a job runs: host labels in instance order, and which of them need SSH."""
+
+    hosts: tuple[Host, ...]  # empty: this host only
+    remote: frozenset[str]
+
+    @classmethod
+    def of(cls, config: LaunchConfig, environ: Mapping[str, str]) -> JobHosts:
+        hosts = job_hosts(config.host_list, environ)
+        this = socket.gethostname()
+        return cls(hosts, frozenset(str(h) for h in hosts if not is_local(h, this)))
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return tuple(str(h) for h in self.hosts) or (planning.LOCALHOST,)
+
+    @property
+    def any_local(self) -> bool:
+        return len(self.remote) < len(self.labels)
+
+    @property
+    def first_is_local(self) -> bool:
+        return self.labels[0] not in self.remote
+
+
+def preflight(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
+              resolve: bool = True) -> tuple[tuple[str, ...], CacheMode]:
+    """Everything checked before anything starts: the program (argv[0] resolved here when
+    `resolve`; remote hosts resolve it themselves) and the executable cache mode."""
     if not config.offline_mode:
         raise ConfigError("V-IPU partitions are not supported by this poprun yet: run with "
                           "--offline-mode=yes (instances may still attach to IPUs themselves)")
     program = config.program
+    if not resolve:
+        return program, planning.cache_mode(config, environ)
     resolved = resolve_program(program[0], environ.get("PATH"), cwd)
     if resolved is None:
         raise ConfigError(f"program {program[0]!r} not found or not executable "

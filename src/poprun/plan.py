@@ -113,9 +113,11 @@ def plan(
     hosts: tuple[str, ...] = (LOCALHOST,),
     master_addr: str = "127.0.0.1",
     cache_paths: Mapping[str, str] | None = None,
+    remote_hosts: frozenset[str] = frozenset(),
 ) -> LaunchPlan:
     """Plan the job. `program` is the argv with argv[0] resolved; `cache_paths` maps each host
-    to its cache directory when `cache_mode()` is EXPLICIT or TEMPORARY."""
+    to its cache directory when `cache_mode()` is EXPLICIT or TEMPORARY. Instances on
+    `remote_hosts` also get the variables forwarded there (DESIGN.md §3)."""
     mode = cache_mode(config, environ)
     if config.num_instances % len(hosts):
         raise ConfigError(f"--num-instances={config.num_instances} is not divisible by the "
@@ -134,7 +136,8 @@ def plan(
             local_size=per_host, num_total_replicas=config.num_replicas,
             ipus_per_replica=config.ipus_per_replica, master_addr=master_addr,
             master_port=master_port, executable_cache_path=cache)
-        added = E.instance_environment(who)
+        added = _forwarded(environ) if host in remote_hosts else {}
+        added.update(E.instance_environment(who))
         added.update(_user_env(config.env_entries(index), environ, warnings))
         first = index * local_replicas
         instances.append(InstancePlan(
@@ -143,6 +146,11 @@ def plan(
             ild=first // replicas_per_ild, env=added, argv=program))
     return LaunchPlan(instances=tuple(instances), hosts=hosts, num_ilds=config.num_ilds,
                       cache_mode=mode, warnings=tuple(dict.fromkeys(warnings)))
+
+
+def _forwarded(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a remote instance inherits from the launcher's environment without `-x`."""
+    return {name: environ[name] for name in E.FORWARDED_TO_REMOTE if name in environ}
 
 
 def _user_env(entries: tuple[str, ...], environ: Mapping[str, str],

@@ -9,6 +9,8 @@ import shlex
 import signal
 from collections.abc import Iterable
 
+from spawner.cpulist import format_cpu_list
+
 from .plan import LaunchPlan
 
 _HEADERS = ("hosts", "ILDs", "instances", "replicas")
@@ -16,13 +18,7 @@ _HEADERS = ("hosts", "ILDs", "instances", "replicas")
 
 def fold_indices(indices: Iterable[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> "[0-2,5,7-8]"."""
-    runs: list[list[int]] = []
-    for i in sorted(set(indices)):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return "[" + ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) + "]"
+    return f"[{format_cpu_list(indices)}]"
 
 
 def topology_table(launch_plan: LaunchPlan) -> str:

@@ -19,6 +19,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from spawner.cpulist import format_cpu_list, parse_allowed, parse_cpu_list
+
 from .errors import ConfigError
 
 SYSFS_ROOT_ENV = "POPRUN_SYSFS_ROOT"
@@ -30,36 +32,6 @@ _CPU = "devices/system/cpu"
 _SIBLING_FILES = ("core_cpus_list", "thread_siblings_list")
 _TOPOLOGY_FILES = ("physical_package_id", "core_id", *_SIBLING_FILES)
 _MEMTOTAL = re.compile(r"MemTotal:\s*(\d+)\s*kB")
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
-
-
-# --- the Linux list format ("0-3,8,10-11") ------------------------------------------------
-
-
-def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """"0-3,8,10-11" -> (0, 1, 2, 3, 8, 10, 11), ascending; "" -> (). The format of sysfs
-    `cpulist` files and of `Cpus_allowed_list` / `Mems_allowed_list` (node lists too)."""
-    ids: set[int] = set()
-    for item in text.strip().split(","):
-        if not item:
-            continue
-        match = _RANGE.fullmatch(item.strip())
-        if not match or (match[2] and int(match[2]) < int(match[1])):
-            raise ConfigError(f"{text.strip()!r} is not a CPU list like 0-3,8,10-11")
-        first = int(match[1])
-        ids.update(range(first, int(match[2] or first) + 1))
-    return tuple(sorted(ids))
-
-
-def format_cpu_list(ids: Iterable[int]) -> str:
-    """(0, 1, 2, 3, 8, 10, 11) -> "0-3,8,10-11", the inverse of `parse_cpu_list`."""
-    runs: list[list[int]] = []
-    for i in sorted(set(ids)):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 # --- the model ---------------------------------------------------------------------------
@@ -205,7 +177,7 @@ def _cores(files: Mapping[str, str], online: Iterable[int]) -> dict[int, int]:
 def _cpu_list(files: Mapping[str, str], path: str) -> tuple[int, ...]:
     try:
         return parse_cpu_list(files[path])
-    except ConfigError as e:
+    except ValueError as e:
         raise ConfigError(f"{path}: {e}") from None
 
 
@@ -216,18 +188,6 @@ def _number(text: str, path: str) -> int:
         raise ConfigError(f"{path}: {text.strip()!r} is not a number") from None
 
 
-# --- /proc/<pid>/status ------------------------------------------------------------------
-
-
-def parse_allowed(status: str) -> tuple[frozenset[int], frozenset[int]]:
-    """(CPUs, memory nodes) from the text of a `/proc/<pid>/status`: its `Cpus_allowed_list`
-    and `Mems_allowed_list` (the cpuset intersected with the affinity)."""
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    try:
-        return (frozenset(parse_cpu_list(fields["Cpus_allowed_list"])),
-                frozenset(parse_cpu_list(fields["Mems_allowed_list"])))
-    except KeyError as e:
-        raise ConfigError(f"no {e.args[0]} in the process status") from None
 
 
 # --- I/O ---------------------------------------------------------------------------------
@@ -259,7 +219,11 @@ def read_sysfs(root: str | None = None) -> dict[str, str]:
 def read_allowed(pid: int | str = "self") -> tuple[frozenset[int], frozenset[int]]:
     """The CPUs and memory nodes process `pid` may use, from `/proc/<pid>/status`."""
     with open(f"/proc/{pid}/status") as f:
-        return parse_allowed(f.read())
+        status = f.read()
+    try:
+        return parse_allowed(status)
+    except ValueError as e:
+        raise ConfigError(f"/proc/{pid}/status: {e}") from None
 
 
 def local_topology(root: str | None = None) -> Topology:

@@ -20,7 +20,7 @@ from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from poprun.topology import parse_allowed, parse_cpu_list
+from .cpulist import parse_allowed, parse_cpu_list
 
 LIBNUMA = "libnuma.so.1"
 MPOL_BIND = 2

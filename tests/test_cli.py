@@ -446,7 +446,8 @@ class TestDryRun:
             assert inst["argv"] == [PY, "-c", "pass"]
             assert isinstance(inst["env"], dict)
             assert inst["env"]["POPDIST_REPLICA_INDEX_OFFSET"] == str(replicas[0])
-            assert inst["cpus"] is None and inst["mems"] is None
+            # bound by the default spreadnuma placement, to CPUs this process may use
+            assert inst["cpus"] and set(inst["cpus"]) <= os.sched_getaffinity(0)
 
     def test_dry_run_text_shows_topology_and_plan(self, poprun, tmp_path):
         proc = poprun(*OFFLINE, "--dry-run", "--print-topology=yes", "--num-instances=2",

@@ -116,6 +116,15 @@ OPTIONS: tuple[Opt, ...] = (
         "Folder of the key to distribute (default: ~/.ssh)"),
     Opt("distribute-ssh-key-type", Kind.STR,
         "Generate a key of this type first: dsa, ecdsa, ed25519 or rsa"),
+    Opt("process-placement", Kind.STR,
+        "How instances are bound on each host: spreadnuma (NUMA nodes divided among the "
+        "host's instances), scatternuma / scattersocket (one core each, spread over NUMA nodes "
+        "/ sockets), close (one core each, consecutive), disabled. Default: spreadnuma when "
+        "a host runs several instances, else disabled"),
+    Opt("numa-aware", B, "Older spelling: yes = --process-placement=spreadnuma, "
+        "no = disabled"),
+    Opt("report-bindings", B, "After start, print each instance's CPUs and memory nodes as "
+        "read from /proc, and warn where they differ from the plan"),
     Opt("kill-timeout", Kind.FLOAT,
         "Seconds between SIGTERM and SIGKILL when stopping instances"),
     Opt("export-config", Kind.STR, "Write the options and program to this TOML file, then launch",

@@ -57,6 +57,9 @@ class LaunchConfig:
     distribute_ssh_key: bool = False
     distribute_ssh_key_path: str | None = None  # the key's folder; None: ~/.ssh
     distribute_ssh_key_type: str | None = None  # set: generate a key of this type first
+    process_placement: str | None = None  # a placement.Strategy value; None: automatic
+    numa_aware: bool | None = None  # the older spelling: yes = spreadnuma, no = disabled
+    report_bindings: bool = False
 
     def __post_init__(self) -> None:
         for name in _STR_TUPLE_FIELDS:
@@ -98,6 +101,9 @@ class LaunchConfig:
             raise ConfigError(
                 f"--num-instances={self.num_instances} is not divisible by the "
                 f"{len(self.host_list)} hosts: every host runs the same number of instances")
+        from .placement import resolve_strategy
+
+        resolve_strategy(self.process_placement, self.numa_aware, 1)  # unknown or contradictory
         key_type = self.distribute_ssh_key_type
         if key_type is not None and key_type not in SSH_KEY_TYPES:
             raise ConfigError(f"--distribute-ssh-key-type={key_type!r}: use one of "
@@ -125,9 +131,11 @@ class LaunchConfig:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a boolean")
         for name in ("executable_cache_path", "output_filename", "remote_python",
-                     "distribute_ssh_key_path", "distribute_ssh_key_type"):
+                     "distribute_ssh_key_path", "distribute_ssh_key_type", "process_placement"):
             if not isinstance(getattr(self, name), (str, type(None))):
                 raise bad(name, "a string")
+        if self.numa_aware is not None and not isinstance(self.numa_aware, bool):
+            raise bad("numa_aware", "a boolean")
         only = self.only_output_from_instance
         if only is not None and (not isinstance(only, int) or isinstance(only, bool)):
             raise bad("only_output_from_instance", "an integer")
@@ -179,6 +187,10 @@ class LaunchConfig:
         return self.merge_stderr_to_stdout or self.mpi.merge_stderr_to_stdout
 
     @property
+    def effective_report_bindings(self) -> bool:
+        return self.report_bindings or self.mpi.report_bindings
+
+    @property
     def effective_output_filename(self) -> str | None:
         return self.output_filename or self.mpi.output_filename
 
@@ -207,7 +219,7 @@ class LaunchConfig:
 _STR_TUPLE_FIELDS = ("program", "env", "mpi_global_args", "mpi_local_args",
                      "instance_mpi_local_args", "hosts")
 _BOOL_FIELDS = ("offline_mode", "print_topology", "tag_output", "timestamp_output",
-                "merge_stderr_to_stdout", "distribute_ssh_key")
+                "merge_stderr_to_stdout", "distribute_ssh_key", "report_bindings")
 
 
 def field_defaults() -> dict[str, Any]:

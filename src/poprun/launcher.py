@@ -24,6 +24,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from spawner.binding import read_binding
+from spawner.cpulist import format_cpu_list
 from spawner.lifeline import Lifeline
 from spawner.local import LocalSpawner, ProcessSpec, Stream, resolve_program
 
@@ -36,6 +38,7 @@ from .output import OutputOptions, OutputRouter
 from .plan import CacheMode, LaunchPlan
 from .render import topology_table
 from .result import InstanceResult, LaunchResult
+from .topology import Topology, local_topology
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DRY_RUN_CACHE_DIR = "<temporary directory, created at launch>"
@@ -51,7 +54,18 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
     master = LOOPBACK if hosts.first_is_local and not hosts.remote else hosts.labels[0]
     return planning.plan(config, environ, program=program, master_port=free_port(),
                          hosts=hosts.labels, master_addr=master, remote_hosts=hosts.remote,
-                         cache_paths={label: cache for label in hosts.labels})
+                         cache_paths={label: cache for label in hosts.labels},
+                         topologies=local_topologies(config, hosts))
+
+
+def local_topologies(config: LaunchConfig, hosts: JobHosts) -> dict[str, Topology]:
+    """This machine's NUMA topology under each of its labels, when placement needs it."""
+    local = [label for label in hosts.labels if label not in hosts.remote]
+    per_host = config.num_instances // len(hosts.labels)
+    if not local or not planning.needs_topology(config, per_host):
+        return {}
+    topology = local_topology()
+    return {label: topology for label in local}
 
 
 @dataclass(frozen=True)
@@ -172,9 +186,11 @@ class _Session:
     def start(self, loop, on_finished=None) -> _Job:
         """Create the cache dir, plan, and start every instance."""
         cache_dir = self.cache.create()
+        hosts = JobHosts.of(self.config, self.environ)
         launch_plan = planning.plan(
             self.config, self.environ, program=self.program, master_port=free_port(),
-            cache_paths={planning.LOCALHOST: cache_dir} if cache_dir else {})
+            hosts=hosts.labels, cache_paths={h: cache_dir for h in hosts.labels} if cache_dir
+            else {}, topologies=local_topologies(self.config, hosts))
         for warning in launch_plan.warnings:
             self.log.warning(warning)
         if self.config.print_topology:
@@ -291,7 +307,8 @@ class _Job:
             spec = ProcessSpec(
                 key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge,
                 env=planning.instance_environ(self.environ, inst, self.plan),
-                inherit_stdin=inst.index == 0)  # as mpirun: stdin goes to the first instance
+                inherit_stdin=inst.index == 0,  # as mpirun: stdin goes to the first instance
+                cpus=inst.cpus, mems=inst.mems)
             try:
                 pid = self.spawner.spawn(spec)
             except OSError as exc:
@@ -299,6 +316,29 @@ class _Job:
                                   f"{exc.strerror or exc}") from None
             self.started[inst.index] = _Started(pid=pid, start=time.time())
             self.log.debug(f"started instance {inst.index} pid {pid}: {' '.join(inst.argv)}")
+        if self.spawner.memory_binding_skipped:
+            self.log.warning("memory binding skipped: libnuma (libnuma1) or the kernel's NUMA "
+                             "support is missing on this host; CPU binding is in force")
+        if self.config.effective_report_bindings:
+            self._report_bindings()
+
+    def _report_bindings(self) -> None:
+        """mpirun's --report-bindings, from what the kernel says of each live instance."""
+        for inst in self.plan.instances:
+            pid = self.started[inst.index].pid
+            try:
+                actual = read_binding(pid)
+            except OSError:  # already gone: nothing to report
+                continue
+            self.log.always(f"instance {inst.index} (pid {pid}) on {inst.host}: cpus "
+                            f"{format_cpu_list(actual.cpus)}, memory {actual.mempolicy} "
+                            f"{format_cpu_list(actual.mems)}")
+            for what, planned, got in (("cpus", inst.cpus, actual.cpus),
+                                       ("memory nodes", inst.mems, actual.mems)):
+                if planned is not None and tuple(planned) != tuple(got):
+                    self.log.warning(f"instance {inst.index} runs on {what} "
+                                     f"{format_cpu_list(got)}, planned "
+                                     f"{format_cpu_list(planned)}")
 
     # --- spawner sink -----------------------------------------------------------------
 

@@ -22,6 +22,10 @@ class Log:
     def warning(self, msg: str) -> None:
         self._emit("W", msg)
 
+    def always(self, msg: str) -> None:
+        """Information the user asked for (e.g. --report-bindings): shown at any verbosity."""
+        self._emit("I", msg)
+
     def info(self, msg: str) -> None:
         if self.verbosity >= 1:
             self._emit("I", msg)

@@ -15,6 +15,8 @@ from popdist import env as E
 
 from .config import LaunchConfig
 from .errors import ConfigError
+from .placement import Binding, Strategy, place, resolve_strategy
+from .topology import Topology
 
 LOCALHOST = "localhost"
 
@@ -114,10 +116,12 @@ def plan(
     master_addr: str = "127.0.0.1",
     cache_paths: Mapping[str, str] | None = None,
     remote_hosts: frozenset[str] = frozenset(),
+    topologies: Mapping[str, Topology] | None = None,
 ) -> LaunchPlan:
     """Plan the job. `program` is the argv with argv[0] resolved; `cache_paths` maps each host
     to its cache directory when `cache_mode()` is EXPLICIT or TEMPORARY. Instances on
-    `remote_hosts` also get the variables forwarded there (DESIGN.md §3)."""
+    `remote_hosts` also get the variables forwarded there (DESIGN.md §3). Instances on a host
+    with a known topology are bound as `--process-placement` says (None: unknown, unbound)."""
     mode = cache_mode(config, environ)
     if config.num_instances % len(hosts):
         raise ConfigError(f"--num-instances={config.num_instances} is not divisible by the "
@@ -126,9 +130,12 @@ def plan(
     local_replicas = config.num_replicas // config.num_instances
     replicas_per_ild = config.num_replicas // config.num_ilds
     warnings: list[str] = []
+    bindings = {host: host_bindings(config, (topologies or {}).get(host), per_host, host)
+                for host in hosts}
     instances = []
     for index in range(config.num_instances):
         host = hosts[index // per_host]
+        binding = bindings[host][index % per_host]
         cache = (cache_paths or {}).get(host) if mode in (CacheMode.EXPLICIT,
                                                           CacheMode.TEMPORARY) else None
         who = E.InstanceIdentity(
@@ -143,9 +150,27 @@ def plan(
         instances.append(InstancePlan(
             index=index, host=host, local_index=who.local_index,
             replicas=tuple(range(first, first + local_replicas)),
-            ild=first // replicas_per_ild, env=added, argv=program))
+            ild=first // replicas_per_ild, env=added, argv=program,
+            cpus=binding.cpus if binding else None,
+            mems=(binding.mems or None) if binding else None))
     return LaunchPlan(instances=tuple(instances), hosts=hosts, num_ilds=config.num_ilds,
                       cache_mode=mode, warnings=tuple(dict.fromkeys(warnings)))
+
+
+def host_bindings(config: LaunchConfig, topology: Topology | None, count: int,
+                  host: str) -> tuple[Binding | None, ...]:
+    """The bindings of one host's `count` instances; all None when its topology is unknown
+    or placement is disabled for it."""
+    strategy = resolve_strategy(config.process_placement, config.numa_aware, count)
+    if topology is None or strategy is Strategy.DISABLED:
+        return (None,) * count
+    return place(topology, count, strategy, host=host)
+
+
+def needs_topology(config: LaunchConfig, instances_on_host: int) -> bool:
+    """Whether placement needs the host's topology (reading it costs a few ms of sysfs)."""
+    return resolve_strategy(config.process_placement, config.numa_aware,
+                            instances_on_host) is not Strategy.DISABLED
 
 
 def _forwarded(environ: Mapping[str, str]) -> dict[str, str]:

@@ -1,0 +1,382 @@
+"""The per-host agent: `python -m spawner.agent`, started by the launcher over SSH.
+
+It speaks `spawner.protocol` on stdin/stdout (diagnostics go to stderr) and starts that host's
+instances with the same `LocalSpawner` a local run uses. Its start-up is on the critical path
+of every multi-host launch, so it imports no asyncio: `spawner.loop.SelectLoop` drives it.
+
+How it ends, and what it leaves behind (nothing):
+- stdin reaches EOF (the launcher closed it, died, or its connection dropped), or SIGTERM /
+  SIGHUP / SIGINT arrives: SIGKILL every instance's process group, remove its temp dirs, exit.
+- stdout is closed under it (EPIPE): the same.
+- it is SIGKILLed itself: its `Lifeline` watchdog sees the pipe close and does the same.
+
+Backpressure: frames wait in an in-memory outbox and are written without ever blocking. When
+the launcher reads slower than the instances write, the outbox passes `HIGH_WATER` and the
+agent stops reading the instances' pipes (they block on their writes, as on a slow terminal)
+until it drains below `LOW_WATER`. stdin is always read, so an EOF is seen at once even while
+the launcher is not reading: shutdown never waits for a write.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from itertools import islice
+from typing import Any
+
+from poprun._version import __version__
+
+from .lifeline import Lifeline
+from .local import LocalSpawner, ProcessSpec, Stream, resolve_program
+from .loop import Handle, SelectLoop
+from .protocol import (MAGIC, PROTOCOL_VERSION, Control, Frame, FrameDecoder, Kind,
+                       ProtocolError, SpawnRequest, encode, output_header)
+
+READ_SIZE = 65536
+HIGH_WATER = 1 << 20  # unsent bytes above which instances' pipes are no longer read
+LOW_WATER = 256 << 10  # ... and below which they are read again
+IOV_BATCH = 512  # buffers per writev (Linux allows 1024)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def hello_reply(request: dict[str, Any]) -> dict[str, Any]:
+    """What the agent tells the launcher about this host. New keys may be added at any time
+    (the launcher ignores those it does not know): keep it a flat, extensible dict."""
+    cwd = request.get("cwd") or os.getcwd()
+    program = request.get("program")
+    path = request.get("path")  # the PATH instances will get; None: the agent's own
+    if path is None:
+        path = os.environ.get("PATH", os.defpath)
+    return {
+        "protocol": PROTOCOL_VERSION,
+        "poprun": __version__,
+        "python": {"version": list(sys.version_info), "executable": sys.executable,
+                   "implementation": sys.implementation.name},
+        "hostname": os.uname().nodename,
+        "pid": os.getpid(),
+        "cwd": cwd,
+        "cwd_exists": os.path.isdir(cwd),
+        "program": resolve_program(program, path, cwd) if program else None,
+    }
+
+
+def instance_environ(env_set: Mapping[str, str], env_unset: Iterable[str]) -> dict[str, str]:
+    """The agent's own environment (what sshd gave it: HOME, USER, SSH_CONNECTION...) with
+    the launcher's changes applied."""
+    env = dict(os.environ)
+    for name in env_unset:
+        env.pop(name, None)
+    env.update(env_set)
+    return env
+
+
+class _AgentLoop(SelectLoop):
+    """SelectLoop plus write readiness, which only the agent's stdout needs."""
+
+    def add_writer(self, fd: int, callback: Callable[..., Any], *args: Any) -> None:
+        self._selector.register(fd, selectors.EVENT_WRITE, Handle(callback, args))
+
+    remove_writer = SelectLoop.remove_reader  # unregisters the fd whatever it waited for
+
+
+class _Gate:
+    """The loop as the spawner sees it, with a switch: `pause()` stops dispatching the
+    spawner's readers (pipes and pidfds), `resume()` restores them."""
+
+    def __init__(self, loop: SelectLoop) -> None:
+        self._loop = loop
+        self._readers: dict[int, tuple[Callable[..., Any], tuple]] = {}
+        self.paused = False
+
+    def add_reader(self, fd: int, callback: Callable[..., Any], *args: Any) -> None:
+        self._readers[fd] = (callback, args)
+        if not self.paused:
+            self._loop.add_reader(fd, callback, *args)
+
+    def remove_reader(self, fd: int) -> bool:
+        self._readers.pop(fd, None)
+        return self._loop.remove_reader(fd)
+
+    def call_later(self, delay: float, callback: Callable[..., Any], *args: Any) -> Handle:
+        return self._loop.call_later(delay, callback, *args)
+
+    def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any) -> Handle:
+        return self._loop.call_soon_threadsafe(callback, *args)
+
+    def pause(self) -> None:
+        self.paused = True
+        for fd in self._readers:
+            self._loop.remove_reader(fd)
+
+    def resume(self) -> None:
+        self.paused = False
+        for fd, (callback, args) in self._readers.items():
+            self._loop.add_reader(fd, callback, *args)
+
+
+class _Outbox:
+    """Frames on their way to stdout, written with writev whenever stdout takes them.
+
+    `on_pressure(True)` when more than HIGH_WATER bytes wait, `on_pressure(False)` when
+    fewer than LOW_WATER do; `on_broken()` once when stdout fails (the reader is gone).
+    """
+
+    def __init__(self, loop: _AgentLoop, fd: int, on_broken: Callable[[], None],
+                 on_pressure: Callable[[bool], None]) -> None:
+        self._loop, self._fd = loop, fd
+        self._on_broken, self._on_pressure = on_broken, on_pressure
+        self._parts: deque[bytes | memoryview] = deque()
+        self.size = 0
+        self._scheduled = self._waiting = self._pressed = self.broken = False
+
+    def send(self, *parts: bytes) -> None:
+        if self.broken:
+            return
+        self._parts.extend(parts)
+        self.size += sum(map(len, parts))
+        if not (self._scheduled or self._waiting):
+            # Not at once: everything sent in this loop round then goes out in one writev.
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+        if self.size > HIGH_WATER and not self._pressed:
+            self._pressed = True
+            self._on_pressure(True)
+
+    def flush(self) -> None:
+        """Write what stdout takes now; wait for it to become writable for the rest."""
+        self._scheduled = False
+        try:
+            self._write_some()
+        except OSError:
+            self._break()
+            return
+        if self._parts and not self._waiting:
+            self._waiting = True
+            self._loop.add_writer(self._fd, self.flush)
+        elif not self._parts and self._waiting:
+            self._waiting = False
+            self._loop.remove_writer(self._fd)
+        if self._pressed and self.size < LOW_WATER:
+            self._pressed = False
+            self._on_pressure(False)
+
+    def _write_some(self) -> None:
+        parts = self._parts
+        while parts:
+            try:
+                written = os.writev(self._fd, list(islice(parts, IOV_BATCH)))
+            except BlockingIOError:
+                return
+            self.size -= written
+            while written:
+                head = parts[0]
+                if len(head) <= written:
+                    written -= len(head)
+                    parts.popleft()
+                else:
+                    parts[0] = memoryview(head)[written:]
+                    written = 0
+
+    def _break(self) -> None:
+        self.broken = True
+        self._parts.clear()
+        self.size = 0
+        if self._waiting:
+            self._loop.remove_writer(self._fd)
+            self._waiting = False
+        self._on_broken()
+
+
+class Agent:
+    """One launcher's agent on this host: the spawner's sink and the request handlers."""
+
+    def __init__(self, loop: _AgentLoop, lifeline: Lifeline, in_fd: int, out_fd: int) -> None:
+        self._loop, self._lifeline, self._in_fd = loop, lifeline, in_fd
+        self._gate = _Gate(loop)
+        self._spawner = LocalSpawner(self, self._gate, lifeline)
+        self._outbox = _Outbox(loop, out_fd, lambda: self.stop("stdout closed"),
+                               self._on_pressure)
+        self._decoder = FrameDecoder()
+        self._temp_dirs: list[str] = []
+        self._handlers = {Kind.HELLO: self._hello, Kind.MKTEMP: self._mktemp,
+                          Kind.SPAWN: self._spawn, Kind.SIGNAL: self._signal}
+        self.done, self.status = False, 0
+        self._outbox.send(MAGIC)
+        loop.add_reader(in_fd, self._on_stdin)
+
+    # --- requests ---------------------------------------------------------------------
+
+    def _on_stdin(self) -> None:
+        try:
+            data = os.read(self._in_fd, READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.stop("stdin closed")
+            return
+        try:
+            frames = self._decoder.feed(data)
+        except ProtocolError as exc:  # no way to find the next frame: give up
+            self._outbox.send(encode(Kind.FAILED, id=None, error=str(exc)))
+            self.stop(f"protocol error: {exc}", status=1)
+            return
+        for frame in frames:
+            self._handle(frame)
+
+    def _handle(self, frame: Frame) -> None:
+        kind = frame.kind if isinstance(frame, Control) else Kind.OUTPUT
+        handler = self._handlers.get(kind)
+        if handler is None:
+            self._outbox.send(encode(Kind.FAILED, id=None, error=f"unexpected {kind.name} frame"))
+            return
+        try:
+            handler(frame.fields)
+        except (KeyError, TypeError, ValueError) as exc:  # a field missing or of a bad type
+            self._outbox.send(encode(Kind.FAILED, id=frame.fields.get("id"),
+                                     error=f"bad {kind.name} request: {exc!r}"))
+
+    def _reply(self, request: dict[str, Any], result: dict[str, Any]) -> None:
+        self._outbox.send(encode(Kind.REPLY, id=request["id"], result=result))
+
+    def _hello(self, request: dict[str, Any]) -> None:
+        self._reply(request, hello_reply(request))
+
+    def _mktemp(self, request: dict[str, Any]) -> None:
+        try:
+            path = tempfile.mkdtemp(prefix=request["prefix"])  # mode 0700
+        except OSError as exc:
+            self._outbox.send(encode(Kind.FAILED, id=request["id"],
+                                     error=f"cannot create a temporary directory: {exc}"))
+            return
+        self._lifeline.add_dir(path)
+        self._temp_dirs.append(path)
+        self._reply(request, {"path": path})
+
+    def _spawn(self, fields: dict[str, Any]) -> None:
+        try:
+            request = SpawnRequest.from_fields(fields)
+            pid = self._start(request)
+        except (KeyError, TypeError, ValueError) as exc:
+            error = f"bad SPAWN request: {exc}"
+        except OSError as exc:
+            error = exc.strerror or str(exc)
+            if exc.filename:
+                error += f": {exc.filename}"
+        else:
+            self._outbox.send(encode(Kind.STARTED, key=request.key, pid=pid,
+                                     memory_binding_skipped=self._spawner.memory_binding_skipped))
+            return
+        self._outbox.send(encode(Kind.SPAWN_FAILED, key=fields.get("key"), error=error))
+
+    def _start(self, request: SpawnRequest) -> int:
+        if self._spawner_knows(request.key):
+            raise ValueError(f"key {request.key} already in use")
+        return self._spawner.spawn(ProcessSpec(
+            key=request.key, argv=request.argv, cwd=request.cwd,
+            env=instance_environ(request.env_set, request.env_unset),
+            merge_stderr=request.merge_stderr, cpus=request.cpus, mems=request.mems))
+
+    def _spawner_knows(self, key: int) -> bool:
+        try:
+            self._spawner.pid(key)
+        except KeyError:
+            return False
+        return True
+
+    def _signal(self, request: dict[str, Any]) -> None:
+        sig = signal.Signals[request["signal"]]
+        key = request.get("key")
+        if key is None:
+            self._spawner.signal_all(sig)
+        elif self._spawner_knows(key):
+            self._spawner.signal(key, sig)
+
+    # --- spawner sink -----------------------------------------------------------------
+
+    def on_output(self, key: int, stream: Stream, data: bytes) -> None:
+        self._outbox.send(output_header(key, stream, len(data)), data)
+
+    def on_exit(self, key: int, returncode: int) -> None:
+        self._outbox.send(encode(Kind.EXIT, key=key, returncode=returncode))
+
+    def _on_pressure(self, pressed: bool) -> None:
+        if pressed:
+            self._gate.pause()
+        else:
+            self._gate.resume()
+
+    # --- ending -----------------------------------------------------------------------
+
+    def stop(self, reason: str, status: int = 0) -> None:
+        """End the loop; `close()` then does the killing and cleaning. `status`: the
+        agent's exit status."""
+        if self.done:
+            return
+        self.done, self.status = True, status
+        running = self._spawner.running()
+        if running:
+            _log(f"{reason}: killing {len(running)} running instance(s)")
+
+    def close(self) -> None:
+        """SIGKILL every instance's group and reap it, remove the temp dirs; then a last,
+        non-blocking attempt to tell the launcher (if it still listens) how they ended."""
+        self._spawner.close()
+        for path in self._temp_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+            self._lifeline.discard_dir(path)
+        self._temp_dirs.clear()
+        self._outbox.flush()
+
+
+def _log(message: str) -> None:
+    os.write(2, f"poprun agent on {os.uname().nodename}: {message}\n".encode(errors="replace"))
+
+
+def _claim_stdio() -> tuple[int, int]:
+    """Private, non-blocking copies of stdin/stdout for the protocol; fds 0 and 1 become
+    /dev/null and stderr, so a stray print() can never corrupt the frame stream."""
+    in_fd, out_fd = os.dup(0), os.dup(1)  # dup'ed fds are close-on-exec
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    os.close(devnull)
+    os.set_blocking(in_fd, False)
+    os.set_blocking(out_fd, False)
+    return in_fd, out_fd
+
+
+def main() -> int:
+    mode = os.fstat(0).st_mode
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or os.isatty(0)):  # epoll needs one
+        _log("stdin must be a pipe or a socket: poprun starts the agent over SSH")
+        return 2
+    in_fd, out_fd = _claim_stdio()
+    lifeline = Lifeline()  # forked first: the watchdog copies the smallest process
+    loop = _AgentLoop()
+    agent = Agent(loop, lifeline, in_fd, out_fd)
+    try:
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, agent.stop, f"{signal.Signals(sig).name} received")
+        loop.run_until(lambda: agent.done)
+    finally:
+        try:
+            agent.close()
+        finally:
+            loop.close()
+            lifeline.close()
+            for fd in (in_fd, out_fd):  # the description may be shared (a terminal)
+                os.set_blocking(fd, True)
+    return agent.status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The framed protocol between the launcher and a per-host agent (`spawner.agent`).
+
+The agent's stdin carries the launcher's requests, its stdout the agent's replies and events.
+Before its first frame the agent writes `MAGIC`: a remote shell's start-up files may print to
+stdout before the agent runs, and the launcher skips (and reports) whatever precedes it.
+
+Every frame is a 5-byte header — payload length (u32, big-endian) and `Kind` (u8) — then the
+payload. Output, the hot path (8 instances x 200k lines), is binary: a 5-byte sub-header
+(instance key u32, stream u8) followed by the raw bytes, so nothing is parsed, escaped or copied
+more than once. Every other frame is one JSON object: rare, small, and easy to extend.
+
+The frame header, `MAGIC` and the HELLO exchange never change; anything else may change
+with `PROTOCOL_VERSION`, which HELLO compares before anything else is sent.
+
+Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
+
+    launcher -> agent
+      HELLO   {id, protocol, poprun, python: [major, minor], cwd, program, path}
+      MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
+      SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems}
+      SIGNAL  {key (null: every instance), signal (name, e.g. "SIGTERM")}
+      (closing the agent's stdin ends it: it kills its instances and removes its temp dirs)
+    agent -> launcher
+      REPLY   {id, result}                   result of HELLO: see agent.hello_reply()
+                                             result of MKTEMP: {path}
+      FAILED  {id, error}                    a request failed (id null: a malformed frame)
+      STARTED {key, pid, memory_binding_skipped}
+      SPAWN_FAILED {key, error}
+      OUTPUT  key, stream, bytes             binary; blocks of whole lines, as LocalSpawner
+      EXIT    {key, returncode}              after the last OUTPUT of that instance
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from .local import Stream
+
+PROTOCOL_VERSION = 1
+MAGIC = b"\0poprun-agent\0"
+HEADER = struct.Struct(">IB")  # payload length, kind
+OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)
+_KEY_STREAM = struct.Struct(">IB")
+# Bytes a remote shell may print before MAGIC before we give up on finding it.
+MAX_NOISE = 65536
+
+
+class Kind(enum.IntEnum):
+    """What a frame is; requests are < 16, agent messages >= 16."""
+
+    HELLO = 1
+    """Launcher: who are you? Agent answers with REPLY."""
+    MKTEMP = 2
+    """Launcher: create a private temp dir. Agent answers with REPLY {path}."""
+    SPAWN = 3
+    """Launcher: start one instance. Agent answers with STARTED or SPAWN_FAILED."""
+    SIGNAL = 4
+    """Launcher: signal one instance's process group, or every one's."""
+    REPLY = 16
+    """Agent: the result of the request with the same id."""
+    FAILED = 17
+    """Agent: the request with the same id failed (id null: a frame it could not read)."""
+    STARTED = 18
+    """Agent: an instance runs, with this pid."""
+    SPAWN_FAILED = 19
+    """Agent: an instance could not be started."""
+    OUTPUT = 20
+    """Agent: a block of an instance's output (binary payload)."""
+    EXIT = 21
+    """Agent: an instance exited; no OUTPUT for it follows."""
+
+
+_KINDS = {int(k): k for k in Kind}
+_STREAMS = {int(s): s for s in Stream}
+
+
+class ProtocolError(Exception):
+    """The byte stream is not this protocol: garbage, an unknown kind, or bad JSON."""
+
+
+class Output(NamedTuple):
+    """A decoded OUTPUT frame."""
+
+    key: int
+    stream: Stream
+    data: bytes
+
+
+class Control(NamedTuple):
+    """A decoded JSON frame."""
+
+    kind: Kind
+    fields: dict[str, Any]
+
+
+Frame = Output | Control
+
+
+@dataclass(frozen=True)
+class SpawnRequest:
+    """The fields of a SPAWN frame: one instance to start on the agent's host."""
+
+    key: int  # the launcher's name for the instance (its index)
+    argv: tuple[str, ...]
+    env_set: Mapping[str, str] = field(default_factory=dict)  # over the agent's environment
+    env_unset: tuple[str, ...] = ()  # removed from it (before env_set is applied)
+    cwd: str | None = None
+    merge_stderr: bool = False
+    cpus: tuple[int, ...] | None = None  # CPU binding there (None: not bound)
+    mems: tuple[int, ...] | None = None  # memory node binding there (None: not bound)
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"key": self.key, "argv": list(self.argv), "env_set": dict(self.env_set),
+                "env_unset": list(self.env_unset), "cwd": self.cwd,
+                "merge_stderr": self.merge_stderr,
+                "cpus": _list_or_none(self.cpus), "mems": _list_or_none(self.mems)}
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> SpawnRequest:
+        """Raises KeyError/TypeError/ValueError for a malformed request."""
+        argv = tuple(fields["argv"])
+        env_set = dict(fields.get("env_set") or {})
+        env_unset = tuple(fields.get("env_unset") or ())
+        strings = (*argv, *env_set, *env_set.values(), *env_unset)
+        if not argv or not all(isinstance(s, str) for s in strings):
+            raise TypeError("argv and environment must be non-empty lists/maps of strings")
+        return cls(key=int(fields["key"]), argv=argv, env_set=env_set, env_unset=env_unset,
+                   cwd=fields.get("cwd"), merge_stderr=bool(fields.get("merge_stderr")),
+                   cpus=_ints_or_none(fields.get("cpus")), mems=_ints_or_none(fields.get("mems")))
+
+
+def _list_or_none(values: tuple[int, ...] | None) -> list[int] | None:
+    return None if values is None else list(values)
+
+
+def _ints_or_none(values: Any) -> tuple[int, ...] | None:
+    return None if values is None else tuple(int(v) for v in values)
+
+
+# --- encoding ----------------------------------------------------------------------------
+
+def encode(kind: Kind, **fields: Any) -> bytes:
+    """A JSON frame. ASCII JSON round-trips str with surrogate escapes exactly, so argv and
+    environment values that are not valid UTF-8 still arrive byte-for-byte."""
+    payload = json.dumps(fields, separators=(",", ":")).encode("ascii")
+    return HEADER.pack(len(payload), kind) + payload
+
+
+def output_header(key: int, stream: Stream, size: int) -> bytes:
+    """The header of an OUTPUT frame carrying `size` bytes; send the bytes after it as they
+    are (the agent writes both with one writev, no concatenation)."""
+    return OUTPUT_HEADER.pack(size + _KEY_STREAM.size, Kind.OUTPUT, key, stream)
+
+
+def encode_output(key: int, stream: Stream, data: bytes) -> bytes:
+    return output_header(key, stream, len(data)) + data
+
+
+# --- decoding ----------------------------------------------------------------------------
+
+class FrameDecoder:
+    """Incremental: `feed()` any slice of the stream, get the frames it completes.
+
+    With `expect_magic`, bytes before `MAGIC` are collected in `noise` (at most `MAX_NOISE`
+    of them, then ProtocolError) instead of being parsed as frames.
+    """
+
+    def __init__(self, expect_magic: bool = False) -> None:
+        self._buf = bytearray()
+        self._synced = not expect_magic
+        self.noise = b""
+
+    def feed(self, data: bytes) -> list[Frame]:
+        self._buf += data
+        if not self._synced and not self._sync():
+            return []
+        return self._frames()
+
+    def _sync(self) -> bool:
+        buf = self._buf
+        at = buf.find(MAGIC)
+        if at < 0:
+            keep = len(MAGIC) - 1  # MAGIC may be split across feeds
+            self._take_noise(max(0, len(buf) - keep))
+            return False
+        self._take_noise(at)
+        del buf[:len(MAGIC)]
+        self._synced = True
+        return True
+
+    def _take_noise(self, n: int) -> None:
+        self.noise += bytes(self._buf[:n])
+        del self._buf[:n]
+        if len(self.noise) > MAX_NOISE:
+            raise ProtocolError(f"no agent greeting in the first {MAX_NOISE} bytes of output")
+
+    def _frames(self) -> list[Frame]:
+        buf, frames, pos = self._buf, [], 0
+        end_of_data = len(buf)
+        with memoryview(buf) as view:  # slices of a view copy once; released before del
+            while end_of_data - pos >= HEADER.size:
+                length, kind = HEADER.unpack_from(view, pos)
+                start = pos + HEADER.size
+                end = start + length
+                if end > end_of_data:
+                    break
+                frames.append(_decode(kind, view, start, end))
+                pos = end
+        del buf[:pos]
+        return frames
+
+    @property
+    def pending(self) -> int:
+        """Bytes received but not yet part of a complete frame."""
+        return len(self._buf)
+
+
+def _decode(kind: int, buf: memoryview, start: int, end: int) -> Frame:
+    if kind == Kind.OUTPUT:
+        if end - start < _KEY_STREAM.size:
+            raise ProtocolError("OUTPUT frame shorter than its header")
+        key, stream = _KEY_STREAM.unpack_from(buf, start)
+        if stream not in _STREAMS:
+            raise ProtocolError(f"OUTPUT frame with unknown stream {stream}")
+        return Output(key, _STREAMS[stream], bytes(buf[start + _KEY_STREAM.size:end]))
+    if kind not in _KINDS:
+        raise ProtocolError(f"unknown frame kind {kind}")
+    try:
+        fields = json.loads(bytes(buf[start:end]))
+    except ValueError as exc:
+        raise ProtocolError(f"{_KINDS[kind].name} frame is not JSON: {exc}") from None
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{_KINDS[kind].name} frame is not a JSON object")
+    return Control(_KINDS[kind], fields)

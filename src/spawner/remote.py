@@ -1,0 +1,461 @@
+"""The launcher's end of a per-host agent: `RemoteSpawner`, on asyncio over one asyncssh
+connection.
+
+    spawner = RemoteSpawner(conn, "h2", sink, on_lost=job.on_host_lost)
+    info = await spawner.start(cwd=os.getcwd(), program="python3")  # versions differ: raises
+    cache = await spawner.make_temp_dir("poprun-cache-")  # removed however the agent ends
+    pids = await spawner.spawn_all([SpawnRequest(key=4, argv=(...), env_set={...}), ...])
+    spawner.signal_all(signal.SIGTERM)
+    await spawner.close()
+
+Events reach `sink` exactly as from a LocalSpawner (`on_output(key, stream, data)`, then
+`on_exit(key, returncode)`), on the event loop's thread. If the agent or the connection ends
+before `close()` was called, `on_lost(host, reason)` is called once; no event follows, and the
+instances that had not exited are in `unaccounted()` (the agent, or its lifeline, has killed
+them — or the host is gone).
+
+The agent's stdout is read through an `SSHClientSession` rather than `create_process`
+streams: each SSH data packet is decoded and dispatched in the callback that receives it, with
+no task switch or extra buffer per read on the output path.
+
+This module imports asyncssh (~250 ms): import it only for runs with remote hosts.
+
+Errors (connection failures are spawner.ssh's SshConnectError):
+
+    SshError                    spawner.ssh's base
+    └── RemoteError             base of this module's; every one names the host (`.host`)
+        ├── AgentStartError     the agent did not start or did not answer HELLO
+        ├── AgentVersionError   protocol, poprun or Python version differs on that host
+        ├── AgentLostError      the agent or connection ended while a request was pending
+        ├── AgentRequestError   the agent could not do what was asked (e.g. MKTEMP)
+        └── RemoteSpawnError    some instances could not be started (`.failures`, `.started`)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import shlex
+import signal as signals
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncssh
+
+from poprun._version import __version__
+
+from .local import Sink
+from .protocol import (PROTOCOL_VERSION, Control, FrameDecoder, Kind, Output, ProtocolError,
+                       SpawnRequest, encode)
+from .ssh import SshError
+
+AGENT_MODULE = "spawner.agent"
+HELLO_TIMEOUT = 30.0  # a cold Python start on a loaded host can take seconds
+REQUEST_TIMEOUT = 60.0
+CLOSE_TIMEOUT = 5.0
+STDERR_TAIL = 4096  # bytes of the agent's stderr kept for error messages
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+class RemoteError(SshError):
+    """Base of the errors of this module; `str()` is one line naming the host."""
+
+    def __init__(self, host: str, reason: str) -> None:
+        self.host, self.reason = host, reason
+        super().__init__(f"{host}: {reason}")
+
+
+class AgentStartError(RemoteError):
+    """The agent did not start or did not answer (no Python there, poprun not installed...)."""
+
+
+class AgentVersionError(RemoteError):
+    """The agent's host runs another protocol, poprun or Python version than the launcher.
+    `differences` holds (what, here, there) triples."""
+
+    def __init__(self, host: str, differences: Iterable[tuple[str, str, str]]) -> None:
+        self.differences = tuple(differences)
+        super().__init__(host, "; ".join(f"{what} {there} there, {here} here"
+                                         for what, here, there in self.differences)
+                         + " (use the same poprun and Python on every host, or --remote-python)")
+
+
+class AgentLostError(RemoteError):
+    """The agent or its connection ended while a request was waiting for an answer."""
+
+
+class AgentRequestError(RemoteError):
+    """The agent answered a request with an error."""
+
+
+class RemoteSpawnError(RemoteError):
+    """Some instances could not be started. `failures` {key: error}; `started` {key: pid}
+    holds those that did, which the caller must stop."""
+
+    def __init__(self, host: str, failures: Mapping[int, str], started: Mapping[int, int]):
+        self.failures, self.started = dict(failures), dict(started)
+        key, error = next(iter(self.failures.items()))
+        more = f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
+        super().__init__(host, f"cannot start instance {key}: {error}{more}")
+
+
+# --- what the agent reports --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Versions:
+    """What must match between the launcher and an agent."""
+
+    protocol: int
+    poprun: str
+    python: tuple[int, int]  # major, minor
+
+    @classmethod
+    def here(cls) -> Versions:
+        return cls(PROTOCOL_VERSION, __version__, sys.version_info[:2])
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """The agent's HELLO reply, for one host. `raw` is the whole reply (it may hold more
+    than the fields below); `noise` is what the remote shell printed before the agent."""
+
+    host: str
+    protocol: int
+    poprun: str
+    python: tuple[int, ...]
+    python_executable: str
+    hostname: str
+    pid: int
+    cwd: str
+    cwd_exists: bool
+    program: str | None  # the program as instances will run it there; None: not found
+    raw: Mapping[str, Any] = field(repr=False)
+    noise: bytes = b""
+
+    @classmethod
+    def from_reply(cls, host: str, reply: Mapping[str, Any], noise: bytes) -> AgentInfo:
+        python = reply.get("python") or {}
+        return cls(host=host, protocol=reply.get("protocol", -1),
+                   poprun=str(reply.get("poprun")),
+                   python=tuple(python.get("version", ())[:3]),  # major, minor, micro
+                   python_executable=str(python.get("executable")),
+                   hostname=str(reply.get("hostname")), pid=int(reply.get("pid", 0)),
+                   cwd=str(reply.get("cwd")), cwd_exists=bool(reply.get("cwd_exists")),
+                   program=reply.get("program"), raw=dict(reply), noise=noise)
+
+    def versions(self) -> Versions:
+        return Versions(self.protocol, self.poprun, self.python[:2])
+
+
+def check_versions(info: AgentInfo, expect: Versions) -> None:
+    """Raise AgentVersionError naming every version that differs."""
+    there = info.versions()
+    differences = []
+    if there.protocol != expect.protocol:
+        differences.append(("agent protocol", str(expect.protocol), str(there.protocol)))
+    if there.poprun != expect.poprun:
+        differences.append(("poprun", expect.poprun, there.poprun))
+    if there.python != expect.python:
+        differences.append(("Python", _dotted(expect.python),
+                            f"{_dotted(info.python)} ({info.python_executable})"))
+    if differences:
+        raise AgentVersionError(info.host, differences)
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+@dataclass
+class AgentTimings:
+    """Seconds from `start()` to each phase on this host, for `-v`."""
+
+    session: float | None = None  # the SSH channel runs the agent's command
+    ready: float | None = None  # HELLO answered: the agent is up
+    first_started: float | None = None  # the first instance runs
+
+    def describe(self) -> str:
+        phases = (("agent started", self.session), ("agent ready", self.ready),
+                  ("first instance started", self.first_started))
+        return ", ".join(f"{name} {at * 1000:.0f} ms" for name, at in phases if at is not None)
+
+
+def agent_command(python: str) -> str:
+    """The remote command line. `exec` makes the agent sshd's direct child (no shell left
+    in between holding its pipes); the interpreter path is quoted for the remote shell."""
+    return "exec " + shlex.join([python, "-m", AGENT_MODULE])
+
+
+# --- the spawner -------------------------------------------------------------------------
+
+class _AgentSession(asyncssh.SSHClientSession):
+    """Hands the channel's bytes and its end to the RemoteSpawner."""
+
+    def __init__(self, owner: RemoteSpawner) -> None:
+        self._owner = owner
+
+    def data_received(self, data: bytes, datatype: int | None) -> None:
+        if datatype == asyncssh.EXTENDED_DATA_STDERR:
+            self._owner._on_stderr(data)
+        else:
+            self._owner._on_data(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._owner._on_closed(exc)
+
+
+class RemoteSpawner:
+    """The agent on one host: starts, signals and watches that host's instances.
+
+    `python`: the interpreter to run the agent with on that host (default: the launcher's
+    own). `expect`: the versions the agent must report (default: the launcher's). The
+    connection stays the caller's: closing the spawner does not close it.
+    """
+
+    def __init__(self, conn: asyncssh.SSHClientConnection, host: str, sink: Sink,
+                 on_lost: Callable[[str, str], None] | None = None, *,
+                 python: str | None = None, expect: Versions | None = None) -> None:
+        self.host, self.conn, self._sink, self._on_lost = host, conn, sink, on_lost
+        self.command = agent_command(python or sys.executable)
+        self._expect = expect or Versions.here()
+        self._chan: asyncssh.SSHClientChannel | None = None
+        self._decoder = FrameDecoder(expect_magic=True)
+        self._ids = itertools.count(1)
+        self._replies: dict[int, asyncio.Future] = {}
+        self._spawning: dict[int, asyncio.Future] = {}
+        self._pids: dict[int, int] = {}
+        self._exited: dict[int, int] = {}
+        self._stderr = bytearray()
+        self._closed = asyncio.Event()
+        self._closing = False
+        self._t0 = 0.0
+        self.timings = AgentTimings()
+        self.info: AgentInfo | None = None
+        self.lost: str | None = None  # why the agent ended before close(), if it did
+        # A memory binding was asked for but that host cannot do it (no libnuma there).
+        self.memory_binding_skipped = False
+
+    # --- starting ---------------------------------------------------------------------
+
+    async def start(self, *, cwd: str, program: str | None = None, path: str | None = None,
+                    timeout: float = HELLO_TIMEOUT) -> AgentInfo:
+        """Start the agent and greet it. `program` is resolved there as instances will run
+        it (in `cwd`, on `path`: the PATH they will get). Raises AgentStartError, or
+        AgentVersionError after stopping the agent: then nothing was started."""
+        self._t0 = time.monotonic()
+        try:
+            self._chan, _ = await self.conn.create_session(
+                lambda: _AgentSession(self), self.command, encoding=None)
+        except (asyncssh.Error, OSError) as exc:
+            raise AgentStartError(self.host, f"cannot run the poprun agent: {exc}") from None
+        self.timings.session = self._elapsed()
+        major, minor = self._expect.python
+        try:
+            reply = await self._request(
+                Kind.HELLO, timeout, protocol=self._expect.protocol, poprun=self._expect.poprun,
+                python=[major, minor], cwd=cwd, program=program, path=path)
+        except RemoteError as exc:
+            await self.close()
+            raise AgentStartError(self.host, f"the poprun agent ({self.command}) did not "
+                                  f"start: {exc.reason}") from None
+        self.timings.ready = self._elapsed()
+        self.info = AgentInfo.from_reply(self.host, reply, self._decoder.noise)
+        try:
+            check_versions(self.info, self._expect)
+        except AgentVersionError:
+            await self.close()
+            raise
+        return self.info
+
+    async def make_temp_dir(self, prefix: str, timeout: float = REQUEST_TIMEOUT) -> str:
+        """A new 0700 directory there, removed by the agent however it ends."""
+        return (await self._request(Kind.MKTEMP, timeout, prefix=prefix))["path"]
+
+    async def spawn(self, request: SpawnRequest, timeout: float = REQUEST_TIMEOUT) -> int:
+        return (await self.spawn_all([request], timeout))[request.key]
+
+    async def spawn_all(self, requests: Iterable[SpawnRequest],
+                        timeout: float = REQUEST_TIMEOUT) -> dict[int, int]:
+        """Start instances, all requests sent at once; returns {key: pid}. Raises
+        RemoteSpawnError when some could not start (the others keep running)."""
+        waiting = {}
+        for request in requests:
+            self._send(encode(Kind.SPAWN, **request.to_fields()))
+            waiting[request.key] = self._spawning[request.key] = self._new_future()
+        outcomes = await self._wait(asyncio.gather(*waiting.values(), return_exceptions=True),
+                                    timeout, "SPAWN")
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):  # the agent was lost meanwhile
+                raise outcome
+        started = {k: pid for k, (pid, _) in zip(waiting, outcomes) if pid is not None}
+        failures = {k: error for k, (_, error) in zip(waiting, outcomes) if error is not None}
+        if failures:
+            raise RemoteSpawnError(self.host, failures, started)
+        return started
+
+    # --- running ----------------------------------------------------------------------
+
+    def signal(self, key: int, sig: int) -> None:
+        """Send `sig` to one instance's process group there (if it is still running). An
+        instance whose SPAWN is still on its way gets it too: the agent reads in order."""
+        if (key in self._pids or key in self._spawning) and key not in self._exited:
+            self._send_quietly(encode(Kind.SIGNAL, key=key, signal=signals.Signals(sig).name))
+
+    def signal_all(self, sig: int) -> None:
+        self._send_quietly(encode(Kind.SIGNAL, key=None, signal=signals.Signals(sig).name))
+
+    def pid(self, key: int) -> int:
+        return self._pids[key]
+
+    def running(self) -> list[int]:
+        """Keys of the instances started (or being started) whose exit has not been
+        reported yet; none once the agent is gone."""
+        return [] if self._closed.is_set() else self._unreported()
+
+    def unaccounted(self) -> list[int]:
+        """Instances whose exit will never be reported: the agent was lost or closed first."""
+        return self._unreported() if self._closed.is_set() else []
+
+    def _unreported(self) -> list[int]:
+        keys = [*self._pids, *(k for k in self._spawning if k not in self._pids)]
+        return [k for k in keys if k not in self._exited]
+
+    @property
+    def idle(self) -> bool:
+        """Nothing more will be reported: every started instance's exit was, or the agent
+        is gone."""
+        return not self.running()
+
+    @property
+    def stderr_tail(self) -> str:
+        return self._stderr.decode(errors="replace")
+
+    # --- stopping ---------------------------------------------------------------------
+
+    async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Close the agent's stdin and wait (at most `timeout`) for it to end: it kills
+        whatever of its instances still runs and removes its temp dirs."""
+        self._closing = True
+        if self._chan is None or self._closed.is_set():
+            return
+        try:
+            self._chan.write_eof()
+        except (OSError, asyncssh.Error):
+            pass  # the channel is going anyway
+        try:
+            await asyncio.wait_for(self._closed.wait(), timeout)
+        except asyncio.TimeoutError:
+            self._chan.close()  # the agent still sees EOF; stop waiting for its exit
+
+    # --- protocol plumbing ------------------------------------------------------------
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _new_future(self) -> asyncio.Future:
+        return asyncio.get_running_loop().create_future()
+
+    def _send(self, frame: bytes) -> None:
+        if self._chan is None or self._closed.is_set():
+            raise AgentLostError(self.host, f"the agent is gone ({self.lost or 'closed'})")
+        self._chan.write(frame)
+
+    def _send_quietly(self, frame: bytes) -> None:
+        """For signals: an agent that is gone has no instance left to signal."""
+        if self._chan is not None and not self._closed.is_set() and not self._closing:
+            self._chan.write(frame)
+
+    async def _request(self, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:
+        request_id = next(self._ids)
+        future = self._replies[request_id] = self._new_future()
+        self._send(encode(kind, id=request_id, **fields))
+        return await self._wait(future, timeout, kind.name)
+
+    async def _wait(self, awaitable: Any, timeout: float, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(awaitable, timeout)
+        except asyncio.TimeoutError:
+            raise AgentLostError(self.host, f"the agent did not answer {what} within "
+                                 f"{timeout:g} s") from None
+
+    def _on_data(self, data: bytes) -> None:
+        try:
+            frames = self._decoder.feed(data)
+        except ProtocolError as exc:
+            self._abort(f"the agent's output is not the agent protocol ({exc})")
+            return
+        sink = self._sink
+        for frame in frames:
+            if type(frame) is Output:  # the hot path first
+                sink.on_output(frame.key, frame.stream, frame.data)
+            else:
+                self._on_control(frame)
+
+    def _on_control(self, frame: Control) -> None:
+        fields = frame.fields
+        if frame.kind is Kind.EXIT:
+            self._exited[fields["key"]] = fields["returncode"]
+            self._sink.on_exit(fields["key"], fields["returncode"])
+        elif frame.kind is Kind.STARTED:
+            self._pids[fields["key"]] = fields["pid"]
+            self.memory_binding_skipped |= bool(fields.get("memory_binding_skipped"))
+            if self.timings.first_started is None:
+                self.timings.first_started = self._elapsed()
+            self._resolve(self._spawning.pop(fields["key"], None), (fields["pid"], None))
+        elif frame.kind is Kind.SPAWN_FAILED:
+            self._resolve(self._spawning.pop(fields["key"], None), (None, fields["error"]))
+        elif frame.kind is Kind.REPLY:
+            self._resolve(self._replies.pop(fields["id"], None), fields["result"])
+        elif frame.kind is Kind.FAILED and fields.get("id") in self._replies:
+            future = self._replies.pop(fields["id"])
+            if not future.done():
+                future.set_exception(AgentRequestError(self.host, fields["error"]))
+        else:  # a FAILED without request: it could not read what we sent
+            self._abort(f"the agent rejected a message: {fields.get('error', frame.kind.name)}")
+
+    @staticmethod
+    def _resolve(future: asyncio.Future | None, result: Any) -> None:
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    def _on_stderr(self, data: bytes) -> None:
+        self._stderr += data
+        del self._stderr[:-STDERR_TAIL]
+
+    def _abort(self, reason: str) -> None:
+        self.lost = self.lost or reason
+        if self._chan is not None:
+            self._chan.close()
+
+    def _on_closed(self, exc: Exception | None) -> None:
+        reason = self.lost or self._end_reason(exc)
+        self._closed.set()
+        error = AgentLostError(self.host, reason)
+        for future in (*self._replies.values(), *self._spawning.values()):
+            if not future.done():
+                future.set_exception(error)
+        self._replies.clear()
+        self._spawning.clear()
+        if self._closing:
+            return
+        self.lost = reason
+        if self._on_lost is not None and self.info is not None:
+            self._on_lost(self.host, reason)
+
+    def _end_reason(self, exc: Exception | None) -> str:
+        if exc is not None:
+            detail = str(exc)
+            return "the SSH connection was lost" + (
+                "" if detail.lower() == "connection lost" else f" ({detail})")
+        assert self._chan is not None
+        status = self._chan.get_exit_status()
+        name, *_ = self._chan.get_exit_signal() or (None,)
+        reason = (f"the agent was killed by SIG{name}" if name
+                  else f"the agent exited with status {status}" if status is not None
+                  else "the channel closed")
+        last = self.stderr_tail.strip().splitlines()[-1:] if self._stderr else []
+        return f"{reason}: {last[0]}" if last else reason

@@ -1,0 +1,564 @@
+"""The per-host agent (`python -m spawner.agent`) and its launcher side (spawner.remote).
+
+First the agent alone, run here with pipes for stdin/stdout; then through real OpenSSH servers
+on loopback addresses (tests/sshd_hosts.py), where `SSH_CONNECTION` in an instance's
+environment proves it was started through sshd. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import shlex
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import asyncssh
+import pytest
+
+from conftest import poprun_env
+from poprun._version import __version__
+from sshd_hosts import SshHosts, start_ssh_hosts
+from test_sshd_hosts import processes_with, wait_until
+from spawner.agent import HIGH_WATER
+from spawner.local import Stream
+from spawner.protocol import (PROTOCOL_VERSION, Control, FrameDecoder, Kind, SpawnRequest,
+                              encode)
+from spawner.remote import (AgentStartError, AgentVersionError, RemoteSpawner,
+                            RemoteSpawnError, Versions)
+
+TIMEOUT = 20
+pytestmark = pytest.mark.timeout(60)
+PY = sys.executable
+SLEEPER = "import time; time.sleep(300)"
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def with_marker(marker: str) -> list[int]:
+    return [pid for pid in processes_with(marker) if alive(pid)]
+
+
+def sleeper_with_grandchild(marker: str) -> tuple[str, ...]:
+    """An instance that starts a grandchild in its process group, prints both pids, waits."""
+    sleep = shlex.join([PY, "-c", SLEEPER, marker])
+    return ("sh", "-c", f"{sleep} & echo $$ $!; wait", marker)
+
+
+class LocalAgent:
+    """The agent run here as a subprocess, with the test playing the launcher."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([PY, "-m", "spawner.agent"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=poprun_env())
+        self.decoder = FrameDecoder(expect_magic=True)
+        self.output: dict[tuple[int, Stream], bytearray] = defaultdict(bytearray)
+        self.events: list[Control] = []
+        self._ids = iter(range(1, 10**6))
+
+    def send(self, kind: Kind, **fields) -> None:
+        self.proc.stdin.write(encode(kind, **fields))
+        self.proc.stdin.flush()
+
+    def request(self, kind: Kind, **fields) -> Control:
+        request_id = next(self._ids)
+        self.send(kind, id=request_id, **fields)
+        return self.wait_for(lambda f: f.fields.get("id") == request_id)
+
+    def spawn(self, key: int, *argv: str, **fields) -> Control:
+        self.send(Kind.SPAWN, **SpawnRequest(key=key, argv=argv, **fields).to_fields())
+        return self.wait_for(lambda f: f.kind in (Kind.STARTED, Kind.SPAWN_FAILED)
+                             and f.fields["key"] == key)
+
+    def wait_for(self, predicate, timeout: float = TIMEOUT) -> Control:
+        """The first control event (past or future) that satisfies `predicate`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for event in self.events:
+                if predicate(event):
+                    self.events.remove(event)
+                    return event
+            self._read(deadline - time.monotonic())
+
+    def read_line(self, key: int) -> bytes:
+        def line() -> bytes | None:
+            data = self.output[(key, Stream.STDOUT)]
+            return bytes(data[:data.index(b"\n") + 1]) if b"\n" in data else None
+
+        deadline = time.monotonic() + TIMEOUT
+        while line() is None:
+            self._read(deadline - time.monotonic())
+        return line()
+
+    def _read(self, timeout: float) -> None:
+        fd = self.proc.stdout.fileno()
+        if timeout <= 0 or not select.select([fd], [], [], timeout)[0]:
+            pytest.fail("timed out waiting for the agent")
+        data = os.read(fd, 1 << 20)
+        if not data:
+            pytest.fail(f"agent ended: {self.proc.stderr.read().decode()}")
+        for frame in self.decoder.feed(data):
+            if isinstance(frame, Control):
+                self.events.append(frame)
+            else:
+                self.output[(frame.key, frame.stream)] += frame.data
+
+    def close(self) -> int:
+        """Close its stdin, as a launcher that is done does; returns its exit status. Its
+        stdout stays open and unread: ending must not need us to read."""
+        self.proc.stdin.close()
+        return self.proc.wait(TIMEOUT)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(TIMEOUT)
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            pipe.close()
+
+
+@pytest.fixture
+def agent():
+    a = LocalAgent()
+    yield a
+    a.kill()
+
+
+# --- the agent alone ---------------------------------------------------------------------
+
+def test_hello_describes_the_host(agent, tmp_path):
+    script = tmp_path / "myprog"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    result = agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__,
+                           python=list(sys.version_info[:2]), cwd=str(tmp_path),
+                           program="myprog", path="/nonexistent").fields["result"]
+    assert result["protocol"] == PROTOCOL_VERSION and result["poprun"] == __version__
+    assert result["python"]["version"][:3] == list(sys.version_info[:3])
+    assert os.path.samefile(result["python"]["executable"], sys.executable)
+    assert result["hostname"] == os.uname().nodename and result["pid"] == agent.proc.pid
+    assert result["cwd_exists"] is True
+    assert result["program"] == str(script)  # not on PATH, found in cwd (as mpirun does)
+
+    missing = agent.request(Kind.HELLO, cwd=str(tmp_path / "gone"), program="no-such-prog-x",
+                            path=os.environ["PATH"]).fields["result"]
+    assert missing["cwd_exists"] is False and missing["program"] is None
+    assert agent.request(Kind.HELLO, cwd=str(tmp_path), program="sh",
+                         path=os.environ["PATH"]).fields["result"]["program"] == "sh"
+
+
+def test_spawn_streams_output_and_exit_with_the_environment_applied(agent, tmp_path,
+                                                                    monkeypatch):
+    script = "echo out $POPRUN_T_SET ${HOME-unset}; echo err >&2; exit 3"
+    started = agent.spawn(0, "sh", "-c", script, env_set={"POPRUN_T_SET": "v a l"},
+                          env_unset=("HOME",), cwd=str(tmp_path))
+    assert started.kind is Kind.STARTED and started.fields["pid"] > 0
+    exit_event = agent.wait_for(lambda f: f.kind is Kind.EXIT)
+    assert exit_event.fields == {"key": 0, "returncode": 3}
+    assert agent.output[(0, Stream.STDOUT)] == b"out v a l unset\n"
+    assert agent.output[(0, Stream.STDERR)] == b"err\n"
+
+    agent.spawn(1, "sh", "-c", "pwd; echo err >&2", cwd=str(tmp_path), merge_stderr=True)
+    assert agent.wait_for(lambda f: f.kind is Kind.EXIT).fields["returncode"] == 0
+    assert agent.output[(1, Stream.STDOUT)] == f"{tmp_path}\nerr\n".encode()
+    assert (1, Stream.STDERR) not in agent.output
+
+
+def test_spawn_binds_the_instance_to_the_cpus_asked_for(agent):
+    cpu = max(os.sched_getaffinity(0))
+    script = "import os; print(sorted(os.sched_getaffinity(0)))"
+    started = agent.spawn(0, PY, "-c", script, cpus=(cpu,))
+    assert started.fields["memory_binding_skipped"] is False  # no memory binding asked for
+    assert agent.wait_for(lambda f: f.kind is Kind.EXIT).fields["returncode"] == 0
+    assert agent.output[(0, Stream.STDOUT)] == f"[{cpu}]\n".encode()
+
+
+def test_spawn_failures_are_reported_per_instance(agent, tmp_path):
+    failed = agent.spawn(0, "/no/such/program")
+    assert failed.kind is Kind.SPAWN_FAILED and "No such file" in failed.fields["error"]
+    failed = agent.spawn(1, "true", cwd=str(tmp_path / "gone"))
+    assert failed.kind is Kind.SPAWN_FAILED and str(tmp_path / "gone") in failed.fields["error"]
+    assert agent.spawn(2, PY, "-c", SLEEPER).kind is Kind.STARTED
+    duplicate = agent.spawn(2, "true")
+    assert duplicate.kind is Kind.SPAWN_FAILED and "already in use" in duplicate.fields["error"]
+    agent.send(Kind.SPAWN, key=3, argv=[])
+    assert "bad SPAWN" in agent.wait_for(lambda f: f.kind is Kind.SPAWN_FAILED).fields["error"]
+
+
+def test_signal_reaches_one_instance_or_all(agent):
+    for key in range(3):
+        assert agent.spawn(key, PY, "-c", SLEEPER).kind is Kind.STARTED
+    agent.send(Kind.SIGNAL, key=1, signal="SIGTERM")
+    assert agent.wait_for(lambda f: f.kind is Kind.EXIT).fields == {"key": 1, "returncode": -15}
+    agent.send(Kind.SIGNAL, key=None, signal="SIGHUP")
+    exits = [agent.wait_for(lambda f: f.kind is Kind.EXIT).fields for _ in range(2)]
+    assert sorted(e["key"] for e in exits) == [0, 2]
+    assert {e["returncode"] for e in exits} == {-signal.SIGHUP}
+
+
+def test_a_malformed_request_gets_a_failure_naming_it(agent):
+    reply = agent.request(Kind.MKTEMP)  # no prefix
+    assert reply.kind is Kind.FAILED and "bad MKTEMP request" in reply.fields["error"]
+    agent.send(Kind.REPLY, id=99, result={})  # an agent message sent to the agent
+    failed = agent.wait_for(lambda f: f.kind is Kind.FAILED)
+    assert failed.fields == {"id": None, "error": "unexpected REPLY frame"}
+
+
+def test_a_garbled_stream_ends_the_agent_and_its_instances(agent):
+    started = agent.spawn(0, PY, "-c", SLEEPER)
+    agent.proc.stdin.write(b"\0\0\0\2\x63{}")  # a frame of an unknown kind
+    agent.proc.stdin.flush()
+    failed = agent.wait_for(lambda f: f.kind is Kind.FAILED)
+    assert failed.fields == {"id": None, "error": "unknown frame kind 99"}
+    assert agent.proc.wait(TIMEOUT) == 1
+    wait_until(lambda: not alive(started.fields["pid"]), "the instance to be killed")
+
+
+def test_stdin_must_be_a_pipe():
+    proc = subprocess.run([PY, "-m", "spawner.agent"], stdin=subprocess.DEVNULL,
+                          capture_output=True, env=poprun_env(), timeout=TIMEOUT)
+    assert proc.returncode == 2 and b"stdin must be a pipe" in proc.stderr
+
+
+def test_stdin_eof_kills_instance_groups_and_removes_temp_dirs(agent):
+    path = Path(agent.request(Kind.MKTEMP, prefix="poprun-test-").fields["result"]["path"])
+    assert path.is_dir() and stat.S_IMODE(path.stat().st_mode) == 0o700
+    marker = f"marker-{uuid.uuid4().hex}"
+    assert agent.spawn(0, *sleeper_with_grandchild(marker)).kind is Kind.STARTED
+    pids = [int(p) for p in agent.read_line(0).split()]
+    assert all(alive(pid) for pid in pids) and len(with_marker(marker)) == 2
+
+    assert agent.close() == 0
+    wait_until(lambda: not any(alive(pid) for pid in pids), "the instance and its grandchild")
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP])
+def test_killed_agent_leaves_no_instance_and_no_temp_dir(agent, how):
+    path = Path(agent.request(Kind.MKTEMP, prefix="poprun-test-").fields["result"]["path"])
+    marker = f"marker-{uuid.uuid4().hex}"
+    agent.spawn(0, *sleeper_with_grandchild(marker))
+    pids = [int(p) for p in agent.read_line(0).split()]
+    agent.proc.send_signal(how)
+    agent.proc.wait(TIMEOUT)
+    wait_until(lambda: not any(alive(pid) for pid in pids) and not path.exists(),
+               f"the agent's lifeline to clean up after {how.name}")
+
+
+# An instance that writes `total` bytes of output and records, the first time its stdout
+# stays unwritable for a whole second, how much it had written by then.
+PRODUCER = textwrap.dedent("""
+    import os, select, sys
+    total, flag = int(sys.argv[1]), sys.argv[2]
+    os.set_blocking(1, False)
+    line, written, stalled = b"y" * 65535 + b"\\n", 0, False
+    while written < total:
+        try:
+            written += os.write(1, line)
+        except BlockingIOError:
+            if not select.select([], [1], [], 1.0)[1] and not stalled:
+                stalled = True
+                with open(flag, "w") as f:
+                    f.write(str(written))
+""")
+
+
+def test_backpressure_bounds_memory_and_never_blocks_shutdown(agent, tmp_path):
+    flag = tmp_path / "stalled"
+    total = 32 << 20
+    agent.spawn(0, PY, "-c", PRODUCER, str(total), str(flag))
+    # We read nothing more: the agent's stdout fills, then its outbox, then it stops
+    # reading the instance, whose writes then block.
+    wait_until(flag.exists, "the producer to be held back")
+    held_at = int(flag.read_text() or 0)
+    assert held_at < HIGH_WATER + (4 << 20), held_at
+    # Reading again releases it: every byte arrives, in order, then its exit.
+    exit_event = agent.wait_for(lambda f: f.kind is Kind.EXIT, timeout=60)
+    assert exit_event.fields["returncode"] == 0
+    assert len(agent.output[(0, Stream.STDOUT)]) >= total
+    assert set(agent.output[(0, Stream.STDOUT)]) == {ord("y"), ord("\n")}
+
+
+def test_stdin_eof_while_the_launcher_does_not_read_still_kills(agent, tmp_path):
+    flag = tmp_path / "stalled"
+    started = agent.spawn(0, PY, "-c", PRODUCER, str(1 << 40), str(flag))
+    wait_until(flag.exists, "the producer to be held back")
+    assert agent.close() == 0  # stdout is full and closed: EOF must still be seen
+    wait_until(lambda: not alive(started.fields["pid"]), "the producer to be killed")
+
+
+# --- through real sshd --------------------------------------------------------------------
+
+class Recorder:
+    """A Sink that keeps everything and wakes waiters."""
+
+    def __init__(self) -> None:
+        self.output: dict[tuple[int, Stream], bytearray] = defaultdict(bytearray)
+        self.exits: dict[int, int] = {}
+        self.lost: list[tuple[str, str]] = []
+        self.changed = asyncio.Event()
+
+    def on_output(self, key: int, stream: Stream, data: bytes) -> None:
+        self.output[(key, stream)] += data
+        self.changed.set()
+
+    def on_exit(self, key: int, returncode: int) -> None:
+        self.exits[key] = returncode
+        self.changed.set()
+
+    def on_lost(self, host: str, reason: str) -> None:
+        self.lost.append((host, reason))
+        self.changed.set()
+
+    async def until(self, predicate, timeout: float = TIMEOUT) -> None:
+        async def changes() -> None:
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(changes(), timeout)
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    with start_ssh_hosts(2, tmp_path) as h:
+        yield h
+
+
+async def connect(hosts: SshHosts, i: int) -> asyncssh.SSHClientConnection:
+    return await asyncssh.connect(hosts.aliases[i], config=[str(hosts.ssh_config)],
+                                  connect_timeout=TIMEOUT)
+
+
+async def start_agent(hosts: SshHosts, sink: Recorder, i: int, **kw) -> RemoteSpawner:
+    spawner = RemoteSpawner(await connect(hosts, i), hosts.aliases[i], sink, sink.on_lost, **kw)
+    await spawner.start(cwd=os.getcwd(), program=PY)
+    return spawner
+
+
+async def start_agents(hosts: SshHosts, sink: Recorder) -> list[RemoteSpawner]:
+    return [await start_agent(hosts, sink, i) for i in range(len(hosts.hosts))]
+
+
+async def close_all(spawners: list[RemoteSpawner]) -> None:
+    for spawner in spawners:
+        await spawner.close()
+        spawner.conn.close()
+
+
+def server_addr(environ_line: bytes) -> str:
+    return environ_line.split()[2].decode()  # SSH_CONNECTION = "caddr cport saddr sport"
+
+
+PRINT_SSH_CONNECTION = ("import os, sys; print(os.environ['SSH_CONNECTION']); "
+                        "sys.exit(int(sys.argv[1]))")
+
+
+async def test_instances_run_on_each_host_and_report_output_and_exit(hosts):
+    sink = Recorder()
+    spawners = await start_agents(hosts, sink)
+    try:
+        for i, spawner in enumerate(spawners):
+            assert spawner.info.program == PY and spawner.info.cwd_exists
+            assert spawner.timings.ready is not None and spawner.timings.ready > 0
+            pids = await spawner.spawn_all([
+                SpawnRequest(key=2 * i + k, argv=(PY, "-c", PRINT_SSH_CONNECTION, str(2 * i + k)),
+                             env_set={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+                for k in range(2)])
+            assert sorted(pids) == [2 * i, 2 * i + 1]
+        await sink.until(lambda: len(sink.exits) == 4)
+        assert sink.exits == {0: 0, 1: 1, 2: 2, 3: 3}
+        for key in range(4):
+            assert server_addr(sink.output[(key, Stream.STDOUT)]) == hosts.hosts[key // 2].addr
+        assert all(s.idle and s.running() == [] for s in spawners)
+        assert spawners[0].timings.first_started >= spawners[0].timings.ready
+    finally:
+        await close_all(spawners)
+    assert sink.lost == []
+
+
+async def test_arguments_arrive_byte_for_byte(hosts):
+    args = ["a b", "it's", 'say "hi"', "$HOME", "`id`", "x; rm -rf /nonexistent;", "*",
+            "back\\slash", "new\nline", "tab\there", "", os.fsdecode(b"\xff\xfe not utf-8")]
+    dump = "import os, sys; sys.stdout.buffer.write(b'\\0'.join(map(os.fsencode, sys.argv[1:])))"
+    sink = Recorder()
+    spawner = await start_agent(hosts, sink, 1)
+    try:
+        await spawner.spawn(SpawnRequest(key=0, argv=(PY, "-c", dump, *args)))
+        await sink.until(lambda: 0 in sink.exits)
+    finally:
+        await close_all([spawner])
+    assert sink.exits[0] == 0
+    assert bytes(sink.output[(0, Stream.STDOUT)]) == b"\0".join(map(os.fsencode, args))
+
+
+async def test_temp_dir_lives_until_close_and_spawn_failures_name_the_host(hosts):
+    sink = Recorder()
+    spawner = await start_agent(hosts, sink, 0)
+    try:
+        path = Path(await spawner.make_temp_dir("poprun-test-"))
+        assert path.is_dir()
+        with pytest.raises(RemoteSpawnError) as failure:
+            await spawner.spawn_all([SpawnRequest(key=0, argv=(PY, "-c", SLEEPER)),
+                                     SpawnRequest(key=1, argv=("/no/such/prog",))])
+        assert str(failure.value).startswith("h1: cannot start instance 1: No such file")
+        assert list(failure.value.started) == [0] and spawner.running() == [0]
+        pid = failure.value.started[0]
+    finally:
+        await close_all([spawner])
+    assert not path.exists() and not alive(pid)
+    # Closing kills what still runs, and the agent still reports how it ended.
+    assert sink.exits == {0: -signal.SIGKILL} and spawner.unaccounted() == []
+    assert sink.lost == []
+
+
+async def test_killed_host_is_reported_lost_and_the_others_keep_running(hosts):
+    sink = Recorder()
+    spawners = await start_agents(hosts, sink)
+    try:
+        pids = [await s.spawn(SpawnRequest(key=i, argv=(PY, "-c", SLEEPER)))
+                for i, s in enumerate(spawners)]
+        hosts.kill_host(0)
+        await sink.until(lambda: sink.lost)
+        [(host, reason)] = sink.lost
+        assert host == "h1" and reason == "the SSH connection was lost", reason
+        assert spawners[0].idle and spawners[0].unaccounted() == [0]
+        assert spawners[1].running() == [1] and alive(pids[1])
+    finally:
+        await close_all(spawners)
+    wait_until(lambda: not alive(pids[1]), "h2's instance to stop when its agent closes")
+
+
+async def test_signals_reach_remote_instances_and_a_killed_agent_is_reported(hosts):
+    sink = Recorder()
+    spawner = await start_agent(hosts, sink, 0)
+    try:
+        pids = await spawner.spawn_all(
+            [SpawnRequest(key=k, argv=(PY, "-c", SLEEPER)) for k in range(3)])
+        spawner.signal(0, signal.SIGTERM)
+        await sink.until(lambda: 0 in sink.exits)
+        spawner.signal_all(signal.SIGHUP)
+        await sink.until(lambda: len(sink.exits) == 3)
+        assert sink.exits == {0: -signal.SIGTERM, 1: -signal.SIGHUP, 2: -signal.SIGHUP}
+
+        later = await spawner.spawn(SpawnRequest(key=3, argv=(PY, "-c", SLEEPER)))
+        os.kill(spawner.info.pid, signal.SIGKILL)
+        await sink.until(lambda: sink.lost)
+        assert sink.lost == [("h1", "the agent was killed by SIGKILL")]
+        assert spawner.unaccounted() == [3] and spawner.idle
+        wait_until(lambda: not alive(later), "the agent's lifeline to kill its instance")
+    finally:
+        await close_all([spawner])
+    assert not any(alive(pid) for pid in pids.values())
+
+
+async def test_what_the_remote_shell_prints_before_the_agent_is_set_aside(hosts, tmp_path):
+    noisy = tmp_path / "noisy-python"
+    noisy.write_text(f"#!/bin/sh\necho 'Welcome to h1'\nexec {shlex.quote(PY)} \"$@\"\n")
+    noisy.chmod(0o755)
+    sink = Recorder()
+    spawner = await start_agent(hosts, sink, 0, python=str(noisy))
+    try:
+        assert spawner.info.noise == b"Welcome to h1\n"
+        await spawner.spawn(SpawnRequest(key=0, argv=("echo", "fine")))
+        await sink.until(lambda: 0 in sink.exits)
+    finally:
+        await close_all([spawner])
+    assert sink.output[(0, Stream.STDOUT)] == b"fine\n"
+
+
+async def test_version_mismatch_is_an_error_before_anything_starts(hosts):
+    here = Versions.here()
+    other = Versions(here.protocol, "0.0.0-other", (2, 7))
+    spawner = RemoteSpawner(await connect(hosts, 1), "h2", Recorder(), expect=other)
+    try:
+        with pytest.raises(AgentVersionError) as error:
+            await spawner.start(cwd=os.getcwd())
+    finally:
+        spawner.conn.close()
+    message = str(error.value)
+    assert message.startswith("h2: ")
+    assert f"poprun {__version__} there, 0.0.0-other here" in message
+    assert f"Python {'.'.join(map(str, sys.version_info[:3]))} ({PY}) there" in message
+    assert "2.7 here" in message
+    wait_until(lambda: not alive(spawner.info.pid), "the agent to be stopped")
+
+
+async def test_missing_remote_python_is_a_start_error_naming_the_host(hosts):
+    spawner = RemoteSpawner(await connect(hosts, 0), "h1", Recorder(), python="/no/such/python")
+    try:
+        with pytest.raises(AgentStartError, match=r"^h1: the poprun agent .* did not start: the "
+                                                  r"agent exited with status 127: .*/no/such/py"):
+            await spawner.start(cwd=os.getcwd())
+    finally:
+        spawner.conn.close()
+
+
+# The launcher's side in its own process, so that it can be SIGKILLed like a real one.
+LAUNCHER = textwrap.dedent("""
+    import asyncio, json, os, sys
+    import asyncssh
+    from spawner.protocol import SpawnRequest
+    from spawner.remote import RemoteSpawner
+
+    class Sink:
+        def on_output(self, key, stream, data):
+            pids.extend(int(p) for p in data.split())
+            if len(pids) == 4:
+                print(json.dumps(pids), flush=True)
+        def on_exit(self, key, returncode): pass
+
+    async def main():
+        for key, alias in enumerate(sys.argv[2:]):
+            conn = await asyncssh.connect(alias, config=[sys.argv[1]], connect_timeout=20)
+            spawner = RemoteSpawner(conn, alias, Sink())
+            await spawner.start(cwd=os.getcwd())
+            await spawner.spawn(SpawnRequest(key=key, argv=tuple(json.loads(os.environ["ARGV"]))))
+        await asyncio.sleep(300)
+
+    pids = []
+    asyncio.run(main())
+""")
+
+
+def test_launcher_sigkilled_leaves_no_instance_on_any_host(hosts):
+    marker = f"marker-{uuid.uuid4().hex}"
+    env = poprun_env({"ARGV": json.dumps(sleeper_with_grandchild(marker))})
+    launcher = subprocess.Popen([PY, "-c", LAUNCHER, str(hosts.ssh_config), *hosts.aliases],
+                                stdout=subprocess.PIPE, env=env)
+    try:
+        ready, _, _ = select.select([launcher.stdout], [], [], TIMEOUT)
+        assert ready, "the launcher did not start its instances"
+        pids = json.loads(launcher.stdout.readline())
+        addrs = {server_addr(_environ(pid)["SSH_CONNECTION"].encode()) for pid in pids}
+        assert addrs == {h.addr for h in hosts.hosts}  # they ran through each sshd
+        launcher.kill()
+        wait_until(lambda: not with_marker(marker), "every instance to die", timeout=TIMEOUT)
+    finally:
+        launcher.kill()
+        launcher.wait(TIMEOUT)
+        launcher.stdout.close()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if item)

@@ -317,8 +317,8 @@ def help_text() -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(sys.argv[1:] if argv is None else argv)
-    except PoprunError as exc:
-        sys.stderr.write(f"poprun: error: {exc}\n")
+    except PoprunError as exc:  # several hosts may each have their own problem: a line each
+        sys.stderr.write("".join(f"poprun: error: {line}\n" for line in str(exc).splitlines()))
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the launch took the signals over
         return 130
@@ -342,9 +342,13 @@ def _main(argv: list[str]) -> int:
         sys.stderr.write(f"poprun: configuration written to {written}\n")
     if values.get("dry_run"):
         return _dry_run(config, bool(values.get("json")))
-    from .launcher import launch_blocking
+    from .launcher import JobHosts, launch, launch_blocking
 
-    return launch_blocking(config).exit_code
+    if not JobHosts.of(config, os.environ).remote:
+        return launch_blocking(config).exit_code
+    import asyncio  # only runs with remote hosts pay for asyncio (and asyncssh)
+
+    return asyncio.run(launch(config)).exit_code
 
 
 def _dry_run(config: LaunchConfig, as_json: bool) -> int:

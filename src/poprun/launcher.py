@@ -43,6 +43,7 @@ from .topology import Topology, local_topology
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DRY_RUN_CACHE_DIR = "<temporary directory, created at launch>"
 LOOPBACK = "127.0.0.1"
+LOST_HOST_STATUS = 255  # the status of an instance whose host was lost (ssh's own 255)
 
 
 def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> LaunchPlan:
@@ -130,11 +131,11 @@ async def launch(config: LaunchConfig, *, stdout_fd: int = 1, stderr_fd: int = 2
     whose instances fail is not an error: the result says so. Cancelling it stops the job."""
     import asyncio
 
-    with _Session(config, stdout_fd, stderr_fd, environ, cwd) as session:
+    async with _Session(config, stdout_fd, stderr_fd, environ, cwd) as session:
         loop = asyncio.get_running_loop()
         finished = loop.create_future()
-        job = session.start(loop, on_finished=lambda: finished.done() or
-                            finished.set_result(None))
+        job = await session.start_async(
+            loop, on_finished=lambda: finished.done() or finished.set_result(None))
         if not job.finished:
             await finished
         return session.result()
@@ -150,6 +151,9 @@ def launch_blocking(config: LaunchConfig, *, stdout_fd: int = 1, stderr_fd: int 
     loop = SelectLoop()
     try:
         with _Session(config, stdout_fd, stderr_fd, environ, cwd) as session:
+            if session.hosts.remote:
+                raise LaunchError("launch_blocking() runs on this host only: use launch() "
+                                  "for remote hosts")
             job = session.start(loop)
             loop.run_until(lambda: job.finished)
             return session.result()
@@ -159,8 +163,10 @@ def launch_blocking(config: LaunchConfig, *, stdout_fd: int = 1, stderr_fd: int 
 
 class _Session:
     """One launch's resources, whichever loop drives it: entering checks the configuration
-    and creates the lifeline and cache dir; leaving kills and reaps whatever still runs,
-    restores signal handlers, removes the temporary cache and prints the failure report."""
+    and creates the lifeline; starting creates the cache dirs (and, for remote hosts, the
+    connections and agents), plans and spawns; leaving closes the agents (which kill what
+    still runs there), kills and reaps what still runs here, restores signal handlers,
+    removes the temporary cache and prints the failure report."""
 
     def __init__(self, config: LaunchConfig, stdout_fd: int, stderr_fd: int,
                  environ: Mapping[str, str] | None, cwd: str | None) -> None:
@@ -169,11 +175,14 @@ class _Session:
         self.cwd = cwd or os.getcwd()
         self.log = Log(config.verbose, stderr_fd)
         self.job: _Job | None = None
+        self.fleet = None
         self._result: LaunchResult | None = None
 
     def __enter__(self) -> _Session:
         config, log = self.config, self.log
-        self.program, self.mode = preflight(config, self.environ, self.cwd)
+        self.hosts = JobHosts.of(config, self.environ)
+        self.program, self.mode = preflight(config, self.environ, self.cwd,
+                                            resolve=self.hosts.any_local)
         if config.num_instances == 1 and config.num_replicas == 1:
             log.warning("Using --num-instances=1 and --num-replicas=1 together is not supported "
                         "and might give additional overhead and/or raise other issues.")
@@ -181,34 +190,72 @@ class _Session:
             log.info(f"ignoring mpirun argument {ignored!r}: poprun does not use MPI")
         self.lifeline = Lifeline()
         self.cache = _CacheDir(config, self.mode, self.lifeline, log)
+        self.job = _Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
+                        self.stderr_fd)
         return self
 
     def start(self, loop, on_finished=None) -> _Job:
-        """Create the cache dir, plan, and start every instance."""
+        """This host only: create the cache dir, plan, and start every instance."""
         cache_dir = self.cache.create()
-        hosts = JobHosts.of(self.config, self.environ)
+        self._plan({h: cache_dir for h in self.hosts.labels} if cache_dir else {}, LOOPBACK)
+        self.job.start(loop, self.lifeline, on_finished)
+        return self.job
+
+    async def start_async(self, loop, on_finished=None) -> _Job:
+        """As `start`, with remote hosts: their connections and agents first, so that any
+        host's problem stops the launch before a single instance has started."""
+        if not self.hosts.remote:
+            return self.start(loop, on_finished)
+        from .fleet import Fleet  # asyncssh: only runs with remote hosts import it
+
+        self.fleet = Fleet([h for h in self.hosts.hosts if str(h) in self.hosts.remote],
+                           self.config, self.log)
+        await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
+                              program=self.program[0], path=self.environ.get("PATH"))
+        caches = {}
+        local_cache = self.cache.create() if self.hosts.any_local else None
+        if local_cache or self.mode is CacheMode.EXPLICIT:  # an explicit path: on every host
+            caches = {h: local_cache or _explicit_cache(self.config, self.mode)
+                      for h in self.hosts.labels}
+        if self.mode is CacheMode.TEMPORARY:
+            caches.update(await self.fleet.temp_dirs())
+        first = self.hosts.labels[0]
+        master = (self.fleet.own_address() if self.hosts.first_is_local
+                  else self.fleet.address_of(first))
+        self._plan(caches, master)
+        self.job.start(loop, self.lifeline, on_finished, remote=self.fleet.spawners)
+        await self.job.spawn_remote()
+        return self.job
+
+    def _plan(self, cache_paths: Mapping[str, str], master_addr: str) -> None:
         launch_plan = planning.plan(
             self.config, self.environ, program=self.program, master_port=free_port(),
-            hosts=hosts.labels, cache_paths={h: cache_dir for h in hosts.labels} if cache_dir
-            else {}, topologies=local_topologies(self.config, hosts))
+            hosts=self.hosts.labels, master_addr=master_addr, remote_hosts=self.hosts.remote,
+            cache_paths=cache_paths, topologies=local_topologies(self.config, self.hosts))
         for warning in launch_plan.warnings:
             self.log.warning(warning)
         if self.config.print_topology:
             os.write(self.stdout_fd, topology_table(launch_plan).encode())
-        self.job = _Job(self.config, launch_plan, self.environ, self.cwd, self.log,
-                        self.stdout_fd, self.stderr_fd)
-        self.job.start(loop, self.lifeline, on_finished)
-        return self.job
+        self.job.plan = launch_plan
 
     def result(self) -> LaunchResult:
         if self._result is None:
             self._result = self.job.result()
         return self._result
 
+    async def __aenter__(self) -> _Session:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc_info) -> None:
+        try:
+            if self.fleet is not None:
+                await self.fleet.close()
+        finally:
+            self.__exit__(*exc_info)
+
     def __exit__(self, *exc_info) -> None:
         try:
-            if self.job:
-                self.job.close()
+            self.job.close()
         finally:
             self.cache.remove()
             self.lifeline.close()
@@ -257,15 +304,16 @@ class _Started:
     end: float = 0.0
     returncode: int | None = None
     signalled: bool = False
+    lost: str | None = None  # why its host was lost, if it was
 
 
 class _Job:
-    """One run of the plan: the spawner's sink, and the failure and signal policy."""
+    """One run of the plan: the spawners' sink, and the failure and signal policy."""
 
-    def __init__(self, config: LaunchConfig, launch_plan: LaunchPlan, environ: dict[str, str],
-                 cwd: str, log: Log, stdout_fd: int, stderr_fd: int) -> None:
-        self.config, self.plan, self.environ, self.cwd, self.log = (
-            config, launch_plan, environ, cwd, log)
+    def __init__(self, config: LaunchConfig, environ: dict[str, str], cwd: str, log: Log,
+                 stdout_fd: int, stderr_fd: int) -> None:
+        self.config, self.environ, self.cwd, self.log = config, environ, cwd, log
+        self.plan: LaunchPlan | None = None  # set by the session once the hosts are known
         directory = config.effective_output_filename
         nocopy = bool(directory) and directory.lower().endswith(":nocopy")
         self.router = OutputRouter(OutputOptions(
@@ -274,57 +322,106 @@ class _Job:
             directory=os.path.abspath(directory[:-7] if nocopy else directory) if directory
             else None, copy_to_console=not nocopy), stdout_fd, stderr_fd, self._broken_pipe)
         self.started: dict[int, _Started] = {}
+        self.done: set[int] = set()  # exit reported, or lost with its host
         self.root_cause: int | None = None
         self.stop_signal: int | None = None
+        self.on_finished = None
+        self._all_started = False
         self._kill_timer = None
         self._restore_signals = lambda: None
-        self.spawner: LocalSpawner | None = None
+        self.local: LocalSpawner | None = None
+        self.remote: Mapping[str, object] = {}
+        self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
 
-    def start(self, loop, lifeline: Lifeline, on_finished=None) -> None:
-        """Start every instance on `loop` (asyncio's or a SelectLoop); `on_finished` is
-        called once every instance has exited and its output has been delivered."""
-        self.loop, self.on_finished = loop, on_finished
-        self.spawner = LocalSpawner(self, loop, lifeline)
+    def start(self, loop, lifeline: Lifeline, on_finished=None, remote=None) -> None:
+        """Start this host's instances on `loop` (asyncio's or a SelectLoop); with `remote`
+        spawners (by host), `spawn_remote()` starts theirs. `on_finished` is called once
+        every instance has exited (or was lost) and its output has been delivered."""
+        self.loop, self.on_finished, self.remote = loop, on_finished, remote or {}
+        self.local = LocalSpawner(self, loop, lifeline)
         self._restore_signals = _install_signal_handlers(loop, self.on_signal)
-        self._spawn_all()
+        self._spawn_local()
+        self._all_started = not self.remote
+        self._maybe_finish()
 
     @property
     def finished(self) -> bool:
-        return self.spawner is not None and self.spawner.idle
+        return self._all_started and len(self.done) == len(self.started)
 
     def close(self) -> None:
-        """Kill and reap what still runs, stop timers, flush output, restore signals."""
+        """Kill and reap what still runs here, stop timers, flush output, restore signals."""
         if self._kill_timer:
             self._kill_timer.cancel()
-        if self.spawner:
-            self.spawner.close()
+        if self.local:
+            self.local.close()
         self.router.close()
         self._restore_signals()
 
-    def _spawn_all(self) -> None:
+    def _spawn_local(self) -> None:
         merge = self.config.effective_merge_stderr
         for inst in self.plan.instances:
+            if inst.host in self.remote:
+                continue
             spec = ProcessSpec(
                 key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge,
                 env=planning.instance_environ(self.environ, inst, self.plan),
                 inherit_stdin=inst.index == 0,  # as mpirun: stdin goes to the first instance
                 cpus=inst.cpus, mems=inst.mems)
             try:
-                pid = self.spawner.spawn(spec)
+                pid = self.local.spawn(spec)
             except OSError as exc:
                 raise LaunchError(f"cannot start instance {inst.index} ({inst.argv[0]}): "
                                   f"{exc.strerror or exc}") from None
-            self.started[inst.index] = _Started(pid=pid, start=time.time())
-            self.log.debug(f"started instance {inst.index} pid {pid}: {' '.join(inst.argv)}")
-        if self.spawner.memory_binding_skipped:
+            self._record(inst.index, pid, self.local)
+        if self.local.memory_binding_skipped:
             self.log.warning("memory binding skipped: libnuma (libnuma1) or the kernel's NUMA "
                              "support is missing on this host; CPU binding is in force")
         if self.config.effective_report_bindings:
             self._report_bindings()
 
+    async def spawn_remote(self) -> None:
+        """Start every remote host's instances, all hosts at once. Raises LaunchError when
+        any could not start (the session then stops the others)."""
+        import asyncio
+
+        from spawner.protocol import SpawnRequest
+        from spawner.remote import RemoteSpawnError
+
+        merge = self.config.effective_merge_stderr
+        hosts = list(self.remote)
+        outcomes = await asyncio.gather(*(self.remote[host].spawn_all(
+            SpawnRequest(key=inst.index, argv=inst.argv, env_set=inst.env,
+                         env_unset=self.plan.unset_env, cwd=self.cwd, merge_stderr=merge)
+            for inst in self.plan.on_host(host)) for host in hosts), return_exceptions=True)
+        problems = []
+        for host, outcome in zip(hosts, outcomes):
+            pids = outcome.started if isinstance(outcome, RemoteSpawnError) else outcome
+            if isinstance(pids, dict):
+                for key, pid in pids.items():
+                    self._record(key, pid, self.remote[host])
+            if isinstance(outcome, BaseException):
+                problems.append(str(outcome))
+        if problems:
+            raise LaunchError("\n".join(problems))
+        self._all_started = True
+        if self.root_cause is not None or self.stop_signal is not None:
+            self._signal_all(signal.SIGTERM)  # stopped while these were starting
+        self._maybe_finish()
+
+    def _record(self, key: int, pid: int, spawner) -> None:
+        if key in self.started:  # its exit beat the end of spawn_all (see on_exit)
+            return
+        self.started[key] = _Started(pid=pid, start=time.time())
+        self.spawner_of[key] = spawner
+        inst = self.plan.instances[key]
+        self.log.debug(f"started instance {key} on {inst.host}, pid {pid}: "
+                       f"{' '.join(inst.argv)}")
+
     def _report_bindings(self) -> None:
         """mpirun's --report-bindings, from what the kernel says of each live instance."""
         for inst in self.plan.instances:
+            if inst.index not in self.started or self.spawner_of[inst.index] is not self.local:
+                continue
             pid = self.started[inst.index].pid
             try:
                 actual = read_binding(pid)
@@ -346,16 +443,43 @@ class _Job:
         self.router.on_output(key, stream, data)
 
     def on_exit(self, key: int, returncode: int) -> None:
+        if key not in self.started:  # a remote instance can exit before spawn_all returns
+            spawner = self.remote[self.plan.instances[key].host]
+            self._record(key, spawner.pid(key), spawner)
         record = self.started[key]
         record.returncode, record.end = returncode, time.time()
+        self.done.add(key)
         self.log.info(f"instance {key} (pid {record.pid}) exited with {returncode}")
         if returncode != 0 and self.root_cause is None and self.stop_signal is None:
             self.root_cause = key
             self._stop(signal.SIGTERM)
+        self._maybe_finish()
+
+    def on_host_lost(self, host: str, reason: str) -> None:
+        """A remote host's agent or connection ended early: its instances are gone with it
+        (the agent kills them when it can), so the job stops everywhere."""
+        spawner = self.remote[host]
+        lost = sorted(k for k in spawner.unaccounted() if k not in self.done)
+        self.log.error(f"{host}: lost the connection to the host ({reason}); "
+                       f"{len(lost)} instance(s) there are gone")
+        for key in lost:
+            record = self.started[key]
+            record.lost, record.end = reason, time.time()
+            self.done.add(key)
+        if lost and self.root_cause is None and self.stop_signal is None:
+            self.root_cause = lost[0]
+            self._stop(signal.SIGTERM)
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
         if self.on_finished and self.finished:
             self.on_finished()
 
     # --- stopping ---------------------------------------------------------------------
+
+    def running(self) -> list[int]:
+        spawners = {id(s): s for s in self.spawner_of.values()}
+        return [k for s in spawners.values() for k in s.running()]
 
     def on_signal(self, sig: int) -> None:
         if self.stop_signal is not None or self.root_cause is not None:
@@ -364,7 +488,7 @@ class _Job:
             return
         self.stop_signal = sig
         self.log.warning(f"{signal.Signals(sig).name} received: stopping "
-                         f"{len(self.spawner.running())} running instance(s)")
+                         f"{len(self.running())} running instance(s)")
         self._stop(sig)
 
     def _broken_pipe(self) -> None:
@@ -377,27 +501,29 @@ class _Job:
         self._signal_all(sig)
         if self._kill_timer is None:
             self._kill_timer = self.loop.call_later(self.config.kill_timeout, self._signal_all,
-                                               signal.SIGKILL)
+                                                    signal.SIGKILL)
 
     def _signal_all(self, sig: int) -> None:
-        for key in self.spawner.running():
+        for key in self.running():
             self.started[key].signalled = True
-            self.spawner.signal(key, sig)
+            self.spawner_of[key].signal(key, sig)
 
     def result(self) -> LaunchResult:
         instances = tuple(
             InstanceResult(
                 index=i, host=self.plan.instances[i].host, pid=r.pid,
-                returncode=r.returncode if r.returncode is not None else -signal.SIGKILL,
+                returncode=(r.returncode if r.returncode is not None
+                            else LOST_HOST_STATUS if r.lost else -signal.SIGKILL),
                 start_time=r.start, end_time=r.end or time.time(),
                 lines=self.router.instances[i].lines,
                 stderr_tail=tuple(self.router.instances[i].stderr_tail),
-                stopped_by_poprun=r.signalled)
+                stopped_by_poprun=r.signalled, lost=r.lost)
             for i, r in sorted(self.started.items()))
+        by_index = {inst.index: inst for inst in instances}
         if self.stop_signal is not None:
             code = 128 + self.stop_signal
         elif self.root_cause is not None:
-            code = instances[self.root_cause].exit_status
+            code = by_index[self.root_cause].exit_status
         else:
             code = 0
         return LaunchResult(instances=instances, exit_code=code, root_cause=self.root_cause,

@@ -20,6 +20,7 @@ class InstanceResult:
     lines: int  # lines it wrote (stdout and stderr)
     stderr_tail: tuple[bytes, ...] = ()
     stopped_by_poprun: bool = False  # poprun signalled it before it exited
+    lost: str | None = None  # its host was lost (connection or agent gone): why
 
     @property
     def exit_status(self) -> int:
@@ -52,9 +53,9 @@ class LaunchResult:
         if self.stop_signal is not None:
             lines.append(f"poprun: stopped by {signal_name(self.stop_signal)}")
         if self.root_cause is not None:
-            first = self.instances[self.root_cause]
+            first = next(i for i in self.instances if i.index == self.root_cause)
             lines.append(f"poprun: instance {first.index} (pid {first.pid} on {first.host}) "
-                         f"failed first: {describe_status(first.returncode)}")
+                         f"failed first: {_outcome(first)}")
             if first.returncode == -9 and not first.stopped_by_poprun:
                 lines.append("poprun: poprun did not send that SIGKILL: perhaps the kernel's "
                              "out-of-memory killer (see `dmesg`) or another user")
@@ -73,6 +74,8 @@ class LaunchResult:
 
 
 def _outcome(inst: InstanceResult) -> str:
+    if inst.lost:
+        return f"lost with its host ({inst.lost})"
     if inst.stopped_by_poprun and inst.returncode < 0:
         return f"terminated by poprun ({signal_name(-inst.returncode)})"
     return describe_status(inst.returncode)

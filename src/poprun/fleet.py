@@ -1,0 +1,104 @@
+"""The remote hosts of a job: one SSH connection and one agent on each, opened before anything
+starts and closed on every exit path.
+
+Opening checks everything that can be checked before the first instance starts, on all hosts
+at once, and reports every host's problem (one line each) rather than the first: SSH failures
+(unknown/changed host key, permission denied, name, refused, timeout), an agent that does not
+start, a different Python/poprun version, a missing working directory, a program not found.
+
+Imports asyncssh (through spawner.remote, ~250 ms): only runs with remote hosts load it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+
+from spawner.local import Sink
+from spawner.remote import RemoteError, RemoteSpawner
+from spawner.ssh import SshConnectError, close_all, connect_all
+
+from .config import LaunchConfig
+from .errors import LaunchError
+from .hosts import Host
+from .log import Log
+
+CACHE_PREFIX = "poprun-cache-"
+
+
+class Fleet:
+    """Connections and agents, by host label (`str(host)`)."""
+
+    def __init__(self, hosts: Sequence[Host], config: LaunchConfig, log: Log) -> None:
+        self.hosts, self.config, self.log = tuple(hosts), config, log
+        self.connections: Mapping[Host, object] = {}
+        self.spawners: dict[str, RemoteSpawner] = {}
+
+    async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
+                   program: str, path: str | None) -> None:
+        """Connect to every host and start its agent; raises LaunchError (every failing host
+        named, one line each) with nothing started and everything opened closed again."""
+        try:
+            self.connections = await connect_all(
+                self.hosts, fanout=self.config.ssh_fanout, timeout=self.config.ssh_timeout)
+        except SshConnectError as exc:
+            raise LaunchError("\n".join(f.message for f in exc.failures)) from None
+        for host, timing in self.connections.timings.items():
+            self.log.info(f"{host}: connected in {timing.connect * 1000:.0f} ms")
+        self.spawners = {
+            str(host): RemoteSpawner(conn, str(host), sink, on_lost,
+                                     python=self.config.remote_python)
+            for host, conn in self.connections.items()}
+        outcomes = await asyncio.gather(
+            *(s.start(cwd=cwd, program=program, path=path) for s in self.spawners.values()),
+            return_exceptions=True)
+        problems = [_problem(spawner, outcome, cwd, program)
+                    for spawner, outcome in zip(self.spawners.values(), outcomes)]
+        if any(problems):
+            raise LaunchError("\n".join(p for p in problems if p))
+        for spawner in self.spawners.values():
+            self.log.info(f"{spawner.host}: agent ready ({spawner.timings.describe()})")
+
+    async def temp_dirs(self) -> dict[str, str]:
+        """A unique temporary cache directory on each host, removed by its agent at exit."""
+        labels = list(self.spawners)
+        paths = await asyncio.gather(*(self.spawners[h].make_temp_dir(CACHE_PREFIX)
+                                       for h in labels), return_exceptions=True)
+        failed = [f"{h}: cannot create a temporary executable cache: {p}"
+                  for h, p in zip(labels, paths) if isinstance(p, BaseException)]
+        if failed:
+            raise LaunchError("\n".join(failed))
+        return dict(zip(labels, paths))
+
+    def address_of(self, label: str) -> str:
+        """The address the launcher reached `label` at: one the other hosts can reach too
+        (a name from ~/.ssh/config may mean nothing to them)."""
+        host = next(h for h in self.hosts if str(h) == label)
+        return self.connections[host].get_extra_info("peername")[0]
+
+    def own_address(self) -> str:
+        """This machine's address on the way to the remote hosts, for a MASTER_ADDR that
+        is local: the other hosts reach it there."""
+        conn = next(iter(self.connections.values()))
+        return conn.get_extra_info("sockname")[0]
+
+    async def close(self) -> None:
+        """Close every agent (each kills what it still runs and removes its temp dirs),
+        then the connections."""
+        await asyncio.gather(*(s.close() for s in self.spawners.values()),
+                             return_exceptions=True)
+        await close_all(self.connections.values())
+
+
+def _problem(spawner: RemoteSpawner, outcome: object, cwd: str, program: str) -> str | None:
+    if isinstance(outcome, RemoteError):
+        return str(outcome)
+    if isinstance(outcome, BaseException):
+        return f"{spawner.host}: {outcome!r}"
+    info = spawner.info
+    if not info.cwd_exists:
+        return f"{spawner.host}: the working directory {cwd} does not exist there"
+    if info.program is None:
+        return (f"{spawner.host}: program {program!r} not found or not executable there "
+                f"(looked in PATH and in {cwd})")
+    return None

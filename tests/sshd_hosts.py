@@ -32,7 +32,8 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["SshHost", "SshHosts", "require_sshd", "require_tool", "start_ssh_hosts"]
+__all__ = ["SshHost", "SshHosts", "processes_with", "require_sshd", "require_tool",
+           "start_ssh_hosts", "wait_until"]
 
 READY_TIMEOUT = 10.0
 BIND_ATTEMPTS = 5
@@ -329,3 +330,24 @@ def _kill_tree(root: int) -> None:
     for pid in found:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of every process whose command line contains `marker`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                pids.append(int(entry))
+        except OSError:
+            pass
+    return pids
+
+
+def wait_until(predicate, what: str, timeout: float = 20.0) -> None:
+    """Poll `predicate` (every 20 ms) until true; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)

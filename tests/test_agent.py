@@ -27,8 +27,7 @@ import pytest
 
 from conftest import poprun_env
 from poprun._version import __version__
-from sshd_hosts import SshHosts, start_ssh_hosts
-from test_sshd_hosts import processes_with, wait_until
+from sshd_hosts import SshHosts, processes_with, start_ssh_hosts, wait_until
 from spawner.agent import HIGH_WATER
 from spawner.local import Stream
 from spawner.protocol import (PROTOCOL_VERSION, Control, FrameDecoder, Kind, SpawnRequest,

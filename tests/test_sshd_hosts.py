@@ -11,7 +11,6 @@ import shlex
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import asyncssh
 import pytest
 
 import sshd_hosts
-from sshd_hosts import SshHosts, require_sshd, require_tool, start_ssh_hosts
+from sshd_hosts import (SshHosts, processes_with, require_sshd, require_tool, start_ssh_hosts,
+                        wait_until)
 
 TIMEOUT = 20
 PY = shlex.quote(sys.executable)  # the "remote" hosts are this machine
@@ -43,17 +43,6 @@ def server_addr(ssh_connection: str) -> str:
     return ssh_connection.split()[2]
 
 
-def processes_with(marker: str) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                pids.append(int(entry))
-        except OSError:
-            pass
-    return pids
-
-
 def start_remote_sleeper(hosts: SshHosts, i: int) -> tuple[subprocess.Popen[str], str]:
     """A long-running session on host i, returned once it is known to be running."""
     marker = f"marker-{uuid.uuid4().hex}"
@@ -64,14 +53,6 @@ def start_remote_sleeper(hosts: SshHosts, i: int) -> tuple[subprocess.Popen[str]
     assert proc.stdout is not None
     assert proc.stdout.readline() == "started\n"  # the ssh process exits (EOF) on failure
     return proc, marker
-
-
-def wait_until(predicate, what: str, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_openssh_runs_on_each_host(hosts: SshHosts) -> None:

@@ -1,0 +1,195 @@
+"""`poprun --host ...` end to end against real OpenSSH servers on loopback (tests/sshd_hosts.py).
+
+Every instance prints `$SSH_CONNECTION`, whose server address (127.0.77.k) says which "host"
+it ran on. Orphan checks look for the instances' marked command lines in /proc: all the hosts
+are this machine, so a survivor on any host is visible here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import OFFLINE, poprun_argv, poprun_env
+from poprun import LaunchConfig, launch
+from poprun.errors import LaunchError
+from sshd_hosts import SshHosts, processes_with, start_ssh_hosts, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+PY = sys.executable
+TIMEOUT = 60
+
+
+@pytest.fixture
+def hosts(tmp_path: Path):
+    with start_ssh_hosts(2, tmp_path) as h:
+        yield h
+
+
+def run(hosts: SshHosts, *args: str, env: dict[str, str] | None = None, cwd=None,
+        timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(poprun_argv(*OFFLINE, *args), env=poprun_env({**hosts.env(),
+                          **(env or {})}), cwd=cwd, capture_output=True, timeout=timeout)
+
+
+def start(hosts: SshHosts, *args: str, cwd=None) -> subprocess.Popen:
+    return subprocess.Popen(poprun_argv(*OFFLINE, *args), env=poprun_env(hosts.env()), cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def lines_by_instance(stdout: bytes) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for line in stdout.decode().splitlines():
+        tag, _, text = line.partition("<stdout>:")
+        out.setdefault(int(tag[1:-1].split(",")[1]), []).append(text)
+    return out
+
+
+def test_instances_run_in_contiguous_blocks_on_each_host_with_their_environment(hosts, tmp_path):
+    report = ('import json, os; print(json.dumps({k: os.environ.get(k) for k in ("SSH_CONNECTION",'
+              ' "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH",'
+              ' "POPDIST_EXECUTABLE_CACHE_PATH", "FROM_X", "UNRELATED", "IPUOF_CONFIG_PATH")}'
+              '| {"cwd": os.getcwd()}))')
+    proc = run(hosts, "--host", "h1,h2", "--num-instances=4", "--num-replicas=8",
+               "--tag-output", "-x", "FROM_X=1", PY, "-c", report, cwd=tmp_path,
+               env={"UNRELATED": "not forwarded", "IPUOF_CONFIG_PATH": "/x"})
+    assert proc.returncode == 0, proc.stderr.decode()
+    seen = {i: json.loads(lines[0]) for i, lines in lines_by_instance(proc.stdout).items()}
+    assert sorted(seen) == [0, 1, 2, 3]
+    for i, env in seen.items():
+        assert env["SSH_CONNECTION"].split()[2] == f"127.0.77.{i // 2 + 1}"
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (str(i), str(i % 2), "4")
+        assert env["MASTER_ADDR"] == "127.0.77.1"  # the first host, as the others reach it
+        assert env["PYTHONPATH"] and env["FROM_X"] == "1"
+        assert env["UNRELATED"] is None and env["IPUOF_CONFIG_PATH"] is None
+        assert env["cwd"] == str(tmp_path)
+    assert len({seen[i]["MASTER_PORT"] for i in seen}) == 1
+    caches = {seen[i]["POPDIST_EXECUTABLE_CACHE_PATH"] for i in seen}
+    assert len(caches) == 2  # one temporary cache per host, shared by its instances
+    assert not any(os.path.exists(c) for c in caches)  # removed at exit
+
+
+def test_arguments_arrive_byte_for_byte_on_a_remote_host(hosts):
+    tricky = ["a b", "$HOME", ";rm -rf x", "it's \"quoted\"", "`id`", "", "*"]
+    proc = run(hosts, "-H", "h2", PY, "-c", "import sys, json; print(json.dumps(sys.argv[1:]))",
+               *tricky)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert json.loads(proc.stdout) == tricky
+
+
+def test_first_failure_anywhere_stops_every_host(hosts):
+    marker = f"m{uuid.uuid4().hex}"
+    program = ("import os, sys, time; i = int(os.environ['RANK']); "
+               "print('up', flush=True); "
+               "sys.exit(3) if i == 3 else time.sleep(300)")
+    proc = run(hosts, "--host=h[1-2]", "--num-instances=4", "--num-replicas=4",
+               "--kill-timeout=2", PY, "-c", program, marker)
+    err = proc.stderr.decode()
+    assert proc.returncode == 3, err
+    assert "instance 3" in err and "on h2" in err and "exited with status 3" in err, err
+    assert not processes_with(marker)
+
+
+def instances_with(marker: str) -> list[int]:
+    """The instances' pids: poprun's own command line (and its lifeline's) holds the marker too."""
+    def is_poprun(pid: int) -> bool:
+        try:
+            return b"\0poprun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+    return [pid for pid in processes_with(marker) if not is_poprun(pid)]
+
+
+def wait_for_instances(marker: str, count: int) -> list[int]:
+    wait_until(lambda: len(instances_with(marker)) >= count, f"{count} instances running")
+    return instances_with(marker)
+
+
+def test_sigkill_of_poprun_leaves_no_instance_on_any_host(hosts):
+    marker = f"m{uuid.uuid4().hex}"
+    proc = start(hosts, "-H", "h1,h2", "--num-instances=4", "--num-replicas=4", PY, "-c",
+                 "import time; time.sleep(300)", marker)
+    try:
+        assert len(wait_for_instances(marker, 4)) == 4
+        proc.kill()
+        proc.wait(timeout=10)
+        # (a zombie has no command line: the instances have exited once none matches)
+        wait_until(lambda: not processes_with(marker), "the instances to die", timeout=15)
+    finally:
+        proc.kill()
+
+
+def test_ctrl_c_reaches_every_remote_instance(hosts):
+    marker = f"m{uuid.uuid4().hex}"
+    proc = start(hosts, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2", PY, "-c",
+                 "import time; time.sleep(300)", marker)
+    try:
+        wait_for_instances(marker, 2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, err.decode()
+        assert not processes_with(marker)
+    finally:
+        proc.kill()
+
+
+def test_a_host_lost_mid_run_ends_the_job_naming_it_and_stops_the_others(hosts):
+    marker = f"m{uuid.uuid4().hex}"
+    proc = start(hosts, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                 "--kill-timeout=2", PY, "-c", "import time; time.sleep(300)", marker)
+    try:
+        wait_for_instances(marker, 2)
+        hosts.kill_host(1)
+        _, err = proc.communicate(timeout=30)
+        text = err.decode()
+        assert proc.returncode != 0
+        assert "h2: lost the connection to the host" in text, text
+        wait_until(lambda: not processes_with(marker), "no instance left", timeout=15)
+    finally:
+        proc.kill()
+
+
+def test_unknown_host_key_fails_fast_naming_the_host_and_starts_nothing(hosts, tmp_path):
+    hosts.known_hosts.write_text("")
+    marker = tmp_path / "started"
+    proc = run(hosts, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2", "--ssh-timeout=5",
+               "touch", str(marker), timeout=20)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("poprun: error: h") for line in lines), err
+    assert all("host key" in line for line in lines), err
+    assert not marker.exists()
+
+
+async def test_a_working_directory_missing_on_a_host_is_named(hosts, monkeypatch):
+    # All "hosts" share this file system, so the directory is missing for the launcher too:
+    # the Python API takes the working directory as an argument, the CLI could not start.
+    config = LaunchConfig(program=(PY, "-c", "pass"), hosts=("h1",), offline_mode=True,
+                          num_instances=1, num_replicas=2)
+    monkeypatch.setenv("HOME", str(hosts.home))  # where asyncssh finds the ssh config
+    with pytest.raises(LaunchError, match=r"h1: the working directory /no/such/dir does not "
+                                          r"exist there"):
+        await launch(config, cwd="/no/such/dir", environ=poprun_env(hosts.env()))
+
+
+def test_a_program_missing_on_a_host_is_named(hosts):
+    proc = run(hosts, "-H", "h1", "no-such-program-anywhere")
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert "\npoprun: error: h1: program 'no-such-program-anywhere' not found" in err, err
+
+
+def test_a_remote_python_that_does_not_exist_is_a_clear_error(hosts):
+    proc = run(hosts, "-H", "h1", "--remote-python=/no/such/python", PY, "-c", "pass")
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert "poprun: error: h1:" in err and "/no/such/python" in err, err
+    assert "Traceback" not in err

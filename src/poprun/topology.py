@@ -229,8 +229,8 @@ def read_allowed(pid: int | str = "self") -> tuple[frozenset[int], frozenset[int
 def local_topology(root: str | None = None) -> Topology:
     """This host's topology, restricted to what this process's cpuset allows. A recorded tree
     (`root` or $POPRUN_SYSFS_ROOT) is another machine's: our cpuset says nothing about it."""
-    root = root or os.environ.get(SYSFS_ROOT_ENV)
-    if root:
+    root = root or sysfs_root()
+    if root != "/sys":
         return parse_topology(read_sysfs(root))
     allowed_cpus, allowed_mems = read_allowed()
-    return parse_topology(read_sysfs("/sys"), allowed_cpus, allowed_mems)
+    return parse_topology(read_sysfs(root), allowed_cpus, allowed_mems)

@@ -193,3 +193,16 @@ def test_a_remote_python_that_does_not_exist_is_a_clear_error(hosts):
     assert proc.returncode == 2, err
     assert "poprun: error: h1:" in err and "/no/such/python" in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_remote_instances_are_bound_from_the_hosts_own_topology(hosts):
+    """The agent reports its host's sysfs and cpuset; the plan binds from them and the agent
+    binds each instance before it starts: its grandchild shows the same single CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    proc = run(hosts, "-H", "h1", "--num-instances=2", "--num-replicas=2", "--tag-output",
+               "--process-placement=close", "sh", "-c",
+               "sh -c 'grep Cpus_allowed_list /proc/self/status'")
+    assert proc.returncode == 0, proc.stderr.decode()
+    seen = lines_by_instance(proc.stdout)
+    assert seen == {i: [f"Cpus_allowed_list:\t{cpus[i]}"] for i in (0, 1)}

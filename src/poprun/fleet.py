@@ -14,14 +14,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 
+from spawner.cpulist import parse_allowed
 from spawner.local import Sink
 from spawner.remote import RemoteError, RemoteSpawner
 from spawner.ssh import SshConnectError, close_all, connect_all
 
 from .config import LaunchConfig
-from .errors import LaunchError
+from .errors import ConfigError, LaunchError
 from .hosts import Host
 from .log import Log
+from .topology import Topology, parse_topology
 
 CACHE_PREFIX = "poprun-cache-"
 
@@ -69,6 +71,18 @@ class Fleet:
         if failed:
             raise LaunchError("\n".join(failed))
         return dict(zip(labels, paths))
+
+    def topologies(self) -> dict[str, Topology]:
+        """Each host's NUMA topology as its agent read it, cut to the agent's cpuset."""
+        out = {}
+        for label, spawner in self.spawners.items():
+            raw = spawner.info.raw
+            try:
+                cpus, mems = parse_allowed(raw.get("status", ""))
+                out[label] = parse_topology(raw.get("sysfs") or {}, cpus, mems)
+            except (ValueError, ConfigError) as exc:
+                raise ConfigError(f"{label}: cannot read its NUMA topology: {exc}") from None
+        return out
 
     def address_of(self, label: str) -> str:
         """The address the launcher reached `label` at: one the other hosts can reach too

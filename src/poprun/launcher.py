@@ -222,16 +222,21 @@ class _Session:
         first = self.hosts.labels[0]
         master = (self.fleet.own_address() if self.hosts.first_is_local
                   else self.fleet.address_of(first))
-        self._plan(caches, master)
+        per_host = self.config.num_instances // len(self.hosts.labels)
+        remote_topologies = (self.fleet.topologies()
+                             if planning.needs_topology(self.config, per_host) else {})
+        self._plan(caches, master, remote_topologies)
         self.job.start(loop, self.lifeline, on_finished, remote=self.fleet.spawners)
         await self.job.spawn_remote()
         return self.job
 
-    def _plan(self, cache_paths: Mapping[str, str], master_addr: str) -> None:
+    def _plan(self, cache_paths: Mapping[str, str], master_addr: str,
+              remote_topologies: Mapping[str, Topology] | None = None) -> None:
+        topologies = {**local_topologies(self.config, self.hosts), **(remote_topologies or {})}
         launch_plan = planning.plan(
             self.config, self.environ, program=self.program, master_port=free_port(),
             hosts=self.hosts.labels, master_addr=master_addr, remote_hosts=self.hosts.remote,
-            cache_paths=cache_paths, topologies=local_topologies(self.config, self.hosts))
+            cache_paths=cache_paths, topologies=topologies)
         for warning in launch_plan.warnings:
             self.log.warning(warning)
         if self.config.print_topology:
@@ -391,7 +396,8 @@ class _Job:
         hosts = list(self.remote)
         outcomes = await asyncio.gather(*(self.remote[host].spawn_all(
             SpawnRequest(key=inst.index, argv=inst.argv, env_set=inst.env,
-                         env_unset=self.plan.unset_env, cwd=self.cwd, merge_stderr=merge)
+                         env_unset=self.plan.unset_env, cwd=self.cwd, merge_stderr=merge,
+                         cpus=inst.cpus, mems=inst.mems)
             for inst in self.plan.on_host(host)) for host in hosts), return_exceptions=True)
         problems = []
         for host, outcome in zip(hosts, outcomes):
@@ -403,6 +409,10 @@ class _Job:
                 problems.append(str(outcome))
         if problems:
             raise LaunchError("\n".join(problems))
+        for host in hosts:
+            if self.remote[host].memory_binding_skipped:
+                self.log.warning(f"{host}: memory binding skipped: libnuma (libnuma1) or the "
+                                 "kernel's NUMA support is missing there; CPU binding is in force")
         self._all_started = True
         if self.root_cause is not None or self.stop_signal is not None:
             self._signal_all(signal.SIGTERM)  # stopped while these were starting

@@ -13,24 +13,19 @@ started inside a container or a Slurm allocation stays inside it.
 
 from __future__ import annotations
 
-import glob
-import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from spawner.cpulist import format_cpu_list, parse_allowed, parse_cpu_list
+from spawner.sysfs import CPU_DIR as _CPU
+from spawner.sysfs import NODE_DIR as _NODE
+from spawner.sysfs import SIBLING_FILES as _SIBLING_FILES
+from spawner.sysfs import read_sysfs, sysfs_root
 
 from .errors import ConfigError
 
-SYSFS_ROOT_ENV = "POPRUN_SYSFS_ROOT"
 
-_NODE = "devices/system/node"
-_CPU = "devices/system/cpu"
-# Newer kernels name the SMT siblings `core_cpus_list`; `thread_siblings_list` is the old
-# (still present) name of the same set.
-_SIBLING_FILES = ("core_cpus_list", "thread_siblings_list")
-_TOPOLOGY_FILES = ("physical_package_id", "core_id", *_SIBLING_FILES)
 _MEMTOTAL = re.compile(r"MemTotal:\s*(\d+)\s*kB")
 
 
@@ -191,29 +186,6 @@ def _number(text: str, path: str) -> int:
 
 
 # --- I/O ---------------------------------------------------------------------------------
-
-
-def sysfs_root() -> str:
-    """`$POPRUN_SYSFS_ROOT`, or `/sys`."""
-    return os.environ.get(SYSFS_ROOT_ENV) or "/sys"
-
-
-def read_sysfs(root: str | None = None) -> dict[str, str]:
-    """The files `parse_topology` reads, keyed by their path under `root` (default
-    `sysfs_root()`). Files that do not exist are simply absent."""
-    root = root or sysfs_root()
-    patterns = [f"{_NODE}/online", f"{_NODE}/node[0-9]*/cpulist", f"{_NODE}/node[0-9]*/meminfo",
-                f"{_CPU}/online"]
-    patterns += [f"{_CPU}/cpu[0-9]*/topology/{name}" for name in _TOPOLOGY_FILES]
-    files: dict[str, str] = {}
-    for pattern in patterns:
-        for path in glob.glob(os.path.join(root, pattern)):
-            try:
-                with open(path) as f:
-                    files[os.path.relpath(path, root)] = f.read()
-            except OSError:  # a CPU going offline while we read: it is not usable anyway
-                continue
-    return files
 
 
 def read_allowed(pid: int | str = "self") -> tuple[frozenset[int], frozenset[int]]:

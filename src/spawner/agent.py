@@ -38,6 +38,7 @@ from .local import LocalSpawner, ProcessSpec, Stream, resolve_program
 from .loop import Handle, SelectLoop
 from .protocol import (MAGIC, PROTOCOL_VERSION, Control, Frame, FrameDecoder, Kind,
                        ProtocolError, SpawnRequest, encode, output_header)
+from .sysfs import read_sysfs
 
 READ_SIZE = 65536
 HIGH_WATER = 1 << 20  # unsent bytes above which instances' pipes are no longer read
@@ -64,7 +65,19 @@ def hello_reply(request: dict[str, Any]) -> dict[str, Any]:
         "cwd": cwd,
         "cwd_exists": os.path.isdir(cwd),
         "program": resolve_program(program, path, cwd) if program else None,
+        # The raw NUMA topology: the launcher parses it (poprun.topology) and plans binding.
+        "sysfs": read_sysfs(),
+        "status": _own_status(),
     }
+
+
+def _own_status() -> str:
+    """This process's /proc status: its Cpus/Mems_allowed_list are the cpuset instances get."""
+    try:
+        with open("/proc/self/status") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def instance_environ(env_set: Mapping[str, str], env_unset: Iterable[str]) -> dict[str, str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env
-from poprun import LaunchConfig, launch
+from poprun import LaunchConfig, __version__, launch
 from poprun.errors import LaunchError
 from sshd_hosts import SshHosts, processes_with, start_ssh_hosts, wait_until
 
@@ -206,3 +206,42 @@ def test_remote_instances_are_bound_from_the_hosts_own_topology(hosts):
     assert proc.returncode == 0, proc.stderr.decode()
     seen = lines_by_instance(proc.stdout)
     assert seen == {i: [f"Cpus_allowed_list:\t{cpus[i]}"] for i in (0, 1)}
+
+
+def test_check_reports_every_host_in_one_table(hosts):
+    proc = run(hosts, "--check", "-H", "h1,h2")
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, (out, proc.stderr.decode())
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:3]}
+    for host in ("h1", "h2"):
+        assert rows[host][1:6] == ["ok", ".".join(map(str, sys.version_info[:3])),
+                                   __version__, "ok", "-"], out
+    assert "2 of 2 host(s) ready" in out
+
+
+def test_check_folds_failures_by_kind_and_exits_1(hosts):
+    lines = hosts.known_hosts.read_text().splitlines()
+    hosts.known_hosts.write_text(lines[0] + "\n")  # h2's key unknown
+    proc = run(hosts, "--check", "-H", "h1,h2", "--ssh-timeout=5", "no-such-program-x")
+    out = proc.stdout.decode()
+    assert proc.returncode == 1, out
+    assert "unknown host key: h2" in out and "program not found: h1" in out, out
+    assert "0 of 2 host(s) ready" in out
+
+
+def test_distribute_ssh_key_without_a_terminal_is_a_clear_error(hosts, tmp_path):
+    """The password is read from the terminal only (never echoed from a pipe): with none,
+    one error line and nothing launched. (Installing keys is tested in test_sshkeys.py.)"""
+    marker = tmp_path / "started"
+    (tmp_path / "keys").mkdir()  # a folder, as in PopRun's guide
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, "--distribute-ssh-key", "--distribute-ssh-key-type=ed25519",
+                    f"--distribute-ssh-key-path={tmp_path / 'keys'}", "-H", "h1", "touch",
+                    str(marker)),
+        env=poprun_env(hosts.env()), stdin=subprocess.DEVNULL, capture_output=True,
+        timeout=TIMEOUT, start_new_session=True)  # no controlling terminal
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert err.count("poprun: error:") == 1 and "terminal" in err, err
+    assert (tmp_path / "keys" / "id_ed25519.pub").exists()  # the key asked for was made
+    assert not marker.exists()

@@ -333,6 +333,8 @@ def _main(argv: list[str]) -> int:
         sys.stdout.write(f"poprun {__version__}\n")
         return 0
     values = parsed.values
+    if values.get("check"):
+        return _check(parsed)
     if values.get("export_config") and values.get("import_config"):
         raise ConfigError("--export-config and --import-config cannot be used together")
     config = build_config(parsed)
@@ -344,11 +346,57 @@ def _main(argv: list[str]) -> int:
         return _dry_run(config, bool(values.get("json")))
     from .launcher import JobHosts, launch, launch_blocking
 
+    if config.distribute_ssh_key:
+        _distribute_ssh_key(config)
     if not JobHosts.of(config, os.environ).remote:
         return launch_blocking(config).exit_code
     import asyncio  # only runs with remote hosts pay for asyncio (and asyncssh)
 
     return asyncio.run(launch(config)).exit_code
+
+
+def _check(parsed: Parsed) -> int:
+    """--check: no program needed; instance counts default to one per host."""
+    import asyncio
+
+    from .check import check_hosts
+    from .hosts import job_hosts, parse_host_list
+
+    program = tuple(parsed.program)
+    entries = parsed.values.get("hosts") or ()
+    if parsed.values.get("host_file"):
+        entries = _read_host_file(str(parsed.values["host_file"]))
+    hosts = len(job_hosts(parse_host_list(",".join(entries)) if entries else (), os.environ))
+    defaults = {n: max(hosts, 1) for n in ("num_instances", "num_replicas")
+                if n not in parsed.given}
+    config = build_config(_with(parsed, program=program or ("true",), **defaults))
+    report, ok = asyncio.run(check_hosts(config, os.environ, os.getcwd(),
+                                         program[0] if program else None))
+    sys.stdout.write(report)
+    return 0 if ok else 1
+
+
+def _with(parsed: Parsed, program: tuple[str, ...], **values: object) -> Parsed:
+    return Parsed(values={**parsed.values, **values}, given=parsed.given | set(values),
+                  program=list(program), action=parsed.action)
+
+
+def _distribute_ssh_key(config: LaunchConfig) -> None:
+    """--distribute-ssh-key: install the key on every remote host (password asked once)."""
+    import asyncio
+
+    from .launcher import JobHosts
+    from .sshkeys import distribute_ssh_key
+
+    hosts = JobHosts.of(config, os.environ)
+    remote = [h for h in hosts.hosts if str(h) in hosts.remote]
+    if not remote:
+        raise ConfigError("--distribute-ssh-key needs remote hosts (--host or --host-file)")
+    _, results = asyncio.run(distribute_ssh_key(
+        remote, path=config.distribute_ssh_key_path, key_type=config.distribute_ssh_key_type,
+        fanout=config.ssh_fanout, timeout=config.ssh_timeout))
+    for result in results.values():
+        sys.stderr.write(f"poprun: {result.message}\n")
 
 
 def _dry_run(config: LaunchConfig, as_json: bool) -> int:

@@ -4,11 +4,11 @@
     result = await launch(LaunchConfig(program=("python3", "train.py"), num_instances=2,
                                        num_replicas=2, offline_mode=True))
 
-The launcher (and asyncio with it) is imported on first use, so `poprun --version` stays fast.
+Everything but the version and the errors is imported on first use: `poprun --version` and
+the per-host agent (which only needs `poprun._version`) stay fast.
 """
 
 from ._version import __version__
-from .config import LaunchConfig
 from .errors import ConfigError, LaunchError, PoprunError
 
 __all__ = [
@@ -28,6 +28,10 @@ def __getattr__(name: str):
         from .launcher import launch
 
         return launch
+    if name == "LaunchConfig":
+        from .config import LaunchConfig
+
+        return LaunchConfig
     if name in ("LaunchResult", "InstanceResult"):
         from . import result
 

@@ -410,6 +410,7 @@ class _Job:
         if problems:
             raise LaunchError("\n".join(problems))
         for host in hosts:
+            self.log.info(f"{host}: {self.remote[host].timings.describe()}")
             if self.remote[host].memory_binding_skipped:
                 self.log.warning(f"{host}: memory binding skipped: libnuma (libnuma1) or the "
                                  "kernel's NUMA support is missing there; CPU binding is in force")

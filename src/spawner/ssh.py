@@ -48,6 +48,8 @@ DEFAULT_FANOUT = 64
 DEFAULT_TIMEOUT = 10.0
 # Closing is a courtesy to the server: never let a dead peer hold up the error path.
 CLOSE_TIMEOUT = 2.0
+KEEPALIVE_INTERVAL = 5.0
+KEEPALIVE_COUNT = 3
 
 
 class SshTarget(Hashable, Protocol):
@@ -322,6 +324,9 @@ async def _connect_one(target: SshTarget, timeout: float, password: str | None
                 target.name, **_target_options(target), client_factory=client_factory,
                 password=password, password_auth=password is not None,
                 kbdint_auth=password is not None,
+                # A host that goes silent (powered off, cable cut: no reset ever arrives)
+                # is declared lost after ~15 s instead of the TCP timeout's many minutes.
+                keepalive_interval=KEEPALIVE_INTERVAL, keepalive_count_max=KEEPALIVE_COUNT,
             )
     except Exception as exc:  # every failure becomes data, one line per host
         client = clients[0] if clients else None

@@ -125,6 +125,36 @@ OPTIONS: tuple[Opt, ...] = (
         "no = disabled"),
     Opt("report-bindings", B, "After start, print each instance's CPUs and memory nodes as "
         "read from /proc, and warn where they differ from the plan"),
+    Opt("offline-target", Kind.STR,
+        "With --offline-mode: compile for this system, setting POPLAR_TARGET_OPTIONS "
+        "(pod4, pod16, pod64, pod128, pod256, or bow-podN; values already in "
+        "POPLAR_TARGET_OPTIONS win)"),
+    Opt("autoreport-dir", Kind.STR,
+        "Profile into DIR/<instance index> (sets POPDIST_AUTOREPORT_DIRECTORY; PopDist turns "
+        "autoReport on unless POPLAR_ENGINE_OPTIONS has a profiling setting)"),
+    Opt("vipu-server-host", Kind.STR, "V-IPU server host (default: IPUOF_VIPU_API_HOST, "
+        "then the local vipu configuration)"),
+    Opt("vipu-server-port", Kind.INT, "V-IPU server port (default: IPUOF_VIPU_API_PORT, "
+        "then 8090)"),
+    Opt("vipu-server-timeout", Kind.INT, "Seconds every V-IPU request may take"),
+    Opt("vipu-partition", Kind.STR, "The partition to run on (default: "
+        "IPUOF_VIPU_API_PARTITION_ID, then the only one in the allocation)"),
+    Opt("vipu-allocation", Kind.STR, "The allocation to create a partition in"),
+    Opt("vipu-cluster", Kind.STR, "Deprecated name of --vipu-allocation"),
+    Opt("update-partition", B, "Re-create an existing partition that does not fit the job"),
+    Opt("reset-partition", B, "Reset the partition before the job (default: yes for "
+        "non-reconfigurable partitions)"),
+    Opt("remove-partition", B, "Remove a partition poprun created when the job ends"),
+    Opt("sync-type", Kind.STR, "Sync type of a partition poprun creates"),
+    Opt("ipu-link-routing-type", Kind.STR, "IPU-Link routing of a partition poprun creates"),
+    Opt("gw-link-routing-type", Kind.STR, "GW-Link routing of a partition poprun creates"),
+    Opt("vipu-partition-attempts", Kind.INT, "How many times to poll a partition for "
+        "readiness"),
+    Opt("host-subnet", Kind.STR, "Accepted for compatibility; no MPI here, so no effect"),
+    Opt("allow-run-as-root", B, "Accepted for compatibility; poprun runs as root anyway"),
+    Opt("synchronise-python-venv", B, "Accepted for compatibility; no effect"),
+    Opt("synchronise-poplar-sdk", B, "Accepted for compatibility; no effect"),
+    Opt("version-format", Kind.STR, "Accepted for compatibility; no effect"),
     Opt("kill-timeout", Kind.FLOAT,
         "Seconds between SIGTERM and SIGKILL when stopping instances"),
     Opt("export-config", Kind.STR, "Write the options and program to this TOML file, then launch",
@@ -142,6 +172,7 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("vv", Kind.COUNT, "Very verbose output", dest="verbose", step=2),
 )
 _BY_LONG = {o.long: o for o in OPTIONS}
+_SINGLE = (Kind.INT, Kind.FLOAT, Kind.STR, Kind.BOOL)  # one value: a repeat is an error
 _BY_SHORT = {o.short: o for o in OPTIONS if o.short}
 _BOOL_WORDS = {"yes": True, "true": True, "on": True, "1": True,
                "no": False, "false": False, "off": False, "0": False}
@@ -172,6 +203,8 @@ def parse_args(argv: list[str]) -> Parsed:
         else:
             out.program = argv[i:]
             break
+        if opt.kind in _SINGLE and opt.name in out.given:  # as Boost.Program_options says
+            raise ConfigError(f"option '--{opt.long}' cannot be specified more than once")
         if opt.kind is Kind.ACTION:
             out.action = out.action or opt.long
         elif opt.kind is Kind.COUNT:

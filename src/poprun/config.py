@@ -60,6 +60,28 @@ class LaunchConfig:
     process_placement: str | None = None  # a placement.Strategy value; None: automatic
     numa_aware: bool | None = None  # the older spelling: yes = spreadnuma, no = disabled
     report_bindings: bool = False
+    offline_target: str | None = None  # poplar.OFFLINE_TARGETS; needs offline_mode
+    autoreport_dir: str | None = None
+    # V-IPU (guide §2.8): used when offline_mode is off.
+    vipu_server_host: str | None = None
+    vipu_server_port: int | None = None
+    vipu_server_timeout: int | None = None
+    vipu_partition: str | None = None
+    vipu_allocation: str | None = None
+    vipu_cluster: str | None = None  # the deprecated name of --vipu-allocation
+    update_partition: bool = False
+    reset_partition: bool | None = None  # None: reset non-reconfigurable partitions only
+    remove_partition: bool = True
+    sync_type: str | None = None
+    ipu_link_routing_type: str | None = None
+    gw_link_routing_type: str | None = None
+    vipu_partition_attempts: int | None = None
+    # Accepted from later SDKs' scripts; nothing to do without IPUs or MPI (logged at -v).
+    host_subnet: str | None = None
+    allow_run_as_root: bool = False
+    synchronise_python_venv: bool = False
+    synchronise_poplar_sdk: bool = False
+    version_format: str | None = None
 
     def __post_init__(self) -> None:
         for name in _STR_TUPLE_FIELDS:
@@ -104,6 +126,12 @@ class LaunchConfig:
         from .placement import resolve_strategy
 
         resolve_strategy(self.process_placement, self.numa_aware, 1)  # unknown or contradictory
+        if self.offline_target is not None:
+            from .poplar import offline_target
+
+            offline_target(self.offline_target)  # an unknown target is an error now
+            if not self.offline_mode:
+                raise ConfigError("--offline-target needs --offline-mode=yes")
         key_type = self.distribute_ssh_key_type
         if key_type is not None and key_type not in SSH_KEY_TYPES:
             raise ConfigError(f"--distribute-ssh-key-type={key_type!r}: use one of "
@@ -130,12 +158,17 @@ class LaunchConfig:
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a boolean")
-        for name in ("executable_cache_path", "output_filename", "remote_python",
-                     "distribute_ssh_key_path", "distribute_ssh_key_type", "process_placement"):
+        for name in _OPTIONAL_STR_FIELDS:
             if not isinstance(getattr(self, name), (str, type(None))):
                 raise bad(name, "a string")
-        if self.numa_aware is not None and not isinstance(self.numa_aware, bool):
-            raise bad("numa_aware", "a boolean")
+        for name in ("numa_aware", "reset_partition"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise bad(name, "a boolean")
+        for name in ("vipu_server_port", "vipu_server_timeout", "vipu_partition_attempts"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise bad(name, "a positive integer")
         only = self.only_output_from_instance
         if only is not None and (not isinstance(only, int) or isinstance(only, bool)):
             raise bad("only_output_from_instance", "an integer")
@@ -219,7 +252,17 @@ class LaunchConfig:
 _STR_TUPLE_FIELDS = ("program", "env", "mpi_global_args", "mpi_local_args",
                      "instance_mpi_local_args", "hosts")
 _BOOL_FIELDS = ("offline_mode", "print_topology", "tag_output", "timestamp_output",
-                "merge_stderr_to_stdout", "distribute_ssh_key", "report_bindings")
+                "merge_stderr_to_stdout", "distribute_ssh_key", "report_bindings",
+                "update_partition", "remove_partition", "allow_run_as_root",
+                "synchronise_python_venv", "synchronise_poplar_sdk")
+_OPTIONAL_STR_FIELDS = (
+    "executable_cache_path", "output_filename", "remote_python", "distribute_ssh_key_path",
+    "distribute_ssh_key_type", "process_placement", "offline_target", "autoreport_dir",
+    "vipu_server_host", "vipu_partition", "vipu_allocation", "vipu_cluster", "sync_type",
+    "ipu_link_routing_type", "gw_link_routing_type", "host_subnet", "version_format")
+# Options that parse (later SDKs' scripts pass them) and do nothing here: said at -v.
+INERT_FIELDS = ("host_subnet", "allow_run_as_root", "synchronise_python_venv",
+                "synchronise_poplar_sdk", "version_format", "vipu_partition_attempts")
 
 
 def field_defaults() -> dict[str, Any]:

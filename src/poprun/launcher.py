@@ -30,7 +30,7 @@ from spawner.lifeline import Lifeline
 from spawner.local import LocalSpawner, ProcessSpec, Stream, resolve_program
 
 from . import plan as planning
-from .config import LaunchConfig
+from .config import INERT_FIELDS, LaunchConfig
 from .errors import ConfigError, LaunchError
 from .hosts import Host, is_local, job_hosts
 from .log import Log
@@ -50,7 +50,7 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
     """The plan `--dry-run` shows: a launch's plan, contacting no host. Cache dirs not made
     yet are placeholders; MASTER_ADDR is the first host's name (a launch uses its address)."""
     hosts = JobHosts.of(config, environ)
-    program, mode = preflight(config, environ, cwd, resolve=hosts.any_local)
+    program, mode = preflight(config, environ, cwd, resolve=hosts.any_local, dry_run=True)
     cache = _explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
     master = LOOPBACK if hosts.first_is_local and not hosts.remote else hosts.labels[0]
     return planning.plan(config, environ, program=program, master_port=free_port(),
@@ -96,10 +96,10 @@ class JobHosts:
 
 
 def preflight(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
-              resolve: bool = True) -> tuple[tuple[str, ...], CacheMode]:
+              resolve: bool = True, dry_run: bool = False) -> tuple[tuple[str, ...], CacheMode]:
     """Everything checked before anything starts: the program (argv[0] resolved here when
     `resolve`; remote hosts resolve it themselves) and the executable cache mode."""
-    if not config.offline_mode:
+    if not config.offline_mode and not dry_run:
         raise ConfigError("V-IPU partitions are not supported by this poprun yet: run with "
                           "--offline-mode=yes (instances may still attach to IPUs themselves)")
     program = config.program
@@ -183,11 +183,15 @@ class _Session:
         self.hosts = JobHosts.of(config, self.environ)
         self.program, self.mode = preflight(config, self.environ, self.cwd,
                                             resolve=self.hosts.any_local)
-        if config.num_instances == 1 and config.num_replicas == 1:
-            log.warning("Using --num-instances=1 and --num-replicas=1 together is not supported "
-                        "and might give additional overhead and/or raise other issues.")
         for ignored in config.mpi.ignored:
             log.info(f"ignoring mpirun argument {ignored!r}: poprun does not use MPI")
+        for name in INERT_FIELDS:
+            if getattr(config, name) not in (None, False):
+                log.info(f"--{name.replace('_', '-')}: accepted for compatibility, nothing to "
+                         "do here (no MPI; V-IPU polling is bounded by --vipu-server-timeout)"
+                         if name == "vipu_partition_attempts" else
+                         f"--{name.replace('_', '-')}: accepted for compatibility, nothing to "
+                         "do without MPI or IPUs")
         self.lifeline = Lifeline()
         self.cache = _CacheDir(config, self.mode, self.lifeline, log)
         self.job = _Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
@@ -237,6 +241,10 @@ class _Session:
             self.config, self.environ, program=self.program, master_port=free_port(),
             hosts=self.hosts.labels, master_addr=master_addr, remote_hosts=self.hosts.remote,
             cache_paths=cache_paths, topologies=topologies)
+        if self.config.num_instances == 1 and self.config.num_replicas == 1:
+            self.log.warning("Using --num-instances=1 and --num-replicas=1 together is not "
+                             "supported and might give additional overhead and/or raise other "
+                             "issues.")
         for warning in launch_plan.warnings:
             self.log.warning(warning)
         if self.config.print_topology:

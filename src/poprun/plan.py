@@ -16,6 +16,7 @@ from popdist import env as E
 from .config import LaunchConfig
 from .errors import ConfigError
 from .placement import Binding, Strategy, place, resolve_strategy
+from .poplar import check_autoreport, offline_target, target_options
 from .topology import Topology
 
 LOCALHOST = "localhost"
@@ -132,6 +133,7 @@ def plan(
     warnings: list[str] = []
     bindings = {host: host_bindings(config, (topologies or {}).get(host), per_host, host)
                 for host in hosts}
+    poplar_env = _poplar_env(config, environ)
     instances = []
     for index in range(config.num_instances):
         host = hosts[index // per_host]
@@ -142,10 +144,15 @@ def plan(
             index=index, num_instances=config.num_instances, local_index=index % per_host,
             local_size=per_host, num_total_replicas=config.num_replicas,
             ipus_per_replica=config.ipus_per_replica, master_addr=master_addr,
-            master_port=master_port, executable_cache_path=cache)
+            master_port=master_port, executable_cache_path=cache,
+            autoreport_dir=config.autoreport_dir)
         added = _forwarded(environ) if host in remote_hosts else {}
         added.update(E.instance_environment(who))
+        added.update(poplar_env)
         added.update(_user_env(config.env_entries(index), environ, warnings))
+        if config.autoreport_dir:
+            check_autoreport([environ.get(E.POPLAR_ENGINE_OPTIONS),
+                              added.get(E.POPLAR_ENGINE_OPTIONS)])
         first = index * local_replicas
         instances.append(InstancePlan(
             index=index, host=host, local_index=who.local_index,
@@ -171,6 +178,16 @@ def needs_topology(config: LaunchConfig, instances_on_host: int) -> bool:
     """Whether placement needs the host's topology (reading it costs a few ms of sysfs)."""
     return resolve_strategy(config.process_placement, config.numa_aware,
                             instances_on_host) is not Strategy.DISABLED
+
+
+def _poplar_env(config: LaunchConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """What `--offline-target` adds to every instance (guide §2.6)."""
+    if not config.offline_target:
+        return {}
+    ipus_per_instance = config.num_replicas // config.num_instances * config.ipus_per_replica
+    return {E.POPLAR_TARGET_OPTIONS: target_options(
+        offline_target(config.offline_target), ipus_per_instance,
+        environ.get(E.POPLAR_TARGET_OPTIONS))}
 
 
 def _forwarded(environ: Mapping[str, str]) -> dict[str, str]:

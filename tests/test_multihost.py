@@ -245,3 +245,19 @@ def test_distribute_ssh_key_without_a_terminal_is_a_clear_error(hosts, tmp_path)
     assert err.count("poprun: error:") == 1 and "terminal" in err, err
     assert (tmp_path / "keys" / "id_ed25519.pub").exists()  # the key asked for was made
     assert not marker.exists()
+
+
+@pytest.mark.timeout(120)
+def test_torch_ddp_example_trains_across_two_hosts(hosts):
+    """examples/torch_ddp.py, one instance per host: gloo meets at MASTER_ADDR (h1's address)
+    and both instances end with the same parameters only if every all-reduce crossed hosts."""
+    pytest.importorskip("torch", reason="torch not installed (pip install torch==2.13.0)")
+    example = Path(__file__).resolve().parent.parent / "examples" / "torch_ddp.py"
+    proc = run(hosts, "--host", "h1,h2", "--num-instances=2", "--num-replicas=2",
+               "--tag-output", PY, str(example), "--epochs", "2", "--samples", "512",
+               timeout=110)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    finals = {i: [line for line in lines if ": final loss " in line]
+              for i, lines in lines_by_instance(proc.stdout).items()}
+    assert sorted(finals) == [0, 1] and all(len(f) == 1 for f in finals.values()), finals
+    assert finals[0][0].split(": ", 1)[1] == finals[1][0].split(": ", 1)[1]  # loss + checksum

@@ -273,9 +273,12 @@ def test_execute_on_instances_outside_poprun_is_instance_zero():
 
 
 def test_public_api_is_reexported():
-    assert set(popdist.__all__) == set(popdist_core.__all__)
-    for name in popdist.__all__:
+    from popdist import autoreport
+
+    assert set(popdist.__all__) == set(popdist_core.__all__) | {"setEngineOptions"}
+    for name in popdist_core.__all__:
         assert getattr(popdist, name) is getattr(popdist_core, name)
+    assert popdist.setEngineOptions is autoreport.setEngineOptions
 
 
 def test_real_subprocess_sees_its_identity():

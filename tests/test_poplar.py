@@ -104,3 +104,45 @@ def test_options_of_later_sdks_parse_and_say_at_v_they_do_nothing():
                  "version-format", "vipu-partition-attempts"):
         assert f"--{name}: accepted for compatibility" in err, (name, err)
     assert "--synchronise-poplar-sdk" not in err  # given as "no": nothing to say
+
+
+SHOW_ENGINE_OPTIONS = ("import os, popdist; "
+                       "print(os.environ.get('POPLAR_ENGINE_OPTIONS', 'unset'))")
+
+
+def engine_options_seen(*args: str, env: dict[str, str] | None = None) -> list[object]:
+    proc = run_poprun(*OFFLINE, "--autoreport-dir", "/tmp/prof", "--num-instances=2",
+                      "--num-replicas=4", "--tag-output", *args, PY, "-c", SHOW_ENGINE_OPTIONS,
+                      env=env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    lines = sorted(proc.stdout.decode().splitlines())
+    return [json.loads(line.split("<stdout>:", 1)[1]) for line in lines]
+
+
+def test_popdist_gives_each_instance_its_own_report_directory_and_turns_profiling_on():
+    assert engine_options_seen() == [
+        {"autoReport.all": "true", "autoReport.directory": "/tmp/prof/0"},
+        {"autoReport.all": "true", "autoReport.directory": "/tmp/prof/1"}]
+
+
+def test_popdist_keeps_the_users_profiling_settings():
+    seen = engine_options_seen(env={"POPLAR_ENGINE_OPTIONS":
+                                    '{"autoReport.outputExecutionProfile":"true","x":"1"}'})
+    assert seen[1] == {"autoReport.outputExecutionProfile": "true", "x": "1",
+                       "autoReport.directory": "/tmp/prof/1"}  # no autoReport.all added
+
+
+def test_profiling_switched_off_means_no_directory():
+    off = {"autoReport.all": "false"}
+    assert engine_options_seen(env={"POPLAR_ENGINE_OPTIONS": json.dumps(off)}) == [off, off]
+
+
+def test_set_engine_options_applies_the_same_rules(monkeypatch):
+    import popdist
+
+    assert popdist.setEngineOptions({"a": "1"}) == {"a": "1"}  # not under --autoreport-dir
+    monkeypatch.setenv("POPDIST_AUTOREPORT_DIRECTORY", "/r")
+    monkeypatch.setenv("POPDIST_REPLICA_INDEX_OFFSET", "6")
+    monkeypatch.setenv("POPDIST_NUM_LOCAL_REPLICAS", "2")
+    assert popdist.setEngineOptions({}) == {"autoReport.all": "true",
+                                            "autoReport.directory": "/r/3"}

@@ -1,5 +1,7 @@
 """popdist: what a poprun instance needs to know about itself (Graphcore-compatible API)."""
 
+from popdist.autoreport import apply_to_environment as _apply_autoreport
+from popdist.autoreport import setEngineOptions
 from popdist.popdist_core import (
     checkNumIpusPerReplica,
     execute_on_instances,
@@ -32,4 +34,10 @@ __all__ = [
     "init",
     "isPopdistEnvSet",
     "isUniformReplicasPerInstance",
+    "setEngineOptions",
 ]
+
+# Poplar reads POPLAR_ENGINE_OPTIONS when an engine is made, and an application may never call
+# popdist.init(): so the per-instance profiling directory is set as soon as popdist is imported
+# (only under `poprun --autoreport-dir`; idempotent).
+_apply_autoreport()

@@ -107,3 +107,26 @@ def test_more_single_core_instances_than_cpus_is_a_usage_error(tmp_path):
 def test_contradictory_placement_options_are_a_usage_error():
     proc = run_poprun(*OFFLINE, "--numa-aware=no", "--process-placement=close", PY)
     assert_usage_error(proc, "--numa-aware=no", "--process-placement=close")
+
+
+@pytest.mark.parametrize("bind_to,map_by,expected", [
+    ("core", None, "close"), ("core", "numa", "scatternuma"), ("core", "socket:PE=2",
+                                                                 "scattersocket"),
+    ("numa", None, "spreadnuma"), ("none", None, "disabled"), ("board", None, None),
+    (None, "numa", None),
+])
+def test_mpirun_bind_to_and_map_by_as_strategies(bind_to, map_by, expected):
+    from poprun.placement import strategy_from_mpi
+
+    got = strategy_from_mpi(bind_to, map_by)
+    assert (got.value if got else None) == expected
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_bind_to_core_in_mpi_args_binds_when_placement_is_disabled():
+    cpus = sorted(os.sched_getaffinity(0))
+    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "--numa-aware=no",
+                      "--mpi-global-args=--bind-to core", "--tag-output", *GRANDCHILD)
+    assert proc.returncode == 0, proc.stderr.decode()
+    seen = bindings_by_instance(proc.stdout)
+    assert all(f"Cpus_allowed_list:\t{cpus[i]}\n" in seen[i] + "\n" for i in (0, 1)), seen

@@ -247,9 +247,26 @@ class _Session:
                              "issues.")
         for warning in launch_plan.warnings:
             self.log.warning(warning)
+        self._log_placement(launch_plan)
         if self.config.print_topology:
             os.write(self.stdout_fd, topology_table(launch_plan).encode())
         self.job.plan = launch_plan
+
+    def _log_placement(self, launch_plan: LaunchPlan) -> None:
+        """-v: each host's strategy; -vv: each instance's binding."""
+        per_host = self.config.num_instances // len(launch_plan.hosts)
+        strategy = planning.host_strategy(self.config, per_host)
+        mpi = self.config.mpi
+        if mpi.bind_to and planning.strategy_from_mpi(mpi.bind_to, mpi.map_by) is None:
+            self.log.info(f"ignoring mpirun --bind-to {mpi.bind_to}"
+                          f"{' --map-by ' + mpi.map_by if mpi.map_by else ''}: no placement "
+                          "strategy matches it")
+        self.log.info(f"process placement: {strategy.value} ({per_host} instance(s) per host)")
+        for inst in launch_plan.instances:
+            self.log.debug(f"instance {inst.index} on {inst.host}: cpus "
+                           f"{'any' if inst.cpus is None else format_cpu_list(inst.cpus)}, "
+                           f"memory nodes "
+                           f"{'any' if inst.mems is None else format_cpu_list(inst.mems)}")
 
     def result(self) -> LaunchResult:
         if self._result is None:

@@ -62,6 +62,29 @@ def resolve_strategy(process_placement: str | None, numa_aware: bool | None,
     return Strategy.SPREADNUMA if instances_on_host > 1 else Strategy.DISABLED
 
 
+# mpirun's --bind-to/--map-by in the mpi-args, where they say something a strategy can do:
+# (bind-to, map-by) -> strategy; map-by None matches any. Others are ignored (said at -v).
+_MPI_BINDINGS = {
+    ("none", None): Strategy.DISABLED,
+    ("core", "numa"): Strategy.SCATTERNUMA,
+    ("core", "socket"): Strategy.SCATTERSOCKET,
+    ("core", None): Strategy.CLOSE,
+    ("hwthread", None): Strategy.CLOSE,
+    ("numa", None): Strategy.SPREADNUMA,
+    ("socket", None): Strategy.SPREADNUMA,
+}
+
+
+def strategy_from_mpi(bind_to: str | None, map_by: str | None) -> Strategy | None:
+    """What mpirun's `--bind-to X [--map-by Y]` asks for, as a strategy; None when they are
+    absent or mean nothing here (e.g. `--map-by ppr:2:node`)."""
+    if not bind_to:
+        return None
+    bind = bind_to.split(":", 1)[0].lower()  # `core:overload-allowed` and the like
+    mapped = (map_by or "").split(":", 1)[0].lower() or None
+    return _MPI_BINDINGS.get((bind, mapped)) or _MPI_BINDINGS.get((bind, None))
+
+
 def _parse_strategy(value: str) -> Strategy:
     try:
         return Strategy(value)

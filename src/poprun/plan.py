@@ -15,7 +15,7 @@ from popdist import env as E
 
 from .config import LaunchConfig
 from .errors import ConfigError
-from .placement import Binding, Strategy, place, resolve_strategy
+from .placement import Binding, Strategy, place, resolve_strategy, strategy_from_mpi
 from .poplar import check_autoreport, offline_target, target_options
 from .topology import Topology
 
@@ -168,16 +168,24 @@ def host_bindings(config: LaunchConfig, topology: Topology | None, count: int,
                   host: str) -> tuple[Binding | None, ...]:
     """The bindings of one host's `count` instances; all None when its topology is unknown
     or placement is disabled for it."""
-    strategy = resolve_strategy(config.process_placement, config.numa_aware, count)
+    strategy = host_strategy(config, count)
     if topology is None or strategy is Strategy.DISABLED:
         return (None,) * count
     return place(topology, count, strategy, host=host)
 
 
+def host_strategy(config: LaunchConfig, count: int) -> Strategy:
+    """The strategy for a host with `count` instances: --process-placement / --numa-aware, and
+    when that is `disabled`, mpirun's --bind-to/--map-by from the mpi-args (guide §2.5)."""
+    strategy = resolve_strategy(config.process_placement, config.numa_aware, count)
+    if strategy is Strategy.DISABLED:
+        return strategy_from_mpi(config.mpi.bind_to, config.mpi.map_by) or strategy
+    return strategy
+
+
 def needs_topology(config: LaunchConfig, instances_on_host: int) -> bool:
     """Whether placement needs the host's topology (reading it costs a few ms of sysfs)."""
-    return resolve_strategy(config.process_placement, config.numa_aware,
-                            instances_on_host) is not Strategy.DISABLED
+    return host_strategy(config, instances_on_host) is not Strategy.DISABLED
 
 
 def _poplar_env(config: LaunchConfig, environ: Mapping[str, str]) -> dict[str, str]:

@@ -50,7 +50,7 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
     """The plan `--dry-run` shows: a launch's plan, contacting no host. Cache dirs not made
     yet are placeholders; MASTER_ADDR is the first host's name (a launch uses its address)."""
     hosts = JobHosts.of(config, environ)
-    program, mode = preflight(config, environ, cwd, resolve=hosts.any_local, dry_run=True)
+    program, mode = preflight(config, environ, cwd, resolve=hosts.any_local)
     cache = _explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
     master = LOOPBACK if hosts.first_is_local and not hosts.remote else hosts.labels[0]
     return planning.plan(config, environ, program=program, master_port=free_port(),
@@ -96,12 +96,9 @@ class JobHosts:
 
 
 def preflight(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
-              resolve: bool = True, dry_run: bool = False) -> tuple[tuple[str, ...], CacheMode]:
+              resolve: bool = True) -> tuple[tuple[str, ...], CacheMode]:
     """Everything checked before anything starts: the program (argv[0] resolved here when
     `resolve`; remote hosts resolve it themselves) and the executable cache mode."""
-    if not config.offline_mode and not dry_run:
-        raise ConfigError("V-IPU partitions are not supported by this poprun yet: run with "
-                          "--offline-mode=yes (instances may still attach to IPUs themselves)")
     program = config.program
     if not resolve:
         return program, planning.cache_mode(config, environ)
@@ -176,6 +173,7 @@ class _Session:
         self.log = Log(config.verbose, stderr_fd)
         self.job: _Job | None = None
         self.fleet = None
+        self.partition = None  # the V-IPU partition (poprun.vipu.Partition), unless offline
         self._result: LaunchResult | None = None
 
     def __enter__(self) -> _Session:
@@ -200,6 +198,7 @@ class _Session:
 
     def start(self, loop, on_finished=None) -> _Job:
         """This host only: create the cache dir, plan, and start every instance."""
+        self._acquire_partition()
         cache_dir = self.cache.create()
         self._plan({h: cache_dir for h in self.hosts.labels} if cache_dir else {}, LOOPBACK)
         self.job.start(loop, self.lifeline, on_finished)
@@ -212,6 +211,7 @@ class _Session:
             return self.start(loop, on_finished)
         from .fleet import Fleet  # asyncssh: only runs with remote hosts import it
 
+        self._acquire_partition()  # blocks the loop briefly: nothing else runs yet
         self.fleet = Fleet([h for h in self.hosts.hosts if str(h) in self.hosts.remote],
                            self.config, self.log)
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
@@ -234,13 +234,28 @@ class _Session:
         await self.job.spawn_remote()
         return self.job
 
+    def _acquire_partition(self) -> None:
+        """The job's V-IPU partition (found, checked, created or reset), unless offline.
+        Before any signal handler is ours: a Ctrl-C here interrupts `vipu`, and vipu.acquire
+        removes what it created before the KeyboardInterrupt goes on."""
+        if self.config.offline_mode:
+            return
+        from . import vipu
+
+        settings = vipu.VipuSettings.from_config(self.config)
+        ilds = self.config.num_ilds if self.config.num_ilds > 1 else None
+        required = vipu.Requirements.of(self.config.num_replicas, self.config.ipus_per_replica,
+                                        self.config.num_instances, ilds, settings)
+        self.partition = vipu.acquire(settings, required, self.environ, self.log)
+
     def _plan(self, cache_paths: Mapping[str, str], master_addr: str,
               remote_topologies: Mapping[str, Topology] | None = None) -> None:
         topologies = {**local_topologies(self.config, self.hosts), **(remote_topologies or {})}
         launch_plan = planning.plan(
             self.config, self.environ, program=self.program, master_port=free_port(),
             hosts=self.hosts.labels, master_addr=master_addr, remote_hosts=self.hosts.remote,
-            cache_paths=cache_paths, topologies=topologies)
+            cache_paths=cache_paths, topologies=topologies,
+            partition_env=self.partition.environment if self.partition else None)
         if self.config.num_instances == 1 and self.config.num_replicas == 1:
             self.log.warning("Using --num-instances=1 and --num-replicas=1 together is not "
                              "supported and might give additional overhead and/or raise other "
@@ -289,6 +304,10 @@ class _Session:
         finally:
             self.cache.remove()
             self.lifeline.close()
+            if self.partition is not None:  # after the instances are gone from it
+                from .vipu import release
+
+                release(self.partition, self.log, self.environ)
         if self._result is not None:
             report = self._result.failure_report()
             if report:

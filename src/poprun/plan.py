@@ -8,7 +8,7 @@ directories) comes in as an argument, so `--dry-run` and the tests see exactly w
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 from popdist import env as E
@@ -118,6 +118,7 @@ def plan(
     cache_paths: Mapping[str, str] | None = None,
     remote_hosts: frozenset[str] = frozenset(),
     topologies: Mapping[str, Topology] | None = None,
+    partition_env: Callable[[int], Mapping[str, str]] | None = None,
 ) -> LaunchPlan:
     """Plan the job. `program` is the argv with argv[0] resolved; `cache_paths` maps each host
     to its cache directory when `cache_mode()` is EXPLICIT or TEMPORARY. Instances on
@@ -149,6 +150,8 @@ def plan(
         added = _forwarded(environ) if host in remote_hosts else {}
         added.update(E.instance_environment(who))
         added.update(poplar_env)
+        if partition_env is not None:  # the V-IPU partition's: server, partition, GCD, target
+            added.update(partition_env(index))
         added.update(_user_env(config.env_entries(index), environ, warnings))
         if config.autoreport_dir:
             check_autoreport([environ.get(E.POPLAR_ENGINE_OPTIONS),

@@ -1,0 +1,92 @@
+"""poprun without --offline-mode: the partition's lifecycle around a real launch, with the
+`vipu` simulator first on PATH (a fake: no V-IPU server can exist here; see vipu_harness.py).
+The simulator's state file shows what is left on the "server" afterwards."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from conftest import assert_usage_error, poprun_argv, poprun_env, run_poprun
+from sshd_hosts import processes_with, wait_until
+from vipu_harness import sim  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.timeout(60)
+PY = sys.executable
+SERVER = ("--vipu-server-host=localhost", "--vipu-server-timeout=5", "--vipu-allocation=alloc1")
+SHOW = ("import os, json; print(json.dumps({k: v for k, v in os.environ.items() "
+        "if k.startswith('IPUOF_') or k == 'POPLAR_TARGET_OPTIONS'}))")
+
+
+def test_the_job_runs_on_a_partition_poprun_creates_and_removes(sim):
+    proc = run_poprun(*SERVER, "--vipu-partition=job", "--num-instances=2", "--num-replicas=4",
+                      "--tag-output", PY, "-c", SHOW)
+    assert proc.returncode == 0, proc.stderr.decode()
+    seen = sorted(proc.stdout.decode().splitlines())
+    envs = [json.loads(line.split("<stdout>:", 1)[1]) for line in seen]
+    for index, env in enumerate(envs):
+        assert env["IPUOF_VIPU_API_PARTITION_ID"] == "job"
+        assert env["IPUOF_VIPU_API_HOST"] == "localhost"
+        assert env["IPUOF_VIPU_API_GCD_ID"] == str(index)  # 2 instances, 2 GCDs
+        assert json.loads(env["POPLAR_TARGET_OPTIONS"])["instanceSize"] == "2"
+    assert "create" in sim.verbs() and "remove" in sim.verbs()
+    assert sim.partitions() == {}  # nothing leaked
+
+
+def test_a_failed_instance_still_removes_the_partition(sim):
+    proc = run_poprun(*SERVER, "--vipu-partition=job", "--num-instances=2", "--num-replicas=2",
+                      PY, "-c", "import os, sys; sys.exit(int(os.environ['RANK']) + 3)")
+    assert proc.returncode in (3, 4), proc.stderr.decode()
+    assert sim.partitions() == {}
+
+
+def test_ctrl_c_removes_the_partition(sim):
+    marker = f"m{uuid.uuid4().hex}"
+    proc = subprocess.Popen(poprun_argv(*SERVER, "--vipu-partition=job", "--num-instances=2",
+                                        "--num-replicas=2", PY, "-c",
+                                        "import time; time.sleep(300)", marker),
+                            env=poprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: len(processes_with(marker)) >= 4, "2 instances (and poprun)")
+        assert "job" in sim.partitions()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, err.decode()
+        assert sim.partitions() == {}
+    finally:
+        proc.kill()
+
+
+def test_an_existing_partition_is_kept(sim):
+    sim.add("mine", size=2, gcds=2, ilds=1)
+    proc = run_poprun(*SERVER, "--vipu-partition=mine", "--num-instances=2", "--num-replicas=2",
+                      PY, "-c", "pass")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert "mine" in sim.partitions()
+    assert "remove" not in sim.verbs() and "create" not in sim.verbs()
+
+
+def test_offline_mode_never_runs_vipu(sim):
+    proc = run_poprun("--offline-mode=yes", *SERVER, "--num-instances=2", "--num-replicas=2",
+                      PY, "-c", "pass")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert sim.calls() == []
+
+
+def test_server_unreachable_is_one_clear_line_and_nothing_starts(sim, tmp_path):
+    sim.fail(unreachable=1)
+    marker = tmp_path / "started"
+    proc = run_poprun(*SERVER, "--vipu-partition=job", "touch", str(marker))
+    assert_usage_error(proc, "cannot reach the V-IPU server")
+    assert not marker.exists()
+
+
+def test_vipu_missing_suggests_offline_mode(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # python is run by absolute path
+    proc = run_poprun(*SERVER, "--vipu-partition=job", PY, "-c", "pass")
+    assert_usage_error(proc, "vipu", "--offline-mode=yes")

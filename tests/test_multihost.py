@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE, poprun_argv, poprun_env
+from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env
 from poprun import LaunchConfig, __version__, launch
 from poprun.errors import LaunchError
 from sshd_hosts import SshHosts, processes_with, start_ssh_hosts, wait_until
@@ -182,9 +182,7 @@ async def test_a_working_directory_missing_on_a_host_is_named(hosts, monkeypatch
 
 def test_a_program_missing_on_a_host_is_named(hosts):
     proc = run(hosts, "-H", "h1", "no-such-program-anywhere")
-    err = proc.stderr.decode()
-    assert proc.returncode == 2, err
-    assert "\npoprun: error: h1: program 'no-such-program-anywhere' not found" in err, err
+    assert_usage_error(proc, "h1: program 'no-such-program-anywhere' not found")
 
 
 def test_a_remote_python_that_does_not_exist_is_a_clear_error(hosts):

@@ -90,3 +90,12 @@ def test_vipu_missing_suggests_offline_mode(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # python is run by absolute path
     proc = run_poprun(*SERVER, "--vipu-partition=job", PY, "-c", "pass")
     assert_usage_error(proc, "vipu", "--offline-mode=yes")
+
+
+def test_an_instance_killed_by_sigkill_still_removes_the_partition(sim):
+    proc = run_poprun(*SERVER, "--vipu-partition=job", "--num-instances=2", "--num-replicas=2",
+                      PY, "-c", "import os, signal, time; "
+                      "os.kill(os.getpid(), signal.SIGKILL) if os.environ['RANK'] == '1' "
+                      "else time.sleep(300)")
+    assert proc.returncode == 137, proc.stderr.decode()
+    assert sim.partitions() == {}

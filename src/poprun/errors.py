@@ -5,6 +5,10 @@ Hierarchy:
     PoprunError                 base of everything poprun raises on purpose
     ├── ConfigError             the configuration or command line is invalid (CLI exit 2)
     └── LaunchError             the job could not be started (CLI exit 2); nothing is left running
+        ├── VipuError           (vipu.py) a V-IPU request failed; `.kind`, `.command`
+        └── KeyDistributionError  (sshkeys.py) --distribute-ssh-key failed on some hosts
+
+A LaunchError about several hosts has one line per host: the CLI prefixes each.
 
 A failed *job* (an instance exiting non-zero) is not an error: `launch()` returns a
 `LaunchResult` that says so.

@@ -259,3 +259,13 @@ def test_torch_ddp_example_trains_across_two_hosts(hosts):
               for i, lines in lines_by_instance(proc.stdout).items()}
     assert sorted(finals) == [0, 1] and all(len(f) == 1 for f in finals.values()), finals
     assert finals[0][0].split(": ", 1)[1] == finals[1][0].split(": ", 1)[1]  # loss + checksum
+
+
+def test_an_explicit_cache_path_is_used_as_given_on_every_host(hosts, tmp_path):
+    cache = tmp_path / "shared-cache"
+    proc = run(hosts, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+               f"--executable-cache-path={cache}", "--tag-output", PY, "-c",
+               "import os; print(os.environ['POPDIST_EXECUTABLE_CACHE_PATH'])")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert {i: lines for i, lines in lines_by_instance(proc.stdout).items()} == {
+        0: [str(cache)], 1: [str(cache)]}

@@ -269,3 +269,13 @@ def test_an_explicit_cache_path_is_used_as_given_on_every_host(hosts, tmp_path):
     assert proc.returncode == 0, proc.stderr.decode()
     assert {i: lines for i, lines in lines_by_instance(proc.stdout).items()} == {
         0: [str(cache)], 1: [str(cache)]}
+
+
+def test_result_json_has_each_hosts_launch_phases(hosts, tmp_path):
+    proc = run(hosts, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+               "--result-json", str(tmp_path / "r.json"), PY, "-c", "print('x')")
+    assert proc.returncode == 0, proc.stderr.decode()
+    phases = json.loads((tmp_path / "r.json").read_text())["phases"]
+    for host in ("h1", "h2"):
+        p = phases[host]
+        assert 0 < p["connected"] <= p["agent_ready"] <= p["first_started"] <= p["first_output"]

@@ -155,6 +155,9 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("synchronise-python-venv", B, "Accepted for compatibility; no effect"),
     Opt("synchronise-poplar-sdk", B, "Accepted for compatibility; no effect"),
     Opt("version-format", Kind.STR, "Accepted for compatibility; no effect"),
+    Opt("result-json", Kind.STR, "After the job, write per instance host, pid, start/end, "
+        "exit status or signal, lines written, and per host the launch-phase timings, to "
+        "this JSON file"),
     Opt("kill-timeout", Kind.FLOAT,
         "Seconds between SIGTERM and SIGKILL when stopping instances"),
     Opt("export-config", Kind.STR, "Write the options and program to this TOML file, then launch",
@@ -382,10 +385,26 @@ def _main(argv: list[str]) -> int:
     if config.distribute_ssh_key:
         _distribute_ssh_key(config)
     if not JobHosts.of(config, os.environ).remote:
-        return launch_blocking(config).exit_code
-    import asyncio  # only runs with remote hosts pay for asyncio (and asyncssh)
+        result = launch_blocking(config)
+    else:
+        import asyncio  # only runs with remote hosts pay for asyncio (and asyncssh)
 
-    return asyncio.run(launch(config)).exit_code
+        result = asyncio.run(launch(config))
+    if config.result_json:
+        _write_result(result, config.result_json)
+    return result.exit_code
+
+
+def _write_result(result, path: str) -> None:
+    import json
+
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(result.to_json(), fh, indent=2)
+            fh.write("\n")
+    except OSError as exc:  # the job has run: say so, but keep its exit status
+        sys.stderr.write(f"poprun: warning: cannot write --result-json {path}: "
+                         f"{exc.strerror}\n")
 
 
 def _check(parsed: Parsed) -> int:

@@ -76,6 +76,7 @@ class LaunchConfig:
     ipu_link_routing_type: str | None = None
     gw_link_routing_type: str | None = None
     vipu_partition_attempts: int | None = None
+    result_json: str | None = None  # write the LaunchResult here as JSON (CLI only)
     # Accepted from later SDKs' scripts; nothing to do without IPUs or MPI (logged at -v).
     host_subnet: str | None = None
     allow_run_as_root: bool = False
@@ -259,7 +260,8 @@ _OPTIONAL_STR_FIELDS = (
     "executable_cache_path", "output_filename", "remote_python", "distribute_ssh_key_path",
     "distribute_ssh_key_type", "process_placement", "offline_target", "autoreport_dir",
     "vipu_server_host", "vipu_partition", "vipu_allocation", "vipu_cluster", "sync_type",
-    "ipu_link_routing_type", "gw_link_routing_type", "host_subnet", "version_format")
+    "ipu_link_routing_type", "gw_link_routing_type", "host_subnet", "version_format",
+    "result_json")
 # Options that parse (later SDKs' scripts pass them) and do nothing here: said at -v.
 INERT_FIELDS = ("host_subnet", "allow_run_as_root", "synchronise_python_venv",
                 "synchronise_poplar_sdk", "version_format", "vipu_partition_attempts")

@@ -12,6 +12,7 @@ Imports asyncssh (through spawner.remote, ~250 ms): only runs with remote hosts 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from spawner.cpulist import parse_allowed
@@ -40,6 +41,7 @@ class Fleet:
                    program: str, path: str | None) -> None:
         """Connect to every host and start its agent; raises LaunchError (every failing host
         named, one line each) with nothing started and everything opened closed again."""
+        self._opened_at = time.time()
         try:
             self.connections = await connect_all(
                 self.hosts, fanout=self.config.ssh_fanout, timeout=self.config.ssh_timeout)
@@ -51,6 +53,7 @@ class Fleet:
             str(host): RemoteSpawner(conn, str(host), sink, on_lost,
                                      python=self.config.remote_python)
             for host, conn in self.connections.items()}
+        self._agents_started_at = time.time()
         outcomes = await asyncio.gather(
             *(s.start(cwd=cwd, program=program, path=path) for s in self.spawners.values()),
             return_exceptions=True)
@@ -71,6 +74,19 @@ class Fleet:
         if failed:
             raise LaunchError("\n".join(failed))
         return dict(zip(labels, paths))
+
+    def phases(self, since: float) -> dict[str, dict[str, float]]:
+        """Per host, seconds from `since` (time.time()) to connected and agent ready."""
+        opened = self._opened_at
+        out = {}
+        for host, timing in self.connections.timings.items():
+            spawner = self.spawners[str(host)]
+            connected = opened + timing.queued + timing.connect - since
+            out[str(host)] = {"connected": round(connected, 6)}
+            if spawner.timings.ready is not None:
+                ready = self._agents_started_at + spawner.timings.ready - since
+                out[str(host)]["agent_ready"] = round(ready, 6)
+        return out
 
     def topologies(self) -> dict[str, Topology]:
         """Each host's NUMA topology as its agent read it, cut to the agent's cpuset."""

@@ -216,6 +216,7 @@ class _Session:
                            self.config, self.log)
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
                               program=self.program[0], path=self.environ.get("PATH"))
+        self.job.phases.update(self.fleet.phases(since=self.job.launch_time))
         caches = {}
         local_cache = self.cache.create() if self.hosts.any_local else None
         if local_cache or self.mode is CacheMode.EXPLICIT:  # an explicit path: on every host
@@ -310,6 +311,8 @@ class _Session:
                 release(self.partition, self.log, self.environ)
         if self._result is not None:
             report = self._result.failure_report()
+            if not report and self.config.verbose:
+                report = self._result.summary()
             if report:
                 os.write(self.stderr_fd, report.encode())
 
@@ -371,6 +374,9 @@ class _Job:
             directory=os.path.abspath(directory[:-7] if nocopy else directory) if directory
             else None, copy_to_console=not nocopy), stdout_fd, stderr_fd, self._broken_pipe)
         self.started: dict[int, _Started] = {}
+        self.first_output: dict[int, float] = {}  # time.time() of each instance's first block
+        self.launch_time = time.time()
+        self.phases: dict[str, dict[str, float]] = {}  # host -> phase -> seconds (result)
         self.done: set[int] = set()  # exit reported, or lost with its host
         self.root_cause: int | None = None
         self.stop_signal: int | None = None
@@ -495,6 +501,8 @@ class _Job:
     # --- spawner sink -----------------------------------------------------------------
 
     def on_output(self, key: int, stream: Stream, data: bytes) -> None:
+        if key not in self.first_output:
+            self.first_output[key] = time.time()
         self.router.on_output(key, stream, data)
 
     def on_exit(self, key: int, returncode: int) -> None:
@@ -572,7 +580,8 @@ class _Job:
                 start_time=r.start, end_time=r.end or time.time(),
                 lines=self.router.instances[i].lines,
                 stderr_tail=tuple(self.router.instances[i].stderr_tail),
-                stopped_by_poprun=r.signalled, lost=r.lost)
+                stopped_by_poprun=r.signalled, lost=r.lost,
+                first_output_time=self.first_output.get(i))
             for i, r in sorted(self.started.items()))
         by_index = {inst.index: inst for inst in instances}
         if self.stop_signal is not None:
@@ -582,7 +591,20 @@ class _Job:
         else:
             code = 0
         return LaunchResult(instances=instances, exit_code=code, root_cause=self.root_cause,
-                            stop_signal=self.stop_signal)
+                            stop_signal=self.stop_signal, phases=self._phases(instances),
+                            start_time=self.launch_time)
+
+    def _phases(self, instances: tuple[InstanceResult, ...]) -> dict[str, dict[str, float]]:
+        """Per host: what the fleet measured (remote), plus first start and first output."""
+        phases = {host: dict(p) for host, p in self.phases.items()}
+        for inst in instances:
+            host = phases.setdefault(inst.host, {})
+            marks = (("first_started", inst.start_time), ("first_output", inst.first_output_time))
+            for name, at in marks:
+                if at is not None:
+                    since = round(at - self.launch_time, 6)
+                    host[name] = min(host.get(name, since), since)
+        return phases
 
 
 def _install_signal_handlers(loop, handler):

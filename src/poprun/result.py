@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .render import describe_status, fold_indices, signal_name
 
@@ -21,6 +21,7 @@ class InstanceResult:
     stderr_tail: tuple[bytes, ...] = ()
     stopped_by_poprun: bool = False  # poprun signalled it before it exited
     lost: str | None = None  # its host was lost (connection or agent gone): why
+    first_output_time: float | None = None  # time.time() of its first output, if any
 
     @property
     def exit_status(self) -> int:
@@ -40,6 +41,10 @@ class LaunchResult:
     exit_code: int
     root_cause: int | None = None  # index of the first instance to fail, by time
     stop_signal: int | None = None  # the signal that stopped poprun itself, if any
+    # Per host, seconds from the launch's start to each phase reached there: "connected",
+    # "agent_ready", "first_started", "first_output" (remote hosts have all four).
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    start_time: float = 0.0  # time.time() when the launch began
 
     @property
     def ok(self) -> bool:
@@ -71,6 +76,38 @@ class LaunchResult:
             lines.append(f"poprun: instances {fold_indices(i.index for i in group)} on "
                          f"{hosts}: {outcome}")
         return "\n".join(lines) + "\n"
+
+
+    def summary(self) -> str:
+        """One line per host for a job that went well (shown at -v)."""
+        by_host: dict[str, list[InstanceResult]] = {}
+        for inst in self.instances:
+            by_host.setdefault(inst.host, []).append(inst)
+        lines = []
+        for host, group in by_host.items():
+            seconds = max(i.end_time for i in group) - min(i.start_time for i in group)
+            outcomes = ", ".join(sorted({_outcome(i) for i in group}))
+            lines.append(f"poprun: {host}: instances {fold_indices(i.index for i in group)} "
+                         f"{outcomes} in {seconds:.1f} s, {sum(i.lines for i in group)} lines")
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> dict:
+        """`--result-json`: the job and every instance, as plain JSON values."""
+        return {
+            "exit_code": self.exit_code,
+            "root_cause": self.root_cause,
+            "stop_signal": signal_name(self.stop_signal) if self.stop_signal else None,
+            "start_time": self.start_time,
+            "phases": self.phases,
+            "instances": [{
+                "index": i.index, "host": i.host, "pid": i.pid, "start_time": i.start_time,
+                "end_time": i.end_time, "first_output_time": i.first_output_time,
+                "exit_status": i.exit_status,
+                "signal": signal_name(i.signal) if i.signal else None,
+                "outcome": _outcome(i), "lines": i.lines, "lost": i.lost,
+                "stopped_by_poprun": i.stopped_by_poprun,
+            } for i in self.instances],
+        }
 
 
 def _outcome(inst: InstanceResult) -> str:

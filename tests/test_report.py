@@ -1,0 +1,55 @@
+"""What a person reads after a job: the failure report, the -v summary, --result-json."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import OFFLINE, run_poprun
+
+pytestmark = pytest.mark.timeout(60)
+PY = sys.executable
+# Instance 1 writes to stderr and fails; the others wait to be stopped.
+FAILING = ("import os, sys, time\n"
+           "if os.environ['RANK'] == '1':\n"
+           "    print('out of cheese', file=sys.stderr); sys.exit(3)\n"
+           "print('waiting', flush=True); time.sleep(300)\n")
+
+
+def test_report_names_the_root_cause_even_when_its_output_was_hidden(tmp_path):
+    proc = run_poprun(*OFFLINE, "--num-instances=3", "--num-replicas=3",
+                      "--only-output-from-instance=0", "--kill-timeout=2",
+                      "--result-json", str(tmp_path / "r.json"), PY, "-c", FAILING)
+    err = proc.stderr.decode()
+    assert proc.returncode == 3, err
+    assert "instance 1 (pid" in err and "failed first: exited with status 3" in err, err
+    assert "    out of cheese" in err  # its stderr tail, though --only-output hid it
+    assert "instances [0,2] on localhost: terminated by poprun (SIGTERM)" in err, err
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["exit_code"] == 3 and result["root_cause"] == 1
+    by_index = {i["index"]: i for i in result["instances"]}
+    assert by_index[1]["exit_status"] == 3 and by_index[1]["signal"] is None
+    assert by_index[0]["signal"] == "SIGTERM" and by_index[0]["stopped_by_poprun"]
+    assert by_index[1]["lines"] == 1 and all(i["pid"] > 0 for i in by_index.values())
+    assert all(i["start_time"] <= i["end_time"] for i in by_index.values())
+    assert set(result["phases"]["localhost"]) == {"first_started", "first_output"}
+
+
+def test_a_good_job_gets_one_summary_line_per_host_at_v():
+    proc = run_poprun(*OFFLINE, "-v", "--num-instances=2", "--num-replicas=2", PY, "-c",
+                      "print('a'); print('b')")
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert "poprun: localhost: instances [0-1] exited with status 0 in " in err, err
+    assert ", 4 lines" in err
+    quiet = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", PY, "-c", "pass")
+    assert quiet.stderr == b""  # nothing at all without -v
+
+
+def test_an_unwritable_result_file_is_a_warning_not_a_different_exit(tmp_path):
+    proc = run_poprun(*OFFLINE, "--result-json", str(tmp_path / "no" / "r.json"), PY, "-c",
+                      "pass")
+    assert proc.returncode == 0
+    assert "cannot write --result-json" in proc.stderr.decode()

@@ -515,6 +515,21 @@ def test_a_narrowed_terminal_gets_its_rewrapped_panel_erased(pty):
     dash.close()
 
 
+def test_after_a_resize_signal_output_erases_the_rewrapped_panel(pty):
+    state = started(1)
+    state.output(0, b"w" * 200 + b"\n", 0.0)
+    dash = Dashboard(state, pty.slave, color_system=None)
+    dash.tick(0.0)
+    widths = [cell_len(line) for line in pty.sync()[len(HIDE_CURSOR):].decode().split("\r\n")]
+    pty.resize(30, 40)
+    dash.resized()
+    dash.emit(pty.slave, b"after\n")
+    rows = sum(max(1, math.ceil(w / 30)) for w in widths)
+    assert rows > len(widths)
+    assert pty.sync().startswith(erase_sequence(rows) + b"after\n")
+    dash.close()
+
+
 def test_close_without_a_drawn_panel_writes_nothing(pty):
     dash = Dashboard(started(1), pty.slave, color_system=None)
     dash.emit(pty.slave, b"only\n")

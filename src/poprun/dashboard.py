@@ -569,7 +569,6 @@ class Dashboard:
         self._console = None  # created at the first render: that is when rich is imported
         self._panel = b""  # the panel as last drawn, redrawn after every emit
         self._line_widths: tuple[int, ...] = ()  # its lines' widths in cells
-        self._drawn_width = 0
         self._erase = b""  # from the end of the drawn panel to its first line
         self._erase_progress = b""  # the same, then up to the open progress line, kept
         self._drawn = False  # the panel is on the screen now
@@ -658,24 +657,28 @@ class Dashboard:
         from rich.cells import cell_len
 
         if self._drawn:
-            lead = self._erase_for(width)
+            self._measure(width)
+            lead = self._erase
         else:  # first drawing, or erased by emit() and not yet redrawn
             lead = (b"" if self._cursor_hidden else HIDE_CURSOR) + self._separate(self._tail)
             self._cursor_hidden = True
         self._panel = text.encode("utf-8", "replace").replace(b"\n", _NEWLINE)
         self._line_widths = tuple(cell_len(line) for line in lines)
-        self._drawn_width, self._drawn = width, True
-        self._erase = erase_sequence(len(lines))
-        self._erase_progress = self._erase + _UP
+        self._drawn = True
+        self._measure(width)
         write_all(self._fd, lead, self._panel)
 
-    def _erase_for(self, width: int) -> bytes:
-        """The erase sequence for the drawn panel on a terminal now `width` wide: terminals
-        that re-wrap on resize make each line of the panel take more rows."""
-        if width >= self._drawn_width:
-            return self._erase
+    def resized(self) -> None:
+        """Call on SIGWINCH: the next erase then covers the panel as the terminal re-wrapped
+        it (tick() does this itself; this is for the writes before the next tick)."""
+        self._measure(self._size()[0])
+
+    def _measure(self, width: int) -> None:
+        """The erase sequences for the drawn panel on a terminal `width` wide: terminals that
+        re-wrap on resize make a line wider than that take more rows."""
         rows = sum(max(1, -(-w // width)) for w in self._line_widths)
-        return erase_sequence(rows)
+        self._erase = erase_sequence(rows)
+        self._erase_progress = self._erase + _UP
 
     def render(self, now: float, width: int, rows: int) -> str:
         """The panel for a terminal `width` x `rows`, with ANSI styles, without a final
@@ -716,8 +719,9 @@ class Dashboard:
         if not self._cursor_hidden:  # never drawn: nothing to undo
             return
         try:
-            write_all(self._fd, self._erase_for(self._size()[0]) if self._drawn else b"",
-                      SHOW_CURSOR)
+            if self._drawn:
+                self._measure(self._size()[0])
+            write_all(self._fd, self._erase if self._drawn else b"", SHOW_CURSOR)
         except OSError:
             pass  # the terminal is gone: nothing left to clean
         self._drawn = self._cursor_hidden = False

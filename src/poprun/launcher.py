@@ -1,49 +1,39 @@
-"""`launch(config)`: plan the job, start it, watch it, stop it, clean up after it.
+"""`launch(config)`: check, acquire resources, plan, start the job, clean up after it.
 
-Exit paths and what they do (every one of them runs the `finally` in `_run`, which kills what
-still runs, removes temporary cache dirs and restores signal handlers; a SIGKILL of poprun
-itself is covered by the lifeline instead):
-
-- all instances exit 0                   -> exit code 0
-- an instance fails (non-zero or signal) -> SIGTERM to the others, SIGKILL after
-                                            `kill_timeout`; exit code = its status (128+N)
-- SIGINT / SIGTERM / SIGHUP to poprun    -> forwarded to every instance; SIGKILL after
-                                            `kill_timeout`, or at once on a second signal;
-                                            exit code 128+N
+The resources of a launch (lifeline, cache dirs, V-IPU partition, remote connections and
+agents) live in a `_Session`, whose exit runs on every path: it closes the agents (which kill
+what still runs on their hosts), kills and reaps what still runs here, restores the signal
+handlers, removes temporary caches and releases the partition. A SIGKILL of poprun itself is
+covered by the lifelines (here and in each agent). What happens while the job runs (failures,
+signals, lost hosts) is the job's policy: see job.py.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import tempfile
-import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from spawner.binding import read_binding
 from spawner.cpulist import format_cpu_list
 from spawner.lifeline import Lifeline
-from spawner.local import LocalSpawner, ProcessSpec, Stream, resolve_program
+from spawner.local import resolve_program
 
 from . import plan as planning
 from .config import INERT_FIELDS, LaunchConfig
 from .errors import ConfigError, LaunchError
 from .hosts import Host, is_local, job_hosts
 from .log import Log
-from .output import OutputOptions, OutputRouter
 from .plan import CacheMode, LaunchPlan
+from .job import Job
 from .render import topology_table
-from .result import InstanceResult, LaunchResult
+from .result import LaunchResult
 from .topology import Topology, local_topology
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DRY_RUN_CACHE_DIR = "<temporary directory, created at launch>"
 LOOPBACK = "127.0.0.1"
-LOST_HOST_STATUS = 255  # the status of an instance whose host was lost (ssh's own 255)
 
 
 def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> LaunchPlan:
@@ -171,7 +161,7 @@ class _Session:
         self.environ = dict(os.environ if environ is None else environ)
         self.cwd = cwd or os.getcwd()
         self.log = Log(config.verbose, stderr_fd)
-        self.job: _Job | None = None
+        self.job: Job | None = None
         self.fleet = None
         self.partition = None  # the V-IPU partition (poprun.vipu.Partition), unless offline
         self._result: LaunchResult | None = None
@@ -192,11 +182,11 @@ class _Session:
                          "do without MPI or IPUs")
         self.lifeline = Lifeline()
         self.cache = _CacheDir(config, self.mode, self.lifeline, log)
-        self.job = _Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
+        self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
                         self.stderr_fd)
         return self
 
-    def start(self, loop, on_finished=None) -> _Job:
+    def start(self, loop, on_finished=None) -> Job:
         """This host only: create the cache dir, plan, and start every instance."""
         self._acquire_partition()
         cache_dir = self.cache.create()
@@ -204,7 +194,7 @@ class _Session:
         self.job.start(loop, self.lifeline, on_finished)
         return self.job
 
-    async def start_async(self, loop, on_finished=None) -> _Job:
+    async def start_async(self, loop, on_finished=None) -> Job:
         """As `start`, with remote hosts: their connections and agents first, so that any
         host's problem stops the launch before a single instance has started."""
         if not self.hosts.remote:
@@ -347,278 +337,3 @@ class _CacheDir:
             shutil.rmtree(self.path, ignore_errors=True)
             self._lifeline.discard_dir(self.path)
             self._log.info(f"removed temporary executable cache {self.path}")
-
-
-@dataclass
-class _Started:
-    pid: int
-    start: float
-    end: float = 0.0
-    returncode: int | None = None
-    signalled: bool = False
-    lost: str | None = None  # why its host was lost, if it was
-
-
-class _Job:
-    """One run of the plan: the spawners' sink, and the failure and signal policy."""
-
-    def __init__(self, config: LaunchConfig, environ: dict[str, str], cwd: str, log: Log,
-                 stdout_fd: int, stderr_fd: int) -> None:
-        self.config, self.environ, self.cwd, self.log = config, environ, cwd, log
-        self.plan: LaunchPlan | None = None  # set by the session once the hosts are known
-        directory = config.effective_output_filename
-        nocopy = bool(directory) and directory.lower().endswith(":nocopy")
-        self.router = OutputRouter(OutputOptions(
-            tag=config.effective_tag_output, timestamp=config.effective_timestamp_output,
-            only_instance=config.only_output_from_instance,
-            directory=os.path.abspath(directory[:-7] if nocopy else directory) if directory
-            else None, copy_to_console=not nocopy), stdout_fd, stderr_fd, self._broken_pipe)
-        self.started: dict[int, _Started] = {}
-        self.first_output: dict[int, float] = {}  # time.time() of each instance's first block
-        self.launch_time = time.time()
-        self.phases: dict[str, dict[str, float]] = {}  # host -> phase -> seconds (result)
-        self.done: set[int] = set()  # exit reported, or lost with its host
-        self.root_cause: int | None = None
-        self.stop_signal: int | None = None
-        self.on_finished = None
-        self._all_started = False
-        self._kill_timer = None
-        self._restore_signals = lambda: None
-        self.local: LocalSpawner | None = None
-        self.remote: Mapping[str, object] = {}
-        self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
-
-    def start(self, loop, lifeline: Lifeline, on_finished=None, remote=None) -> None:
-        """Start this host's instances on `loop` (asyncio's or a SelectLoop); with `remote`
-        spawners (by host), `spawn_remote()` starts theirs. `on_finished` is called once
-        every instance has exited (or was lost) and its output has been delivered."""
-        self.loop, self.on_finished, self.remote = loop, on_finished, remote or {}
-        self.local = LocalSpawner(self, loop, lifeline)
-        self._restore_signals = _install_signal_handlers(loop, self.on_signal)
-        self._spawn_local()
-        self._all_started = not self.remote
-        self._maybe_finish()
-
-    @property
-    def finished(self) -> bool:
-        return self._all_started and len(self.done) == len(self.started)
-
-    def close(self) -> None:
-        """Kill and reap what still runs here, stop timers, flush output, restore signals."""
-        if self._kill_timer:
-            self._kill_timer.cancel()
-        if self.local:
-            self.local.close()
-        self.router.close()
-        self._restore_signals()
-
-    def _spawn_local(self) -> None:
-        merge = self.config.effective_merge_stderr
-        for inst in self.plan.instances:
-            if inst.host in self.remote:
-                continue
-            spec = ProcessSpec(
-                key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge,
-                env=planning.instance_environ(self.environ, inst, self.plan),
-                inherit_stdin=inst.index == 0,  # as mpirun: stdin goes to the first instance
-                cpus=inst.cpus, mems=inst.mems)
-            try:
-                pid = self.local.spawn(spec)
-            except OSError as exc:
-                raise LaunchError(f"cannot start instance {inst.index} ({inst.argv[0]}): "
-                                  f"{exc.strerror or exc}") from None
-            self._record(inst.index, pid, self.local)
-        if self.local.memory_binding_skipped:
-            self.log.warning("memory binding skipped: libnuma (libnuma1) or the kernel's NUMA "
-                             "support is missing on this host; CPU binding is in force")
-        if self.config.effective_report_bindings:
-            self._report_bindings()
-
-    async def spawn_remote(self) -> None:
-        """Start every remote host's instances, all hosts at once. Raises LaunchError when
-        any could not start (the session then stops the others)."""
-        import asyncio
-
-        from spawner.protocol import SpawnRequest
-        from spawner.remote import RemoteSpawnError
-
-        merge = self.config.effective_merge_stderr
-        hosts = list(self.remote)
-        outcomes = await asyncio.gather(*(self.remote[host].spawn_all(
-            SpawnRequest(key=inst.index, argv=inst.argv, env_set=inst.env,
-                         env_unset=self.plan.unset_env, cwd=self.cwd, merge_stderr=merge,
-                         cpus=inst.cpus, mems=inst.mems)
-            for inst in self.plan.on_host(host)) for host in hosts), return_exceptions=True)
-        problems = []
-        for host, outcome in zip(hosts, outcomes):
-            pids = outcome.started if isinstance(outcome, RemoteSpawnError) else outcome
-            if isinstance(pids, dict):
-                for key, pid in pids.items():
-                    self._record(key, pid, self.remote[host])
-            if isinstance(outcome, BaseException):
-                problems.append(str(outcome))
-        if problems:
-            raise LaunchError("\n".join(problems))
-        for host in hosts:
-            self.log.info(f"{host}: {self.remote[host].timings.describe()}")
-            if self.remote[host].memory_binding_skipped:
-                self.log.warning(f"{host}: memory binding skipped: libnuma (libnuma1) or the "
-                                 "kernel's NUMA support is missing there; CPU binding is in force")
-        self._all_started = True
-        if self.root_cause is not None or self.stop_signal is not None:
-            self._signal_all(signal.SIGTERM)  # stopped while these were starting
-        self._maybe_finish()
-
-    def _record(self, key: int, pid: int, spawner) -> None:
-        if key in self.started:  # its exit beat the end of spawn_all (see on_exit)
-            return
-        self.started[key] = _Started(pid=pid, start=time.time())
-        self.spawner_of[key] = spawner
-        inst = self.plan.instances[key]
-        self.log.debug(f"started instance {key} on {inst.host}, pid {pid}: "
-                       f"{' '.join(inst.argv)}")
-
-    def _report_bindings(self) -> None:
-        """mpirun's --report-bindings, from what the kernel says of each live instance."""
-        for inst in self.plan.instances:
-            if inst.index not in self.started or self.spawner_of[inst.index] is not self.local:
-                continue
-            pid = self.started[inst.index].pid
-            try:
-                actual = read_binding(pid)
-            except OSError:  # already gone: nothing to report
-                continue
-            self.log.always(f"instance {inst.index} (pid {pid}) on {inst.host}: cpus "
-                            f"{format_cpu_list(actual.cpus)}, memory {actual.mempolicy} "
-                            f"{format_cpu_list(actual.mems)}")
-            for what, planned, got in (("cpus", inst.cpus, actual.cpus),
-                                       ("memory nodes", inst.mems, actual.mems)):
-                if planned is not None and tuple(planned) != tuple(got):
-                    self.log.warning(f"instance {inst.index} runs on {what} "
-                                     f"{format_cpu_list(got)}, planned "
-                                     f"{format_cpu_list(planned)}")
-
-    # --- spawner sink -----------------------------------------------------------------
-
-    def on_output(self, key: int, stream: Stream, data: bytes) -> None:
-        if key not in self.first_output:
-            self.first_output[key] = time.time()
-        self.router.on_output(key, stream, data)
-
-    def on_exit(self, key: int, returncode: int) -> None:
-        if key not in self.started:  # a remote instance can exit before spawn_all returns
-            spawner = self.remote[self.plan.instances[key].host]
-            self._record(key, spawner.pid(key), spawner)
-        record = self.started[key]
-        record.returncode, record.end = returncode, time.time()
-        self.done.add(key)
-        self.log.info(f"instance {key} (pid {record.pid}) exited with {returncode}")
-        if returncode != 0 and self.root_cause is None and self.stop_signal is None:
-            self.root_cause = key
-            self._stop(signal.SIGTERM)
-        self._maybe_finish()
-
-    def on_host_lost(self, host: str, reason: str) -> None:
-        """A remote host's agent or connection ended early: its instances are gone with it
-        (the agent kills them when it can), so the job stops everywhere."""
-        spawner = self.remote[host]
-        lost = sorted(k for k in spawner.unaccounted() if k not in self.done)
-        self.log.error(f"{host}: lost the connection to the host ({reason}); "
-                       f"{len(lost)} instance(s) there are gone")
-        for key in lost:
-            record = self.started[key]
-            record.lost, record.end = reason, time.time()
-            self.done.add(key)
-        if lost and self.root_cause is None and self.stop_signal is None:
-            self.root_cause = lost[0]
-            self._stop(signal.SIGTERM)
-        self._maybe_finish()
-
-    def _maybe_finish(self) -> None:
-        if self.on_finished and self.finished:
-            self.on_finished()
-
-    # --- stopping ---------------------------------------------------------------------
-
-    def running(self) -> list[int]:
-        spawners = {id(s): s for s in self.spawner_of.values()}
-        return [k for s in spawners.values() for k in s.running()]
-
-    def on_signal(self, sig: int) -> None:
-        if self.stop_signal is not None or self.root_cause is not None:
-            self.log.warning(f"{signal.Signals(sig).name} again: killing every instance now")
-            self._signal_all(signal.SIGKILL)
-            return
-        self.stop_signal = sig
-        self.log.warning(f"{signal.Signals(sig).name} received: stopping "
-                         f"{len(self.running())} running instance(s)")
-        self._stop(sig)
-
-    def _broken_pipe(self) -> None:
-        if self.stop_signal is None:
-            self.stop_signal = signal.SIGPIPE
-            self._stop(signal.SIGTERM)
-
-    def _stop(self, sig: int) -> None:
-        """Signal every instance still running; SIGKILL them all after the one deadline."""
-        self._signal_all(sig)
-        if self._kill_timer is None:
-            self._kill_timer = self.loop.call_later(self.config.kill_timeout, self._signal_all,
-                                                    signal.SIGKILL)
-
-    def _signal_all(self, sig: int) -> None:
-        for key in self.running():
-            self.started[key].signalled = True
-            self.spawner_of[key].signal(key, sig)
-
-    def result(self) -> LaunchResult:
-        instances = tuple(
-            InstanceResult(
-                index=i, host=self.plan.instances[i].host, pid=r.pid,
-                returncode=(r.returncode if r.returncode is not None
-                            else LOST_HOST_STATUS if r.lost else -signal.SIGKILL),
-                start_time=r.start, end_time=r.end or time.time(),
-                lines=self.router.instances[i].lines,
-                stderr_tail=tuple(self.router.instances[i].stderr_tail),
-                stopped_by_poprun=r.signalled, lost=r.lost,
-                first_output_time=self.first_output.get(i))
-            for i, r in sorted(self.started.items()))
-        by_index = {inst.index: inst for inst in instances}
-        if self.stop_signal is not None:
-            code = 128 + self.stop_signal
-        elif self.root_cause is not None:
-            code = by_index[self.root_cause].exit_status
-        else:
-            code = 0
-        return LaunchResult(instances=instances, exit_code=code, root_cause=self.root_cause,
-                            stop_signal=self.stop_signal, phases=self._phases(instances),
-                            start_time=self.launch_time)
-
-    def _phases(self, instances: tuple[InstanceResult, ...]) -> dict[str, dict[str, float]]:
-        """Per host: what the fleet measured (remote), plus first start and first output."""
-        phases = {host: dict(p) for host, p in self.phases.items()}
-        for inst in instances:
-            host = phases.setdefault(inst.host, {})
-            marks = (("first_started", inst.start_time), ("first_output", inst.first_output_time))
-            for name, at in marks:
-                if at is not None:
-                    since = round(at - self.launch_time, 6)
-                    host[name] = min(host.get(name, since), since)
-        return phases
-
-
-def _install_signal_handlers(loop, handler):
-    """Route SIGINT/SIGTERM/SIGHUP to `handler`; returns a function restoring the old ones.
-    Only the main thread can own signals: elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, handler, sig)
-
-    def restore() -> None:
-        for sig, old in previous.items():
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
-
-    return restore

@@ -1,0 +1,310 @@
+"""One run of a plan: the spawners' sink, and the failure and signal policy.
+
+- all instances exit 0                   -> exit code 0
+- an instance fails (non-zero or signal) -> SIGTERM to the others, SIGKILL after
+                                            `kill_timeout`; exit code = its status (128+N)
+- a remote host is lost                  -> as a failure of its instances (status 255)
+- SIGINT / SIGTERM / SIGHUP to poprun    -> forwarded to every instance; SIGKILL after
+                                            `kill_timeout`, or at once on a second signal;
+                                            exit code 128+N
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from spawner.binding import read_binding
+from spawner.cpulist import format_cpu_list
+from spawner.lifeline import Lifeline
+from spawner.local import LocalSpawner, ProcessSpec, Stream
+
+from . import plan as planning
+from .config import LaunchConfig
+from .errors import LaunchError
+from .log import Log
+from .output import OutputOptions, OutputRouter
+from .plan import LaunchPlan
+from .result import InstanceResult, LaunchResult
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+LOST_HOST_STATUS = 255  # the status of an instance whose host was lost (ssh's own 255)
+
+
+@dataclass
+class Started:
+    pid: int
+    start: float
+    end: float = 0.0
+    returncode: int | None = None
+    signalled: bool = False
+    lost: str | None = None  # why its host was lost, if it was
+
+
+class Job:
+    """One run of the plan: the spawners' sink, and the failure and signal policy."""
+
+    def __init__(self, config: LaunchConfig, environ: dict[str, str], cwd: str, log: Log,
+                 stdout_fd: int, stderr_fd: int) -> None:
+        self.config, self.environ, self.cwd, self.log = config, environ, cwd, log
+        self.plan: LaunchPlan | None = None  # set by the session once the hosts are known
+        directory = config.effective_output_filename
+        nocopy = bool(directory) and directory.lower().endswith(":nocopy")
+        self.router = OutputRouter(OutputOptions(
+            tag=config.effective_tag_output, timestamp=config.effective_timestamp_output,
+            only_instance=config.only_output_from_instance,
+            directory=os.path.abspath(directory[:-7] if nocopy else directory) if directory
+            else None, copy_to_console=not nocopy), stdout_fd, stderr_fd, self._broken_pipe)
+        self.started: dict[int, Started] = {}
+        self.first_output: dict[int, float] = {}  # time.time() of each instance's first block
+        self.launch_time = time.time()
+        self.phases: dict[str, dict[str, float]] = {}  # host -> phase -> seconds (result)
+        self.done: set[int] = set()  # exit reported, or lost with its host
+        self.root_cause: int | None = None
+        self.stop_signal: int | None = None
+        self.on_finished = None
+        self._all_started = False
+        self._kill_timer = None
+        self._restore_signals = lambda: None
+        self.local: LocalSpawner | None = None
+        self.remote: Mapping[str, object] = {}
+        self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
+
+    def start(self, loop, lifeline: Lifeline, on_finished=None, remote=None) -> None:
+        """Start this host's instances on `loop` (asyncio's or a SelectLoop); with `remote`
+        spawners (by host), `spawn_remote()` starts theirs. `on_finished` is called once
+        every instance has exited (or was lost) and its output has been delivered."""
+        self.loop, self.on_finished, self.remote = loop, on_finished, remote or {}
+        self.local = LocalSpawner(self, loop, lifeline)
+        self._restore_signals = install_signal_handlers(loop, self.on_signal)
+        self._spawn_local()
+        self._all_started = not self.remote
+        self._maybe_finish()
+
+    @property
+    def finished(self) -> bool:
+        return self._all_started and len(self.done) == len(self.started)
+
+    def close(self) -> None:
+        """Kill and reap what still runs here, stop timers, flush output, restore signals."""
+        if self._kill_timer:
+            self._kill_timer.cancel()
+        if self.local:
+            self.local.close()
+        self.router.close()
+        self._restore_signals()
+
+    def _spawn_local(self) -> None:
+        merge = self.config.effective_merge_stderr
+        for inst in self.plan.instances:
+            if inst.host in self.remote:
+                continue
+            spec = ProcessSpec(
+                key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge,
+                env=planning.instance_environ(self.environ, inst, self.plan),
+                inherit_stdin=inst.index == 0,  # as mpirun: stdin goes to the first instance
+                cpus=inst.cpus, mems=inst.mems)
+            try:
+                pid = self.local.spawn(spec)
+            except OSError as exc:
+                raise LaunchError(f"cannot start instance {inst.index} ({inst.argv[0]}): "
+                                  f"{exc.strerror or exc}") from None
+            self._record(inst.index, pid, self.local)
+        if self.local.memory_binding_skipped:
+            self.log.warning("memory binding skipped: libnuma (libnuma1) or the kernel's NUMA "
+                             "support is missing on this host; CPU binding is in force")
+        if self.config.effective_report_bindings:
+            self._report_bindings()
+
+    async def spawn_remote(self) -> None:
+        """Start every remote host's instances, all hosts at once. Raises LaunchError when
+        any could not start (the session then stops the others)."""
+        import asyncio
+
+        from spawner.protocol import SpawnRequest
+        from spawner.remote import RemoteSpawnError
+
+        merge = self.config.effective_merge_stderr
+        hosts = list(self.remote)
+        outcomes = await asyncio.gather(*(self.remote[host].spawn_all(
+            SpawnRequest(key=inst.index, argv=inst.argv, env_set=inst.env,
+                         env_unset=self.plan.unset_env, cwd=self.cwd, merge_stderr=merge,
+                         cpus=inst.cpus, mems=inst.mems)
+            for inst in self.plan.on_host(host)) for host in hosts), return_exceptions=True)
+        problems = []
+        for host, outcome in zip(hosts, outcomes):
+            pids = outcome.started if isinstance(outcome, RemoteSpawnError) else outcome
+            if isinstance(pids, dict):
+                for key, pid in pids.items():
+                    self._record(key, pid, self.remote[host])
+            if isinstance(outcome, BaseException):
+                problems.append(str(outcome))
+        if problems:
+            raise LaunchError("\n".join(problems))
+        for host in hosts:
+            self.log.info(f"{host}: {self.remote[host].timings.describe()}")
+            if self.remote[host].memory_binding_skipped:
+                self.log.warning(f"{host}: memory binding skipped: libnuma (libnuma1) or the "
+                                 "kernel's NUMA support is missing there; CPU binding is in force")
+        self._all_started = True
+        if self.root_cause is not None or self.stop_signal is not None:
+            self._signal_all(signal.SIGTERM)  # stopped while these were starting
+        self._maybe_finish()
+
+    def _record(self, key: int, pid: int, spawner) -> None:
+        if key in self.started:  # its exit beat the end of spawn_all (see on_exit)
+            return
+        self.started[key] = Started(pid=pid, start=time.time())
+        self.spawner_of[key] = spawner
+        inst = self.plan.instances[key]
+        self.log.debug(f"started instance {key} on {inst.host}, pid {pid}: "
+                       f"{' '.join(inst.argv)}")
+
+    def _report_bindings(self) -> None:
+        """mpirun's --report-bindings, from what the kernel says of each live instance."""
+        for inst in self.plan.instances:
+            if inst.index not in self.started or self.spawner_of[inst.index] is not self.local:
+                continue
+            pid = self.started[inst.index].pid
+            try:
+                actual = read_binding(pid)
+            except OSError:  # already gone: nothing to report
+                continue
+            self.log.always(f"instance {inst.index} (pid {pid}) on {inst.host}: cpus "
+                            f"{format_cpu_list(actual.cpus)}, memory {actual.mempolicy} "
+                            f"{format_cpu_list(actual.mems)}")
+            for what, planned, got in (("cpus", inst.cpus, actual.cpus),
+                                       ("memory nodes", inst.mems, actual.mems)):
+                if planned is not None and tuple(planned) != tuple(got):
+                    self.log.warning(f"instance {inst.index} runs on {what} "
+                                     f"{format_cpu_list(got)}, planned "
+                                     f"{format_cpu_list(planned)}")
+
+    # --- spawner sink -----------------------------------------------------------------
+
+    def on_output(self, key: int, stream: Stream, data: bytes) -> None:
+        if key not in self.first_output:
+            self.first_output[key] = time.time()
+        self.router.on_output(key, stream, data)
+
+    def on_exit(self, key: int, returncode: int) -> None:
+        if key not in self.started:  # a remote instance can exit before spawn_all returns
+            spawner = self.remote[self.plan.instances[key].host]
+            self._record(key, spawner.pid(key), spawner)
+        record = self.started[key]
+        record.returncode, record.end = returncode, time.time()
+        self.done.add(key)
+        self.log.info(f"instance {key} (pid {record.pid}) exited with {returncode}")
+        if returncode != 0 and self.root_cause is None and self.stop_signal is None:
+            self.root_cause = key
+            self._stop(signal.SIGTERM)
+        self._maybe_finish()
+
+    def on_host_lost(self, host: str, reason: str) -> None:
+        """A remote host's agent or connection ended early: its instances are gone with it
+        (the agent kills them when it can), so the job stops everywhere."""
+        spawner = self.remote[host]
+        lost = sorted(k for k in spawner.unaccounted() if k not in self.done)
+        self.log.error(f"{host}: lost the connection to the host ({reason}); "
+                       f"{len(lost)} instance(s) there are gone")
+        for key in lost:
+            record = self.started[key]
+            record.lost, record.end = reason, time.time()
+            self.done.add(key)
+        if lost and self.root_cause is None and self.stop_signal is None:
+            self.root_cause = lost[0]
+            self._stop(signal.SIGTERM)
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        if self.on_finished and self.finished:
+            self.on_finished()
+
+    # --- stopping ---------------------------------------------------------------------
+
+    def running(self) -> list[int]:
+        spawners = {id(s): s for s in self.spawner_of.values()}
+        return [k for s in spawners.values() for k in s.running()]
+
+    def on_signal(self, sig: int) -> None:
+        if self.stop_signal is not None or self.root_cause is not None:
+            self.log.warning(f"{signal.Signals(sig).name} again: killing every instance now")
+            self._signal_all(signal.SIGKILL)
+            return
+        self.stop_signal = sig
+        self.log.warning(f"{signal.Signals(sig).name} received: stopping "
+                         f"{len(self.running())} running instance(s)")
+        self._stop(sig)
+
+    def _broken_pipe(self) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signal.SIGPIPE
+            self._stop(signal.SIGTERM)
+
+    def _stop(self, sig: int) -> None:
+        """Signal every instance still running; SIGKILL them all after the one deadline."""
+        self._signal_all(sig)
+        if self._kill_timer is None:
+            self._kill_timer = self.loop.call_later(self.config.kill_timeout, self._signal_all,
+                                                    signal.SIGKILL)
+
+    def _signal_all(self, sig: int) -> None:
+        for key in self.running():
+            self.started[key].signalled = True
+            self.spawner_of[key].signal(key, sig)
+
+    def result(self) -> LaunchResult:
+        instances = tuple(
+            InstanceResult(
+                index=i, host=self.plan.instances[i].host, pid=r.pid,
+                returncode=(r.returncode if r.returncode is not None
+                            else LOST_HOST_STATUS if r.lost else -signal.SIGKILL),
+                start_time=r.start, end_time=r.end or time.time(),
+                lines=self.router.instances[i].lines,
+                stderr_tail=tuple(self.router.instances[i].stderr_tail),
+                stopped_by_poprun=r.signalled, lost=r.lost,
+                first_output_time=self.first_output.get(i))
+            for i, r in sorted(self.started.items()))
+        by_index = {inst.index: inst for inst in instances}
+        if self.stop_signal is not None:
+            code = 128 + self.stop_signal
+        elif self.root_cause is not None:
+            code = by_index[self.root_cause].exit_status
+        else:
+            code = 0
+        return LaunchResult(instances=instances, exit_code=code, root_cause=self.root_cause,
+                            stop_signal=self.stop_signal, phases=self._phases(instances),
+                            start_time=self.launch_time)
+
+    def _phases(self, instances: tuple[InstanceResult, ...]) -> dict[str, dict[str, float]]:
+        """Per host: what the fleet measured (remote), plus first start and first output."""
+        phases = {host: dict(p) for host, p in self.phases.items()}
+        for inst in instances:
+            host = phases.setdefault(inst.host, {})
+            marks = (("first_started", inst.start_time), ("first_output", inst.first_output_time))
+            for name, at in marks:
+                if at is not None:
+                    since = round(at - self.launch_time, 6)
+                    host[name] = min(host.get(name, since), since)
+        return phases
+
+
+def install_signal_handlers(loop, handler):
+    """Route SIGINT/SIGTERM/SIGHUP to `handler`; returns a function restoring the old ones.
+    Only the main thread can own signals: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, handler, sig)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+    return restore

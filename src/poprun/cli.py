@@ -155,6 +155,8 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("synchronise-python-venv", B, "Accepted for compatibility; no effect"),
     Opt("synchronise-poplar-sdk", B, "Accepted for compatibility; no effect"),
     Opt("version-format", Kind.STR, "Accepted for compatibility; no effect"),
+    Opt("no-dashboard", B, "Never show the live status panel (it shows only when stderr is "
+        "a terminal and neither CI nor POPRUN_NO_DASHBOARD=1 is set)"),
     Opt("result-json", Kind.STR, "After the job, write per instance host, pid, start/end, "
         "exit status or signal, lines written, and per host the launch-phase timings, to "
         "this JSON file"),

@@ -77,6 +77,7 @@ class LaunchConfig:
     gw_link_routing_type: str | None = None
     vipu_partition_attempts: int | None = None
     result_json: str | None = None  # write the LaunchResult here as JSON (CLI only)
+    no_dashboard: bool = False  # never show the live panel, even on a terminal
     # Accepted from later SDKs' scripts; nothing to do without IPUs or MPI (logged at -v).
     host_subnet: str | None = None
     allow_run_as_root: bool = False
@@ -255,7 +256,7 @@ _STR_TUPLE_FIELDS = ("program", "env", "mpi_global_args", "mpi_local_args",
 _BOOL_FIELDS = ("offline_mode", "print_topology", "tag_output", "timestamp_output",
                 "merge_stderr_to_stdout", "distribute_ssh_key", "report_bindings",
                 "update_partition", "remove_partition", "allow_run_as_root",
-                "synchronise_python_venv", "synchronise_poplar_sdk")
+                "synchronise_python_venv", "synchronise_poplar_sdk", "no_dashboard")
 _OPTIONAL_STR_FIELDS = (
     "executable_cache_path", "output_filename", "remote_python", "distribute_ssh_key_path",
     "distribute_ssh_key_type", "process_placement", "offline_target", "autoreport_dir",

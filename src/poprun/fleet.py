@@ -38,13 +38,14 @@ class Fleet:
         self.spawners: dict[str, RemoteSpawner] = {}
 
     async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
-                   program: str, path: str | None) -> None:
+                   program: str, path: str | None, view=None) -> None:
         """Connect to every host and start its agent; raises LaunchError (every failing host
         named, one line each) with nothing started and everything opened closed again."""
         self._opened_at = time.time()
         try:
             self.connections = await connect_all(
-                self.hosts, fanout=self.config.ssh_fanout, timeout=self.config.ssh_timeout)
+                self.hosts, fanout=self.config.ssh_fanout, timeout=self.config.ssh_timeout,
+                progress=_connected_to(view))
         except SshConnectError as exc:
             raise LaunchError("\n".join(f.message for f in exc.failures)) from None
         for host, timing in self.connections.timings.items():
@@ -55,8 +56,8 @@ class Fleet:
             for host, conn in self.connections.items()}
         self._agents_started_at = time.time()
         outcomes = await asyncio.gather(
-            *(s.start(cwd=cwd, program=program, path=path) for s in self.spawners.values()),
-            return_exceptions=True)
+            *(_start_agent(s, view, cwd=cwd, program=program, path=path)
+              for s in self.spawners.values()), return_exceptions=True)
         problems = [_problem(spawner, outcome, cwd, program)
                     for spawner, outcome in zip(self.spawners.values(), outcomes)]
         if any(problems):
@@ -118,6 +119,20 @@ class Fleet:
         await asyncio.gather(*(s.close() for s in self.spawners.values()),
                              return_exceptions=True)
         await close_all(self.connections.values())
+
+
+def _connected_to(view):
+    """connect_all's progress callback: the dashboard's "hosts connected" phase."""
+    if view is None:
+        return None
+    return lambda host, timing, failure: failure is None and view.host_connected(str(host))
+
+
+async def _start_agent(spawner: RemoteSpawner, view, **hello):
+    info = await spawner.start(**hello)
+    if view is not None:
+        view.agent_ready(spawner.host)
+    return info
 
 
 def _problem(spawner: RemoteSpawner, outcome: object, cwd: str, program: str) -> str | None:

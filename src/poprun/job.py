@@ -73,6 +73,7 @@ class Job:
         self.local: LocalSpawner | None = None
         self.remote: Mapping[str, object] = {}
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
+        self.view = None  # a dashboard.DashboardState when a live panel shows the job
 
     def start(self, loop, lifeline: Lifeline, on_finished=None, remote=None) -> None:
         """Start this host's instances on `loop` (asyncio's or a SelectLoop); with `remote`
@@ -161,6 +162,9 @@ class Job:
         self.started[key] = Started(pid=pid, start=time.time())
         self.spawner_of[key] = spawner
         inst = self.plan.instances[key]
+        if self.view is not None:
+            self.view.instance_started(key, inst.host, pid, self.loop.time(),
+                                       local=spawner is self.local)
         self.log.debug(f"started instance {key} on {inst.host}, pid {pid}: "
                        f"{' '.join(inst.argv)}")
 
@@ -189,6 +193,8 @@ class Job:
     def on_output(self, key: int, stream: Stream, data: bytes) -> None:
         if key not in self.first_output:
             self.first_output[key] = time.time()
+        if self.view is not None:  # before the router: hidden instances still count
+            self.view.output(key, data, self.loop.time())
         self.router.on_output(key, stream, data)
 
     def on_exit(self, key: int, returncode: int) -> None:
@@ -198,9 +204,12 @@ class Job:
         record = self.started[key]
         record.returncode, record.end = returncode, time.time()
         self.done.add(key)
+        if self.view is not None:
+            self.view.instance_exited(key, returncode, self.loop.time())
         self.log.info(f"instance {key} (pid {record.pid}) exited with {returncode}")
         if returncode != 0 and self.root_cause is None and self.stop_signal is None:
             self.root_cause = key
+            self._stopping(f"instance {key} failed")
             self._stop(signal.SIGTERM)
         self._maybe_finish()
 
@@ -209,6 +218,8 @@ class Job:
         (the agent kills them when it can), so the job stops everywhere."""
         spawner = self.remote[host]
         lost = sorted(k for k in spawner.unaccounted() if k not in self.done)
+        if self.view is not None:
+            self.view.host_lost(host, self.loop.time())
         self.log.error(f"{host}: lost the connection to the host ({reason}); "
                        f"{len(lost)} instance(s) there are gone")
         for key in lost:
@@ -217,6 +228,7 @@ class Job:
             self.done.add(key)
         if lost and self.root_cause is None and self.stop_signal is None:
             self.root_cause = lost[0]
+            self._stopping(f"{host} lost")
             self._stop(signal.SIGTERM)
         self._maybe_finish()
 
@@ -233,9 +245,11 @@ class Job:
     def on_signal(self, sig: int) -> None:
         if self.stop_signal is not None or self.root_cause is not None:
             self.log.warning(f"{signal.Signals(sig).name} again: killing every instance now")
+            self._stopping(f"{signal.Signals(sig).name} again: SIGKILL")
             self._signal_all(signal.SIGKILL)
             return
         self.stop_signal = sig
+        self._stopping(signal.Signals(sig).name)
         self.log.warning(f"{signal.Signals(sig).name} received: stopping "
                          f"{len(self.running())} running instance(s)")
         self._stop(sig)
@@ -243,7 +257,12 @@ class Job:
     def _broken_pipe(self) -> None:
         if self.stop_signal is None:
             self.stop_signal = signal.SIGPIPE
+            self._stopping("SIGPIPE")
             self._stop(signal.SIGTERM)
+
+    def _stopping(self, reason: str) -> None:
+        if self.view is not None:
+            self.view.stopping(reason)
 
     def _stop(self, sig: int) -> None:
         """Signal every instance still running; SIGKILL them all after the one deadline."""

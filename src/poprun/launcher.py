@@ -26,6 +26,7 @@ from .config import INERT_FIELDS, LaunchConfig
 from .errors import ConfigError, LaunchError
 from .hosts import Host, is_local, job_hosts
 from .log import Log
+from .output import write_all
 from .plan import CacheMode, LaunchPlan
 from .job import Job
 from .render import topology_table
@@ -33,6 +34,7 @@ from .result import LaunchResult
 from .topology import Topology, local_topology
 
 DRY_RUN_CACHE_DIR = "<temporary directory, created at launch>"
+DASHBOARD_REFRESH = 0.25  # seconds between live panel updates (it redraws only on change)
 LOOPBACK = "127.0.0.1"
 
 
@@ -163,6 +165,7 @@ class _Session:
         self.log = Log(config.verbose, stderr_fd)
         self.job: Job | None = None
         self.fleet = None
+        self.dashboard = None
         self.partition = None  # the V-IPU partition (poprun.vipu.Partition), unless offline
         self._result: LaunchResult | None = None
 
@@ -188,6 +191,7 @@ class _Session:
 
     def start(self, loop, on_finished=None) -> Job:
         """This host only: create the cache dir, plan, and start every instance."""
+        self._open_dashboard(loop)
         self._acquire_partition()
         cache_dir = self.cache.create()
         self._plan({h: cache_dir for h in self.hosts.labels} if cache_dir else {}, LOOPBACK)
@@ -201,11 +205,13 @@ class _Session:
             return self.start(loop, on_finished)
         from .fleet import Fleet  # asyncssh: only runs with remote hosts import it
 
+        self._open_dashboard(loop)
         self._acquire_partition()  # blocks the loop briefly: nothing else runs yet
         self.fleet = Fleet([h for h in self.hosts.hosts if str(h) in self.hosts.remote],
                            self.config, self.log)
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
-                              program=self.program[0], path=self.environ.get("PATH"))
+                              program=self.program[0], path=self.environ.get("PATH"),
+                              view=self.job.view)
         self.job.phases.update(self.fleet.phases(since=self.job.launch_time))
         caches = {}
         local_cache = self.cache.create() if self.hosts.any_local else None
@@ -225,6 +231,38 @@ class _Session:
         await self.job.spawn_remote()
         return self.job
 
+    def _open_dashboard(self, loop) -> None:
+        """The live panel, when stderr is a terminal (dashboard.wants_dashboard says): every
+        console write (instance output, poprun's messages) then goes through it."""
+        if not os.isatty(self.stderr_fd):  # the usual case in scripts: skip the import
+            return
+        from .dashboard import wants_dashboard
+
+        if not wants_dashboard(self.stderr_fd, self.environ, self.config.no_dashboard):
+            return
+        from .dashboard import Dashboard, DashboardState
+
+        state = DashboardState(self.config.num_instances, self.hosts.labels, loop.time(),
+                               remote_hosts=len(self.hosts.remote),
+                               offline=self.config.offline_mode)
+        self.dashboard = Dashboard(state, self.stderr_fd)
+        self.job.view = state
+        self.job.router.write = self.log.write = self.dashboard.emit
+        self._tick(loop)
+
+    def _tick(self, loop) -> None:
+        self.dashboard.tick(loop.time())
+        self._ticker = loop.call_later(DASHBOARD_REFRESH, self._tick, loop)
+
+    def _close_dashboard(self) -> None:
+        """Erase the panel (the report then prints below the output, as without it)."""
+        if self.dashboard is None:
+            return
+        self._ticker.cancel()
+        self.dashboard.close()
+        self.job.router.write = write_all
+        self.log.write = lambda fd, data: os.write(fd, data)
+
     def _acquire_partition(self) -> None:
         """The job's V-IPU partition (found, checked, created or reset), unless offline.
         Before any signal handler is ours: a Ctrl-C here interrupts `vipu`, and vipu.acquire
@@ -238,6 +276,8 @@ class _Session:
         required = vipu.Requirements.of(self.config.num_replicas, self.config.ipus_per_replica,
                                         self.config.num_instances, ilds, settings)
         self.partition = vipu.acquire(settings, required, self.environ, self.log)
+        if self.job.view is not None:
+            self.job.view.set_partition(self.partition.name)
 
     def _plan(self, cache_paths: Mapping[str, str], master_addr: str,
               remote_topologies: Mapping[str, Topology] | None = None) -> None:
@@ -257,6 +297,11 @@ class _Session:
         if self.config.print_topology:
             os.write(self.stdout_fd, topology_table(launch_plan).encode())
         self.job.plan = launch_plan
+        if self.job.view is not None:
+            self.job.view.plan((i.index, i.host) for i in launch_plan.instances)
+            caches = set(cache_paths.values())
+            self.job.view.set_cache_dir(caches.pop() if len(caches) == 1 else
+                                        f"{len(caches)} dirs, one per host" if caches else None)
 
     def _log_placement(self, launch_plan: LaunchPlan) -> None:
         """-v: each host's strategy; -vv: each instance's binding."""
@@ -291,6 +336,7 @@ class _Session:
 
     def __exit__(self, *exc_info) -> None:
         try:
+            self._close_dashboard()
             self.job.close()
         finally:
             self.cache.remove()

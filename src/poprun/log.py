@@ -15,6 +15,8 @@ class Log:
         self.verbosity = verbosity
         self._fd = fd
         self._pid = os.getpid()
+        # os.write, or a live dashboard's emit (which erases its panel around the line).
+        self.write = lambda fd, data: os.write(fd, data)
 
     def error(self, msg: str) -> None:
         self._emit("E", msg)
@@ -39,6 +41,6 @@ class Log:
         stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
         line = f"{stamp} {self._pid} POPRUN [{level}] {msg}\n"
         try:
-            os.write(self._fd, line.encode("utf-8", "replace"))
+            self.write(self._fd, line.encode("utf-8", "replace"))
         except OSError:
             pass  # a closed stderr must not turn a message into a crash

@@ -47,6 +47,9 @@ class OutputRouter:
     def __init__(self, options: OutputOptions, stdout_fd: int = 1, stderr_fd: int = 2,
                  on_broken_pipe: Callable[[], None] = lambda: None) -> None:
         self._options = options
+        # How console bytes are written: write_all, or a live dashboard's emit, which erases
+        # its panel around them (set by the job when there is one).
+        self.write = write_all
         self._fds = {Stream.STDOUT: stdout_fd, Stream.STDERR: stderr_fd}
         self._on_broken_pipe = on_broken_pipe
         self._closed: set[Stream] = set()  # console streams whose reader has gone
@@ -88,7 +91,7 @@ class OutputRouter:
         fd = self._fds[stream]
         prefix = self._prefix(key, stream)
         if not prefix:
-            write_all(fd, data)
+            self.write(fd, data)
             return
         # Progress updates are passed on as soon as their `\r` arrives, so a `\r\n` can be
         # split between two blocks: that `\n` ends the tagged line, it does not start one.
@@ -97,7 +100,7 @@ class OutputRouter:
         if data.endswith(b"\r"):
             self._after_cr.add((key, stream))
         if after_cr and data.startswith(b"\n"):
-            write_all(fd, b"\n")
+            self.write(fd, b"\n")
             data = data[1:]
             if not data:
                 return
@@ -105,15 +108,15 @@ class OutputRouter:
         if b"\r" in data:  # progress updates: rare, so simple beats fast here
             last = _LINE_END_AT_END.search(data)
             core, end = (data[:last.start()], last.group(0)) if last else (data, b"\n")
-            write_all(fd, prefix, _LINE_END.sub(lambda m: m.group(0) + prefix, core), end)
+            self.write(fd, prefix, _LINE_END.sub(lambda m: m.group(0) + prefix, core), end)
             return
         # One C-level replace does the work; the prefix it puts after the final newline is
         # left out of the write rather than sliced off (which would copy the block again).
         body = data.replace(b"\n", b"\n" + prefix)
         if data.endswith(b"\n"):
-            write_all(fd, prefix, memoryview(body)[:len(body) - len(prefix)])
+            self.write(fd, prefix, memoryview(body)[:len(body) - len(prefix)])
         else:  # the last line of a stream, unterminated: end it, or the next tag joins it
-            write_all(fd, prefix, body, b"\n")
+            self.write(fd, prefix, body, b"\n")
 
     def _file(self, key: int, stream: Stream):
         handle = self._files.get((key, stream))

@@ -191,6 +191,28 @@ def test_spawn_binds_the_instance_to_the_cpus_asked_for(agent):
     assert agent.output[(0, Stream.STDOUT)] == f"[{cpu}]\n".encode()
 
 
+def test_stats_are_sent_only_when_hello_asks_for_them(agent):
+    agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__,
+                  python=list(sys.version_info[:2]), cwd=os.getcwd(), stats=0.05)
+    started = agent.spawn(3, PY, "-c", "x = bytearray(30 << 20); import time; time.sleep(30)")
+    rates = []
+    while not rates or rates[-1][0] is None:  # the first sample has no rate yet
+        stats = agent.wait_for(lambda f: f.kind is Kind.STATS)
+        rates.append(stats.fields["usage"]["3"])
+    cpu, rss = rates[-1]
+    assert 0 <= cpu and rss > 30 << 20  # the instance's own 30 MB are resident
+    agent.send(Kind.SIGNAL, key=3, signal="SIGKILL")
+    assert started.fields["pid"] > 0
+
+
+def test_no_stats_without_asking(agent):
+    agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__,
+                  python=list(sys.version_info[:2]), cwd=os.getcwd())
+    agent.spawn(0, PY, "-c", "import time; time.sleep(0.5)")
+    agent.wait_for(lambda f: f.kind is Kind.EXIT)
+    assert not any(e.kind is Kind.STATS for e in agent.events)
+
+
 def test_spawn_failures_are_reported_per_instance(agent, tmp_path):
     failed = agent.spawn(0, "/no/such/program")
     assert failed.kind is Kind.SPAWN_FAILED and "No such file" in failed.fields["error"]

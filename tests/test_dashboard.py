@@ -20,9 +20,10 @@ from rich.cells import cell_len
 from conftest import poprun_env
 from poprun.dashboard import (
     FOLD_ABOVE, HIDE_CURSOR, LAST_LINE_KEEP, QUIET_LISTED, SHOW_CURSOR, Dashboard,
-    DashboardState, InstanceState, JobState, Phase, ProcSampler, Usage, cpu_seconds,
-    erase_sequence, last_line, panel_budget, rss_bytes, wants_dashboard)
+    DashboardState, InstanceState, JobState, Phase, erase_sequence, last_line, panel_budget,
+    wants_dashboard)
 from poprun.render import signal_name
+from spawner.procstat import ProcSampler, Usage, cpu_seconds, rss_bytes
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -27,6 +27,7 @@ from .log import Log
 from .topology import Topology, parse_topology
 
 CACHE_PREFIX = "poprun-cache-"
+STATS_INTERVAL = 1.0  # seconds between the agents' CPU/RSS samples for the dashboard
 
 
 class Fleet:
@@ -55,8 +56,9 @@ class Fleet:
                                      python=self.config.remote_python)
             for host, conn in self.connections.items()}
         self._agents_started_at = time.time()
+        stats = STATS_INTERVAL if view is not None else None  # only a dashboard shows them
         outcomes = await asyncio.gather(
-            *(_start_agent(s, view, cwd=cwd, program=program, path=path)
+            *(_start_agent(s, view, cwd=cwd, program=program, path=path, stats=stats)
               for s in self.spawners.values()), return_exceptions=True)
         problems = [_problem(spawner, outcome, cwd, program)
                     for spawner, outcome in zip(self.spawners.values(), outcomes)]

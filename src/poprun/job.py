@@ -197,6 +197,13 @@ class Job:
             self.view.output(key, data, self.loop.time())
         self.router.on_output(key, stream, data)
 
+    def on_usage(self, key: int, cpu_percent: float | None, rss: int) -> None:
+        """A remote agent's sample of an instance (sent only while a dashboard shows them)."""
+        if self.view is not None:
+            from spawner.procstat import Usage
+
+            self.view.set_usage(key, Usage(cpu_percent, rss))
+
     def on_exit(self, key: int, returncode: int) -> None:
         if key not in self.started:  # a remote instance can exit before spawn_all returns
             spawner = self.remote[self.plan.instances[key].host]

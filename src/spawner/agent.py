@@ -26,6 +26,7 @@ import signal
 import stat
 import sys
 import tempfile
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from itertools import islice
@@ -36,6 +37,7 @@ from poprun._version import __version__
 from .lifeline import Lifeline
 from .local import LocalSpawner, ProcessSpec, Stream, resolve_program
 from .loop import Handle, SelectLoop
+from .procstat import ProcSampler
 from .protocol import (MAGIC, PROTOCOL_VERSION, Control, Frame, FrameDecoder, Kind,
                        ProtocolError, SpawnRequest, encode, output_header)
 from .sysfs import read_sysfs
@@ -262,6 +264,21 @@ class Agent:
 
     def _hello(self, request: dict[str, Any]) -> None:
         self._reply(request, hello_reply(request))
+        interval = request.get("stats")
+        if interval:  # the launcher shows a dashboard: sample the instances periodically
+            self._sampler = ProcSampler()
+            self._loop.call_later(float(interval), self._send_stats, float(interval))
+
+    def _send_stats(self, interval: float) -> None:
+        now = time.monotonic()
+        usage = {}
+        for key in self._spawner.running():
+            sample = self._sampler.sample(self._spawner.pid(key), now)
+            if sample is not None:
+                usage[str(key)] = [sample.cpu_percent, sample.rss]
+        if usage:
+            self._outbox.send(encode(Kind.STATS, usage=usage))
+        self._loop.call_later(interval, self._send_stats, interval)
 
     def _mktemp(self, request: dict[str, Any]) -> None:
         try:

@@ -73,6 +73,8 @@ class Kind(enum.IntEnum):
     """Agent: a block of an instance's output (binary payload)."""
     EXIT = 21
     """Agent: an instance exited; no OUTPUT for it follows."""
+    STATS = 22
+    """Agent: CPU % and RSS of its running instances, every `stats` seconds HELLO asked for."""
 
 
 _KINDS = {int(k): k for k in Kind}

@@ -242,7 +242,7 @@ class RemoteSpawner:
     # --- starting ---------------------------------------------------------------------
 
     async def start(self, *, cwd: str, program: str | None = None, path: str | None = None,
-                    timeout: float = HELLO_TIMEOUT) -> AgentInfo:
+                    timeout: float = HELLO_TIMEOUT, stats: float | None = None) -> AgentInfo:
         """Start the agent and greet it. `program` is resolved there as instances will run
         it (in `cwd`, on `path`: the PATH they will get). Raises AgentStartError, or
         AgentVersionError after stopping the agent: then nothing was started."""
@@ -257,7 +257,7 @@ class RemoteSpawner:
         try:
             reply = await self._request(
                 Kind.HELLO, timeout, protocol=self._expect.protocol, poprun=self._expect.poprun,
-                python=[major, minor], cwd=cwd, program=program, path=path)
+                python=[major, minor], cwd=cwd, program=program, path=path, stats=stats)
         except RemoteError as exc:
             await self.close()
             raise AgentStartError(self.host, f"the poprun agent ({self.command}) did not "
@@ -406,6 +406,10 @@ class RemoteSpawner:
             if self.timings.first_started is None:
                 self.timings.first_started = self._elapsed()
             self._resolve(self._spawning.pop(fields["key"], None), (fields["pid"], None))
+        elif frame.kind is Kind.STATS:  # for a sink that shows them (the dashboard)
+            on_usage = getattr(self._sink, "on_usage", None)
+            for key, (cpu, rss) in fields["usage"].items() if on_usage else ():
+                on_usage(int(key), cpu, rss)
         elif frame.kind is Kind.SPAWN_FAILED:
             self._resolve(self._spawning.pop(fields["key"], None), (None, fields["error"]))
         elif frame.kind is Kind.REPLY:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -53,3 +54,19 @@ def test_an_unwritable_result_file_is_a_warning_not_a_different_exit(tmp_path):
                       "pass")
     assert proc.returncode == 0
     assert "cannot write --result-json" in proc.stderr.decode()
+
+
+def test_v_shows_each_decision_and_vv_each_command():
+    """-v: placement, cache dir (and, with hosts or V-IPU, their steps: see test_multihost and
+    test_vipu); -vv: each instance's binding and exact command, in the original's shape."""
+    proc = run_poprun(*OFFLINE, "-vv", "--num-instances=2", "--num-replicas=2", PY, "-c", "pass")
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    shape = r"^\d\d:\d\d:\d\d\.\d{3} \d+ POPRUN \[[IDWE]\] "
+    for needle in (r"\[I\] process placement: spreadnuma \(2 instance\(s\) per host\)",
+                   r"\[I\] executable cache \(temporary\): /",
+                   r"\[D\] instance 1 on localhost: cpus \S+, memory nodes \S+",
+                   r"\[D\] started instance 0 on localhost, pid \d+: \S*python\S* -c pass",
+                   r"\[I\] removed temporary executable cache /"):
+        assert any(re.match(shape, line) and re.search(needle, line)
+                   for line in err.splitlines()), (needle, err)

@@ -171,10 +171,12 @@ class Job:
         expected = 2 * self.n if expected is None else expected
 
         def ready():
+            pids = self.pids()
+            if len(pids) == expected:  # (an instance may end the job right after this)
+                return pids
             assert self.proc.poll() is None, (
                 f"poprun ended early ({self.proc.returncode}): {self.stderr!r}")
-            pids = self.pids()
-            return pids if len(pids) == expected else None
+            return None
 
         return wait_until(ready, START_TIMEOUT, "the instances to start")
 

@@ -101,8 +101,9 @@ def test_options_of_later_sdks_parse_and_say_at_v_they_do_nothing():
     err = proc.stderr.decode()
     assert proc.returncode == 0, err
     for name in ("host-subnet", "allow-run-as-root", "synchronise-python-venv",
-                 "version-format", "vipu-partition-attempts"):
+                 "version-format"):
         assert f"--{name}: accepted for compatibility" in err, (name, err)
+    assert "--vipu-partition-attempts: ignored with --offline-mode" in err
     assert "--synchronise-poplar-sdk" not in err  # given as "no": nothing to say
 
 

@@ -265,7 +265,12 @@ _OPTIONAL_STR_FIELDS = (
     "result_json")
 # Options that parse (later SDKs' scripts pass them) and do nothing here: said at -v.
 INERT_FIELDS = ("host_subnet", "allow_run_as_root", "synchronise_python_venv",
-                "synchronise_poplar_sdk", "version_format", "vipu_partition_attempts")
+                "synchronise_poplar_sdk", "version_format")
+# Options that only matter when poprun talks to a V-IPU server (not with --offline-mode).
+VIPU_FIELDS = ("vipu_server_host", "vipu_server_port", "vipu_server_timeout", "vipu_partition",
+               "vipu_allocation", "vipu_cluster", "update_partition", "reset_partition",
+               "sync_type", "ipu_link_routing_type", "gw_link_routing_type",
+               "vipu_partition_attempts")
 
 
 def field_defaults() -> dict[str, Any]:

@@ -22,7 +22,7 @@ from spawner.lifeline import Lifeline
 from spawner.local import resolve_program
 
 from . import plan as planning
-from .config import INERT_FIELDS, LaunchConfig
+from .config import INERT_FIELDS, VIPU_FIELDS, LaunchConfig
 from .errors import ConfigError, LaunchError
 from .hosts import Host, is_local, job_hosts
 from .log import Log
@@ -179,10 +179,11 @@ class _Session:
         for name in INERT_FIELDS:
             if getattr(config, name) not in (None, False):
                 log.info(f"--{name.replace('_', '-')}: accepted for compatibility, nothing to "
-                         "do here (no MPI; V-IPU polling is bounded by --vipu-server-timeout)"
-                         if name == "vipu_partition_attempts" else
-                         f"--{name.replace('_', '-')}: accepted for compatibility, nothing to "
-                         "do without MPI or IPUs")
+                         "do here (no MPI, no device to attach to)")
+        for name in VIPU_FIELDS if config.offline_mode else ():
+            if getattr(config, name) not in (None, False):
+                log.info(f"--{name.replace('_', '-')}: ignored with --offline-mode (no V-IPU "
+                         "server is contacted)")
         self.lifeline = Lifeline()
         self.cache = _CacheDir(config, self.mode, self.lifeline, log)
         self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,

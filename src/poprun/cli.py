@@ -93,8 +93,9 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("merge-stderr-to-stdout", B, "Send the instances' stderr to poprun's stdout"),
     Opt("mpi-global-args", Kind.LIST,
         "mpirun options, read not passed on: -x, --tag-output, --timestamp-output, "
-        "--output-filename, --merge-stderr-to-stdout are honoured; --mca and "
-        "--allow-run-as-root are ignored (repeatable)"),
+        "--output-filename, --merge-stderr-to-stdout, --report-bindings and (with placement "
+        "disabled) --bind-to/--map-by are honoured; --mca and --allow-run-as-root are "
+        "ignored (repeatable)"),
     Opt("mpi-local-args", Kind.LIST, "As --mpi-global-args (repeatable)"),
     Opt("instance-mpi-local-args", Kind.LIST,
         "<instance>:<mpi args> for one instance only, e.g. 0:-x VAR=1 (repeatable)"),
@@ -324,28 +325,47 @@ def export_config(config: LaunchConfig, path: str, overwrite: bool) -> str:
     return path
 
 
+# Headings in --help, before the option each group starts with (OPTIONS is in this order).
+_SECTIONS = {
+    "help": "General", "num-instances": "The job", "env": "Environment and output", "mpi-global-args":
+    "mpirun arguments (read, not passed on)", "host": "Hosts (over SSH)",
+    "process-placement": "NUMA placement", "offline-target": "Poplar",
+    "vipu-server-host": "V-IPU partition (without --offline-mode)",
+    "host-subnet": "Accepted from later SDKs' scripts, without effect here",
+    "no-dashboard": "Progress and results", "export-config": "Stored command lines",
+    "dry-run": "Planning only", "verbose": "Messages",
+}
+HELP_WIDTH = 100
+_HELP_COLUMN = 39
+
+
 def help_text() -> str:
+    import textwrap  # only --help pays for it
+
     lines = [
         "Usage: poprun [options] program [program args]",
         "",
-        "Launch instances of a program (with replicas divided among them) on this host,",
-        "without MPI. Everything after the program name is passed to it untouched.",
-        "Values: --opt=value or --opt value; booleans yes/no, true/false, on/off, 1/0",
-        "(a bare boolean option means yes); any unambiguous prefix of an option works.",
-        "",
-        "Options:",
+        "Launch instances of a program (with replicas divided among them) on this host or,",
+        "over SSH, on others, without MPI. Everything after the program name is passed to it",
+        "untouched. Values: --opt=value or --opt value; booleans yes/no, true/false, on/off,",
+        "1/0 (a bare boolean option means yes); any unambiguous prefix of an option works.",
     ]
     defaults = field_defaults()
     for opt in OPTIONS:
+        if opt.long in _SECTIONS:
+            lines += ["", f"{_SECTIONS[opt.long]}:"]
         spell = (f"-{opt.short} [ --{opt.long} ]" if opt.short else f"--{opt.long}")
         if opt.kind.metavar:
             spell += f" {opt.kind.metavar}"
         default = defaults.get(opt.name, opt.default)
         note = f" (default: {default})" if default not in (None, (), False, 0) else ""
-        lines.append(f"  {spell:<36} {opt.help}{note}")
+        lines += textwrap.wrap(f"{opt.help}{note}", HELP_WIDTH,
+                               initial_indent=f"  {spell:<36} ".ljust(_HELP_COLUMN),
+                               subsequent_indent=" " * _HELP_COLUMN, break_on_hyphens=False)
     lines += ["", "Exit status: 0 when every instance exits 0; otherwise the status of the first",
               "instance to fail (128+N for signal N), 128+N when poprun is stopped by signal N,",
-              "2 for a usage error."]
+              "2 for a usage error or a job that could not start, 1 for --check with a host",
+              "that failed a check."]
     return "\n".join(lines) + "\n"
 
 

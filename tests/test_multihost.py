@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -279,3 +280,19 @@ def test_result_json_has_each_hosts_launch_phases(hosts, tmp_path):
     for host in ("h1", "h2"):
         p = phases[host]
         assert 0 < p["connected"] <= p["agent_ready"] <= p["first_started"] <= p["first_output"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_report_bindings_covers_remote_instances(hosts):
+    """The agent reads each instance's binding from /proc on its host when it starts it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    proc = run(hosts, "-H", "h1,h2", "--num-instances=4", "--num-replicas=4",
+               "--process-placement=close", "--report-bindings", PY, "-c",
+               "import time; time.sleep(0.3)")
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    for index in range(4):
+        host = "h1" if index < 2 else "h2"
+        assert re.search(rf"instance {index} \(pid \d+\) on {host}: cpus {cpus[index % 2]}, "
+                         r"memory \w+", err), (index, err)
+    assert "POPRUN [W]" not in err  # every binding is the planned one

@@ -118,7 +118,7 @@ class Job:
         if self.local.memory_binding_skipped:
             self.log.warning("memory binding skipped: libnuma (libnuma1) or the kernel's NUMA "
                              "support is missing on this host; CPU binding is in force")
-        if self.config.effective_report_bindings:
+        if self.config.effective_report_bindings and not self.remote:
             self._report_bindings()
 
     async def spawn_remote(self) -> None:
@@ -152,6 +152,8 @@ class Job:
                 self.log.warning(f"{host}: memory binding skipped: libnuma (libnuma1) or the "
                                  "kernel's NUMA support is missing there; CPU binding is in force")
         self._all_started = True
+        if self.config.effective_report_bindings:
+            self._report_bindings()
         if self.root_cause is not None or self.stop_signal is not None:
             self._signal_all(signal.SIGTERM)  # stopped while these were starting
         self._maybe_finish()
@@ -169,24 +171,37 @@ class Job:
                        f"{' '.join(inst.argv)}")
 
     def _report_bindings(self) -> None:
-        """mpirun's --report-bindings, from what the kernel says of each live instance."""
+        """mpirun's --report-bindings, from what the kernel says of each live instance: read
+        here from /proc, or by the agent on its host when the instance started."""
         for inst in self.plan.instances:
-            if inst.index not in self.started or self.spawner_of[inst.index] is not self.local:
+            if inst.index not in self.started:
                 continue
+            actual = self._binding_of(inst.index)
+            if actual is None:  # already gone: nothing to report
+                continue
+            cpus, mems, policy = actual
             pid = self.started[inst.index].pid
-            try:
-                actual = read_binding(pid)
-            except OSError:  # already gone: nothing to report
-                continue
             self.log.always(f"instance {inst.index} (pid {pid}) on {inst.host}: cpus "
-                            f"{format_cpu_list(actual.cpus)}, memory {actual.mempolicy} "
-                            f"{format_cpu_list(actual.mems)}")
-            for what, planned, got in (("cpus", inst.cpus, actual.cpus),
-                                       ("memory nodes", inst.mems, actual.mems)):
+                            f"{format_cpu_list(cpus)}, memory {policy} {format_cpu_list(mems)}")
+            for what, planned, got in (("cpus", inst.cpus, cpus),
+                                       ("memory nodes", inst.mems, mems)):
                 if planned is not None and tuple(planned) != tuple(got):
                     self.log.warning(f"instance {inst.index} runs on {what} "
                                      f"{format_cpu_list(got)}, planned "
                                      f"{format_cpu_list(planned)}")
+
+    def _binding_of(self, key: int) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
+        spawner = self.spawner_of[key]
+        if spawner is self.local:
+            try:
+                found = read_binding(self.started[key].pid)
+            except OSError:
+                return None
+            return found.cpus, found.mems, found.mempolicy
+        reported = spawner.bindings.get(key)
+        if not reported:
+            return None
+        return tuple(reported["cpus"]), tuple(reported["mems"]), reported["mempolicy"]
 
     # --- spawner sink -----------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from poprun._version import __version__
 
+from .binding import read_binding
 from .lifeline import Lifeline
 from .local import LocalSpawner, ProcessSpec, Stream, resolve_program
 from .loop import Handle, SelectLoop
@@ -80,6 +81,16 @@ def _own_status() -> str:
             return f.read()
     except OSError:
         return ""
+
+
+def _binding_of(pid: int) -> dict[str, Any] | None:
+    """What the kernel says the instance is bound to (for the launcher's --report-bindings):
+    read at once, the binding being in force from the fork."""
+    try:
+        found = read_binding(pid)
+    except OSError:  # already gone
+        return None
+    return {"cpus": list(found.cpus), "mems": list(found.mems), "mempolicy": found.mempolicy}
 
 
 def instance_environ(env_set: Mapping[str, str], env_unset: Iterable[str]) -> dict[str, str]:
@@ -303,7 +314,8 @@ class Agent:
                 error += f": {exc.filename}"
         else:
             self._outbox.send(encode(Kind.STARTED, key=request.key, pid=pid,
-                                     memory_binding_skipped=self._spawner.memory_binding_skipped))
+                                     memory_binding_skipped=self._spawner.memory_binding_skipped,
+                                     binding=_binding_of(pid)))
             return
         self._outbox.send(encode(Kind.SPAWN_FAILED, key=fields.get("key"), error=error))
 

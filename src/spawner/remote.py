@@ -235,6 +235,8 @@ class RemoteSpawner:
         self._t0 = 0.0
         self.timings = AgentTimings()
         self.info: AgentInfo | None = None
+        # Per instance, its binding as the agent read it at start: {cpus, mems, mempolicy}.
+        self.bindings: dict[int, dict[str, Any] | None] = {}
         self.lost: str | None = None  # why the agent ended before close(), if it did
         # A memory binding was asked for but that host cannot do it (no libnuma there).
         self.memory_binding_skipped = False
@@ -402,6 +404,7 @@ class RemoteSpawner:
             self._sink.on_exit(fields["key"], fields["returncode"])
         elif frame.kind is Kind.STARTED:
             self._pids[fields["key"]] = fields["pid"]
+            self.bindings[fields["key"]] = fields.get("binding")
             self.memory_binding_skipped |= bool(fields.get("memory_binding_skipped"))
             if self.timings.first_started is None:
                 self.timings.first_started = self._elapsed()

@@ -205,6 +205,16 @@ def test_stats_are_sent_only_when_hello_asks_for_them(agent):
     assert started.fields["pid"] > 0
 
 
+def test_mkdir_creates_parents_keeps_them_and_reports_failures(agent, tmp_path):
+    path = tmp_path / "a" / "b"
+    assert agent.request(Kind.MKDIR, path=str(path)).fields["result"] == {"path": str(path)}
+    assert agent.request(Kind.MKDIR, path=str(path)).kind is Kind.REPLY  # exists: fine
+    failed = agent.request(Kind.MKDIR, path="/proc/no/such")
+    assert failed.kind is Kind.FAILED and "/proc/no/such" in failed.fields["error"]
+    assert agent.close() == 0
+    assert path.is_dir()  # kept: unlike MKTEMP's
+
+
 def test_no_stats_without_asking(agent):
     agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__,
                   python=list(sys.version_info[:2]), cwd=os.getcwd())

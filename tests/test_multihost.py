@@ -270,6 +270,7 @@ def test_an_explicit_cache_path_is_used_as_given_on_every_host(hosts, tmp_path):
     assert proc.returncode == 0, proc.stderr.decode()
     assert {i: lines for i, lines in lines_by_instance(proc.stdout).items()} == {
         0: [str(cache)], 1: [str(cache)]}
+    assert cache.is_dir()  # created there (by the agents: no instance runs locally), and kept
 
 
 def test_result_json_has_each_hosts_launch_phases(hosts, tmp_path):

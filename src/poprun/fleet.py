@@ -78,6 +78,17 @@ class Fleet:
             raise LaunchError("\n".join(failed))
         return dict(zip(labels, paths))
 
+    async def make_dirs(self, path: str) -> None:
+        """An explicit executable cache: created on every host where it is missing."""
+        labels = list(self.spawners)
+        outcomes = await asyncio.gather(*(self.spawners[h].make_dir(path) for h in labels),
+                                        return_exceptions=True)
+        failed = [f"{h}: cannot create the executable cache {path}: "
+                  f"{getattr(o, 'reason', o)}" for h, o in zip(labels, outcomes)
+                  if isinstance(o, BaseException)]
+        if failed:
+            raise LaunchError("\n".join(failed))
+
     def phases(self, since: float) -> dict[str, dict[str, float]]:
         """Per host, seconds from `since` (time.time()) to connected and agent ready."""
         opened = self._opened_at

@@ -221,6 +221,8 @@ class _Session:
                       for h in self.hosts.labels}
         if self.mode is CacheMode.TEMPORARY:
             caches.update(await self.fleet.temp_dirs())
+        elif self.mode is CacheMode.EXPLICIT:
+            await self.fleet.make_dirs(_explicit_cache(self.config, self.mode))
         first = self.hosts.labels[0]
         master = (self.fleet.own_address() if self.hosts.first_is_local
                   else self.fleet.address_of(first))

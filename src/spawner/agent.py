@@ -232,6 +232,7 @@ class Agent:
         self._decoder = FrameDecoder()
         self._temp_dirs: list[str] = []
         self._handlers = {Kind.HELLO: self._hello, Kind.MKTEMP: self._mktemp,
+                          Kind.MKDIR: self._mkdir,
                           Kind.SPAWN: self._spawn, Kind.SIGNAL: self._signal}
         self.done, self.status = False, 0
         self._outbox.send(MAGIC)
@@ -301,6 +302,15 @@ class Agent:
         self._lifeline.add_dir(path)
         self._temp_dirs.append(path)
         self._reply(request, {"path": path})
+
+    def _mkdir(self, request: dict[str, Any]) -> None:
+        try:
+            os.makedirs(request["path"], exist_ok=True)
+        except OSError as exc:
+            self._outbox.send(encode(Kind.FAILED, id=request["id"],
+                                     error=f"cannot create {request['path']}: {exc.strerror}"))
+            return
+        self._reply(request, {"path": request["path"]})
 
     def _spawn(self, fields: dict[str, Any]) -> None:
         try:

@@ -15,19 +15,21 @@ with `PROTOCOL_VERSION`, which HELLO compares before anything else is sent.
 Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
 
     launcher -> agent
-      HELLO   {id, protocol, poprun, python: [major, minor], cwd, program, path}
+      HELLO   {id, protocol, poprun, python: [major, minor], cwd, program, path, stats}
       MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
+      MKDIR   {id, path}                     a directory (and parents) that is kept
       SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems}
       SIGNAL  {key (null: every instance), signal (name, e.g. "SIGTERM")}
       (closing the agent's stdin ends it: it kills its instances and removes its temp dirs)
     agent -> launcher
       REPLY   {id, result}                   result of HELLO: see agent.hello_reply()
-                                             result of MKTEMP: {path}
+                                             result of MKTEMP, MKDIR: {path}
       FAILED  {id, error}                    a request failed (id null: a malformed frame)
-      STARTED {key, pid, memory_binding_skipped}
+      STARTED {key, pid, memory_binding_skipped, binding: {cpus, mems, mempolicy}}
       SPAWN_FAILED {key, error}
       OUTPUT  key, stream, bytes             binary; blocks of whole lines, as LocalSpawner
       EXIT    {key, returncode}              after the last OUTPUT of that instance
+      STATS   {usage: {key: [cpu %, rss]}}   every `stats` seconds, when HELLO gave it
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class Kind(enum.IntEnum):
     """Launcher: start one instance. Agent answers with STARTED or SPAWN_FAILED."""
     SIGNAL = 4
     """Launcher: signal one instance's process group, or every one's."""
+    MKDIR = 5
+    """Launcher: create a directory that is kept (an explicit executable cache)."""
     REPLY = 16
     """Agent: the result of the request with the same id."""
     FAILED = 17

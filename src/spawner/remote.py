@@ -277,6 +277,10 @@ class RemoteSpawner:
         """A new 0700 directory there, removed by the agent however it ends."""
         return (await self._request(Kind.MKTEMP, timeout, prefix=prefix))["path"]
 
+    async def make_dir(self, path: str, timeout: float = REQUEST_TIMEOUT) -> str:
+        """Create `path` (and its parents) there if missing; it is kept."""
+        return (await self._request(Kind.MKDIR, timeout, path=path))["path"]
+
     async def spawn(self, request: SpawnRequest, timeout: float = REQUEST_TIMEOUT) -> int:
         return (await self.spawn_all([request], timeout))[request.key]
 

@@ -11,7 +11,7 @@ without it, importing this module raises an ImportError that says so.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from popdist import popdist_core
 from popdist._frameworks import import_framework

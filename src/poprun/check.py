@@ -22,6 +22,7 @@ from spawner.ssh import connect_each
 
 from ._version import __version__
 from .config import LaunchConfig
+from .errors import ConfigError
 from .launcher import JobHosts
 from .render import fold_indices
 from .topology import Topology, local_topology, parse_topology
@@ -115,7 +116,7 @@ def _remote_topology(raw: Mapping) -> Topology | None:
     try:
         cpus, mems = parse_allowed(raw.get("status", ""))
         return parse_topology(raw.get("sysfs") or {}, cpus, mems)
-    except Exception:  # reported as unknown in the table, not a crash of the check
+    except (ValueError, ConfigError):  # shown as unknown in the table, not a crash
         return None
 
 

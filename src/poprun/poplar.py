@@ -22,7 +22,6 @@ Values already in the environment's `POPLAR_TARGET_OPTIONS` win over the target'
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -144,17 +145,27 @@ def test_ctrl_c_reaches_every_remote_instance(hosts):
 def test_a_host_lost_mid_run_ends_the_job_naming_it_and_stops_the_others(hosts):
     marker = f"m{uuid.uuid4().hex}"
     proc = start(hosts, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
-                 "--kill-timeout=2", PY, "-c", "import time; time.sleep(300)", marker)
+                 "--kill-timeout=2", "--tag-output", PY, "-c",
+                 "import os, time; print(os.environ['POPDIST_EXECUTABLE_CACHE_PATH'], "
+                 "flush=True); time.sleep(300)", marker)
+    caches: dict[int, list[str]] = {}
     try:
-        wait_for_instances(marker, 2)
+        # Each instance prints its cache dir once it runs (the test's timeout bounds this).
+        caches = lines_by_instance(proc.stdout.readline() + proc.stdout.readline())
+        assert sorted(caches) == [0, 1] and all(os.path.isdir(c[0]) for c in caches.values())
         hosts.kill_host(1)
         _, err = proc.communicate(timeout=30)
         text = err.decode()
         assert proc.returncode != 0
         assert "h2: lost the connection to the host" in text, text
         wait_until(lambda: not processes_with(marker), "no instance left", timeout=15)
+        assert not os.path.exists(caches[0][0])  # the surviving host's agent cleaned up
     finally:
         proc.kill()
+        # The dead host's cache dir died with it on a real machine; here every "host" shares
+        # this /tmp, and nothing of h2's (agent, lifeline) survived to remove it.
+        for path in caches.get(1, []):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def test_unknown_host_key_fails_fast_naming_the_host_and_starts_nothing(hosts, tmp_path):

@@ -627,16 +627,8 @@ def write_json(path: Path, args: argparse.Namespace, tools: Tools, results: dict
         return obj
 
     doc = {
-        "timestamp": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
+        **machine_info(tools),
         "args": vars(args),
-        "poprun": tools.poprun,
-        "poprun_version": tool_version([tools.poprun, "--version"]),
-        "mpirun": tools.mpirun,
-        "mpirun_version": tool_version([tools.mpirun, "--version"]) if tools.mpirun else None,
         "results": {k: encode(v) for k, v in results.items()},
         "targets": [dataclasses.asdict(t) for t in targets],
     }
@@ -647,8 +639,23 @@ def write_json(path: Path, args: argparse.Namespace, tools: Tools, results: dict
 # ---------------------------------------------------------------------------- main
 
 
-def results_path(directory: Path) -> Path:
-    stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+def machine_info(tools) -> dict:
+    """What every results file says about where and with what it was measured."""
+    return {
+        "timestamp": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "poprun": tools.poprun,
+        "poprun_version": tool_version([tools.poprun, "--version"]),
+        "mpirun": tools.mpirun,
+        "mpirun_version": tool_version([tools.mpirun, "--version"]) if tools.mpirun else None,
+    }
+
+
+def results_path(directory: Path, prefix: str = "") -> Path:
+    stamp = prefix + datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
     path, k = directory / f"{stamp}.json", 1
     while path.exists():  # two runs within one second must not overwrite each other
         path, k = directory / f"{stamp}-{k}.json", k + 1

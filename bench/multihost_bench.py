@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -41,7 +40,7 @@ sys.path[:0] = [str(BENCH_DIR), str(REPO / "tests")]
 # The timing, process-tree and reporting plumbing is launch_bench's, so both benchmarks measure
 # the same way (pidfd wake-up, own session per run, SIGKILL of the whole tree on a hang).
 from launch_bench import (Run, Side, checked, counts, default_poprun, descendants,  # noqa: E402
-                          kill_unfinished, ms, tail, tool_version, wait_all)
+                          kill_unfinished, machine_info, ms, results_path, tail, wait_all)
 from sshd_hosts import SshHosts, start_ssh_hosts  # noqa: E402
 
 # Between two runs, the sshd session processes of the last one (and, after a hang, mpirun's
@@ -542,20 +541,12 @@ def write_json(path: Path, args: argparse.Namespace, tools: Tools, results: list
         cases[res.case.name] = entry
     doc = {
         "benchmark": "multihost",
-        "timestamp": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
+        **machine_info(tools),
         "git": _git_state(REPO),
         "poprun_source": source,
         "load": load,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                  if k != "cases"} | {"cases": [c.name for c in args.cases]},
-        "poprun": tools.poprun,
-        "poprun_version": tool_version([tools.poprun, "--version"]),
-        "mpirun": tools.mpirun,
-        "mpirun_version": tool_version([tools.mpirun, "--version"]) if tools.mpirun else None,
         "cases": cases,
         "components": [dataclasses.asdict(c) for c in components],
     }
@@ -592,14 +583,6 @@ def poprun_source(poprun: str) -> dict:
         return {}
     checkout = Path(out).resolve().parent.parent.parent  # <checkout>/src/poprun/__init__.py
     return {"module": out, "git": _git_state(checkout) if (checkout / ".git").exists() else None}
-
-
-def results_path(directory: Path) -> Path:
-    stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
-    path, k = directory / f"multihost-{stamp}.json", 1
-    while path.exists():  # two runs within one second must not overwrite each other
-        path, k = directory / f"multihost-{stamp}-{k}.json", k + 1
-    return path
 
 
 def uptime() -> str:
@@ -737,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     if leftover:
         print(f"(stopped {len(leftover)} leftover processes under sshd at the end)")
 
-    json_path = results_path(Path(args.results_dir))
+    json_path = results_path(Path(args.results_dir), prefix="multihost-")
     write_json(json_path, args, tools, results, components, load, source)
     print(f"\nJSON: {json_path}")
     if args.check:

@@ -356,26 +356,30 @@ if os.environ["RANK"] == "0":
 """
 
 
-@pytest.mark.parametrize("tagged", [False, True], ids=["plain", "tagged"])
-def test_carriage_return_progress_streams_through(tmp_path: Path, tagged: bool) -> None:
-    """A `\\r`-terminated update shows while the line is still unfinished, bytes intact."""
-    prog = script(tmp_path, "progress.py", PROGRESS)
-    go = tmp_path / "go"
-    tag = ("--tag-output",) if tagged else ()
+def run_in_two_steps(go: Path, first: bytes, *args: str) -> bytes:
+    """Two instances of `args` + `go`: once `first` has reached poprun's stdout, create `go`
+    (which lets the program finish); all of stdout, after a successful exit."""
     proc = subprocess.Popen(
-        poprun_argv("--num-instances", "2", "--num-replicas", "2", OFF, *tag, PY, prog,
-                    str(go)),
+        poprun_argv("--num-instances", "2", "--num-replicas", "2", OFF, *args, str(go)),
         env=clean_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE)
     try:
-        head = read_until(proc.stdout.fileno(), b"step 2/3\r", time.monotonic() + TIMEOUT)
+        head = read_until(proc.stdout.fileno(), first, time.monotonic() + TIMEOUT)
         go.touch()
         rest, err = proc.communicate(timeout=TIMEOUT)
     finally:
         proc.kill()
         proc.wait(timeout=TIMEOUT)
     assert proc.returncode == 0, err
-    out = head + rest
+    return head + rest
+
+
+@pytest.mark.parametrize("tagged", [False, True], ids=["plain", "tagged"])
+def test_carriage_return_progress_streams_through(tmp_path: Path, tagged: bool) -> None:
+    """A `\\r`-terminated update shows while the line is still unfinished, bytes intact."""
+    prog = script(tmp_path, "progress.py", PROGRESS)
+    tag = ("--tag-output",) if tagged else ()
+    out = run_in_two_steps(tmp_path / "go", b"step 2/3\r", *tag, PY, prog)
     if tagged:  # tagged at the start, at most once per segment, bytes otherwise intact
         tag = b"[1,0]<stdout>:"
         assert out.startswith(tag) and tag + tag not in out, out
@@ -402,21 +406,8 @@ if os.environ["RANK"] == "0":
 def test_crlf_split_between_reads_is_tagged_as_one_line(tmp_path: Path) -> None:
     """`abc\\r` then `\\n` in a later read is one CRLF line: tagged as if read at once."""
     prog = script(tmp_path, "crlf.py", CRLF)
-    go = tmp_path / "go"
-    proc = subprocess.Popen(
-        poprun_argv("--num-instances", "2", "--num-replicas", "2", OFF, "--tag-output",
-                    PY, prog, str(go)),
-        env=clean_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE)
-    try:
-        head = read_until(proc.stdout.fileno(), b"abc\r", time.monotonic() + TIMEOUT)
-        go.touch()
-        rest, err = proc.communicate(timeout=TIMEOUT)
-    finally:
-        proc.kill()
-        proc.wait(timeout=TIMEOUT)
-    assert proc.returncode == 0, err
-    assert head + rest == b"[1,0]<stdout>:abc\r\n[1,0]<stdout>:def\r\n"
+    out = run_in_two_steps(tmp_path / "go", b"abc\r", "--tag-output", PY, prog)
+    assert out == b"[1,0]<stdout>:abc\r\n[1,0]<stdout>:def\r\n"
 
 
 HUGE = r"""

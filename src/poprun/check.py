@@ -15,7 +15,6 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from spawner.cpulist import parse_allowed
 from spawner.local import resolve_program
 from spawner.remote import AgentVersionError, RemoteError, RemoteSpawner
 from spawner.ssh import connect_each
@@ -25,7 +24,7 @@ from .config import LaunchConfig
 from .errors import ConfigError
 from .launcher import JobHosts
 from .render import fold_indices
-from .topology import Topology, local_topology, parse_topology
+from .topology import Topology, agent_topology, local_topology
 
 OK = "ok"
 
@@ -114,9 +113,8 @@ async def _check_agent(conn, label: str, config: LaunchConfig, cwd: str, program
 
 def _remote_topology(raw: Mapping) -> Topology | None:
     try:
-        cpus, mems = parse_allowed(raw.get("status", ""))
-        return parse_topology(raw.get("sysfs") or {}, cpus, mems)
-    except (ValueError, ConfigError):  # shown as unknown in the table, not a crash
+        return agent_topology(raw)
+    except ConfigError:  # shown as unknown in the table, not a crash
         return None
 
 

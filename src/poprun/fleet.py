@@ -15,7 +15,6 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from spawner.cpulist import parse_allowed
 from spawner.local import Sink
 from spawner.remote import RemoteError, RemoteSpawner
 from spawner.ssh import SshConnectError, close_all, connect_all
@@ -24,7 +23,7 @@ from .config import LaunchConfig
 from .errors import ConfigError, LaunchError
 from .hosts import Host
 from .log import Log
-from .topology import Topology, parse_topology
+from .topology import Topology, agent_topology
 
 CACHE_PREFIX = "poprun-cache-"
 STATS_INTERVAL = 1.0  # seconds between the agents' CPU/RSS samples for the dashboard
@@ -37,6 +36,7 @@ class Fleet:
         self.hosts, self.config, self.log = tuple(hosts), config, log
         self.connections: Mapping[Host, object] = {}
         self.spawners: dict[str, RemoteSpawner] = {}
+        self._opened_at = self._agents_started_at = 0.0  # time.time(), for phases()
 
     async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
                    program: str, path: str | None, view=None) -> None:
@@ -106,11 +106,9 @@ class Fleet:
         """Each host's NUMA topology as its agent read it, cut to the agent's cpuset."""
         out = {}
         for label, spawner in self.spawners.items():
-            raw = spawner.info.raw
             try:
-                cpus, mems = parse_allowed(raw.get("status", ""))
-                out[label] = parse_topology(raw.get("sysfs") or {}, cpus, mems)
-            except (ValueError, ConfigError) as exc:
+                out[label] = agent_topology(spawner.info.raw)
+            except ConfigError as exc:
                 raise ConfigError(f"{label}: cannot read its NUMA topology: {exc}") from None
         return out
 

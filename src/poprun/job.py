@@ -22,6 +22,7 @@ from spawner.binding import read_binding
 from spawner.cpulist import format_cpu_list
 from spawner.lifeline import Lifeline
 from spawner.local import LocalSpawner, ProcessSpec, Stream
+from spawner.procstat import Usage
 
 from . import plan as planning
 from .config import LaunchConfig
@@ -215,8 +216,6 @@ class Job:
     def on_usage(self, key: int, cpu_percent: float | None, rss: int) -> None:
         """A remote agent's sample of an instance (sent only while a dashboard shows them)."""
         if self.view is not None:
-            from spawner.procstat import Usage
-
             self.view.set_usage(key, Usage(cpu_percent, rss))
 
     def on_exit(self, key: int, returncode: int) -> None:

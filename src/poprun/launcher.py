@@ -264,7 +264,7 @@ class _Session:
         self._ticker.cancel()
         self.dashboard.close()
         self.job.router.write = write_all
-        self.log.write = lambda fd, data: os.write(fd, data)
+        self.log.write = os.write
 
     def _acquire_partition(self) -> None:
         """The job's V-IPU partition (found, checked, created or reset), unless offline.

@@ -16,7 +16,7 @@ class Log:
         self._fd = fd
         self._pid = os.getpid()
         # os.write, or a live dashboard's emit (which erases its panel around the line).
-        self.write = lambda fd, data: os.write(fd, data)
+        self.write = os.write
 
     def error(self, msg: str) -> None:
         self._emit("E", msg)

@@ -22,11 +22,13 @@ Values already in the environment's `POPLAR_TARGET_OPTIONS` win over the target'
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError
 
 ILD_SIZE = 64  # IPUs in one IPU-Link domain of a POD64 and larger
+MESH_MAX = 4  # IPUs of the largest IPU-Link domain that is a mesh (one IPU-M2000)
 
 
 @dataclass(frozen=True)
@@ -37,14 +39,28 @@ class OfflineTarget:
     ipus: int
 
     def options(self, ipus_per_instance: int) -> dict[str, str]:
-        small = self.ipus <= 4
-        return {
-            "ipuLinkDomainSize": str(min(self.ipus, ILD_SIZE)),
-            "ipuLinkConfiguration": "default" if small else "slidingWindow",
-            "ipuLinkTopology": "mesh" if small else "torus",
-            "gatewayMode": "false" if small else "true",
-            "instanceSize": str(ipus_per_instance),
-        }
+        # One IPU-M2000 (4 IPUs) is used without its gateway; anything bigger goes through it.
+        return link_options(min(self.ipus, ILD_SIZE), ipus_per_instance,
+                            gateway=self.ipus > MESH_MAX)
+
+
+def link_options(domain_size: int, ipus_per_instance: int, gateway: bool) -> dict[str, str]:
+    """The target options of an IPU-Link domain of `domain_size` IPUs (an offline target's or
+    a V-IPU partition's): up to MESH_MAX IPUs a mesh, above that a torus (sliding window)."""
+    ring = domain_size > MESH_MAX
+    return {
+        "ipuLinkDomainSize": str(domain_size),
+        "ipuLinkConfiguration": "slidingWindow" if ring else "default",
+        "ipuLinkTopology": "torus" if ring else "mesh",
+        "gatewayMode": "true" if gateway else "false",
+        "instanceSize": str(ipus_per_instance),
+    }
+
+
+def merged_target_options(implied: Mapping[str, str], own: Mapping[str, str]) -> str:
+    """`POPLAR_TARGET_OPTIONS` as instances get it: what the system implies, overridden by the
+    environment's own values (the user set those on purpose), as compact JSON."""
+    return json.dumps({**implied, **own}, separators=(",", ":"))
 
 
 OFFLINE_TARGETS = {t.name: t for t in (
@@ -68,9 +84,8 @@ def target_options(target: OfflineTarget, ipus_per_instance: int,
                    from_environment: str | None) -> str:
     """The `POPLAR_TARGET_OPTIONS` instances get: the target's, overridden by the
     environment's own (the user set those on purpose)."""
-    merged = target.options(ipus_per_instance)
-    merged.update(parse_options(from_environment, "POPLAR_TARGET_OPTIONS"))
-    return json.dumps(merged, separators=(",", ":"))
+    return merged_target_options(target.options(ipus_per_instance),
+                                 parse_options(from_environment, "POPLAR_TARGET_OPTIONS"))
 
 
 def parse_options(text: str | None, name: str) -> dict[str, str]:

@@ -198,6 +198,16 @@ def read_allowed(pid: int | str = "self") -> tuple[frozenset[int], frozenset[int
         raise ConfigError(f"/proc/{pid}/status: {e}") from None
 
 
+def agent_topology(reply: Mapping[str, object]) -> Topology:
+    """A remote host's topology from its agent's HELLO reply (spawner.agent.hello_reply: the
+    raw sysfs files and the agent's /proc status), cut to the agent's cpuset."""
+    try:
+        cpus, mems = parse_allowed(str(reply.get("status") or ""))
+    except ValueError as e:
+        raise ConfigError(f"its process status: {e}") from None
+    return parse_topology(reply.get("sysfs") or {}, cpus, mems)
+
+
 def local_topology(root: str | None = None) -> Topology:
     """This host's topology, restricted to what this process's cpuset allows. A recorded tree
     (`root` or $POPRUN_SYSFS_ROOT) is another machine's: our cpuset says nothing about it."""

@@ -32,7 +32,6 @@ partition `{"ipuLinkDomainSize":"64","ipuLinkConfiguration":"slidingWindow","ipu
 from __future__ import annotations
 
 import enum
-import json
 import os
 import re
 import shlex
@@ -46,7 +45,7 @@ from popdist import env as E
 
 from .errors import ConfigError, LaunchError, PoprunError
 from .log import Log
-from .poplar import parse_options
+from .poplar import link_options, merged_target_options, parse_options
 
 DEFAULT_PORT = 8090
 # Seconds. The 2.2 guide's table says 10; later PopRun passes IPUOF_VIPU_API_TIMEOUT=120 when
@@ -57,7 +56,6 @@ UNREACHABLE_TEXT = "unable to connect to VIRM/V-IPU Controller"
 # `vipu` honours --server-timeout itself; the extra second lets its own message ("context
 # deadline exceeded") win over our kill, which is only for a client that hangs regardless.
 _KILL_GRACE = 1.0
-_LARGE_ILD = 4  # an IPU-Link domain above this many IPUs is a ring (torus), below a mesh
 
 
 class Failure(str, enum.Enum):
@@ -410,15 +408,8 @@ def partition_target_options(found: PartitionInfo, required: Requirements) -> di
     gateway mode always (the IPUs are reached through V-IPU), the IPU-Link domain's size and
     shape, and the IPUs one instance drives."""
     size = found.size or required.size
-    ild_size = size // (found.num_ilds or 1)
-    ring = ild_size > _LARGE_ILD
-    return {
-        "ipuLinkDomainSize": str(ild_size),
-        "ipuLinkConfiguration": "slidingWindow" if ring else "default",
-        "ipuLinkTopology": "torus" if ring else "mesh",
-        "gatewayMode": "true",
-        "instanceSize": str(required.ipus_per_instance),
-    }
+    return link_options(size // (found.num_ilds or 1), required.ipus_per_instance,
+                        gateway=True)
 
 
 def _check_port(port: int, source: str) -> int:
@@ -665,10 +656,9 @@ def _target_options(info: PartitionInfo, required: Requirements, own: dict[str, 
     """The partition's target options under the environment's own (the user set those on
     purpose), logged as PopRun logs them."""
     implied = partition_target_options(info, required)
-    compact = {"separators": (",", ":")}
-    log.debug(f"Target options from environment: {json.dumps(own, **compact)}")
-    log.debug(f"Target options from V-IPU partition: {json.dumps(implied, **compact)}")
-    merged = json.dumps({**implied, **own}, **compact)
+    log.debug(f"Target options from environment: {merged_target_options({}, own)}")
+    log.debug(f"Target options from V-IPU partition: {merged_target_options(implied, {})}")
+    merged = merged_target_options(implied, own)
     log.debug(f"Using target options: {merged}")
     return merged
 

@@ -6,6 +6,7 @@ Issue 6's numbered points, each in its own section. Tests assert the exact `vipu
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -20,9 +21,9 @@ from popdist import env as E
 from poprun.errors import ConfigError
 from vipu_harness import sim  # noqa: F401 (a fixture)
 from poprun.vipu import (Failure, PartitionInfo, PartitionState, Requirements, VipuError,
-                         VipuSettings, acquire, mismatches, parse_partition_details,
-                         parse_partition_table, parse_server_version, partition_target_options,
-                         release)
+                         VipuSettings, mismatches, parse_partition_details,
+                         parse_partition_table, parse_server_version, partition_target_options)
+from poprun import vipu
 
 TIMEOUT = 5
 ADDR = ["--api-host", "localhost", "--api-port", "8090", "--server-timeout", str(TIMEOUT)]
@@ -30,6 +31,15 @@ LIST = ADDR + ["list", "partitions"]
 SETTINGS = VipuSettings(server_host="localhost", server_timeout=TIMEOUT, poll_interval=0.02)
 # The guide's example (§2.8.3): 32 replicas over 2 instances on 2 ILDs.
 JOB = Requirements.of(num_replicas=32, ipus_per_replica=1, num_instances=2, num_ilds=2)
+
+
+def acquire(*args, **kwargs):
+    """vipu.acquire to its end (it runs `vipu` as asyncio subprocesses)."""
+    return asyncio.run(vipu.acquire(*args, **kwargs))
+
+
+def release(*args, **kwargs):
+    return asyncio.run(vipu.release(*args, **kwargs))
 
 
 def get(name: str) -> list[str]:
@@ -482,10 +492,10 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 @pytest.mark.timeout(60)
 def test_ctrl_c_while_waiting_removes_the_created_partition(sim):
     sim.fail(pending_polls=100_000)
-    script = ("from poprun.vipu import *\nfrom poprun.log import Log\n"
-              "acquire(VipuSettings(server_host='localhost', server_timeout=60, "
+    script = ("import asyncio\nfrom poprun.vipu import *\nfrom poprun.log import Log\n"
+              "asyncio.run(acquire(VipuSettings(server_host='localhost', server_timeout=60, "
               "poll_interval=0.05, partition='job'), Requirements.of(32, 1, 2, 2), "
-              "log=Log(0))\n")
+              "log=Log(0)))\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
     try:
         wait_for(lambda: sim.verbs().count("get") >= 2, 20, "polling to start")

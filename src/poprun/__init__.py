@@ -9,11 +9,12 @@ the per-host agent (which only needs `poprun._version`) stay fast.
 """
 
 from ._version import __version__
-from .errors import ConfigError, LaunchError, PoprunError
+from .errors import ConfigError, InternalError, LaunchError, PoprunError
 
 __all__ = [
     "ConfigError",
     "InstanceResult",
+    "InternalError",
     "LaunchConfig",
     "LaunchError",
     "LaunchResult",

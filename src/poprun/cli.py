@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from ._version import __version__
 from .config import LaunchConfig, field_defaults, load_toml
-from .errors import ConfigError, PoprunError
+from .crash import INTERNAL_ERROR_STATUS, report_internal_error
+from .errors import ConfigError, InternalError, PoprunError
 
 
 class Kind(enum.Enum):
@@ -386,13 +387,22 @@ def run() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command's exit status: the job's, 2 for a usage error or a job that could not
+    start, 70 for an internal error (a bug: reported with a crash file, never as success)."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        return _main(sys.argv[1:] if argv is None else argv)
+        return _main(argv)
+    except InternalError:  # launch() has stopped the job and told the user
+        return INTERNAL_ERROR_STATUS
     except PoprunError as exc:  # several hosts may each have their own problem: a line each
         sys.stderr.write("".join(f"poprun: error: {line}\n" for line in str(exc).splitlines()))
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the launch took the signals over
         return 130
+    except Exception as exc:  # noqa: BLE001 - a bug outside a launch (parsing, --check...)
+        sys.stdout.flush()
+        report_internal_error(exc, verbose=argv.count("-v") + 2 * argv.count("-vv"))
+        return INTERNAL_ERROR_STATUS
 
 
 def _main(argv: list[str]) -> int:
@@ -415,16 +425,13 @@ def _main(argv: list[str]) -> int:
         sys.stderr.write(f"poprun: configuration written to {written}\n")
     if values.get("dry_run"):
         return _dry_run(config, bool(values.get("json")))
-    from .launcher import JobHosts, launch, launch_blocking
+    import asyncio
+
+    from .launcher import launch
 
     if config.distribute_ssh_key:
         _distribute_ssh_key(config)
-    if not JobHosts.of(config, os.environ).remote:
-        result = launch_blocking(config)
-    else:
-        import asyncio  # only runs with remote hosts pay for asyncio (and asyncssh)
-
-        result = asyncio.run(launch(config))
+    result = asyncio.run(launch(config))
     if config.result_json:
         _write_result(result, config.result_json)
     return result.exit_code
@@ -459,7 +466,7 @@ def _check(parsed: Parsed) -> int:
     config = build_config(_with(parsed, program=program or ("true",), **defaults))
     report, ok = asyncio.run(check_hosts(config, os.environ, os.getcwd(),
                                          program[0] if program else None))
-    sys.stdout.write(report)
+    sys.stdout.write(report.for_console(sys.stdout, os.environ))
     return 0 if ok else 1
 
 

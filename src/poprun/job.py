@@ -50,8 +50,9 @@ class Job:
     """One run of the plan: the spawners' sink, and the failure and signal policy."""
 
     def __init__(self, config: LaunchConfig, environ: dict[str, str], cwd: str, log: Log,
-                 stdout_fd: int, stderr_fd: int) -> None:
+                 stdout_fd: int, stderr_fd: int, loop) -> None:
         self.config, self.environ, self.cwd, self.log = config, environ, cwd, log
+        self.loop = loop
         self.plan: LaunchPlan | None = None  # set by the session once the hosts are known
         directory = config.effective_output_filename
         nocopy = bool(directory) and directory.lower().endswith(":nocopy")
@@ -59,7 +60,8 @@ class Job:
             tag=config.effective_tag_output, timestamp=config.effective_timestamp_output,
             only_instance=config.only_output_from_instance,
             directory=os.path.abspath(directory[:-7] if nocopy else directory) if directory
-            else None, copy_to_console=not nocopy), stdout_fd, stderr_fd, self._broken_pipe)
+            else None, copy_to_console=not nocopy, colour_environ=environ),
+            stdout_fd, stderr_fd, self._broken_pipe)
         self.started: dict[int, Started] = {}
         self.first_output: dict[int, float] = {}  # time.time() of each instance's first block
         self.launch_time = time.time()
@@ -68,21 +70,22 @@ class Job:
         self.root_cause: int | None = None
         self.stop_signal: int | None = None
         self.on_finished = None
+        # Called when a stop signal comes before any instance runs: the launch then ends
+        # without starting them (the session sets it).
+        self.on_interrupt = lambda: None
         self._all_started = False
         self._kill_timer = None
-        self._restore_signals = lambda: None
         self.local: LocalSpawner | None = None
         self.remote: Mapping[str, object] = {}
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
         self.view = None  # a dashboard.DashboardState when a live panel shows the job
 
-    def start(self, loop, lifeline: Lifeline, on_finished=None, remote=None) -> None:
-        """Start this host's instances on `loop` (asyncio's or a SelectLoop); with `remote`
-        spawners (by host), `spawn_remote()` starts theirs. `on_finished` is called once
-        every instance has exited (or was lost) and its output has been delivered."""
-        self.loop, self.on_finished, self.remote = loop, on_finished, remote or {}
-        self.local = LocalSpawner(self, loop, lifeline)
-        self._restore_signals = install_signal_handlers(loop, self.on_signal)
+    def start(self, lifeline: Lifeline, on_finished=None, remote=None) -> None:
+        """Start this host's instances; with `remote` spawners (by host), `spawn_remote()`
+        starts theirs. `on_finished` is called once every instance has exited (or was lost)
+        and its output has been delivered."""
+        self.on_finished, self.remote = on_finished, remote or {}
+        self.local = LocalSpawner(self, self.loop, lifeline)
         self._spawn_local()
         self._all_started = not self.remote
         self._maybe_finish()
@@ -92,13 +95,14 @@ class Job:
         return self._all_started and len(self.done) == len(self.started)
 
     def close(self) -> None:
-        """Kill and reap what still runs here, stop timers, flush output, restore signals."""
+        """Kill and reap what still runs here, stop timers, flush output."""
         if self._kill_timer:
             self._kill_timer.cancel()
-        if self.local:
-            self.local.close()
-        self.router.close()
-        self._restore_signals()
+        try:
+            if self.local:
+                self.local.close()
+        finally:
+            self.router.close()
 
     def _spawn_local(self) -> None:
         merge = self.config.effective_merge_stderr
@@ -270,6 +274,11 @@ class Job:
             self._signal_all(signal.SIGKILL)
             return
         self.stop_signal = sig
+        if not self.started:  # nothing runs yet: do not start anything
+            self.log.warning(f"{signal.Signals(sig).name} received: stopping before any "
+                             "instance started")
+            self.on_interrupt()
+            return
         self._stopping(signal.Signals(sig).name)
         self.log.warning(f"{signal.Signals(sig).name} received: stopping "
                          f"{len(self.running())} running instance(s)")

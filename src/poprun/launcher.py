@@ -10,6 +10,7 @@ signals, lost hosts) is the job's policy: see job.py.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -23,12 +24,13 @@ from spawner.local import resolve_program
 
 from . import plan as planning
 from .config import INERT_FIELDS, VIPU_FIELDS, LaunchConfig
-from .errors import ConfigError, LaunchError
+from .crash import report_internal_error
+from .errors import ConfigError, PoprunError
 from .hosts import Host, is_local, job_hosts
 from .log import Log
 from .output import write_all
 from .plan import CacheMode, LaunchPlan
-from .job import Job
+from .job import Job, install_signal_handlers
 from .render import topology_table
 from .result import LaunchResult
 from .topology import Topology, local_topology
@@ -117,59 +119,115 @@ def _explicit_cache(config: LaunchConfig, mode: CacheMode) -> str | None:
 async def launch(config: LaunchConfig, *, stdout_fd: int = 1, stderr_fd: int = 2,
                  environ: Mapping[str, str] | None = None, cwd: str | None = None) -> LaunchResult:
     """Run the job to its end. Raises ConfigError/LaunchError when it cannot start; a job
-    whose instances fail is not an error: the result says so. Cancelling it stops the job."""
-    import asyncio
-
-    async with _Session(config, stdout_fd, stderr_fd, environ, cwd) as session:
-        loop = asyncio.get_running_loop()
-        finished = loop.create_future()
-        job = await session.start_async(
-            loop, on_finished=lambda: finished.done() or finished.set_result(None))
-        if not job.finished:
-            await finished
-        return session.result()
-
-
-def launch_blocking(config: LaunchConfig, *, stdout_fd: int = 1, stderr_fd: int = 2,
-                    environ: Mapping[str, str] | None = None,
-                    cwd: str | None = None) -> LaunchResult:
-    """`launch()` on spawner.loop.SelectLoop instead of asyncio, for runs with no remote host:
-    the command line then starts ~35 ms sooner (the cost of importing asyncio)."""
-    from spawner.loop import SelectLoop
-
-    loop = SelectLoop()
+    whose instances fail is not an error: the result says so. Cancelling it stops the job.
+    Any unexpected exception — here or in a callback the loop runs for the job — stops the
+    job, cleans up and raises InternalError (the `poprun` command exits 70)."""
+    loop = asyncio.get_running_loop()
+    session = _Session(config, stdout_fd, stderr_fd, environ, cwd, loop)
+    guard = _Guard(loop)
     try:
-        with _Session(config, stdout_fd, stderr_fd, environ, cwd) as session:
-            if session.hosts.remote:
-                raise LaunchError("launch_blocking() runs on this host only: use launch() "
-                                  "for remote hosts")
-            job = session.start(loop)
-            loop.run_until(lambda: job.finished)
-            return session.result()
-    finally:
-        loop.close()
+        with guard:
+            async with session:
+                session.job.on_interrupt = guard.interrupt
+                await guard.run(session.run())
+    except Exception as exc:  # noqa: BLE001 - sorted below: ours, or a bug
+        if guard.error is None and isinstance(exc, PoprunError):
+            raise
+        guard.error = guard.error or exc
+    if guard.error is not None:
+        raise report_internal_error(guard.error, stderr_fd, config.verbose,
+                                    host=getattr(guard.error, "host", None),
+                                    remote_traceback=getattr(guard.error, "remote_traceback",
+                                                             "")) from guard.error
+    return session.result()
+
+
+class _Guard:
+    """Makes every unexpected exception of a launch stop it. The loop's exception handler
+    (where asyncio sends what a callback raises: a pipe reader, a timer, a signal handler)
+    records the first one and cancels the launch's body, whose cleanup then runs as for
+    Ctrl-C; `launch()` raises it as an InternalError afterwards. Without this, asyncio only
+    logs such an exception and the job would go on, or end "successfully"."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._task = asyncio.current_task()
+        self._previous = None
+        self._running = self._cancelled = False
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> _Guard:
+        self._previous = self._loop.get_exception_handler()
+        self._loop.set_exception_handler(self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._loop.set_exception_handler(self._previous)
+
+    def _handle(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        error = context.get("exception")
+        if error is None or isinstance(error, asyncio.CancelledError):
+            # A message without an exception (e.g. a slow callback): asyncio's own handling.
+            if self._previous is not None:
+                self._previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        self.fault(error)
+
+    def fault(self, error: BaseException) -> None:
+        """Record `error` (the first one wins) and stop the launch."""
+        if self.error is None:
+            self.error = error
+        self.interrupt()
+
+    def interrupt(self) -> None:
+        """Cancel the launch's body (not its cleanup): a fault, or a stop signal that came
+        before any instance was started."""
+        if self._running and not self._cancelled and self._task is not None:
+            self._cancelled = True
+            self._task.cancel()
+
+    async def run(self, body) -> None:
+        """Await `body`; a cancellation that `interrupt()` asked for ends it quietly."""
+        self._running = True
+        try:
+            await body
+        except asyncio.CancelledError:
+            if not self._cancelled or self._task.uncancel() > 0:
+                raise  # cancelled from outside too: the caller's cancellation goes on
+        finally:
+            self._running = False
 
 
 class _Session:
-    """One launch's resources, whichever loop drives it: entering checks the configuration
-    and creates the lifeline; starting creates the cache dirs (and, for remote hosts, the
-    connections and agents), plans and spawns; leaving closes the agents (which kill what
-    still runs there), kills and reaps what still runs here, restores signal handlers,
-    removes the temporary cache and prints the failure report."""
+    """One launch's resources. Entering checks the configuration, creates the lifeline and
+    takes the stop signals; `run()` acquires the partition, opens the remote hosts (their
+    connections and agents first, so any host's problem stops the launch before a single
+    instance has started), creates the cache dirs, plans, spawns and waits for the end.
+    Leaving — on every path — closes the agents (which kill what still runs there), kills
+    and reaps what still runs here, restores the signal handlers, removes the temporary
+    caches, releases the partition and prints the failure report."""
 
     def __init__(self, config: LaunchConfig, stdout_fd: int, stderr_fd: int,
-                 environ: Mapping[str, str] | None, cwd: str | None) -> None:
+                 environ: Mapping[str, str] | None, cwd: str | None,
+                 loop: asyncio.AbstractEventLoop) -> None:
         self.config, self.stdout_fd, self.stderr_fd = config, stdout_fd, stderr_fd
         self.environ = dict(os.environ if environ is None else environ)
         self.cwd = cwd or os.getcwd()
+        self.loop = loop
         self.log = Log(config.verbose, stderr_fd)
         self.job: Job | None = None
+        self.lifeline: Lifeline | None = None
+        self.cache: _CacheDir | None = None
         self.fleet = None
         self.dashboard = None
         self.partition = None  # the V-IPU partition (poprun.vipu.Partition), unless offline
+        self._ticker = None
+        self._restore_signals = lambda: None
         self._result: LaunchResult | None = None
 
-    def __enter__(self) -> _Session:
+    async def __aenter__(self) -> _Session:
         config, log = self.config, self.log
         self.hosts = JobHosts.of(config, self.environ)
         self.program, self.mode = preflight(config, self.environ, self.cwd,
@@ -187,54 +245,70 @@ class _Session:
         self.lifeline = Lifeline()
         self.cache = _CacheDir(config, self.mode, self.lifeline, log)
         self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
-                        self.stderr_fd)
+                       self.stderr_fd, self.loop)
+        # From here a stop signal is the job's: before any instance runs, it ends the launch.
+        self._restore_signals = install_signal_handlers(self.loop, self.job.on_signal)
         return self
 
-    def start(self, loop, on_finished=None) -> Job:
-        """This host only: create the cache dir, plan, and start every instance."""
-        self._open_dashboard(loop)
-        self._acquire_partition()
-        cache_dir = self.cache.create()
-        self._plan({h: cache_dir for h in self.hosts.labels} if cache_dir else {}, LOOPBACK)
-        self.job.start(loop, self.lifeline, on_finished)
-        return self.job
+    async def run(self) -> None:
+        """Start every instance, here and on the remote hosts, and wait for the job's end.
+        A stop signal before any instance started cancels this: the result then says so."""
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            if self.job.stop_signal is not None:
+                self._result = self.job.result()
+            raise
 
-    async def start_async(self, loop, on_finished=None) -> Job:
-        """As `start`, with remote hosts: their connections and agents first, so that any
-        host's problem stops the launch before a single instance has started."""
-        if not self.hosts.remote:
-            return self.start(loop, on_finished)
+    async def _run(self) -> None:
+        self._open_dashboard()
+        await self._acquire_partition()
+        if self.hosts.remote:
+            await self._open_fleet()
+        caches = await self._create_caches()
+        self._plan(caches, await self._master_address())
+        finished = self.loop.create_future()
+        self.job.start(self.lifeline, lambda: finished.done() or finished.set_result(None),
+                       remote=self.fleet.spawners if self.fleet else None)
+        if self.fleet is not None:
+            await self.job.spawn_remote()
+        if not self.job.finished:
+            await finished
+        self._result = self.job.result()
+
+    async def _open_fleet(self) -> None:
         from .fleet import Fleet  # asyncssh: only runs with remote hosts import it
 
-        self._open_dashboard(loop)
-        self._acquire_partition()  # blocks the loop briefly: nothing else runs yet
         self.fleet = Fleet([h for h in self.hosts.hosts if str(h) in self.hosts.remote],
                            self.config, self.log)
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
                               program=self.program[0], path=self.environ.get("PATH"),
                               view=self.job.view)
         self.job.phases.update(self.fleet.phases(since=self.job.launch_time))
-        caches = {}
-        local_cache = self.cache.create() if self.hosts.any_local else None
-        if local_cache or self.mode is CacheMode.EXPLICIT:  # an explicit path: on every host
-            caches = {h: local_cache or _explicit_cache(self.config, self.mode)
-                      for h in self.hosts.labels}
-        if self.mode is CacheMode.TEMPORARY:
-            caches.update(await self.fleet.temp_dirs())
-        elif self.mode is CacheMode.EXPLICIT:
-            await self.fleet.make_dirs(_explicit_cache(self.config, self.mode))
-        first = self.hosts.labels[0]
-        master = (self.fleet.own_address() if self.hosts.first_is_local
-                  else self.fleet.address_of(first))
-        per_host = self.config.num_instances // len(self.hosts.labels)
-        remote_topologies = (self.fleet.topologies()
-                             if planning.needs_topology(self.config, per_host) else {})
-        self._plan(caches, master, remote_topologies)
-        self.job.start(loop, self.lifeline, on_finished, remote=self.fleet.spawners)
-        await self.job.spawn_remote()
-        return self.job
 
-    def _open_dashboard(self, loop) -> None:
+    async def _create_caches(self) -> dict[str, str]:
+        """The executable cache of every host: a temporary dir on each (removed at the end),
+        or the explicit path, created where missing; none when caching is off."""
+        local_cache = self.cache.create() if self.hosts.any_local else None
+        explicit = _explicit_cache(self.config, self.mode)
+        caches = {}
+        if local_cache or explicit:  # an explicit path: the same on every host
+            caches = {h: local_cache or explicit for h in self.hosts.labels}
+        if self.fleet is not None and self.mode is CacheMode.TEMPORARY:
+            caches.update(await self.fleet.temp_dirs())
+        elif self.fleet is not None and explicit:
+            await self.fleet.make_dirs(explicit)
+        return caches
+
+    async def _master_address(self) -> str:
+        """MASTER_ADDR: loopback for a job on this host only, else the first host's address
+        as the others reach it."""
+        if self.fleet is None:
+            return LOOPBACK
+        return (self.fleet.own_address() if self.hosts.first_is_local
+                else self.fleet.address_of(self.hosts.labels[0]))
+
+    def _open_dashboard(self) -> None:
         """The live panel, when stderr is a terminal (dashboard.wants_dashboard says): every
         console write (instance output, poprun's messages) then goes through it."""
         if not os.isatty(self.stderr_fd):  # the usual case in scripts: skip the import
@@ -245,31 +319,31 @@ class _Session:
             return
         from .dashboard import Dashboard, DashboardState
 
-        state = DashboardState(self.config.num_instances, self.hosts.labels, loop.time(),
+        state = DashboardState(self.config.num_instances, self.hosts.labels, self.loop.time(),
                                remote_hosts=len(self.hosts.remote),
                                offline=self.config.offline_mode)
         self.dashboard = Dashboard(state, self.stderr_fd)
         self.job.view = state
         self.job.router.write = self.log.write = self.dashboard.emit
-        self._tick(loop)
+        self._tick()
 
-    def _tick(self, loop) -> None:
-        self.dashboard.tick(loop.time())
-        self._ticker = loop.call_later(DASHBOARD_REFRESH, self._tick, loop)
+    def _tick(self) -> None:
+        self.dashboard.tick(self.loop.time())
+        self._ticker = self.loop.call_later(DASHBOARD_REFRESH, self._tick)
 
     def _close_dashboard(self) -> None:
         """Erase the panel (the report then prints below the output, as without it)."""
         if self.dashboard is None:
             return
         self._ticker.cancel()
-        self.dashboard.close()
         self.job.router.write = write_all
         self.log.write = os.write
+        dashboard, self.dashboard = self.dashboard, None
+        dashboard.close()
 
-    def _acquire_partition(self) -> None:
+    async def _acquire_partition(self) -> None:
         """The job's V-IPU partition (found, checked, created or reset), unless offline.
-        Before any signal handler is ours: a Ctrl-C here interrupts `vipu`, and vipu.acquire
-        removes what it created before the KeyboardInterrupt goes on."""
+        A stop signal meanwhile cancels this; vipu.acquire then removes what it created."""
         if self.config.offline_mode:
             return
         from . import vipu
@@ -278,13 +352,14 @@ class _Session:
         ilds = self.config.num_ilds if self.config.num_ilds > 1 else None
         required = vipu.Requirements.of(self.config.num_replicas, self.config.ipus_per_replica,
                                         self.config.num_instances, ilds, settings)
-        self.partition = vipu.acquire(settings, required, self.environ, self.log)
+        self.partition = await vipu.acquire(settings, required, self.environ, self.log)
         if self.job.view is not None:
             self.job.view.set_partition(self.partition.name)
-
-    def _plan(self, cache_paths: Mapping[str, str], master_addr: str,
-              remote_topologies: Mapping[str, Topology] | None = None) -> None:
-        topologies = {**local_topologies(self.config, self.hosts), **(remote_topologies or {})}
+    def _plan(self, cache_paths: Mapping[str, str], master_addr: str) -> None:
+        per_host = self.config.num_instances // len(self.hosts.labels)
+        topologies = local_topologies(self.config, self.hosts)
+        if self.fleet is not None and planning.needs_topology(self.config, per_host):
+            topologies.update(self.fleet.topologies())
         launch_plan = planning.plan(
             self.config, self.environ, program=self.program, master_port=free_port(),
             hosts=self.hosts.labels, master_addr=master_addr, remote_hosts=self.hosts.remote,
@@ -327,33 +402,40 @@ class _Session:
             self._result = self.job.result()
         return self._result
 
-    async def __aenter__(self) -> _Session:
-        return self.__enter__()
-
     async def __aexit__(self, *exc_info) -> None:
-        try:
-            if self.fleet is not None:
-                await self.fleet.close()
-        finally:
-            self.__exit__(*exc_info)
-
-    def __exit__(self, *exc_info) -> None:
-        try:
-            self._close_dashboard()
-            self.job.close()
-        finally:
-            self.cache.remove()
-            self.lifeline.close()
-            if self.partition is not None:  # after the instances are gone from it
-                from .vipu import release
-
-                release(self.partition, self.log, self.environ)
+        """Every step runs whatever the others do; the first exception is raised after all
+        of them (a bug in one step must not leave processes, caches or a partition)."""
+        errors = []
+        for step in (self._close_fleet, self._close_dashboard, self.job.close,
+                     self._restore_signals, self.cache.remove, self.lifeline.close,
+                     self._release_partition):
+            try:
+                result = step()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception as exc:  # noqa: BLE001 - raised below, after the other steps
+                errors.append(exc)
+        if errors:
+            raise errors[0]
         if self._result is not None:
-            report = self._result.failure_report()
-            if not report and self.config.verbose:
-                report = self._result.summary()
-            if report:
-                os.write(self.stderr_fd, report.encode())
+            self._print_report()
+
+    async def _close_fleet(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.close()
+
+    async def _release_partition(self) -> None:
+        if self.partition is not None:  # after the instances are gone from it
+            from .vipu import release
+
+            await release(self.partition, self.log, self.environ)
+
+    def _print_report(self) -> None:
+        from .result import render_report  # plain text, or rich's on a terminal
+
+        report = render_report(self._result, self.stderr_fd, self.environ, self.config.verbose)
+        if report:
+            os.write(self.stderr_fd, report)
 
 
 class _CacheDir:

@@ -35,8 +35,9 @@ import enum
 import os
 import re
 import shlex
+import asyncio
 import shutil
-import subprocess
+import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -454,42 +455,41 @@ class VipuRunner:
             return "the V-IPU server of the local vipu configuration"
         return f"the V-IPU server at {self.host}:{self.port or DEFAULT_PORT}"
 
-    def server_version(self) -> ServerVersion:
+    async def server_version(self) -> ServerVersion:
         """What the local vipu configuration points at (asked without an address)."""
-        return parse_server_version(self._run(["--server-version"], []))
+        return parse_server_version(await self._run(["--server-version"], []))
 
-    def run(self, *command: str) -> str:
+    async def run(self, *command: str) -> str:
         """`vipu [--api-host H --api-port P] --server-timeout T COMMAND...`; its stdout."""
         address = [] if self.host is None else ["--api-host", self.host]
         if self.port is not None:
             address += ["--api-port", str(self.port)]
-        return self._run(list(command), address)
+        return await self._run(list(command), address)
 
-    def _run(self, command: list[str], address: list[str]) -> str:
+    async def _run(self, command: list[str], address: list[str]) -> str:
         argv = [self.executable, *address, "--server-timeout", _seconds(self.timeout),
                 *command]
         self.log.info(f"running {shlex.join(argv)}")
         try:
-            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                                  text=True, errors="replace", env=self.environ,
-                                  timeout=self.timeout + _KILL_GRACE)
-        except subprocess.TimeoutExpired:
+            returncode, out, err = await _communicate(argv, self.environ,
+                                                      self.timeout + _KILL_GRACE)
+        except TimeoutError:
             raise VipuError(f"{self.where} did not answer `vipu {shlex.join(command)}` within "
                             f"{_seconds(self.timeout)} s (raise --vipu-server-timeout if it is "
                             "just slow)", Failure.TIMED_OUT, tuple(command)) from None
         except OSError as exc:
             raise VipuError(f"cannot run {self.executable}: {exc.strerror}",
                             Failure.NOT_INSTALLED, tuple(command)) from None
-        if done.returncode != 0:
-            raise self._failure(command, done)
-        said = "; ".join(line.strip() for line in done.stdout.splitlines() if line.strip())
+        if returncode != 0:
+            raise self._failure(command, returncode, out, err)
+        said = "; ".join(line.strip() for line in out.splitlines() if line.strip())
         self.log.debug(f"vipu said: {said}")  # one log line, however many vipu printed
-        return done.stdout
+        return out
 
-    def _failure(self, args: list[str], done: subprocess.CompletedProcess) -> VipuError:
-        said = (done.stderr.strip() or done.stdout.strip()).splitlines()
-        detail = said[-1].strip() if said else f"exit status {done.returncode}"
-        if UNREACHABLE_TEXT.lower() in (done.stderr + done.stdout).lower():
+    def _failure(self, args: list[str], returncode: int, out: str, err: str) -> VipuError:
+        said = (err.strip() or out.strip()).splitlines()
+        detail = said[-1].strip() if said else f"exit status {returncode}"
+        if UNREACHABLE_TEXT.lower() in (err + out).lower():
             return VipuError(
                 f"cannot reach {self.where} (vipu: {detail}); check that the server runs there "
                 "(`systemctl status vipu-server` on its host) or name the right one with "
@@ -537,7 +537,29 @@ class Partition:
         return env
 
 
-def acquire(settings: VipuSettings, required: Requirements,
+async def _communicate(argv: list[str], environ: Mapping[str, str],
+                       timeout: float) -> tuple[int, str, str]:
+    """Run `argv` to its end without blocking the loop: (status, stdout, stderr). It runs in
+    its own session, so a Ctrl-C reaches poprun only; when it outlives `timeout` (raises
+    TimeoutError) or the caller is cancelled (Ctrl-C), its whole group is killed and reaped
+    before this returns."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=dict(environ), start_new_session=True)
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await proc.communicate()
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await asyncio.shield(proc.wait())
+        raise
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+async def acquire(settings: VipuSettings, required: Requirements,
             environ: Mapping[str, str] | None = None, log: Log | None = None) -> Partition:
     """Find or make the job's partition and wait until it is ACTIVE. On any failure, or an
     interruption such as Ctrl-C, a partition poprun created here has been removed again."""
@@ -545,19 +567,18 @@ def acquire(settings: VipuSettings, required: Requirements,
     log = log or Log()
     own_options = parse_options(environ.get(E.POPLAR_TARGET_OPTIONS), E.POPLAR_TARGET_OPTIONS)
     executable = find_vipu(environ)
-    host, port = resolve_server(settings, environ,
-                                VipuRunner(executable, settings.server_timeout, log, environ),
-                                log)
+    host, port = await resolve_server(
+        settings, environ, VipuRunner(executable, settings.server_timeout, log, environ), log)
     runner = VipuRunner(executable, settings.server_timeout, log, environ, host, port)
     log.debug(f"Connecting to {host}:{port}")
-    listed = parse_partition_table(runner.run("list", "partitions"))
+    listed = parse_partition_table(await runner.run("list", "partitions"))
     name = choose_partition(settings, environ, _in_allocation(listed, settings), log)
     existing = next((p for p in listed if p.name == name), None)
     work = _Preparation(runner, settings, required, name, log)
     try:
-        info = work.prepare(existing)
+        info = await work.prepare(existing)
     except BaseException:
-        work.undo()
+        await work.undo()
         raise
     return Partition(name=name, host=host, port=port, timeout=settings.server_timeout,
                      info=info, created=work.created,
@@ -566,7 +587,7 @@ def acquire(settings: VipuSettings, required: Requirements,
                      executable=executable)
 
 
-def release(partition: Partition, log: Log | None = None,
+async def release(partition: Partition, log: Log | None = None,
             environ: Mapping[str, str] | None = None) -> bool:
     """Remove the partition when poprun created it and --remove-partition allows; True when
     removed. Never raises a PoprunError: it runs in `finally` blocks, where a failure must not
@@ -580,7 +601,7 @@ def release(partition: Partition, log: Log | None = None,
                         os.environ if environ is None else environ,
                         partition.host, partition.port)
     try:
-        runner.run("remove", "partition", partition.name)
+        await runner.run("remove", "partition", partition.name)
     except PoprunError as exc:
         log.warning(f"could not remove V-IPU partition {partition.name}: {exc}; remove it "
                     f"with `vipu remove partition {partition.name}`")
@@ -589,7 +610,7 @@ def release(partition: Partition, log: Log | None = None,
     return True
 
 
-def resolve_server(settings: VipuSettings, environ: Mapping[str, str], runner: VipuRunner,
+async def resolve_server(settings: VipuSettings, environ: Mapping[str, str], runner: VipuRunner,
                    log: Log) -> tuple[str, int]:
     """Host: --vipu-server-host > IPUOF_VIPU_API_HOST > what the local vipu configuration
     names (`vipu --server-version`). Port: --vipu-server-port > IPUOF_VIPU_API_PORT > the
@@ -597,7 +618,7 @@ def resolve_server(settings: VipuSettings, environ: Mapping[str, str], runner: V
     port = settings.server_port or _environ_port(environ)
     host = settings.server_host or environ.get(E.VIPU_API_HOST, "").strip() or None
     if host is None:
-        reported = runner.server_version()
+        reported = await runner.server_version()
         if not reported.host:
             raise VipuError("`vipu --server-version` names no server host; name the V-IPU "
                             "server with --vipu-server-host", Failure.FAILED,
@@ -673,53 +694,53 @@ class _Preparation:
         self.name, self.log = name, log
         self.created = False
 
-    def prepare(self, existing: PartitionInfo | None) -> PartitionInfo:
+    async def prepare(self, existing: PartitionInfo | None) -> PartitionInfo:
         if existing is None:
-            return self._create()
-        found = self._get().completed_by(existing)
+            return await self._create()
+        found = (await self._get()).completed_by(existing)
         self.log.info(f"Partition {self.name} already exists and is in state: "
                       f"{found.state_text or found.state.value}")
         problems = mismatches(self.required, found)
         if problems:
-            return self._update(problems)
+            return await self._update(problems)
         if should_reset(self.settings.reset_partition, found):
-            self._command("reset", "partition", self.name)
-            return self._wait_active("reset")
+            await self._command("reset", "partition", self.name)
+            return await self._wait_active("reset")
         if found.state is PartitionState.ERROR:
             raise self._error_state(found, "")
         if found.state is not PartitionState.ACTIVE:
-            return self._wait_active("being found")
+            return await self._wait_active("being found")
         kind = "reconfigurable" if found.reconfigurable else "non-reconfigurable"
         self.log.debug(f"The {kind} partition {self.name} is OK")
         return found
 
-    def undo(self) -> None:
+    async def undo(self) -> None:
         """Remove what this preparation created (after a failure or an interruption)."""
         if not self.created:
             return
         try:
-            self.runner.run("remove", "partition", self.name)
+            await self.runner.run("remove", "partition", self.name)
             self.log.info(f"removed V-IPU partition {self.name}, which poprun had created")
         except PoprunError as exc:
             self.log.warning(f"could not remove V-IPU partition {self.name}: {exc}; remove "
                              f"it with `vipu remove partition {self.name}`")
 
-    def _update(self, problems: list[str]) -> PartitionInfo:
+    async def _update(self, problems: list[str]) -> PartitionInfo:
         listed = "; ".join(problems)
         if not self.settings.update_partition:
             raise ConfigError(f"V-IPU partition {self.name} does not fit the job: {listed} "
                               "(--update-partition=yes re-creates it)")
         self.log.info(f"re-creating V-IPU partition {self.name}: {listed}")
-        self._command("remove", "partition", self.name)
-        return self._create()
+        await self._command("remove", "partition", self.name)
+        return await self._create()
 
-    def _create(self) -> PartitionInfo:
+    async def _create(self) -> PartitionInfo:
         argv = create_command(self.name, self.required, self.settings)
         # From here a failure or Ctrl-C removes the partition: a create that timed out or was
         # interrupted may have happened all the same.
         self.created = True
         try:
-            self.runner.run(*argv)
+            await self.runner.run(*argv)
         except VipuError as exc:
             if exc.kind is not Failure.TIMED_OUT:
                 self.created = False  # refused, or never reached the server
@@ -733,24 +754,24 @@ class _Preparation:
                 "requirements: remove some partitions or ask for fewer IPUs",
                 Failure.CREATE_FAILED, exc.command) from None
         self.log.info(f"created V-IPU partition {self.name}")
-        return self._wait_active("creation")
+        return await self._wait_active("creation")
 
-    def _command(self, *argv: str) -> None:
-        self.runner.run(*argv)
+    async def _command(self, *argv: str) -> None:
+        await self.runner.run(*argv)
         self.log.info(f"{argv[0]} partition {self.name}: done")
 
-    def _get(self) -> PartitionInfo:
-        return parse_partition_details(self.name, self.runner.run("get", "partition",
-                                                                  self.name))
+    async def _get(self) -> PartitionInfo:
+        return parse_partition_details(self.name, await self.runner.run("get", "partition",
+                                                                        self.name))
 
-    def _wait_active(self, after: str) -> PartitionInfo:
+    async def _wait_active(self, after: str) -> PartitionInfo:
         """Poll `get partition` until ACTIVE, at most --vipu-partition-attempts times and
         within --vipu-server-timeout."""
         deadline = time.monotonic() + self.settings.server_timeout
         attempts = self.settings.partition_attempts
         polls = 0
         while True:
-            found = self._get()
+            found = await self._get()
             polls += 1
             if found.state is PartitionState.ACTIVE:
                 self.log.debug(f"Done polling, final state of {self.name}: "
@@ -765,7 +786,7 @@ class _Preparation:
                     f"in {_seconds(self.settings.server_timeout)} s, last state "
                     f"{found.state_text or 'unknown'}); raise --vipu-server-timeout or "
                     "--vipu-partition-attempts if the server is just slow", Failure.NOT_READY)
-            time.sleep(self.settings.poll_interval)
+            await asyncio.sleep(self.settings.poll_interval)
 
     def _error_state(self, found: PartitionInfo, after: str) -> VipuError:
         return VipuError(f"V-IPU partition {self.name} is in an error state "

@@ -1,14 +1,16 @@
 """The per-host agent: `python -m spawner.agent`, started by the launcher over SSH.
 
 It speaks `spawner.protocol` on stdin/stdout (diagnostics go to stderr) and starts that host's
-instances with the same `LocalSpawner` a local run uses. Its start-up is on the critical path
-of every multi-host launch, so it imports no asyncio: `spawner.loop.SelectLoop` drives it.
+instances with the same `LocalSpawner` a local run uses, on asyncio like the launcher (one
+runtime: docs/architecture.md, "One runtime").
 
 How it ends, and what it leaves behind (nothing):
 - stdin reaches EOF (the launcher closed it, died, or its connection dropped), or SIGTERM /
   SIGHUP / SIGINT arrives: SIGKILL every instance's process group, remove its temp dirs, exit.
 - stdout is closed under it (EPIPE): the same.
 - it is SIGKILLed itself: its `Lifeline` watchdog sees the pipe close and does the same.
+- it hits a bug (an exception in any callback): it sends INTERNAL with the traceback, then
+  does the same and exits with status 70; the launcher reports an internal error.
 
 Backpressure: frames wait in an in-memory outbox and are written without ever blocking. When
 the launcher reads slower than the instances write, the outbox passes `HIGH_WATER` and the
@@ -19,14 +21,15 @@ the launcher is not reading: shutdown never waits for a write.
 
 from __future__ import annotations
 
+import asyncio
 import os
-import selectors
 import shutil
 import signal
 import stat
 import sys
 import tempfile
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from itertools import islice
@@ -37,7 +40,6 @@ from poprun._version import __version__
 from .binding import read_binding
 from .lifeline import Lifeline
 from .local import LocalSpawner, ProcessSpec, Stream, resolve_program
-from .loop import Handle, SelectLoop
 from .procstat import ProcSampler
 from .protocol import (MAGIC, PROTOCOL_VERSION, Control, Frame, FrameDecoder, Kind,
                        ProtocolError, SpawnRequest, encode, output_header)
@@ -48,6 +50,7 @@ HIGH_WATER = 1 << 20  # unsent bytes above which instances' pipes are no longer 
 LOW_WATER = 256 << 10  # ... and below which they are read again
 IOV_BATCH = 512  # buffers per writev (Linux allows 1024)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, as the launcher's own internal errors
 
 
 def hello_reply(request: dict[str, Any]) -> dict[str, Any]:
@@ -103,20 +106,11 @@ def instance_environ(env_set: Mapping[str, str], env_unset: Iterable[str]) -> di
     return env
 
 
-class _AgentLoop(SelectLoop):
-    """SelectLoop plus write readiness, which only the agent's stdout needs."""
-
-    def add_writer(self, fd: int, callback: Callable[..., Any], *args: Any) -> None:
-        self._selector.register(fd, selectors.EVENT_WRITE, Handle(callback, args))
-
-    remove_writer = SelectLoop.remove_reader  # unregisters the fd whatever it waited for
-
-
 class _Gate:
     """The loop as the spawner sees it, with a switch: `pause()` stops dispatching the
     spawner's readers (pipes and pidfds), `resume()` restores them."""
 
-    def __init__(self, loop: SelectLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._readers: dict[int, tuple[Callable[..., Any], tuple]] = {}
         self.paused = False
@@ -130,10 +124,11 @@ class _Gate:
         self._readers.pop(fd, None)
         return self._loop.remove_reader(fd)
 
-    def call_later(self, delay: float, callback: Callable[..., Any], *args: Any) -> Handle:
+    def call_later(self, delay: float, callback: Callable[..., Any],
+                   *args: Any) -> asyncio.TimerHandle:
         return self._loop.call_later(delay, callback, *args)
 
-    def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any) -> Handle:
+    def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any) -> asyncio.Handle:
         return self._loop.call_soon_threadsafe(callback, *args)
 
     def pause(self) -> None:
@@ -154,7 +149,7 @@ class _Outbox:
     fewer than LOW_WATER do; `on_broken()` once when stdout fails (the reader is gone).
     """
 
-    def __init__(self, loop: _AgentLoop, fd: int, on_broken: Callable[[], None],
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, on_broken: Callable[[], None],
                  on_pressure: Callable[[bool], None]) -> None:
         self._loop, self._fd = loop, fd
         self._on_broken, self._on_pressure = on_broken, on_pressure
@@ -223,7 +218,8 @@ class _Outbox:
 class Agent:
     """One launcher's agent on this host: the spawner's sink and the request handlers."""
 
-    def __init__(self, loop: _AgentLoop, lifeline: Lifeline, in_fd: int, out_fd: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, lifeline: Lifeline, in_fd: int,
+                 out_fd: int) -> None:
         self._loop, self._lifeline, self._in_fd = loop, lifeline, in_fd
         self._gate = _Gate(loop)
         self._spawner = LocalSpawner(self, self._gate, lifeline)
@@ -235,6 +231,7 @@ class Agent:
                           Kind.MKDIR: self._mkdir,
                           Kind.SPAWN: self._spawn, Kind.SIGNAL: self._signal}
         self.done, self.status = False, 0
+        self.finished = loop.create_future()  # set by stop()
         self._outbox.send(MAGIC)
         loop.add_reader(in_fd, self._on_stdin)
 
@@ -374,9 +371,28 @@ class Agent:
         if self.done:
             return
         self.done, self.status = True, status
+        self.finished.set_result(None)
         running = self._spawner.running()
         if running:
             _log(f"{reason}: killing {len(running)} running instance(s)")
+
+    def on_fault(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """The loop's exception handler: an exception in any callback is a bug. Tell the
+        launcher (INTERNAL, with the traceback), then stop as for a closed stdin."""
+        error = context.get("exception")
+        if error is None:
+            loop.default_exception_handler(context)
+            return
+        self.report_fault(error)
+
+    def report_fault(self, error: BaseException) -> None:
+        text = "".join(traceback.format_exception(error))
+        _log(f"internal error: {text}")
+        message = " ".join(str(error).split())
+        self._outbox.send(encode(Kind.INTERNAL, traceback=text,
+                                 error=f"{type(error).__name__}: {message}" if message
+                                 else type(error).__name__))
+        self.stop("internal error", status=INTERNAL_ERROR_STATUS)
 
     def close(self) -> None:
         """SIGKILL every instance's group and reap it, remove the temp dirs; then a last,
@@ -413,20 +429,30 @@ def main() -> int:
         return 2
     in_fd, out_fd = _claim_stdio()
     lifeline = Lifeline()  # forked first: the watchdog copies the smallest process
-    loop = _AgentLoop()
+    try:
+        return asyncio.run(_serve(lifeline, in_fd, out_fd))
+    finally:
+        lifeline.close()
+        for fd in (in_fd, out_fd):  # the description may be shared (a terminal)
+            os.set_blocking(fd, True)
+
+
+async def _serve(lifeline: Lifeline, in_fd: int, out_fd: int) -> int:
+    """Serve the launcher until stdin closes, a stop signal comes or a bug stops it; every
+    instance is killed and every temp dir removed on the way out."""
+    loop = asyncio.get_running_loop()
     agent = Agent(loop, lifeline, in_fd, out_fd)
+    loop.set_exception_handler(agent.on_fault)
     try:
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, agent.stop, f"{signal.Signals(sig).name} received")
-        loop.run_until(lambda: agent.done)
+        await agent.finished
+    except Exception as exc:  # noqa: BLE001 - a bug here is reported like one in a callback
+        agent.report_fault(exc)
     finally:
-        try:
-            agent.close()
-        finally:
-            loop.close()
-            lifeline.close()
-            for fd in (in_fd, out_fd):  # the description may be shared (a terminal)
-                os.set_blocking(fd, True)
+        agent.close()
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
     return agent.status
 
 

@@ -58,7 +58,8 @@ class ProcessSpec:
 
 
 class EventLoop(Protocol):
-    """What the spawner needs of an event loop: asyncio's loop or spawner.loop.SelectLoop."""
+    """What the spawner needs of an event loop: asyncio's (the agent narrows it with a gate
+    that can pause the pipes' readers)."""
 
     def add_reader(self, fd: int, callback: Callable[..., Any], *args: Any) -> None: ...
 

@@ -30,6 +30,8 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       OUTPUT  key, stream, bytes             binary; blocks of whole lines, as LocalSpawner
       EXIT    {key, returncode}              after the last OUTPUT of that instance
       STATS   {usage: {key: [cpu %, rss]}}   every `stats` seconds, when HELLO gave it
+      INTERNAL {error, traceback}            a bug in the agent: it kills its instances,
+                                             removes its temp dirs and exits with status 70
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any, NamedTuple
 
 from .local import Stream
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)
@@ -79,6 +81,8 @@ class Kind(enum.IntEnum):
     """Agent: an instance exited; no OUTPUT for it follows."""
     STATS = 22
     """Agent: CPU % and RSS of its running instances, every `stats` seconds HELLO asked for."""
+    INTERNAL = 23
+    """Agent: it hit a bug (`error`, `traceback`), killed its instances and is exiting."""
 
 
 _KINDS = {int(k): k for k in Kind}

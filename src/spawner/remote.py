@@ -28,6 +28,8 @@ Errors (connection failures are spawner.ssh's SshConnectError):
         ├── AgentVersionError   protocol, poprun or Python version differs on that host
         ├── AgentLostError      the agent or connection ended while a request was pending
         ├── AgentRequestError   the agent could not do what was asked (e.g. MKTEMP)
+        ├── AgentInternalError  the agent hit a bug (it stopped its instances and exited);
+        │                       reported through the loop's exception handler, not raised
         └── RemoteSpawnError    some instances could not be started (`.failures`, `.started`)
 """
 
@@ -90,6 +92,15 @@ class AgentLostError(RemoteError):
 
 class AgentRequestError(RemoteError):
     """The agent answered a request with an error."""
+
+
+class AgentInternalError(RemoteError):
+    """An unexpected exception in the agent: `error` is its `<Type>: <message>`,
+    `remote_traceback` its traceback as the agent formatted it."""
+
+    def __init__(self, host: str, error: str, remote_traceback: str = "") -> None:
+        self.error, self.remote_traceback = error, remote_traceback
+        super().__init__(host, f"agent: {error}")
 
 
 class RemoteSpawnError(RemoteError):
@@ -199,10 +210,17 @@ class _AgentSession(asyncssh.SSHClientSession):
         self._owner = owner
 
     def data_received(self, data: bytes, datatype: int | None) -> None:
-        if datatype == asyncssh.EXTENDED_DATA_STDERR:
-            self._owner._on_stderr(data)
-        else:
-            self._owner._on_data(data)
+        try:
+            if datatype == asyncssh.EXTENDED_DATA_STDERR:
+                self._owner._on_stderr(data)
+            else:
+                self._owner._on_data(data)
+        except Exception as exc:  # noqa: BLE001 - a bug on our side of the channel
+            # asyncssh would close the connection and the host would look lost: hand it to
+            # the loop's exception handler, where the launcher treats it as the bug it is.
+            asyncio.get_running_loop().call_exception_handler(
+                {"message": f"exception handling the agent's output from {self._owner.host}",
+                 "exception": exc})
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._owner._on_closed(exc)
@@ -421,6 +439,12 @@ class RemoteSpawner:
             self._resolve(self._spawning.pop(fields["key"], None), (None, fields["error"]))
         elif frame.kind is Kind.REPLY:
             self._resolve(self._replies.pop(fields["id"], None), fields["result"])
+        elif frame.kind is Kind.INTERNAL:  # the agent is stopping its instances and exits
+            self._closing = True
+            asyncio.get_running_loop().call_exception_handler(
+                {"message": f"internal error in the poprun agent on {self.host}",
+                 "exception": AgentInternalError(self.host, fields["error"],
+                                                 fields.get("traceback", ""))})
         elif frame.kind is Kind.FAILED and fields.get("id") in self._replies:
             future = self._replies.pop(fields["id"])
             if not future.done():

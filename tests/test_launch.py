@@ -1,7 +1,8 @@
 """End-to-end tests of normal runs: the real `poprun` starting real instances.
 
-What instances see (DESIGN.md §3), how their output reaches the user (§4, §5: lines are atomic,
-`\\r`, invalid UTF-8 and huge lines pass through), and that arguments arrive byte-for-byte (§5).
+What instances see (docs/architecture.md, "The environment contract"), how their output reaches
+the user ("Runtime guarantees": mpirun's tags, lines are atomic, `\\r`, invalid UTF-8 and huge
+lines pass through), and that arguments arrive byte-for-byte (also "Runtime guarantees").
 Every wait is bounded: subprocess timeouts, or deadline loops polling a real event.
 """
 
@@ -22,7 +23,8 @@ import pytest
 
 from conftest import poprun_argv, poprun_env
 
-PY = sys.executable  # the real interpreter, not a pyenv shim (DESIGN.md §8)
+# The real interpreter, not a pyenv shim (docs/architecture.md, "Measured reasons").
+PY = sys.executable
 TIMEOUT = 60  # far above anything here takes (each run is well under a few seconds)
 OFF = "--offline-mode=yes"
 # Variables that would change the cache mode or the contract under test if the outer

@@ -17,7 +17,8 @@ from poprun.plan import CacheMode, LaunchPlan, cache_mode, instance_environ, pla
 from poprun.render import describe_status, dry_run_text, fold_indices, signal_name, \
     topology_table
 
-GUIDE_INTRO = Path("/work/shared/reference/poprun-guide-intro.txt")
+# The --print-topology example of the PopRun user guide (§1.3), committed verbatim.
+GUIDE_TOPOLOGY = Path(__file__).parent / "data" / "guide_topology_table.txt"
 PROGRAM = ("/bin/prog", "--flag", "a b")
 
 
@@ -39,7 +40,7 @@ def executable(path: Path, mode: int = 0o755) -> Path:
     return path
 
 
-# --- the environment contract (DESIGN.md §3) ------------------------------------------------
+# --- the environment contract (docs/architecture.md, "The environment contract") --------------
 
 
 class TestInstanceEnvironment:
@@ -324,7 +325,7 @@ class TestJson:
 # --- renderings -------------------------------------------------------------------------------
 
 
-# The guide's example (poprun-guide-intro.txt): 8 replicas, 2 instances, one host, one ILD.
+# The guide's example (GUIDE_TOPOLOGY): 8 replicas, 2 instances, one host, one ILD.
 GUIDE_TABLE = """\
 |              poprun topology              |
 | hosts     |           localhost           |
@@ -338,9 +339,8 @@ class TestTopologyTable:
     def test_guide_example(self):
         assert topology_table(do_plan(cfg(num_instances=2, num_replicas=8))) == GUIDE_TABLE
 
-    @pytest.mark.skipif(not GUIDE_INTRO.exists(), reason="reference guides not available")
     def test_guide_example_is_the_guides_text(self):
-        text = GUIDE_INTRO.read_text()
+        text = GUIDE_TOPOLOGY.read_text(encoding="utf-8")
         start = text.index("|              poprun topology")
         table = [line for line in text[start:].splitlines()[:5]]
         assert all(line.startswith("|") and line.endswith("|") for line in table)

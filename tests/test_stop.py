@@ -1,7 +1,8 @@
 """End-to-end tests of how a job ends badly: failing instances, signals, orphans, cleanup.
 
-DESIGN.md §5: no orphans ever (an instance fails, Ctrl-C, SIGTERM, SIGKILL of poprun itself),
-cleanup on every exit path; §4: a failed job exits with the failing instance's status.
+docs/architecture.md, "Runtime guarantees": no orphans ever (an instance fails, Ctrl-C, SIGTERM,
+SIGKILL of poprun itself), cleanup on every exit path; "Errors and exit statuses": a failed job
+exits with the failing instance's status.
 
 Every instance (and a grandchild it starts) writes its pid to a file in the test's directory,
 so survivors are checked by pid. The grandchildren ignore SIGINT and SIGTERM: only the kill of

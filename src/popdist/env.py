@@ -81,7 +81,8 @@ class InstanceIdentity:
 
 
 def instance_environment(who: InstanceIdentity) -> dict[str, str]:
-    """The variables poprun adds to one instance's environment (DESIGN.md §3)."""
+    """The variables poprun adds to one instance's environment (docs/architecture.md,
+    "The environment contract")."""
     env = {
         NUM_TOTAL_REPLICAS: str(who.num_total_replicas),
         NUM_IPUS_PER_REPLICA: str(who.ipus_per_replica),

@@ -6,10 +6,10 @@ Three layers, so that each can be tested alone:
 - `panel_lines()`: the model as rich `Text` lines for a given width and height. Child output
   enters only as `Text` built from plain strings with control characters made visible, so it is
   never markup and can never move the cursor.
-- `Dashboard`: the terminal driver. Instance output never goes through rich (DESIGN.md §8:
-  ~140 µs per line there against ~0.25 µs as bytes): `emit()` writes the raw bytes after the
-  erase sequence and puts back the panel as last rendered, as bytes. Only `tick()` renders, at
-  most every REFRESH seconds.
+- `Dashboard`: the terminal driver. Instance output never goes through rich
+  (docs/architecture.md, "Measured reasons": ~140 µs per line there against ~0.25 µs as
+  bytes): `emit()` writes the raw bytes after the erase sequence and puts back the panel as
+  last rendered, as bytes. Only `tick()` renders, at most every REFRESH seconds.
 
 Nothing here imports rich at module level: `wants_dashboard()` is asked on every run, and only
 runs that get a dashboard should pay for importing rich (~40-70 ms).

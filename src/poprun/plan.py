@@ -122,8 +122,9 @@ def plan(
 ) -> LaunchPlan:
     """Plan the job. `program` is the argv with argv[0] resolved; `cache_paths` maps each host
     to its cache directory when `cache_mode()` is EXPLICIT or TEMPORARY. Instances on
-    `remote_hosts` also get the variables forwarded there (DESIGN.md §3). Instances on a host
-    with a known topology are bound as `--process-placement` says (None: unknown, unbound)."""
+    `remote_hosts` also get the variables forwarded there (docs/architecture.md, "The
+    environment contract"). Instances on a host with a known topology are bound as
+    `--process-placement` says (None: unknown, unbound)."""
     mode = cache_mode(config, environ)
     if config.num_instances % len(hosts):
         raise ConfigError(f"--num-instances={config.num_instances} is not divisible by the "

@@ -7,7 +7,8 @@ group still registered and removes every directory still registered, then exits.
 
 Why a fork and not PR_SET_PDEATHSIG: a death signal reaches only the direct child, not the
 dataloader workers it started, and setting it needs code between fork and exec, which forces
-the slow spawn path (DESIGN.md §8). One watchdog per launcher costs one fork in total.
+the slow spawn path (docs/architecture.md, "Measured reasons"). One watchdog per launcher
+costs one fork in total.
 """
 
 from __future__ import annotations

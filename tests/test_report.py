@@ -70,3 +70,39 @@ def test_v_shows_each_decision_and_vv_each_command():
                    r"\[I\] removed temporary executable cache /"):
         assert any(re.match(shape, line) and re.search(needle, line)
                    for line in err.splitlines()), (needle, err)
+
+
+def _failed_result():
+    from poprun.result import InstanceResult, LaunchResult
+
+    tail = (b"[bold]not markup[/bold]", b"bad \xff byte")
+    return LaunchResult(instances=(
+        InstanceResult(0, "localhost", 10, -15, 1.0, 2.0, 1, stopped_by_poprun=True),
+        InstanceResult(1, "localhost", 11, 3, 1.0, 1.5, 2, stderr_tail=tail),
+    ), exit_code=3, root_cause=1)
+
+
+def test_the_report_is_plain_text_unless_rich_would_style_its_fd():
+    """render_report (what the launcher writes): failure_report()'s bytes where rich would
+    not style the fd; rich's styles around the same words where it would, the instance's
+    stderr as text (its brackets are not markup)."""
+    import os
+
+    from poprun.result import LaunchResult, render_report
+
+    result = _failed_result()
+    read_end, write_end = os.pipe()
+    try:
+        assert render_report(result, write_end, {}) == result.failure_report().encode()
+        styled = render_report(result, write_end, {"FORCE_COLOR": "1", "TERM": "xterm"})
+        assert render_report(result, write_end, {"FORCE_COLOR": "1", "TERM": "dumb"}) == (
+            result.failure_report().encode())
+        good = LaunchResult(instances=result.instances[:1], exit_code=0)
+        assert render_report(good, write_end, {}) == b""
+        assert render_report(good, write_end, {}, verbose=True) == good.summary().encode()
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert b"\x1b[1;31mpoprun: instance 1 (pid 11 on localhost) failed first" in styled
+    assert re.sub(rb"\x1b\[[\d;]*m", b"", styled) == result.failure_report().encode()
+    assert b"    [bold]not markup[/bold]\n" in styled

@@ -43,7 +43,7 @@ class HostCheck:
 
 
 async def check_hosts(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
-                      program: str | None) -> tuple[str, bool]:
+                      program: str | None) -> tuple[CheckReport, bool]:
     """The report and whether every host passed."""
     hosts = JobHosts.of(config, environ)
     checks = [_check_here(label, cwd, program, environ)
@@ -53,7 +53,7 @@ async def check_hosts(config: LaunchConfig, environ: Mapping[str, str], cwd: str
         checks += await _check_remote(remote, config, cwd, program, environ)
     order = {label: i for i, label in enumerate(hosts.labels)}
     checks.sort(key=lambda c: order[c.host])
-    return render(checks), all(c.problem is None for c in checks)
+    return CheckReport(tuple(checks)), all(c.problem is None for c in checks)
 
 
 def _check_here(label: str, cwd: str, program: str | None,
@@ -148,20 +148,88 @@ class _NoEvents:
 _COLUMNS = ("host", "ssh", "python", "poprun", "cwd", "program", "numa")
 
 
+@dataclass(frozen=True)
+class CheckReport:
+    """The table and the folded problems: plain text (`str()`), or rich's table on a
+    terminal (`for_console`)."""
+
+    checks: tuple[HostCheck, ...]
+
+    def __str__(self) -> str:
+        return render(list(self.checks))
+
+    def for_console(self, stream, environ: Mapping[str, str]) -> str:
+        """The report for the text stream `stream` (poprun's stdout): a rich table where rich
+        would style it (a terminal, by its rules read from `environ`), else `str(self)`."""
+        from .output import rich_console
+
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # not a file (a test's StringIO)
+            return str(self)
+        console = rich_console(fd, environ)
+        return str(self) if console is None else render_rich(list(self.checks), console)
+
+
 def render(checks: list[HostCheck]) -> str:
     rows = [[h.upper() for h in _COLUMNS]]
     rows += [[str(getattr(c, col)) for col in _COLUMNS] for c in checks]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [line for _, line in _footer(checks)]
+    return "\n".join(lines) + "\n"
+
+
+def render_rich(checks: list[HostCheck], console) -> str:
+    """The same report as a rich Table rendered for `console`: passes green, failures red.
+    Every cell and line is rich Text (host names and remote messages are never markup)."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+    for column in _COLUMNS:
+        table.add_column(column.upper(), no_wrap=column == "host")
+    for c in checks:
+        cells = [str(getattr(c, col)) for col in _COLUMNS]
+        style = "red" if c.problem else ""
+        table.add_row(Text(cells[0], style=style),
+                      *(Text(cell, style=_cell_style(col, cell))
+                        for col, cell in zip(_COLUMNS[1:], cells[1:])))
+    with console.capture() as capture:
+        console.print(table)
+        for kind, line in _footer(checks):
+            console.print(Text(line, style=_FOOTER_STYLES[kind]), soft_wrap=True)
+    return capture.get()
+
+
+def _cell_style(column: str, cell: str) -> str:
+    if cell in (OK, "local"):
+        return "green"
+    if cell == "-":  # not checked (not asked for, or an earlier check failed)
+        return "dim"
+    if column in ("ssh", "cwd", "program"):  # an SSH failure's kind, missing, not found
+        return "red"
+    return "yellow" if cell == "unknown" else ""  # versions, the NUMA summary
+
+
+_FOOTER_STYLES = {"detail": "", "problem": "red", "ready": "bold green",
+                  "not ready": "bold red"}
+
+
+def _footer(checks: list[HostCheck]) -> list[tuple[str, str]]:
+    """Under the table: each failure's detail, the hosts folded by problem, the count."""
     by_problem: dict[str, list[str]] = {}
     for c in checks:
         if c.problem:
             by_problem.setdefault(c.problem, []).append(c.host)
-    lines += [c.detail for c in checks if c.detail]
-    lines += [f"{problem}: {fold_hosts(names)}" for problem, names in by_problem.items()]
-    lines.append(f"{len(checks) - sum(map(len, by_problem.values()))} of {len(checks)} "
-                 "host(s) ready")
-    return "\n".join(lines) + "\n"
+    lines = [("detail", c.detail) for c in checks if c.detail]
+    lines += [("problem", f"{problem}: {fold_hosts(names)}")
+              for problem, names in by_problem.items()]
+    ready = len(checks) - sum(map(len, by_problem.values()))
+    lines.append(("ready" if ready == len(checks) else "not ready",
+                  f"{ready} of {len(checks)} host(s) ready"))
+    return lines
 
 
 def fold_hosts(names: list[str]) -> str:

@@ -4,6 +4,10 @@ Blocks arrive as whole lines (see spawner.local) and leave in one write each, so
 different instances never interleave. Output is handled as bytes end to end: it is never decoded
 (invalid UTF-8 passes through untouched) and never goes through rich (DESIGN.md §8: ~140 µs per
 line there against well under 1 µs here).
+
+On a terminal, tags are coloured (`tag_colour_system` asks rich whether and how, by its rules):
+each (instance, stream) tag is rendered to ANSI bytes once, reset right after it, and the
+instance's line bytes follow it raw. rich is imported only when a console fd may be a terminal.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 import re
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from spawner.local import Stream
@@ -39,6 +43,9 @@ class OutputOptions:
     only_instance: int | None = None
     directory: str | None = None  # --output-filename: DIR/1/rank.<i>/{stdout,stderr}
     copy_to_console: bool = True  # False with mpirun's `--output-filename DIR:nocopy`
+    # With `tag`: the environment (NO_COLOR, FORCE_COLOR, TERM, ...) from which rich's rules
+    # decide, for each console fd on its own, whether tags are coloured; None: never coloured.
+    colour_environ: Mapping[str, str] | None = None
 
 
 class OutputRouter:
@@ -57,6 +64,10 @@ class OutputRouter:
         self.instances: dict[int, InstanceOutput] = collections.defaultdict(InstanceOutput)
         # Tags are rendered once per (instance, stream), not per line.
         self._tags: dict[tuple[int, Stream], bytes] = {}
+        self._colours = {}  # stream -> rich ColorSystem of its terminal; absent: plain tags
+        if options.tag and options.colour_environ is not None:
+            self._colours = {stream: tag_colour_system(fd, options.colour_environ)
+                             for stream, fd in self._fds.items()}
         self._after_cr: set[tuple[int, Stream]] = set()  # last block ended with `\r`
 
     def on_output(self, key: int, stream: Stream, data: bytes) -> None:
@@ -82,8 +93,8 @@ class OutputRouter:
         if self._options.tag:
             tag = self._tags.get((key, stream))
             if tag is None:
-                tag = self._tags[(key, stream)] = (
-                    b"[1,%d]<%s>:" % (key, b"stdout" if stream is Stream.STDOUT else b"stderr"))
+                tag = self._tags[(key, stream)] = render_tag(key, stream,
+                                                             self._colours.get(stream))
             prefix += tag
         return prefix
 
@@ -131,6 +142,97 @@ class OutputRouter:
         for handle in self._files.values():
             handle.close()
         self._files.clear()
+
+
+# --- colour ------------------------------------------------------------------------------
+
+# Instance i's tag colour is TAG_PALETTE[i % 9]: the terminal's own 16 colours, which its theme
+# keeps legible on its background (blue, dark on most, only in its bright form); neighbours
+# always differ in hue. Red is not among them: it marks `<stderr>:` after the instance's
+# `[1,i]`. Every part of a tag's style is a colour, so where rich drops colours (NO_COLOR)
+# nothing is left and the tag is plain.
+TAG_PALETTE = ("cyan", "magenta", "green", "yellow", "bright_blue",
+               "bright_cyan", "bright_magenta", "bright_green", "bright_yellow")
+STDERR_COLOUR = "red"
+
+
+def render_tag(key: int, stream: Stream, colour_system=None) -> bytes:
+    """`[1,<key>]<stdout>:` (mpirun's tag), styled for a rich ColorSystem when one is given:
+    ANSI codes, the tag, a reset; the output's own colours after it are left alone."""
+    name = "stdout" if stream is Stream.STDOUT else "stderr"
+    if colour_system is None:
+        return b"[1,%d]<%s>:" % (key, name.encode())
+    from rich.style import Style
+
+    colour = Style(color=TAG_PALETTE[key % len(TAG_PALETTE)])
+    if stream is Stream.STDOUT:
+        text = colour.render(f"[1,{key}]<stdout>:", color_system=colour_system)
+    else:
+        text = (colour.render(f"[1,{key}]", color_system=colour_system)
+                + Style(color=STDERR_COLOUR).render("<stderr>:", color_system=colour_system))
+    return text.encode()
+
+
+def may_be_terminal(fd: int, environ: Mapping[str, str]) -> bool:
+    """False where rich would certainly not treat `fd` as a terminal, decided without importing
+    it: only TTY_COMPATIBLE=1, a FORCE_COLOR or a tty make one (rich's Console.is_terminal)."""
+    if environ.get("TTY_COMPATIBLE", "") == "1" or environ.get("FORCE_COLOR") is not None:
+        return True
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
+
+
+def rich_console(fd: int, environ: Mapping[str, str]):
+    """A rich Console for `fd` that decides as rich does, but from `environ` rather than
+    os.environ (TTY_COMPATIBLE, FORCE_COLOR, NO_COLOR, TERM=dumb/unknown, COLORTERM, COLUMNS):
+    or None where rich would write plain text to `fd` (not a terminal, or a dumb one)."""
+    if not may_be_terminal(fd, environ):
+        return None
+    from rich.console import Console
+
+    console = Console(file=_FdFile(fd), _environ=dict(environ), force_jupyter=False,
+                      markup=False, emoji=False, highlight=False, legacy_windows=False)
+    return console if console.color_system is not None else None
+
+
+def tag_colour_system(fd: int, environ: Mapping[str, str]):
+    """The rich ColorSystem to colour tags with on `fd`, or None for plain tags (rich would
+    write no colour there: not a terminal, TERM=dumb, NO_COLOR)."""
+    console = rich_console(fd, environ)
+    if console is None or console.no_color:
+        return None
+    from rich.console import COLOR_SYSTEMS
+
+    return COLOR_SYSTEMS[console.color_system]
+
+
+class _FdFile:
+    """What rich's Console asks of its file (isatty, encoding, writes), over a bare fd that it
+    must not close."""
+
+    def __init__(self, fd: int) -> None:
+        import locale
+
+        self._fd = fd
+        self.encoding = locale.getpreferredencoding(False)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        try:
+            return os.isatty(self._fd)
+        except OSError:
+            return False
+
+    def write(self, text: str) -> int:
+        write_all(self._fd, text.encode(self.encoding, "replace"))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
 
 
 def write_all(fd: int, *parts: bytes | memoryview) -> None:

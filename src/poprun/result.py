@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .render import describe_status, fold_indices, signal_name
@@ -52,34 +53,43 @@ class LaunchResult:
 
     def failure_report(self) -> str:
         """The root cause in full, the collateral outcomes folded (empty for a success)."""
+        return "" if self.ok else _plain(self._failure_lines())
+
+    def summary(self) -> str:
+        """One line per host for a job that went well (shown at -v)."""
+        return _plain(self._summary_lines())
+
+    def _failure_lines(self) -> list[tuple[str, str]]:
+        """The failure report's lines, each with its part (a _STYLES key)."""
         if self.ok:
-            return ""
+            return []
         lines = []
         if self.stop_signal is not None:
-            lines.append(f"poprun: stopped by {signal_name(self.stop_signal)}")
+            lines.append(("stopped", f"poprun: stopped by {signal_name(self.stop_signal)}"))
         if self.root_cause is not None:
             first = next(i for i in self.instances if i.index == self.root_cause)
-            lines.append(f"poprun: instance {first.index} (pid {first.pid} on {first.host}) "
-                         f"failed first: {_outcome(first)}")
+            lines.append(("root", f"poprun: instance {first.index} (pid {first.pid} on "
+                                  f"{first.host}) failed first: {_outcome(first)}"))
             if first.returncode == -9 and not first.stopped_by_poprun:
-                lines.append("poprun: poprun did not send that SIGKILL: perhaps the kernel's "
-                             "out-of-memory killer (see `dmesg`) or another user")
+                lines.append(("hint", "poprun: poprun did not send that SIGKILL: perhaps the "
+                                      "kernel's out-of-memory killer (see `dmesg`) or another "
+                                      "user"))
             if first.stderr_tail:
-                lines.append(f"poprun: last {len(first.stderr_tail)} line(s) of its stderr:")
-                lines += ["    " + raw.decode("utf-8", "replace") for raw in first.stderr_tail]
+                lines.append(("text", f"poprun: last {len(first.stderr_tail)} line(s) of its "
+                                      "stderr:"))
+                lines += [("tail", "    " + raw.decode("utf-8", "replace"))
+                          for raw in first.stderr_tail]
         by_outcome: dict[str, list[InstanceResult]] = {}
         for inst in self.instances:
             if inst.index != self.root_cause:
                 by_outcome.setdefault(_outcome(inst), []).append(inst)
         for outcome, group in by_outcome.items():
             hosts = ",".join(dict.fromkeys(i.host for i in group))
-            lines.append(f"poprun: instances {fold_indices(i.index for i in group)} on "
-                         f"{hosts}: {outcome}")
-        return "\n".join(lines) + "\n"
+            indices = fold_indices(i.index for i in group)
+            lines.append(("collateral", f"poprun: instances {indices} on {hosts}: {outcome}"))
+        return lines
 
-
-    def summary(self) -> str:
-        """One line per host for a job that went well (shown at -v)."""
+    def _summary_lines(self) -> list[tuple[str, str]]:
         by_host: dict[str, list[InstanceResult]] = {}
         for inst in self.instances:
             by_host.setdefault(inst.host, []).append(inst)
@@ -87,9 +97,10 @@ class LaunchResult:
         for host, group in by_host.items():
             seconds = max(i.end_time for i in group) - min(i.start_time for i in group)
             outcomes = ", ".join(sorted({_outcome(i) for i in group}))
-            lines.append(f"poprun: {host}: instances {fold_indices(i.index for i in group)} "
-                         f"{outcomes} in {seconds:.1f} s, {sum(i.lines for i in group)} lines")
-        return "\n".join(lines) + "\n"
+            lines.append(("summary", f"poprun: {host}: instances "
+                                     f"{fold_indices(i.index for i in group)} {outcomes} in "
+                                     f"{seconds:.1f} s, {sum(i.lines for i in group)} lines"))
+        return lines
 
     def to_json(self) -> dict:
         """`--result-json`: the job and every instance, as plain JSON values."""
@@ -108,6 +119,49 @@ class LaunchResult:
                 "stopped_by_poprun": i.stopped_by_poprun,
             } for i in self.instances],
         }
+
+
+def render_report(result: LaunchResult, fd: int, environ: Mapping[str, str],
+                  verbose: bool = False) -> bytes:
+    """What the launcher writes to `fd` (its stderr) after a job: the failure report, or at
+    `verbose` the summary of a good one; empty for neither. Styled with rich where rich would
+    style `fd` (a terminal, by its rules read from `environ`), else plain text exactly as
+    failure_report()/summary() give it. The instances' stderr lines are rich Text, never
+    markup."""
+    if not result.ok:
+        lines = result._failure_lines()
+    elif verbose:
+        lines = result._summary_lines()
+    else:
+        return b""
+    from .output import rich_console
+
+    console = rich_console(fd, environ)
+    if console is None:
+        return _plain(lines).encode()
+    from rich.text import Text
+
+    with console.capture() as capture:
+        for part, line in lines:
+            console.print(Text(line, style=_STYLES[part]), soft_wrap=True)
+    return capture.get().encode()
+
+
+# The report's parts, as rich styles on a terminal: the root cause stands out, the instance's
+# own stderr keeps the terminal's colour (its words matter most), the rest recedes.
+_STYLES = {
+    "stopped": "bold yellow",
+    "root": "bold red",
+    "hint": "yellow",
+    "text": "dim",
+    "tail": "",
+    "collateral": "dim",
+    "summary": "green",
+}
+
+
+def _plain(lines: list[tuple[str, str]]) -> str:
+    return "\n".join(line for _, line in lines) + "\n"
 
 
 def _outcome(inst: InstanceResult) -> str:

@@ -16,7 +16,8 @@ import termios
 
 import pytest
 
-from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun
+from conftest import OFFLINE, run_poprun
+from terminal import run_on_a_terminal
 
 pytestmark = pytest.mark.timeout(60)
 PY = sys.executable
@@ -24,28 +25,6 @@ PROGRAM = ("import os, time\n"
            "for i in range(6):\n"
            "    print(f\"out-{os.environ['RANK']}-{i}\", flush=True); time.sleep(0.15)\n")
 ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-def run_on_a_terminal(*args: str, env: dict[str, str] | None = None) -> tuple[int, bytes]:
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
-    proc = subprocess.Popen(poprun_argv(*args), stdin=slave, stdout=slave, stderr=slave,
-                            env=poprun_env(env), close_fds=True)
-    os.close(slave)
-    out = bytearray()
-    try:
-        while select.select([master], [], [], 30)[0]:
-            try:
-                data = os.read(master, 65536)
-            except OSError:  # EIO: every writer has closed the terminal
-                break
-            if not data:
-                break
-            out += data
-    finally:
-        os.close(master)
-        proc.wait(timeout=30)
-    return proc.returncode, bytes(out)
 
 
 def plain_lines(raw: bytes) -> list[str]:

@@ -62,6 +62,34 @@ def test_ctrl_c_removes_the_partition(sim):
         proc.kill()
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_during_a_slow_create_ends_poprun_at_once(sim, sig):
+    """The loop is never blocked by `vipu`: while a create takes 30 s (the simulator sleeps
+    before answering), Ctrl-C (or SIGTERM) ends poprun within 2 s with exit 128+N, the create
+    is killed, the
+    partition poprun asked for is removed (`vipu remove`, harmless if it never came to be), and
+    no `vipu` process is left."""
+    name = f"slow-{uuid.uuid4().hex[:8]}"
+    sim.fail(delay=30, delay_on="create")
+    proc = subprocess.Popen(poprun_argv("--vipu-server-host=localhost",
+                                        "--vipu-server-timeout=60", f"--vipu-partition={name}",
+                                        "--num-instances=2", "--num-replicas=2", PY, "-c", "pass"),
+                            env=poprun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: "create" in sim.verbs(), "the create to be under way")
+        wait_until(lambda: processes_with(name), "the slow vipu create to run")
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=2)
+        assert proc.returncode == 128 + sig, err.decode()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert sim.verbs()[-1] == "remove"
+    assert sim.partitions() == {}
+    assert processes_with(name) == []  # the create was killed and reaped, not left running
+
+
 def test_an_existing_partition_is_kept(sim):
     sim.add("mine", size=2, gcds=2, ilds=1)
     proc = run_poprun(*SERVER, "--vipu-partition=mine", "--num-instances=2", "--num-replicas=2",

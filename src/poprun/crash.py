@@ -72,17 +72,19 @@ def _writable_state_dir() -> str | None:
         return None
 
 
-def report_internal_error(error: BaseException, stderr_fd: int = 2, verbose: int = 0,
-                          host: str | None = None, remote_traceback: str = "") -> InternalError:
+def report_internal_error(error: BaseException, stderr_fd: int = 2,
+                          verbose: int = 0) -> InternalError:
     """Tell the user about `error` (one line, the crash file's path, the traceback at -v) and
-    return the InternalError to raise. `host`/`remote_traceback`: an agent's error there."""
+    return the InternalError to raise. An agent's error (spawner.remote.AgentInternalError)
+    carries its host and the traceback as the agent formatted it."""
     import traceback
 
-    extra = f"on host {host}:\n{remote_traceback}\n" if host else ""
-    path = write_crash_file(error, extra)
-    internal = error if isinstance(error, InternalError) else InternalError(error, path, host)
-    internal.crash_file = path
-    lines = [f"poprun: internal error: {internal}\n"]
+    host = getattr(error, "host", None)
+    remote_traceback = getattr(error, "remote_traceback", "")
+    message = str(error) if remote_traceback else describe(error)
+    path = write_crash_file(error, f"on host {host}:\n{remote_traceback}\n"
+                            if remote_traceback else "")
+    lines = [f"poprun: internal error: {message}\n"]
     if verbose:
         lines.append(remote_traceback or "".join(traceback.format_exception(error)))
     if path:
@@ -91,4 +93,4 @@ def report_internal_error(error: BaseException, stderr_fd: int = 2, verbose: int
         os.write(stderr_fd, "".join(lines).encode("utf-8", "replace"))
     except OSError:
         pass
-    return internal
+    return InternalError(message, path, host if remote_traceback else None)

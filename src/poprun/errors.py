@@ -36,13 +36,13 @@ class LaunchError(PoprunError):
 
 class InternalError(PoprunError):
     """An unexpected exception (a bug in poprun, or in an agent on `host`) stopped the job.
-    The instances were killed and the caches and partition cleaned up before it was raised."""
+    The instances were killed and the caches and partition cleaned up before it was raised;
+    `str()` is `<Type>: <message>` (`<host>: agent: <Type>: <message>` for an agent's)."""
 
-    def __init__(self, error: BaseException | str, crash_file: str | None = None,
+    def __init__(self, message: str, crash_file: str | None = None,
                  host: str | None = None) -> None:
         self.crash_file, self.host = crash_file, host
-        text = error if isinstance(error, str) else describe(error)
-        super().__init__(f"{host}: {text}" if host else text)
+        super().__init__(message)
 
 
 def describe(error: BaseException) -> str:

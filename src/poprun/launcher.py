@@ -135,10 +135,7 @@ async def launch(config: LaunchConfig, *, stdout_fd: int = 1, stderr_fd: int = 2
             raise
         guard.error = guard.error or exc
     if guard.error is not None:
-        raise report_internal_error(guard.error, stderr_fd, config.verbose,
-                                    host=getattr(guard.error, "host", None),
-                                    remote_traceback=getattr(guard.error, "remote_traceback",
-                                                             "")) from guard.error
+        raise report_internal_error(guard.error, stderr_fd, config.verbose) from guard.error
     return session.result()
 
 

@@ -185,6 +185,13 @@ class LocalSpawner:
         self._sink.on_output(child.spec.key, child.open_fds[fd], block)
 
     def _close_pipe(self, child: _Child, fd: int) -> None:
+        stream, rest = self._drop_pipe(child, fd)
+        if rest:  # the last line had no newline: deliver it as it is
+            self._sink.on_output(child.spec.key, stream, bytes(rest))
+        self._maybe_report(child)
+
+    def _drop_pipe(self, child: _Child, fd: int) -> tuple[Stream, bytearray]:
+        """Stop reading `fd` and close it; returns its stream and the unterminated rest."""
         self._loop.remove_reader(fd)
         stream = child.open_fds.pop(fd)
         rest = child.pending.pop(fd)
@@ -192,13 +199,17 @@ class LocalSpawner:
         # would close the same number again when garbage-collected, by then maybe another
         # pipe's (a later launch in the same process then never sees that pipe's EOF).
         (child.proc.stdout if stream is Stream.STDOUT else child.proc.stderr).close()
-        if rest:  # the last line had no newline: deliver it as it is
-            self._sink.on_output(child.spec.key, stream, bytes(rest))
-        self._maybe_report(child)
+        return stream, rest
 
     # --- exit -------------------------------------------------------------------------
 
     def _on_exit(self, child: _Child) -> None:
+        self._reap(child)
+        if child.open_fds:
+            self._loop.call_later(PIPE_DRAIN_TIMEOUT, self._abandon_pipes, child)
+        self._maybe_report(child)
+
+    def _reap(self, child: _Child) -> None:
         if child.pidfd >= 0:
             self._loop.remove_reader(child.pidfd)
             os.close(child.pidfd)
@@ -210,9 +221,6 @@ class LocalSpawner:
         if self._lifeline:
             self._lifeline.discard_group(pid)
         child.returncode = child.proc.wait()
-        if child.open_fds:
-            self._loop.call_later(PIPE_DRAIN_TIMEOUT, self._abandon_pipes, child)
-        self._maybe_report(child)
 
     def _abandon_pipes(self, child: _Child) -> None:
         for fd in list(child.open_fds):
@@ -249,16 +257,26 @@ class LocalSpawner:
         return all(c.reported for c in self._children.values())
 
     def close(self) -> None:
-        """SIGKILL whatever still runs, reap it and report its exit, without waiting for the
-        loop: for the paths that end a job early (an error, a cancelled launch). Output still
-        in its pipes is dropped."""
-        for child in self._children.values():
-            if child.reported:
-                continue
+        """SIGKILL whatever still runs, reap it, close its pipes (output still in them is
+        dropped) and report its exit, without waiting for the loop: for the paths that end a
+        job early (an error, a cancelled launch). Every process is killed and reaped before
+        the sink hears of any, so an exception from the sink (raised after the others have
+        been told) cannot leave one running."""
+        pending = [c for c in self._children.values() if not c.reported]
+        for child in pending:
             if child.returncode is None:
                 _killpg(child.proc.pid, signal.SIGKILL)
-                self._on_exit(child)
-            self._abandon_pipes(child)
+                self._reap(child)
+            for fd in list(child.open_fds):
+                self._drop_pipe(child, fd)
+        errors = []
+        for child in pending:
+            try:
+                self._maybe_report(child)
+            except Exception as exc:  # noqa: BLE001 - raised once every exit is reported
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -16,10 +16,7 @@ from conftest import assert_usage_error as _usage_error
 from poprun import ConfigError, LaunchConfig, PoprunError, cli, mpiargs
 from poprun.config import DEFAULT_KILL_TIMEOUT, field_defaults, load_toml
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+import tomllib
 
 PY = sys.executable
 

@@ -280,10 +280,7 @@ def field_defaults() -> dict[str, Any]:
 
 def load_toml(path: str) -> dict[str, Any]:
     """Options stored by --export-config, keyed by field name; unknown keys are an error."""
-    try:  # imported here: only --import-config pays for it
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
+    import tomllib  # here: only --import-config pays for it
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)

@@ -3,7 +3,7 @@
 Each process gets its own session (so its own process group: a signal to the group reaches the
 dataloader workers it starts), pipes for stdout and stderr, and a pidfd that tells the event
 loop when it exits. Nothing runs in Python between fork and exec, which keeps spawning on the
-fast vfork path (DESIGN.md §8); the lifeline (see lifeline.py) does the orphan duty instead.
+fast vfork path (docs/architecture.md, "Measured reasons"); the lifeline (see lifeline.py) does the orphan duty instead.
 
 Output is delivered as blocks of whole lines: a block always ends with `\\n` or `\\r` (or is the
 last bytes before EOF), so a consumer can tag or interleave blocks without splitting a line.

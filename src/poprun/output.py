@@ -2,8 +2,8 @@
 
 Blocks arrive as whole lines (see spawner.local) and leave in one write each, so lines of
 different instances never interleave. Output is handled as bytes end to end: it is never decoded
-(invalid UTF-8 passes through untouched) and never goes through rich (docs/architecture.md, "Measured reasons": ~140 µs per
-line there against well under 1 µs here).
+(invalid UTF-8 passes through untouched) and never goes through rich (docs/architecture.md,
+"Measured reasons": ~140 µs per line there against well under 1 µs here).
 
 On a terminal, tags are coloured (`tag_colour_system` asks rich whether and how, by its rules):
 each (instance, stream) tag is rendered to ANSI bytes once, reset right after it, and the

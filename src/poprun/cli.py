@@ -5,11 +5,14 @@ Real scripts call poprun in Boost.Program_options style, so the parser accepts `
 `-vv`, `--vv`, repeated list options that accumulate, and any unambiguous prefix of a long option.
 Everything from the program name on belongs to the program, `--help` included.
 
-The option table below is the one definition of the options: it drives parsing, `--help` and
-the TOML names of `--export-config`. Defaults live on `LaunchConfig`.
+The option table below is the one definition of the options: it drives parsing, `--help`,
+shell completion and the TOML names of `--export-config`. Defaults live on `LaunchConfig`.
 
-Why not typer (as first planned): typer 0.29 imports pydantic, ~65 ms here, which alone is more
-than mpirun needs to start 8 processes; the launch-latency and `--version` budgets rule it out.
+The parser is our own, not typer: typer cannot express option prefixes, boolean words and
+repeated options, and it is slow to start: a 7-option typer 0.29 app takes ~250 ms here to parse
+a command line (`python -c pass`: ~50 ms; mpirun starts 8 processes in ~65 ms). typer does what
+a person waits for anyway: `--help`/`-h` and shell completion (`typercli`, built from this
+table); a launch and `--version` never import it (tests/test_importtime.py).
 """
 
 from __future__ import annotations
@@ -72,8 +75,12 @@ class Opt:
 
 B = Kind.BOOL
 OPTIONS: tuple[Opt, ...] = (
-    Opt("help", Kind.ACTION, "Show this help and exit"),
+    Opt("help", Kind.ACTION, "Show this help and exit", short="h"),
     Opt("version", Kind.ACTION, "Show poprun's version and exit"),
+    Opt("show-completion", Kind.ACTION, "Print the script that completes poprun's options in "
+        "SHELL (bash, zsh or fish; default: the shell poprun runs under), and exit"),
+    Opt("install-completion", Kind.ACTION, "Install that script where SHELL reads it "
+        "(~/.bash_completions, ~/.zfunc, ~/.config/fish/completions), and exit"),
     Opt("num-instances", Kind.INT, "The number of instances"),
     Opt("num-replicas", Kind.INT, "The total number of replicas"),
     Opt("ipus-per-replica", Kind.INT, "The number of IPUs per replica"),
@@ -212,8 +219,10 @@ def parse_args(argv: list[str]) -> Parsed:
             break
         if opt.kind in _SINGLE and opt.name in out.given:  # as Boost.Program_options says
             raise ConfigError(f"option '--{opt.long}' cannot be specified more than once")
-        if opt.kind is Kind.ACTION:
+        if opt.kind is Kind.ACTION:  # `--show-completion=zsh`: the value is the action's
             out.action = out.action or opt.long
+            if value is not None:
+                out.values[opt.name] = value
         elif opt.kind is Kind.COUNT:
             if value is not None and value != "" and not set(value) <= {"v"}:
                 raise ConfigError(f"option '{tok}' takes no value")
@@ -328,46 +337,21 @@ def export_config(config: LaunchConfig, path: str, overwrite: bool) -> str:
 
 # Headings in --help, before the option each group starts with (OPTIONS is in this order).
 _SECTIONS = {
-    "help": "General", "num-instances": "The job", "env": "Environment and output", "mpi-global-args":
-    "mpirun arguments (read, not passed on)", "host": "Hosts (over SSH)",
+    "help": "General", "num-instances": "The job", "env": "Environment and output",
+    "mpi-global-args": "mpirun arguments (read, not passed on)", "host": "Hosts (over SSH)",
     "process-placement": "NUMA placement", "offline-target": "Poplar",
     "vipu-server-host": "V-IPU partition (without --offline-mode)",
     "host-subnet": "Accepted from later SDKs' scripts, without effect here",
     "no-dashboard": "Progress and results", "export-config": "Stored command lines",
     "dry-run": "Planning only", "verbose": "Messages",
 }
-HELP_WIDTH = 100
-_HELP_COLUMN = 39
 
 
-def help_text() -> str:
-    import textwrap  # only --help pays for it
+def help_text(width: int | None = None) -> str:
+    """`poprun --help` as plain text, as a pipe gets it (rendered by typer: typercli)."""
+    from .typercli import help_text as render
 
-    lines = [
-        "Usage: poprun [options] program [program args]",
-        "",
-        "Launch instances of a program (with replicas divided among them) on this host or,",
-        "over SSH, on others, without MPI. Everything after the program name is passed to it",
-        "untouched. Values: --opt=value or --opt value; booleans yes/no, true/false, on/off,",
-        "1/0 (a bare boolean option means yes); any unambiguous prefix of an option works.",
-    ]
-    defaults = field_defaults()
-    for opt in OPTIONS:
-        if opt.long in _SECTIONS:
-            lines += ["", f"{_SECTIONS[opt.long]}:"]
-        spell = (f"-{opt.short} [ --{opt.long} ]" if opt.short else f"--{opt.long}")
-        if opt.kind.metavar:
-            spell += f" {opt.kind.metavar}"
-        default = defaults.get(opt.name, opt.default)
-        note = f" (default: {default})" if default not in (None, (), False, 0) else ""
-        lines += textwrap.wrap(f"{opt.help}{note}", HELP_WIDTH,
-                               initial_indent=f"  {spell:<36} ".ljust(_HELP_COLUMN),
-                               subsequent_indent=" " * _HELP_COLUMN, break_on_hyphens=False)
-    lines += ["", "Exit status: 0 when every instance exits 0; otherwise the status of the first",
-              "instance to fail (128+N for signal N), 128+N when poprun is stopped by signal N,",
-              "2 for a usage error or a job that could not start, 1 for --check with a host",
-              "that failed a check."]
-    return "\n".join(lines) + "\n"
+    return render(width)
 
 
 # --- entry point --------------------------------------------------------------------------
@@ -406,13 +390,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    if os.environ.get("_POPRUN_COMPLETE"):  # a shell completing a poprun command line asks
+        from .typercli import complete
+
+        return complete(os.environ["_POPRUN_COMPLETE"])
     parsed = parse_args(argv)
-    if parsed.action == "help":
-        sys.stdout.write(help_text())
-        return 0
-    if parsed.action == "version":
+    if parsed.action == "version":  # before anything imports typer: ~50 ms in all
         sys.stdout.write(f"poprun {__version__}\n")
         return 0
+    if parsed.action:  # --help, -h, --show-completion, --install-completion: typer's
+        from .typercli import action
+
+        return action(parsed)
     values = parsed.values
     if values.get("check"):
         return _check(parsed)

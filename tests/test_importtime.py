@@ -1,0 +1,56 @@
+"""What a start imports: a launch and `--version` never import typer, click, rich, pydantic,
+asyncssh or numa when nothing needs them (a local job, output to a pipe, no placement).
+Each runs the real command under `python -X importtime`, which lists every module imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import OFFLINE, poprun_argv, poprun_env
+
+pytestmark = pytest.mark.timeout(60)
+# Imported only where a person waits (help, completion), a remote host or the dashboard needs
+# them; asyncio is not here: every launch runs on it.
+HEAVY = ("typer", "click", "rich", "pydantic", "pydantic_core", "shellingham", "asyncssh",
+         "cryptography", "numa")
+
+
+def imported(*args: str, env: dict[str, str] | None = None) -> set[str]:
+    """The modules `poprun args` imports, stdout and stderr not terminals, no remote host."""
+    environ = poprun_env({"POPRUN_NO_DASHBOARD": "1", **(env or {})})
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "_POPRUN_COMPLETE"):
+        environ.pop(name, None)
+    argv = poprun_argv(*args)
+    proc = subprocess.run([argv[0], "-X", "importtime", *argv[1:]], env=environ,
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, timeout=30)
+    lines = proc.stderr.decode().splitlines()
+    modules = {line.rpartition("|")[2].strip() for line in lines
+               if line.startswith("import time:")}
+    assert "poprun.cli" in modules, proc.stderr.decode()[-2000:]
+    return modules
+
+
+def heavy(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if m.partition(".")[0] in HEAVY)
+
+
+@pytest.mark.parametrize("args", [
+    ["--num-instances", "2", "--num-replicas", "2", "--offline-mode=1", "true"],
+    [*OFFLINE, "--num-instances=2", "--num-replicas=2", "--tag-output", "--process-placement",
+     "disabled", sys.executable, "-c", "print('x')"],
+    [*OFFLINE, "--num-instances=2", "--num-replicas=4", "--dry-run", "true"],
+    ["--version"],
+    ["--num-instances=0", "true"],  # a usage error
+], ids=["launch", "tagged-launch", "dry-run", "version", "usage-error"])
+def test_a_start_imports_nothing_heavy(args):
+    assert heavy(imported(*args)) == []
+
+
+def test_help_does_import_typer():  # the check above can see typer when it is there
+    modules = imported("--help")
+    assert {"typer", "rich"} <= {m.partition(".")[0] for m in modules}
+    assert not any(m.startswith("pydantic") for m in modules)  # typer only coerces with it

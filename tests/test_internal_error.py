@@ -52,7 +52,7 @@ def with_fault(target: str, after: int = 0, message: str = "injected fault") -> 
                 raise RuntimeError({message!r})
             return original(*args, **kwargs)
         setattr(owner, {method!r}, faulty)
-        from poprun.cli import run
+        from poprun.command import run
         run()
     """)
 
@@ -152,7 +152,7 @@ def test_a_fault_in_the_partition_release_still_releases_it(sim, place):  # noqa
                 raise RuntimeError("injected fault")
             return out
         vipu.VipuRunner.run = run
-        from poprun.cli import run
+        from poprun.command import run
         run()
     """)
     proc = run_faulty(prologue, "--vipu-server-host=localhost", "--vipu-partition=job",
@@ -171,7 +171,7 @@ def test_a_fault_in_a_remote_agent_stops_the_job_everywhere(tmp_path, place):
     agent = tmp_path / "faulty-python"
     agent.write_text("#!/bin/sh\n"  # run by the agent command as `<python> -m spawner.agent`
                      f"exec {PY} -c {_sh(with_fault('spawner.agent:Agent.on_output'))}"
-                     .replace("from poprun.cli import run\nrun()",
+                     .replace("from poprun.command import run\nrun()",
                               "from spawner.agent import main\nsys.exit(main())") + "\n")
     agent.chmod(0o755)
     before = set(Path("/tmp").glob("poprun-cache-*"))

@@ -1,3 +1,3 @@
-from .cli import run
+from .command import run
 
 run()

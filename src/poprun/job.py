@@ -120,6 +120,8 @@ class Job:
                 raise LaunchError(f"cannot start instance {inst.index} ({inst.argv[0]}): "
                                   f"{exc.strerror or exc}") from None
             self._record(inst.index, pid, self.local)
+        if self.local.running():
+            self.log.info(f"containment: {self.local.containment}")
         if self.local.memory_binding_skipped:
             self.log.warning("memory binding skipped: libnuma (libnuma1) or the kernel's NUMA "
                              "support is missing on this host; CPU binding is in force")
@@ -152,7 +154,8 @@ class Job:
         if problems:
             raise LaunchError("\n".join(problems))
         for host in hosts:
-            self.log.info(f"{host}: {self.remote[host].timings.describe()}")
+            self.log.info(f"{host}: {self.remote[host].timings.describe()}; containment: "
+                          f"{self.remote[host].containment}")
             if self.remote[host].memory_binding_skipped:
                 self.log.warning(f"{host}: memory binding skipped: libnuma (libnuma1) or the "
                                  "kernel's NUMA support is missing there; CPU binding is in force")

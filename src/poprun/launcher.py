@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from spawner import containment
 from spawner.cpulist import format_cpu_list
 from spawner.lifeline import Lifeline
 from spawner.local import resolve_program
@@ -240,6 +241,9 @@ class _Session:
                 log.info(f"--{name.replace('_', '-')}: ignored with --offline-mode (no V-IPU "
                          "server is contacted)")
         self.lifeline = Lifeline()
+        if containment.is_subreaper():  # the poprun command: every child it starts is its own
+            # ... so its helpers (an SSH ProxyCommand, vipu) carry the lifeline's mark too.
+            os.environ[containment.MARK] = self.environ[containment.MARK] = self.lifeline.token
         self.cache = _CacheDir(config, self.mode, self.lifeline, log)
         self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
                        self.stderr_fd, self.loop)

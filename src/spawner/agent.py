@@ -38,6 +38,7 @@ from typing import Any
 from poprun._version import __version__
 
 from .binding import read_binding
+from .containment import become_subreaper
 from .lifeline import Lifeline
 from .local import LocalSpawner, ProcessSpec, Stream, resolve_program
 from .procstat import ProcSampler
@@ -322,7 +323,8 @@ class Agent:
         else:
             self._outbox.send(encode(Kind.STARTED, key=request.key, pid=pid,
                                      memory_binding_skipped=self._spawner.memory_binding_skipped,
-                                     binding=_binding_of(pid)))
+                                     binding=_binding_of(pid),
+                                     containment=self._spawner.containment))
             return
         self._outbox.send(encode(Kind.SPAWN_FAILED, key=fields.get("key"), error=error))
 
@@ -428,6 +430,7 @@ def main() -> int:
         _log("stdin must be a pipe or a socket: poprun starts the agent over SSH")
         return 2
     in_fd, out_fd = _claim_stdio()
+    become_subreaper()  # what an instance leaves behind comes back to the agent
     lifeline = Lifeline()  # forked first: the watchdog copies the smallest process
     try:
         return asyncio.run(_serve(lifeline, in_fd, out_fd))

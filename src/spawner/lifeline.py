@@ -1,9 +1,16 @@
 """A watchdog that outlives its owner by exactly as long as it takes to clean up after it.
 
 `Lifeline()` forks a small process that holds the read end of a pipe. The owner writes to it
-the process groups it starts and the directories it creates. If the owner dies in any way —
-even by SIGKILL, where no `finally` runs — the pipe reaches EOF and the watchdog kills every
-group still registered and removes every directory still registered, then exits.
+the process groups it starts, its cgroups and the directories it creates. If the owner dies in
+any way — even by SIGKILL, where no `finally` runs — the pipe reaches EOF and the watchdog
+kills every group and cgroup still registered, and every process marked with its token (see
+containment.py: an instance started but not registered yet when the owner died, a helper that
+left its group), removes every directory still registered, then exits.
+
+Why the mark closes the start-up race: the pipe's write end is inherited by every child until
+its exec (close-on-exec), so the watchdog sees EOF only once every instance has exec'd, with
+the mark in its environment; a second sweep a moment later covers a child caught between
+closing its descriptors and exec.
 
 Why a fork and not PR_SET_PDEATHSIG: a death signal reaches only the direct child, not the
 dataloader workers it started, and setting it needs code between fork and exec, which forces
@@ -16,22 +23,33 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
+
+from .containment import MARK, kill_marked, remove_tree
+
+RESWEEP_DELAY = 0.05  # seconds between the watchdog's two sweeps for marked processes
 
 
 class Lifeline:
     """Owner side of the watchdog. Not thread-safe; use from one thread."""
 
     def __init__(self) -> None:
+        self.token = os.urandom(8).hex()
         read_fd, self._write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:  # the watchdog; it never returns from here
             try:
                 os.close(self._write_fd)
-                _watch(read_fd)
+                _watch(read_fd, self.token)
             finally:
                 os._exit(0)
         os.close(read_fd)
-        self._pid = pid
+        self.pid = pid
+
+    @property
+    def mark(self) -> tuple[str, str]:
+        """The environment variable and value every watched instance gets."""
+        return MARK, self.token
 
     def add_group(self, pgid: int) -> None:
         self._send(b"+%d\n" % pgid)
@@ -42,6 +60,10 @@ class Lifeline:
     def add_dir(self, path: str) -> None:
         self._send(b"d" + os.fsencode(path) + b"\0")
 
+    def add_cgroup(self, path: str) -> None:
+        """A cgroup tree to kill (cgroup.kill) and remove."""
+        self._send(b"c" + os.fsencode(path) + b"\0")
+
     def discard_dir(self, path: str) -> None:
         self._send(b"k" + os.fsencode(path) + b"\0")
 
@@ -49,15 +71,16 @@ class Lifeline:
         """Release the watchdog: it cleans up whatever is still registered and exits."""
         if self._write_fd < 0:
             return
+        self._send(b"q\n")  # a clean close: no sweep for marked processes needed
         os.close(self._write_fd)
         self._write_fd = -1
-        os.waitpid(self._pid, 0)
+        os.waitpid(self.pid, 0)
 
     def _send(self, message: bytes) -> None:
         os.write(self._write_fd, message)  # small writes to a pipe are atomic
 
 
-def _watch(read_fd: int) -> None:
+def _watch(read_fd: int, token: str) -> None:
     # Own session: a Ctrl-C or a kill of the launcher's process group must not take the
     # watchdog down before it has done its work; signals are ignored for the same reason.
     os.setsid()
@@ -67,24 +90,39 @@ def _watch(read_fd: int) -> None:
     os.closerange(read_fd + 1, 4096)  # hold no pipe of the owner's open (its readers wait)
     groups: set[int] = set()
     dirs: set[bytes] = set()
+    cgroups: set[bytes] = set()
+    closed: list[bool] = []  # the owner said goodbye: it has cleaned up after itself
     pending = b""
     while chunk := os.read(read_fd, 65536):
         pending += chunk
-        pending = _apply(pending, groups, dirs)
+        pending = _apply(pending, groups, dirs, cgroups, closed)
     for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)
         except OSError:
             pass
+    for path in cgroups:
+        try:
+            with open(os.path.join(path, b"cgroup.kill"), "wb", buffering=0) as f:
+                f.write(b"1")
+        except OSError:
+            pass
+    if not closed:  # the owner died: an instance it never registered may still run
+        kill_marked(token)
+        time.sleep(RESWEEP_DELAY)
+        kill_marked(token)
+    for path in cgroups:
+        remove_tree(os.fsdecode(path))
     for path in dirs:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _apply(buf: bytes, groups: set[int], dirs: set[bytes]) -> bytes:
+def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],
+           closed: list[bool]) -> bytes:
     """Apply every complete message in `buf`; return the incomplete rest."""
     while buf:
         kind = buf[:1]
-        end = buf.find(b"\n" if kind in b"+-" else b"\0")
+        end = buf.find(b"\n" if kind in b"+-q" else b"\0")
         if end < 0:
             return buf
         body, buf = buf[1:end], buf[end + 1:]
@@ -96,4 +134,8 @@ def _apply(buf: bytes, groups: set[int], dirs: set[bytes]) -> bytes:
             dirs.add(body)
         elif kind == b"k":
             dirs.discard(body)
+        elif kind == b"c":
+            cgroups.add(body)
+        elif kind == b"q":
+            closed.append(True)
     return buf

@@ -13,6 +13,7 @@ arrives after its exit event.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import shutil
@@ -23,7 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from . import containment
 from .binding import bound
+from .containment import Cgroups
 from .lifeline import Lifeline
 
 # One pipe's worth. Measured with bench/launch_bench.py: 256 KiB or 1 MiB pipes and reads made
@@ -108,11 +111,15 @@ class _Child:
 class LocalSpawner:
     """Owns every process it starts: `close()` leaves none of them (or their groups) alive."""
 
-    def __init__(self, sink: Sink, loop: EventLoop, lifeline: Lifeline | None = None) -> None:
+    def __init__(self, sink: Sink, loop: EventLoop, lifeline: Lifeline | None = None, *,
+                 cgroups: bool = True) -> None:
         self._sink = sink
         self._loop = loop
         self._lifeline = lifeline
         self._children: dict[int, _Child] = {}
+        # Each instance in a cgroup of its own where possible (containment.py); decided on
+        # the first spawn. False: not possible here, or not wanted.
+        self._cgroups: Cgroups | bool | None = None if cgroups and lifeline else False
         # A memory binding was asked for but this host cannot do it (no libnuma): the
         # caller warns once; the CPU binding is in force regardless.
         self.memory_binding_skipped = False
@@ -121,11 +128,15 @@ class LocalSpawner:
 
     def spawn(self, spec: ProcessSpec) -> int:
         """Start one process; returns its pid. Raises OSError when it cannot be started."""
-        # The binding is set on this thread around the fork, so the child has it before its
-        # first instruction without a pre-exec hook (which would force the slow fork path).
-        with bound(spec.cpus, spec.mems) as memory_bound:
+        # The binding (and the cgroup) is set on this thread (process) around the fork, so the
+        # child has it before its first instruction without a pre-exec hook (which would
+        # force the slow fork path).
+        env = dict(spec.env)
+        if self._lifeline:
+            env[containment.MARK] = self._lifeline.token
+        with bound(spec.cpus, spec.mems) as memory_bound, self._contained(spec.key):
             proc = subprocess.Popen(
-                spec.argv, env=dict(spec.env), cwd=spec.cwd,
+                spec.argv, env=env, cwd=spec.cwd,
                 stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT if spec.merge_stderr else subprocess.PIPE,
@@ -146,6 +157,25 @@ class LocalSpawner:
             self._loop.add_reader(fd, self._on_readable, child, fd)
         self._watch_exit(child)
         return proc.pid
+
+    def _contained(self, key: int):
+        if self._cgroups is None:  # the first spawn: can this host give us cgroups?
+            self._cgroups = Cgroups.create(self._lifeline.token) or False
+            if self._cgroups:
+                self._lifeline.add_cgroup(self._cgroups.root)
+        return self._cgroups.entered(key) if self._cgroups else contextlib.nullcontext()
+
+    @property
+    def containment(self) -> str:
+        """How escaped descendants are caught here, in words (for -v)."""
+        ways = []
+        if self._cgroups:
+            ways.append(f"a cgroup per instance under {self._cgroups.root}")
+        elif self._lifeline:
+            ways.append(f"the {containment.MARK} environment mark")
+        if containment.is_subreaper():
+            ways.append("child subreaper")
+        return ", ".join(ways) or "process groups only"
 
     def _watch_exit(self, child: _Child) -> None:
         try:
@@ -218,6 +248,8 @@ class LocalSpawner:
         # The exited leader is still a zombie, so its group id cannot have been reused: kill
         # whatever it left behind in its group before reaping it.
         _killpg(pid, signal.SIGKILL)
+        if self._cgroups:  # and whatever left the group but not its cgroup
+            self._cgroups.kill(child.spec.key)
         if self._lifeline:
             self._lifeline.discard_group(pid)
         child.returncode = child.proc.wait()
@@ -269,6 +301,7 @@ class LocalSpawner:
                 self._reap(child)
             for fd in list(child.open_fds):
                 self._drop_pipe(child, fd)
+        self._sweep()
         errors = []
         for child in pending:
             try:
@@ -277,6 +310,19 @@ class LocalSpawner:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+    def _sweep(self) -> None:
+        """The final sweep: whatever the instances started that outlived them, even outside
+        their process groups, is killed (and reaped, where orphans come to us)."""
+        if not self._children:
+            return
+        if self._cgroups:
+            self._cgroups.close()
+        elif self._lifeline:
+            containment.kill_marked(self._lifeline.token)
+        if containment.is_subreaper():
+            containment.reap_children(keep=frozenset(
+                [self._lifeline.pid] if self._lifeline else []))
 
 
 def _killpg(pgid: int, sig: int) -> None:

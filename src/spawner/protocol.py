@@ -25,7 +25,8 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       REPLY   {id, result}                   result of HELLO: see agent.hello_reply()
                                              result of MKTEMP, MKDIR: {path}
       FAILED  {id, error}                    a request failed (id null: a malformed frame)
-      STARTED {key, pid, memory_binding_skipped, binding: {cpus, mems, mempolicy}}
+      STARTED {key, pid, memory_binding_skipped, binding: {cpus, mems, mempolicy},
+               containment}                 containment: how escaped descendants are caught
       SPAWN_FAILED {key, error}
       OUTPUT  key, stream, bytes             binary; blocks of whole lines, as LocalSpawner
       EXIT    {key, returncode}              after the last OUTPUT of that instance

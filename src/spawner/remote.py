@@ -258,6 +258,7 @@ class RemoteSpawner:
         self.lost: str | None = None  # why the agent ended before close(), if it did
         # A memory binding was asked for but that host cannot do it (no libnuma there).
         self.memory_binding_skipped = False
+        self.containment = "unknown"  # how the agent catches escaped descendants (for -v)
 
     # --- starting ---------------------------------------------------------------------
 
@@ -428,6 +429,7 @@ class RemoteSpawner:
             self._pids[fields["key"]] = fields["pid"]
             self.bindings[fields["key"]] = fields.get("binding")
             self.memory_binding_skipped |= bool(fields.get("memory_binding_skipped"))
+            self.containment = fields.get("containment", self.containment)
             if self.timings.first_started is None:
                 self.timings.first_started = self._elapsed()
             self._resolve(self._spawning.pop(fields["key"], None), (fields["pid"], None))

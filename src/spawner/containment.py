@@ -1,0 +1,218 @@
+"""Finding and ending everything an instance started, even what left its process group.
+
+An instance leads a process group of its own, and a signal to the group reaches what it
+started. A helper that calls `setsid` or double-forks (a daemon, `nohup cmd &`, some data
+loaders) leaves the group; three mechanisms catch it, strongest first:
+
+- **cgroup v2**, where a subtree is writable (root, or systemd's user delegation): each
+  instance runs in a cgroup of its own, `<our cgroup>/poprun-<token>/i<key>`, entered on the
+  spawning thread's process around the fork (as the CPU binding is), so the program is in it
+  from its first instruction and nothing it starts can leave. `cgroup.kill` ends the lot.
+- **the environment mark**: every instance gets `POPRUN_LIFELINE=<token>` (`MARK`), which its
+  descendants inherit; `marked(token)` finds them in /proc whatever their parent or session.
+- **child subreaper** (`become_subreaper`, for the poprun command and the agent, never for
+  a library caller's process): orphaned descendants are re-parented to us, not to init, so
+  the final sweep can reap them (`reap_children`).
+
+The lifeline (lifeline.py) uses the first two when its owner dies without cleaning up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+MARK = "POPRUN_LIFELINE"  # instances' environment: the token of the lifeline watching them
+PR_SET_CHILD_SUBREAPER = 36
+CGROUP_EMPTY_TIMEOUT = 2.0  # seconds to wait for a killed cgroup to empty before rmdir
+
+
+# --- the environment mark --------------------------------------------------------------------
+
+def marked(token: str, exclude: int | None = None) -> list[int]:
+    """Pids of the processes whose environment carries `MARK=token` (readable ones: ours)."""
+    needle = f"{MARK}={token}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == exclude:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if needle + b"\0" in environ or environ.endswith(needle):
+            found.append(int(entry))
+    return found
+
+
+def kill_marked(token: str) -> int:
+    """SIGKILL every marked process and its process group; how many were found."""
+    pids = marked(token, exclude=os.getpid())
+    for pid in pids:
+        for kill in (os.killpg, os.kill):
+            with contextlib.suppress(OSError):
+                kill(pid, signal.SIGKILL)
+    return len(pids)
+
+
+# --- child subreaper -------------------------------------------------------------------------
+
+_subreaper = False
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants children of this process (prctl PR_SET_CHILD_SUBREAPER).
+    For processes that own all their children (the poprun command, the agent)."""
+    global _subreaper
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        _subreaper = libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        _subreaper = False
+    return _subreaper
+
+
+def is_subreaper() -> bool:
+    return _subreaper
+
+
+def children() -> set[int]:
+    """This process's children (every thread's), from /proc/self/task/*/children."""
+    found: set[int] = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                found.update(int(pid) for pid in f.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def reap_children(keep: frozenset[int] = frozenset()) -> int:
+    """For a subreaper at its end: SIGKILL and reap every child but `keep` (descendants
+    re-parented to us, whatever they did to their environment); how many there were."""
+    count = 0
+    for pid in children() - keep:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        count += 1
+    return count
+
+
+# --- cgroup v2 -------------------------------------------------------------------------------
+
+def own_cgroup_dir() -> str | None:
+    """This process's cgroup v2 directory, when the unified hierarchy is mounted."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((line[3:].strip() for line in f if line.startswith("0::")), None)
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    if path is None:
+        return None
+    for fields in mounts:
+        sep = fields.index("-")
+        if fields[sep + 1] == "cgroup2":
+            directory = os.path.join(fields[4], path.lstrip("/"))
+            if os.path.isdir(directory):
+                return directory
+    return None
+
+
+class Cgroups:
+    """One cgroup per instance under `<own cgroup>/poprun-<token>`; `None` from `create()`
+    where no writable cgroup v2 subtree exists."""
+
+    def __init__(self, home: str, root: str) -> None:
+        self.home, self.root = home, root
+        self._home_procs = os.open(os.path.join(home, "cgroup.procs"), os.O_WRONLY)
+        self._made: dict[int, str] = {}
+
+    @classmethod
+    def create(cls, token: str) -> Cgroups | None:
+        home = own_cgroup_dir()
+        if home is None:
+            return None  # no cgroup v2 here
+        root = os.path.join(home, f"poprun-{token}")
+        try:
+            os.mkdir(root, 0o755)
+        except OSError:  # not writable: no delegation here
+            return None
+        try:
+            if not os.path.exists(os.path.join(root, "cgroup.kill")):
+                raise OSError("a kernel before 5.14: no cgroup.kill")
+            return cls(home, root)
+        except OSError:
+            os.rmdir(root)
+            return None
+
+    def path(self, key: int) -> str:
+        return os.path.join(self.root, f"i{key}")
+
+    @contextlib.contextmanager
+    def entered(self, key: int) -> Iterator[bool]:
+        """This process is in instance `key`'s cgroup inside the block: a child it forks
+        there stays in it (with everything it starts). Yields False when it could not
+        enter it (the other mechanisms still hold)."""
+        path = self.path(key)
+        me = str(os.getpid()).encode()
+        try:
+            os.mkdir(path, 0o755)
+            self._made[key] = path
+            with open(os.path.join(path, "cgroup.procs"), "wb", buffering=0) as procs:
+                procs.write(me)
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            os.write(self._home_procs, me)
+
+    def kill(self, key: int) -> None:
+        """SIGKILL everything in instance `key`'s cgroup (cgroup.kill)."""
+        path = self._made.get(key)
+        if path is not None:
+            _write(os.path.join(path, "cgroup.kill"), b"1")
+
+    def close(self) -> None:
+        """Kill whatever is left in every instance cgroup and remove them all."""
+        _write(os.path.join(self.root, "cgroup.kill"), b"1")
+        remove_tree(self.root)
+        os.close(self._home_procs)
+
+
+def _write(path: str, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        with open(path, "wb", buffering=0) as f:
+            f.write(data)
+
+
+def remove_tree(root: str, timeout: float = CGROUP_EMPTY_TIMEOUT) -> None:
+    """rmdir a killed cgroup subtree, children first, once the kernel has emptied it."""
+    deadline = time.monotonic() + timeout
+    for directory, subdirs, _ in sorted(os.walk(root), key=lambda w: -w[0].count(os.sep)):
+        while True:
+            try:
+                os.rmdir(directory)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # still populated for a moment after cgroup.kill
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)

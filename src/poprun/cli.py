@@ -357,19 +357,6 @@ def help_text(width: int | None = None) -> str:
 # --- entry point --------------------------------------------------------------------------
 
 
-def run() -> None:
-    """The `poprun` command: `main()`, then exit without the interpreter's teardown. Everything
-    poprun owns is closed by then (instances reaped, lifeline told, files closed); the teardown
-    of asyncssh's and asyncio's modules alone costs 40-70 ms (bench/multihost_bench.py)."""
-    code = main()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
-            pass
-    os._exit(code)
-
-
 def main(argv: list[str] | None = None) -> int:
     """The command's exit status: the job's, 2 for a usage error or a job that could not
     start, 70 for an internal error (a bug: reported with a crash file, never as success)."""

@@ -194,7 +194,9 @@ def test_spawn_binds_the_instance_to_the_cpus_asked_for(agent):
 def test_stats_are_sent_only_when_hello_asks_for_them(agent):
     agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__,
                   python=list(sys.version_info[:2]), cwd=os.getcwd(), stats=0.05)
-    started = agent.spawn(3, PY, "-c", "x = bytearray(30 << 20); import time; time.sleep(30)")
+    started = agent.spawn(3, PY, "-c", "x = bytearray(30 << 20); print('allocated', flush=True);"
+                          " import time; time.sleep(30)")
+    assert agent.read_line(3) == b"allocated\n"  # samples from now on see the 30 MB
     rates = []
     while not rates or rates[-1][0] is None:  # the first sample has no rate yet
         stats = agent.wait_for(lambda f: f.kind is Kind.STATS)

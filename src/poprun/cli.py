@@ -115,6 +115,9 @@ OPTIONS: tuple[Opt, ...] = (
         "(instead of --host)", default=None),
     Opt("ssh-fanout", Kind.INT, "Open at most this many SSH connections at a time"),
     Opt("ssh-timeout", Kind.FLOAT, "Give up connecting to a host after this many seconds"),
+    Opt("host-timeout", Kind.FLOAT, "A remote host silent for this many seconds is lost: "
+        "poprun stops the job, and the host's agent, hearing nothing from poprun for as "
+        "long, kills its instances and removes its cache on its own"),
     Opt("remote-python", Kind.STR, "Python that runs poprun's agent on remote hosts "
         "(default: the path of the launcher's own Python)"),
     Opt("check", B, "Check every host (reachable, authenticated, same Python and poprun, "

@@ -21,6 +21,9 @@ from .mpiargs import MpiArgs
 DEFAULT_KILL_TIMEOUT = 5.0
 DEFAULT_SSH_FANOUT = 64
 DEFAULT_SSH_TIMEOUT = 10.0
+# Seconds of silence after which the launcher declares a remote host lost and the host's
+# agent stops its instances (heartbeats go both ways three times as often).
+DEFAULT_HOST_TIMEOUT = 15.0
 SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
 
 
@@ -53,6 +56,7 @@ class LaunchConfig:
     hosts: tuple[str, ...] = ()
     ssh_fanout: int = DEFAULT_SSH_FANOUT
     ssh_timeout: float = DEFAULT_SSH_TIMEOUT
+    host_timeout: float = DEFAULT_HOST_TIMEOUT
     remote_python: str | None = None  # None: the launcher's own interpreter path
     distribute_ssh_key: bool = False
     distribute_ssh_key_path: str | None = None  # the key's folder; None: ~/.ssh
@@ -121,6 +125,8 @@ class LaunchConfig:
             raise ConfigError(f"--kill-timeout must not be negative, got {self.kill_timeout}")
         if self.ssh_timeout <= 0:
             raise ConfigError(f"--ssh-timeout must be positive, got {self.ssh_timeout}")
+        if self.host_timeout <= 0:
+            raise ConfigError(f"--host-timeout must be positive, got {self.host_timeout}")
         if self.host_list and self.num_instances % len(self.host_list):
             raise ConfigError(
                 f"--num-instances={self.num_instances} is not divisible by the "
@@ -177,7 +183,7 @@ class LaunchConfig:
         if not isinstance(self.verbose, int) or isinstance(self.verbose, bool) \
                 or self.verbose < 0:
             raise bad("verbose", "a non-negative integer")
-        for name in ("kill_timeout", "ssh_timeout"):
+        for name in ("kill_timeout", "ssh_timeout", "host_timeout"):
             seconds = getattr(self, name)
             if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) \
                     or not math.isfinite(seconds):

@@ -58,7 +58,8 @@ class Fleet:
         self._agents_started_at = time.time()
         stats = STATS_INTERVAL if view is not None else None  # only a dashboard shows them
         outcomes = await asyncio.gather(
-            *(_start_agent(s, view, cwd=cwd, program=program, path=path, stats=stats)
+            *(_start_agent(s, view, cwd=cwd, program=program, path=path, stats=stats,
+                           host_timeout=self.config.host_timeout)
               for s in self.spawners.values()), return_exceptions=True)
         problems = [_problem(spawner, outcome, cwd, program)
                     for spawner, outcome in zip(self.spawners.values(), outcomes)]

@@ -229,8 +229,9 @@ class Agent:
         self._decoder = FrameDecoder()
         self._temp_dirs: list[str] = []
         self._handlers = {Kind.HELLO: self._hello, Kind.MKTEMP: self._mktemp,
-                          Kind.MKDIR: self._mkdir,
+                          Kind.MKDIR: self._mkdir, Kind.HEARTBEAT: lambda fields: None,
                           Kind.SPAWN: self._spawn, Kind.SIGNAL: self._signal}
+        self._last_heard = time.monotonic()
         self.done, self.status = False, 0
         self.finished = loop.create_future()  # set by stop()
         self._outbox.send(MAGIC)
@@ -248,6 +249,7 @@ class Agent:
         if not data:
             self.stop("stdin closed")
             return
+        self._last_heard = time.monotonic()
         try:
             frames = self._decoder.feed(data)
         except ProtocolError as exc:  # no way to find the next frame: give up
@@ -278,6 +280,20 @@ class Agent:
         if interval:  # the launcher shows a dashboard: sample the instances periodically
             self._sampler = ProcSampler()
             self._loop.call_later(float(interval), self._send_stats, float(interval))
+        if request.get("heartbeat"):
+            interval, timeout = map(float, request["heartbeat"])
+            self._loop.call_later(interval, self._beat, interval, timeout)
+
+    def _beat(self, interval: float, timeout: float) -> None:
+        """The launcher's silence past `timeout` (a frozen or partitioned launcher host, a
+        stalled SSH path) ends the agent as its EOF would: nobody would stop the instances."""
+        silent = time.monotonic() - self._last_heard
+        if silent > timeout:
+            self.stop(f"no word from the launcher for {silent:.1f} s (--host-timeout "
+                      f"{timeout:g})")
+            return
+        self._outbox.send(encode(Kind.ALIVE))
+        self._loop.call_later(interval, self._beat, interval, timeout)
 
     def _send_stats(self, interval: float) -> None:
         now = time.monotonic()

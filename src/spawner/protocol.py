@@ -15,11 +15,13 @@ with `PROTOCOL_VERSION`, which HELLO compares before anything else is sent.
 Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
 
     launcher -> agent
-      HELLO   {id, protocol, poprun, python: [major, minor], cwd, program, path, stats}
+      HELLO   {id, protocol, poprun, python: [major, minor], cwd, program, path, stats,
+               heartbeat: [interval, timeout]}  both sides beat; silence past `timeout` ends it
       MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
       MKDIR   {id, path}                     a directory (and parents) that is kept
       SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems}
       SIGNAL  {key (null: every instance), signal (name, e.g. "SIGTERM")}
+      HEARTBEAT {}                           every `interval` seconds
       (closing the agent's stdin ends it: it kills its instances and removes its temp dirs)
     agent -> launcher
       REPLY   {id, result}                   result of HELLO: see agent.hello_reply()
@@ -31,6 +33,7 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       OUTPUT  key, stream, bytes             binary; blocks of whole lines, as LocalSpawner
       EXIT    {key, returncode}              after the last OUTPUT of that instance
       STATS   {usage: {key: [cpu %, rss]}}   every `stats` seconds, when HELLO gave it
+      ALIVE   {}                             every `interval` seconds (the agent's heartbeat)
       INTERNAL {error, traceback}            a bug in the agent: it kills its instances,
                                              removes its temp dirs and exits with status 70
 """
@@ -68,6 +71,8 @@ class Kind(enum.IntEnum):
     """Launcher: signal one instance's process group, or every one's."""
     MKDIR = 5
     """Launcher: create a directory that is kept (an explicit executable cache)."""
+    HEARTBEAT = 6
+    """Launcher: I am here. An agent that hears nothing for the HELLO's timeout stops."""
     REPLY = 16
     """Agent: the result of the request with the same id."""
     FAILED = 17
@@ -82,6 +87,8 @@ class Kind(enum.IntEnum):
     """Agent: an instance exited; no OUTPUT for it follows."""
     STATS = 22
     """Agent: CPU % and RSS of its running instances, every `stats` seconds HELLO asked for."""
+    ALIVE = 24
+    """Agent: I am here (its heartbeat). A launcher that hears nothing declares it lost."""
     INTERNAL = 23
     """Agent: it hit a bug (`error`, `traceback`), killed its instances and is exiting."""
 

@@ -58,6 +58,7 @@ AGENT_MODULE = "spawner.agent"
 HELLO_TIMEOUT = 30.0  # a cold Python start on a loaded host can take seconds
 REQUEST_TIMEOUT = 60.0
 CLOSE_TIMEOUT = 5.0
+HEARTBEATS_PER_TIMEOUT = 3  # heartbeats each way within one --host-timeout
 STDERR_TAIL = 4096  # bytes of the agent's stderr kept for error messages
 
 
@@ -248,6 +249,7 @@ class RemoteSpawner:
         self._pids: dict[int, int] = {}
         self._exited: dict[int, int] = {}
         self._stderr = bytearray()
+        self._last_heard = time.monotonic()
         self._closed = asyncio.Event()
         self._closing = False
         self._t0 = 0.0
@@ -263,10 +265,13 @@ class RemoteSpawner:
     # --- starting ---------------------------------------------------------------------
 
     async def start(self, *, cwd: str, program: str | None = None, path: str | None = None,
-                    timeout: float = HELLO_TIMEOUT, stats: float | None = None) -> AgentInfo:
+                    timeout: float = HELLO_TIMEOUT, stats: float | None = None,
+                    host_timeout: float | None = None) -> AgentInfo:
         """Start the agent and greet it. `program` is resolved there as instances will run
-        it (in `cwd`, on `path`: the PATH they will get). Raises AgentStartError, or
-        AgentVersionError after stopping the agent: then nothing was started."""
+        it (in `cwd`, on `path`: the PATH they will get). With `host_timeout`, both sides
+        send heartbeats and each declares the other gone after that long without a word.
+        Raises AgentStartError, or AgentVersionError after stopping the agent: then nothing
+        was started."""
         self._t0 = time.monotonic()
         try:
             self._chan, _ = await self.conn.create_session(
@@ -278,7 +283,9 @@ class RemoteSpawner:
         try:
             reply = await self._request(
                 Kind.HELLO, timeout, protocol=self._expect.protocol, poprun=self._expect.poprun,
-                python=[major, minor], cwd=cwd, program=program, path=path, stats=stats)
+                python=[major, minor], cwd=cwd, program=program, path=path, stats=stats,
+                heartbeat=[host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout]
+                if host_timeout else None)
         except RemoteError as exc:
             await self.close()
             raise AgentStartError(self.host, f"the poprun agent ({self.command}) did not "
@@ -290,7 +297,30 @@ class RemoteSpawner:
         except AgentVersionError:
             await self.close()
             raise
+        if host_timeout:
+            self._beat(host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout)
         return self.info
+
+    def _beat(self, interval: float, timeout: float) -> None:
+        """Send a heartbeat; declare the agent lost once it has been silent past `timeout`
+        (a frozen host or a stalled path: SSH itself may take much longer to notice)."""
+        if self._closed.is_set() or self._closing:
+            return
+        silent = time.monotonic() - self._last_heard
+        if silent > timeout:
+            self._give_up(f"no word from the agent for {silent:.1f} s (--host-timeout "
+                          f"{timeout:g})")
+            return
+        self._send_quietly(encode(Kind.HEARTBEAT))
+        asyncio.get_running_loop().call_later(interval, self._beat, interval, timeout)
+
+    def _give_up(self, reason: str) -> None:
+        """The agent is gone as far as the job is concerned, now: the channel may take its
+        time to close over a stalled path."""
+        self.lost = reason
+        self._on_closed(None)
+        if self._chan is not None:
+            self._chan.close()
 
     async def make_temp_dir(self, prefix: str, timeout: float = REQUEST_TIMEOUT) -> str:
         """A new 0700 directory there, removed by the agent however it ends."""
@@ -408,6 +438,7 @@ class RemoteSpawner:
                                  f"{timeout:g} s") from None
 
     def _on_data(self, data: bytes) -> None:
+        self._last_heard = time.monotonic()
         try:
             frames = self._decoder.feed(data)
         except ProtocolError as exc:
@@ -433,6 +464,8 @@ class RemoteSpawner:
             if self.timings.first_started is None:
                 self.timings.first_started = self._elapsed()
             self._resolve(self._spawning.pop(fields["key"], None), (fields["pid"], None))
+        elif frame.kind is Kind.ALIVE:
+            pass  # its arrival is the news (_on_data noted the time)
         elif frame.kind is Kind.STATS:  # for a sink that shows them (the dashboard)
             on_usage = getattr(self._sink, "on_usage", None)
             for key, (cpu, rss) in fields["usage"].items() if on_usage else ():
@@ -469,6 +502,8 @@ class RemoteSpawner:
             self._chan.close()
 
     def _on_closed(self, exc: Exception | None) -> None:
+        if self._closed.is_set():  # already given up on (heartbeat), now really closed
+            return
         reason = self.lost or self._end_reason(exc)
         self._closed.set()
         error = AgentLostError(self.host, reason)

@@ -1,7 +1,7 @@
 """The per-host agent (`python -m spawner.agent`) and its launcher side (spawner.remote).
 
 First the agent alone, run here with pipes for stdin/stdout; then through real OpenSSH servers
-on loopback addresses (tests/sshd_hosts.py), where `SSH_CONNECTION` in an instance's
+on loopback addresses (tests/sshd_hosts.py), where `POPRUN_SSH_CONNECTION` in an instance's
 environment proves it was started through sshd. Every wait has a deadline.
 """
 
@@ -402,7 +402,8 @@ def server_addr(environ_line: bytes) -> str:
     return environ_line.split()[2].decode()  # SSH_CONNECTION = "caddr cport saddr sport"
 
 
-PRINT_SSH_CONNECTION = ("import os, sys; print(os.environ['SSH_CONNECTION']); "
+# The agent's SSH_CONNECTION, as the agent passes it on (instances get no SSH_* of their own).
+PRINT_SSH_CONNECTION = ("import os, sys; print(os.environ['POPRUN_SSH_CONNECTION']); "
                         "sys.exit(int(sys.argv[1]))")
 
 
@@ -582,7 +583,7 @@ def test_launcher_sigkilled_leaves_no_instance_on_any_host(hosts):
         ready, _, _ = select.select([launcher.stdout], [], [], TIMEOUT)
         assert ready, "the launcher did not start its instances"
         pids = json.loads(launcher.stdout.readline())
-        addrs = {server_addr(_environ(pid)["SSH_CONNECTION"].encode()) for pid in pids}
+        addrs = {server_addr(_environ(pid)["POPRUN_SSH_CONNECTION"].encode()) for pid in pids}
         assert addrs == {h.addr for h in hosts.hosts}  # they ran through each sshd
         launcher.kill()
         wait_until(lambda: not with_marker(marker), "every instance to die", timeout=TIMEOUT)

@@ -1,7 +1,7 @@
 """`poprun --host ...` end to end against real OpenSSH servers on loopback (tests/sshd_hosts.py).
 
-Every instance prints `$SSH_CONNECTION`, whose server address (127.0.77.k) says which "host"
-it ran on. Orphan checks look for the instances' marked command lines in /proc: all the hosts
+Every instance prints `$POPRUN_SSH_CONNECTION` (its agent's SSH_CONNECTION), whose server
+address (127.0.77.k) says which "host" it ran on. Orphan checks look for the instances' marked command lines in /proc: all the hosts
 are this machine, so a survivor on any host is visible here.
 """
 
@@ -55,9 +55,9 @@ def lines_by_instance(stdout: bytes) -> dict[int, list[str]]:
 
 
 def test_instances_run_in_contiguous_blocks_on_each_host_with_their_environment(hosts, tmp_path):
-    report = ('import json, os; print(json.dumps({k: os.environ.get(k) for k in ("SSH_CONNECTION",'
-              ' "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH",'
-              ' "POPDIST_EXECUTABLE_CACHE_PATH", "FROM_X", "UNRELATED", "IPUOF_CONFIG_PATH")}'
+    report = ('import json, os; print(json.dumps({k: os.environ.get(k) for k in ('
+              '"POPRUN_SSH_CONNECTION", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",'
+              ' "MASTER_PORT", "PYTHONPATH", "POPDIST_EXECUTABLE_CACHE_PATH", "FROM_X", "UNRELATED", "IPUOF_CONFIG_PATH")}'
               '| {"cwd": os.getcwd()}))')
     proc = run(hosts, "--host", "h1,h2", "--num-instances=4", "--num-replicas=8",
                "--tag-output", "-x", "FROM_X=1", PY, "-c", report, cwd=tmp_path,
@@ -66,7 +66,7 @@ def test_instances_run_in_contiguous_blocks_on_each_host_with_their_environment(
     seen = {i: json.loads(lines[0]) for i, lines in lines_by_instance(proc.stdout).items()}
     assert sorted(seen) == [0, 1, 2, 3]
     for i, env in seen.items():
-        assert env["SSH_CONNECTION"].split()[2] == f"127.0.77.{i // 2 + 1}"
+        assert env["POPRUN_SSH_CONNECTION"].split()[2] == f"127.0.77.{i // 2 + 1}"
         assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (str(i), str(i % 2), "4")
         assert env["MASTER_ADDR"] == "127.0.77.1"  # the first host, as the others reach it
         assert env["PYTHONPATH"] and env["FROM_X"] == "1"

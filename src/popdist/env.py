@@ -53,7 +53,14 @@ MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 
 # Variables forwarded to remote hosts without being asked for (`-x` names the others).
-FORWARDED_TO_REMOTE = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", POPLAR_ENGINE_OPTIONS)
+# SHLVL: a remote instance sees the shell level a local child of poprun would (the agent
+# drops the one its SSH login gave it).
+FORWARDED_TO_REMOTE = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", POPLAR_ENGINE_OPTIONS, "SHLVL")
+
+# Set by the spawner, and defined there (a spawner does not import popdist): POPRUN_LIFELINE
+# (spawner.containment.MARK, on every instance) and POPRUN_SSH_CONNECTION
+# (spawner.agent.SSH_CONNECTION_COPY, on remote instances: the agent's own SSH_CONNECTION,
+# "client-ip client-port server-ip server-port", which instances do not get themselves).
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,9 @@ HIGH_WATER = 1 << 20  # unsent bytes above which instances' pipes are no longer 
 LOW_WATER = 256 << 10  # ... and below which they are read again
 IOV_BATCH = 512  # buffers per writev (Linux allows 1024)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+# What sshd sets for a login session; instances are not one (see instance_environ).
+SSH_SESSION_VARIABLES = ("SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_ORIGINAL_COMMAND")
+SSH_CONNECTION_COPY = "POPRUN_SSH_CONNECTION"
 INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, as the launcher's own internal errors
 
 
@@ -98,11 +101,16 @@ def _binding_of(pid: int) -> dict[str, Any] | None:
 
 
 def instance_environ(env_set: Mapping[str, str], env_unset: Iterable[str]) -> dict[str, str]:
-    """The agent's own environment (what sshd gave it: HOME, USER, SSH_CONNECTION...) with
-    the launcher's changes applied."""
+    """The agent's own environment (what sshd gave it: HOME, USER...) with the launcher's
+    changes applied. Not what makes a process look like an SSH login: with `SSH_CLIENT` set
+    and `SHLVL` < 2, `bash -c` sources ~/.bashrc (and whatever that runs, e.g. `pyenv
+    rehash` holding a lock) in every instance. The connection stays visible to instances
+    as `POPRUN_SSH_CONNECTION`."""
     env = dict(os.environ)
-    for name in env_unset:
+    for name in (*env_unset, *SSH_SESSION_VARIABLES, "SHLVL"):
         env.pop(name, None)
+    if "SSH_CONNECTION" in os.environ:
+        env[SSH_CONNECTION_COPY] = os.environ["SSH_CONNECTION"]
     env.update(env_set)
     return env
 

@@ -106,6 +106,21 @@ class SshHosts:
         """``ssh`` argv running ``command`` (a remote shell string) on host ``i``."""
         return ["ssh", "-F", str(self.ssh_config), self.hosts[i].alias, *command]
 
+    def sshd_pids(self, i: int) -> list[int]:
+        """Host ``i``'s sshd processes (the listener and each connection's), not what they
+        run: SIGSTOP them all and the host's network path stalls while its programs live."""
+        children, tree, todo = _children(), [], [self.hosts[i].proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                continue
+            if comm.startswith("sshd"):
+                tree.append(pid)
+                todo.extend(children.get(pid, ()))
+        return tree
+
     def kill_host(self, i: int) -> None:
         """Simulate host ``i`` dying: kill its sshd and every session process under it.
 

@@ -26,6 +26,9 @@ import time
 from collections.abc import Iterator
 
 MARK = "POPRUN_LIFELINE"  # instances' environment: the token of the lifeline watching them
+# POPRUN_CGROUPS=0 in the launcher's (or an agent's) environment: no cgroups, the other two
+# mechanisms only (e.g. where creating cgroups is allowed but unwanted).
+CGROUPS_SWITCH = "POPRUN_CGROUPS"
 PR_SET_CHILD_SUBREAPER = 36
 CGROUP_EMPTY_TIMEOUT = 2.0  # seconds to wait for a killed cgroup to empty before rmdir
 

@@ -119,7 +119,8 @@ class LocalSpawner:
         self._children: dict[int, _Child] = {}
         # Each instance in a cgroup of its own where possible (containment.py); decided on
         # the first spawn. False: not possible here, or not wanted.
-        self._cgroups: Cgroups | bool | None = None if cgroups and lifeline else False
+        wanted = cgroups and os.environ.get(containment.CGROUPS_SWITCH) != "0"
+        self._cgroups: Cgroups | bool | None = None if wanted and lifeline else False
         # A memory binding was asked for but this host cannot do it (no libnuma): the
         # caller warns once; the CPU binding is in force regardless.
         self.memory_binding_skipped = False

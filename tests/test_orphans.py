@@ -1,0 +1,331 @@
+"""No orphan at any instant, no escaped descendant, on every host (issue 13).
+
+Real processes throughout, and real OpenSSH servers for the remote cases (tests/sshd_hosts.py:
+every "host" is this machine, so a survivor anywhere is visible in this /proc). Each process
+worth watching carries a unique marker in its command line.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import OFFLINE, poprun_argv, poprun_env
+from sshd_hosts import processes_with, start_ssh_hosts, wait_until
+
+PY = sys.executable
+SLEEPER = "import time; print('ready', flush=True); time.sleep(300)"
+GONE = 10.0  # seconds survivors get to disappear after poprun's end
+
+
+def marker() -> str:
+    return f"orphan-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def tmp(tmp_path: Path) -> dict[str, str]:
+    """The job's own TMPDIR, so its local cache dirs can be counted."""
+    (tmp_path / "tmp").mkdir()
+    return {"TMPDIR": str(tmp_path / "tmp")}
+
+
+@pytest.fixture
+def hosts(tmp_path: Path):
+    with start_ssh_hosts(2, tmp_path) as h:
+        yield h
+
+
+def remote_caches() -> set[Path]:
+    """Agents create their caches in the sshd session's /tmp."""
+    return set(Path("/tmp").glob("poprun-cache-*"))
+
+
+def assert_all_gone(mark: str, tmpdir: str | None = None, before: set[Path] | None = None):
+    wait_until(lambda: not processes_with(mark), f"every process marked {mark} to die", GONE)
+    if tmpdir is not None:
+        assert not list(Path(tmpdir).glob("poprun-cache-*"))
+    if before is not None:
+        wait_until(lambda: not (remote_caches() - before), "the hosts' caches to go", GONE)
+
+
+# --- 1. SIGKILL of poprun at any moment of the start-up ----------------------------------------
+
+def kill_at_random_moments(runs: int, args: list[str], env: dict[str, str], seed: int):
+    """`runs` launches, each SIGKILLed after a random 0-0.5 s; yields each run's marker
+    once poprun is dead (the survivors are then the watchdogs' business)."""
+    rng = random.Random(seed)
+    for _ in range(runs):
+        mark = marker()
+        proc = subprocess.Popen(poprun_argv(*OFFLINE, *args, PY, "-c", SLEEPER, mark),
+                                env=poprun_env(env), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0, 0.5))  # the moment of death is the test's input
+        proc.kill()
+        proc.wait()
+        yield mark
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_during_start_up_leaves_nothing_locally(tmp):
+    for mark in kill_at_random_moments(50, ["--num-instances=8", "--num-replicas=8"], tmp,
+                                       seed=13):
+        assert_all_gone(mark, tmp["TMPDIR"])
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_during_start_up_leaves_nothing_on_remote_hosts(hosts, tmp):
+    before = remote_caches()
+    for mark in kill_at_random_moments(50, ["-H", "localhost,h1,h2", "--num-instances=6",
+                                            "--num-replicas=6"], {**hosts.env(), **tmp},
+                                       seed=31):
+        assert_all_gone(mark, tmp["TMPDIR"], before)
+
+
+# --- 2. descendants that leave the process group ---------------------------------------------
+
+def escaping_program(mark: str, then: str) -> list[str]:
+    """Starts a `setsid` helper and a double-forked daemon (both marked), says so, then
+    `then` (Python: exit 0, exit 3, or sleep). The helpers' markers are built at run time,
+    so that poprun's own command line (which holds this script) does not carry them."""
+    script = f"""
+import os, subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "{mark}" + "-setsid"],
+                 start_new_session=True)
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(300)",
+                                  "{mark}" + "-daemon"])
+    os._exit(0)
+os.wait()
+print("helpers started", flush=True)
+{then}
+"""
+    return [PY, "-c", script]
+
+
+def helpers_running(mark: str) -> bool:
+    return bool(processes_with(f"{mark}-setsid")) and bool(processes_with(f"{mark}-daemon"))
+
+
+ENDINGS = {"success": ("sys.exit(0)", 0), "failure": ("sys.exit(3)", 3),
+           "ctrl-c": ("time.sleep(300)", 130)}
+
+
+def run_escaping_job(args: list[str], ending: str, env: dict[str, str], mark: str) -> int:
+    then, _ = ENDINGS[ending]
+    proc = subprocess.Popen(poprun_argv(*OFFLINE, *args, *escaping_program(mark, then)),
+                            env=poprun_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        if ending == "ctrl-c":
+            wait_until(lambda: helpers_running(mark), "the helpers to start", 30)
+            proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    return proc.returncode
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cgroups", ["1", "0"], ids=["cgroups", "mark-and-subreaper"])
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_escaped_helpers_die_with_a_local_job(ending, cgroups, tmp):
+    """With a cgroup per instance (where writable, as here), and without (POPRUN_CGROUPS=0:
+    the environment mark and the child subreaper)."""
+    mark = marker()
+    code = run_escaping_job(["--num-instances=2", "--num-replicas=2"], ending,
+                            {**tmp, "POPRUN_CGROUPS": cgroups}, mark)
+    assert code == ENDINGS[ending][1]
+    assert_all_gone(mark, tmp["TMPDIR"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_escaped_helpers_die_with_a_remote_job(ending, hosts, tmp):
+    mark = marker()
+    before = remote_caches()
+    code = run_escaping_job(["-H", "h1,h2", "--num-instances=2", "--num-replicas=2"], ending,
+                            {**hosts.env(), **tmp}, mark)
+    assert code == ENDINGS[ending][1]
+    assert_all_gone(mark, before=before)
+
+
+def test_verbose_names_the_containment_in_force(tmp):
+    proc = subprocess.run(poprun_argv(*OFFLINE, "-v", "--num-instances=2", "--num-replicas=2",
+                                      "true"), env=poprun_env(tmp), capture_output=True,
+                          timeout=60)
+    assert proc.returncode == 0
+    line = next(l for l in proc.stderr.decode().splitlines() if "containment:" in l)
+    assert "child subreaper" in line
+    assert "cgroup" in line or "POPRUN_LIFELINE" in line
+
+
+# --- 3. signals before poprun is ready ---------------------------------------------------------
+
+def handlers_installed(pid: int) -> bool:
+    """poprun catches SIGTERM (the interpreter does not): its first instructions ran."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True  # gone already
+    caught = int(next(l for l in status.splitlines() if l.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_in_the_first_100_ms_is_one_clean_line(sig, tmp):
+    """From poprun's first instruction on, through its imports and the start of the job."""
+    rng = random.Random(sig)
+    for delay in sorted(rng.uniform(0, 0.1) for _ in range(8)):
+        mark = marker()
+        proc = subprocess.Popen(poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                                            PY, "-c", SLEEPER, mark),
+                                env=poprun_env(tmp), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        wait_until(lambda: handlers_installed(proc.pid), "poprun's first instructions", 10)
+        time.sleep(delay)  # the moment of the signal is the test's input
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + sig, (delay, err.decode())
+        assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err.decode()
+        assert_all_gone(mark, tmp["TMPDIR"])
+
+
+def test_closed_standard_descriptors_are_not_reused(tmp_path):
+    """`poprun ... >&-` (and with stdin or stderr closed): the job runs, its output goes
+    nowhere rather than into poprun's own pipes, and poprun exits 0."""
+    out = tmp_path / "witness"
+    script = f"import os; print('out'); open({str(out)!r} + os.environ['RANK'], 'w').write('ran')"
+    command = " ".join(map(_quote, poprun_argv(*OFFLINE, "--num-instances=2",
+                                               "--num-replicas=2", PY, "-c", script)))
+    for closes in ("1>&-", "0<&- 1>&- 2>&-", "2>&-", "0<&-"):
+        done = subprocess.run(["sh", "-c", f"{command} {closes}"], env=poprun_env(),
+                              capture_output=True, timeout=60)
+        assert done.returncode == 0, (closes, done.stderr.decode())
+        assert b"Traceback" not in done.stderr, done.stderr.decode()
+        for name in ("witness0", "witness1"):
+            assert (tmp_path / name).read_text() == "ran"
+            (tmp_path / name).unlink()
+
+
+def _quote(word: str) -> str:
+    import shlex
+
+    return shlex.quote(word)
+
+
+# --- ProxyCommand: children poprun owns ----------------------------------------------------
+
+def slow_proxy_host(hosts, mark: str) -> str:
+    """An alias reached through a ProxyCommand that hangs (marked): the connection is under
+    way for as long as the test likes."""
+    h1 = hosts.hosts[0]
+    block = (f"Host slowproxy\n    HostName {h1.addr}\n    Port {h1.port}\n"
+             f"    User {hosts.user}\n    IdentityFile {hosts.user_key}\n"
+             f"    UserKnownHostsFile {hosts.known_hosts}\n    BatchMode yes\n"
+             f"    ProxyCommand {PY} -c \"import time; time.sleep(60)\" {mark}\n")
+    hosts.ssh_config.write_text(block + hosts.ssh_config.read_text())
+    return "slowproxy"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stop_during_a_proxycommand_connect_leaves_no_proxy(sig, hosts, tmp):
+    mark = marker()
+    alias = slow_proxy_host(hosts, mark)
+    proc = subprocess.Popen(poprun_argv(*OFFLINE, "-H", alias, "--ssh-timeout=50",
+                                        "--num-instances=1", "--num-replicas=1", "true"),
+                            env=poprun_env({**hosts.env(), **tmp}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: processes_with(mark), "the ProxyCommand to run", 30)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == (128 + sig if sig != signal.SIGKILL else -sig), err.decode()
+    if sig != signal.SIGKILL:
+        assert b"Traceback" not in err, err.decode()
+    assert_all_gone(mark, tmp["TMPDIR"])
+
+
+# --- 4. a host that stops answering ----------------------------------------------------------
+
+def instances_with(mark: str) -> list[int]:
+    """Marked processes but poprun itself (and its watchdog), whose argv holds the mark too."""
+    found = []
+    for pid in processes_with(mark):
+        try:
+            if b"poprun" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, tmp):
+    """h2's sshd processes are frozen (SIGSTOP): its agent lives on but hears nothing. Its
+    instances are gone within --host-timeout + 2 s, and poprun reports h2 lost."""
+    mark = marker()
+    timeout = 4.0
+    proc = subprocess.Popen(poprun_argv(*OFFLINE, "-H", "h1,h2", f"--host-timeout={timeout}",
+                                        "--num-instances=2", "--num-replicas=2", PY, "-c",
+                                        SLEEPER, mark),
+                            env=poprun_env({**hosts.env(), **tmp}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    frozen: list[int] = []
+    try:
+        wait_until(lambda: len(instances_with(mark)) == 2, "both instances to run", 30)
+        frozen = hosts.sshd_pids(1)
+        assert len(frozen) >= 2  # the listener, and the launcher's connection
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        # h1's instance is stopped by poprun; h2's by its own agent, on hearing nothing.
+        wait_until(lambda: not instances_with(mark), "both instances to be gone",
+                   timeout + 2 + 1)
+        assert time.monotonic() - stopped_at <= timeout + 2
+        _, err = proc.communicate(timeout=30)
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 255, err.decode()
+    assert "h2: lost the connection to the host (no word from the agent" in err.decode()
+
+
+# --- 7. remote instances are not remote shells -------------------------------------------------
+
+def test_a_remote_bash_instance_does_not_read_bashrc(hosts, tmp_path):
+    """bash sources ~/.bashrc when SSH_CLIENT is set and SHLVL < 2, as in an SSH login whose
+    shell sets no SHLVL (dash); an instance is not a login. `-x HOME`/`-x SHLVL=0` make that
+    case here without touching the real ~/.bashrc."""
+    home = tmp_path / "home"
+    home.mkdir()
+    witness = home / "bashrc-was-read"
+    (home / ".bashrc").write_text(f"touch {witness}\n")
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, "-H", "h1", "--num-instances=1", "--num-replicas=1",
+                    "-x", f"HOME={home}", "-x", "SHLVL=0",
+                    "bash", "-c", "echo SSH_CLIENT=${SSH_CLIENT-unset} SSH_TTY=${SSH_TTY-unset}"),
+        env=poprun_env(hosts.env()), capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout == b"SSH_CLIENT=unset SSH_TTY=unset\n"
+    assert not witness.exists()

@@ -56,3 +56,6 @@ def assert_usage_error(proc, *fragments: str, stdout_empty: bool = True) -> str:
 def poprun():
     """`poprun(*args, timeout=..., env=..., cwd=...)` -> CompletedProcess (bytes)."""
     return run_poprun
+
+
+from slurm_cluster import slurm_cluster  # noqa: E402,F401  a one-machine Slurm cluster

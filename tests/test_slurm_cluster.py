@@ -176,11 +176,12 @@ def test_missing_slurm_skips_or_fails_with_the_reason(monkeypatch) -> None:
         harness.require_slurm()
 
 
-def test_reset_cancels_leftover_jobs(cluster: SlurmCluster) -> None:
+def test_reset_cancels_leftover_jobs(cluster: SlurmCluster, tmp_path: Path) -> None:
     marker = f"slurm-marker-{uuid.uuid4().hex}"
+    # (sbatch writes slurm-<job>.out into its cwd unless told --output.)
     submitted = cluster.run(["sbatch", "--parsable", "-N2", "--wrap",
                              f"{PY} -c 'import time; time.sleep(300)' {marker}"],
-                            timeout=TIMEOUT, cwd="/tmp")
+                            timeout=TIMEOUT, cwd=tmp_path)
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip()
     wait_until(lambda: cluster.jobs().get(job) == "RUNNING", "the batch job to run")

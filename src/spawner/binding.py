@@ -3,30 +3,53 @@
 A child inherits the CPU affinity and the memory policy of the *thread* that forks it, and keeps
 both across exec. So `bound()` sets them on the calling thread around the `Popen` call and
 restores them afterwards: the program, and every thread and child it makes, starts bound, and
-nothing runs in Python between fork and exec (a `preexec_fn` would force the slow full fork,
-DESIGN.md §8). Only the calling thread is affected; the launcher's other threads are not.
+nothing runs in Python between fork and exec (a `preexec_fn` would force the slow full fork:
+docs/architecture.md, "Measured reasons"). Only the calling thread is affected; the launcher's
+other threads are not.
 
-The memory policy is set with `set_mempolicy(MPOL_BIND)` from libnuma (`libnuma.so.1`, loaded
-with ctypes on the first binding that needs it). Without libnuma, or on a kernel without NUMA,
-CPU binding still happens and `bound()` says memory binding was skipped.
+Who does what:
+
+- CPUs: `os.sched_setaffinity`, what taskset does.
+- Memory, through py-libnuma (module `numa`): loading libnuma, asking whether the kernel has
+  NUMA (`numa.info.numa_available`) and binding (`numa.memory.set_membind_nodes`: libnuma's
+  numa_set_membind, MPOL_BIND). py-libnuma is imported on the first binding that needs memory,
+  never by a run without one (its import costs ~7 ms in the launcher here: ctypes, its
+  declarations, and an `ldconfig -p` run to find libnuma). When it cannot be imported (not
+  installed; or no libnuma.so.1, which makes its own import fail) or the kernel has no NUMA,
+  CPU binding still happens and `bound()` says memory binding was skipped.
+- Memory, hand-written, because py-libnuma lacks it (class `_MemPolicy`):
+  - reading the thread's policy whole, mode and nodes (get_mempolicy). py-libnuma reads only
+    lossy pieces: `get_membind_nodes` answers "every node" both for the default policy and for a
+    binding to every node, and nothing tells the mode.
+  - putting that policy back exactly (set_mempolicy). py-libnuma cannot set MPOL_DEFAULT, the
+    policy the launcher's thread normally has: its nearest, `set_local_alloc`, sets MPOL_LOCAL.
+    A thread left bound (or "local") would hand that policy to everything the launcher starts
+    afterwards, the instances it does not bind included, and they would show it in
+    --report-bindings; an explicit policy also opts them out of automatic NUMA balancing.
+  - the checks py-libnuma leaves out: node numbers before it parses them (`set_membind_nodes`
+    passes libnuma's NULL "unparsable" mask on to numa_set_membind, which crashes the process),
+    and the policy after it sets it (numa_set_membind returns nothing and reports a refusal
+    only on stderr).
+- Reading back a live process's binding: /proc (`read_binding`). py-libnuma reads only the
+  calling thread's policy (libnuma's get_mempolicy has no pid), so it has nothing for this.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
+import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .cpulist import parse_allowed, parse_cpu_list
+from .cpulist import format_cpu_list, parse_allowed, parse_cpu_list
 
-LIBNUMA = "libnuma.so.1"
 MPOL_BIND = 2
-# Node masks passed to the kernel: get_mempolicy wants room for every possible node, and the
-# kernel allows at most 1024 (CONFIG_NODES_SHIFT <= 10).
-_MASK_BITS = 1024
+_MPOL_MODE = 0xFF  # get_mempolicy's mode without its flags (MPOL_F_STATIC_NODES, ...)
+_READS = 5  # of a process whose numa_maps comes back empty (read_binding)
 
 
 # --- applying ----------------------------------------------------------------------------
@@ -36,66 +59,94 @@ _MASK_BITS = 1024
 def bound(cpus: Collection[int] | None, mems: Collection[int] | None) -> Iterator[bool]:
     """Inside the block, the calling thread runs on `cpus` and allocates memory only from the
     nodes `mems` (None or empty: leave that alone), so a process it starts inherits both.
-    Yields whether a memory binding is in force: False when `mems` was given but libnuma or
-    the kernel's NUMA support is missing (the caller warns). Raises OSError when the kernel
-    refuses a binding (CPUs or nodes outside the cpuset); the thread is then left as it was."""
+    Yields whether a memory binding is in force: False when `mems` was given but py-libnuma,
+    libnuma or the kernel's NUMA support is missing (the caller warns). Raises OSError when a
+    binding is refused (CPUs or nodes outside the cpuset); the thread is then left as it was."""
+    # Before the CPUs are touched: py-libnuma's import runs `ldconfig -p`, which need not run
+    # bound, and may fail.
+    policy = _mempolicy() if mems else None
     saved_cpus = os.sched_getaffinity(0) if cpus else None
     if cpus:
         os.sched_setaffinity(0, cpus)
     try:
-        policy = _mempolicy() if mems else None
         saved_policy = policy.bind(mems) if policy else None
         try:
             yield saved_policy is not None
         finally:
             if saved_policy is not None:
-                policy.set(*saved_policy)
+                policy.restore(saved_policy)
     finally:
         if saved_cpus is not None:
             os.sched_setaffinity(0, saved_cpus)
 
 
 def memory_binding_available() -> bool:
-    """Whether `bound()` can bind memory on this host (libnuma present, kernel with NUMA)."""
+    """Whether `bound()` can bind memory on this host (py-libnuma and libnuma present, kernel
+    with NUMA). Imports py-libnuma."""
     return _mempolicy() is not None
 
 
 class _MemPolicy:
-    """The calling thread's memory policy, through libnuma's get_mempolicy/set_mempolicy."""
+    """The calling thread's memory policy: bound by py-libnuma; read, checked and put back by
+    hand with libnuma's get_mempolicy/set_mempolicy (py-libnuma lacks both: module docstring),
+    called through py-libnuma's handle on libnuma."""
 
-    def __init__(self, lib) -> None:
+    def __init__(self, numa) -> None:
         import ctypes
 
         self._ctypes = ctypes
-        ulong_bits = ctypes.sizeof(ctypes.c_ulong) * 8
-        self._ulong_bits = ulong_bits
-        self._mask_type = ctypes.c_ulong * (_MASK_BITS // ulong_bits)
-        mask = ctypes.POINTER(self._mask_type)
-        lib.set_mempolicy.argtypes = [ctypes.c_int, mask, ctypes.c_ulong]
-        lib.get_mempolicy.argtypes = [ctypes.POINTER(ctypes.c_int), mask, ctypes.c_ulong,
-                                      ctypes.c_void_p, ctypes.c_ulong]
-        self._lib = lib
+        self._numa = numa
+        lib = numa.LIBNUMA
+        # Node masks as large as the kernel's (py-libnuma sizes nodemask_t by libnuma's reading
+        # of it); maxnode counts one more than the bits the kernel reads, as libnuma passes it.
+        self._mask_type = numa.nodemask_t
+        self._word_bits = ctypes.sizeof(ctypes.c_ulong) * 8
+        self._maxnode = numa.MAX_NUMANODES + 1
+        mask = ctypes.POINTER(numa.nodemask_t)
+        # Prototypes of our own on the same handle, so that errno is kept (py-libnuma's handle
+        # does not keep it) and py-libnuma's function attributes stay as it declared them.
+        self._get = ctypes.CFUNCTYPE(
+            ctypes.c_long, ctypes.POINTER(ctypes.c_int), mask, ctypes.c_ulong, ctypes.c_void_p,
+            ctypes.c_ulong, use_errno=True)(("get_mempolicy", lib))
+        self._set = ctypes.CFUNCTYPE(
+            ctypes.c_long, ctypes.c_int, mask, ctypes.c_ulong, use_errno=True)(
+            ("set_mempolicy", lib))
+        # The nodes numa_parse_nodestring (under set_membind_nodes) accepts: the cpuset's
+        # Mems_allowed as libnuma read it when loaded.
+        allowed = ctypes.POINTER(numa.bitmask_t).in_dll(lib, "numa_all_nodes_ptr")
+        self._parsable = frozenset(numa.utils.get_bitset_list(allowed))
 
     def bind(self, mems: Collection[int]) -> tuple[int, object]:
-        """Set MPOL_BIND on `mems`; returns the previous (mode, nodes) for `set`."""
-        mode, nodes = self._ctypes.c_int(), self._mask_type()
-        if self._lib.get_mempolicy(self._ctypes.byref(mode), nodes, _MASK_BITS, None, 0) != 0:
-            self._raise("get_mempolicy")
-        self.set(MPOL_BIND, self._mask(mems))
-        return mode.value, nodes
+        """Bind the thread's allocations to the nodes `mems`; returns the previous policy for
+        `restore`. Raises OSError, the policy unchanged, when the binding is refused."""
+        nodes = frozenset(mems)
+        if not nodes <= self._parsable:
+            raise OSError(errno.EINVAL, f"set_mempolicy: NUMA node(s) "
+                          f"{format_cpu_list(nodes - self._parsable)} not allowed here "
+                          f"(Mems_allowed_list {format_cpu_list(self._parsable)})")
+        saved = self._read()
+        self._numa.memory.set_membind_nodes(*nodes)
+        mode, now = self._read()
+        got = sum(word << i * self._word_bits  # bit n: node n
+                  for i, word in enumerate(now.n[:]) if word)
+        # The kernel may leave out nodes without memory, never add one.
+        if mode & _MPOL_MODE != MPOL_BIND or not got or got & ~sum(1 << n for n in nodes):
+            self.restore(saved)
+            raise OSError(errno.EINVAL, f"set_mempolicy: MPOL_BIND on NUMA node(s) "
+                          f"{format_cpu_list(nodes)} refused")
+        return saved
 
-    def set(self, mode: int, nodes: object) -> None:
-        # maxnode counts one more than the bits to read: the kernel reads maxnode - 1 bits.
-        if self._lib.set_mempolicy(mode, nodes, _MASK_BITS + 1) != 0:
+    def restore(self, saved: tuple[int, object]) -> None:
+        """Put back a policy `bind` returned: mode, flags and nodes, as they were."""
+        mode, mask = saved
+        if self._set(mode, mask, self._maxnode) != 0:
             self._raise("set_mempolicy")
 
-    def _mask(self, nodes: Collection[int]) -> object:
-        mask = self._mask_type()
-        for node in nodes:
-            if not 0 <= node < _MASK_BITS:
-                raise OSError(f"NUMA node {node} is out of range")
-            mask[node // self._ulong_bits] |= 1 << (node % self._ulong_bits)
-        return mask
+    def _read(self) -> tuple[int, object]:
+        mode, mask = self._ctypes.c_int(), self._mask_type()
+        if self._get(self._ctypes.byref(mode), mask, self._maxnode, None, 0) != 0:
+            self._raise("get_mempolicy")
+        return mode.value, mask
 
     def _raise(self, call: str) -> None:
         err = self._ctypes.get_errno()
@@ -104,18 +155,22 @@ class _MemPolicy:
 
 @functools.cache
 def _mempolicy() -> _MemPolicy | None:
-    import ctypes  # only once a memory binding is wanted: it costs start-up time
-
     try:
-        lib = ctypes.CDLL(LIBNUMA, use_errno=True)
-    except OSError:
+        import numa  # py-libnuma, once a memory binding is wanted (module docstring)
+    except (ImportError, OSError, AttributeError):
+        # ImportError: py-libnuma is not installed. Without libnuma.so.1 its import fails
+        # itself: ctypes.util.find_library("numa") finds nothing, CDLL(None) is then the
+        # program, and the first libnuma function it calls is not there (AttributeError).
+        # OSError: a libnuma found but not loadable.
         return None
-    if lib.numa_available() < 0:  # the kernel has no NUMA support (no mempolicy syscalls)
+    if not numa.info.numa_available():  # the kernel has no NUMA support (no mempolicy calls)
         return None
-    return _MemPolicy(lib)
+    return _MemPolicy(numa)
 
 
 # --- reading back ------------------------------------------------------------------------
+# From /proc: py-libnuma (libnuma) reads only the calling thread's own policy, not another
+# process's.
 
 
 @dataclass(frozen=True)
@@ -138,18 +193,30 @@ _POLICY = re.compile(
 
 def read_binding(pid: int) -> ProcessBinding:
     """The binding process `pid` runs under, from `/proc/<pid>/status` and the memory policy
-    shown in `/proc/<pid>/numa_maps`. Raises OSError when the process is gone."""
-    with open(f"/proc/{pid}/status") as f:
-        status = f.read()
-    try:
-        with open(f"/proc/{pid}/numa_maps") as f:
-            # A mapping without a policy of its own shows the process's policy; the first
-            # one is the program's text, which nothing gives a policy of its own.
-            first_mapping = f.readline()
-    except FileNotFoundError:
-        if not os.path.exists(f"/proc/{pid}"):  # it is gone
-            raise
-        first_mapping = ""  # a kernel without NUMA has no numa_maps (and no policies)
+    shown in `/proc/<pid>/numa_maps`. Raises OSError when the process is gone (exited, reaped
+    or not)."""
+    for attempt in range(_READS):
+        if attempt:
+            time.sleep(0.001 * attempt)
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read()
+        if "\nState:\tZ" in status or "\nState:\tX" in status:
+            # Exited, not reaped yet: its memory, and with it its policy, are gone.
+            raise ProcessLookupError(errno.ESRCH, f"process {pid} has exited")
+        try:
+            with open(f"/proc/{pid}/numa_maps") as f:
+                # A mapping without a policy of its own shows the process's policy; the first
+                # one is the program's text, which nothing gives a policy of its own.
+                first_mapping = f.readline()
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}"):  # it is gone
+                raise
+            first_mapping = ""  # a kernel without NUMA has no numa_maps (and no policies)
+            break
+        if first_mapping:
+            break
+        # Nothing: caught in an exec (numa_maps reads the memory the process had when it was
+        # opened, gone by the read: 1 read in 20 right after a fork here), or exiting.
     return parse_binding(status, first_mapping)
 
 

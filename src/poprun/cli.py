@@ -374,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the launch took the signals over
         return 130
     except Exception as exc:  # noqa: BLE001 - a bug outside a launch (parsing, --check...)
+        from .command import interruption_behind
+
+        if interruption_behind(exc) is not None:
+            raise  # a stop signal, surfaced as another exception: the caller's to report
         sys.stdout.flush()
         report_internal_error(exc, verbose=argv.count("-v") + 2 * argv.count("-vv"))
         return INTERNAL_ERROR_STATUS

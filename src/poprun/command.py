@@ -31,10 +31,38 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+def interruption_behind(error: BaseException | None) -> BaseException | None:
+    """The signal's exception (a Stopped, a KeyboardInterrupt: not an Exception) behind
+    `error`, if any: Python wraps one raised while a class is being made (`__set_name__`,
+    during an import) in a RuntimeError."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if not isinstance(error, Exception):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class EarlyStop:
+    """The handler of the stop signals until a launch takes them over: raises Stopped, and
+    remembers the signal (`received`) for when the exception cannot propagate — raised
+    inside an at-fork hook or a finalizer, Python only prints it — so that the launch that
+    takes the signals over acts on it (job.install_signal_handlers)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received = signum
+        raise Stopped(signum)
+
+
 def run() -> None:
     claim_standard_fds()
+    early = EarlyStop()
     for sig in STOP_SIGNALS:
-        signal.signal(sig, _stop)
+        signal.signal(sig, early)
     code = _run()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -55,17 +83,16 @@ def _run() -> int:
             return main()
         finally:
             reap_children()
-    except Stopped as stop:
+    except BaseException as exc:  # noqa: BLE001 - a Stopped, perhaps wrapped (see below)
+        stop = interruption_behind(exc)
+        if not isinstance(stop, Stopped):
+            raise
         name = signal.Signals(stop.signum).name
         try:
             os.write(2, f"poprun: stopped by {name}\n".encode())
         except OSError:
             pass
         return 128 + stop.signum
-
-
-def _stop(signum: int, frame: object) -> None:
-    raise Stopped(signum)
 
 
 def claim_standard_fds() -> None:

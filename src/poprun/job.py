@@ -34,6 +34,7 @@ from .result import InstanceResult, LaunchResult
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LOST_HOST_STATUS = 255  # the status of an instance whose host was lost (ssh's own 255)
+OUTPUT_ERROR_STATUS = 74  # EX_IOERR: output could not be written (a full disk...): job stopped
 
 
 @dataclass
@@ -59,9 +60,10 @@ class Job:
         self.router = OutputRouter(OutputOptions(
             tag=config.effective_tag_output, timestamp=config.effective_timestamp_output,
             only_instance=config.only_output_from_instance,
-            directory=os.path.abspath(directory[:-7] if nocopy else directory) if directory
+            directory=os.path.join(cwd, directory[:-7] if nocopy else directory) if directory
             else None, copy_to_console=not nocopy, colour_environ=environ),
-            stdout_fd, stderr_fd, self._broken_pipe)
+            stdout_fd, stderr_fd, self._broken_pipe, self._write_error)
+        self.output_error: str | None = None  # why output could not be written, if so
         self.started: dict[int, Started] = {}
         self.first_output: dict[int, float] = {}  # time.time() of each instance's first block
         self.launch_time = time.time()
@@ -235,7 +237,8 @@ class Job:
         if self.view is not None:
             self.view.instance_exited(key, returncode, self.loop.time())
         self.log.info(f"instance {key} (pid {record.pid}) exited with {returncode}")
-        if returncode != 0 and self.root_cause is None and self.stop_signal is None:
+        if returncode != 0 and self.root_cause is None and self.stop_signal is None \
+                and self.output_error is None:
             self.root_cause = key
             self._stopping(f"instance {key} failed")
             self._stop(signal.SIGTERM)
@@ -254,7 +257,8 @@ class Job:
             record = self.started[key]
             record.lost, record.end = reason, time.time()
             self.done.add(key)
-        if lost and self.root_cause is None and self.stop_signal is None:
+        if lost and self.root_cause is None and self.stop_signal is None \
+                and self.output_error is None:
             self.root_cause = lost[0]
             self._stopping(f"{host} lost")
             self._stop(signal.SIGTERM)
@@ -293,6 +297,13 @@ class Job:
             self._stopping("SIGPIPE")
             self._stop(signal.SIGTERM)
 
+    def _write_error(self, where: str, exc: OSError) -> None:
+        """Output that cannot be written is not dropped silently: the job stops (exit 74)."""
+        if self.output_error is None and self.stop_signal is None:  # the report says it
+            self.output_error = f"cannot write {where}: {exc.strerror or exc}"
+            self._stopping("output error")
+            self._stop(signal.SIGTERM)
+
     def _stopping(self, reason: str) -> None:
         if self.view is not None:
             self.view.stopping(reason)
@@ -322,7 +333,9 @@ class Job:
                 first_output_time=self.first_output.get(i))
             for i, r in sorted(self.started.items()))
         by_index = {inst.index: inst for inst in instances}
-        if self.stop_signal is not None:
+        if self.output_error is not None:
+            code = OUTPUT_ERROR_STATUS
+        elif self.stop_signal is not None:
             code = 128 + self.stop_signal
         elif self.root_cause is not None:
             code = by_index[self.root_cause].exit_status
@@ -330,7 +343,7 @@ class Job:
             code = 0
         return LaunchResult(instances=instances, exit_code=code, root_cause=self.root_cause,
                             stop_signal=self.stop_signal, phases=self._phases(instances),
-                            start_time=self.launch_time)
+                            start_time=self.launch_time, output_error=self.output_error)
 
     def _phases(self, instances: tuple[InstanceResult, ...]) -> dict[str, dict[str, float]]:
         """Per host: what the fleet measured (remote), plus first start and first output."""
@@ -353,6 +366,12 @@ def install_signal_handlers(loop, handler):
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, handler, sig)
+    # A handler before ours that saw a signal it could not act on (the poprun command's
+    # EarlyStop, whose exception Python swallows inside an at-fork hook): act on it now.
+    missed = next((old.received for old in previous.values()
+                   if getattr(old, "received", None)), None)
+    if missed:
+        loop.call_soon(handler, missed)
 
     def restore() -> None:
         for sig, old in previous.items():

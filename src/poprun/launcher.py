@@ -26,7 +26,7 @@ from spawner.local import resolve_program
 from . import plan as planning
 from .config import INERT_FIELDS, VIPU_FIELDS, LaunchConfig
 from .crash import report_internal_error
-from .errors import ConfigError, PoprunError
+from .errors import ConfigError, LaunchError, PoprunError
 from .hosts import Host, is_local, job_hosts
 from .log import Log
 from .output import write_all
@@ -247,6 +247,13 @@ class _Session:
         self.cache = _CacheDir(config, self.mode, self.lifeline, log)
         self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
                        self.stderr_fd, self.loop)
+        try:  # poprun writes every instance's files, remote ones too: here is the place
+            self.job.router.check_directory()
+        except OSError as exc:
+            self.lifeline.close()
+            raise LaunchError(f"--output-filename: cannot write to "
+                              f"{exc.filename or config.effective_output_filename} on this "
+                              f"host ({socket.gethostname()}): {exc.strerror}") from None
         # From here a stop signal is the job's: before any instance runs, it ends the launch.
         self._restore_signals = install_signal_handlers(self.loop, self.job.on_signal)
         return self

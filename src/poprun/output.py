@@ -52,8 +52,14 @@ class OutputRouter:
     """Implements spawner.local.Sink's output half; the launcher adds the exit half."""
 
     def __init__(self, options: OutputOptions, stdout_fd: int = 1, stderr_fd: int = 2,
-                 on_broken_pipe: Callable[[], None] = lambda: None) -> None:
+                 on_broken_pipe: Callable[[], None] = lambda: None,
+                 on_write_error: Callable[[str, OSError], None] = lambda where, exc: None
+                 ) -> None:
         self._options = options
+        # Called once per destination that cannot be written (a full disk, a stdout opened
+        # read-only): that destination is dropped, the others go on, and the job stops.
+        self._on_write_error = on_write_error
+        self._failed_files: set[tuple[int, Stream]] = set()
         # How console bytes are written: write_all, or a live dashboard's emit, which erases
         # its panel around them (set by the job when there is one).
         self.write = write_all
@@ -75,8 +81,8 @@ class OutputRouter:
         record.lines += data.count(b"\n")
         if stream is Stream.STDERR:
             record.stderr_tail.extend(data.splitlines()[-TAIL_LINES:])
-        if self._options.directory is not None:
-            self._file(key, stream).write(data)
+        if self._options.directory is not None and (key, stream) not in self._failed_files:
+            self._to_file(key, stream, data)
         only = self._options.only_instance
         if self._options.copy_to_console and (only is None or only == key) and (
                 stream not in self._closed):
@@ -85,6 +91,16 @@ class OutputRouter:
             except BrokenPipeError:  # e.g. `poprun ... | head`: stop the job as SIGPIPE would
                 self._closed.add(stream)
                 self._on_broken_pipe()
+            except OSError as exc:  # e.g. a stdout opened read-only, or on a full disk
+                self._closed.add(stream)
+                self._on_write_error(f"poprun's {stream.name.lower()}", exc)
+
+    def _to_file(self, key: int, stream: Stream, data: bytes) -> None:
+        try:
+            self._file(key, stream).write(data)
+        except OSError as exc:
+            self._failed_files.add((key, stream))
+            self._on_write_error(exc.filename or self._file_path(key, stream), exc)
 
     def _prefix(self, key: int, stream: Stream) -> bytes:
         prefix = b""
@@ -129,13 +145,29 @@ class OutputRouter:
         else:  # the last line of a stream, unterminated: end it, or the next tag joins it
             self.write(fd, prefix, body, b"\n")
 
+    def check_directory(self) -> None:
+        """Before anything starts: the `--output-filename` directory can be created and
+        written (not a file, not on a read-only filesystem...). Raises OSError."""
+        if self._options.directory is None:
+            return
+        import tempfile
+
+        folder = os.path.join(self._options.directory, "1")
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".poprun-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+
+    def _file_path(self, key: int, stream: Stream) -> str:
+        return os.path.join(self._options.directory, "1", f"rank.{key}", stream.name.lower())
+
     def _file(self, key: int, stream: Stream):
         handle = self._files.get((key, stream))
         if handle is None:
-            folder = os.path.join(self._options.directory, "1", f"rank.{key}")
-            os.makedirs(folder, exist_ok=True)
-            name = "stdout" if stream is Stream.STDOUT else "stderr"
-            handle = self._files[(key, stream)] = open(os.path.join(folder, name), "wb")
+            path = self._file_path(key, stream)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            # Unbuffered: a write error (a full disk) shows at the write, naming this file.
+            handle = self._files[(key, stream)] = open(path, "wb", buffering=0)
         return handle
 
     def close(self) -> None:

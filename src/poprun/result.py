@@ -46,6 +46,7 @@ class LaunchResult:
     # "agent_ready", "first_started", "first_output" (remote hosts have all four).
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     start_time: float = 0.0  # time.time() when the launch began
+    output_error: str | None = None  # output that could not be written stopped the job
 
     @property
     def ok(self) -> bool:
@@ -64,6 +65,8 @@ class LaunchResult:
         if self.ok:
             return []
         lines = []
+        if self.output_error is not None:
+            lines.append(("stopped", f"poprun: stopped: {self.output_error}"))
         if self.stop_signal is not None:
             lines.append(("stopped", f"poprun: stopped by {signal_name(self.stop_signal)}"))
         if self.root_cause is not None:
@@ -108,6 +111,7 @@ class LaunchResult:
             "exit_code": self.exit_code,
             "root_cause": self.root_cause,
             "stop_signal": signal_name(self.stop_signal) if self.stop_signal else None,
+            "output_error": self.output_error,
             "start_time": self.start_time,
             "phases": self.phases,
             "instances": [{

@@ -28,6 +28,7 @@ import time
 from .containment import MARK, kill_marked, remove_tree
 
 RESWEEP_DELAY = 0.05  # seconds between the watchdog's two sweeps for marked processes
+_OWNER_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
 class Lifeline:
@@ -36,13 +37,20 @@ class Lifeline:
     def __init__(self) -> None:
         self.token = os.urandom(8).hex()
         read_fd, self._write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the watchdog; it never returns from here
-            try:
-                os.close(self._write_fd)
-                _watch(read_fd, self.token)
-            finally:
-                os._exit(0)
+        # Stop signals wait until the fork is done: a Python handler run inside os.fork's
+        # at-fork hooks would have its exception swallowed, and the watchdog must not die
+        # of one before it ignores them.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _OWNER_SIGNALS)
+        try:
+            pid = os.fork()
+            if pid == 0:  # the watchdog; it never returns from here
+                try:
+                    os.close(self._write_fd)
+                    _watch(read_fd, self.token, blocked)
+                finally:
+                    os._exit(0)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(read_fd)
         self.pid = pid
 
@@ -80,12 +88,13 @@ class Lifeline:
         os.write(self._write_fd, message)  # small writes to a pipe are atomic
 
 
-def _watch(read_fd: int, token: str) -> None:
+def _watch(read_fd: int, token: str, mask: set[int]) -> None:
     # Own session: a Ctrl-C or a kill of the launcher's process group must not take the
     # watchdog down before it has done its work; signals are ignored for the same reason.
     os.setsid()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    for sig in _OWNER_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     os.closerange(0, read_fd)
     os.closerange(read_fd + 1, 4096)  # hold no pipe of the owner's open (its readers wait)
     groups: set[int] = set()

@@ -1,0 +1,106 @@
+"""Output that cannot be written: `--output-filename` on a regular file or a read-only
+filesystem is refused before anything starts (exit 2, one line naming the path); a disk that
+fills during the run, or a stdout that cannot be written, stops the job (exit 74, one line
+naming the file) with the console output intact — locally and for instances on sshd hosts
+(poprun writes every instance's files itself).
+
+Real filesystems: small tmpfs mounts made for the test (root only; skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env, run_poprun
+from sshd_hosts import start_ssh_hosts
+
+pytestmark = pytest.mark.timeout(90)
+PY = sys.executable
+OUTPUT_ERROR = 74
+WRITER = ("import os, sys\n"
+          "for i in range(3000):\n"
+          "    print(f\"{os.environ['RANK']}:{i:05d}:\" + 'x' * 80)\n")
+LINE = re.compile(rb"^[01]:\d{5}:x{80}$")
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, *options: str):
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=64k", *options)),
+                           "tmpfs", str(path)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    with start_ssh_hosts(1, tmp_path) as h:
+        yield h
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_regular_file_is_refused_before_anything_starts(where, tmp_path, request):
+    target = tmp_path / "a-file"
+    target.write_text("")
+    witness = tmp_path / "ran"
+    extra, env = [], {}
+    if where == "remote":
+        hosts = request.getfixturevalue("hosts")
+        extra, env = ["-H", "h1"], hosts.env()
+    proc = run_poprun(*OFFLINE, *extra, f"--output-filename={target}", "--num-instances=1",
+                      "--num-replicas=1", "touch", str(witness), env=env)
+    assert_usage_error(proc, str(target), "Not a directory", "on this host")
+    assert not witness.exists()
+
+
+def test_a_read_only_filesystem_is_refused_before_anything_starts(tmp_path):
+    with tmpfs(tmp_path / "ro", "ro") as ro:
+        witness = tmp_path / "ran"
+        proc = run_poprun(*OFFLINE, f"--output-filename={ro}/out", "--num-instances=1",
+                          "--num-replicas=1", "touch", str(witness))
+        assert_usage_error(proc, f"{ro}/out", "Read-only file system")
+        assert not witness.exists()
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_disk_that_fills_stops_the_job_naming_the_file(where, tmp_path, request):
+    extra, env = [], {}
+    if where == "remote":
+        hosts = request.getfixturevalue("hosts")
+        extra, env = ["-H", "h1"], hosts.env()
+    with tmpfs(tmp_path / "small") as small:
+        proc = run_poprun(*OFFLINE, *extra, f"--output-filename={small}/out",
+                          "--num-instances=2", "--num-replicas=2", PY, "-c", WRITER, env=env)
+        err = proc.stderr.decode()
+        assert proc.returncode == OUTPUT_ERROR, err
+        assert "Traceback" not in err
+        found = re.findall(r"^poprun: stopped: cannot write (\S+): No space left on device$",
+                           err, re.M)
+        assert len(found) == 1 and found[0].startswith(f"{small}/out/1/rank."), err
+        lines = proc.stdout.splitlines()
+        assert lines and all(LINE.match(line) for line in lines)  # every line whole
+
+
+def test_a_stdout_that_cannot_be_written_stops_the_job():
+    """A stdout opened read-only (`poprun ... 1</dev/null`): one line, exit 74."""
+    command = shlex.join(poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                                     PY, "-c", "print('x')"))
+    done = subprocess.run(["sh", "-c", f"{command} 1</dev/null"], env=poprun_env(),
+                          stderr=subprocess.PIPE, timeout=60)
+    err = done.stderr.decode()
+    assert done.returncode == OUTPUT_ERROR, err
+    assert "Traceback" not in err
+    assert re.search(r"^poprun: stopped: cannot write poprun's stdout: Bad file descriptor$",
+                     err, re.M), err

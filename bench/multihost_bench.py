@@ -39,8 +39,9 @@ sys.path[:0] = [str(BENCH_DIR), str(REPO / "tests")]
 
 # The timing, process-tree and reporting plumbing is launch_bench's, so both benchmarks measure
 # the same way (pidfd wake-up, own session per run, SIGKILL of the whole tree on a hang).
-from launch_bench import (Run, Side, checked, counts, default_poprun, descendants,  # noqa: E402
-                          kill_unfinished, machine_info, ms, results_path, tail, wait_all)
+from launch_bench import (BYTECODE_VAR, Run, Side, checked, counts, default_poprun,  # noqa: E402
+                          descendants, kill_unfinished, machine_info, ms, python_env, results_path,
+                          tail, wait_all)
 from sshd_hosts import SshHosts, start_ssh_hosts  # noqa: E402
 
 # Between two runs, the sshd session processes of the last one (and, after a hang, mpirun's
@@ -103,21 +104,8 @@ class Component:
     note: str = ""
 
 
-# If the environment says PYTHONDONTWRITEBYTECODE (this sandbox does), every module whose
-# source is newer than its .pyc is compiled again on every poprun start: 20-60 ms of CPU here,
-# charged to poprun, and no warm-up helps. The launcher runs get a private bytecode cache
-# instead (PYTHONPYCACHEPREFIX in the run's temp dir, filled by the warm-up): steady state, as
-# for a user, and nothing written outside the temp dir. The agents are started by sshd with a
-# clean environment and are not affected.
-BYTECODE_VAR = "PYTHONDONTWRITEBYTECODE"
-
-
-def python_env(base: dict[str, str], pycache: Path | None) -> dict[str, str]:
-    if pycache is None:
-        return dict(base)
-    env = {k: v for k, v in base.items() if k != BYTECODE_VAR}
-    env["PYTHONPYCACHEPREFIX"] = str(pycache)
-    return env
+# PYTHONDONTWRITEBYTECODE: the launcher runs get a private bytecode cache (launch_bench's
+# python_env). The agents are started by sshd with a clean environment and are not affected.
 
 
 # ---------------------------------------------------------------------------- processes
@@ -233,7 +221,7 @@ class Tools:
 
 
 def bench_case(tools: Tools, ssh: SshHosts, case: Case, reps: int, max_hangs: int, tmp: Path,
-               scratch_n: list[int], pycache: Path | None) -> CaseResult:
+               scratch_n: list[int], pycache: Path | None, phases: bool = True) -> CaseResult:
     names = ssh.aliases[:case.hosts]
     env = python_env(ssh.env(), pycache)
 
@@ -280,7 +268,8 @@ def bench_case(tools: Tools, ssh: SshHosts, case: Case, reps: int, max_hangs: in
         progress(f"{case.name} rep {rep + 1}/{reps} mpirun", run)
 
     result = CaseResult(case, sides)
-    result.phases = phase_run(tools, ssh, case, names, env, scratch())
+    if phases:
+        result.phases = phase_run(tools, ssh, case, names, env, scratch())
     return result
 
 
@@ -637,10 +626,11 @@ def rc_file() -> Path:
     return Path(pwd.getpwuid(os.getuid()).pw_dir) / ".bashrc"
 
 
-def reexec_without_rc(argv: list[str] | None) -> int:
+def reexec_without_rc(argv: list[str] | None, script: Path | None = None) -> int:
     """Run this script again in a private mount namespace where ~/.bashrc is /dev/null, so
     every ssh session (poprun's agents, mpirun's orteds) starts without it. Changes no file
-    and nothing outside the namespace (other work on the machine still sees the real one)."""
+    and nothing outside the namespace (other work on the machine still sees the real one).
+    `script`: the script to run again with `argv` (default: this one; run_all.py passes itself)."""
     rc = rc_file()
     if os.getuid() != 0 or not shutil.which("unshare"):
         print("multihost_bench: --without-bashrc needs root and unshare(1)", file=sys.stderr)
@@ -650,7 +640,7 @@ def reexec_without_rc(argv: list[str] | None) -> int:
     args = sys.argv[1:] if argv is None else argv
     cmd = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
            'mount --bind /dev/null "$1" && shift && exec "$@"', "sh", str(rc),
-           sys.executable, str(Path(__file__).resolve()), *args]
+           sys.executable, str(script or Path(__file__).resolve()), *args]
     return subprocess.run(cmd, env={**os.environ, NAMESPACE_MARK: str(rc)}).returncode
 
 

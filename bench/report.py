@@ -1,0 +1,629 @@
+#!/usr/bin/env python3
+"""Render run_all.py's results: the targets, results.md and results.png, from results.json.
+
+Pure functions of the results document (a dict, as run_all writes it), so the page and the
+chart can be rendered again, and tested, without running anything:
+
+    python bench/report.py bench/results.json      # rewrites results.md and results.png beside it
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+# The targets of issue 18, point 4.
+LAUNCH_FLOOR_N = 8
+LAUNCH_FLOOR_MAX_S = 0.060  # poprun median - floor median, at 8 instances
+LAUNCH_MPIRUN_FROM = 64  # from this N on, poprun faster than mpirun
+TORCHRUN_MIN_X = 10.0  # torchrun median / poprun median, at every N
+OUTPUT_FLOOR_MAX_X = 1.5  # poprun median / one-writer floor median
+RSS_MAX_MIB = 80.0  # every run, at TARGET_N instances
+TEARDOWN_MAX_S = 1.0  # every run, at TARGET_N instances
+TARGET_N = 256
+
+NAMES = {"baseline": "no launcher", "none": "no launcher", "floor": "floor",
+         "series": "writers in series"}
+FLOOR_NAMES = {"launch": '`python -c "import asyncio"`', "output": "one writer (dd)"}
+COLOURS = {"floor": "#999999", "series": "#7f7f7f", "baseline": "#bbbbbb", "poprun": "#1f77b4", "mpirun": "#d62728",
+           "torchrun": "#ff7f0e", "srun": "#2ca02c"}
+QUICK_BANNER = ("**Quick run (`--quick`), machine shared: smoke-test figures, not the published "
+                "ones.** Fewer sizes, one repetition, 20k lines.")
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def side(sides: list[dict], name: str) -> dict | None:
+    return next((s for s in sides if s["name"] == name), None)
+
+
+def med(s: dict | None) -> float | None:
+    return s.get("median_s") if s else None
+
+
+def fmt_s(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 10:
+        return f"{seconds:.2f} s"
+    return f"{seconds:.1f} s"
+
+
+def fmt_range(lo: float | None, hi: float | None, unit=fmt_s) -> str:
+    if lo is None or hi is None or lo == hi:
+        return ""
+    return f" ({unit(lo)}–{unit(hi)})"
+
+
+def problems(s: dict) -> str:
+    """'2 hung, 1 failed' etc.: what kept runs from being timed, and flagged output."""
+    parts = [f"{s[k]} {k}" for k in ("hung", "failed", "skipped") if s.get(k)]
+    malformed = sum(1 for r in s.get("runs", []) if r.get("status") == "ok" and r.get("verified") is False)
+    if malformed:
+        parts.append(f"{malformed} malformed output†")
+    return ", ".join(parts)
+
+
+def cell(s: dict | None) -> str:
+    """'412 ms (398 ms–430 ms)', with what went wrong."""
+    if s is None:
+        return "—"
+    text = fmt_s(s.get("median_s")) + fmt_range(s.get("min_s"), s.get("max_s"))
+    if why := problems(s):
+        text += f" · {why}"
+    return text
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def fmt_x(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.2f}×" if x < 10 else f"{x:.1f}×"
+
+
+def mib(kib: float | None) -> str:
+    return "—" if kib is None else f"{kib / 1024:.1f} MiB"
+
+
+def poprun_problem(s: dict | None) -> str:
+    """'' if every poprun run succeeded, else why a target cannot hold."""
+    if s is None:
+        return "poprun not run"
+    bad = [r for r in s.get("runs", []) if r["status"] in ("failed", "hung")]
+    if bad:
+        return f"{len(bad)} of {len(s['runs'])} poprun runs {bad[0]['status']}: {bad[0]['detail'][:160]}"
+    if s.get("median_s") is None:
+        return "no successful poprun run"
+    return ""
+
+
+def target(name: str, description: str, status: str, detail: str) -> dict:
+    return {"name": name, "description": description, "status": status, "detail": detail}
+
+
+def competitor_target(name: str, desc: str, pop: dict | None, other: dict | None, other_name: str,
+                      holds) -> dict:
+    """A target comparing poprun's median with another side's: holds(ratio) decides."""
+    if why := poprun_problem(pop):
+        return target(name, desc, "fail", why)
+    if other is None:
+        return target(name, desc, "skip", f"{other_name} not run")
+    if other.get("median_s") is None:
+        hung = other.get("hung", 0)
+        if hung and not other.get("failed"):
+            # A launcher that never finished is slower than one that did.
+            return target(name, desc, "pass", f"{other_name} completed none of its runs ({hung} hung)")
+        return target(name, desc, "skip", f"{other_name} completed no run ({problems(other)})")
+    x = pop["median_s"] / other["median_s"]
+    return target(name, desc, "pass" if holds(x) else "fail",
+                  f"poprun {fmt_s(pop['median_s'])} = {fmt_x(x)} {other_name}'s {fmt_s(other['median_s'])}")
+
+
+# ---------------------------------------------------------------------------- targets
+
+
+def targets(doc: dict) -> list[dict]:
+    """Every target of the scenarios that ran, with pass / fail / skip and the figures."""
+    out: list[dict] = []
+    sc = doc.get("scenarios", {})
+    launch = sc.get("launch", {})
+    for case in launch.get("cases", []):
+        n, sides = case["n"], case["sides"]
+        pop = side(sides, "poprun")
+        if n == LAUNCH_FLOOR_N:
+            desc = (f"launch ×{n}: poprun within {LAUNCH_FLOOR_MAX_S * 1000:.0f} ms of "
+                    '`python -c "import asyncio"`')
+            floor = side(sides, "floor")
+            if why := poprun_problem(pop):
+                out.append(target(f"launch-{n}-floor", desc, "fail", why))
+            elif med(floor) is None:
+                out.append(target(f"launch-{n}-floor", desc, "skip", "no floor run"))
+            else:
+                gap = pop["median_s"] - floor["median_s"]
+                out.append(target(f"launch-{n}-floor", desc, "pass" if gap <= LAUNCH_FLOOR_MAX_S else "fail",
+                                  f"poprun {fmt_s(pop['median_s'])} − floor {fmt_s(floor['median_s'])} = "
+                                  f"{gap * 1000:+.0f} ms"))
+        if n >= LAUNCH_MPIRUN_FROM:
+            out.append(competitor_target(f"launch-{n}-mpirun", f"launch ×{n}: poprun faster than mpirun",
+                                         pop, side(sides, "mpirun"), "mpirun", lambda x: x < 1))
+        out.append(competitor_target(
+            f"launch-{n}-torchrun", f"launch ×{n}: poprun ≥ {TORCHRUN_MIN_X:.0f}× faster than torchrun",
+            pop, side(sides, "torchrun"), "torchrun", lambda x: x <= 1 / TORCHRUN_MIN_X))
+    for case in sc.get("output", {}).get("cases", []):
+        n, sides = case["n"], case["sides"]
+        pop = side(sides, "poprun")
+        out.append(competitor_target(
+            f"output-{n}-floor", f"output ×{n}: poprun within {OUTPUT_FLOOR_MAX_X:g}× the one-writer floor",
+            pop, side(sides, "floor"), "floor", lambda x: x <= OUTPUT_FLOOR_MAX_X))
+        out.append(competitor_target(f"output-{n}-mpirun", f"output ×{n}: poprun faster than mpirun",
+                                     pop, side(sides, "mpirun"), "mpirun", lambda x: x < 1))
+    for case in sc.get("ssh", {}).get("cases", []):
+        out.append(competitor_target(f"ssh-{case['case']}", f"ssh fan-out {case['case']}: poprun faster than mpirun",
+                                     side(case["sides"], "poprun"), side(case["sides"], "mpirun"), "mpirun",
+                                     lambda x: x < 1))
+    td = sc.get("teardown", {})
+    if td.get("sides"):
+        pop = side(td["sides"], "poprun")
+        at = "" if td["n"] == TARGET_N else f" (measured at {td['n']}; the target is at {TARGET_N})"
+        reported = td.get("reported", ["rss", "teardown"])
+        if "rss" in reported:
+            desc = f"RSS: poprun's peak ≤ {RSS_MAX_MIB:g} MiB at {TARGET_N} instances"
+            rss = (pop or {}).get("rss_kib")
+            if why := poprun_problem(pop):
+                out.append(target("rss", desc, "fail", why))
+            elif td["n"] != TARGET_N or rss is None:
+                out.append(target("rss", desc, "skip", f"max {mib(rss and rss['max'])}{at}"))
+            else:
+                out.append(target("rss", desc, "pass" if rss["max"] / 1024 <= RSS_MAX_MIB else "fail",
+                                  f"max over runs {mib(rss['max'])} (median {mib(rss['median'])})"))
+        if "teardown" in reported:
+            desc = f"teardown: every poprun run ≤ {TEARDOWN_MAX_S:g} s at {TARGET_N} instances"
+            if why := poprun_problem(pop):
+                out.append(target("teardown", desc, "fail", why))
+            elif td["n"] != TARGET_N:
+                out.append(target("teardown", desc, "skip", f"max {fmt_s(pop['max_s'])}{at}"))
+            else:
+                out.append(target("teardown", desc, "pass" if pop["max_s"] <= TEARDOWN_MAX_S else "fail",
+                                  f"max {fmt_s(pop['max_s'])} (median {fmt_s(pop['median_s'])})"))
+    return out
+
+
+# ---------------------------------------------------------------------------- results.md
+
+
+def side_title(name: str, scenario: str = "") -> str:
+    if name == "floor":
+        return f"floor: {FLOOR_NAMES.get(scenario, 'floor')}"
+    return NAMES.get(name, name)
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return (["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+            + ["| " + " | ".join(r) + " |" for r in rows] + [""])
+
+
+def skipped_note(block: dict) -> list[str]:
+    lines = []
+    if block.get("skipped"):
+        lines.append(f"Skipped: {block['skipped']}.\n")
+    if block.get("error"):
+        lines.append(f"**This scenario failed:** `{block['error']}`\n")
+    for name, why in (block.get("not_applicable") or {}).items():
+        lines.append(f"- {NAMES.get(name, name)}: not applicable ({why}).")
+    if block.get("not_applicable"):
+        lines.append("")
+    return lines
+
+
+def render_markdown(doc: dict) -> str:
+    m = doc.get("machine", {})
+    sides = doc.get("sides", {})
+    sc = doc.get("scenarios", {})
+    L: list[str] = ["# poprun benchmarks", ""]
+    if doc.get("quick"):
+        L += ["> " + QUICK_BANNER, ""]
+    L += [f"Measured {m.get('timestamp', '?')} with `{doc.get('command', 'python bench/run_all.py')}` "
+          f"({doc.get('seconds', 0):.0f} s in all). Every side of a scenario ran in the same invocation, "
+          "alternating (A B C A B C …). Figures are the **median (min–max)** of the successful runs; "
+          "ratios are medians divided.", ""]
+    load_b = m.get("load_before") or []
+    load_a = m.get("load_after") or []
+    L += ["## Machine", ""]
+    L += md_table(["", ""], [
+        ["CPU", f"{m.get('cpu_model', '?')}"],
+        ["cores", f"{m.get('cpus', '?')} ({m.get('cpus_usable', '?')} usable)"],
+        ["memory", m.get("memory", "?")],
+        ["kernel", m.get("kernel", "?")],
+        ["Python", f"{m.get('python', '?')} (`{m.get('python_path', '')}`)"],
+        ["load average (1, 5, 15 min)", "before " + ", ".join(f"{x:.2f}" for x in load_b)
+         + ("; after " + ", ".join(f"{x:.2f}" for x in load_a) if load_a else "")],
+    ])
+    L += ["## Sides", ""]
+    rows = []
+    for name in ("poprun", "mpirun", "torchrun", "none"):
+        info = sides.get(name)
+        if not info:
+            continue
+        shown = "no launcher" if name == "none" else name
+        if info.get("available"):
+            rows.append([shown, info.get("version", ""), f"`{info['path']}`" if info.get("path") else ""])
+        else:
+            rows.append([shown, f"**skipped**: {info.get('reason', 'not installed')}", ""])
+    L += md_table(["side", "version", "path"], rows)
+    if doc.get("private_pycache"):
+        L += ["PYTHONDONTWRITEBYTECODE was set, so poprun and the asyncio floor ran with a private, "
+              "warmed bytecode cache (PYTHONPYCACHEPREFIX), as a user's installation would have.", ""]
+
+    L += ["## Targets", ""]
+    ts = doc.get("targets") or targets(doc)
+    if ts:
+        held = sum(t["status"] == "pass" for t in ts)
+        missed = [t["name"] for t in ts if t["status"] == "fail"]
+        L += [f"{held} of {len(ts)} hold" + (f"; missed: {', '.join(missed)}" if missed else "") + ".", ""]
+        L += md_table(["target", "holds?", "measured"],
+                      [[t["description"], {"pass": "yes", "fail": "**no**", "skip": "not judged"}[t["status"]],
+                        t["detail"]] for t in ts])
+    else:
+        L += ["No scenario with a target ran.", ""]
+    L += ["![side's time ÷ poprun's](results.png)", ""]
+
+    if "launch" in sc:
+        L += launch_section(sc["launch"])
+    if "output" in sc:
+        L += output_section(sc["output"])
+    if "ssh" in sc:
+        L += ssh_section(sc["ssh"])
+    if "teardown" in sc:
+        L += teardown_section(sc["teardown"])
+    if "slurm" in sc:
+        L += slurm_section(sc["slurm"])
+    if "profile" in doc:
+        L += profile_section(doc["profile"])
+    L += methods()
+    return "\n".join(L).rstrip() + "\n"
+
+
+def launch_section(block: dict) -> list[str]:
+    L = ["## Launch latency", "",
+         "`true` as N instances, stdout to /dev/null: from just before the launcher's `Popen` to "
+         "the reaping of its exit. *No launcher*: the N `true` started at once by the benchmark "
+         'itself. *Floor*: `python -c "import asyncio"`, once whatever N: what any launcher written '
+         "with asyncio pays before it does anything.", ""]
+    L += skipped_note(block)
+    cases = block.get("cases", [])
+    if not cases:
+        return L
+    names = [s["name"] for s in cases[0]["sides"]]
+    header = ["N"] + [NAMES.get(n, n) for n in names]
+    others = [n for n in names if n in ("mpirun", "torchrun")]
+    gap = "poprun" in names and "floor" in names
+    header += (["poprun − floor"] if gap else []) + [f"{n} ÷ poprun" for n in others]
+    rows = []
+    for case in cases:
+        pop = side(case["sides"], "poprun")
+        row = [str(case["n"])] + [cell(side(case["sides"], n)) for n in names]
+        if gap:
+            floor = side(case["sides"], "floor")
+            row.append(f"{(med(pop) - med(floor)) * 1000:+.0f} ms" if med(pop) is not None and med(floor) is not None
+                       else "—")
+        row += [fmt_x(ratio(med(side(case["sides"], n)), med(pop))) for n in others]
+        rows.append(row)
+    L += md_table(header, rows)
+    return L
+
+
+def output_section(block: dict) -> list[str]:
+    L = ["## Tagged output throughput", "",
+         f"N instances of `{block.get('writer', 'seq')}` ({block.get('lines', 0):,} lines of "
+         f"{block.get('line_bytes', 59)} bytes each), `--tag-output` (torchrun: `--tee 3`), the "
+         "launcher's stdout to a file; every launcher's output is checked line by line. *No launcher*: "
+         "the N writers each writing to a file of its own. *Floor*: one process (`dd`, 128 KiB "
+         "blocks) writing exactly the tagged bytes a launcher must produce into the same kind of "
+         "file: the least any launcher that serialises lines into one stream can take, the writers' "
+         "own work not counted. *Writers in series*: the N writers one after the other, each writing "
+         "its lines already tagged (`seq -f '[1,i]<stdout>:%058.0f'`) into one file: the writers' work "
+         "plus one stream, with no launcher, no pipe and no concurrency (a launcher on several cores "
+         "can beat it). *Launcher CPU*: the launcher process's own user+system time, its instances "
+         "excluded.", ""]
+    L += skipped_note(block)
+    for case in block.get("cases", []):
+        pop = side(case["sides"], "poprun")
+        floor = side(case["sides"], "floor")
+        L += [f"**{case['n']} instances × {case['lines']:,} lines**", ""]
+        rows = []
+        for s in case["sides"]:
+            cpu = s.get("cpu_s")
+            rows.append([side_title(s["name"], "output"), cell(s),
+                         fmt_x(ratio(med(s), med(floor))), fmt_x(ratio(med(s), med(pop))),
+                         fmt_s(cpu["median"]) + fmt_range(cpu["min"], cpu["max"]) if cpu else "—"])
+        L += md_table(["side", "wall time", "÷ floor", "÷ poprun", "launcher CPU (own)"], rows)
+    if any(problems(s).endswith("†") or "malformed" in problems(s)
+           for c in block.get("cases", []) for s in c["sides"]):
+        L += ["† timed anyway, output not as a launcher should write it: mpirun 4.1 tags each chunk it "
+              "reads, not each line, so lines are torn and interleaved (bench/README.md).", ""]
+    return L
+
+
+def ssh_section(block: dict) -> list[str]:
+    L = ["## SSH fan-out", "",
+         "`hostname` on loopback \"hosts\" (one real OpenSSH `sshd` per address, 127.0.77.x, "
+         "tests/sshd_hosts.py), H hosts × I instances each: poprun `-H h1,...` (one asyncssh "
+         "connection and one agent per host) against mpirun `--host h1:I,...` (an `orted` per host "
+         "over OpenSSH). Output checked: exactly H×I lines, each this machine's name. Between runs "
+         "the benchmark waits until nothing runs under the sshd listeners.", ""]
+    if block.get("openssh"):
+        L += [f"OpenSSH: {block['openssh']}." + (" ~/.bashrc hidden (`--without-bashrc`)."
+                                                  if block.get("rc_file_hidden") else
+                                                  " Every ssh session ran the login shell's rc file as it is."), ""]
+    L += skipped_note(block)
+    rows = []
+    for case in block.get("cases", []):
+        pop = side(case["sides"], "poprun")
+        mpi = side(case["sides"], "mpirun")
+        rows.append([f"{case['hosts']} × {case['per_host']}", cell(pop), cell(mpi), fmt_x(ratio(med(mpi), med(pop)))])
+    if rows:
+        L += md_table(["hosts × instances", "poprun", "mpirun", "mpirun ÷ poprun"], rows)
+    return L
+
+
+def teardown_section(block: dict) -> list[str]:
+    n = block.get("n", TARGET_N)
+    reported = block.get("reported", ["rss", "teardown"])
+    if not block.get("sides"):
+        return ["## Launcher peak RSS and teardown", ""] + skipped_note(block)
+    L = []
+    rows_rss, rows_td = [], []
+    pop = side(block["sides"], "poprun")
+    for s in block["sides"]:
+        rss = s.get("rss_kib")
+        hwm = [r["extra"].get("hwm_kib") for r in s["runs"] if r["status"] == "ok" and r.get("extra")]
+        hwm = [h for h in hwm if h]
+        start = [r["extra"].get("start_s") for r in s["runs"] if r["status"] == "ok" and r.get("extra")]
+        pop_rss = ((pop or {}).get("rss_kib") or {}).get("median")
+        rows_rss.append([s["name"], (mib(rss["median"]) + fmt_range(rss["min"], rss["max"], mib)) if rss else "—",
+                         mib(sorted(hwm)[len(hwm) // 2]) if hwm else "—",
+                         fmt_x(ratio(rss and rss["median"], pop_rss))])
+        rows_td.append([s["name"], cell(s), fmt_x(ratio(med(s), med(pop))),
+                        fmt_s(sorted(start)[len(start) // 2]) if start else "—"])
+    if "rss" in reported:
+        L += [f"## Launcher peak RSS, {n} local instances", "",
+              f"In the teardown runs below ({n} `sleep` instances started, all running, then SIGTERM): "
+              "the launcher process's own peak resident set, its instances excluded: `VmHWM` from "
+              "/proc/<pid>/status, a high-water mark of its address space, read every 20 ms while the "
+              "instances start and every 10 ms during the teardown until it exits (so only growth in "
+              "its last 10 ms could be missed). Not `wait4`'s `ru_maxrss`: the kernel carries that "
+              "across exec, so a child of this benchmark starts with the benchmark's own peak (~50 MB).",
+              ""]
+        L += skipped_note(block)
+        L += md_table(["side", "peak RSS", "VmHWM when all run", "÷ poprun"], rows_rss)
+    if "teardown" in reported:
+        L += [f"## Teardown, {n} running instances", "",
+              f"{n} `sleep` instances under the launcher; once all {n} run (found by a marker unique to "
+              "the run in /proc/*/cmdline), SIGTERM to the launcher, and the time until the launcher and "
+              "every instance have exited (a pidfd each: exact wake-up, no polling).", ""]
+        if "rss" not in reported:
+            L += skipped_note(block)
+        L += md_table(["side", "SIGTERM → all exited", "÷ poprun", "start → all running"], rows_td)
+    return L
+
+
+def slurm_section(block: dict) -> list[str]:
+    L = ["## Slurm", "", "`srun` against `poprun --launcher slurm`, each inside its own allocation "
+         "(`salloc -N 2 -n N`) on a local two-node Slurm (tests/slurm_cluster.py).", ""]
+    L += skipped_note(block)
+    rows = []
+    for case in block.get("cases", []):
+        pop, srun = side(case["sides"], "poprun"), side(case["sides"], "srun")
+        rows.append([str(case["n"]), cell(pop), cell(srun), fmt_x(ratio(med(srun), med(pop)))])
+    if rows:
+        L += md_table(["N", "poprun", "srun", "srun ÷ poprun"], rows)
+    return L
+
+
+def profile_section(prof: dict) -> list[str]:
+    L = ["## Profile of the output path", ""]
+    if prof.get("skipped"):
+        return L + [f"Skipped: {prof['skipped']}.", ""]
+    if prof.get("error"):
+        return L + [f"py-spy failed: `{prof['error']}`", ""]
+    files = prof.get("files", {})
+    L += ["py-spy (250 samples/s) on one poprun run of the output scenario, "
+          f"`{' '.join(Path(prof['command'][0]).name if i == 0 else a for i, a in enumerate(prof['command']))}`: "
+          + ", ".join(f"[{f}]({f})" for f in files.values())
+          + " (flame graph; folded stacks for speedscope or flamegraph.pl). Start-up and imports are in "
+            "it too.", ""]
+    top = prof.get("top") or {}
+    if top.get("self"):
+        L += [f"Most samples ({top['total']} in all), by function: *own* = in the function itself, "
+              "*total* = with what it called.", ""]
+        rows = [[f"`{f}`", f"{100 * c / top['total']:.0f}%", f"{100 * top['inclusive'].get(f, c) / top['total']:.0f}%"]
+                for f, c in top["self"]]
+        L += md_table(["function", "own", "total"], rows)
+    return L
+
+
+def methods() -> list[str]:
+    return ["## How it is measured", "",
+            "- Wall time: `time.perf_counter()` from just before the first `Popen` to the reaping of the "
+            "last process, woken by a pidfd (not `Popen.wait(timeout)`, which polls in steps of up to 50 ms). "
+            "Every process has stdin `/dev/null` and a session of its own.",
+            "- Hangs are bounded: a run still going at its timeout is SIGKILLed with its whole tree and "
+            "counted as *hung*, never timed; after one hang at a size (two in the ssh scenario), a "
+            "competitor's remaining runs there are *skipped*. Failures are counted and never timed; "
+            "a competitor's wrong output is timed and flagged (†), poprun's is a failure.",
+            "- Launcher CPU (own): read from `/proc/<pid>/stat` (utime+stime) of the launcher after it has "
+            "exited and before it is reaped: a zombie keeps its final figures, its own time apart from its "
+            "reaped children's (cutime+cstime). `wait4`'s rusage would add the instances' CPU in. "
+            "Resolution: one clock tick (10 ms).",
+            "- Peak RSS: the launcher's own `VmHWM`, sampled (see that section).",
+            "- One untimed warm-up run per side first (page cache, bytecode caches); the sides then "
+            "alternate, so drift on the machine hits every side alike.",
+            "- Code: bench/run_all.py drives bench/launch_bench.py and bench/multihost_bench.py; "
+            "bench/report.py renders this page from results.json.", ""]
+
+
+# ---------------------------------------------------------------------------- profile
+
+
+def top_frames(folded: str, limit: int = 12) -> dict:
+    """py-spy's folded stacks ('frame;frame;... count' per line): the functions with the most
+    samples of their own, and each one's samples including its callees."""
+    own: collections.Counter = collections.Counter()
+    inclusive: collections.Counter = collections.Counter()
+    total = 0
+    for line in folded.splitlines():
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [_function(f) for f in stack.split(";")]
+        own[frames[-1]] += n
+        for f in set(frames):
+            inclusive[f] += n
+    return {"total": total, "self": own.most_common(limit),
+            "inclusive": {f: inclusive[f] for f, _ in own.most_common(limit)}}
+
+
+def _function(frame: str) -> str:
+    """'LocalSpawner._on_readable (spawner/local.py:197)' -> '... (spawner/local.py)': one
+    function's samples together, whichever line they were on."""
+    name, sep, where = frame.rpartition(" (")
+    if not sep:
+        return frame
+    return f"{name} ({where.rstrip(')').rsplit(':', 1)[0]})"
+
+
+# ---------------------------------------------------------------------------- results.png
+
+
+def chart_groups(doc: dict) -> list[tuple[str, list[str], list[tuple[str, dict[str, float | str | None]]]]]:
+    """(panel title, sides, [(group label, {side: ratio, or why there is none})]): each ratio
+    is the side's median ÷ poprun's (above 1: poprun is faster)."""
+    sc = doc.get("scenarios", {})
+    panels = []
+
+    def ratios(sides: list[dict], names: list[str], key=med) -> dict:
+        pop = side(sides, "poprun")
+        out: dict[str, float | str | None] = {}
+        for n in names:
+            s = side(sides, n)
+            out[n] = ratio(key(s), key(pop))
+            if out[n] is None:
+                out[n] = ("hung" if s and s.get("hung") else "failed" if s and s.get("failed")
+                          else "no poprun" if s else None)
+        return out
+
+    if sc.get("launch", {}).get("cases"):
+        names = [s["name"] for s in sc["launch"]["cases"][0]["sides"] if s["name"] != "poprun"]
+        panels.append(("Launch latency: true × N", names,
+                       [(f"N={c['n']}", ratios(c["sides"], names)) for c in sc["launch"]["cases"]]))
+    if sc.get("output", {}).get("cases"):
+        names = [s["name"] for s in sc["output"]["cases"][0]["sides"] if s["name"] != "poprun"]
+        panels.append(("Tagged output, wall time", names,
+                       [(f"{c['n']}×{c['lines'] // 1000}k lines", ratios(c["sides"], names))
+                        for c in sc["output"]["cases"]]))
+    if sc.get("ssh", {}).get("cases"):
+        panels.append(("SSH fan-out (hosts × instances)", ["mpirun"],
+                       [(c["case"], ratios(c["sides"], ["mpirun"])) for c in sc["ssh"]["cases"]]))
+    td = sc.get("teardown", {})
+    if td.get("sides"):
+        names = [s["name"] for s in td["sides"] if s["name"] != "poprun"]
+        groups = []
+        if "rss" in td.get("reported", ["rss"]):
+            groups.append((f"peak RSS ×{td['n']}", ratios(td["sides"], names,
+                                                          lambda s: s and (s.get("rss_kib") or {}).get("median"))))
+        if "teardown" in td.get("reported", ["teardown"]):
+            groups.append((f"teardown ×{td['n']}", ratios(td["sides"], names)))
+        panels.append(("Launcher memory and teardown", names, groups))
+    return panels
+
+
+def render_png(doc: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = chart_groups(doc)
+    cols = 2 if len(panels) > 1 else 1
+    rows = max(1, (len(panels) + cols - 1) // cols)
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.2 * rows + 0.9), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (title, names, groups) in zip(axes.flat, panels):
+        width = min(0.8 / max(1, len(names)), 0.35)
+        values = [v for _, g in groups for v in g.values() if isinstance(v, float)]
+        lo = min(values + [1.0]) / 1.8
+        hi = max(values + [1.0]) * 2.2
+        for i, name in enumerate(names):
+            xs = [k + (i - (len(names) - 1) / 2) * width for k in range(len(groups))]
+            ys = [g.get(name) for _, g in groups]
+            label = NAMES.get(name, name)
+            if name == "floor":
+                label = "floor: " + ("python -c 'import asyncio'" if "Launch" in title else "one writer (dd)")
+            # Bars grow from 1 (as fast as poprun): up where poprun is faster, down where slower.
+            bars = [(x, y) for x, y in zip(xs, ys) if isinstance(y, float)]
+            ax.bar([x for x, _ in bars], [y - 1 for _, y in bars], width * 0.92, bottom=1,
+                   color=COLOURS.get(name, "#777777"), label=label, edgecolor="white", linewidth=0.5)
+            for x, y in zip(xs, ys):
+                if isinstance(y, float):
+                    up = y >= 1
+                    ax.annotate(fmt_x(y), (x, y), ha="center", va="bottom" if up else "top", fontsize=7,
+                                xytext=(0, 2 if up else -2), textcoords="offset points")
+                elif y:  # a side that ran but has no median: say why
+                    ax.annotate(f"{name}:\n{y}", (x, 1.0), ha="center", va="bottom", fontsize=7,
+                                color=COLOURS.get(name, "#777777"), xytext=(0, 2), textcoords="offset points")
+        ax.axhline(1.0, color="#1f77b4", linewidth=1.2, linestyle="--")
+        ax.set_yscale("log")
+        ax.set_ylim(lo, hi)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}×"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlim(-0.6, len(groups) - 0.4)
+        ax.set_xticks(range(len(groups)), [g for g, _ in groups], fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("side's median ÷ poprun's", fontsize=8)
+        ax.tick_params(axis="y", labelsize=8)
+        ax.legend(fontsize=7, loc="upper left", frameon=False)
+        ax.grid(axis="y", which="both", alpha=0.25)
+    m = doc.get("machine", {})
+    head = "Each side's median time (or memory) ÷ poprun's: above the dashed line poprun is faster, below slower"
+    sub = (f"{m.get('cpu_model', '?')}, {m.get('cpus', '?')} cores, Python {m.get('python', '?')}, "
+           f"{m.get('timestamp', '')[:10]}")
+    if doc.get("quick"):
+        sub += "  —  QUICK RUN on a shared machine: not the published figures"
+    fig.suptitle(f"{head}\n{sub}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python bench/report.py RESULTS.json  (writes results.md and results.png beside it)",
+              file=sys.stderr)
+        return 2
+    src = Path(args[0])
+    doc = json.loads(src.read_text())
+    doc["targets"] = targets(doc)
+    (src.parent / "results.md").write_text(render_markdown(doc))
+    render_png(doc, src.parent / "results.png")
+    print(f"{src.parent / 'results.md'} and results.png written", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

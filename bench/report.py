@@ -55,9 +55,15 @@ def fmt_s(seconds: float | None) -> str:
 
 
 def fmt_range(lo: float | None, hi: float | None, unit=fmt_s) -> str:
-    if lo is None or hi is None or lo == hi:
+    """' (62–102 ms)', ' (980 ms–1.02 s)'; '' for one value."""
+    if lo is None or hi is None:
         return ""
-    return f" ({unit(lo)}–{unit(hi)})"
+    a, b = unit(lo), unit(hi)
+    if a == b:
+        return ""
+    a_num, _, a_unit = a.partition(" ")
+    b_num, _, b_unit = b.partition(" ")
+    return f" ({a_num}–{b})" if a_unit == b_unit else f" ({a}–{b})"
 
 
 def problems(s: dict) -> str:

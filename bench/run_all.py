@@ -222,7 +222,7 @@ def run_ssh(tools, sides, plan, tmp, pycache) -> dict:
 
     not_here = {"torchrun": "torchrun starts no process on another host (one torchrun runs per node, "
                             "started by something else)",
-                "none": "no launcher cannot reach another host"}
+                "none": "without a launcher nothing starts on another host"}
     if not sides["poprun"]["available"] and not sides["mpirun"]["available"]:
         return {"skipped": "neither poprun nor mpirun is available", "not_applicable": not_here}
     missing = [t for t, where in (("sshd", "/usr/sbin/sshd"), ("ssh-keygen", None), ("ssh", None))

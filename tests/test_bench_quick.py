@@ -78,3 +78,84 @@ def test_quick_run_writes_page_and_chart_with_every_side(tmp_path):
         assert (name in launch_header) is here, launch_header
     assert "## Targets" in page and "launch ×8" in page
     assert (out / "results.png").name in page
+
+
+# ---------------------------------------------------------------------------- the renderer alone
+
+
+def _side(name: str, *seconds: float, hung: int = 0, **extra) -> dict:
+    runs = [{"status": "ok", "seconds": s, "detail": "", "verified": True} for s in seconds]
+    runs += [{"status": "hung", "seconds": None, "detail": "no exit within 10 s; killed"}] * hung
+    ok = sorted(seconds)
+    return {"name": name, "command": [name], "runs": runs, "ok": len(ok), "hung": hung, "failed": 0,
+            "skipped": 0, "median_s": ok[len(ok) // 2] if ok else None, "min_s": ok[0] if ok else None,
+            "max_s": ok[-1] if ok else None, **extra}
+
+
+def _report():
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import report
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return report
+
+
+def test_report_judges_targets_and_renders_a_page_from_a_document():
+    report = _report()
+    doc = {
+        "quick": False, "command": "python bench/run_all.py", "seconds": 600,
+        "machine": {"cpu_model": "Test CPU", "cpus": 2, "python": "3.11.7", "timestamp": "2026-01-01T00:00:00"},
+        "sides": {"poprun": {"available": True, "path": "/bin/poprun", "version": "poprun 0.1.0"},
+                  "mpirun": {"available": True, "path": "/usr/bin/mpirun", "version": "mpirun 4.1.4"},
+                  "torchrun": {"available": False, "reason": "torch not installed"},
+                  "none": {"available": True, "path": "", "version": "directly"}},
+        "scenarios": {
+            "launch": {"cases": [
+                {"n": 8, "sides": [_side("floor", 0.070), _side("poprun", 0.120, 0.125, 0.150),
+                                   _side("mpirun", 0.050)]},
+                {"n": 64, "sides": [_side("floor", 0.070), _side("poprun", 0.200), _side("mpirun", hung=1)]},
+                {"n": 256, "sides": [_side("floor", 0.070), _side("poprun", 0.500), _side("mpirun", 0.400)]},
+            ]},
+            "output": {"lines": 200_000, "cases": [
+                {"n": 8, "lines": 200_000, "sides": [_side("floor", 0.100), _side("poprun", 0.140),
+                                                     _side("mpirun", 3.5)]}]},
+            "teardown": {"n": 256, "reported": ["rss", "teardown"], "sides": [
+                _side("poprun", 0.05, rss_kib={"median": 30_000, "min": 29_000, "max": 31_000}),
+                _side("mpirun", 2.0, rss_kib={"median": 15_000, "min": 15_000, "max": 15_000})]},
+        },
+    }
+    got = {t["name"]: t["status"] for t in report.targets(doc)}
+    assert got == {
+        "launch-8-floor": "pass",  # 125 ms - 70 ms = 55 ms <= 60 ms
+        "launch-8-torchrun": "skip",  # not installed
+        "launch-64-mpirun": "pass",  # mpirun hung in every run: it never finished
+        "launch-64-torchrun": "skip",
+        "launch-256-mpirun": "fail",  # 500 ms vs 400 ms
+        "launch-256-torchrun": "skip",
+        "output-8-floor": "pass",  # 1.4x
+        "output-8-mpirun": "pass",
+        "rss": "pass",  # 31 000 KiB < 80 MiB
+        "teardown": "pass",
+    }
+    doc["targets"] = report.targets(doc)
+    page = report.render_markdown(doc)
+    assert "**skipped**: torch not installed" in page
+    assert "125 ms (120–150 ms)" in page
+    assert "— · 1 hung" in page
+    assert "+55 ms" in page
+    assert "Quick run" not in page
+    panels = report.chart_groups(doc)
+    launch = dict(panels[0][2])
+    assert launch["N=64"]["mpirun"] == "hung" and launch["N=256"]["mpirun"] == pytest.approx(0.8)
+
+
+def test_report_top_frames_of_folded_stacks():
+    report = _report()
+    folded = ("main (poprun/command.py:10);run (asyncio/runners.py:5);_on_readable (spawner/local.py:197) 6\n"
+              "main (poprun/command.py:10);run (asyncio/runners.py:5);_on_readable (spawner/local.py:201) 2\n"
+              "main (poprun/command.py:10);write_all (poprun/output.py:50) 2\n")
+    top = report.top_frames(folded)
+    assert top["total"] == 10
+    assert top["self"][0] == ("_on_readable (spawner/local.py)", 8)
+    assert top["inclusive"]["write_all (poprun/output.py)"] == 2

@@ -94,7 +94,9 @@ OPTIONS: tuple[Opt, ...] = (
         "Default: a temporary directory removed at exit when there is more than one instance"),
     Opt("env", Kind.LIST, "Set VAR=VALUE in, or forward VAR to, every instance (repeatable)",
         short="x"),
-    Opt("tag-output", B, "Prefix every line with [1,<instance>]<stdout|stderr>:"),
+    Opt("tag-output", B, "Prefix every line with [1,<instance>]<stdout|stderr>:. (With or "
+        "without tags, a line longer than 1 MiB is written in 1 MiB pieces, each a line of "
+        "its own, and an unterminated last line is ended)"),
     Opt("timestamp-output", B, "Prefix every line with the time it was read"),
     Opt("output-filename", Kind.STR,
         "Also write each instance's output to DIR/1/rank.<i>/stdout and stderr"),

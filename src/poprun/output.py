@@ -118,7 +118,10 @@ class OutputRouter:
         fd = self._fds[stream]
         prefix = self._prefix(key, stream)
         if not prefix:
-            self.write(fd, data)
+            # A block without a line end (a stream's last bytes, a piece of a long line) is
+            # ended here: the next instance's output must not join it.
+            ended = data.endswith((b"\n", b"\r"))
+            self.write(fd, data) if ended else self.write(fd, data, b"\n")
             return
         # Progress updates are passed on as soon as their `\r` arrives, so a `\r\n` can be
         # split between two blocks: that `\n` ends the tagged line, it does not start one.

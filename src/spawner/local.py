@@ -5,8 +5,10 @@ dataloader workers it starts), pipes for stdout and stderr, and a pidfd that tel
 loop when it exits. Nothing runs in Python between fork and exec, which keeps spawning on the
 fast vfork path (docs/architecture.md, "Measured reasons"); the lifeline (see lifeline.py) does the orphan duty instead.
 
-Output is delivered as blocks of whole lines: a block always ends with `\\n` or `\\r` (or is the
-last bytes before EOF), so a consumer can tag or interleave blocks without splitting a line.
+Output is delivered as blocks of whole lines: a block always ends with `\\n` or `\\r`, so a
+consumer can tag or interleave blocks without splitting a line. Two kinds of block end without
+one: the last bytes before EOF, and a piece of a line longer than `LINE_CAP` (memory stays
+bounded whatever the line length; the consumer ends each piece as a line of its own).
 The exit of a process is reported only after both of its pipes are drained, so no output
 arrives after its exit event.
 """
@@ -32,6 +34,8 @@ from .lifeline import Lifeline
 # One pipe's worth. Measured with bench/launch_bench.py: 256 KiB or 1 MiB pipes and reads made
 # tagged output 1.5-2x slower than the default 64 KiB (bigger blocks, worse cache use).
 READ_SIZE = 65536
+# The longest line kept whole; a longer one is delivered in pieces of this size (--help says so).
+LINE_CAP = 1 << 20
 # After an instance exits, its group's leftovers are SIGKILLed; a process that escaped the
 # group (setsid) may still hold the pipes: stop waiting for their EOF after this long.
 PIPE_DRAIN_TIMEOUT = 2.0
@@ -204,8 +208,12 @@ class LocalSpawner:
             self._close_pipe(child, fd)
             return
         cut = max(data.rfind(b"\n"), data.rfind(b"\r"))
-        if cut < 0:  # no line end yet: keep collecting (a 20 MB line is still one line)
+        if cut < 0:  # no line end yet: keep collecting, up to LINE_CAP
             buf += data
+            while len(buf) >= LINE_CAP:
+                piece = bytes(memoryview(buf)[:LINE_CAP])
+                del buf[:LINE_CAP]
+                self._sink.on_output(child.spec.key, child.open_fds[fd], piece)
             return
         if buf:
             block = bytes(buf) + data[:cut + 1]

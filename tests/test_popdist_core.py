@@ -273,12 +273,13 @@ def test_execute_on_instances_outside_poprun_is_instance_zero():
 
 
 def test_public_api_is_reexported():
-    from popdist import autoreport
+    from popdist import autoreport, errorfile
 
-    assert set(popdist.__all__) == set(popdist_core.__all__) | {"setEngineOptions"}
+    assert set(popdist.__all__) == set(popdist_core.__all__) | {"setEngineOptions", "record"}
     for name in popdist_core.__all__:
         assert getattr(popdist, name) is getattr(popdist_core, name)
     assert popdist.setEngineOptions is autoreport.setEngineOptions
+    assert popdist.record is errorfile.record
 
 
 def test_real_subprocess_sees_its_identity():

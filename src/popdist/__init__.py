@@ -2,6 +2,8 @@
 
 from popdist.autoreport import apply_to_environment as _apply_autoreport
 from popdist.autoreport import setEngineOptions
+from popdist.errorfile import install as _install_error_hook
+from popdist.errorfile import record
 from popdist.popdist_core import (
     checkNumIpusPerReplica,
     execute_on_instances,
@@ -34,6 +36,7 @@ __all__ = [
     "init",
     "isPopdistEnvSet",
     "isUniformReplicasPerInstance",
+    "record",
     "setEngineOptions",
 ]
 
@@ -41,3 +44,5 @@ __all__ = [
 # popdist.init(): so the per-instance profiling directory is set as soon as popdist is imported
 # (only under `poprun --autoreport-dir`; idempotent).
 _apply_autoreport()
+# Under poprun, an uncaught exception is also written where poprun reads it (errorfile.py).
+_install_error_hook()

@@ -20,6 +20,12 @@ REPLICA_INDEX_OFFSET = "POPDIST_REPLICA_INDEX_OFFSET"
 LOCAL_INSTANCE_INDEX = "POPDIST_LOCAL_INSTANCE_INDEX"
 EXECUTABLE_CACHE_PATH = "POPDIST_EXECUTABLE_CACHE_PATH"
 AUTOREPORT_DIRECTORY = "POPDIST_AUTOREPORT_DIRECTORY"
+# Where an instance writes its uncaught exception (popdist/errorfile.py); set by the spawner
+# that starts it (spawner.local), on every host.
+ERROR_FILE = "POPDIST_ERROR_FILE"
+# Which attempt this is, from 0 (`poprun --max-restarts`); torch elastic's name too.
+RESTART_COUNT = "POPDIST_RESTART_COUNT"
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 # --- IPU over fabric / V-IPU ------------------------------------------------------------
 IPUOF_CONFIG_PATH = "IPUOF_CONFIG_PATH"  # removed from every instance's environment

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spawner.binding import read_binding
 from spawner.cpulist import format_cpu_list
@@ -25,6 +25,7 @@ from spawner.local import LocalSpawner, ProcessSpec, Stream
 from spawner.procstat import Usage
 
 from . import plan as planning
+from . import rootcause
 from .config import LaunchConfig
 from .errors import LaunchError
 from .log import Log
@@ -330,18 +331,22 @@ class Job:
                 lines=self.router.instances[i].lines,
                 stderr_tail=tuple(self.router.instances[i].stderr_tail),
                 stopped_by_poprun=r.signalled, lost=r.lost,
-                first_output_time=self.first_output.get(i))
+                first_output_time=self.first_output.get(i),
+                error=self.spawner_of[i].errors.get(i))
             for i, r in sorted(self.started.items()))
+        root, collateral = rootcause.analyze(instances, self.root_cause)
+        instances = tuple(replace(inst, collateral=collateral.get(inst.index))
+                          for inst in instances)
         by_index = {inst.index: inst for inst in instances}
         if self.output_error is not None:
             code = OUTPUT_ERROR_STATUS
         elif self.stop_signal is not None:
             code = 128 + self.stop_signal
-        elif self.root_cause is not None:
-            code = by_index[self.root_cause].exit_status
+        elif root is not None:
+            code = by_index[root].exit_status
         else:
             code = 0
-        return LaunchResult(instances=instances, exit_code=code, root_cause=self.root_cause,
+        return LaunchResult(instances=instances, exit_code=code, root_cause=root,
                             stop_signal=self.stop_signal, phases=self._phases(instances),
                             start_time=self.launch_time, output_error=self.output_error)
 

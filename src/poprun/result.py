@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .render import describe_status, fold_indices, signal_name
+from .rootcause import exception_text
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,10 @@ class InstanceResult:
     stopped_by_poprun: bool = False  # poprun signalled it before it exited
     lost: str | None = None  # its host was lost (connection or agent gone): why
     first_output_time: float | None = None  # time.time() of its first output, if any
+    # Its uncaught exception, as popdist wrote it (popdist/errorfile.py): type, message,
+    # file, line, function, traceback, time. None: none written (no popdist, or no error).
+    error: Mapping[str, Any] | None = None
+    collateral: str | None = None  # why its failure looks like the root cause's consequence
 
     @property
     def exit_status(self) -> int:
@@ -85,7 +91,10 @@ class LaunchResult:
         by_outcome: dict[str, list[InstanceResult]] = {}
         for inst in self.instances:
             if inst.index != self.root_cause:
-                by_outcome.setdefault(_outcome(inst), []).append(inst)
+                outcome = _outcome(inst)
+                if inst.collateral:  # why it is not the root cause
+                    outcome += f" (collateral: {inst.collateral})"
+                by_outcome.setdefault(outcome, []).append(inst)
         for outcome, group in by_outcome.items():
             hosts = ",".join(dict.fromkeys(i.host for i in group))
             indices = fold_indices(i.index for i in group)
@@ -120,7 +129,8 @@ class LaunchResult:
                 "exit_status": i.exit_status,
                 "signal": signal_name(i.signal) if i.signal else None,
                 "outcome": _outcome(i), "lines": i.lines, "lost": i.lost,
-                "stopped_by_poprun": i.stopped_by_poprun,
+                "stopped_by_poprun": i.stopped_by_poprun, "error": i.error,
+                "collateral": i.collateral,
             } for i in self.instances],
         }
 
@@ -173,4 +183,6 @@ def _outcome(inst: InstanceResult) -> str:
         return f"lost with its host ({inst.lost})"
     if inst.stopped_by_poprun and inst.returncode < 0:
         return f"terminated by poprun ({signal_name(-inst.returncode)})"
+    if inst.error and inst.returncode != 0:
+        return exception_text(inst.error)
     return describe_status(inst.returncode)

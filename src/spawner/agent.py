@@ -381,7 +381,9 @@ class Agent:
         self._outbox.send(output_header(key, stream, len(data)), data)
 
     def on_exit(self, key: int, returncode: int) -> None:
-        self._outbox.send(encode(Kind.EXIT, key=key, returncode=returncode))
+        error = self._spawner.errors.get(key)  # sent only when there is one
+        self._outbox.send(encode(Kind.EXIT, key=key, returncode=returncode,
+                                 **({"error": error} if error else {})))
 
     def _on_pressure(self, pressed: bool) -> None:
         if pressed:

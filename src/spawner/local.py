@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import json
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from popdist.env import ERROR_FILE
 
 from . import containment
 from .binding import bound
@@ -34,6 +38,8 @@ from .lifeline import Lifeline
 # One pipe's worth. Measured with bench/launch_bench.py: 256 KiB or 1 MiB pipes and reads made
 # tagged output 1.5-2x slower than the default 64 KiB (bigger blocks, worse cache use).
 READ_SIZE = 65536
+# An instance's error file (popdist/errorfile.py) is read up to this size.
+MAX_ERROR_FILE = 256 * 1024
 # The longest line kept whole; a longer one is delivered in pieces of this size (--help says so).
 LINE_CAP = 1 << 20
 # After an instance exits, its group's leftovers are SIGKILLed; a process that escaped the
@@ -123,6 +129,10 @@ class LocalSpawner:
         self._children: dict[int, _Child] = {}
         # Each instance in a cgroup of its own where possible (containment.py); decided on
         # the first spawn. False: not possible here, or not wanted.
+        # Each instance's uncaught exception, from the file popdist writes (read at its exit):
+        # {type, message, file, line, function, traceback, time}.
+        self.errors: dict[int, dict[str, Any]] = {}
+        self._error_dir: str | None = None
         wanted = cgroups and os.environ.get(containment.CGROUPS_SWITCH) != "0"
         self._cgroups: Cgroups | bool | None = None if wanted and lifeline else False
         # A memory binding was asked for but this host cannot do it (no libnuma): the
@@ -139,6 +149,7 @@ class LocalSpawner:
         env = dict(spec.env)
         if self._lifeline:
             env[containment.MARK] = self._lifeline.token
+        env[ERROR_FILE] = self._error_file(spec.key)
         with bound(spec.cpus, spec.mems) as memory_bound, self._contained(spec.key):
             proc = subprocess.Popen(
                 spec.argv, env=env, cwd=spec.cwd,
@@ -162,6 +173,22 @@ class LocalSpawner:
             self._loop.add_reader(fd, self._on_readable, child, fd)
         self._watch_exit(child)
         return proc.pid
+
+    def _error_file(self, key: int) -> str:
+        if self._error_dir is None:  # private (0700), removed at close (or by the lifeline)
+            self._error_dir = tempfile.mkdtemp(prefix="poprun-errors-")
+            if self._lifeline:
+                self._lifeline.add_dir(self._error_dir)
+        return os.path.join(self._error_dir, f"{key}.json")
+
+    def _read_error(self, key: int) -> None:
+        path = os.path.join(self._error_dir, f"{key}.json") if self._error_dir else None
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_ERROR_FILE)
+            self.errors[key] = json.loads(data)
+        except (OSError, TypeError, ValueError):  # none written (or a broken one)
+            pass
 
     def _contained(self, key: int):
         if self._cgroups is None:  # the first spawn: can this host give us cgroups?
@@ -262,6 +289,8 @@ class LocalSpawner:
         if self._lifeline:
             self._lifeline.discard_group(pid)
         child.returncode = child.proc.wait()
+        if child.returncode != 0:
+            self._read_error(child.spec.key)
 
     def _abandon_pipes(self, child: _Child) -> None:
         for fd in list(child.open_fds):
@@ -323,6 +352,11 @@ class LocalSpawner:
     def _sweep(self) -> None:
         """The final sweep: whatever the instances started that outlived them, even outside
         their process groups, is killed (and reaped, where orphans come to us)."""
+        if self._error_dir is not None:
+            shutil.rmtree(self._error_dir, ignore_errors=True)
+            if self._lifeline:
+                self._lifeline.discard_dir(self._error_dir)
+            self._error_dir = None
         if not self._children:
             return
         if self._cgroups:

@@ -31,7 +31,8 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                containment}                 containment: how escaped descendants are caught
       SPAWN_FAILED {key, error}
       OUTPUT  key, stream, bytes             binary; blocks of whole lines, as LocalSpawner
-      EXIT    {key, returncode}              after the last OUTPUT of that instance
+      EXIT    {key, returncode, error}       after the last OUTPUT of that instance; error:
+                                             its uncaught exception (popdist/errorfile.py)
       STATS   {usage: {key: [cpu %, rss]}}   every `stats` seconds, when HELLO gave it
       ALIVE   {}                             every `interval` seconds (the agent's heartbeat)
       INTERNAL {error, traceback}            a bug in the agent: it kills its instances,

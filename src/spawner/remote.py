@@ -261,6 +261,7 @@ class RemoteSpawner:
         # A memory binding was asked for but that host cannot do it (no libnuma there).
         self.memory_binding_skipped = False
         self.containment = "unknown"  # how the agent catches escaped descendants (for -v)
+        self.errors: dict[int, dict[str, Any]] = {}  # as LocalSpawner.errors, from EXIT
 
     # --- starting ---------------------------------------------------------------------
 
@@ -455,6 +456,8 @@ class RemoteSpawner:
         fields = frame.fields
         if frame.kind is Kind.EXIT:
             self._exited[fields["key"]] = fields["returncode"]
+            if fields.get("error"):
+                self.errors[fields["key"]] = fields["error"]
             self._sink.on_exit(fields["key"], fields["returncode"])
         elif frame.kind is Kind.STARTED:
             self._pids[fields["key"]] = fields["pid"]

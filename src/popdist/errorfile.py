@@ -1,0 +1,109 @@
+"""An instance's uncaught exception, written where poprun looks for it.
+
+Under poprun, `POPDIST_ERROR_FILE` names a per-instance file. `import popdist` then chains an
+exception hook (`install`, called from popdist/__init__) that writes the exception there as
+JSON before the previous hook prints it as usual: its type, message, the innermost frame of the
+user's own code, the whole traceback and the time. poprun reads the file when the instance
+exits: its failure report says *why* an instance failed, and the earliest exception among
+instances that failed together names the root cause (poprun/rootcause.py).
+
+A program that does not import popdist can opt in with `popdist.record`, a decorator for its
+entry point (as torch elastic's `@record`). Outside poprun both do nothing. The first error
+written wins: the hook does not overwrite what `record` wrote for the same exception.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from popdist import env
+
+MAX_TRACEBACK = 32 * 1024  # characters of traceback kept: the head is the interesting part
+
+
+def install() -> None:
+    """Chain the exception hook, under poprun only (idempotent)."""
+    if not os.environ.get(env.ERROR_FILE) or getattr(sys.excepthook, "_popdist", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        write(value)
+        previous(kind, value, tb)
+
+    hook._popdist = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def record(fn):
+    """Decorator: an exception escaping `fn` is written to poprun's error file, then raised
+    on (a clean `sys.exit(0)` is not an error)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                write(exc)
+            raise
+        except BaseException as exc:
+            write(exc)
+            raise
+
+    return wrapper
+
+
+def write(error: BaseException) -> None:
+    """Write `error` to the error file (if poprun set one and nothing is there yet). Never
+    raises: an instance's failure must not become a failure to report it."""
+    path = os.environ.get(env.ERROR_FILE)
+    if not path or os.path.exists(path):
+        return
+    try:
+        import json
+
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as fh:
+            json.dump(describe(error), fh)
+        os.replace(temporary, path)
+    except Exception:  # noqa: BLE001 - best effort, see above
+        pass
+
+
+def describe(error: BaseException) -> dict:
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    where = _innermost_user_frame(frames)
+    text = "".join(traceback.format_exception(error))
+    return {
+        "type": type(error).__qualname__,
+        "module": type(error).__module__,
+        "message": str(error),
+        "file": where.filename if where else None,
+        "line": where.lineno if where else None,
+        "function": where.name if where else None,
+        "traceback": text[:MAX_TRACEBACK],
+        "time": time.time(),
+        "pid": os.getpid(),
+    }
+
+
+def _innermost_user_frame(frames: list):
+    """The last frame in the user's code: not the standard library's, not an installed
+    package's (site-packages, dist-packages), not an interpreter internal (`<frozen ...>`);
+    the innermost frame of all when every frame is someone else's."""
+    import sysconfig
+
+    others = {os.path.realpath(p) for name, p in sysconfig.get_paths().items()
+              if name in ("stdlib", "platstdlib", "purelib", "platlib")}
+    for frame in reversed(frames):
+        name = frame.filename
+        if name.startswith("<") or "-packages" + os.sep in name:
+            continue
+        if not any(os.path.realpath(name).startswith(p + os.sep) for p in others):
+            return frame
+    return frames[-1] if frames else None

@@ -83,6 +83,7 @@ class InstanceIdentity:
     master_port: int
     executable_cache_path: str | None = None
     autoreport_dir: str | None = None
+    restart_count: int | None = None  # this attempt (from 0) when restarts are enabled
 
     @property
     def num_local_replicas(self) -> int:
@@ -118,6 +119,8 @@ def instance_environment(who: InstanceIdentity) -> dict[str, str]:
         env[EXECUTABLE_CACHE_PATH] = who.executable_cache_path
     if who.autoreport_dir is not None:
         env[AUTOREPORT_DIRECTORY] = who.autoreport_dir
+    if who.restart_count is not None:
+        env[RESTART_COUNT] = env[TORCHELASTIC_RESTART_COUNT] = str(who.restart_count)
     return env
 
 

@@ -174,6 +174,12 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("result-json", Kind.STR, "After the job, write per instance host, pid, start/end, "
         "exit status or signal, lines written, and per host the launch-phase timings, to "
         "this JSON file"),
+    Opt("max-restarts", Kind.INT, "When the job fails (not when it is interrupted), stop "
+        "every instance, clean up and start the whole job again, at most this many times; "
+        "instances see POPDIST_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT, the executable "
+        "cache is kept and the partition reset. The exit status is the last attempt's"),
+    Opt("restart-delay", Kind.FLOAT, "Seconds to wait between a failed attempt and the next "
+        "(Ctrl-C meanwhile ends poprun without a restart)"),
     Opt("kill-timeout", Kind.FLOAT,
         "Seconds between SIGTERM and SIGKILL when stopping instances"),
     Opt("export-config", Kind.STR, "Write the options and program to this TOML file, then launch",

@@ -24,6 +24,7 @@ DEFAULT_SSH_TIMEOUT = 10.0
 # Seconds of silence after which the launcher declares a remote host lost and the host's
 # agent stops its instances (heartbeats go both ways three times as often).
 DEFAULT_HOST_TIMEOUT = 15.0
+DEFAULT_RESTART_DELAY = 1.0  # seconds between a failed attempt's cleanup and the next start
 SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
 
 
@@ -57,6 +58,8 @@ class LaunchConfig:
     ssh_fanout: int = DEFAULT_SSH_FANOUT
     ssh_timeout: float = DEFAULT_SSH_TIMEOUT
     host_timeout: float = DEFAULT_HOST_TIMEOUT
+    max_restarts: int = 0  # a failed job is started again this many times at most
+    restart_delay: float = DEFAULT_RESTART_DELAY
     remote_python: str | None = None  # None: the launcher's own interpreter path
     distribute_ssh_key: bool = False
     distribute_ssh_key_path: str | None = None  # the key's folder; None: ~/.ssh
@@ -127,6 +130,8 @@ class LaunchConfig:
             raise ConfigError(f"--ssh-timeout must be positive, got {self.ssh_timeout}")
         if self.host_timeout <= 0:
             raise ConfigError(f"--host-timeout must be positive, got {self.host_timeout}")
+        if self.restart_delay < 0:
+            raise ConfigError(f"--restart-delay must not be negative, got {self.restart_delay}")
         if self.host_list and self.num_instances % len(self.host_list):
             raise ConfigError(
                 f"--num-instances={self.num_instances} is not divisible by the "
@@ -180,10 +185,11 @@ class LaunchConfig:
         only = self.only_output_from_instance
         if only is not None and (not isinstance(only, int) or isinstance(only, bool)):
             raise bad("only_output_from_instance", "an integer")
-        if not isinstance(self.verbose, int) or isinstance(self.verbose, bool) \
-                or self.verbose < 0:
-            raise bad("verbose", "a non-negative integer")
-        for name in ("kill_timeout", "ssh_timeout", "host_timeout"):
+        for name in ("verbose", "max_restarts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise bad(name, "a non-negative integer")
+        for name in ("kill_timeout", "ssh_timeout", "host_timeout", "restart_delay"):
             seconds = getattr(self, name)
             if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) \
                     or not math.isfinite(seconds):

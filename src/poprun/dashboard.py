@@ -174,6 +174,7 @@ class DashboardState:
                        Phase.START: num_instances}
         self._reached: dict[Phase, set[str]] = {Phase.CONNECT: set(), Phase.AGENTS: set()}
         self.launched: float | None = None  # when the last instance started
+        self.attempt: tuple[int, int] | None = None  # (this attempt, of) once restarted
         self.stop_reason: str | None = None
         self.changes = 0
 
@@ -183,6 +184,13 @@ class DashboardState:
         """(instance, host) pairs, once the plan is made: rows show their host before pids."""
         for index, host in assignments:
             self.instances[index].host = host
+        self.changes += 1
+
+    def restarted(self, attempt: int, attempts: int) -> None:
+        """A new attempt of a restarted job (`--max-restarts`): every row starts afresh."""
+        self.attempt = (attempt, attempts)
+        self.instances = {i: Instance(i, inst.host) for i, inst in self.instances.items()}
+        self.launched, self.stop_reason = None, None
         self.changes += 1
 
     def set_partition(self, name: str | None) -> None:
@@ -376,8 +384,9 @@ def _header(state: DashboardState, now: float, width: int) -> list:
     failed = sum(tally[s] for s in _BAD)
     launched = ("" if state.launched is None else
                 f" (launched in {state.launched - state.began:.1f}s)")
+    attempt = "" if state.attempt is None else f" (attempt {state.attempt[0]}/{state.attempt[1]})"
     first = _text(("poprun ", "bold"), (job.value, _STYLE[job]),
-                  f" {_duration(now - state.began)}{launched}   "
+                  f"{attempt} {_duration(now - state.began)}{launched}   "
                   f"instances: {len(state.instances)}  running {tally[InstanceState.RUNNING]}"
                   f"  finished {tally[InstanceState.EXITED]}  ",
                   ("failed", "red" if failed else ""), f" {failed}", width=width)

@@ -52,18 +52,14 @@ class Job:
     """One run of the plan: the spawners' sink, and the failure and signal policy."""
 
     def __init__(self, config: LaunchConfig, environ: dict[str, str], cwd: str, log: Log,
-                 stdout_fd: int, stderr_fd: int, loop) -> None:
+                 stdout_fd: int, stderr_fd: int, loop, router: OutputRouter | None = None
+                 ) -> None:
         self.config, self.environ, self.cwd, self.log = config, environ, cwd, log
         self.loop = loop
         self.plan: LaunchPlan | None = None  # set by the session once the hosts are known
-        directory = config.effective_output_filename
-        nocopy = bool(directory) and directory.lower().endswith(":nocopy")
-        self.router = OutputRouter(OutputOptions(
-            tag=config.effective_tag_output, timestamp=config.effective_timestamp_output,
-            only_instance=config.only_output_from_instance,
-            directory=os.path.join(cwd, directory[:-7] if nocopy else directory) if directory
-            else None, copy_to_console=not nocopy, colour_environ=environ),
-            stdout_fd, stderr_fd, self._broken_pipe, self._write_error)
+        self.router = router or Job._router(config, environ, cwd, stdout_fd, stderr_fd)
+        self.router.report_to(self._broken_pipe, self._write_error)
+        self.router.instances.clear()  # a new attempt's counts and tails start afresh
         self.output_error: str | None = None  # why output could not be written, if so
         self.started: dict[int, Started] = {}
         self.first_output: dict[int, float] = {}  # time.time() of each instance's first block
@@ -83,6 +79,18 @@ class Job:
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
         self.view = None  # a dashboard.DashboardState when a live panel shows the job
 
+    @staticmethod
+    def _router(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
+                stdout_fd: int, stderr_fd: int) -> OutputRouter:
+        directory = config.effective_output_filename
+        nocopy = bool(directory) and directory.lower().endswith(":nocopy")
+        return OutputRouter(OutputOptions(
+            tag=config.effective_tag_output, timestamp=config.effective_timestamp_output,
+            only_instance=config.only_output_from_instance,
+            directory=os.path.join(cwd, directory[:-7] if nocopy else directory) if directory
+            else None, copy_to_console=not nocopy, colour_environ=environ),
+            stdout_fd, stderr_fd)
+
     def start(self, lifeline: Lifeline, on_finished=None, remote=None) -> None:
         """Start this host's instances; with `remote` spawners (by host), `spawn_remote()`
         starts theirs. `on_finished` is called once every instance has exited (or was lost)
@@ -97,15 +105,17 @@ class Job:
     def finished(self) -> bool:
         return self._all_started and len(self.done) == len(self.started)
 
-    def close(self) -> None:
-        """Kill and reap what still runs here, stop timers, flush output."""
+    def close(self, keep_output: bool = False) -> None:
+        """Kill and reap what still runs here, stop timers, close the output files (not when
+        `keep_output`: the next attempt of a restarted job writes on)."""
         if self._kill_timer:
             self._kill_timer.cancel()
         try:
             if self.local:
                 self.local.close()
         finally:
-            self.router.close()
+            if not keep_output:
+                self.router.close()
 
     def _spawn_local(self) -> None:
         merge = self.config.effective_merge_stderr

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spawner import containment
 from spawner.cpulist import format_cpu_list
@@ -222,6 +223,8 @@ class _Session:
         self.dashboard = None
         self.partition = None  # the V-IPU partition (poprun.vipu.Partition), unless offline
         self._ticker = None
+        self._pause: asyncio.Task | None = None  # the wait between two attempts
+        self._pause_signal: int | None = None  # a stop signal that came during it
         self._restore_signals = lambda: None
         self._result: LaunchResult | None = None
 
@@ -255,7 +258,7 @@ class _Session:
                               f"{exc.filename or config.effective_output_filename} on this "
                               f"host ({socket.gethostname()}): {exc.strerror}") from None
         # From here a stop signal is the job's: before any instance runs, it ends the launch.
-        self._restore_signals = install_signal_handlers(self.loop, self.job.on_signal)
+        self._restore_signals = install_signal_handlers(self.loop, self._on_signal)
         return self
 
     async def run(self) -> None:
@@ -274,7 +277,21 @@ class _Session:
         if self.hosts.remote:
             await self._open_fleet()
         caches = await self._create_caches()
-        self._plan(caches, await self._master_address())
+        master = await self._master_address()
+        earlier: list[LaunchResult] = []
+        while True:
+            self._plan(caches, master, attempt=len(earlier))
+            result = await self._run_attempt()
+            if not self._restarts(result, len(earlier)):
+                break
+            earlier.append(result)
+            if not await self._pause_between_attempts(result, len(earlier)):
+                result = replace(result, stop_signal=self._pause_signal,
+                                 exit_code=128 + self._pause_signal)
+                break
+        self._result = replace(result, attempts=tuple(earlier)) if earlier else result
+
+    async def _run_attempt(self) -> LaunchResult:
         finished = self.loop.create_future()
         self.job.start(self.lifeline, lambda: finished.done() or finished.set_result(None),
                        remote=self.fleet.spawners if self.fleet else None)
@@ -282,7 +299,57 @@ class _Session:
             await self.job.spawn_remote()
         if not self.job.finished:
             await finished
-        self._result = self.job.result()
+        return self.job.result()
+
+    def _restarts(self, result: LaunchResult, done: int) -> bool:
+        """Whether a failed attempt is followed by another: not after a stop by the user, an
+        output error or a lost host (its connection cannot be used again)."""
+        return (not result.ok and done < self.config.max_restarts
+                and result.stop_signal is None and result.output_error is None
+                and not any(i.lost for i in result.instances))
+
+    async def _pause_between_attempts(self, failed: LaunchResult, attempt: int) -> bool:
+        """Clean up after a failed attempt, wait --restart-delay, make the next attempt's
+        Job; False when a stop signal came meanwhile (then no restart)."""
+        total = self.config.max_restarts + 1
+        self.log.warning(f"attempt {attempt} of {total} failed (exit status "
+                         f"{failed.exit_code}); starting attempt {attempt + 1} in "
+                         f"{self.config.restart_delay:g} s")
+        previous = self.job
+        previous.close(keep_output=True)  # its instances are gone; reap, sweep, keep files
+        self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
+                       self.stderr_fd, self.loop, router=previous.router)
+        self.job.on_interrupt, self.job.view = previous.on_interrupt, previous.view
+        self.job.phases = previous.phases
+        for spawner in (self.fleet.spawners.values() if self.fleet else ()):
+            spawner.new_attempt(self.job, self.job.on_host_lost)
+        self._pause = self.loop.create_task(asyncio.sleep(self.config.restart_delay))
+        try:
+            await self._pause
+        except asyncio.CancelledError:
+            if self._pause_signal is None:
+                raise  # cancelled from outside, not by a stop signal
+        finally:
+            self._pause = None
+        if self._pause_signal is not None:
+            self.log.warning(f"{signal.Signals(self._pause_signal).name} received: no "
+                             "restart")
+            return False
+        if self.partition is not None:
+            from .vipu import reset
+
+            await reset(self.partition, self.log, self.environ)
+        if self.job.view is not None:
+            self.job.view.restarted(attempt + 1, total)
+        return True
+
+    def _on_signal(self, sig: int) -> None:
+        """The stop signals: the running attempt's job decides, except between attempts."""
+        if self._pause is not None and self._pause_signal is None:
+            self._pause_signal = sig
+            self._pause.cancel()
+            return
+        self.job.on_signal(sig)
 
     async def _open_fleet(self) -> None:
         from .fleet import Fleet  # asyncssh: only runs with remote hosts import it
@@ -363,7 +430,7 @@ class _Session:
         self.partition = await vipu.acquire(settings, required, self.environ, self.log)
         if self.job.view is not None:
             self.job.view.set_partition(self.partition.name)
-    def _plan(self, cache_paths: Mapping[str, str], master_addr: str) -> None:
+    def _plan(self, cache_paths: Mapping[str, str], master_addr: str, attempt: int = 0) -> None:
         per_host = self.config.num_instances // len(self.hosts.labels)
         topologies = local_topologies(self.config, self.hosts)
         if self.fleet is not None and planning.needs_topology(self.config, per_host):
@@ -372,7 +439,8 @@ class _Session:
             self.config, self.environ, program=self.program, master_port=free_port(),
             hosts=self.hosts.labels, master_addr=master_addr, remote_hosts=self.hosts.remote,
             cache_paths=cache_paths, topologies=topologies,
-            partition_env=self.partition.environment if self.partition else None)
+            partition_env=self.partition.environment if self.partition else None,
+            restart_count=attempt if self.config.max_restarts else None)
         if self.config.num_instances == 1 and self.config.num_replicas == 1:
             self.log.warning("Using --num-instances=1 and --num-replicas=1 together is not "
                              "supported and might give additional overhead and/or raise other "

@@ -76,6 +76,11 @@ class OutputRouter:
                              for stream, fd in self._fds.items()}
         self._after_cr: set[tuple[int, Stream]] = set()  # last block ended with `\r`
 
+    def report_to(self, on_broken_pipe: Callable[[], None],
+                  on_write_error: Callable[[str, OSError], None]) -> None:
+        """Where a broken pipe and a write error go from now on (the current attempt's job)."""
+        self._on_broken_pipe, self._on_write_error = on_broken_pipe, on_write_error
+
     def on_output(self, key: int, stream: Stream, data: bytes) -> None:
         record = self.instances[key]
         record.lines += data.count(b"\n")

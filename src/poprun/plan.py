@@ -119,12 +119,14 @@ def plan(
     remote_hosts: frozenset[str] = frozenset(),
     topologies: Mapping[str, Topology] | None = None,
     partition_env: Callable[[int], Mapping[str, str]] | None = None,
+    restart_count: int | None = None,
 ) -> LaunchPlan:
     """Plan the job. `program` is the argv with argv[0] resolved; `cache_paths` maps each host
     to its cache directory when `cache_mode()` is EXPLICIT or TEMPORARY. Instances on
     `remote_hosts` also get the variables forwarded there (docs/architecture.md, "The
     environment contract"). Instances on a host with a known topology are bound as
-    `--process-placement` says (None: unknown, unbound)."""
+    `--process-placement` says (None: unknown, unbound). `restart_count`: the attempt, when
+    restarts are enabled (instances then see it)."""
     mode = cache_mode(config, environ)
     if config.num_instances % len(hosts):
         raise ConfigError(f"--num-instances={config.num_instances} is not divisible by the "
@@ -147,7 +149,7 @@ def plan(
             local_size=per_host, num_total_replicas=config.num_replicas,
             ipus_per_replica=config.ipus_per_replica, master_addr=master_addr,
             master_port=master_port, executable_cache_path=cache,
-            autoreport_dir=config.autoreport_dir)
+            autoreport_dir=config.autoreport_dir, restart_count=restart_count)
         added = _forwarded(environ) if host in remote_hosts else {}
         added.update(E.instance_environment(who))
         added.update(poplar_env)

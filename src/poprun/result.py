@@ -53,6 +53,9 @@ class LaunchResult:
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     start_time: float = 0.0  # time.time() when the launch began
     output_error: str | None = None  # output that could not be written stopped the job
+    # The failed attempts before this one (`--max-restarts`), oldest first; the fields above
+    # are the last attempt's.
+    attempts: tuple[LaunchResult, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -71,6 +74,14 @@ class LaunchResult:
         if self.ok:
             return []
         lines = []
+        total = len(self.attempts) + 1
+        for number, earlier in enumerate(self.attempts, 1):
+            cause = next((i for i in earlier.instances if i.index == earlier.root_cause), None)
+            what = (f"instance {cause.index} on {cause.host}: {_outcome(cause)}" if cause
+                    else f"exit status {earlier.exit_code}")
+            lines.append(("collateral", f"poprun: attempt {number} of {total} failed: {what}"))
+        if self.attempts:
+            lines.append(("stopped", f"poprun: attempt {total} of {total} (the last):"))
         if self.output_error is not None:
             lines.append(("stopped", f"poprun: stopped: {self.output_error}"))
         if self.stop_signal is not None:
@@ -121,6 +132,7 @@ class LaunchResult:
             "root_cause": self.root_cause,
             "stop_signal": signal_name(self.stop_signal) if self.stop_signal else None,
             "output_error": self.output_error,
+            "attempts": [earlier.to_json() for earlier in self.attempts],
             "start_time": self.start_time,
             "phases": self.phases,
             "instances": [{

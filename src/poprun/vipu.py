@@ -610,6 +610,15 @@ async def release(partition: Partition, log: Log | None = None,
     return True
 
 
+async def reset(partition: Partition, log: Log, environ: Mapping[str, str]) -> None:
+    """Reset the partition between two attempts of a job (`--max-restarts`): the IPUs start
+    the next attempt as the first one did. Raises VipuError."""
+    runner = VipuRunner(partition.executable, partition.timeout, log, environ,
+                        partition.host, partition.port)
+    await runner.run("reset", "partition", partition.name)
+    log.info(f"reset V-IPU partition {partition.name} for the next attempt")
+
+
 async def resolve_server(settings: VipuSettings, environ: Mapping[str, str], runner: VipuRunner,
                    log: Log) -> tuple[str, int]:
     """Host: --vipu-server-host > IPUOF_VIPU_API_HOST > what the local vipu configuration

@@ -353,8 +353,7 @@ class Agent:
         self._outbox.send(encode(Kind.SPAWN_FAILED, key=fields.get("key"), error=error))
 
     def _start(self, request: SpawnRequest) -> int:
-        if self._spawner_knows(request.key):
-            raise ValueError(f"key {request.key} already in use")
+        self._spawner.forget(request.key)  # a restarted job reuses its keys; a running one
         return self._spawner.spawn(ProcessSpec(
             key=request.key, argv=request.argv, cwd=request.cwd,
             env=instance_environ(request.env_set, request.env_unset),

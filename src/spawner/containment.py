@@ -174,7 +174,7 @@ class Cgroups:
         path = self.path(key)
         me = str(os.getpid()).encode()
         try:
-            os.mkdir(path, 0o755)
+            os.makedirs(path, 0o755, exist_ok=True)  # exists: the key's earlier process
             self._made[key] = path
             with open(os.path.join(path, "cgroup.procs"), "wb", buffering=0) as procs:
                 procs.write(me)

@@ -308,6 +308,15 @@ class LocalSpawner:
         """Keys of the processes that have not exited yet."""
         return [k for k, c in self._children.items() if c.returncode is None]
 
+    def forget(self, key: int) -> None:
+        """Drop an exited (and reported) process, so that `key` can be used again (the next
+        attempt of a restarted job). Raises ValueError while it runs."""
+        child = self._children.get(key)
+        if child is not None and not child.reported:
+            raise ValueError(f"key {key} already in use: it still runs")
+        self._children.pop(key, None)
+        self.errors.pop(key, None)
+
     def pid(self, key: int) -> int:
         return self._children[key].proc.pid
 

@@ -390,6 +390,15 @@ class RemoteSpawner:
     def stderr_tail(self) -> str:
         return self._stderr.decode(errors="replace")
 
+    def new_attempt(self, sink: Sink, on_lost: Callable[[str, str], None] | None) -> None:
+        """Forget the instances of a finished attempt (a restarted job reuses their keys) and
+        report the next attempt's events to `sink`."""
+        if self.running():
+            raise RuntimeError(f"{self.host}: instances of the last attempt still run")
+        for record in (self._pids, self._exited, self.errors, self.bindings, self._spawning):
+            record.clear()
+        self._sink, self._on_lost = sink, on_lost
+
     # --- stopping ---------------------------------------------------------------------
 
     async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:

@@ -1,0 +1,121 @@
+"""`--max-restarts`: a failed job is stopped, cleaned up and started again (issue 17 point 3).
+Real processes, locally and over sshd hosts; the V-IPU server is the simulator (none exists
+here, see vipu_harness.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun
+from sshd_hosts import start_ssh_hosts, wait_until
+from vipu_harness import sim  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.timeout(120)
+PY = sys.executable
+# Fails in attempts 0 and 1, succeeds in attempt 2; leaves a note of what it saw each time.
+FLAKY = """
+import json, os, sys
+attempt = int(os.environ["POPDIST_RESTART_COUNT"])
+cache = os.environ.get("POPDIST_EXECUTABLE_CACHE_PATH")
+note = {k: os.environ[k] for k in ("POPDIST_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT",
+                                   "MASTER_PORT")}
+note["cache_kept"] = bool(cache) and os.path.exists(os.path.join(cache, "compiled"))
+if cache and os.environ["RANK"] == "0":
+    open(os.path.join(cache, "compiled"), "w").close()
+with open(os.path.join(sys.argv[1], f"{os.environ['RANK']}-{attempt}.json"), "w") as fh:
+    json.dump(note, fh)
+sys.exit(3 if attempt < 2 else 0)
+"""
+
+
+def program(tmp_path: Path) -> list[str]:
+    (tmp_path / "notes").mkdir()
+    path = tmp_path / "flaky.py"
+    path.write_text(FLAKY)
+    return [PY, str(path), str(tmp_path / "notes")]
+
+
+def notes(tmp_path: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in (tmp_path / "notes").glob("*.json")}
+
+
+def test_a_job_that_fails_twice_then_succeeds_exits_0_with_three_attempts(tmp_path):
+    result_json = tmp_path / "result.json"
+    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "--max-restarts=2",
+                      "--restart-delay=0", f"--result-json={result_json}", *program(tmp_path))
+    assert proc.returncode == 0, proc.stderr.decode()
+    record = json.loads(result_json.read_text())
+    assert [a["exit_code"] for a in record["attempts"]] + [record["exit_code"]] == [3, 3, 0]
+    seen = notes(tmp_path)
+    assert sorted(seen) == [f"{rank}-{attempt}" for rank in (0, 1) for attempt in (0, 1, 2)]
+    for attempt in (0, 1, 2):
+        note = seen[f"0-{attempt}"]
+        assert note["POPDIST_RESTART_COUNT"] == note["TORCHELASTIC_RESTART_COUNT"] == \
+            str(attempt)
+        assert seen[f"1-{attempt}"]["MASTER_PORT"] == note["MASTER_PORT"]
+    assert len({seen[f"0-{a}"]["MASTER_PORT"] for a in (0, 1, 2)}) == 3  # fresh each time
+    assert seen["1-2"]["cache_kept"]  # the executable cache survived the restarts
+    assert "attempt 1 of 3 failed" in proc.stderr.decode()
+
+
+def test_the_last_attempts_status_is_the_exit_status_and_every_attempt_is_reported(tmp_path):
+    proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", "--max-restarts=1",
+                      "--restart-delay=0", PY, "-c", "import sys; sys.exit(5)")
+    err = proc.stderr.decode()
+    assert proc.returncode == 5, err
+    assert "poprun: attempt 1 of 2 failed: instance 0 on localhost: exited with status 5" in err
+    assert "poprun: attempt 2 of 2 (the last):" in err
+
+
+def test_ctrl_c_during_the_restart_delay_ends_poprun_without_a_restart(tmp_path):
+    proc = subprocess.Popen(
+        poprun_argv(*OFFLINE, "--num-instances=1", "--num-replicas=1", "--max-restarts=3",
+                    "--restart-delay=60", *program(tmp_path)),
+        env=poprun_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    err = b""
+    try:
+        while b"starting attempt 2 in 60 s" not in err:  # bounded by the test's timeout
+            line = proc.stderr.readline()
+            assert line, err.decode()
+            err += line
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=10)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, (err + rest).decode()
+    assert time.monotonic() - stopped < 5
+    assert sorted(notes(tmp_path)) == ["0-0"]  # no second attempt
+
+
+def test_remote_instances_restart_too(tmp_path):
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        proc = run_poprun(*OFFLINE, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                          "--max-restarts=2", "--restart-delay=0", *program(tmp_path),
+                          env=hosts.env())
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert sorted(notes(tmp_path)) == [f"{r}-{a}" for r in (0, 1) for a in (0, 1, 2)]
+
+
+def test_the_partition_is_kept_and_reset_between_attempts(sim, tmp_path):  # noqa: F811
+    proc = run_poprun("--vipu-server-host=localhost", "--vipu-partition=job",
+                      "--num-instances=2", "--num-replicas=2", "--max-restarts=2",
+                      "--restart-delay=0", *program(tmp_path))
+    assert proc.returncode == 0, proc.stderr.decode()
+    verbs = sim.verbs()
+    assert verbs.count("create") == 1 and verbs.count("reset") == 2, verbs
+    assert verbs[-1] == "remove" and sim.partitions() == {}
+
+
+def test_without_max_restarts_instances_see_no_restart_count(tmp_path):
+    proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", PY, "-c",
+                      "import os; print('POPDIST_RESTART_COUNT' in os.environ)")
+    assert proc.stdout == b"False\n"

@@ -61,6 +61,20 @@ class LaunchResult:
     def ok(self) -> bool:
         return self.exit_code == 0
 
+    @property
+    def exit_reason(self) -> str:
+        """Why `exit_code` is what it is: "success", "instance" (the root cause's status),
+        "host_lost" (255, as ssh), "signal" (poprun stopped by signal N: 128+N) or
+        "output_error" (74: output could not be written)."""
+        if self.output_error is not None:
+            return "output_error"
+        if self.stop_signal is not None:
+            return "signal"
+        if self.root_cause is None:
+            return "success"
+        cause = next(i for i in self.instances if i.index == self.root_cause)
+        return "host_lost" if cause.lost else "instance"
+
     def failure_report(self) -> str:
         """The root cause in full, the collateral outcomes folded (empty for a success)."""
         return "" if self.ok else _plain(self._failure_lines())
@@ -129,6 +143,7 @@ class LaunchResult:
         """`--result-json`: the job and every instance, as plain JSON values."""
         return {
             "exit_code": self.exit_code,
+            "exit_reason": self.exit_reason,
             "root_cause": self.root_cause,
             "stop_signal": signal_name(self.stop_signal) if self.stop_signal else None,
             "output_error": self.output_error,

@@ -48,9 +48,12 @@ DESCRIPTION = (
     "Values: --opt=value or --opt value; booleans yes/no, true/false, on/off, 1/0 (a bare "
     "boolean option means yes); any unambiguous prefix of an option works.")
 EPILOG = (
-    "Exit status: 0 when every instance exits 0; otherwise the status of the first instance to "
-    "fail (128+N for signal N), 128+N when poprun is stopped by signal N, 2 for a usage error "
-    "or a job that could not start, 1 for --check with a host that failed a check.")
+    "Exit status: 0 when every instance exits 0; otherwise the status of the instance that "
+    "failed first (its root cause; 128+N for signal N), 255 when that was a lost host, 128+N "
+    "when poprun is stopped by signal N, 74 when output could not be written (a full disk), 2 "
+    "for a usage error or a job that could not start, 70 for an internal error (a bug: see "
+    "the crash file named), 1 for --check with a host that failed a check. With "
+    "--max-restarts, the last attempt's. --result-json says which (exit_reason).")
 
 
 def _placements() -> list[str]:

@@ -292,7 +292,8 @@ USAGE_ERRORS = {
                            ["--host and --host-file"]),
     "missing host file": (["--host-file", "/no/such/file", PY],
                           ["--host-file", "/no/such/file", "No such file"]),
-    "empty host file": (["--host-file", "/dev/null", PY], ["--host-file", "no hosts"]),
+    "host file not a file": (["--host-file", "/dev/null", PY],
+                             ["--host-file", "not a regular file"]),
     "zero ssh fanout": (["--ssh-fanout=0", PY], ["--ssh-fanout", "positive"]),
     "zero ssh timeout": (["--ssh-timeout=0", PY], ["--ssh-timeout", "positive"]),
     "repeated single-valued option": (["--num-replicas=2", "--num-replicas=4", PY],
@@ -499,7 +500,7 @@ def test_hosts_accumulate_and_host_file_fills_them(tmp_path):
     assert config("-H", "a,b[1-2]", "--host=c", "--num-instances=4", "--num-replicas=4",
                   PY).host_list == tuple(map(Host, ("a", "b1", "b2", "c")))
     listing = tmp_path / "hosts"
-    listing.write_text("# the pod\nnode[01-02]   # two\n\nalice@node03:2222\n")
+    listing.write_text("# the pod\nnode[01-02]   # two\n\nssh://alice@node03:2222\n")
     got = config("--host-file", str(listing), "--num-instances=3", "--num-replicas=3", PY)
     assert got.host_list == (Host("node01"), Host("node02"), Host("node03", "alice", 2222))
 

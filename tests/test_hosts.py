@@ -26,9 +26,10 @@ def test_several_bracket_groups_multiply_as_in_slurm():
 
 
 def test_user_and_port():
-    assert parse_host_list("alice@h1:2222,h2") == (Host("h1", "alice", 2222), Host("h2"))
-    assert parse_host_list("[::1]:22") == (Host("::1", None, 22),)
-    assert str(Host("h", "u", 1)) == "u@h:1"
+    """A port is written ssh://[user@]host:port (`host:N` gives slots, see below)."""
+    assert parse_host_list("ssh://alice@h1:2222,h2") == (Host("h1", "alice", 2222), Host("h2"))
+    assert parse_host_list("ssh://[::1]:22") == (Host("::1", None, 22),)
+    assert str(Host("h", "u", 1)) == "ssh://u@h:1"
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -38,7 +39,8 @@ def test_user_and_port():
     ("pod[3-1]", "backwards"),
     ("pod[a-b]", "not a number"),
     ("pod[1-2", "unbalanced"),
-    ("h1:99999", "not a port"),
+    ("h1:99999", "for an SSH port write ssh://h1:99999"),
+    ("ssh://h1:99999", "not a port"),
 ])
 def test_bad_lists_say_what_is_wrong(bad, words):
     with pytest.raises(ConfigError, match=words):

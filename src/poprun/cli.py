@@ -317,21 +317,33 @@ def build_config(parsed: Parsed) -> LaunchConfig:
         if "hosts" in parsed.given:
             raise ConfigError("--host and --host-file cannot be used together")
         options["hosts"] = _read_host_file(str(parsed.values["host_file"]))
+    if "num_instances" not in parsed.given and "num_instances" not in stored:
+        counted = _counted_instances(options.get("hosts", ()))
+        if counted:
+            options["num_instances"] = counted
     return LaunchConfig(program=program, **options)
+
+
+def _counted_instances(entries: tuple[str, ...]) -> int | None:
+    """--num-instances when not given: the hosts' slots (`h1:4,h2:2`, an MPI hostfile), or
+    inside a Slurm allocation SLURM_NTASKS (its nodes' task counts)."""
+    from .hosts import SLURM_NTASKS, instance_counts, job_hosts_and_source, parse_host_list
+
+    hosts, source = job_hosts_and_source(parse_host_list(",".join(entries)) if entries else (),
+                                         os.environ)
+    if any(h.slots for h in hosts):
+        return sum(instance_counts(hosts, None, source))
+    if not entries and os.environ.get(SLURM_NTASKS, "").isdigit():
+        return int(os.environ[SLURM_NTASKS])
+    return None
 
 
 def _read_host_file(path: str) -> tuple[str, ...]:
     """The file's hosts, each as one host-list entry (validated when the config is built)."""
-    from .hosts import parse_host_file
+    from .hosts import parse_host_file, read_host_file
 
-    try:
-        with open(path, encoding="utf-8") as fh:
-            content = fh.read()
-    except OSError as exc:
-        raise ConfigError(f"--host-file: cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"--host-file: {path} is not a text file") from None
-    return tuple(str(h) for h in parse_host_file(content, f"--host-file {path}"))
+    source = f"--host-file {path}"
+    return tuple(h.entry for h in parse_host_file(read_host_file(path, source), source))
 
 
 def export_config(config: LaunchConfig, path: str, overwrite: bool) -> str:

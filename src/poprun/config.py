@@ -15,7 +15,7 @@ from typing import Any
 
 from . import mpiargs
 from .errors import ConfigError
-from .hosts import Host, parse_host_list
+from .hosts import Host, instance_counts, parse_host_list
 from .mpiargs import MpiArgs
 
 DEFAULT_KILL_TIMEOUT = 5.0
@@ -132,10 +132,8 @@ class LaunchConfig:
             raise ConfigError(f"--host-timeout must be positive, got {self.host_timeout}")
         if self.restart_delay < 0:
             raise ConfigError(f"--restart-delay must not be negative, got {self.restart_delay}")
-        if self.host_list and self.num_instances % len(self.host_list):
-            raise ConfigError(
-                f"--num-instances={self.num_instances} is not divisible by the "
-                f"{len(self.host_list)} hosts: every host runs the same number of instances")
+        if self.host_list:  # slots that disagree with --num-instances, or an uneven split
+            instance_counts(self.host_list, self.num_instances)
         from .placement import resolve_strategy
 
         resolve_strategy(self.process_placement, self.numa_aware, 1)  # unknown or contradictory

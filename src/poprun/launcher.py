@@ -28,7 +28,7 @@ from . import plan as planning
 from .config import INERT_FIELDS, VIPU_FIELDS, LaunchConfig
 from .crash import report_internal_error
 from .errors import ConfigError, LaunchError, PoprunError
-from .hosts import Host, is_local, job_hosts
+from .hosts import Host, instance_counts, is_local, job_hosts_and_source
 from .log import Log
 from .output import write_all
 from .plan import CacheMode, LaunchPlan
@@ -52,14 +52,14 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
     return planning.plan(config, environ, program=program, master_port=free_port(),
                          hosts=hosts.labels, master_addr=master, remote_hosts=hosts.remote,
                          cache_paths={label: cache for label in hosts.labels},
-                         topologies=local_topologies(config, hosts))
+                         topologies=local_topologies(config, hosts), counts=hosts.counts)
 
 
 def local_topologies(config: LaunchConfig, hosts: JobHosts) -> dict[str, Topology]:
     """This machine's NUMA topology under each of its labels, when placement needs it."""
-    local = [label for label in hosts.labels if label not in hosts.remote]
-    per_host = config.num_instances // len(hosts.labels)
-    if not local or not planning.needs_topology(config, per_host):
+    local = [label for label in hosts.labels if label not in hosts.remote
+             and planning.needs_topology(config, hosts.count(label))]
+    if not local:
         return {}
     topology = local_topology()
     return {label: topology for label in local}
@@ -67,20 +67,33 @@ def local_topologies(config: LaunchConfig, hosts: JobHosts) -> dict[str, Topolog
 
 @dataclass(frozen=True)
 class JobHosts:
-    """Where a job runs: host labels in instance order, and which of them need SSH."""
+    """Where a job runs: host labels in instance order, which of them need SSH, how many
+    instances each runs, and where the list came from (for messages)."""
 
     hosts: tuple[Host, ...]  # empty: this host only
     remote: frozenset[str]
+    counts: tuple[int, ...]
+    source: str = "--host"
 
     @classmethod
     def of(cls, config: LaunchConfig, environ: Mapping[str, str]) -> JobHosts:
-        hosts = job_hosts(config.host_list, environ)
+        hosts, source = job_hosts_and_source(config.host_list, environ)
         this = socket.gethostname()
-        return cls(hosts, frozenset(str(h) for h in hosts if not is_local(h, this)))
+        return cls(hosts, frozenset(str(h) for h in hosts if not is_local(h, this)),
+                   instance_counts(hosts, config.num_instances, source), source)
 
     @property
     def labels(self) -> tuple[str, ...]:
         return tuple(str(h) for h in self.hosts) or (planning.LOCALHOST,)
+
+    def count(self, label: str) -> int:
+        """Instances on the host labelled `label`."""
+        return self.counts[self.labels.index(label)]
+
+    def describe(self) -> str:
+        """`h1 (4), h2 (2) from --host`, for -v."""
+        listed = ", ".join(f"{label} ({n})" for label, n in zip(self.labels, self.counts))
+        return f"{listed} from {self.source}"
 
     @property
     def any_local(self) -> bool:
@@ -431,16 +444,17 @@ class _Session:
         if self.job.view is not None:
             self.job.view.set_partition(self.partition.name)
     def _plan(self, cache_paths: Mapping[str, str], master_addr: str, attempt: int = 0) -> None:
-        per_host = self.config.num_instances // len(self.hosts.labels)
         topologies = local_topologies(self.config, self.hosts)
-        if self.fleet is not None and planning.needs_topology(self.config, per_host):
+        if self.fleet is not None and any(planning.needs_topology(self.config, n)
+                                          for n in self.hosts.counts):
             topologies.update(self.fleet.topologies())
         launch_plan = planning.plan(
             self.config, self.environ, program=self.program, master_port=free_port(),
             hosts=self.hosts.labels, master_addr=master_addr, remote_hosts=self.hosts.remote,
             cache_paths=cache_paths, topologies=topologies,
             partition_env=self.partition.environment if self.partition else None,
-            restart_count=attempt if self.config.max_restarts else None)
+            restart_count=attempt if self.config.max_restarts else None,
+            counts=self.hosts.counts)
         if self.config.num_instances == 1 and self.config.num_replicas == 1:
             self.log.warning("Using --num-instances=1 and --num-replicas=1 together is not "
                              "supported and might give additional overhead and/or raise other "
@@ -458,15 +472,22 @@ class _Session:
                                         f"{len(caches)} dirs, one per host" if caches else None)
 
     def _log_placement(self, launch_plan: LaunchPlan) -> None:
-        """-v: each host's strategy; -vv: each instance's binding."""
-        per_host = self.config.num_instances // len(launch_plan.hosts)
-        strategy = planning.host_strategy(self.config, per_host)
+        """-v: the hosts, and each host's strategy; -vv: each instance's binding."""
+        self.log.info(f"hosts: {self.hosts.describe()}")
         mpi = self.config.mpi
         if mpi.bind_to and planning.strategy_from_mpi(mpi.bind_to, mpi.map_by) is None:
             self.log.info(f"ignoring mpirun --bind-to {mpi.bind_to}"
                           f"{' --map-by ' + mpi.map_by if mpi.map_by else ''}: no placement "
                           "strategy matches it")
-        self.log.info(f"process placement: {strategy.value} ({per_host} instance(s) per host)")
+        counts = self.hosts.counts
+        if len(set(counts)) == 1:
+            strategy = planning.host_strategy(self.config, counts[0])
+            self.log.info(f"process placement: {strategy.value} ({counts[0]} instance(s) per "
+                          "host)")
+        for label, count in zip(self.hosts.labels, counts) if len(set(counts)) > 1 else ():
+            strategy = planning.host_strategy(self.config, count)
+            self.log.info(f"process placement on {label}: {strategy.value} ({count} "
+                          "instance(s))")
         for inst in launch_plan.instances:
             self.log.debug(f"instance {inst.index} on {inst.host}: cpus "
                            f"{'any' if inst.cpus is None else format_cpu_list(inst.cpus)}, "

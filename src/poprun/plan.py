@@ -120,32 +120,35 @@ def plan(
     topologies: Mapping[str, Topology] | None = None,
     partition_env: Callable[[int], Mapping[str, str]] | None = None,
     restart_count: int | None = None,
+    counts: tuple[int, ...] | None = None,
 ) -> LaunchPlan:
     """Plan the job. `program` is the argv with argv[0] resolved; `cache_paths` maps each host
     to its cache directory when `cache_mode()` is EXPLICIT or TEMPORARY. Instances on
     `remote_hosts` also get the variables forwarded there (docs/architecture.md, "The
     environment contract"). Instances on a host with a known topology are bound as
     `--process-placement` says (None: unknown, unbound). `restart_count`: the attempt, when
-    restarts are enabled (instances then see it)."""
+    restarts are enabled (instances then see it). `counts`: instances per host, in host order
+    (None: the same on every host); instance indices run in contiguous blocks per host."""
     mode = cache_mode(config, environ)
-    if config.num_instances % len(hosts):
-        raise ConfigError(f"--num-instances={config.num_instances} is not divisible by the "
-                          f"{len(hosts)} hosts")
-    per_host = config.num_instances // len(hosts)
+    counts = counts or even_counts(config.num_instances, len(hosts))
+    if sum(counts) != config.num_instances or len(counts) != len(hosts):
+        raise ConfigError(f"--num-instances={config.num_instances} does not match the hosts' "
+                          f"instance counts {list(counts)}")
     local_replicas = config.num_replicas // config.num_instances
     replicas_per_ild = config.num_replicas // config.num_ilds
     warnings: list[str] = []
-    bindings = {host: host_bindings(config, (topologies or {}).get(host), per_host, host)
-                for host in hosts}
+    bindings = {host: host_bindings(config, (topologies or {}).get(host), count, host)
+                for host, count in zip(hosts, counts)}
     poplar_env = _poplar_env(config, environ)
+    slots = [(host, local, count) for host, count in zip(hosts, counts)
+             for local in range(count)]  # instance index -> (host, index there, count there)
     instances = []
-    for index in range(config.num_instances):
-        host = hosts[index // per_host]
-        binding = bindings[host][index % per_host]
+    for index, (host, local_index, per_host) in enumerate(slots):
+        binding = bindings[host][local_index]
         cache = (cache_paths or {}).get(host) if mode in (CacheMode.EXPLICIT,
                                                           CacheMode.TEMPORARY) else None
         who = E.InstanceIdentity(
-            index=index, num_instances=config.num_instances, local_index=index % per_host,
+            index=index, num_instances=config.num_instances, local_index=local_index,
             local_size=per_host, num_total_replicas=config.num_replicas,
             ipus_per_replica=config.ipus_per_replica, master_addr=master_addr,
             master_port=master_port, executable_cache_path=cache,
@@ -168,6 +171,14 @@ def plan(
             mems=(binding.mems or None) if binding else None))
     return LaunchPlan(instances=tuple(instances), hosts=hosts, num_ilds=config.num_ilds,
                       cache_mode=mode, warnings=tuple(dict.fromkeys(warnings)))
+
+
+def even_counts(num_instances: int, num_hosts: int) -> tuple[int, ...]:
+    """Instances per host when the host list gives no slots: the same on every host."""
+    if num_instances % num_hosts:
+        raise ConfigError(f"--num-instances={num_instances} is not divisible by the "
+                          f"{num_hosts} hosts: give each host its count (h1:3,h2:1)")
+    return (num_instances // num_hosts,) * num_hosts
 
 
 def host_bindings(config: LaunchConfig, topology: Topology | None, count: int,

@@ -5,6 +5,8 @@ Pure functions from data to str; the caller decides where the text goes.
 
 from __future__ import annotations
 
+import collections
+
 import shlex
 import signal
 from collections.abc import Iterable
@@ -28,10 +30,10 @@ def topology_table(launch_plan: LaunchPlan) -> str:
     per_instance = len(insts[0].replicas)
     num_replicas = per_instance * len(insts)
     per_ild = num_replicas // launch_plan.num_ilds
-    per_host = num_replicas // len(launch_plan.hosts)
+    on_host = collections.Counter(i.host for i in insts)
     cell = len(str(num_replicas - 1)) + 2
     rows = {
-        "hosts": [(h, per_host) for h in launch_plan.hosts],
+        "hosts": [(h, on_host[h] * per_instance) for h in launch_plan.hosts],
         "ILDs": [(str(i), per_ild) for i in range(launch_plan.num_ilds)],
         "instances": [(str(i.index), per_instance) for i in insts],
         "replicas": [(str(r), 1) for r in range(num_replicas)],

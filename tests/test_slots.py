@@ -1,0 +1,165 @@
+"""Host slots, MPI hostfiles and Slurm allocations (issue 16 points 1 and 4): uneven instance
+counts per host, from `h1:4,h2:2`, `node1 slots=4`, or SLURM_JOB_NODELIST with
+SLURM_TASKS_PER_NODE and SLURM_NTASKS; dry-run plans and real sshd hosts."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import OFFLINE, assert_usage_error, run_poprun
+from poprun.errors import ConfigError
+from poprun.hosts import (Host, expand_brackets, instance_counts, parse_host_file,
+                          parse_host_list, parse_tasks_per_node)
+from sshd_hosts import start_ssh_hosts
+
+pytestmark = pytest.mark.timeout(60)
+PY = sys.executable
+SLURM_ONLY = {"SLURM_JOB_ID": "", "SLURM_JOB_NODELIST": "", "SLURM_TASKS_PER_NODE": "",
+              "SLURM_NTASKS": "", "OMPI_MCA_orte_default_hostfile": ""}
+
+
+def dry_run(*args: str, env: dict[str, str] | None = None) -> dict:
+    proc = run_poprun(*OFFLINE, "--dry-run", "--json", *args, env={**SLURM_ONLY, **(env or {})})
+    assert proc.returncode == 0, proc.stderr.decode()
+    return json.loads(proc.stdout)
+
+
+def placed(plan: dict) -> list[tuple[str, int, str]]:
+    return [(i["host"], i["local_index"], i["env"]["LOCAL_WORLD_SIZE"])
+            for i in plan["instances"]]
+
+
+# --- parsing (pure) ---------------------------------------------------------------------------
+
+def test_slots_ports_and_the_port_looking_slot():
+    assert parse_host_list("h1:4,h2:2,h3") == (Host("h1", slots=4), Host("h2", slots=2),
+                                               Host("h3"))
+    assert [h.slots for h in parse_host_list("alice@h1:4")] == [4]
+    assert parse_host_list("ssh://bob@h9:2222") == (Host("h9", "bob", 2222),)
+    with pytest.raises(ConfigError, match=r"'h1:2222': `host:N` gives the host N slots.*"
+                                          r"ssh://h1:2222 or set Port in ~/.ssh/config"):
+        parse_host_list("h1:2222")
+    with pytest.raises(ConfigError, match="not a number of slots"):
+        parse_host_list("h1:0")
+
+
+def test_counts_follow_the_slots_and_must_match_num_instances():
+    hosts = parse_host_list("h1:4,h2:2")
+    assert instance_counts(hosts, None) == (4, 2) == instance_counts(hosts, 6)
+    assert instance_counts(parse_host_list("h1:3,h2"), None) == (3, 1)  # 1 when unsaid
+    assert instance_counts(parse_host_list("h1,h2"), 4) == (2, 2)
+    with pytest.raises(ConfigError, match=r"--num-instances=5 does not match the 6 slots of "
+                                          r"--host \(h1:4 \+ h2:2\)"):
+        instance_counts(hosts, 5)
+    with pytest.raises(ConfigError, match="not divisible by the 2 hosts"):
+        instance_counts(parse_host_list("h1,h2"), 3)
+
+
+def test_mpi_hostfiles():
+    """The format Open MPI reads and the Kubeflow MPI Operator mounts at /etc/mpi/hostfile."""
+    text = ("# generated\nworker-0.svc slots=4 max_slots=8\nworker-1.svc slots=2\n"
+            "worker-2.svc\n\n")
+    assert [(h.name, h.slots) for h in parse_host_file(text, "hostfile")] == [
+        ("worker-0.svc", 4), ("worker-1.svc", 2), ("worker-2.svc", None)]
+    with pytest.raises(ConfigError, match="hostfile, line 1: 'cpus=2' is not slots=N"):
+        parse_host_file("n1 cpus=2\n", "hostfile")
+
+
+@pytest.mark.parametrize("text, expected", [  # the forms in Slurm's own documentation
+    ("2(x3),1", (2, 2, 2, 1)), ("1(x4)", (1, 1, 1, 1)), ("4,2,2,1", (4, 2, 2, 1)),
+    ("16(x2),8(x2)", (16, 16, 8, 8)),
+])
+def test_slurm_tasks_per_node(text, expected):
+    hosts = (Host("n"),) * len(expected)
+    assert parse_tasks_per_node(text, hosts, "SLURM_TASKS_PER_NODE") == expected
+
+
+def test_slurm_tasks_per_node_errors():
+    with pytest.raises(ConfigError, match="gives 3 count"):
+        parse_tasks_per_node("2(x3)", (Host("a"),) * 2, "SLURM_TASKS_PER_NODE")
+    with pytest.raises(ConfigError, match="not a count"):
+        parse_tasks_per_node("2(y3)", (Host("a"),), "SLURM_TASKS_PER_NODE")
+
+
+@pytest.mark.parametrize("text, expected", [  # Slurm hostlist forms
+    ("lx[10-12]", ["lx10", "lx11", "lx12"]),
+    ("lx[10,12-13]", ["lx10", "lx12", "lx13"]),
+    ("pod[01-04,07]", ["pod01", "pod02", "pod03", "pod04", "pod07"]),
+    ("a[1-2],b3", ["a1", "a2", "b3"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+    ("node[8-10]", ["node8", "node9", "node10"]),
+])
+def test_slurm_hostlists(text, expected):
+    assert [h.name for h in parse_host_list(text)] == expected
+    if "," not in text:
+        assert expand_brackets(text) == expected
+
+
+# --- plans ------------------------------------------------------------------------------------
+
+def test_a_plan_follows_uneven_slots():
+    plan = dry_run("-H", "h1:3,h2:1", "--num-replicas=8", PY)  # no --num-instances: 3 + 1
+    assert placed(plan) == [("h1", 0, "3"), ("h1", 1, "3"), ("h1", 2, "3"), ("h2", 0, "1")]
+    assert [i["replicas"] for i in plan["instances"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [i["env"]["POPDIST_LOCAL_INSTANCE_INDEX"] for i in plan["instances"]] == \
+        ["0", "1", "2", "0"]
+
+
+def test_print_topology_spans_follow_the_counts():
+    proc = run_poprun(*OFFLINE, "--dry-run", "--print-topology", "-H", "h1:3,h2:1",
+                      "--num-replicas=4", PY, env=SLURM_ONLY)
+    table = proc.stdout.decode().splitlines()
+    hosts_row = next(line for line in table if line.startswith("| hosts"))
+    cells = hosts_row.strip("|").split("|")[1:]
+    assert [c.strip() for c in cells] == ["h1", "h2"] and len(cells[0]) > 2 * len(cells[1])
+
+
+def test_a_mismatch_with_num_instances_is_one_line():
+    proc = run_poprun(*OFFLINE, "--dry-run", "-H", "h1:4,h2:2", "--num-instances=5",
+                      "--num-replicas=5", PY, env=SLURM_ONLY)
+    assert_usage_error(proc, "--num-instances=5 does not match the 6 slots")
+
+
+def test_an_mpi_host_file_and_the_operators_default_hostfile(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("w0 slots=2 max_slots=4\nw1 slots=1\n")
+    by_option = dry_run("--host-file", str(hostfile), "--num-replicas=3", PY)
+    by_environment = dry_run("--num-replicas=3", PY,
+                             env={"OMPI_MCA_orte_default_hostfile": str(hostfile)})
+    assert placed(by_option) == placed(by_environment) == [("w0", 0, "2"), ("w0", 1, "2"),
+                                                           ("w1", 0, "1")]
+
+
+def test_inside_a_slurm_allocation_hosts_and_counts_come_from_it():
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-3]",
+           "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_NTASKS": "5"}
+    plan = dry_run("--num-replicas=5", "--launcher=ssh", PY, env=env)
+    assert [i["host"] for i in plan["instances"]] == ["node1", "node1", "node2", "node2", "node3"]
+    proc = run_poprun(*OFFLINE, "--dry-run", "--num-instances=4", "--num-replicas=4",
+                      "--launcher=ssh", PY, env={**SLURM_ONLY, **env})
+    line = assert_usage_error(proc, "--num-instances=4 does not match the 5 slots")
+    assert "the Slurm allocation (SLURM_JOB_NODELIST=node[1-3]" in line
+
+
+def test_verbose_says_where_hosts_and_counts_came_from():
+    proc = run_poprun(*OFFLINE, "-v", "-H", "localhost:2", "--num-replicas=2", "true",
+                      env=SLURM_ONLY)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert "hosts: localhost (2) from --host" in proc.stderr.decode()
+
+
+# --- real hosts -------------------------------------------------------------------------------
+
+def test_slots_on_real_hosts(tmp_path):
+    show = ("import json, os; print(json.dumps([os.environ['RANK'], os.environ['LOCAL_RANK'],"
+            " os.environ['LOCAL_WORLD_SIZE'], os.environ['POPRUN_SSH_CONNECTION'].split()[2]]))")
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        proc = run_poprun(*OFFLINE, "-H", "h1:2,h2:1", "--num-replicas=3", PY, "-c", show,
+                          env={**SLURM_ONLY, **hosts.env()})
+    assert proc.returncode == 0, proc.stderr.decode()
+    seen = sorted(json.loads(line) for line in proc.stdout.decode().splitlines())
+    assert seen == [["0", "0", "2", "127.0.77.1"], ["1", "1", "2", "127.0.77.1"],
+                    ["2", "0", "1", "127.0.77.2"]]

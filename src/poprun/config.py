@@ -26,6 +26,7 @@ DEFAULT_SSH_TIMEOUT = 10.0
 DEFAULT_HOST_TIMEOUT = 15.0
 DEFAULT_RESTART_DELAY = 1.0  # seconds between a failed attempt's cleanup and the next start
 SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
+LAUNCHERS = ("ssh", "slurm")  # how agents reach remote hosts (--launcher)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class LaunchConfig:
     ssh_fanout: int = DEFAULT_SSH_FANOUT
     ssh_timeout: float = DEFAULT_SSH_TIMEOUT
     host_timeout: float = DEFAULT_HOST_TIMEOUT
+    launcher: str | None = None  # "ssh" or "slurm"; None: slurm inside an allocation
     max_restarts: int = 0  # a failed job is started again this many times at most
     restart_delay: float = DEFAULT_RESTART_DELAY
     remote_python: str | None = None  # None: the launcher's own interpreter path
@@ -132,6 +134,9 @@ class LaunchConfig:
             raise ConfigError(f"--host-timeout must be positive, got {self.host_timeout}")
         if self.restart_delay < 0:
             raise ConfigError(f"--restart-delay must not be negative, got {self.restart_delay}")
+        if self.launcher not in (None, *LAUNCHERS):
+            raise ConfigError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got "
+                              f"{self.launcher!r}")
         if self.host_list:  # slots that disagree with --num-instances, or an uneven split
             instance_counts(self.host_list, self.num_instances)
         from .placement import resolve_strategy

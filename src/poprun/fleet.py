@@ -32,8 +32,10 @@ STATS_INTERVAL = 1.0  # seconds between the agents' CPU/RSS samples for the dash
 class Fleet:
     """Connections and agents, by host label (`str(host)`)."""
 
-    def __init__(self, hosts: Sequence[Host], config: LaunchConfig, log: Log) -> None:
+    def __init__(self, hosts: Sequence[Host], config: LaunchConfig, log: Log,
+                 transport: str = "ssh") -> None:
         self.hosts, self.config, self.log = tuple(hosts), config, log
+        self.transport = transport  # "ssh", or "slurm": agents as job steps (spawner.srun)
         self.connections: Mapping[Host, object] = {}
         self.spawners: dict[str, RemoteSpawner] = {}
         self._opened_at = self._agents_started_at = 0.0  # time.time(), for phases()
@@ -43,14 +45,17 @@ class Fleet:
         """Connect to every host and start its agent; raises LaunchError (every failing host
         named, one line each) with nothing started and everything opened closed again."""
         self._opened_at = time.time()
-        try:
-            self.connections = await connect_all(
-                self.hosts, fanout=self.config.ssh_fanout, timeout=self.config.ssh_timeout,
-                progress=_connected_to(view))
-        except SshConnectError as exc:
-            raise LaunchError("\n".join(f.message for f in exc.failures)) from None
-        for host, timing in self.connections.timings.items():
-            self.log.info(f"{host}: connected in {timing.connect * 1000:.0f} ms")
+        if self.transport == "slurm":
+            self.connections = _srun_connections(self.hosts)
+        else:
+            try:
+                self.connections = await connect_all(
+                    self.hosts, fanout=self.config.ssh_fanout,
+                    timeout=self.config.ssh_timeout, progress=_connected_to(view))
+            except SshConnectError as exc:
+                raise LaunchError("\n".join(f.message for f in exc.failures)) from None
+            for host, timing in self.connections.timings.items():
+                self.log.info(f"{host}: connected in {timing.connect * 1000:.0f} ms")
         self.spawners = {
             str(host): RemoteSpawner(conn, str(host), sink, on_lost,
                                      python=self.config.remote_python)
@@ -94,10 +99,13 @@ class Fleet:
         """Per host, seconds from `since` (time.time()) to connected and agent ready."""
         opened = self._opened_at
         out = {}
-        for host, timing in self.connections.timings.items():
+        timings = getattr(self.connections, "timings", {})  # a Slurm step has no connect
+        for host in self.connections:
             spawner = self.spawners[str(host)]
-            connected = opened + timing.queued + timing.connect - since
-            out[str(host)] = {"connected": round(connected, 6)}
+            out[str(host)] = {}
+            if host in timings:
+                connected = opened + timings[host].queued + timings[host].connect - since
+                out[str(host)]["connected"] = round(connected, 6)
             if spawner.timings.ready is not None:
                 ready = self._agents_started_at + spawner.timings.ready - since
                 out[str(host)]["agent_ready"] = round(ready, 6)
@@ -115,9 +123,11 @@ class Fleet:
 
     def address_of(self, label: str) -> str:
         """The address the launcher reached `label` at: one the other hosts can reach too
-        (a name from ~/.ssh/config may mean nothing to them)."""
+        (a name from ~/.ssh/config may mean nothing to them). A Slurm node's is the host
+        name its agent reports (Slurm's nodes know each other by name)."""
         host = next(h for h in self.hosts if str(h) == label)
-        return self.connections[host].get_extra_info("peername")[0]
+        peer = self.connections[host].get_extra_info("peername")
+        return peer[0] if peer else self.spawners[label].info.hostname
 
     def own_address(self) -> str:
         """This machine's address on the way to the remote hosts, for a MASTER_ADDR that
@@ -127,10 +137,23 @@ class Fleet:
 
     async def close(self) -> None:
         """Close every agent (each kills what it still runs and removes its temp dirs),
-        then the connections."""
+        then the connections (over Slurm: cancel any step still there)."""
         await asyncio.gather(*(s.close() for s in self.spawners.values()),
                              return_exceptions=True)
         await close_all(self.connections.values())
+
+
+def _srun_connections(hosts: Sequence[Host]) -> dict[Host, object]:
+    """One SrunConnection per node: agents start as job steps of the allocation."""
+    import shutil
+
+    from spawner.srun import SrunConnection
+
+    srun = shutil.which("srun")
+    if srun is None:
+        raise LaunchError("--launcher slurm: `srun` is not on PATH (is the Slurm client "
+                          "installed here?)")
+    return {host: SrunConnection(host.name, srun) for host in hosts}
 
 
 def _connected_to(view):

@@ -28,7 +28,8 @@ from . import plan as planning
 from .config import INERT_FIELDS, VIPU_FIELDS, LaunchConfig
 from .crash import report_internal_error
 from .errors import ConfigError, LaunchError, PoprunError
-from .hosts import Host, instance_counts, is_local, job_hosts_and_source
+from .hosts import (SLURM_JOB_ID, Host, instance_counts, is_local,
+                    job_hosts_and_source)
 from .log import Log
 from .output import write_all
 from .plan import CacheMode, LaunchPlan
@@ -74,13 +75,23 @@ class JobHosts:
     remote: frozenset[str]
     counts: tuple[int, ...]
     source: str = "--host"
+    transport: str = "ssh"  # how remote hosts are reached: "ssh" or "slurm"
 
     @classmethod
     def of(cls, config: LaunchConfig, environ: Mapping[str, str]) -> JobHosts:
         hosts, source = job_hosts_and_source(config.host_list, environ)
+        transport = config.launcher or (
+            "slurm" if environ.get(SLURM_JOB_ID) and not config.host_list else "ssh")
+        if transport == "slurm" and not environ.get(SLURM_JOB_ID):
+            raise ConfigError("--launcher slurm runs inside a Slurm allocation: start poprun "
+                              "with `salloc -N <nodes> poprun ...` or from an `sbatch` script "
+                              "(or use --launcher ssh)")
         this = socket.gethostname()
-        return cls(hosts, frozenset(str(h) for h in hosts if not is_local(h, this)),
-                   instance_counts(hosts, config.num_instances, source), source)
+        # Over Slurm every node's instances start as a job step, this node's too.
+        remote = frozenset(str(h) for h in hosts if transport == "slurm"
+                           or not is_local(h, this))
+        return cls(hosts, remote, instance_counts(hosts, config.num_instances, source), source,
+                   transport)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -91,9 +102,10 @@ class JobHosts:
         return self.counts[self.labels.index(label)]
 
     def describe(self) -> str:
-        """`h1 (4), h2 (2) from --host`, for -v."""
+        """`h1 (4), h2 (2) from --host, over ssh`, for -v."""
         listed = ", ".join(f"{label} ({n})" for label, n in zip(self.labels, self.counts))
-        return f"{listed} from {self.source}"
+        over = f", over {self.transport}" if self.remote else ""
+        return f"{listed} from {self.source}{over}"
 
     @property
     def any_local(self) -> bool:
@@ -368,7 +380,7 @@ class _Session:
         from .fleet import Fleet  # asyncssh: only runs with remote hosts import it
 
         self.fleet = Fleet([h for h in self.hosts.hosts if str(h) in self.hosts.remote],
-                           self.config, self.log)
+                           self.config, self.log, self.hosts.transport)
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
                               program=self.program[0], path=self.environ.get("PATH"),
                               view=self.job.view)
@@ -515,7 +527,22 @@ class _Session:
         if errors:
             raise errors[0]
         if self._result is not None:
+            self._note_scheduler_stop()
             self._print_report()
+
+    def _note_scheduler_stop(self) -> None:
+        """Slurm ending the job (scancel, a time limit) kills the instances, which then look
+        like failures: name the reason, from the agents' steps' stderr (read by now, the
+        agents being closed)."""
+        if self.fleet is None or self.fleet.transport != "slurm":
+            return
+        from spawner.srun import cancellation
+
+        for label, spawner in self.fleet.spawners.items():
+            reason = cancellation(spawner.stderr_tail)
+            if reason:
+                self._result = replace(self._result, scheduler_stop=f"{label}: {reason}")
+                return
 
     async def _close_fleet(self) -> None:
         if self.fleet is not None:

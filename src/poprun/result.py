@@ -53,6 +53,7 @@ class LaunchResult:
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     start_time: float = 0.0  # time.time() when the launch began
     output_error: str | None = None  # output that could not be written stopped the job
+    scheduler_stop: str | None = None  # the scheduler ended the job (Slurm: scancel, time)
     # The failed attempts before this one (`--max-restarts`), oldest first; the fields above
     # are the last attempt's.
     attempts: tuple[LaunchResult, ...] = ()
@@ -64,10 +65,13 @@ class LaunchResult:
     @property
     def exit_reason(self) -> str:
         """Why `exit_code` is what it is: "success", "instance" (the root cause's status),
-        "host_lost" (255, as ssh), "signal" (poprun stopped by signal N: 128+N) or
-        "output_error" (74: output could not be written)."""
+        "host_lost" (255, as ssh), "signal" (poprun stopped by signal N: 128+N),
+        "output_error" (74: output could not be written) or "scheduler" (Slurm ended the job:
+        the instances' statuses)."""
         if self.output_error is not None:
             return "output_error"
+        if self.scheduler_stop is not None:
+            return "scheduler"
         if self.stop_signal is not None:
             return "signal"
         if self.root_cause is None:
@@ -96,6 +100,8 @@ class LaunchResult:
             lines.append(("collateral", f"poprun: attempt {number} of {total} failed: {what}"))
         if self.attempts:
             lines.append(("stopped", f"poprun: attempt {total} of {total} (the last):"))
+        if self.scheduler_stop is not None:
+            lines.append(("stopped", f"poprun: stopped by Slurm: {self.scheduler_stop}"))
         if self.output_error is not None:
             lines.append(("stopped", f"poprun: stopped: {self.output_error}"))
         if self.stop_signal is not None:
@@ -147,6 +153,7 @@ class LaunchResult:
             "root_cause": self.root_cause,
             "stop_signal": signal_name(self.stop_signal) if self.stop_signal else None,
             "output_error": self.output_error,
+            "scheduler_stop": self.scheduler_stop,
             "attempts": [earlier.to_json() for earlier in self.attempts],
             "start_time": self.start_time,
             "phases": self.phases,

@@ -44,6 +44,7 @@ from .local import LocalSpawner, ProcessSpec, Stream, resolve_program
 from .procstat import ProcSampler
 from .protocol import (MAGIC, PROTOCOL_VERSION, Control, Frame, FrameDecoder, Kind,
                        ProtocolError, SpawnRequest, encode, output_header)
+from .srun import step_variables
 from .sysfs import read_sysfs
 
 READ_SIZE = 65536
@@ -105,9 +106,10 @@ def instance_environ(env_set: Mapping[str, str], env_unset: Iterable[str]) -> di
     changes applied. Not what makes a process look like an SSH login: with `SSH_CLIENT` set
     and `SHLVL` < 2, `bash -c` sources ~/.bashrc (and whatever that runs, e.g. `pyenv
     rehash` holding a lock) in every instance. The connection stays visible to instances
-    as `POPRUN_SSH_CONNECTION`."""
+    as `POPRUN_SSH_CONNECTION`. Started by srun, the agent does not pass on what describes
+    its own one-task job step (SLURM_PROCID...: spawner.srun.step_variables)."""
     env = dict(os.environ)
-    for name in (*env_unset, *SSH_SESSION_VARIABLES, "SHLVL"):
+    for name in (*env_unset, *SSH_SESSION_VARIABLES, "SHLVL", *step_variables(os.environ)):
         env.pop(name, None)
     if "SSH_CONNECTION" in os.environ:
         env[SSH_CONNECTION_COPY] = os.environ["SSH_CONNECTION"]

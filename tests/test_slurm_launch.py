@@ -1,0 +1,121 @@
+"""`poprun --launcher slurm` on a real Slurm cluster (tests/slurm_cluster.py: munged,
+slurmctld and two slurmd on this machine): poprun runs under `salloc` and `sbatch`, its agents
+start as one job step per node, instances run on both nodes with the right environment, output
+arrives tagged, a failing instance's status propagates, `scancel` leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import SRC
+from slurm_cluster import SlurmCluster
+from sshd_hosts import processes_with, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+PY = sys.executable  # the nodes are this machine
+POPRUN = [PY, "-m", "poprun", "--offline-mode=yes"]
+# Which node an instance ran on (SLURMD_NODENAME comes with the job step), and what it saw.
+SHOW = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in ('SLURMD_NODENAME',"
+        " 'RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'SLURM_JOB_ID', 'SLURM_PROCID', 'MASTER_ADDR')}))")
+
+
+@pytest.fixture
+def cluster(slurm_cluster: SlurmCluster) -> SlurmCluster:
+    slurm_cluster.reset()
+    return slurm_cluster
+
+
+def env() -> dict[str, str]:
+    return {"PYTHONPATH": SRC, "POPRUN_NO_DASHBOARD": "1"}
+
+
+def test_under_salloc_instances_run_on_both_nodes_as_job_steps(cluster):
+    done = cluster.run(["salloc", "-N2", "--ntasks-per-node=2", *POPRUN, "--tag-output",
+                        "--num-replicas=4", PY, "-c", SHOW], env=env(), timeout=90)
+    assert done.returncode == 0, done.stderr
+    seen = {}
+    for line in done.stdout.splitlines():
+        tag, _, text = line.partition("<stdout>:")
+        seen[int(tag.strip("[]").split(",")[1])] = json.loads(text)
+    assert sorted(seen) == [0, 1, 2, 3]  # SLURM_NTASKS=4 gave the instances
+    assert [seen[i]["SLURMD_NODENAME"] for i in range(4)] == ["node1", "node1", "node2", "node2"]
+    assert [(seen[i]["RANK"], seen[i]["LOCAL_RANK"]) for i in range(4)] == \
+        [("0", "0"), ("1", "1"), ("2", "0"), ("3", "1")]
+    assert all(s["SLURM_JOB_ID"] and s["SLURM_PROCID"] is None for s in seen.values())
+    assert len({s["MASTER_ADDR"] for s in seen.values()}) == 1
+
+
+def test_a_failing_instance_ends_the_job_and_its_status_propagates(cluster):
+    failing = "import os, sys, time; sys.exit(7) if os.environ['RANK'] == '3' else time.sleep(60)"
+    done = cluster.run(["salloc", "-N2", "--ntasks-per-node=2", *POPRUN, "--num-replicas=4",
+                        PY, "-c", failing], env=env(), timeout=90)
+    assert done.returncode == 7, done.stderr
+    assert "instance 3" in done.stderr and "exited with status 7" in done.stderr
+
+
+def test_under_sbatch(cluster, tmp_path):
+    script = tmp_path / "job.sh"
+    out = tmp_path / "job.out"
+    script.write_text("#!/bin/sh\n" + " ".join(
+        [*POPRUN, "--num-replicas=2", PY, "-c",
+         "\"import os; print('hello from', os.environ['SLURMD_NODENAME'])\""]) + "\n")
+    done = cluster.run(["sbatch", "--wait", "-N2", "--ntasks-per-node=1", f"--output={out}",
+                        str(script)], env=env(), timeout=90)
+    assert done.returncode == 0, (done.stderr, out.read_text() if out.exists() else "")
+    assert sorted(out.read_text().splitlines()) == ["hello from node1", "hello from node2"]
+
+
+def test_scancel_ends_poprun_and_leaves_no_process(cluster, tmp_path):
+    marker = f"slurm-{uuid.uuid4().hex[:8]}"
+    proc = cluster.popen(["salloc", "-N2", "--ntasks-per-node=1", *POPRUN, "--num-replicas=2",
+                          PY, "-c", "import time; time.sleep(300)", marker], env=env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: len([p for p in processes_with(marker)
+                                if b"poprun" not in Path(f"/proc/{p}/cmdline").read_bytes()])
+                   >= 2, "both instances to run", 60)
+        jobs = cluster.jobs()
+        assert len(jobs) == 1
+        cluster.run(["scancel", str(next(iter(jobs)))], timeout=30)
+        err = proc.communicate(timeout=60)[1].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert re.search(r"^poprun: stopped by Slurm: node\d: \*\*\* STEP \S+ ON node\d CANCELLED AT", err,
+                     re.M), err  # the reason is named
+    wait_until(lambda: not processes_with(marker), "every process of the job to be gone", 30)
+
+
+def test_launcher_slurm_outside_an_allocation_is_one_clear_line(cluster):
+    environ = {k: "" for k in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST")}
+    done = cluster.run([*POPRUN, "--launcher=slurm", "--num-replicas=1", "true"],
+                       env={**env(), **environ}, timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "poprun: error: --launcher slurm runs inside a Slurm allocation: start poprun with "
+        "`salloc -N <nodes> poprun ...` or from an `sbatch` script (or use --launcher ssh)"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not (os.environ.get("POPRUN_SLURM_SLOW") or os.environ.get("CI")),
+                    reason="Slurm time limits are whole minutes, checked every 30 s: a run "
+                           "takes 66-89 s (CI runs it; POPRUN_SLURM_SLOW=1 here)")
+def test_the_time_limit_ends_poprun_naming_it(cluster):
+    marker = f"slurm-{uuid.uuid4().hex[:8]}"
+    done = cluster.run(["salloc", "-N2", "--ntasks-per-node=1", "--time=1", *POPRUN,
+                        "--num-replicas=2", PY, "-c", "import time; time.sleep(600)", marker],
+                       env=env(), timeout=200)
+    assert done.returncode != 0
+    assert re.search(r"^poprun: stopped by Slurm: node\d: \*\*\* STEP .* DUE TO TIME LIMIT",
+                     done.stderr, re.M), done.stderr
+    wait_until(lambda: not processes_with(marker), "every process of the job to be gone", 30)

@@ -153,13 +153,18 @@ def test_verbose_says_where_hosts_and_counts_came_from():
 
 # --- real hosts -------------------------------------------------------------------------------
 
-def test_slots_on_real_hosts(tmp_path):
+def test_slots_and_an_mpi_hostfile_on_real_hosts(tmp_path):
     show = ("import json, os; print(json.dumps([os.environ['RANK'], os.environ['LOCAL_RANK'],"
             " os.environ['LOCAL_WORLD_SIZE'], os.environ['POPRUN_SSH_CONNECTION'].split()[2]]))")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("h1 slots=2 max_slots=2
+h2 slots=1
+")
     with start_ssh_hosts(2, tmp_path) as hosts:
-        proc = run_poprun(*OFFLINE, "-H", "h1:2,h2:1", "--num-replicas=3", PY, "-c", show,
-                          env={**SLURM_ONLY, **hosts.env()})
-    assert proc.returncode == 0, proc.stderr.decode()
-    seen = sorted(json.loads(line) for line in proc.stdout.decode().splitlines())
-    assert seen == [["0", "0", "2", "127.0.77.1"], ["1", "1", "2", "127.0.77.1"],
-                    ["2", "0", "1", "127.0.77.2"]]
+        for hosts_given in (["-H", "h1:2,h2:1"], ["--host-file", str(hostfile)]):
+            proc = run_poprun(*OFFLINE, *hosts_given, "--num-replicas=3", PY, "-c", show,
+                              env={**SLURM_ONLY, **hosts.env()})
+            assert proc.returncode == 0, proc.stderr.decode()
+            seen = sorted(json.loads(line) for line in proc.stdout.decode().splitlines())
+            assert seen == [["0", "0", "2", "127.0.77.1"], ["1", "1", "2", "127.0.77.1"],
+                            ["2", "0", "1", "127.0.77.2"]]

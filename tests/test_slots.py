@@ -157,9 +157,7 @@ def test_slots_and_an_mpi_hostfile_on_real_hosts(tmp_path):
     show = ("import json, os; print(json.dumps([os.environ['RANK'], os.environ['LOCAL_RANK'],"
             " os.environ['LOCAL_WORLD_SIZE'], os.environ['POPRUN_SSH_CONNECTION'].split()[2]]))")
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("h1 slots=2 max_slots=2
-h2 slots=1
-")
+    hostfile.write_text("h1 slots=2 max_slots=2\nh2 slots=1\n")
     with start_ssh_hosts(2, tmp_path) as hosts:
         for hosts_given in (["-H", "h1:2,h2:1"], ["--host-file", str(hostfile)]):
             proc = run_poprun(*OFFLINE, *hosts_given, "--num-replicas=3", PY, "-c", show,

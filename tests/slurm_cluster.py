@@ -50,7 +50,6 @@ import os
 import pwd
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -60,6 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from sshd_hosts import kill_trees
 
 __all__ = ["SlurmCluster", "SlurmClusterError", "require_slurm", "slurm_cluster",
            "start_slurm_cluster"]
@@ -475,46 +476,10 @@ def _ancestors(pid: int) -> set[int]:
     return seen
 
 
-def _children() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])  # comm may contain spaces/parens
-            children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
 def _kill_trees(find_roots) -> None:
-    """SIGKILL every process ``find_roots()`` returns and all their descendants.
-
-    Each process is SIGSTOPped as it is found, so none forks or is reparented (and lost)
-    between a scan and the kill; rescan until no new process shows up.
-    """
-    mine = _ancestors(os.getpid())
-    found: set[int] = set()
-    while True:
-        children = _children()
-        tree, todo = set(), list(find_roots())
-        while todo:
-            pid = todo.pop()
-            if pid in tree or pid in mine:
-                continue
-            tree.add(pid)
-            todo.extend(children.get(pid, ()))
-        new = tree - found
-        if not new:
-            break
-        for pid in new:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
-        found |= new
-    for pid in found:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    """SIGKILL every process ``find_roots()`` returns and all their descendants, never this
+    test process or its ancestors (sshd_hosts.kill_trees)."""
+    kill_trees(find_roots, spare=frozenset(_ancestors(os.getpid())))
 
 
 @pytest.fixture(scope="session")

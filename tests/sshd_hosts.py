@@ -321,18 +321,26 @@ def _children() -> dict[int, list[int]]:
 
 
 def _kill_tree(root: int) -> None:
-    """SIGKILL ``root`` and all its descendants.
+    """SIGKILL ``root`` and all its descendants (sshd setsid()s every connection, so a
+    process-group kill misses sessions: the ppid tree is walked instead)."""
+    kill_trees(lambda: [root])
 
-    sshd setsid()s every connection, so a process-group kill misses sessions; walk the ppid
-    tree instead. Stop each process as it is found so nothing forks or gets reparented (and
-    lost) between the scan and the kill; rescan until no new process shows up.
+
+def kill_trees(find_roots, spare: frozenset[int] = frozenset()) -> None:
+    """SIGKILL every process ``find_roots()`` returns and all their descendants, except the
+    pids in ``spare`` (and theirs).
+
+    Each process is SIGSTOPped as it is found, so none forks or is reparented (and lost)
+    between a scan and the kill; rescan until no new process shows up.
     """
     found: set[int] = set()
     while True:
         children = _children()
-        tree, todo = set(), [root]
+        tree, todo = set(), list(find_roots())
         while todo:
             pid = todo.pop()
+            if pid in tree or pid in spare:
+                continue
             tree.add(pid)
             todo.extend(children.get(pid, ()))
         new = tree - found

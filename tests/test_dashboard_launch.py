@@ -4,15 +4,8 @@ is no panel and no escape code at all."""
 
 from __future__ import annotations
 
-import fcntl
-import os
-import pty
 import re
-import select
-import struct
-import subprocess
 import sys
-import termios
 
 import pytest
 

@@ -39,7 +39,8 @@ def heavy(modules: set[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("args", [
-    ["--num-instances", "2", "--num-replicas", "2", "--offline-mode=1", "true"],
+    # one instance: no placement, no memory binding (that one needs numa: see below)
+    ["--num-instances", "1", "--num-replicas", "2", "--offline-mode=1", "true"],
     [*OFFLINE, "--num-instances=2", "--num-replicas=2", "--tag-output", "--process-placement",
      "disabled", sys.executable, "-c", "print('x')"],
     [*OFFLINE, "--num-instances=2", "--num-replicas=4", "--dry-run", "true"],
@@ -54,3 +55,12 @@ def test_help_does_import_typer():  # the check above can see typer when it is t
     modules = imported("--help")
     assert {"typer", "rich"} <= {m.partition(".")[0] for m in modules}
     assert not any(m.startswith("pydantic") for m in modules)  # typer only coerces with it
+
+
+def test_numa_is_imported_when_memory_is_bound():
+    """spreadnuma binds each of two instances' memory: py-libnuma is needed then, and only
+    then (the check above can see numa when it is there)."""
+    modules = imported("--num-instances", "2", "--num-replicas", "2", "--offline-mode=1",
+                       "--process-placement=spreadnuma", "true")
+    assert "numa" in modules
+    assert not {"typer", "rich", "asyncssh"} & {m.partition(".")[0] for m in modules}

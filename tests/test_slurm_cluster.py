@@ -26,6 +26,7 @@ import pytest
 
 import slurm_cluster as harness
 from slurm_cluster import SlurmCluster, start_slurm_cluster
+from sshd_hosts import processes_with
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,18 +39,6 @@ def cluster(slurm_cluster: SlurmCluster) -> SlurmCluster:
     """The session's cluster, idle: no job left over from an earlier test."""
     slurm_cluster.reset()
     return slurm_cluster
-
-
-def processes_with(marker: str) -> list[int]:
-    """Pids of every process whose command line contains ``marker``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                pids.append(int(entry))
-        except OSError:
-            pass
-    return pids
 
 
 def tasks_with(marker: str) -> list[int]:

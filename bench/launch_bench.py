@@ -71,7 +71,7 @@ LAUNCH_FASTER_SIZES = (64, 128)  # poprun median < mpirun median
 LAUNCH_256_MAX_SECONDS = 1.0  # every 256-instance run (max, not median)
 VERSION_MAX_SECONDS = 0.120  # median
 
-# mpirun hangs at 32+ instances on this machine (DESIGN.md §8): at 256 it hung in 3 of 3 runs.
+# mpirun hangs at 32+ instances on this machine (docs/architecture.md, "Measured reasons"): at 256 it hung in 3 of 3 runs.
 # Fewer reps there keep the default run to a few minutes.
 MPIRUN_REPS_AT_256 = 2
 

@@ -31,6 +31,12 @@ if cache and os.environ["RANK"] == "0":
     open(os.path.join(cache, "compiled"), "w").close()
 with open(os.path.join(sys.argv[1], f"{os.environ['RANK']}-{attempt}.json"), "w") as fh:
     json.dump(note, fh)
+# Every instance's note is written before one fails (poprun then stops the others).
+import glob, time
+deadline = time.monotonic() + 30
+while len(glob.glob(os.path.join(sys.argv[1], f"*-{attempt}.json"))) < int(os.environ["WORLD_SIZE"]):
+    assert time.monotonic() < deadline, "the other instances' notes never came"
+    time.sleep(0.01)
 sys.exit(3 if attempt < 2 else 0)
 """
 

@@ -59,3 +59,13 @@ def poprun():
 
 
 from slurm_cluster import slurm_cluster  # noqa: E402,F401  a one-machine Slurm cluster
+
+
+@pytest.fixture
+def dead_host_leftovers():
+    """For tests that kill a host whole: its agent's temporary dirs are removed at the end
+    (sshd_hosts.dead_host_leftovers)."""
+    from sshd_hosts import dead_host_leftovers as leftovers
+
+    with leftovers():
+        yield

@@ -355,6 +355,19 @@ def kill_trees(find_roots, spare: frozenset[int] = frozenset()) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def dead_host_leftovers() -> Iterator[None]:
+    """Remove, at the end, the temporary dirs (/tmp/poprun-*) that appeared meanwhile: a host
+    killed whole keeps its agent's (nothing of its survives to remove them; a real host's
+    /tmp goes with it), and here every "host" shares this /tmp."""
+    before = set(Path("/tmp").glob("poprun-*"))
+    try:
+        yield
+    finally:
+        for path in set(Path("/tmp").glob("poprun-*")) - before:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def processes_with(marker: str) -> list[int]:
     """Pids of every process whose command line contains `marker`."""
     pids = []

@@ -465,6 +465,7 @@ async def test_temp_dir_lives_until_close_and_spawn_failures_name_the_host(hosts
     assert sink.lost == []
 
 
+@pytest.mark.usefixtures("dead_host_leftovers")
 async def test_killed_host_is_reported_lost_and_the_others_keep_running(hosts):
     sink = Recorder()
     spawners = await start_agents(hosts, sink)

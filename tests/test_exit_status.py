@@ -63,6 +63,7 @@ def test_output_that_cannot_be_written(tmp_path):
     assert record["output_error"] == "cannot write poprun's stdout: Bad file descriptor"
 
 
+@pytest.mark.usefixtures("dead_host_leftovers")
 def test_a_lost_host(tmp_path):
     out = tmp_path / "r.json"
     marker = f"lost-{tmp_path.name}"

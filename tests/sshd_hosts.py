@@ -357,15 +357,22 @@ def kill_trees(find_roots, spare: frozenset[int] = frozenset()) -> None:
 
 @contextlib.contextmanager
 def dead_host_leftovers() -> Iterator[None]:
-    """Remove, at the end, the temporary dirs (/tmp/poprun-*) that appeared meanwhile: a host
-    killed whole keeps its agent's (nothing of its survives to remove them; a real host's
-    /tmp goes with it), and here every "host" shares this /tmp."""
-    before = set(Path("/tmp").glob("poprun-*"))
+    """Remove, at the end, the temporary dirs (/tmp/poprun-*) and cgroups that appeared
+    meanwhile: a host killed whole keeps its agent's (nothing of it survives to remove them;
+    a real host's go with it), and here every "host" shares this machine."""
+    from spawner.containment import own_cgroup_dir, remove_tree
+
+    cgroups = Path(own_cgroup_dir() or "/nonexistent")
+    before = set(Path("/tmp").glob("poprun-*")) | set(cgroups.glob("poprun-*"))
     try:
         yield
     finally:
         for path in set(Path("/tmp").glob("poprun-*")) - before:
             shutil.rmtree(path, ignore_errors=True)
+        for path in set(cgroups.glob("poprun-*")) - before:  # its agent's cgroups, killed
+            with contextlib.suppress(OSError):
+                (path / "cgroup.kill").write_text("1")
+            remove_tree(str(path))
 
 
 def processes_with(marker: str) -> list[int]:

@@ -133,6 +133,7 @@ class LocalSpawner:
         # {type, message, file, line, function, traceback, time}.
         self.errors: dict[int, dict[str, Any]] = {}
         self._error_dir: str | None = None
+        self._unadopted: list[tuple[int, int]] = []  # spawned, not yet in their cgroups
         wanted = cgroups and os.environ.get(containment.CGROUPS_SWITCH) != "0"
         self._cgroups: Cgroups | bool | None = None if wanted and lifeline else False
         # A memory binding was asked for but this host cannot do it (no libnuma): the
@@ -143,14 +144,13 @@ class LocalSpawner:
 
     def spawn(self, spec: ProcessSpec) -> int:
         """Start one process; returns its pid. Raises OSError when it cannot be started."""
-        # The binding (and the cgroup) is set on this thread (process) around the fork, so the
-        # child has it before its first instruction without a pre-exec hook (which would
-        # force the slow fork path).
+        # The binding is set on this thread around the fork, so the child has it before its
+        # first instruction without a pre-exec hook (which would force the slow fork path).
         env = dict(spec.env)
         if self._lifeline:
             env[containment.MARK] = self._lifeline.token
         env[ERROR_FILE] = self._error_file(spec.key)
-        with bound(spec.cpus, spec.mems) as memory_bound, self._contained(spec.key):
+        with bound(spec.cpus, spec.mems) as memory_bound:
             proc = subprocess.Popen(
                 spec.argv, env=env, cwd=spec.cwd,
                 stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
@@ -159,6 +159,7 @@ class LocalSpawner:
                 start_new_session=True, close_fds=True, bufsize=0)
         if spec.mems and not memory_bound:
             self.memory_binding_skipped = True
+        self._contain(spec.key, proc.pid)
         if self._lifeline:
             self._lifeline.add_group(proc.pid)
         child = _Child(spec, proc)
@@ -190,12 +191,24 @@ class LocalSpawner:
         except (OSError, TypeError, ValueError):  # none written (or a broken one)
             pass
 
-    def _contained(self, key: int):
+    def _contain(self, key: int, pid: int) -> None:
+        """A cgroup of its own for the new process, where this host allows (containment.py).
+        The moves are batched after the spawns of this loop round: a cgroup move right
+        after a fork waits out an RCU grace period (~2.5 ms a spawn here), a run of moves
+        pays it once."""
         if self._cgroups is None:  # the first spawn: can this host give us cgroups?
             self._cgroups = Cgroups.create(self._lifeline.token) or False
             if self._cgroups:
                 self._lifeline.add_cgroup(self._cgroups.root)
-        return self._cgroups.entered(key) if self._cgroups else contextlib.nullcontext()
+        if self._cgroups:
+            if not self._unadopted:
+                self._loop.call_later(0, self._adopt)
+            self._unadopted.append((key, pid))
+
+    def _adopt(self) -> None:
+        batch, self._unadopted = self._unadopted, []
+        for key, pid in batch if self._cgroups else ():
+            self._cgroups.adopt(key, pid)
 
     @property
     def containment(self) -> str:
@@ -369,8 +382,10 @@ class LocalSpawner:
         if not self._children:
             return
         if self._cgroups:
+            self._unadopted.clear()
             self._cgroups.close()
-        elif self._lifeline:
+            self._cgroups = False  # a late move must not make the tree again
+        if self._lifeline:  # with cgroups too: what forked before its cgroup move
             containment.kill_marked(self._lifeline.token)
         if containment.is_subreaper():
             containment.reap_children(keep=frozenset(

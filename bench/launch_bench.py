@@ -54,6 +54,14 @@ YES_LINE = ("0123456789" * 6)[:LINE_DIGITS]
 WRITERS = ("seq", "yes")
 
 
+
+def readable(fd: int, timeout: float) -> bool:
+    """Whether `fd` becomes readable within `timeout` seconds. poll(), not select(): at 1024
+    instances the benchmark's descriptors pass select()'s limit (FD_SETSIZE)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
+
 def writer_cmd(lines: int, writer: str = "seq") -> list[str]:
     if writer == "yes":
         return ["sh", "-c", f"yes {YES_LINE} | head -n {lines}"]
@@ -326,7 +334,7 @@ def wait_all(procs: list[subprocess.Popen], deadline: float, on_exit=None) -> bo
         pidfd = os.pidfd_open(proc.pid)  # fine on an unreaped zombie; Linux >= 5.3
         try:
             remaining = deadline - time.perf_counter()
-            if remaining <= 0 or not select.select([pidfd], [], [], remaining)[0]:
+            if remaining <= 0 or not readable(pidfd, remaining):
                 return False
         finally:
             os.close(pidfd)
@@ -793,7 +801,7 @@ def teardown_run(side: str, cmd: list[str], n: int, marker: str, scratch: Path,
             pids = marked_pids(marker)
             if len(pids) >= n:
                 break
-            if select.select([launcher_fd], [], [], 0)[0]:
+            if readable(launcher_fd, 0):
                 reap(proc)
                 kill_pids(marked_pids(marker))
                 return Run(side, None, "failed", proc.returncode,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -119,3 +120,39 @@ def test_the_time_limit_ends_poprun_naming_it(cluster):
     assert re.search(r"^poprun: stopped by Slurm: node\d: \*\*\* STEP .* DUE TO TIME LIMIT",
                      done.stderr, re.M), done.stderr
     wait_until(lambda: not processes_with(marker), "every process of the job to be gone", 30)
+
+
+def test_ctrl_c_reaches_every_instance_and_leaves_nothing(cluster):
+    """SIGINT to poprun (inside salloc) is forwarded to the instances on both nodes; poprun
+    exits 130 and no process of the job is left."""
+    marker = f"slurm-{uuid.uuid4().hex[:8]}"
+    proc = cluster.popen(["salloc", "-N2", "--ntasks-per-node=1", *POPRUN, "--num-replicas=2",
+                          PY, "-c", "import time; time.sleep(300)", marker], env=env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: len(_instances(marker)) >= 2, "both instances to run", 60)
+        launchers = [p for p in processes_with(marker)  # not salloc, whose argv has it too
+                     if Path(f"/proc/{p}/cmdline").read_bytes().startswith(
+                         PY.encode() + b"\0-m\0poprun")]
+        parent = {p: int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                  for p in launchers}
+        poprun = next(p for p in launchers if parent[p] not in launchers)  # not its watchdog
+        os.kill(poprun, signal.SIGINT)
+        err = proc.communicate(timeout=60)[1].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "SIGINT received: stopping 2 running instance(s)" in err, err
+    wait_until(lambda: not processes_with(marker), "every process of the job to be gone", 30)
+
+
+def _instances(marker: str) -> list[int]:
+    found = []
+    for pid in processes_with(marker):
+        try:
+            if b"poprun" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            pass
+    return found

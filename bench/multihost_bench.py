@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -40,8 +39,8 @@ sys.path[:0] = [str(BENCH_DIR), str(REPO / "tests")]
 # The timing, process-tree and reporting plumbing is launch_bench's, so both benchmarks measure
 # the same way (pidfd wake-up, own session per run, SIGKILL of the whole tree on a hang).
 from launch_bench import (BYTECODE_VAR, Run, Side, checked, counts, default_poprun,  # noqa: E402
-                          descendants, kill_unfinished, machine_info, ms, python_env, results_path,
-                          tail, wait_all)
+                          descendants, kill_pids, kill_unfinished, machine_info, ms, python_env,
+                          results_path, tail, wait_all)
 from sshd_hosts import SshHosts, start_ssh_hosts  # noqa: E402
 
 # Between two runs, the sshd session processes of the last one (and, after a hang, mpirun's
@@ -118,14 +117,6 @@ def under_sshd(hosts: SshHosts) -> list[int]:
         if host.proc is not None and host.proc.poll() is None:
             pids += descendants(host.proc.pid)
     return pids
-
-
-def kill_pids(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def settle(hosts: SshHosts, timeout: float = SETTLE_TIMEOUT) -> str:

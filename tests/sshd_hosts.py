@@ -387,6 +387,19 @@ def processes_with(marker: str) -> list[int]:
     return pids
 
 
+def instances_with(marker: str) -> list[int]:
+    """``processes_with(marker)`` less poprun itself (and its watchdog, and a salloc running
+    it), whose argv holds the marker too: the instances (and what they started)."""
+    found = []
+    for pid in processes_with(marker):
+        try:
+            if b"poprun" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
 def wait_until(predicate, what: str, timeout: float = 20.0) -> None:
     """Poll `predicate` (every 20 ms) until true; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env
-from sshd_hosts import processes_with, start_ssh_hosts, wait_until
+from sshd_hosts import instances_with, processes_with, start_ssh_hosts, wait_until
 
 PY = sys.executable
 SLEEPER = "import time; print('ready', flush=True); time.sleep(300)"
@@ -259,18 +259,6 @@ def test_a_stop_during_a_proxycommand_connect_leaves_no_proxy(sig, hosts, tmp):
 
 
 # --- 4. a host that stops answering ----------------------------------------------------------
-
-def instances_with(mark: str) -> list[int]:
-    """Marked processes but poprun itself (and its watchdog), whose argv holds the mark too."""
-    found = []
-    for pid in processes_with(mark):
-        try:
-            if b"poprun" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:  # gone meanwhile
-            pass
-    return found
-
 
 @pytest.mark.timeout(90)
 def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, tmp):

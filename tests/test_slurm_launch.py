@@ -18,7 +18,7 @@ import pytest
 
 from conftest import SRC
 from slurm_cluster import SlurmCluster
-from sshd_hosts import processes_with, wait_until
+from sshd_hosts import instances_with, processes_with, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 PY = sys.executable  # the nodes are this machine
@@ -80,9 +80,7 @@ def test_scancel_ends_poprun_and_leaves_no_process(cluster, tmp_path):
                           PY, "-c", "import time; time.sleep(300)", marker], env=env(),
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_until(lambda: len([p for p in processes_with(marker)
-                                if b"poprun" not in Path(f"/proc/{p}/cmdline").read_bytes()])
-                   >= 2, "both instances to run", 60)
+        wait_until(lambda: len(instances_with(marker)) >= 2, "both instances to run", 60)
         jobs = cluster.jobs()
         assert len(jobs) == 1
         cluster.run(["scancel", str(next(iter(jobs)))], timeout=30)
@@ -130,7 +128,7 @@ def test_ctrl_c_reaches_every_instance_and_leaves_nothing(cluster):
                           PY, "-c", "import time; time.sleep(300)", marker], env=env(),
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_until(lambda: len(_instances(marker)) >= 2, "both instances to run", 60)
+        wait_until(lambda: len(instances_with(marker)) >= 2, "both instances to run", 60)
         launchers = [p for p in processes_with(marker)  # not salloc, whose argv has it too
                      if Path(f"/proc/{p}/cmdline").read_bytes().startswith(
                          PY.encode() + b"\0-m\0poprun")]
@@ -146,13 +144,3 @@ def test_ctrl_c_reaches_every_instance_and_leaves_nothing(cluster):
     assert "SIGINT received: stopping 2 running instance(s)" in err, err
     wait_until(lambda: not processes_with(marker), "every process of the job to be gone", 30)
 
-
-def _instances(marker: str) -> list[int]:
-    found = []
-    for pid in processes_with(marker):
-        try:
-            if b"poprun" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:
-            pass
-    return found

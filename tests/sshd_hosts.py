@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -131,8 +131,12 @@ class SshHosts:
 
 
 @contextlib.contextmanager
-def start_ssh_hosts(n: int, tmp_path: Path | str) -> Iterator[SshHosts]:
-    """Start ``n`` sshd servers (h1..hn on 127.0.77.1..n); stop them and clean up on exit."""
+def start_ssh_hosts(n: int, tmp_path: Path | str,
+                    setenv: Callable[[SshHost], Mapping[str, str]] | None = None
+                    ) -> Iterator[SshHosts]:
+    """Start ``n`` sshd servers (h1..hn on 127.0.77.1..n); stop them and clean up on exit.
+    ``setenv(host)``: variables every session on that host gets (sshd's SetEnv), e.g. an
+    XDG_CACHE_HOME of its own, as separate machines would have."""
     if not 1 <= n <= 254:
         raise ValueError(f"n must be in 1..254, got {n}")
     sshd = require_sshd()
@@ -155,7 +159,7 @@ def start_ssh_hosts(n: int, tmp_path: Path | str) -> Iterator[SshHosts]:
         authorized_keys = ssh_dir / "authorized_keys"
         shutil.copyfile(f"{user_key}.pub", authorized_keys)
 
-        _start_all(sshd, hosts, authorized_keys)
+        _start_all(sshd, hosts, authorized_keys, setenv)
 
         known_hosts = ssh_dir / "known_hosts"
         known_hosts.write_text("".join(
@@ -183,7 +187,8 @@ def start_ssh_hosts(n: int, tmp_path: Path | str) -> Iterator[SshHosts]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path) -> None:
+def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path,
+               setenv: Callable[[SshHost], Mapping[str, str]] | None = None) -> None:
     """Start every sshd, then wait for all; restart those that lost their port to a race."""
     pending = list(hosts)
     for _ in range(BIND_ATTEMPTS):
@@ -192,7 +197,7 @@ def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path) -> None:
             host.log.clear()
             host._listening = False
             host._started.clear()
-            _write_sshd_config(host, authorized_keys)
+            _write_sshd_config(host, authorized_keys, setenv(host) if setenv else {})
             host.proc = subprocess.Popen(
                 [*_DIE_WITH_US, sshd, "-D", "-e", "-f", str(host.dir / "sshd_config")],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -244,7 +249,8 @@ def _stop(host: SshHost) -> None:
         host.proc.wait()
 
 
-def _write_sshd_config(host: SshHost, authorized_keys: Path) -> None:
+def _write_sshd_config(host: SshHost, authorized_keys: Path,
+                       setenv: Mapping[str, str] | None = None) -> None:
     lines = [
         f"ListenAddress {host.addr}:{host.port}",
         f"HostKey {host.dir / 'ssh_host_ed25519_key'}",
@@ -264,6 +270,8 @@ def _write_sshd_config(host: SshHost, authorized_keys: Path) -> None:
     if _sshd_version() >= (9, 8):
         # Else a test that provokes auth failures gets later connections refused.
         lines.append("PerSourcePenalties no")
+    if setenv:
+        lines.append("SetEnv " + " ".join(f'"{k}={v}"' for k, v in setenv.items()))
     (host.dir / "sshd_config").write_text("\n".join(lines) + "\n")
 
 

@@ -124,7 +124,10 @@ OPTIONS: tuple[Opt, ...] = (
         "poprun stops the job, and the host's agent, hearing nothing from poprun for as "
         "long, kills its instances and removes its cache on its own"),
     Opt("remote-python", Kind.STR, "Python that runs poprun's agent on remote hosts "
-        "(default: the path of the launcher's own Python)"),
+        "(default: the path of the launcher's own Python if it exists there, else python3)"),
+    Opt("remote-install", Kind.STR, "auto: where poprun is not installed (in this version) "
+        "for that Python, bring its agent and popdist over SSH, cached in ~/.cache/poprun; "
+        "never: poprun must be installed there"),
     Opt("check", B, "Check every host (reachable, authenticated, same Python and poprun, "
         "working directory, NUMA) and start nothing", default=False),
     Opt("distribute-ssh-key", B, "Append your public key to ~/.ssh/authorized_keys on every "

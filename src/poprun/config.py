@@ -27,6 +27,7 @@ DEFAULT_HOST_TIMEOUT = 15.0
 DEFAULT_RESTART_DELAY = 1.0  # seconds between a failed attempt's cleanup and the next start
 SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
 LAUNCHERS = ("ssh", "slurm")  # how agents reach remote hosts (--launcher)
+REMOTE_INSTALL = ("auto", "never")  # --remote-install: spawner.bootstrap.INSTALL_MODES
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class LaunchConfig:
     max_restarts: int = 0  # a failed job is started again this many times at most
     restart_delay: float = DEFAULT_RESTART_DELAY
     remote_python: str | None = None  # None: the launcher's own interpreter path
+    remote_install: str = "auto"  # bring the agent where poprun is missing (spawner.bootstrap)
     distribute_ssh_key: bool = False
     distribute_ssh_key_path: str | None = None  # the key's folder; None: ~/.ssh
     distribute_ssh_key_type: str | None = None  # set: generate a key of this type first
@@ -137,6 +139,9 @@ class LaunchConfig:
         if self.launcher not in (None, *LAUNCHERS):
             raise ConfigError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got "
                               f"{self.launcher!r}")
+        if self.remote_install not in REMOTE_INSTALL:
+            raise ConfigError(f"--remote-install must be one of {', '.join(REMOTE_INSTALL)}, "
+                              f"got {self.remote_install!r}")
         if self.host_list:  # slots that disagree with --num-instances, or an uneven split
             instance_counts(self.host_list, self.num_instances)
         from .placement import resolve_strategy

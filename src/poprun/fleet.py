@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from spawner import bootstrap
 from spawner.local import Sink
 from spawner.remote import RemoteError, RemoteSpawner
 from spawner.ssh import SshConnectError, close_all, connect_all
@@ -62,8 +63,11 @@ class Fleet:
             for host, conn in self.connections.items()}
         self._agents_started_at = time.time()
         stats = STATS_INTERVAL if view is not None else None  # only a dashboard shows them
+        # Over SSH, the agent is brought where poprun is missing; a Slurm step runs it as is.
+        install = self.config.remote_install if self.transport == "ssh" else None
         outcomes = await asyncio.gather(
-            *(_start_agent(s, view, cwd=cwd, program=program, path=path, stats=stats,
+            *(_start_agent(s, view, install, self.config.remote_python, self.log.info,
+                           cwd=cwd, program=program, path=path, stats=stats,
                            host_timeout=self.config.host_timeout)
               for s in self.spawners.values()), return_exceptions=True)
         problems = [_problem(spawner, outcome, cwd, program)
@@ -163,8 +167,8 @@ def _connected_to(view):
     return lambda host, timing, failure: failure is None and view.host_connected(str(host))
 
 
-async def _start_agent(spawner: RemoteSpawner, view, **hello):
-    info = await spawner.start(**hello)
+async def _start_agent(spawner: RemoteSpawner, view, install, python, log, **hello):
+    info = await bootstrap.start_agent(spawner, install, python=python, log=log, **hello)
     if view is not None:
         view.agent_ready(spawner.host)
     return info

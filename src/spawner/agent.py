@@ -56,6 +56,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 SSH_SESSION_VARIABLES = ("SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_ORIGINAL_COMMAND")
 SSH_CONNECTION_COPY = "POPRUN_SSH_CONNECTION"
 INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, as the launcher's own internal errors
+# Set when the launcher brought this agent and the host's Python has no popdist of its own
+# (spawner/carried.py): the carried popdist, at the end of the instances' PYTHONPATH.
+CARRIED_PYTHONPATH: str | None = None
 
 
 def hello_reply(request: dict[str, Any]) -> dict[str, Any]:
@@ -114,6 +117,9 @@ def instance_environ(env_set: Mapping[str, str], env_unset: Iterable[str]) -> di
     if "SSH_CONNECTION" in os.environ:
         env[SSH_CONNECTION_COPY] = os.environ["SSH_CONNECTION"]
     env.update(env_set)
+    if CARRIED_PYTHONPATH:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (env.get("PYTHONPATH"), CARRIED_PYTHONPATH) if p)
     return env
 
 

@@ -25,7 +25,8 @@ Errors (connection failures are spawner.ssh's SshConnectError):
     SshError                    spawner.ssh's base
     └── RemoteError             base of this module's; every one names the host (`.host`)
         ├── AgentStartError     the agent did not start or did not answer HELLO
-        ├── AgentVersionError   protocol, poprun or Python version differs on that host
+        ├── AgentVersionError   protocol or poprun version differs on that host, or its Python
+        │                       is older than the agent supports (carried.MIN_PYTHON)
         ├── AgentLostError      the agent or connection ended while a request was pending
         ├── AgentRequestError   the agent could not do what was asked (e.g. MKTEMP)
         ├── AgentInternalError  the agent hit a bug (it stopped its instances and exited);
@@ -49,6 +50,7 @@ import asyncssh
 
 from poprun._version import __version__
 
+from .carried import MIN_PYTHON
 from .local import Sink
 from .protocol import (PROTOCOL_VERSION, Control, FrameDecoder, Kind, Output, ProtocolError,
                        SpawnRequest, encode)
@@ -84,7 +86,8 @@ class AgentVersionError(RemoteError):
         self.differences = tuple(differences)
         super().__init__(host, "; ".join(f"{what} {there} there, {here} here"
                                          for what, here, there in self.differences)
-                         + " (use the same poprun and Python on every host, or --remote-python)")
+                         + " (use the same poprun on every host, or let poprun bring its "
+                           "agent: --remote-install=auto)")
 
 
 class AgentLostError(RemoteError):
@@ -164,15 +167,17 @@ class AgentInfo:
 
 
 def check_versions(info: AgentInfo, expect: Versions) -> None:
-    """Raise AgentVersionError naming every version that differs."""
+    """Raise AgentVersionError naming every version that differs. The protocol and poprun
+    must be the launcher's; the agent's Python need only be MIN_PYTHON or later (it runs
+    nothing of the launcher's Python: spawner/bootstrap.py finds it)."""
     there = info.versions()
     differences = []
     if there.protocol != expect.protocol:
         differences.append(("agent protocol", str(expect.protocol), str(there.protocol)))
     if there.poprun != expect.poprun:
         differences.append(("poprun", expect.poprun, there.poprun))
-    if there.python != expect.python:
-        differences.append(("Python", _dotted(expect.python),
+    if there.python < MIN_PYTHON:
+        differences.append(("Python", f"{_dotted(MIN_PYTHON)} or later",
                             f"{_dotted(info.python)} ({info.python_executable})"))
     if differences:
         raise AgentVersionError(info.host, differences)
@@ -240,6 +245,8 @@ class RemoteSpawner:
                  python: str | None = None, expect: Versions | None = None) -> None:
         self.host, self.conn, self._sink, self._on_lost = host, conn, sink, on_lost
         self.command = agent_command(python or sys.executable)
+        self.command_label: str | None = None  # how errors name it (else `command`)
+        self.preamble = b""  # bytes the command reads before the protocol (spawner.bootstrap)
         self._expect = expect or Versions.here()
         self._chan: asyncssh.SSHClientChannel | None = None
         self._decoder = FrameDecoder(expect_magic=True)
@@ -274,12 +281,17 @@ class RemoteSpawner:
         Raises AgentStartError, or AgentVersionError after stopping the agent: then nothing
         was started."""
         self._t0 = time.monotonic()
+        if self._chan is not None:  # a start that failed, tried again (spawner.bootstrap)
+            self._chan, self._closed, self._closing, self.lost = None, asyncio.Event(), False, None
+            self._decoder, self._stderr = FrameDecoder(expect_magic=True), bytearray()
         try:
             self._chan, _ = await self.conn.create_session(
                 lambda: _AgentSession(self), self.command, encoding=None)
         except (asyncssh.Error, OSError) as exc:
             raise AgentStartError(self.host, f"cannot run the poprun agent: {exc}") from None
         self.timings.session = self._elapsed()
+        if self.preamble:
+            self._chan.write(self.preamble)
         major, minor = self._expect.python
         try:
             reply = await self._request(
@@ -289,8 +301,9 @@ class RemoteSpawner:
                 if host_timeout else None)
         except RemoteError as exc:
             await self.close()
-            raise AgentStartError(self.host, f"the poprun agent ({self.command}) did not "
-                                  f"start: {exc.reason}") from None
+            shown = self.command_label or self.command
+            raise AgentStartError(self.host, f"the poprun agent ({shown}) did not start: "
+                                  f"{exc.reason}") from None
         self.timings.ready = self._elapsed()
         self.info = AgentInfo.from_reply(self.host, reply, self._decoder.noise)
         try:

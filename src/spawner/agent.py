@@ -265,6 +265,11 @@ class Agent:
         if not data:
             self.stop("stdin closed")
             return
+        self.received(data)
+
+    def received(self, data: bytes) -> None:
+        """Bytes of the launcher's stream, in order (from stdin, or read before the agent ran:
+        spawner.carried)."""
         self._last_heard = time.monotonic()
         try:
             frames = self._decoder.feed(data)
@@ -457,7 +462,9 @@ def _claim_stdio() -> tuple[int, int]:
     return in_fd, out_fd
 
 
-def main() -> int:
+def main(initial: bytes = b"") -> int:
+    """`initial`: the start of the launcher's stream, already read from stdin by whoever ran
+    the agent (the bootstrap probe, spawner/carried.py)."""
     mode = os.fstat(0).st_mode
     if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or os.isatty(0)):  # epoll needs one
         _log("stdin must be a pipe or a socket: poprun starts the agent over SSH")
@@ -466,19 +473,21 @@ def main() -> int:
     become_subreaper()  # what an instance leaves behind comes back to the agent
     lifeline = Lifeline()  # forked first: the watchdog copies the smallest process
     try:
-        return asyncio.run(_serve(lifeline, in_fd, out_fd))
+        return asyncio.run(_serve(lifeline, in_fd, out_fd, initial))
     finally:
         lifeline.close()
         for fd in (in_fd, out_fd):  # the description may be shared (a terminal)
             os.set_blocking(fd, True)
 
 
-async def _serve(lifeline: Lifeline, in_fd: int, out_fd: int) -> int:
+async def _serve(lifeline: Lifeline, in_fd: int, out_fd: int, initial: bytes = b"") -> int:
     """Serve the launcher until stdin closes, a stop signal comes or a bug stops it; every
     instance is killed and every temp dir removed on the way out."""
     loop = asyncio.get_running_loop()
     agent = Agent(loop, lifeline, in_fd, out_fd)
     loop.set_exception_handler(agent.on_fault)
+    if initial:
+        loop.call_soon(agent.received, initial)
     try:
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, agent.stop, f"{signal.Signals(sig).name} received")

@@ -13,16 +13,17 @@ remote command `agent_command()` builds (a POSIX `sh` line, whatever the login s
 3. Else a small probe (`STUB`, `python -c`) runs: a Python older than `MIN_PYTHON` is one
    clear error; a poprun installed for that Python in the launcher's version runs its agent
    (with `--remote-install=never`, in any version: its HELLO then names the difference, as
-   before); else it answers, on stderr, that it needs the agent and exits.
-4. On that answer the launcher starts the agent again, as `spawner.carried`'s `run` with that
-   Python, and sends the zip first on its channel (`payload()`: the installed sources of
-   `spawner` and `popdist` and poprun's version, deterministic, ~50 KiB), then the protocol:
-   it checks the digest, unpacks the zip beside the cache, renames it into place atomically
-   and becomes the agent, in the same process.
+   before; without one, the error below).
+4. Else the probe reads the launcher's HELLO (sent, as always, without waiting), answers
+   "need" on stderr, and the launcher (`_Bringer`) sends the zip on the same channel
+   (`payload()`: the installed sources of `spawner` and `popdist` and poprun's version,
+   deterministic, ~50 KiB). The probe runs `spawner.carried` out of it: the digest is
+   checked, the zip unpacked and compiled beside the cache and renamed into place atomically,
+   and the agent runs from the cache in the same process, answering the HELLO it was handed.
 
 So a host where poprun is installed in the launcher's version costs what it did (the probe is
-the agent's own process), a fresh host one probe (a session and a Python start) and the zip,
-a cached host nothing.
+the agent's own process), a fresh host one round trip, the zip and its unpacking in the
+agent's own session, a cached host nothing.
 `--remote-install=never` keeps the probe's error: `poprun is not installed for /usr/bin/python3
 on h1 (install it, or let poprun bring its agent: --remote-install=auto)`.
 
@@ -63,7 +64,7 @@ from typing import Any
 from poprun._version import __version__
 
 from .carried import LIB, MAIN, MIN_PYTHON, cache_root, clear_caches, content_digest
-from .remote import AgentInfo, AgentStartError, RemoteSpawner
+from .remote import AgentInfo, AgentStartError, RemoteError, RemoteSpawner
 
 __all__ = ["INSTALL_MODES", "MIN_PYTHON", "AgentInstallError", "AgentNotInstalledError",
            "AgentPythonError", "Payload", "agent_command", "clear_caches",
@@ -71,6 +72,8 @@ __all__ = ["INSTALL_MODES", "MIN_PYTHON", "AgentInstallError", "AgentNotInstalle
 
 INSTALL_MODES = ("auto", "never")
 MARKER = "poprun-bootstrap: "  # the probe's answer, one JSON object on a stderr line
+# Answers after which the agent does not start (any other: its stderr says why it did not).
+ANSWERED_ERRORS = ("too-old", "missing", "install-failed")
 # Modules of `spawner` only the launcher uses: not carried.
 LAUNCHER_ONLY = frozenset({"bootstrap.py", "remote.py", "ssh.py"})
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed, so the zip is the same bytes for the same sources
@@ -78,17 +81,22 @@ ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed, so the zip is the same bytes for the 
 # The Python check, first thing in the probe and in a cache's __main__.py: old syntax only
 # (it must parse on the Pythons it rejects, 2.7 included).
 _CHECK = """import sys
-def _tell(status, found=None):
+def _tell(status, found=None, stop=True):
     import json
     sys.stderr.write(%(marker)r + json.dumps({"status": status, "python": sys.executable,
         "version": list(sys.version_info[:3]), "found": found}) + "\\n")
-    sys.exit(3)
+    sys.stderr.flush()
+    if stop:
+        sys.exit(3)
 if tuple(sys.version_info[:2]) < %(min)r:
     _tell("too-old")
 """ % {"marker": MARKER, "min": MIN_PYTHON}
 
-# argv: mode (auto/never), the launcher's version.
-STUB = _CHECK + """mode, version = sys.argv[1:3]
+# argv: mode (auto/never), the launcher's version, the cache's name and content digest.
+# Needing the agent, it reads the launcher's first frame (HELLO, sent without waiting), says
+# "need" and reads the zip (8-byte length first), then hands both to spawner.carried's
+# install_and_run, run out of the zip.
+STUB = _CHECK + """mode, version, name, digest = sys.argv[1:5]
 try:
     from poprun._version import __version__ as found
 except Exception:
@@ -96,7 +104,25 @@ except Exception:
 if found == version or (mode == "never" and found is not None):
     from spawner.agent import main
     sys.exit(main())
-_tell("missing" if mode == "never" else "need", found)
+if mode == "never":
+    _tell("missing")
+import io, os, struct, zipfile
+def _read(size):
+    parts = []
+    while size:
+        part = os.read(0, size)
+        if not part:
+            sys.exit(1)
+        parts.append(part)
+        size -= len(part)
+    return b"".join(parts)
+hello = _read(5)
+hello += _read(struct.unpack(">IB", hello)[0])
+_tell("need", found, stop=False)
+data = _read(struct.unpack(">Q", _read(8))[0])
+carried = {"__name__": "poprun_carried"}
+exec(zipfile.ZipFile(io.BytesIO(data)).read("spawner/carried.py"), carried)
+sys.exit(carried["install_and_run"](name, digest, data, hello))
 """
 
 MAIN_PY = ("# The poprun agent, brought by the launcher (spawner/bootstrap.py): "
@@ -111,7 +137,7 @@ POPRUN_INIT = ('"""poprun\'s version, for the carried agent (spawner/bootstrap.p
                "from ._version import __version__  # noqa: F401\n")
 
 # $1 python, $2 "1" when given by --remote-python, $3 cache name ("" : never use a cache);
-# the rest is the probe's argv (-c STUB mode version).
+# the rest is the probe's argv (-c STUB mode version name digest).
 SHELL = ('p=$1 c=; [ -n "$2" ] || [ -x "$p" ] || p=python3; '
          '[ -z "$3" ] || c=${XDG_CACHE_HOME:-$HOME/.cache}/poprun/$3; '
          'if [ -n "$c" ] && [ -f "$c/__main__.py" ]; then exec "$p" "$c"; fi; '
@@ -225,10 +251,10 @@ def agent_command(python: str | None, install: str, own: str = sys.executable) -
     python3."""
     if install not in INSTALL_MODES:
         raise ValueError(f"install must be one of {INSTALL_MODES}, got {install!r}")
-    cache = payload().name if install == "auto" else ""
+    cache, digest = (payload().name, payload().digest) if install == "auto" else ("", "")
     return "exec " + shlex.join(["/bin/sh", "-c", SHELL, "poprun-agent", python or own,
                                  "1" if python else "", cache, "-c", _one_line(STUB), install,
-                                 __version__])
+                                 __version__, cache, digest])
 
 
 def _answer(stderr: str) -> dict[str, Any] | None:
@@ -252,47 +278,63 @@ async def start_agent(spawner: RemoteSpawner, install: str | None, *,
     if install is None:
         return await spawner.start(**hello)
     spawner.command = agent_command(python, install)
-    spawner.command_label = (python if python else
-                             f"{sys.executable}, else python3") + " -m spawner.agent"
-    started = time.monotonic()
-    try:
-        return await spawner.start(**hello)
-    except AgentStartError:
-        answer = _answer(spawner.stderr_tail)
-        if answer is None:
-            raise
-    host, there = spawner.host, str(answer.get("python"))
-    status = answer.get("status")
-    if status == "too-old":
-        raise AgentPythonError(host, there, tuple(answer.get("version") or ()))
-    if status == "missing":
-        raise AgentNotInstalledError(host, there)
-    if status != "need":
-        raise AgentStartError(host, f"the poprun agent's probe answered {answer!r}")
-    probed = time.monotonic()
-    carried = payload()
-    # The zip goes first on the agent's own channel, the protocol right after it.
-    spawner.command = "exec " + shlex.join([there, "-c", _carried_cli(), "run", carried.name,
-                                            carried.digest, str(len(carried.zip))])
-    spawner.command_label = f"{there} -m spawner.agent, brought by poprun"
-    spawner.preamble = carried.zip
+    spawner.command_label = (python or f"{sys.executable}, else python3") + " -m spawner.agent"
+    brought = _Bringer(spawner) if install == "auto" else None
+    spawner.on_stderr = brought
     try:
         info = await spawner.start(**hello)
-    except AgentStartError as exc:
+    except AgentStartError:
         answer = _answer(spawner.stderr_tail)
-        if answer is not None and answer.get("status") == "install-failed":
-            raise AgentInstallError(host, f"cannot bring the poprun agent there: "
-                                    f"{answer.get('error')}") from None
-        raise exc from None
+        if answer is None or answer.get("status") not in ANSWERED_ERRORS:
+            raise
+        raise _start_error(spawner.host, answer) from None
     finally:
-        spawner.preamble = b""
-    if log is not None:
-        found = answer.get("found")
-        why = f"poprun {found} there" if found else "no poprun there"
-        log(f"{host}: {why} for {there} (probed in {(probed - started) * 1000:.0f} ms): "
-            f"brought the poprun agent ({len(carried.zip) // 1024} KiB, cache {carried.name}),"
-            f" ready {(time.monotonic() - probed) * 1000:.0f} ms later")
+        spawner.on_stderr = None
+    if brought is not None and brought.answer is not None and log is not None:
+        found = brought.answer.get("found")
+        log(f"{spawner.host}: {f'poprun {found}' if found else 'no poprun'} there for "
+            f"{brought.answer.get('python')}: brought the poprun agent "
+            f"({len(payload().zip) // 1024} KiB, cache {payload().name}): asked for "
+            f"{(brought.asked - brought.started) * 1000:.0f} ms after the start, ready "
+            f"{(time.monotonic() - brought.asked) * 1000:.0f} ms later")
     return info
+
+
+class _Bringer:
+    """Watches the agent's stderr for the probe's "need": sends the zip on its stdin then."""
+
+    def __init__(self, spawner: RemoteSpawner) -> None:
+        self.spawner, self.started = spawner, time.monotonic()
+        self.answer: dict[str, Any] | None = None
+        self.asked = 0.0
+        self._seen = bytearray()
+
+    def __call__(self, data: bytes) -> None:
+        if self.answer is not None:
+            return
+        self._seen += data
+        if b"\n" not in data:
+            return
+        answer = _answer(self._seen.decode(errors="replace"))
+        del self._seen[:self._seen.rfind(b"\n") + 1]
+        if answer is None or answer.get("status") != "need":
+            return
+        self.answer, self.asked = answer, time.monotonic()
+        carried = payload().zip
+        try:
+            self.spawner.write(len(carried).to_bytes(8, "big") + carried)
+        except RemoteError:
+            pass  # the agent is gone: its start fails and says why
+
+
+def _start_error(host: str, answer: dict[str, Any]) -> AgentStartError:
+    """The error for the probe's last answer (one of ANSWERED_ERRORS)."""
+    there, status = str(answer.get("python")), answer.get("status")
+    if status == "too-old":
+        return AgentPythonError(host, there, tuple(answer.get("version") or ()))
+    if status == "missing":
+        return AgentNotInstalledError(host, there)
+    return AgentInstallError(host, f"cannot bring the poprun agent there: {answer.get('error')}")
 
 
 @functools.cache

@@ -10,19 +10,21 @@ its SSH connection; it is cached there, one directory per version and content:
         lib/popdist/...                     popdist, for the instances (their PYTHONPATH)
 
 This module runs there in three ways, all with the host's Python (3.10 or later: `MIN_PYTHON`,
-checked before it is loaded), so it imports nothing but the standard library at the top:
+checked before it is loaded), so it imports nothing but the standard library at the top and
+depends on nothing else of the package:
 
-- `cli(["run", ...])`: sent as `python -c` source; reads the zip from stdin, checks its
-  digest, unpacks it into a private temporary directory beside the cache and renames that into
-  place, then runs the agent from it in the same process, the rest of stdin being the agent
-  protocol. The rename is atomic: two launches bringing the same agent at once both succeed,
-  one directory wins and no one ever sees a partial one.
+- `install_and_run`: the launcher's probe (spawner.bootstrap.STUB) received the zip and runs
+  this module out of it: `install` checks the zip's digest, unpacks it into a private temporary
+  directory beside the cache and renames that into place, then the agent runs from the cache
+  in the same process. The rename is atomic: two launches bringing the same agent at once both
+  succeed, one directory wins and no one ever sees a partial one.
 - `run_agent`: imported by the cache's `__main__.py`: the agent runs from the cache, its
   instances get `lib` at the end of their PYTHONPATH (unless the host's Python has a popdist of
   its own), and a shared lock on `__main__.py` marks the cache as in use while it runs.
-- `clear`: removes the caches of other versions that no agent is using (`clear_caches`); by
-  hand on a host: `python3 ~/.cache/poprun/<any cache>/ --clear-caches`, or from the launcher's
-  machine `python -m spawner.bootstrap --clear-caches HOST...` (README, "Several hosts").
+- `clear_caches`: removes the caches of other versions that no agent is using; sent as
+  `python -c` (`cli`), or by hand on a host: `python3 ~/.cache/poprun/<any cache>/
+  --clear-caches`; from the launcher's machine: `python -m spawner.bootstrap --clear-caches
+  HOST...` (README, "Several hosts").
 
 The digest is over the zip's content (names and bytes, `content_digest`), not its compressed
 bytes, so it does not depend on the launcher's zlib.
@@ -161,8 +163,9 @@ def clear_caches(keep: tuple[str, ...] = (), root: str | None = None) -> dict[st
     return {"removed": removed, "in_use": in_use}
 
 
-def run_agent(home: str) -> int:
-    """Run the agent from the cache `home` (called by its __main__.py)."""
+def run_agent(home: str, initial: bytes = b"") -> int:
+    """Run the agent from the cache `home` (called by its __main__.py, or install_and_run
+    with what the probe read of the launcher's stream)."""
     import fcntl
     from importlib.machinery import PathFinder
 
@@ -175,7 +178,7 @@ def run_agent(home: str) -> int:
 
     if PathFinder.find_spec("popdist", own_path) is None:  # the host has none of its own
         agent.CARRIED_PYTHONPATH = lib
-    return agent.main()
+    return agent.main(initial)
 
 
 def main(home: str, args: list[str]) -> int:
@@ -194,18 +197,6 @@ def main(home: str, args: list[str]) -> int:
     return run_agent(home)
 
 
-def _read_exactly(fd: int, size: int) -> bytes:
-    """`size` bytes from `fd` and not one more: what follows is the agent's."""
-    parts, left = [], size
-    while left:
-        part = os.read(fd, min(left, 1 << 20))
-        if not part:
-            raise ValueError(f"the archive ended after {size - left} of {size} bytes")
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
-
-
 def _tell(**answer: object) -> None:
     """One line for the launcher on stderr (spawner.bootstrap reads the last such line)."""
     import json
@@ -214,25 +205,24 @@ def _tell(**answer: object) -> None:
     sys.stderr.flush()
 
 
+def install_and_run(name: str, digest: str, data: bytes, initial: bytes) -> int:
+    """The probe got the zip `data` (spawner.bootstrap): install it, then be the agent from
+    the cache, in this process; `initial` is what the probe read of the launcher's stream."""
+    try:
+        path = install(name, digest, data)
+    except (OSError, ValueError) as exc:
+        _tell(status="install-failed", error=str(exc))
+        return 1
+    # As `python3 <path>` would run it: the cache and its lib first, no current directory.
+    sys.path[:] = [path, os.path.join(path, LIB), *(p for p in sys.path if p)]
+    from spawner.carried import run_agent as run  # the cache's copy of this module
+
+    return run(path, initial)
+
+
 def cli(args: list[str]) -> int:
-    """Entry point of the `python -c` forms the launcher sends (spawner.bootstrap):
-
-    run NAME DIGEST SIZE   the zip (SIZE bytes) then the agent protocol on stdin: install the
-                           zip, then be the agent, in this process
-    clear [KEEP...]        clear_caches(KEEP); prints its result as one JSON line
-    """
-    if args[:1] == ["run"] and len(args) == 4:
-        try:
-            path = install(args[1], args[2], _read_exactly(0, int(args[3])))
-        except (OSError, ValueError) as exc:
-            _tell(status="install-failed", error=str(exc))
-            return 1
-        _tell(status="installed", path=path)
-        # As `python3 <path>` would run it: the cache and its lib first, no current directory.
-        sys.path[:] = [path, os.path.join(path, LIB), *(p for p in sys.path if p)]
-        from spawner.carried import run_agent as run  # the cache's copy of this module
-
-        return run(path)
+    """`clear [KEEP...]`, as spawner.bootstrap sends it (`python -c`): clear_caches(KEEP),
+    its result printed as one JSON line."""
     if args[:1] == ["clear"]:
         import json
 

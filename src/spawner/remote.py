@@ -246,7 +246,8 @@ class RemoteSpawner:
         self.host, self.conn, self._sink, self._on_lost = host, conn, sink, on_lost
         self.command = agent_command(python or sys.executable)
         self.command_label: str | None = None  # how errors name it (else `command`)
-        self.preamble = b""  # bytes the command reads before the protocol (spawner.bootstrap)
+        # Called with each block of the agent's stderr (spawner.bootstrap answers its probe).
+        self.on_stderr: Callable[[bytes], None] | None = None
         self._expect = expect or Versions.here()
         self._chan: asyncssh.SSHClientChannel | None = None
         self._decoder = FrameDecoder(expect_magic=True)
@@ -281,17 +282,12 @@ class RemoteSpawner:
         Raises AgentStartError, or AgentVersionError after stopping the agent: then nothing
         was started."""
         self._t0 = time.monotonic()
-        if self._chan is not None:  # a start that failed, tried again (spawner.bootstrap)
-            self._chan, self._closed, self._closing, self.lost = None, asyncio.Event(), False, None
-            self._decoder, self._stderr = FrameDecoder(expect_magic=True), bytearray()
         try:
             self._chan, _ = await self.conn.create_session(
                 lambda: _AgentSession(self), self.command, encoding=None)
         except (asyncssh.Error, OSError) as exc:
             raise AgentStartError(self.host, f"cannot run the poprun agent: {exc}") from None
         self.timings.session = self._elapsed()
-        if self.preamble:
-            self._chan.write(self.preamble)
         major, minor = self._expect.python
         try:
             reply = await self._request(
@@ -373,6 +369,10 @@ class RemoteSpawner:
         instance whose SPAWN is still on its way gets it too: the agent reads in order."""
         if (key in self._pids or key in self._spawning) and key not in self._exited:
             self._send_quietly(encode(Kind.SIGNAL, key=key, signal=signals.Signals(sig).name))
+
+    def write(self, data: bytes) -> None:
+        """Raw bytes on the agent's stdin, outside the protocol (spawner.bootstrap's zip)."""
+        self._send(data)
 
     def signal_all(self, sig: int) -> None:
         self._send_quietly(encode(Kind.SIGNAL, key=None, signal=signals.Signals(sig).name))
@@ -520,6 +520,8 @@ class RemoteSpawner:
     def _on_stderr(self, data: bytes) -> None:
         self._stderr += data
         del self._stderr[:-STDERR_TAIL]
+        if self.on_stderr is not None:
+            self.on_stderr(data)
 
     def _abort(self, reason: str) -> None:
         self.lost = self.lost or reason

@@ -165,6 +165,19 @@ def test_two_launches_at_once_both_succeed_with_one_cache(hosts, bare, tmp_path)
         assert os.listdir(cache_root(hosts, i)) == [bootstrap.payload().name]
 
 
+def test_a_cache_that_cannot_be_written_is_one_clear_error(bare, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with start_ssh_hosts(1, tmp_path, setenv=lambda h: {
+            "XDG_CACHE_HOME": str(blocker / "cache")}) as hosts:
+        proc = run(hosts, f"--remote-python={bare}", "-H", "h1", "--num-instances=1",
+                   "--num-replicas=1", bare, "-c", "pass", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr.decode()
+    assert proc.stderr.decode().splitlines() == [
+        f"poprun: error: h1: cannot bring the poprun agent there: [Errno 20] Not a directory: "
+        f"'{blocker / 'cache'}'"]
+
+
 def test_a_host_whose_python_has_popdist_keeps_its_own(hosts, tmp_path):
     own = _venv(tmp_path / "own")
     site = next((tmp_path / "own" / "lib").glob("python3*/site-packages"))

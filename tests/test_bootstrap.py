@@ -417,3 +417,22 @@ def test_the_answer_line_is_read_from_the_agents_stderr():
             + "\n")
     assert bootstrap._answer(tail) == {"status": "need", "python": "/p"}
     assert bootstrap._answer("sh: 1: exec: python3: not found\n") is None
+
+
+def test_the_zip_follows_a_need_split_across_packets():
+    class Spawner:
+        written: list[bytes] = []
+
+        def write(self, data: bytes) -> None:
+            self.written.append(data)
+
+    spawner = Spawner()
+    bringer = bootstrap._Bringer(spawner)
+    line = ("poprun-bootstrap: " + json.dumps({"status": "need", "python": "/p", "found": None})
+            + "\n").encode()
+    for part in (b"Welcome to h1\npoprun-boot", line[len(b"poprun-boot"):20], line[20:],
+                 line):  # a second answer is ignored
+        bringer(part)
+    carried_zip = bootstrap.payload().zip
+    assert spawner.written == [len(carried_zip).to_bytes(8, "big") + carried_zip]
+    assert bringer.answer == {"status": "need", "python": "/p", "found": None}

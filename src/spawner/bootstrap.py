@@ -313,10 +313,11 @@ class _Bringer:
         if self.answer is not None:
             return
         self._seen += data
-        if b"\n" not in data:
+        end = self._seen.rfind(b"\n") + 1
+        if not end:
             return
-        answer = _answer(self._seen.decode(errors="replace"))
-        del self._seen[:self._seen.rfind(b"\n") + 1]
+        answer = _answer(self._seen[:end].decode(errors="replace"))  # whole lines only
+        del self._seen[:end]
         if answer is None or answer.get("status") != "need":
             return
         self.answer, self.asked = answer, time.monotonic()

@@ -95,6 +95,9 @@ class LaunchConfig:
     synchronise_python_venv: bool = False
     synchronise_poplar_sdk: bool = False
     version_format: str | None = None
+    # The options the user gave (the CLI: on the command line or in --import-config), by
+    # field name; None: not known (a Python caller), as if every option were given.
+    given: frozenset[str] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in _STR_TUPLE_FIELDS:
@@ -230,6 +233,13 @@ class LaunchConfig:
         return {i: mpiargs.merge(parts) for i, parts in by_index.items()}
 
     @property
+    def warns_single_instance(self) -> bool:
+        """PopRun's warning that one instance with one replica is not supported: shown when
+        the user asked for that, not when both are merely the defaults."""
+        asked = self.given is None or bool(self.given & {"num_instances", "num_replicas"})
+        return self.num_instances == 1 and self.num_replicas == 1 and asked
+
+    @property
     def effective_tag_output(self) -> bool:
         return self.tag_output or self.mpi.tag_output
 
@@ -261,6 +271,8 @@ class LaunchConfig:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "given":
+                continue
             if f.name == "program" or value != f.default:
                 out[f.name.replace("_", "-")] = list(value) if isinstance(value, tuple) else value
         return out
@@ -295,25 +307,32 @@ VIPU_FIELDS = ("vipu_server_host", "vipu_server_port", "vipu_server_timeout", "v
 
 def field_defaults() -> dict[str, Any]:
     """Default of every option field, by field name (the one definition of the defaults)."""
-    return {f.name: f.default for f in dataclasses.fields(LaunchConfig) if f.name != "program"}
+    return {f.name: f.default for f in dataclasses.fields(LaunchConfig)
+            if f.name not in ("program", "given")}
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """Options stored by --export-config, keyed by field name; unknown keys are an error."""
+    """Options stored by --export-config, keyed by field name; unknown keys are an error.
+    The file is read bounded (a regular file of at most files.MAX_CONFIG_FILE bytes, UTF-8):
+    a wrong one is one line naming it, never a traceback or a hang."""
     import tomllib  # here: only --import-config pays for it
+
+    from .files import MAX_CONFIG_FILE, read_small_file
+
+    where = f"--import-config {path}"
+    text = read_small_file(path, where, MAX_CONFIG_FILE, "a configuration file")
     try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"--import-config: cannot read {path}: {exc.strerror}") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"--import-config: {path} is not valid TOML: {exc}") from None
-    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+        raise ConfigError(f"{where}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per nested array or table
+        raise ConfigError(f"{where}: not valid TOML: nested too deeply") from None
+    known = {f.name for f in dataclasses.fields(LaunchConfig)} - {"given"}
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = key.replace("-", "_")
         if name not in known:
-            raise ConfigError(f"--import-config: {path}: unknown option {key!r}")
+            raise ConfigError(f"{where}: unknown option {key!r}")
         out[name] = tuple(value) if isinstance(value, list) else value
     return out
 

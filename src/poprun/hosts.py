@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from .errors import ConfigError
+from .files import MAX_HOST_FILE
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 # `[::1]:22` or `user@[fe80::1]`: brackets around an IPv6 address, not a range to expand.
@@ -48,7 +49,6 @@ SLURM_NTASKS = "SLURM_NTASKS"
 # default hostfile.
 OMPI_HOSTFILE = "OMPI_MCA_orte_default_hostfile"
 LOCAL_NAMES = ("localhost",)
-MAX_HOST_FILE = 1 << 20  # bytes: a host file is small (/dev/zero is not one)
 SLOTS_PORT_FLOOR = 1024  # `host:N` with N this large is probably meant as a port
 
 
@@ -82,21 +82,9 @@ def job_hosts_and_source(hosts: tuple[Host, ...], environ: Mapping[str, str]
 
 def read_host_file(path: str, source: str) -> str:
     """A host file's text: a regular file, at most MAX_HOST_FILE bytes, UTF-8."""
-    import os
+    from .files import read_small_file
 
-    try:
-        with open(path, "rb") as fh:
-            if not os.path.isfile(path):
-                raise ConfigError(f"{source}: not a regular file")
-            data = fh.read(MAX_HOST_FILE + 1)
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read it: {exc.strerror}") from None
-    if len(data) > MAX_HOST_FILE:
-        raise ConfigError(f"{source}: larger than {MAX_HOST_FILE >> 20} MiB: not a host file")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{source}: not UTF-8 text") from None
+    return read_small_file(path, source, MAX_HOST_FILE, "a host file")
 
 
 def parse_tasks_per_node(text: str, hosts: tuple[Host, ...], source: str) -> tuple[int, ...]:

@@ -407,7 +407,7 @@ class TestTomlCommand:
         assert conf.read_text() == "# precious\n"
         siblings = [p for p in tmp_path.iterdir() if p != conf]
         assert len(siblings) == 1, siblings
-        assert re.fullmatch(r"training\.conf\.\d{8}-\d{6}", siblings[0].name)
+        assert re.fullmatch(r"training-\d{8}-\d{6}\.conf", siblings[0].name)
         assert read_toml(siblings[0]) == {"program": [PY], "num-replicas": 2,
                                           "offline-mode": True}
         assert f"configuration written to {siblings[0]}" in proc.stderr.decode()
@@ -425,6 +425,74 @@ class TestTomlCommand:
         proc = poprun("--export-config", str(tmp_path / "no" / "such" / "dir.toml"), *OFFLINE,
                       "--dry-run", PY, cwd=tmp_path, timeout=30)
         assert_usage_error(proc, "--export-config", "cannot write")
+
+    def test_existing_train_toml_gets_a_timestamp_before_its_suffix(self, poprun, tmp_path):
+        (tmp_path / "train.toml").write_text("# mine\n")
+        proc = poprun("--export-config", "train.toml", *OFFLINE, "--dry-run", PY,
+                      cwd=tmp_path, timeout=30)
+        assert proc.returncode == 0, proc.stderr.decode()
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert len(names) == 2 and names[1] == "train.toml", names
+        assert re.fullmatch(r"train-\d{8}-\d{6}\.toml", names[0]), names
+
+    @pytest.mark.parametrize("args,fragments", [
+        (["no-such-program-for-poprun-tests"], ["no-such-program-for-poprun-tests",
+                                                 "not found"]),
+        (["--num-instances=3", "--num-replicas=4", PY], ["not divisible"]),
+        (["--mpi-global-args=--frobnicate", PY], ["--frobnicate"]),
+    ], ids=["program missing", "bad counts", "bad mpi args"])
+    def test_nothing_is_written_for_an_invalid_configuration(self, poprun, tmp_path, args,
+                                                             fragments):
+        """Issue 14 point 5: the file was written before the program was found missing."""
+        for extra in ((), ("--dry-run",)):
+            proc = poprun("--export-config", "train.toml", *OFFLINE, *extra, *args,
+                          cwd=tmp_path, timeout=30)
+            assert_usage_error(proc, *fragments)
+            assert list(tmp_path.iterdir()) == []
+
+    @pytest.mark.parametrize("target,fragments", [
+        ("/dev/full", ["/dev/full", "not a regular file"]),
+        ("/", ["--export-config /", "is a directory"]),
+        ("{tmp}", ["is a directory"]),
+        ("{tmp}/no/such/dir/x.toml", ["cannot write it", "No such file"]),
+        ("", ["--export-config needs a file name"]),
+    ], ids=["/dev/full", "root", "a directory", "missing folder", "empty"])
+    def test_errors_writing_it_are_one_line_and_write_nothing_beside(self, poprun, tmp_path,
+                                                                     target, fragments):
+        """Was: /dev/full.<timestamp> and /.<timestamp> written."""
+        target = target.format(tmp=tmp_path)
+        before = set(os.listdir("/")), set(os.listdir("/dev"))
+        proc = poprun("--export-config", target, *OFFLINE, "--dry-run", PY, cwd=tmp_path,
+                      timeout=30)
+        assert_usage_error(proc, *fragments)
+        assert (set(os.listdir("/")), set(os.listdir("/dev"))) == before
+        assert list(tmp_path.iterdir()) == []
+
+    def test_a_disk_full_while_writing_leaves_no_file(self, tmp_path):
+        cfg = make(offline_mode=True)
+        target = tmp_path / "x.toml"
+        import unittest.mock as mock
+
+        real_fdopen = os.fdopen
+
+        class Full:
+            def __init__(self, fd, mode):
+                self._fh = real_fdopen(fd, mode)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self._fh.close()
+
+            def write(self, data):
+                raise OSError(28, "No space left on device")
+
+        with mock.patch("os.fdopen", Full), pytest.raises(ConfigError) as err:
+            cli.export_config(cfg, str(target), overwrite=False)
+        assert str(err.value) == (f"--export-config {target}: cannot write it: No space left "
+                                  "on device")
+        assert list(tmp_path.iterdir()) == []
 
     def test_import_loads_the_stored_options(self, poprun, tmp_path):
         conf = tmp_path / "training.conf"

@@ -353,15 +353,62 @@ def _read_host_file(path: str) -> tuple[str, ...]:
 
 
 def export_config(config: LaunchConfig, path: str, overwrite: bool) -> str:
-    """Write the config; an existing file gets a timestamped sibling unless `overwrite`."""
-    if os.path.exists(path) and not overwrite:
-        path = f"{path}.{time.strftime('%Y%m%d-%H%M%S')}"
+    """Write the config as TOML; an existing `train.toml` is kept and the config goes to
+    `train-<timestamp>.toml` unless `overwrite`. The file appears whole or not at all (written
+    beside it, then renamed). Raises ConfigError: one line naming the path."""
+    import tempfile
+
+    where = f"--export-config {path}"
     try:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(config.to_toml())
-    except OSError as exc:
-        raise ConfigError(f"--export-config: cannot write {path}: {exc.strerror}") from None
+        text = config.to_toml().encode("utf-8")
+    except UnicodeEncodeError as exc:  # a surrogate from an argument that is not UTF-8
+        raise ConfigError(f"{where}: cannot store {exc.object[exc.start:exc.end]!r}: not "
+                          "UTF-8 text") from None
+    try:
+        existing = os.stat(path)
+    except FileNotFoundError:
+        existing = None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{where}: cannot write it: {_reason(exc)}") from None
+    if existing is not None:
+        import stat
+
+        if stat.S_ISDIR(existing.st_mode):
+            raise ConfigError(f"{where}: is a directory (name a file in it)")
+        if not stat.S_ISREG(existing.st_mode):
+            raise ConfigError(f"{where}: exists and is not a regular file")
+        if not overwrite:
+            stem, suffix = os.path.splitext(path)
+            if not stem or stem.endswith(os.sep):  # `.toml`: the name is all suffix
+                stem, suffix = path, ""
+            path = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}{suffix}"
+            where = f"--export-config {path}"
+    folder = os.path.dirname(path) or "."
+    temporary = None
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=".poprun-export-", dir=folder)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(text)
+        os.chmod(temporary, 0o666 & ~_umask())
+        os.replace(temporary, path)
+    except (OSError, ValueError) as exc:
+        if temporary is not None:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+        raise ConfigError(f"{where}: cannot write it: {_reason(exc)}") from None
     return path
+
+
+def _reason(exc: Exception) -> str:
+    return (exc.strerror or str(exc)) if isinstance(exc, OSError) else "not a file name"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 # Headings in --help, before the option each group starts with (OPTIONS is in this order).
@@ -423,17 +470,23 @@ def _main(argv: list[str]) -> int:
 
         return action(parsed)
     values = parsed.values
+    for name in ("export_config", "import_config", "host_file", "result_json"):
+        if values.get(name) == "":
+            raise ConfigError(f"--{name.replace('_', '-')} needs a file name, got \"\"")
     if values.get("check"):
         return _check(parsed)
     if values.get("export_config") and values.get("import_config"):
         raise ConfigError("--export-config and --import-config cannot be used together")
     config = build_config(parsed)
+    # The plan is made first: a launch makes the same one, so a configuration that cannot
+    # launch (a program not found...) is an error before --export-config writes anything.
+    launch_plan = _plan(config) if values.get("dry_run") or values.get("export_config") else None
     if values.get("export_config"):
         written = export_config(config, str(values["export_config"]),
                                 bool(values.get("overwrite_config")))
         sys.stderr.write(f"poprun: configuration written to {written}\n")
     if values.get("dry_run"):
-        return _dry_run(config, bool(values.get("json")))
+        return _dry_run(config, launch_plan, bool(values.get("json")))
     import asyncio
 
     from .launcher import launch
@@ -502,11 +555,16 @@ def _distribute_ssh_key(config: LaunchConfig) -> None:
         sys.stderr.write(f"poprun: {result.message}\n")
 
 
-def _dry_run(config: LaunchConfig, as_json: bool) -> int:
+def _plan(config: LaunchConfig):
+    """The plan a dry run shows (every check a launch makes before contacting a host)."""
     from .launcher import make_plan
+
+    return make_plan(config, os.environ, os.getcwd())
+
+
+def _dry_run(config: LaunchConfig, launch_plan, as_json: bool) -> int:
     from .render import dry_run_text, topology_table
 
-    launch_plan = make_plan(config, os.environ, os.getcwd())
     if as_json:
         import json
 

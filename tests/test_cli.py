@@ -23,7 +23,7 @@ from poprun.config import LaunchConfig
 from poprun.hosts import Host
 
 # A program that exists everywhere the suite runs and is not a boolean word (`true` is one:
-# `--dry-run true` would take it as the option's value).
+# `--offline-mode true` would take it as the option's value).
 PY = sys.executable
 SINGLE_WARNING = ("Using --num-instances=1 and --num-replicas=1 together is not supported and "
                   "might give additional overhead and/or raise other issues.")
@@ -86,9 +86,39 @@ class TestValues:
         ("yes", True), ("no", False), ("True", True), ("off", False), ("1", True), ("0", False),
     ])
     def test_bool_words_as_next_token(self, word, expected):
-        parsed = parse("--tag-output", word, "prog")
-        assert parsed.values["tag_output"] is expected
+        parsed = parse("--numa-aware", word, "prog")  # real scripts: `--numa-aware 1`
+        assert parsed.values["numa_aware"] is expected
         assert parsed.program == ["prog"]
+
+    @pytest.mark.parametrize("switch", ["--dry-run", "--json", "--check", "--no-dashboard",
+                                        "--dashboard", "--overwrite-config", "--tag-output",
+                                        "--timestamp-output", "--merge-stderr-to-stdout",
+                                        "--report-bindings"])
+    def test_our_switches_never_take_the_next_word(self, switch):
+        """Issue 14 point 6: `poprun --dry-run true` said "no program given"."""
+        parsed = parse(switch, "true", "yes")
+        assert parsed.values[switch[2:].replace("-", "_")] is True
+        assert parsed.program == ["true", "yes"]
+        assert parse(f"{switch}=no", "prog").values[switch[2:].replace("-", "_")] is False
+
+    def test_switches_and_poprun_booleans_are_marked_in_the_table(self):
+        switches = {o.long for o in cli.OPTIONS if o.kind is cli.Kind.SWITCH}
+        booleans = {o.long for o in cli.OPTIONS if o.kind is cli.Kind.BOOL}
+        assert {"dry-run", "json", "check", "no-dashboard", "dashboard"} <= switches
+        # PopRun's own: real scripts write `--numa-aware 1`, `--update-partition yes`
+        assert {"numa-aware", "offline-mode", "print-topology", "update-partition",
+                "reset-partition", "remove-partition", "distribute-ssh-key"} <= booleans
+
+    def test_dry_run_true_runs_true(self, poprun):
+        proc = poprun(*OFFLINE, "--dry-run", "true", timeout=30)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert re.search(rb"argv: \S*true\n", proc.stdout), proc.stdout
+
+    def test_a_newline_in_a_value_does_not_split_the_error_line(self, poprun):
+        for args, fragment in ((["--num-instances=2\n3", PY], "'2\\n3'"),
+                               (["--bogus\nline", PY], "'--bogus\\nline'"),
+                               (["--host-file", "/no/such\nfile", PY], "/no/such\\nfile")):
+            assert_usage_error(poprun(*args, timeout=30), fragment)
 
     def test_bare_bool_flag_means_yes(self):
         parsed = parse("--print-topology", "--offline-mode", "prog", "no")
@@ -244,7 +274,7 @@ USAGE_ERRORS = {
                          ["ambiguous", "--num-instances", "--num-replicas", "--num-ilds"]),
     "missing program": ([], ["no program given"]),
     "only a double dash": (["--"], ["no program given"]),
-    "bool swallowed the program": (["--dry-run", "true"], ["no program given"]),
+    "bool swallowed the program": (["--print-topology", "true"], ["no program given"]),
     "program not found": (["no-such-program-for-poprun-tests", "arg"],
                           ["'no-such-program-for-poprun-tests'", "not found"]),
     "program path not found": (["./no/such/prog"], ["'./no/such/prog'", "not found"]),

@@ -3,7 +3,9 @@
 Real scripts call poprun in Boost.Program_options style, so the parser accepts `--opt=value` and
 `--opt value`, boolean words (yes/no/true/false/on/off/1/0, or the bare flag for yes), `-v`,
 `-vv`, `--vv`, repeated list options that accumulate, and any unambiguous prefix of a long option.
-Everything from the program name on belongs to the program, `--help` included.
+Everything from the program name on belongs to the program, `--help` included. PopRun's own
+boolean options take a following boolean word (`--numa-aware 1`, as real scripts write it);
+the switches only this poprun has (`--dry-run`, `--check`, ...: Kind.SWITCH) never take one.
 
 The option table below is the one definition of the options: it drives parsing, `--help`,
 shell completion and the TOML names of `--export-config`. Defaults live on `LaunchConfig`.
@@ -40,7 +42,11 @@ class Kind(enum.Enum):
     STR = "str"
     """One string."""
     BOOL = "bool"
-    """A boolean word, or nothing (meaning yes)."""
+    """PopRun's own booleans: a boolean word (`--numa-aware=yes`, `--numa-aware 1`: the next
+    word is taken when it is one), or nothing (meaning yes)."""
+    SWITCH = "switch"
+    """Our own booleans (Boost's bool_switch): no following word is ever taken, so
+    `--dry-run true` runs `true`; `--dry-run=no` is accepted."""
     LIST = "list"
     """One string each time; repeats accumulate."""
     COUNT = "count"
@@ -73,7 +79,7 @@ class Opt:
         return self.dest or self.long.replace("-", "_")
 
 
-B = Kind.BOOL
+B, S = Kind.BOOL, Kind.SWITCH
 OPTIONS: tuple[Opt, ...] = (
     Opt("help", Kind.ACTION, "Show this help and exit", short="h"),
     Opt("version", Kind.ACTION, "Show poprun's version and exit"),
@@ -94,13 +100,15 @@ OPTIONS: tuple[Opt, ...] = (
         "Default: a temporary directory removed at exit when there is more than one instance"),
     Opt("env", Kind.LIST, "Set VAR=VALUE in, or forward VAR to, every instance (repeatable)",
         short="x"),
-    Opt("tag-output", B, "Prefix every line with [1,<instance>]<stdout|stderr>:. (With or "
+    Opt("tag-output", S, "Prefix every line with [1,<instance>]<stdout|stderr>:. (With or "
         "without tags, a line longer than 1 MiB is written in 1 MiB pieces, each a line of "
         "its own, and an unterminated last line is ended)"),
-    Opt("timestamp-output", B, "Prefix every line with the time it was read"),
+    Opt("timestamp-output", S, "Prefix every line with the time it was read, as Open MPI "
+        "does: <date><stdout>:line, or <date>[1,<instance>]<stdout>:line with "
+        "--tag-output"),
     Opt("output-filename", Kind.STR,
         "Also write each instance's output to DIR/1/rank.<i>/stdout and stderr"),
-    Opt("merge-stderr-to-stdout", B, "Send the instances' stderr to poprun's stdout"),
+    Opt("merge-stderr-to-stdout", S, "Send the instances' stderr to poprun's stdout"),
     Opt("mpi-global-args", Kind.LIST,
         "mpirun options, read not passed on: -x, --tag-output, --timestamp-output, "
         "--output-filename, --merge-stderr-to-stdout, --report-bindings and (with placement "
@@ -128,7 +136,7 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("remote-install", Kind.STR, "auto: where poprun is not installed (in this version) "
         "for that Python, bring its agent and popdist over SSH, cached in ~/.cache/poprun; "
         "never: poprun must be installed there"),
-    Opt("check", B, "Check every host (reachable, authenticated, same Python and poprun, "
+    Opt("check", S, "Check every host (reachable, authenticated, same Python and poprun, "
         "working directory, NUMA) and start nothing", default=False),
     Opt("distribute-ssh-key", B, "Append your public key to ~/.ssh/authorized_keys on every "
         "host that lacks it (asks the password once), then launch"),
@@ -143,7 +151,7 @@ OPTIONS: tuple[Opt, ...] = (
         "a host runs several instances, else disabled"),
     Opt("numa-aware", B, "Older spelling: yes = --process-placement=spreadnuma, "
         "no = disabled"),
-    Opt("report-bindings", B, "After start, print each instance's CPUs and memory nodes as "
+    Opt("report-bindings", S, "After start, print each instance's CPUs and memory nodes as "
         "read from /proc, and warn where they differ from the plan"),
     Opt("offline-target", Kind.STR,
         "With --offline-mode: compile for this system, setting POPLAR_TARGET_OPTIONS "
@@ -175,8 +183,10 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("synchronise-python-venv", B, "Accepted for compatibility; no effect"),
     Opt("synchronise-poplar-sdk", B, "Accepted for compatibility; no effect"),
     Opt("version-format", Kind.STR, "Accepted for compatibility; no effect"),
-    Opt("no-dashboard", B, "Never show the live status panel (it shows only when stderr is "
-        "a terminal and neither CI nor POPRUN_NO_DASHBOARD=1 is set)"),
+    Opt("no-dashboard", S, "Never show the live status panel (it shows only when stdout and "
+        "stderr are the same terminal and neither CI nor POPRUN_NO_DASHBOARD=1 is set)"),
+    Opt("dashboard", S, "Show the live status panel on stderr's terminal even when stdout "
+        "goes elsewhere (a pipe, a file), in CI or with POPRUN_NO_DASHBOARD set"),
     Opt("result-json", Kind.STR, "After the job, write per instance host, pid, start/end, "
         "exit status or signal, lines written, and per host the launch-phase timings, to "
         "this JSON file"),
@@ -193,17 +203,17 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("import-config", Kind.STR,
         "Read options and program from a file written by --export-config; command-line options "
         "override it, a program given on the command line replaces the stored one", default=None),
-    Opt("overwrite-config", B,
-        "Overwrite an existing --export-config file (otherwise a timestamp is appended)",
-        default=False),
-    Opt("dry-run", B, "Print the plan (per instance: host, replicas, environment, argv) and "
+    Opt("overwrite-config", S,
+        "Overwrite an existing --export-config file (otherwise train.toml is kept and the "
+        "configuration goes to train-<timestamp>.toml)", default=False),
+    Opt("dry-run", S, "Print the plan (per instance: host, replicas, environment, argv) and "
         "start nothing", default=False),
-    Opt("json", B, "With --dry-run: print the plan as one JSON object", default=False),
+    Opt("json", S, "With --dry-run: print the plan as one JSON object", default=False),
     Opt("verbose", Kind.COUNT, "Verbose output (-vv: more)", short="v"),
     Opt("vv", Kind.COUNT, "Very verbose output", dest="verbose", step=2),
 )
 _BY_LONG = {o.long: o for o in OPTIONS}
-_SINGLE = (Kind.INT, Kind.FLOAT, Kind.STR, Kind.BOOL)  # one value: a repeat is an error
+_SINGLE = (Kind.INT, Kind.FLOAT, Kind.STR, Kind.BOOL, Kind.SWITCH)  # a repeat is an error
 _BY_SHORT = {o.short: o for o in OPTIONS if o.short}
 _BOOL_WORDS = {"yes": True, "true": True, "on": True, "1": True,
                "no": False, "false": False, "off": False, "0": False}
@@ -245,8 +255,9 @@ def parse_args(argv: list[str]) -> Parsed:
                 raise ConfigError(f"option '{tok}' takes no value")
             count = (1 + len(value)) if (value and opt.short) else 1
             out.values[opt.name] = out.values.get(opt.name, 0) + opt.step * count
-        elif opt.kind is Kind.BOOL:
-            if value is None and i + 1 < len(argv) and argv[i + 1].lower() in _BOOL_WORDS:
+        elif opt.kind in (Kind.BOOL, Kind.SWITCH):
+            if (opt.kind is Kind.BOOL and value is None and i + 1 < len(argv)
+                    and argv[i + 1].lower() in _BOOL_WORDS):
                 i += 1
                 value = argv[i]
             out.values[opt.name] = True if value is None else _bool(opt, value)
@@ -441,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except InternalError:  # launch() has stopped the job and told the user
         return INTERNAL_ERROR_STATUS
+    except ConfigError as exc:  # a usage error: one line, whatever the values in it hold
+        sys.stderr.write(f"poprun: error: {one_line(str(exc))}\n")
+        return 2
     except PoprunError as exc:  # several hosts may each have their own problem: a line each
         sys.stderr.write("".join(f"poprun: error: {line}\n" for line in str(exc).splitlines()))
         return 2
@@ -454,6 +468,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         report_internal_error(exc, verbose=argv.count("-v") + 2 * argv.count("-vv"))
         return INTERNAL_ERROR_STATUS
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
+_CONTROL.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+
+
+def one_line(text: str) -> str:
+    """`text` with its control characters escaped (a newline in an option's value shows as
+    \\n): a usage error is one line whatever it quotes."""
+    return text.translate(_CONTROL)
 
 
 def _main(argv: list[str]) -> int:

@@ -89,6 +89,7 @@ class LaunchConfig:
     vipu_partition_attempts: int | None = None
     result_json: str | None = None  # write the LaunchResult here as JSON (CLI only)
     no_dashboard: bool = False  # never show the live panel, even on a terminal
+    dashboard: bool = False  # show it on stderr's terminal even when stdout goes elsewhere
     # Accepted from later SDKs' scripts; nothing to do without IPUs or MPI (logged at -v).
     host_subnet: str | None = None
     allow_run_as_root: bool = False
@@ -139,6 +140,8 @@ class LaunchConfig:
             raise ConfigError(f"--host-timeout must be positive, got {self.host_timeout}")
         if self.restart_delay < 0:
             raise ConfigError(f"--restart-delay must not be negative, got {self.restart_delay}")
+        if self.dashboard and self.no_dashboard:
+            raise ConfigError("--dashboard and --no-dashboard cannot be used together")
         if self.launcher not in (None, *LAUNCHERS):
             raise ConfigError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got "
                               f"{self.launcher!r}")
@@ -288,7 +291,8 @@ _STR_TUPLE_FIELDS = ("program", "env", "mpi_global_args", "mpi_local_args",
 _BOOL_FIELDS = ("offline_mode", "print_topology", "tag_output", "timestamp_output",
                 "merge_stderr_to_stdout", "distribute_ssh_key", "report_bindings",
                 "update_partition", "remove_partition", "allow_run_as_root",
-                "synchronise_python_venv", "synchronise_poplar_sdk", "no_dashboard")
+                "synchronise_python_venv", "synchronise_poplar_sdk", "no_dashboard",
+                "dashboard")
 _OPTIONAL_STR_FIELDS = (
     "executable_cache_path", "output_filename", "remote_python", "distribute_ssh_key_path",
     "distribute_ssh_key_type", "process_placement", "offline_target", "autoreport_dir",

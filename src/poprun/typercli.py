@@ -45,8 +45,9 @@ DESCRIPTION = (
     "Launch instances of a program (with replicas divided among them) on this host or, over "
     "SSH, on others, without MPI. Everything after the program name is passed to it untouched."
     "\n\n"
-    "Values: --opt=value or --opt value; booleans yes/no, true/false, on/off, 1/0 (a bare "
-    "boolean option means yes); any unambiguous prefix of an option works.")
+    "Values: --opt=value or --opt value; BOOL options take yes/no, true/false, on/off, 1/0 (a "
+    "bare one means yes); switches (no value shown: --dry-run, --check...) take no value, so "
+    "the word after one is the program; any unambiguous prefix of an option works.")
 EPILOG = (
     "Exit status: 0 when every instance exits 0; otherwise the status of the instance that "
     "failed first (its root cause; 128+N for signal N), 255 when that was a lost host, 128+N "
@@ -77,7 +78,7 @@ _CHOICES: dict[str, Callable[[], list[str]]] = {
     "install-completion": lambda: list(SHELLS),
 }
 _ACTION_METAVARS = {"show-completion": "[SHELL]", "install-completion": "[SHELL]"}
-_TYPES = {Kind.INT: int, Kind.FLOAT: float, Kind.STR: str, Kind.BOOL: bool,
+_TYPES = {Kind.INT: int, Kind.FLOAT: float, Kind.STR: str, Kind.BOOL: bool, Kind.SWITCH: bool,
           Kind.LIST: list[str], Kind.COUNT: int, Kind.ACTION: bool}
 
 
@@ -243,7 +244,8 @@ class _BoostResolution:
     def _values(self, opt: Opt, incomplete: str, inline: bool) -> list[Any]:
         """Values of `opt` starting with `incomplete`; none where the shell should complete
         file names (paths, free text)."""
-        if opt.kind is Kind.BOOL:  # only inline: `--offline-mode yes` may be a program
+        if opt.kind in (Kind.BOOL, Kind.SWITCH):  # only inline: `--offline-mode yes` may be
+            # a program (and after a switch, the word is the program)
             return [_item(w) for w in _BOOL_WORDS if inline and w.startswith(incomplete)]
         param = next(p for p in self.cli.params if p.opts[0] == f"--{opt.long}")
         return [item for item in param.shell_complete(_context(self.cli), incomplete)

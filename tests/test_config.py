@@ -299,6 +299,31 @@ class TestMpiArgs:
 # --- TOML export / import (guide §2.9) ------------------------------------------------------
 
 
+def _words(text: str) -> str:
+    return " ".join(text.replace("`", "").split())
+
+
+def test_mpirun_arguments_are_one_list_for_parser_help_and_readme():
+    """Issue 14 point 9: the parser, --help and the README each had their own list."""
+    from pathlib import Path
+
+    summary = mpiargs.summary()
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert summary in _words(readme)
+    help_of = next(o.help for o in cli.OPTIONS if o.long == "mpi-global-args")
+    assert summary in help_of
+    with pytest.raises(ConfigError) as info:
+        mpiargs.parse_mpi_args("--frobnicate", "--mpi-global-args")
+    assert summary in str(info.value)
+    for arg in mpiargs.ARGS:  # every listed argument parses, with its value words
+        dash = "-" if len(arg.name) == 1 else "--"
+        parsed = mpi(" ".join([dash + arg.name] + ["v"] * arg.words))
+        if arg.field is None:
+            assert parsed.ignored and parsed == mpiargs.MpiArgs(ignored=parsed.ignored)
+        else:
+            assert getattr(parsed, arg.field) in (True, "v", ("v",)), arg
+
+
 def read_toml(path) -> dict:
     with open(path, "rb") as fh:
         return tomllib.load(fh)

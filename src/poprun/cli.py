@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from ._version import __version__
+from . import mpiargs
 from .config import LaunchConfig, field_defaults, load_toml
 from .crash import INTERNAL_ERROR_STATUS, report_internal_error
 from .errors import ConfigError, InternalError, PoprunError
@@ -110,10 +111,8 @@ OPTIONS: tuple[Opt, ...] = (
         "Also write each instance's output to DIR/1/rank.<i>/stdout and stderr"),
     Opt("merge-stderr-to-stdout", S, "Send the instances' stderr to poprun's stdout"),
     Opt("mpi-global-args", Kind.LIST,
-        "mpirun options, read not passed on: -x, --tag-output, --timestamp-output, "
-        "--output-filename, --merge-stderr-to-stdout, --report-bindings and (with placement "
-        "disabled) --bind-to/--map-by are honoured; --mca and --allow-run-as-root are "
-        "ignored (repeatable)"),
+        f"mpirun options, read not passed on ({mpiargs.summary()}); anything else is an "
+        "error (repeatable)"),
     Opt("mpi-local-args", Kind.LIST, "As --mpi-global-args (repeatable)"),
     Opt("instance-mpi-local-args", Kind.LIST,
         "<instance>:<mpi args> for one instance only, e.g. 0:-x VAR=1 (repeatable)"),

@@ -13,18 +13,56 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
-# mpirun accepts these with one dash or two.
-_FLAGS = {
-    "tag-output": "tag_output",
-    "timestamp-output": "timestamp_output",
-    "merge-stderr-to-stdout": "merge_stderr_to_stdout",
-    "report-bindings": "report_bindings",
-}
-_VALUED = {"output-filename": "output_filename", "bind-to": "bind_to", "map-by": "map_by"}
-# Accepted and ignored: they tune MPI's own transport or privileges, which do not exist here.
-_IGNORED_FLAGS = {"allow-run-as-root", "oversubscribe", "display-map", "display-allocation",
-                  "quiet", "q"}
-_IGNORED_PAIRS = {"mca", "gmca"}  # `--mca <key> <value>`
+
+@dataclass(frozen=True)
+class MpiArg:
+    """One mpirun argument poprun reads. mpirun accepts each with one dash or two."""
+
+    name: str  # without dashes
+    field: str | None  # the MpiArgs field it sets; None: accepted and ignored
+    value: str = ""  # how --help shows its value(s): "" none, "DIR", "KEY VALUE" (two words)
+    note: str = ""  # said after it in the summary
+
+    @property
+    def words(self) -> int:
+        """How many words follow it (0, 1, or 2 for `--mca key value`)."""
+        return len(self.value.split())
+
+    def __str__(self) -> str:
+        dashes = "-" if len(self.name) == 1 else "--"
+        return f"{dashes}{self.name}" + (f" {self.value}" if self.value else "") + self.note
+
+
+# The one list of the mpirun arguments poprun reads: the parser below, `--help` (through
+# summary()) and the README (tests/test_config.py compares) all come from it. Honoured: what
+# changes what the user sees; ignored: transport tuning and privileges, which do not exist
+# without MPI. Anything else is an error naming the token.
+ARGS = (
+    MpiArg("x", "env", "VAR[=VALUE]"),
+    MpiArg("tag-output", "tag_output"),
+    MpiArg("timestamp-output", "timestamp_output"),
+    MpiArg("output-filename", "output_filename", "DIR[:nocopy]"),
+    MpiArg("merge-stderr-to-stdout", "merge_stderr_to_stdout"),
+    MpiArg("report-bindings", "report_bindings"),
+    MpiArg("bind-to", "bind_to", "WHAT"),
+    MpiArg("map-by", "map_by", "WHAT", " (these two with --process-placement disabled)"),
+    MpiArg("mca", None, "KEY VALUE"),
+    MpiArg("gmca", None, "KEY VALUE"),
+    MpiArg("allow-run-as-root", None),
+    MpiArg("oversubscribe", None),
+    MpiArg("display-map", None),
+    MpiArg("display-allocation", None),
+    MpiArg("quiet", None),
+    MpiArg("q", None),
+)
+_BY_NAME = {a.name: a for a in ARGS}
+
+
+def summary() -> str:
+    """The honoured and the ignored arguments, in words (for --help, errors, the README)."""
+    honoured = ", ".join(str(a) for a in ARGS if a.field)
+    ignored = ", ".join(str(a) for a in ARGS if not a.field)
+    return f"honoured: {honoured}; accepted and ignored: {ignored}"
 
 
 @dataclass(frozen=True)
@@ -55,6 +93,7 @@ def parse_mpi_args(text: str, source: str) -> MpiArgs:
     while i < len(tokens):
         tok = tokens[i]
         name, eq, inline = tok.lstrip("-").partition("=")
+        arg = _BY_NAME.get(name) if tok.startswith("-") else None
 
         def value() -> str:
             nonlocal i
@@ -65,30 +104,26 @@ def parse_mpi_args(text: str, source: str) -> MpiArgs:
             i += 1
             return tokens[i]
 
-        if tok in ("-x", "--x"):
-            env.append(value())
-        elif tok.startswith("-x") and not tok.startswith("--"):
+        if arg is None and tok.startswith("-x") and not tok.startswith("--"):
             env.append(tok[2:])  # `-xVAR`
         elif not tok.startswith("-"):
             raise ConfigError(f"{source}: unexpected argument {tok!r}")
-        elif name in _FLAGS and not eq:
-            values[_FLAGS[name]] = True
-        elif name in _VALUED:
-            values[_VALUED[name]] = value()
-        elif name in _IGNORED_FLAGS and not eq:
-            ignored.append(tok)
-        elif name in _IGNORED_PAIRS:
+        elif arg is None or (eq and not arg.words):
+            raise ConfigError(
+                f"{source}: unsupported mpirun argument {tok!r} (poprun starts instances "
+                f"without MPI; of mpirun's arguments it reads these: {summary()})")
+        elif arg.words == 2:  # `--mca <key> <value>`
             key = value()
             if i + 1 >= len(tokens):
                 raise ConfigError(f"{source}: {tok} {key} needs a value")
             i += 1
             ignored.append(f"{tok} {key} {tokens[i]}")
+        elif arg.field is None:
+            ignored.append(tok)
+        elif arg.field == "env":
+            env.append(value())
         else:
-            raise ConfigError(
-                f"{source}: unsupported mpirun argument {tok!r} (poprun starts instances "
-                "without MPI; it honours -x, --tag-output, --timestamp-output, "
-                "--output-filename, --merge-stderr-to-stdout and ignores --mca, "
-                "--allow-run-as-root)")
+            values[arg.field] = value() if arg.words else True
         i += 1
     return MpiArgs(env=tuple(env), ignored=tuple(ignored), **values)  # type: ignore[arg-type]
 

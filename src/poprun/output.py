@@ -111,9 +111,14 @@ class OutputRouter:
             self._on_write_error(exc.filename or self._file_path(key, stream), exc)
 
     def _prefix(self, key: int, stream: Stream) -> bytes:
+        """What goes before each line: Open MPI's `<date>[1,<i>]<stdout>:` with tags and
+        timestamps, `[1,<i>]<stdout>:` with tags, `<date><stdout>:` with timestamps (its
+        iof_base_output.c; the date is C's ctime() without its newline)."""
         prefix = b""
         if self._options.timestamp:
-            prefix = time.ctime().encode()  # mpirun's --timestamp-output format
+            prefix = time.ctime().encode()
+            if not self._options.tag:
+                return prefix + (b"<stdout>:" if stream is Stream.STDOUT else b"<stderr>:")
         if self._options.tag:
             tag = self._tags.get((key, stream))
             if tag is None:

@@ -313,6 +313,29 @@ async def test_silent_server_times_out(hosts: SshHosts) -> None:
                        "the timed-out connection to be closed")
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("says", [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n"],
+                         ids=["closes at once", "a web server"])
+async def test_a_server_that_closes_before_the_banner_is_not_ssh(says: bytes) -> None:
+    """Issue 14 point 8: was `h: Connection lost`."""
+    server = socket.create_server(("127.0.77.202", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        conn.sendall(says)
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        await connect_expecting(Target("127.0.77.202", port=server.getsockname()[1]),
+                                FailureKind.CONNECTION_CLOSED,
+                                "not an SSH server, or it closed the connection")
+    finally:
+        thread.join(TIMEOUT)
+        server.close()
+
+
 def write_aliases(home: Path, aliases: list[str], addr: str, port: int) -> None:
     (home / ".ssh").mkdir(parents=True, exist_ok=True)
     (home / ".ssh" / "config").write_text("".join(

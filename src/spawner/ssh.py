@@ -95,6 +95,9 @@ class FailureKind(str, enum.Enum):
     """Nothing listens on the SSH port (sshd down, or the wrong port)."""
     TIMEOUT = "timeout"
     """No authenticated connection within the timeout (host down, firewall, silent server)."""
+    CONNECTION_CLOSED = "connection closed"
+    """The server closed the connection before the SSH handshake ended: not an SSH server
+    (a web server on that port), or an sshd turning connections away (MaxStartups...)."""
     OTHER = "other"
     """Anything else: unreachable network, protocol or key-exchange failure..."""
 
@@ -382,6 +385,10 @@ async def _classify(target: SshTarget, exc: Exception, timeout: float, with_pass
     if _is_refused(exc):
         return _Failed(FailureKind.CONNECTION_REFUSED,
                        f"{where}: connection refused, is sshd running there? ({exc})")
+    if isinstance(exc, (asyncssh.ConnectionLost, ConnectionResetError, EOFError)):
+        return _Failed(FailureKind.CONNECTION_CLOSED,
+                       f"{where}: not an SSH server, or it closed the connection before the "
+                       f"SSH handshake ended ({getattr(exc, 'reason', None) or exc})")
     if isinstance(exc, FileNotFoundError):
         # Unlike ssh, asyncssh fails on an IdentityFile that does not exist.
         return _Failed(FailureKind.OTHER, f"{where}: cannot read {exc.filename}: {exc.strerror}"

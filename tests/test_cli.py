@@ -348,6 +348,91 @@ def test_program_without_execute_permission(poprun, tmp_path):
         assert_usage_error(proc, repr(spelling), "not executable")
 
 
+class TestMessagesThatSayWhatToDo:
+    """Issue 14 point 8."""
+
+    def test_an_unknown_option_suggests_the_closest(self, poprun):
+        proc = poprun("--num-instnaces", "2", PY, timeout=30)
+        assert_usage_error(proc, "unrecognised option '--num-instnaces'",
+                           "did you mean --num-instances?")
+        assert "did you mean" not in assert_usage_error(poprun("--frobnicate", PY, timeout=30))
+
+    def test_a_poprun_option_after_the_program_is_hinted(self, poprun, tmp_path):
+        proc = poprun(*OFFLINE, "--dry-run", PY, "train.py", "--num-instances", "2",
+                      "--config=x", cwd=tmp_path, timeout=30)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert proc.stderr.decode() == (
+            f"poprun: warning: --num-instances after the program ({PY}) goes to the program, "
+            "not to poprun: poprun's options come before the program\n")
+        for quiet in ((*OFFLINE, "--dry-run", "--", PY, "--num-instances", "2"),  # meant so
+                      (*OFFLINE, "--dry-run", "--num-replicas=2", PY, "--num-replicas", "4"),
+                      (*OFFLINE, "--dry-run", PY, "--help", "--verbose", "--host", "h")):
+            assert poprun(*quiet, cwd=tmp_path, timeout=30).stderr == b"", quiet
+
+    def test_an_existing_script_without_execute_permission_says_how_to_run_it(self, poprun,
+                                                                            tmp_path):
+        (tmp_path / "train.py").write_text("print('hi')\n")
+        for spelling in ("./train.py", "train.py"):
+            proc = poprun(*OFFLINE, spelling, cwd=tmp_path, timeout=30)
+            assert_usage_error(proc, f"program '{spelling}' exists but is not executable",
+                               f"python3 {spelling}", f"chmod +x {spelling}")
+
+    def test_instances_alone_say_that_replicas_default_to_1(self, poprun):
+        proc = poprun(*OFFLINE, "--num-instances", "2", PY, timeout=30)
+        assert_usage_error(proc, "--num-instances=2 needs --num-replicas", "defaults to 1",
+                           "--num-replicas=2")
+
+    def test_the_single_instance_warning_needs_one_of_the_two(self, poprun):
+        """Given neither: no warning (PopRun's warning is about an explicit choice)."""
+        proc = poprun(*OFFLINE, "true", timeout=60)
+        assert proc.returncode == 0 and proc.stderr == b"", proc.stderr.decode()
+        proc = poprun(*OFFLINE, "--num-replicas=1", "true", timeout=60)
+        assert proc.stderr.decode().count(SINGLE_WARNING) == 1
+
+    @pytest.mark.parametrize("content,key,fragment", [
+        ('program = ["x"]\nnum-instances = "2"\n', "num-instances", "positive integer"),
+        ('program = ["x"]\nkill-timeout = "x"\n', "kill-timeout", "a number of seconds"),
+        ('program = "x y"\n', "program", "sequence of strings"),
+        ('program = ["x"]\nnum-instances = 2\n', "num-instances", "defaults to 1"),
+        ('program = ["x"]\nenv = ["1BAD"]\n', "env", "is not VAR or VAR=VALUE"),
+    ])
+    def test_import_config_errors_name_the_file_and_key(self, poprun, tmp_path, content, key,
+                                                        fragment):
+        conf = tmp_path / "job.toml"
+        conf.write_text(content)
+        proc = poprun(*OFFLINE, "--import-config", str(conf), "--dry-run", cwd=tmp_path,
+                      timeout=30)
+        assert_usage_error(proc, f"--import-config {conf}: key '{key}': ", fragment)
+
+    def test_import_config_without_a_program_says_so(self, poprun, tmp_path):
+        conf = tmp_path / "job.toml"
+        conf.write_text("num-replicas = 2\n")
+        proc = poprun(*OFFLINE, "--import-config", str(conf), cwd=tmp_path, timeout=30)
+        assert_usage_error(proc, "no program given", f"nor in --import-config {conf}")
+
+    @pytest.mark.parametrize("args,warning", [
+        (["--json"], "--json only changes what --dry-run prints"),
+        (["--distribute-ssh-key-type=ed25519"],
+         "--distribute-ssh-key-type has no effect without --distribute-ssh-key"),
+        (["--distribute-ssh-key-path=/k"],
+         "--distribute-ssh-key-path has no effect without --distribute-ssh-key"),
+    ])
+    def test_options_without_the_option_they_modify_warn(self, poprun, args, warning):
+        proc = poprun(*OFFLINE, *args, "true", timeout=60)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert proc.stderr.decode() == f"poprun: warning: {warning}" + (
+            ": without --dry-run it is ignored\n" if "json" in warning else "\n")
+
+    def test_counts_from_slurm_say_where_they_came_from(self, poprun):
+        env = {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS": "3",
+               "SLURM_TASKS_PER_NODE": ""}
+        proc = poprun(*OFFLINE, "--dry-run", PY, env=env, timeout=30)
+        assert_usage_error(proc, "counted from SLURM_NTASKS=3", "defaults to 1")
+        proc = poprun(*OFFLINE, "--dry-run", "--num-instances=3", "--num-replicas=3", PY,
+                      env=env, timeout=30)
+        assert_usage_error(proc, "the Slurm allocation (SLURM_JOB_NODELIST=n[1-2])")
+
+
 def test_framework_cache_conflict_names_both(poprun, tmp_path):
     proc = poprun(*OFFLINE, "--executable-cache-path=/x", PY, cwd=tmp_path, timeout=30,
                   env={"POPTORCH_CACHE_DIR": "/torch-cache"})

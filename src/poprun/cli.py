@@ -224,6 +224,7 @@ class Parsed:
     given: set[str] = field(default_factory=set)  # names set on the command line
     program: list[str] = field(default_factory=list)
     action: str | None = None  # "help" or "version"
+    separated: bool = False  # the program came after `--`
 
 
 def parse_args(argv: list[str]) -> Parsed:
@@ -233,7 +234,7 @@ def parse_args(argv: list[str]) -> Parsed:
     while i < len(argv):
         tok = argv[i]
         if tok == "--":
-            out.program = argv[i + 1:]
+            out.program, out.separated = argv[i + 1:], True
             break
         if tok.startswith("--"):
             name, eq, inline = tok[2:].partition("=")
@@ -281,7 +282,16 @@ def _resolve_long(name: str) -> Opt:
     if matches:
         names = ", ".join("--" + o.long for o in matches)
         raise ConfigError(f"option '--{name}' is ambiguous: it could be {names}")
-    raise ConfigError(f"unrecognised option '--{name}' (see poprun --help)")
+    raise ConfigError(f"unrecognised option '--{name}' ({_closest(name)}see poprun --help)")
+
+
+def _closest(name: str) -> str:
+    """`did you mean --num-instances? ` for `--num-instnaces`, or ""."""
+    import difflib
+
+    bare = name.partition("=")[0]
+    close = difflib.get_close_matches(bare, list(_BY_LONG), n=1, cutoff=0.75)
+    return f"did you mean --{close[0]}? " if close else ""
 
 
 def _short(tok: str) -> tuple[Opt, str | None]:
@@ -316,11 +326,15 @@ def _store(out: Parsed, opt: Opt, value: str) -> None:
 
 
 def build_config(parsed: Parsed) -> LaunchConfig:
-    """Options from --import-config, overridden by the command line."""
+    """Options from --import-config, overridden by the command line. An error about a value
+    that came from the file names the file and the key."""
     fields = field_defaults()
     stored: dict[str, object] = {}
-    if parsed.values.get("import_config"):
-        stored = load_toml(str(parsed.values["import_config"]))
+    path = parsed.values.get("import_config")
+    if path:
+        stored = load_toml(str(path))
+    from_file = {k for k in stored if k not in parsed.given and (k != "program"
+                                                                 or not parsed.program)}
     # Not tuple(): a stored `program = "x"` must reach LaunchConfig's check as one string.
     program = tuple(parsed.program) or stored.pop("program", ())
     stored.pop("program", None)
@@ -333,25 +347,68 @@ def build_config(parsed: Parsed) -> LaunchConfig:
         if "hosts" in parsed.given:
             raise ConfigError("--host and --host-file cannot be used together")
         options["hosts"] = _read_host_file(str(parsed.values["host_file"]))
+    counted_from = None
     if "num_instances" not in parsed.given and "num_instances" not in stored:
-        counted = _counted_instances(options.get("hosts", ()))
+        counted, counted_from = _counted_instances(options.get("hosts", ()))
         if counted:
             options["num_instances"] = counted
-    return LaunchConfig(program=program, **options)
+    given = frozenset(parsed.given) | frozenset(stored)
+    try:
+        _replicas_given_for(options, given, counted_from)
+        return LaunchConfig(program=program, given=given, **options)
+    except ConfigError as exc:
+        if path and from_file:
+            raise _blame_file(exc, str(path), from_file) from None
+        raise
 
 
-def _counted_instances(entries: tuple[str, ...]) -> int | None:
-    """--num-instances when not given: the hosts' slots (`h1:4,h2:2`, an MPI hostfile), or
-    inside a Slurm allocation SLURM_NTASKS (its nodes' task counts)."""
+def _replicas_given_for(options: dict[str, object], given: frozenset[str],
+                        counted_from: str | None) -> None:
+    """Several instances and no --num-replicas: say that replicas default to 1 (the
+    divisibility check would only say that 1 is not divisible by the instances)."""
+    instances = options.get("num_instances", 1)
+    if "num_replicas" in given or not isinstance(instances, int) or isinstance(
+            instances, bool) or instances < 2:
+        return
+    where = f" (counted from {counted_from})" if counted_from else ""
+    raise ConfigError(f"--num-instances={instances}{where} needs --num-replicas: it defaults "
+                      f"to 1, and every instance needs the same number of replicas (give "
+                      f"--num-replicas={instances} or a multiple of it)")
+
+
+def _blame_file(exc: ConfigError, path: str, from_file: set[str]) -> ConfigError:
+    """`exc` about a value from the --import-config file: prefixed with the file and key."""
+    import re
+
+    message = str(exc)
+    found = []
+    for name in from_file:
+        for label in (f"--{name.replace('_', '-')}", name):
+            match = re.search(rf"(?<![\w-]){re.escape(label)}(?![\w-])", message)
+            if match:
+                found.append((match.start(), name))
+                break
+    if not found and not message.startswith("no program given"):
+        return exc
+    if not found:
+        return ConfigError(f"{message} (nor in --import-config {path})")
+    key = min(found)[1]
+    return ConfigError(f"--import-config {path}: key '{key.replace('_', '-')}': {message}")
+
+
+def _counted_instances(entries: tuple[str, ...]) -> tuple[int | None, str | None]:
+    """--num-instances when not given, and where it was counted from: the hosts' slots
+    (`h1:4,h2:2`, an MPI hostfile), or inside a Slurm allocation SLURM_NTASKS (its nodes'
+    task counts)."""
     from .hosts import SLURM_NTASKS, instance_counts, job_hosts_and_source, parse_host_list
 
     hosts, source = job_hosts_and_source(parse_host_list(",".join(entries)) if entries else (),
                                          os.environ)
     if any(h.slots for h in hosts):
-        return sum(instance_counts(hosts, None, source))
+        return sum(instance_counts(hosts, None, source)), f"the slots of {source}"
     if not entries and os.environ.get(SLURM_NTASKS, "").isdigit():
-        return int(os.environ[SLURM_NTASKS])
-    return None
+        return int(os.environ[SLURM_NTASKS]), f"{SLURM_NTASKS}={os.environ[SLURM_NTASKS]}"
+    return None, None
 
 
 def _read_host_file(path: str) -> tuple[str, ...]:
@@ -508,6 +565,8 @@ def _main(argv: list[str]) -> int:
         written = export_config(config, str(values["export_config"]),
                                 bool(values.get("overwrite_config")))
         sys.stderr.write(f"poprun: configuration written to {written}\n")
+    for warning in _warnings(parsed):
+        sys.stderr.write(f"poprun: warning: {one_line(warning)}\n")
     if values.get("dry_run"):
         return _dry_run(config, launch_plan, bool(values.get("json")))
     import asyncio
@@ -520,6 +579,38 @@ def _main(argv: list[str]) -> int:
     if config.result_json:
         _write_result(result, config.result_json)
     return result.exit_code
+
+
+# Options a program may well have of its own: after the program, no hint that they are
+# poprun's (the others, `--num-instances`..., are poprun's own words).
+_COMMON_WORDS = {"help", "version", "verbose", "vv", "host", "env", "check", "json", "dry-run",
+                 "launcher", "dashboard", "no-dashboard", "show-completion",
+                 "install-completion"}
+
+
+def _warnings(parsed: Parsed) -> list[str]:
+    """What the command line asked that will not happen as written: options without the
+    option they modify, poprun's options after the program (they go to the program)."""
+    values, out = parsed.values, []
+    if values.get("json") and not values.get("dry_run"):
+        out.append("--json only changes what --dry-run prints: without --dry-run it is "
+                   "ignored")
+    for name in ("distribute_ssh_key_path", "distribute_ssh_key_type"):
+        if name in parsed.given and not values.get("distribute_ssh_key"):
+            out.append(f"--{name.replace('_', '-')} has no effect without "
+                       "--distribute-ssh-key")
+    if parsed.separated:  # `poprun ... -- prog --num-instances 2`: meant for the program
+        return out
+    after = []
+    for tok in parsed.program[1:]:
+        opt = _BY_LONG.get(tok[2:].partition("=")[0]) if tok.startswith("--") else None
+        if opt and opt.long not in _COMMON_WORDS and opt.name not in parsed.given:
+            after.append(f"--{opt.long}")
+    if after:
+        out.append(f"{', '.join(dict.fromkeys(after))} after the program ({parsed.program[0]}) "
+                   f"{'goes' if len(after) == 1 else 'go'} to the program, not to poprun: "
+                   "poprun's options come before the program")
+    return out
 
 
 def _write_result(result, path: str) -> None:
@@ -546,7 +637,10 @@ def _check(parsed: Parsed) -> int:
     if parsed.values.get("host_file"):
         entries = _read_host_file(str(parsed.values["host_file"]))
     hosts = len(job_hosts(parse_host_list(",".join(entries)) if entries else (), os.environ))
-    defaults = {n: max(hosts, 1) for n in ("num_instances", "num_replicas")
+    # As a launch counts them: the hosts' slots (or SLURM_NTASKS), else one per host.
+    instances = parsed.values.get("num_instances") or _counted_instances(tuple(entries))[0] \
+        or max(hosts, 1)
+    defaults = {n: instances for n in ("num_instances", "num_replicas")
                 if n not in parsed.given}
     config = build_config(_with(parsed, program=program or ("true",), **defaults))
     report, ok = asyncio.run(check_hosts(config, os.environ, os.getcwd(),

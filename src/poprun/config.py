@@ -341,6 +341,44 @@ def load_toml(path: str) -> dict[str, Any]:
     return out
 
 
+def missing_program(name: str, cwd: str) -> ConfigError:
+    """The error for a program that does not resolve (spawner.local.resolve_program: PATH,
+    then the working directory): one that exists but cannot run says why and what to do."""
+    import os
+    import shlex
+
+    candidate = os.path.join(cwd, name)
+    if os.path.isdir(candidate):
+        return ConfigError(f"program {name!r} is a directory ({os.path.abspath(candidate)})")
+    if os.path.exists(candidate):
+        with_interpreter = _interpreter_for(candidate)
+        how = (f"run it with its interpreter: {shlex.join([with_interpreter, name])}"
+               if with_interpreter else "")
+        chmod = f"chmod +x {shlex.quote(name)}"
+        return ConfigError(f"program {name!r} exists but is not executable: "
+                           f"{how + ', or ' if how else ''}make it executable "
+                           f"({chmod})")
+    return ConfigError(f"program {name!r} not found or not executable "
+                       f"(looked in PATH and in {cwd})")
+
+
+def _interpreter_for(path: str) -> str | None:
+    """What runs a script that lacks its execute bit: its `#!` line, else by its suffix."""
+    import os
+
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(256)
+    except OSError:
+        first = b""
+    if first.startswith(b"#!"):
+        words = first[2:].decode("utf-8", "replace").split()
+        if words and os.path.basename(words[0]) == "env" and len(words) > 1:
+            return words[1]
+        return os.path.basename(words[0]) if words else None
+    return {".py": "python3", ".sh": "sh", ".bash": "bash"}.get(os.path.splitext(path)[1])
+
+
 def _check_env_entry(entry: str, source: str) -> None:
     name = entry.partition("=")[0]
     if not name or not (name[0].isalpha() or name[0] == "_") or not all(

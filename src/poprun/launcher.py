@@ -25,7 +25,7 @@ from spawner.lifeline import Lifeline
 from spawner.local import resolve_program
 
 from . import plan as planning
-from .config import INERT_FIELDS, VIPU_FIELDS, LaunchConfig
+from .config import INERT_FIELDS, VIPU_FIELDS, LaunchConfig, missing_program
 from .crash import report_internal_error
 from .errors import ConfigError, LaunchError, PoprunError
 from .hosts import (SLURM_JOB_ID, Host, instance_counts, is_local,
@@ -125,8 +125,7 @@ def preflight(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
         return program, planning.cache_mode(config, environ)
     resolved = resolve_program(program[0], environ.get("PATH"), cwd)
     if resolved is None:
-        raise ConfigError(f"program {program[0]!r} not found or not executable "
-                          f"(looked in PATH and in {cwd})")
+        raise missing_program(program[0], cwd)
     return (resolved,) + program[1:], planning.cache_mode(config, environ)
 
 
@@ -467,7 +466,7 @@ class _Session:
             partition_env=self.partition.environment if self.partition else None,
             restart_count=attempt if self.config.max_restarts else None,
             counts=self.hosts.counts)
-        if self.config.num_instances == 1 and self.config.num_replicas == 1:
+        if self.config.warns_single_instance:
             self.log.warning("Using --num-instances=1 and --num-replicas=1 together is not "
                              "supported and might give additional overhead and/or raise other "
                              "issues.")

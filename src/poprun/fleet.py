@@ -126,18 +126,37 @@ class Fleet:
         return out
 
     def address_of(self, label: str) -> str:
-        """The address the launcher reached `label` at: one the other hosts can reach too
-        (a name from ~/.ssh/config may mean nothing to them). A Slurm node's is the host
-        name its agent reports (Slurm's nodes know each other by name)."""
+        """The address the other hosts reach `label` at (MASTER_ADDR): the one the launcher
+        connected to (a name from ~/.ssh/config may mean nothing to them); through a
+        ProxyCommand there is no such address here, and the host's agent says where it was
+        reached (its SSH_CONNECTION); a Slurm node's is the host name its agent reports
+        (Slurm's nodes know each other by name)."""
         host = next(h for h in self.hosts if str(h) == label)
         peer = self.connections[host].get_extra_info("peername")
-        return peer[0] if peer else self.spawners[label].info.hostname
+        if peer:
+            return peer[0]
+        info = self.spawners[label].info
+        return info.raw.get("address") or info.hostname
 
     def own_address(self) -> str:
         """This machine's address on the way to the remote hosts, for a MASTER_ADDR that
-        is local: the other hosts reach it there."""
-        conn = next(iter(self.connections.values()))
-        return conn.get_extra_info("sockname")[0]
+        is local: the other hosts reach it there. Through ProxyCommands only (no socket of
+        ours faces the hosts), the source address of this machine's route to the first
+        host, else its name."""
+        for conn in self.connections.values():
+            sock = conn.get_extra_info("sockname")
+            if sock:
+                return sock[0]
+        import socket
+
+        target = self.address_of(str(self.hosts[0]))
+        try:
+            family = socket.AF_INET6 if ":" in target else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((target, 9))  # UDP: nothing is sent, the route is chosen
+                return probe.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
 
     async def close(self) -> None:
         """Close every agent (each kills what it still runs and removes its temp dirs),

@@ -82,6 +82,11 @@ def hello_reply(request: dict[str, Any]) -> dict[str, Any]:
         # The raw NUMA topology: the launcher parses it (poprun.topology) and plans binding.
         "sysfs": read_sysfs(),
         "status": _own_status(),
+        # The address this host was reached at (SSH_CONNECTION's server address): the one
+        # the other hosts reach it at too, even through a ProxyCommand (MASTER_ADDR).
+        "address": (os.environ.get("SSH_CONNECTION", "").split()[2:3] or [None])[0],
+        # What instances here inherit before the launcher's additions (poprun --check).
+        "environ": instance_environ({}, ()),
     }
 
 

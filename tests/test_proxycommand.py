@@ -1,0 +1,97 @@
+"""SSH configurations that work with `ssh` work with poprun (issue 14 point 2): a host reached
+through a `ProxyCommand` (here `ssh -W %h:%p` through another loopback sshd, as a jump host
+would be) has no peer address on the launcher's side. poprun crashed on it
+(`TypeError: 'NoneType' object is not subscriptable`) when it needed this machine's address,
+and gave the host's name as MASTER_ADDR when it needed that host's: now the host's agent says
+where it was reached (its SSH_CONNECTION), and this machine's address is its route's source.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import OFFLINE, poprun_argv, poprun_env
+from sshd_hosts import SshHosts, require_tool, start_ssh_hosts
+
+pytestmark = pytest.mark.timeout(120)
+PY = sys.executable
+REPORT = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in "
+          "('RANK', 'MASTER_ADDR', 'POPRUN_SSH_CONNECTION')}))")
+
+
+def add_proxied_alias(hosts: SshHosts, alias: str, target: int, via: int) -> None:
+    """`alias` reaches host `target` only through a ProxyCommand tunnelled by host `via`."""
+    h = hosts.hosts[target]
+    ssh = require_tool("ssh")
+    with open(hosts.ssh_config, "a") as config:
+        config.write(f"Host {alias}\n"
+                     f"    HostName {h.addr}\n"
+                     f"    Port {h.port}\n"
+                     f"    User {hosts.user}\n"
+                     f"    IdentityFile {hosts.user_key}\n"
+                     f"    IdentitiesOnly yes\n"
+                     f"    UserKnownHostsFile {hosts.known_hosts}\n"
+                     f"    GlobalKnownHostsFile /dev/null\n"
+                     f"    StrictHostKeyChecking yes\n"
+                     f"    BatchMode yes\n"
+                     f"    ProxyCommand {ssh} -F {hosts.ssh_config} -W %h:%p "
+                     f"{hosts.hosts[via].alias}\n")
+
+
+@pytest.fixture
+def hosts(tmp_path: Path):
+    with start_ssh_hosts(2, tmp_path) as h:
+        add_proxied_alias(h, "hp", target=1, via=0)
+        yield h
+
+
+def run(hosts: SshHosts, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(poprun_argv(*OFFLINE, *args), env=poprun_env(hosts.env()), cwd=cwd,
+                          capture_output=True, timeout=90)
+
+
+def reports(proc: subprocess.CompletedProcess) -> list[dict]:
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert b"Traceback" not in proc.stderr and b"internal error" not in proc.stderr
+    return sorted((json.loads(line) for line in proc.stdout.splitlines()),
+                  key=lambda r: int(r["RANK"]))
+
+
+def test_plain_ssh_reaches_the_proxied_host(hosts):
+    proc = subprocess.run(["ssh", "-F", str(hosts.ssh_config), "hp", "echo $SSH_CONNECTION"],
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[2] == hosts.hosts[1].addr.encode()
+
+
+def test_a_proxied_first_host_gives_its_own_address_as_master(hosts, tmp_path):
+    """Was: MASTER_ADDR=<the host's name>, which the others may not resolve."""
+    found = reports(run(hosts, "-H", "hp,h1", "--num-instances=2", "--num-replicas=2", PY,
+                        "-c", REPORT, cwd=tmp_path))
+    assert [r["MASTER_ADDR"] for r in found] == [hosts.hosts[1].addr] * 2
+    assert found[0]["POPRUN_SSH_CONNECTION"].split()[2] == hosts.hosts[1].addr
+
+
+def test_this_machine_first_and_a_proxied_host_after_it(hosts, tmp_path):
+    """Was: poprun: internal error: TypeError: 'NoneType' object is not subscriptable."""
+    found = reports(run(hosts, "-H", "localhost,hp", "--num-instances=2", "--num-replicas=2",
+                        PY, "-c", REPORT, cwd=tmp_path))
+    addresses = {r["MASTER_ADDR"] for r in found}
+    assert len(addresses) == 1 and addresses != {None}, found
+    assert addresses <= {"127.0.0.1", hosts.hosts[1].addr, *_local_addresses()}, found
+
+
+def test_check_passes_on_the_proxied_host(hosts, tmp_path):
+    proc = run(hosts, "--check", "-H", "hp", cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr).decode()
+    assert b"1 of 1 host(s) ready" in proc.stdout
+
+
+def _local_addresses() -> set[str]:
+    out = subprocess.run(["hostname", "-I"], capture_output=True, text=True)
+    return set(out.stdout.split())

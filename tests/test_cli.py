@@ -394,7 +394,7 @@ class TestMessagesThatSayWhatToDo:
         ('program = ["x"]\nkill-timeout = "x"\n', "kill-timeout", "a number of seconds"),
         ('program = "x y"\n', "program", "sequence of strings"),
         ('program = ["x"]\nnum-instances = 2\n', "num-instances", "defaults to 1"),
-        ('program = ["x"]\nenv = ["1BAD"]\n', "env", "is not VAR or VAR=VALUE"),
+        ('program = ["x"]\nenv = ["1BAD"]\n', "env", "is not VAR, VAR=VALUE or a pattern"),
     ])
     def test_import_config_errors_name_the_file_and_key(self, poprun, tmp_path, content, key,
                                                         fragment):

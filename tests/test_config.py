@@ -95,7 +95,7 @@ class TestLaunchConfig:
         "non-string cache path": (dict(executable_cache_path=3),
                                   "--executable-cache-path must be a string"),
         "negative verbosity": (dict(verbose=-1), "--verbose must be a non-negative integer"),
-        "bad env name": (dict(env=("1X=2",)), "--env: '1X=2' is not VAR or VAR=VALUE"),
+        "bad env name": (dict(env=("1X=2",)), "--env: '1X=2' is not VAR, VAR=VALUE or a pattern"),
         "empty env name": (dict(env=("=2",)), "--env: '=2'"),
         "bad mpi token": (dict(mpi_global_args=("--foo",)),
                           "--mpi-global-args: unsupported mpirun argument '--foo'"),

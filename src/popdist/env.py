@@ -63,6 +63,26 @@ MASTER_PORT = "MASTER_PORT"
 # drops the one its SSH login gave it).
 FORWARDED_TO_REMOTE = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", POPLAR_ENGINE_OPTIONS, "SHLVL")
 
+# `poprun --forward-env all` forwards every variable of the launcher's to remote instances but
+# these (glob patterns), which describe the launcher's host, login session or scheduler step
+# rather than the job: on another host they would be wrong. `-x NAME` still forwards any of
+# them. (What a remote instance has of its own for them comes from its host's login.)
+NOT_FORWARDED = (
+    "HOSTNAME", "HOST", "HOME", "USER", "LOGNAME", "MAIL", "SHELL", "PWD", "OLDPWD", "_",
+    "SSH_*", "DISPLAY", "XAUTHORITY", "WINDOWID", "XDG_RUNTIME_DIR", "XDG_SESSION_*",
+    "XDG_SEAT", "XDG_VTNR", "DBUS_SESSION_BUS_ADDRESS", "SESSION_MANAGER", "TMUX", "TMUX_PANE",
+    "STY", "WINDOW", "KRB5CCNAME", "SLURM_*", "SLURMD_*", "PMI_*", "PMIX_*",
+    "OMPI_COMM_WORLD_*", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+    "POPRUN_LIFELINE", "POPRUN_SSH_CONNECTION", IPUOF_CONFIG_PATH,
+)
+
+
+def forwarded_by_all(name: str) -> bool:
+    """Whether `--forward-env all` forwards `name` (not in NOT_FORWARDED)."""
+    from fnmatch import fnmatchcase
+
+    return not any(fnmatchcase(name, pattern) for pattern in NOT_FORWARDED)
+
 # Set by the spawner, and defined there (a spawner does not import popdist): POPRUN_LIFELINE
 # (spawner.containment.MARK, on every instance) and POPRUN_SSH_CONNECTION
 # (spawner.agent.SSH_CONNECTION_COPY, on remote instances: the agent's own SSH_CONNECTION,

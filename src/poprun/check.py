@@ -40,6 +40,9 @@ class HostCheck:
     numa: str = "-"
     problem: str | None = None  # the kind of the first failure, for the folded summary
     detail: str | None = None  # one line naming the host, when the table cannot say it
+    # The launcher's variables a remote instance would lack or see with another value (not
+    # a failure: said under the table so that a missing variable is no surprise).
+    env_differences: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
 
 async def check_hosts(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
@@ -107,6 +110,12 @@ async def _check_agent(conn, label: str, config: LaunchConfig, cwd: str, program
     if program:
         check.program = OK if info.program else "not found"
     check.numa = _numa(_remote_topology(info.raw))
+    there = info.raw.get("environ")
+    if isinstance(there, dict):
+        from .plan import remote_differences
+
+        missing, different = remote_differences(config, environ, there)
+        check.env_differences = (tuple(missing), tuple(different))
     _note_problem(check)
     return check
 
@@ -213,8 +222,25 @@ def _cell_style(column: str, cell: str) -> str:
     return "yellow" if cell == "unknown" else ""  # versions, the NUMA summary
 
 
-_FOOTER_STYLES = {"detail": "", "problem": "red", "ready": "bold green",
+_FOOTER_STYLES = {"detail": "", "env": "yellow", "problem": "red", "ready": "bold green",
                   "not ready": "bold red"}
+
+
+def _env_lines(checks: list[HostCheck]) -> list[str]:
+    """Per group of hosts with the same differences: the variables their instances would
+    lack, or see with another value, compared with poprun's environment here."""
+    by_differences: dict[tuple, list[str]] = {}
+    for c in checks:
+        if any(c.env_differences):
+            by_differences.setdefault(c.env_differences, []).append(c.host)
+    lines = []
+    for (missing, different), hosts in by_differences.items():
+        parts = ([f"missing there: {', '.join(missing)}"] if missing else []) + (
+            [f"other value there: {', '.join(different)}"] if different else [])
+        lines.append(f"{fold_hosts(hosts)}: {len(missing) + len(different)} variable(s) of "
+                     f"this environment differ in instances there ({'; '.join(parts)}); "
+                     "forward them with -x NAME, -x 'PATTERN*' or --forward-env all")
+    return lines
 
 
 def _footer(checks: list[HostCheck]) -> list[tuple[str, str]]:
@@ -224,6 +250,7 @@ def _footer(checks: list[HostCheck]) -> list[tuple[str, str]]:
         if c.problem:
             by_problem.setdefault(c.problem, []).append(c.host)
     lines = [("detail", c.detail) for c in checks if c.detail]
+    lines += [("env", line) for line in _env_lines(checks)]
     lines += [("problem", f"{problem}: {fold_hosts(names)}")
               for problem, names in by_problem.items()]
     ready = len(checks) - sum(map(len, by_problem.values()))

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 
 from ._version import __version__
+from popdist.env import NOT_FORWARDED
+
 from . import mpiargs
 from .config import LaunchConfig, field_defaults, load_toml
 from .crash import INTERNAL_ERROR_STATUS, report_internal_error
@@ -99,8 +101,12 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("executable-cache-path", Kind.STR,
         "Executable cache directory, created if needed and kept; \"\" disables caching. "
         "Default: a temporary directory removed at exit when there is more than one instance"),
-    Opt("env", Kind.LIST, "Set VAR=VALUE in, or forward VAR to, every instance (repeatable)",
-        short="x"),
+    Opt("env", Kind.LIST, "Set VAR=VALUE in, or forward VAR to, every instance; a pattern "
+        "('WANDB_*') forwards every variable it matches (repeatable)", short="x"),
+    Opt("forward-env", Kind.STR, "Which of poprun's variables remote instances inherit "
+        "(local ones inherit all): default: PATH, LD_LIBRARY_PATH, PYTHONPATH, "
+        "POPLAR_ENGINE_OPTIONS and what -x names; all: every one but those that describe "
+        f"this host or session ({', '.join(NOT_FORWARDED)}), which -x still forwards"),
     Opt("tag-output", S, "Prefix every line with [1,<instance>]<stdout|stderr>:. (With or "
         "without tags, a line longer than 1 MiB is written in 1 MiB pieces, each a line of "
         "its own, and an unterminated last line is ended)"),

@@ -28,6 +28,7 @@ DEFAULT_RESTART_DELAY = 1.0  # seconds between a failed attempt's cleanup and th
 SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
 LAUNCHERS = ("ssh", "slurm")  # how agents reach remote hosts (--launcher)
 REMOTE_INSTALL = ("auto", "never")  # --remote-install: spawner.bootstrap.INSTALL_MODES
+FORWARD_ENV_MODES = ("default", "all")  # --forward-env (popdist.env.NOT_FORWARDED for all)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class LaunchConfig:
     only_output_from_instance: int | None = None
     # None: automatic (a temporary dir with more than one instance); "": caching disabled.
     executable_cache_path: str | None = None
-    env: tuple[str, ...] = ()  # `VAR` (forward the launcher's value) or `VAR=VALUE`
+    env: tuple[str, ...] = ()  # `VAR` (forward the launcher's value), `PATTERN*`, `VAR=VALUE`
+    forward_env: str = "default"  # what remote instances inherit: "default" or "all"
     tag_output: bool = False
     timestamp_output: bool = False
     output_filename: str | None = None
@@ -145,6 +147,9 @@ class LaunchConfig:
         if self.launcher not in (None, *LAUNCHERS):
             raise ConfigError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got "
                               f"{self.launcher!r}")
+        if self.forward_env not in FORWARD_ENV_MODES:
+            raise ConfigError(f"--forward-env must be one of {', '.join(FORWARD_ENV_MODES)}, "
+                              f"got {self.forward_env!r}")
         if self.remote_install not in REMOTE_INSTALL:
             raise ConfigError(f"--remote-install must be one of {', '.join(REMOTE_INSTALL)}, "
                               f"got {self.remote_install!r}")
@@ -380,7 +385,11 @@ def _interpreter_for(path: str) -> str | None:
 
 
 def _check_env_entry(entry: str, source: str) -> None:
-    name = entry.partition("=")[0]
+    name, eq, _ = entry.partition("=")
+    if not eq and name and set(name) & set("*?["):  # a pattern: `WANDB_*`, `HF_[A-Z]*`
+        if all(c.isalnum() or c in "_*?[]!-" for c in name):
+            return
     if not name or not (name[0].isalpha() or name[0] == "_") or not all(
             c.isalnum() or c == "_" for c in name):
-        raise ConfigError(f"{source}: {entry!r} is not VAR or VAR=VALUE")
+        raise ConfigError(f"{source}: {entry!r} is not VAR, VAR=VALUE or a pattern like "
+                          "'WANDB_*'")

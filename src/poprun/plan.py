@@ -153,7 +153,7 @@ def plan(
             ipus_per_replica=config.ipus_per_replica, master_addr=master_addr,
             master_port=master_port, executable_cache_path=cache,
             autoreport_dir=config.autoreport_dir, restart_count=restart_count)
-        added = _forwarded(environ) if host in remote_hosts else {}
+        added = forwarded(environ, config.forward_env) if host in remote_hosts else {}
         added.update(E.instance_environment(who))
         added.update(poplar_env)
         if partition_env is not None:  # the V-IPU partition's: server, partition, GCD, target
@@ -215,24 +215,63 @@ def _poplar_env(config: LaunchConfig, environ: Mapping[str, str]) -> dict[str, s
         environ.get(E.POPLAR_TARGET_OPTIONS))}
 
 
-def _forwarded(environ: Mapping[str, str]) -> dict[str, str]:
-    """What a remote instance inherits from the launcher's environment without `-x`."""
+def forwarded(environ: Mapping[str, str], mode: str = "default") -> dict[str, str]:
+    """What a remote instance inherits from the launcher's environment without `-x`: PATH,
+    LD_LIBRARY_PATH, PYTHONPATH, POPLAR_ENGINE_OPTIONS (and SHLVL); with `--forward-env all`,
+    everything but the host- and session-specific names (popdist.env.NOT_FORWARDED)."""
+    if mode == "all":
+        return {name: value for name, value in environ.items() if E.forwarded_by_all(name)}
     return {name: environ[name] for name in E.FORWARDED_TO_REMOTE if name in environ}
+
+
+_GLOB = frozenset("*?[")
 
 
 def _user_env(entries: tuple[str, ...], environ: Mapping[str, str],
               warnings: list[str]) -> dict[str, str]:
-    """`-x VAR=VALUE` sets; `-x VAR` forwards the launcher's value (it matters on remote hosts)."""
+    """`-x VAR=VALUE` sets; `-x VAR` forwards the launcher's value (it matters on remote
+    hosts); `-x 'WANDB_*'` forwards every variable of the launcher's the pattern matches."""
+    from fnmatch import fnmatchcase
+
     out: dict[str, str] = {}
     for entry in entries:
         name, eq, value = entry.partition("=")
         if eq:
             out[name] = value
+        elif _GLOB & set(name):
+            matched = {k: v for k, v in environ.items() if fnmatchcase(k, name)}
+            if not matched:
+                warnings.append(f"-x {name}: no variable of poprun's environment matches it")
+            out.update(sorted(matched.items()))
         elif name in environ:
             out[name] = environ[name]
         else:
             warnings.append(f"-x {name}: not set in poprun's environment, nothing to forward")
     return out
+
+
+def remote_differences(config: LaunchConfig, environ: Mapping[str, str],
+                       there: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """For `--check`: the launcher's variables that a remote instance would not see as the
+    launcher has them: (missing there, other value there). `there` is what instances on that
+    host inherit (its agent's HELLO); what poprun forwards (`forwarded()`, `-x`) is added.
+    Names that are host-specific anyway (NOT_FORWARDED) and those poprun sets are left out."""
+    seen = dict(there)
+    seen.update(forwarded(environ, config.forward_env))
+    seen.update(_user_env(config.env_entries(0), environ, []))
+    missing, different = [], []
+    for name in sorted(environ):
+        if not E.forwarded_by_all(name) or name in _SET_BY_POPRUN:
+            continue
+        if name not in seen:
+            missing.append(name)
+        elif seen[name] != environ[name]:
+            different.append(name)
+    return missing, different
+
+
+_SET_BY_POPRUN = frozenset(E.instance_environment(E.InstanceIdentity(
+    0, 1, 0, 1, 1, 1, "", 0, "", "", 0)))
 
 
 def instance_environ(base: Mapping[str, str], inst: InstancePlan,

@@ -33,7 +33,7 @@ from typer._completion_classes import BashComplete, FishComplete, ZshComplete
 from typer._completion_shared import _get_shell_name, install
 
 from .cli import _BOOL_WORDS, _SECTIONS, OPTIONS, Kind, Opt, Parsed, _resolve_long, _short
-from .config import SSH_KEY_TYPES, field_defaults
+from .config import FORWARD_ENV_MODES, SSH_KEY_TYPES, field_defaults
 from .errors import ConfigError
 
 PROG = "poprun"
@@ -74,6 +74,7 @@ _CHOICES: dict[str, Callable[[], list[str]]] = {
     "process-placement": _placements,
     "offline-target": _offline_targets,
     "distribute-ssh-key-type": lambda: list(SSH_KEY_TYPES),
+    "forward-env": lambda: list(FORWARD_ENV_MODES),
     "show-completion": lambda: list(SHELLS),
     "install-completion": lambda: list(SHELLS),
 }

@@ -222,9 +222,13 @@ def test_many_instances_fold_into_host_rows():
     text = plain(state, 10.0)
     rows = [line for line in text.split("\n") if line.lstrip().startswith("[")]
     assert [row.split()[:2] for row in rows] == [["[0-19]", "alpha"], ["[20-39]", "beta"]]
-    assert "20 running" in rows[0]
-    assert "19 running, 1 failed 2" in rows[1]
+    assert "running (20)" in rows[0]
+    assert "running (19), failed 2 (1)" in rows[1]
     assert "quietest: 0 (10s)" in rows[0]
+    # issue 14 point 7: under `pid` a folded row has nothing (a count there read as a pid)
+    heading = next(line for line in text.split("\n") if " pid " in line)
+    pid = slice(heading.index("pid"), heading.index("pid") + 3)
+    assert [row[pid].strip() for row in rows] == ["", ""], rows
 
 
 def test_the_panel_never_outgrows_its_share_of_the_terminal():
@@ -247,6 +251,43 @@ def test_a_second_stop_replaces_the_reason_and_alive_ones_are_named():
     assert "instance 1 failed" not in text
 
 
+def test_stopping_says_when_sigkill_comes_and_what_ctrl_c_does():
+    """Issue 14 point 7."""
+    state = started(3, kill_timeout=5.0)
+    state.stopping("SIGINT", 1.0)
+    assert "stopping… (SIGINT): 3 still alive [0-2]; SIGKILL in 4s (Ctrl-C again: kill now)" \
+        in plain(state, 2.0)
+    assert "SIGKILL in 1s" in plain(state, 5.5)
+    assert "; SIGKILL sent" in plain(state, 6.5)
+    failed = started(2, kill_timeout=5.0)
+    failed.instance_exited(0, 1, 1.0)
+    failed.stopping("instance 0 failed", 1.0)
+    assert "; SIGKILL in 5s (Ctrl-C: kill now)" in plain(failed, 1.0)
+    failed.stopping("SIGINT again: SIGKILL", 2.0)
+    text = plain(failed, 2.0)
+    assert "(SIGINT again: SIGKILL): 1 still alive [1]; SIGKILL sent" in text
+    assert "Ctrl-C" not in text
+
+
+def test_the_cache_label_of_the_first_frame_stays_until_a_directory_is_made(tmp_path):
+    from poprun.dashboard import expected_cache
+    from poprun.config import LaunchConfig
+    from poprun.plan import CacheMode
+
+    config = LaunchConfig(program=("p",), executable_cache_path="rel")
+    assert expected_cache(config, CacheMode.EXPLICIT, {}) == os.path.abspath("rel")
+    assert expected_cache(config, CacheMode.NONE, {}) is None
+    assert expected_cache(config, CacheMode.FRAMEWORK, {"POPTORCH_CACHE_DIR": "/t"}) == \
+        "POPTORCH_CACHE_DIR=/t"
+    label = expected_cache(config, CacheMode.TEMPORARY, {})
+    state = started(2, cache_dir=label)
+    assert f"cache: {label}" in plain(state, 0.0)
+    state.set_cache_dir(None)  # a framework's own cache: poprun made none
+    assert f"cache: {label}" in plain(state, 0.0)
+    state.set_cache_dir("/tmp/poprun-cache-x")
+    assert "cache: /tmp/poprun-cache-x" in plain(state, 0.0)
+
+
 # --- on a real pseudo-terminal --------------------------------------------------------------
 
 class Screen:
@@ -257,6 +298,7 @@ class Screen:
 
     def __init__(self) -> None:
         self.lines, self.row, self.col, self.cursor_visible = [""], 0, 0, True
+        self.cleared_from_home = 0  # "erase below" from the top-left corner (row 0 = top)
 
     def feed(self, data: bytes) -> None:
         text, i = data.decode(), 0
@@ -273,9 +315,17 @@ class Screen:
     def _control(self, private: str, number: str, final: str) -> None:
         if final == "A":
             self.row = max(0, self.row - int(number or 1))
+            while len(self.lines) > self.row + 1 and not self.lines[-1]:
+                self.lines.pop()  # blank rows below the cursor are no rows at all
+        elif final == "B":  # down, never past the last line, never scrolling
+            self.row = min(len(self.lines) - 1, self.row + int(number or 1))
         elif final == "J":
+            if self.row == self.col == 0:  # tmux's scroll-on-clear: the screen to history
+                self.cleared_from_home += 1
             self.lines[self.row] = self.lines[self.row][:self.col]
             del self.lines[self.row + 1:]
+        elif final == "K" and number == "2":
+            self.lines[self.row] = ""
         elif private and number == "25":
             self.cursor_visible = final == "h"
         else:
@@ -531,6 +581,50 @@ def test_after_a_resize_signal_output_erases_the_rewrapped_panel(pty):
     dash.close()
 
 
+def test_no_erase_from_the_top_left_corner_after_clear(pty, soon):
+    """After `clear` the panel starts at the top-left corner: an "erase below" there is a
+    clear of the whole screen to tmux, which pushes the frame into its scrollback."""
+    screen = Screen()  # row 0 is the top of a cleared screen
+    state = started(3)
+    dash = Dashboard(state, pty.slave, color_system="truecolor", schedule=soon)
+    dash.tick(0.0)
+    for step in range(1, 6):
+        dash.emit(pty.slave, b"line %d\n" % step)
+        state.output(0, b"x\n", step)
+        turn(soon)
+        dash.tick(step)
+    dash.emit(pty.slave, b"progress\r")
+    turn(soon)
+    dash.tick(10.0)
+    dash.close()
+    screen.feed(pty.sync())
+    assert screen.cleared_from_home == 0
+    assert screen.lines[:6] == [f"line {i}" for i in range(1, 6)] + ["progress"]
+
+
+def test_a_success_leaves_a_one_line_summary_and_a_failure_none(pty):
+    state = started(2, hosts=("h1", "h2"))
+    for i in range(2):
+        state.instance_exited(i, 0, 3.0)
+    dash = Dashboard(state, pty.slave, color_system=None)
+    dash.tick(0.0)
+    dash.emit(pty.slave, b"out\n")
+    dash.close()
+    screen = Screen()
+    screen.feed(pty.sync())
+    assert screen.lines[0] == "out"
+    assert screen.lines[1].startswith("poprun: 2 instance(s) on 2 host(s) finished, all with "
+                                      "status 0, in ")
+    assert screen.lines[2:] == [""]
+    failed = started(2)
+    failed.instance_exited(0, 0, 1.0)
+    failed.instance_exited(1, 3, 1.0)
+    dash = Dashboard(failed, pty.slave, color_system=None)
+    dash.tick(0.0)
+    dash.close()
+    assert b"poprun:" not in pty.sync()  # the failure report follows instead
+
+
 def test_close_without_a_drawn_panel_writes_nothing(pty):
     dash = Dashboard(started(1), pty.slave, color_system=None)
     dash.emit(pty.slave, b"only\n")
@@ -552,6 +646,27 @@ def test_close_without_a_drawn_panel_writes_nothing(pty):
 ])
 def test_wants_dashboard_on_a_terminal(pty, environ, flag, expected):
     assert wants_dashboard(pty.slave, environ, flag) is expected
+    assert wants_dashboard(pty.slave, environ, flag, stdout_fd=pty.slave) is expected
+
+
+def test_no_dashboard_when_stdout_goes_elsewhere_unless_forced(pty):
+    """Issue 14 point 7: `poprun ... | tee log` with stderr a terminal: tee writes the lines
+    to the screen, where the panel would erase them."""
+    read_end, write_end = os.pipe()
+    other = Pty()
+    try:
+        assert wants_dashboard(pty.slave, {}, False, stdout_fd=write_end) is False
+        assert wants_dashboard(pty.slave, {}, False, stdout_fd=other.slave) is False
+        assert wants_dashboard(pty.slave, {}, False, stdout_fd=os.dup2(pty.slave, 99)) is True
+        for environ in ({}, {"CI": "1"}, {"POPRUN_NO_DASHBOARD": "1"}):
+            assert wants_dashboard(pty.slave, environ, False, stdout_fd=write_end,
+                                   force=True) is True
+        assert wants_dashboard(pty.slave, {"TERM": "dumb"}, False, force=True) is False
+        assert wants_dashboard(write_end, {}, False, force=True) is False  # no terminal
+    finally:
+        for fd in (read_end, write_end, 99):
+            os.close(fd)
+        other.close()
 
 
 def test_no_dashboard_on_a_pipe_or_a_closed_fd():

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from conftest import OFFLINE, run_poprun
-from terminal import run_on_a_terminal
+from terminal import run_on_a_terminal, run_with_stdout_piped
+from test_dashboard import Screen
 
 pytestmark = pytest.mark.timeout(60)
 PY = sys.executable
@@ -33,7 +34,10 @@ def test_panel_shows_while_lines_pass_through_intact():
     for rank in (0, 1):
         for i in range(6):
             assert lines.count(f"out-{rank}-{i}") == 1, (rank, i)  # once, whole, unprefixed
-    assert raw.rstrip().endswith(b"\x1b[?25h")  # erased at the end, cursor shown again
+    # erased at the end, cursor shown again, and a one-line summary of the success
+    end = raw.rstrip().rpartition(b"\x1b[?25h")[2]
+    assert re.fullmatch(rb"poprun: 2 instance\(s\) on 1 host\(s\) finished, all with status 0,"
+                        rb" in \ds \(launched in \d\.\ds\)", end), end
 
 
 @pytest.mark.parametrize("how", [{"CI": "true"}, {"POPRUN_NO_DASHBOARD": "1"}, "--no-dashboard"])
@@ -51,3 +55,50 @@ def test_no_panel_and_no_escape_codes_when_stderr_is_not_a_terminal():
     proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", PY, "-c", PROGRAM)
     assert proc.returncode == 0
     assert b"\x1b" not in proc.stdout + proc.stderr
+
+
+# --- issue 14 point 7: the dashboard never hides output ---------------------------------------
+
+
+def test_no_panel_when_stdout_is_piped_and_stderr_a_terminal():
+    """`poprun ... | tee log`: tee writes the program's lines to the screen; a panel on
+    stderr erased them (every program line vanished from the screen)."""
+    code, terminal, piped = run_with_stdout_piped(*OFFLINE, "--num-instances=2",
+                                                  "--num-replicas=2", PY, "-c", PROGRAM)
+    assert code == 0, terminal
+    assert b"\x1b[" not in terminal and b"instances:" not in terminal
+    assert sorted(piped.decode().splitlines()) == sorted(f"out-{r}-{i}" for r in (0, 1)
+                                                         for i in range(6))
+
+
+def test_dashboard_forces_the_panel_with_stdout_piped():
+    code, terminal, piped = run_with_stdout_piped(*OFFLINE, "--dashboard", "--num-instances=2",
+                                                  "--num-replicas=2", PY, "-c", PROGRAM,
+                                                  env={"CI": "true"})
+    assert code == 0, terminal
+    assert b"instances: 2" in terminal and terminal.rstrip().count(b"\x1b[?25h") == 1
+    assert len(piped.decode().splitlines()) == 12
+
+
+def test_after_clear_no_frame_is_pushed_into_tmux_scrollback():
+    """After `clear` the panel's first line is the screen's top-left corner, where tmux takes
+    "erase below" for a clear and keeps the frame in its scrollback: every redraw left one."""
+    code, raw = run_on_a_terminal(*OFFLINE, "--num-instances=2", "--num-replicas=2", PY, "-c",
+                                  PROGRAM, rows=40)
+    assert code == 0, raw[-2000:]
+    screen = Screen()  # a fresh terminal: the first byte lands at the top-left corner
+    screen.feed(raw.replace(b"\r\n", b"\n"))
+    assert screen.cleared_from_home == 0
+    shown = [line for line in screen.lines if line]
+    assert sorted(shown[:-1]) == sorted(f"out-{r}-{i}" for r in (0, 1) for i in range(6))
+    assert shown[-1].startswith("poprun: 2 instance(s) on 1 host(s) finished")
+
+
+def test_the_first_frame_shows_the_cache_that_will_exist(tmp_path):
+    cache = tmp_path / "exe-cache"
+    code, raw = run_on_a_terminal(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                                  f"--executable-cache-path={cache}", PY, "-c", PROGRAM,
+                                  columns=250)
+    assert code == 0, raw[-2000:]
+    first = re.split(rb"\x1b\[\d+A", raw.split(b"\x1b[?25l", 1)[1], 1)[0]  # to an erase
+    assert f"cache: {cache}".encode() in ANSI.sub(b"", first), first

@@ -42,7 +42,9 @@ HOST_WIDTH = 24  # longer host names are cut in the table (the header has them i
 HIDE_CURSOR = b"\x1b[?25l"
 SHOW_CURSOR = b"\x1b[?25h"
 _ERASE_BELOW = b"\x1b[J"
+_ERASE_LINE = b"\x1b[2K"
 _UP = b"\x1b[A"
+_DOWN = b"\x1b[B"
 _NEWLINE = b"\r\n"  # not bare \n: correct even when a child has put the tty in raw mode
 _SGR = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -163,8 +165,9 @@ class DashboardState:
 
     def __init__(self, num_instances: int, hosts: Sequence[str], now: float | None = None, *,
                  remote_hosts: int = 0, offline: bool = False,
-                 cache_dir: str | None = None) -> None:
+                 cache_dir: str | None = None, kill_timeout: float | None = None) -> None:
         self.began = _now(now)
+        self.kill_timeout = kill_timeout  # seconds from the first stop to SIGKILL (shown)
         self.hosts = tuple(hosts)
         self.offline = offline
         self.partition: str | None = None
@@ -176,6 +179,7 @@ class DashboardState:
         self.launched: float | None = None  # when the last instance started
         self.attempt: tuple[int, int] | None = None  # (this attempt, of) once restarted
         self.stop_reason: str | None = None
+        self.stop_began: float | None = None  # when the first stop came (SIGKILL's clock)
         self.changes = 0
 
     # --- events -----------------------------------------------------------------------
@@ -190,7 +194,7 @@ class DashboardState:
         """A new attempt of a restarted job (`--max-restarts`): every row starts afresh."""
         self.attempt = (attempt, attempts)
         self.instances = {i: Instance(i, inst.host) for i, inst in self.instances.items()}
-        self.launched, self.stop_reason = None, None
+        self.launched, self.stop_reason, self.stop_began = None, None, None
         self.changes += 1
 
     def set_partition(self, name: str | None) -> None:
@@ -198,7 +202,10 @@ class DashboardState:
         self.changes += 1
 
     def set_cache_dir(self, path: str | None) -> None:
-        self.cache_dir = path
+        """The cache directory once made; None (no directory of poprun's: none, or a
+        framework's own) keeps what the panel said from the start."""
+        if path is not None:
+            self.cache_dir = path
         self.changes += 1
 
     def host_connected(self, host: str) -> None:
@@ -250,10 +257,12 @@ class DashboardState:
                 inst.state, inst.ended = InstanceState.LOST, when
         self.changes += 1
 
-    def stopping(self, reason: str) -> None:
+    def stopping(self, reason: str, now: float | None = None) -> None:
         """The job is being stopped (e.g. "SIGINT", "instance 3 failed"); a later call,
-        such as a second Ctrl-C, replaces the reason."""
+        such as a second Ctrl-C, replaces the reason (SIGKILL's deadline stays the first's)."""
         self.stop_reason = reason
+        if self.stop_began is None:
+            self.stop_began = _now(now)
         self.changes += 1
 
     # --- views ------------------------------------------------------------------------
@@ -398,8 +407,22 @@ def _header(state: DashboardState, now: float, width: int) -> list:
     if state.stop_reason is not None and job is JobState.STOPPING:
         alive = state.alive()
         lines.append(_text((f"stopping… ({state.stop_reason})", "bold yellow"),
-                           f": {len(alive)} still alive {fold_indices(alive)}", width=width))
+                           f": {len(alive)} still alive {fold_indices(alive)}"
+                           f"{_kill_note(state, now)}", width=width))
     return lines
+
+
+def _kill_note(state: DashboardState, now: float) -> str:
+    """When SIGKILL comes, and what a Ctrl-C does meanwhile (job.py's policy: a second stop
+    signal, or one while stopping after a failure, kills at once)."""
+    if state.stop_reason.endswith("SIGKILL"):
+        return "; SIGKILL sent"
+    if state.kill_timeout is None or state.stop_began is None:
+        return ""
+    left = state.kill_timeout - (now - state.stop_began)
+    when = f"SIGKILL in {math.ceil(left)}s" if left > 0 else "SIGKILL sent"
+    again = " again" if state.stop_reason in ("SIGINT", "SIGTERM", "SIGHUP") else ""
+    return f"; {when} (Ctrl-C{again}: kill now)"
 
 
 def _phases(state: DashboardState, width: int) -> list:
@@ -426,7 +449,8 @@ def _instance_row(inst: Instance, now: float, width: int) -> tuple:
 
 
 def _host_row(summary: HostSummary) -> tuple:
-    statuses = ", ".join(f"{n} {status}" for status, n in summary.statuses)
+    # `running (20)`: a count first would read as the pid column's
+    statuses = ", ".join(f"{status} ({n})" for status, n in summary.statuses)
     quiet = ", ".join(f"{i} ({_duration(s)})" for i, s in summary.quiet)
     return ((fold_indices(summary.indices), _cut(summary.host, HOST_WIDTH), "", statuses,
              _duration(summary.uptime), _percent(summary.cpu_percent), _size(summary.rss),
@@ -489,25 +513,66 @@ def _size(value: int | None) -> str:
 
 # --- the terminal driver --------------------------------------------------------------------
 
-def wants_dashboard(stderr_fd: int, environ: Mapping[str, str], no_dashboard: bool) -> bool:
-    """Only on a terminal, and not when asked not to (--no-dashboard, POPRUN_NO_DASHBOARD=1),
-    in CI logs, or on a terminal that cannot move its cursor (TERM=dumb)."""
-    if no_dashboard or environ.get("POPRUN_NO_DASHBOARD", "") not in ("", "0"):
+def wants_dashboard(stderr_fd: int, environ: Mapping[str, str], no_dashboard: bool, *,
+                    stdout_fd: int | None = None, force: bool = False) -> bool:
+    """The panel is drawn on stderr's terminal only when the instances' output goes to that
+    same terminal too: with stdout piped (`poprun ... | tee log`) another program writes to
+    the screen, and the panel would erase its lines. Never with --no-dashboard or on a
+    terminal that cannot move its cursor (TERM=dumb). `force` (--dashboard) draws it even
+    when stdout goes elsewhere, in CI or with POPRUN_NO_DASHBOARD set."""
+    if no_dashboard or environ.get("TERM") == "dumb":
+        return False
+    terminal = Dashboard._identity(stderr_fd)
+    if terminal is None:
+        return False
+    if force:
+        return True
+    if environ.get("POPRUN_NO_DASHBOARD", "") not in ("", "0"):
         return False
     if environ.get("CI", "").lower() not in ("", "0", "false"):
         return False
-    if environ.get("TERM") == "dumb":
-        return False
-    try:
-        return os.isatty(stderr_fd)
-    except OSError:
-        return False
+    return stdout_fd is None or Dashboard._identity(stdout_fd) == terminal
+
+
+def expected_cache(config, mode, environ: Mapping[str, str]) -> str | None:
+    """What the panel says of the executable cache from its first frame: the explicit
+    directory, the temporary one to come (its path replaces this once made), a framework's
+    own (POPTORCH_CACHE_DIR=...), or None (no cache)."""
+    from .plan import CacheMode, framework_cache_setting
+
+    if mode is CacheMode.EXPLICIT:
+        return os.path.abspath(config.executable_cache_path)
+    if mode is CacheMode.TEMPORARY:
+        return "a temporary directory (made at launch)"
+    if mode is CacheMode.FRAMEWORK:
+        return framework_cache_setting(environ)
+    return None
+
+
+def summary_line(state: DashboardState, now: float) -> str | None:
+    """What a successful job leaves where the panel was: one line; None for any other end
+    (a failure report follows instead)."""
+    if state.job_state is not JobState.FINISHED:
+        return None
+    hosts = len(set(i.host for i in state.instances.values()))
+    launched = ("" if state.launched is None else
+                f" (launched in {state.launched - state.began:.1f}s)")
+    attempt = "" if state.attempt is None else f", attempt {state.attempt[0]}"
+    return (f"poprun: {len(state.instances)} instance(s) on {hosts} host(s) finished, all "
+            f"with status 0, in {_duration(now - state.began)}{launched}{attempt}")
 
 
 def erase_sequence(rows: int) -> bytes:
-    """From the end of a region `rows` lines tall: back to its first column and clear it
-    and everything below it (which also clears what a narrowed terminal wrapped)."""
-    return b"\r" + (b"\x1b[%dA" % (rows - 1) if rows > 1 else b"") + _ERASE_BELOW
+    """From the end of a region `rows` lines tall: back to its first column, clear that
+    line, and everything below it (which also clears what a narrowed terminal wrapped).
+
+    Never "erase below" from the screen's top-left corner: after `clear` the panel's first
+    line is there, and tmux (scroll-on-clear) takes an erase of the whole screen as a clear,
+    pushing every frame into the scrollback. So the first line is cleared alone and the
+    rest from the line below it."""
+    if rows <= 1:
+        return b"\r" + _ERASE_LINE
+    return b"\r\x1b[%dA" % (rows - 1) + _ERASE_LINE + _DOWN + _ERASE_BELOW + _UP
 
 
 class Dashboard:
@@ -680,10 +745,15 @@ class Dashboard:
         self._closed = True
         if not self._cursor_hidden:  # never drawn: nothing to undo
             return
+        summary = summary_line(self.state, _now(None))
+        last = b""
+        if summary:  # on a line of its own, where the panel was
+            start = b"" if self._drawn or self._tail == b"\n" else _NEWLINE
+            last = start + summary.encode("utf-8", "replace") + _NEWLINE
         try:
             if self._drawn:
                 self._measure(self._size()[0])
-            write_all(self._fd, self._erase if self._drawn else b"", SHOW_CURSOR)
+            write_all(self._fd, self._erase if self._drawn else b"", SHOW_CURSOR, last)
         except OSError:
             pass  # the terminal is gone: nothing left to clean
         self._drawn = self._cursor_hidden = False

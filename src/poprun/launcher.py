@@ -414,13 +414,16 @@ class _Session:
             return
         from .dashboard import wants_dashboard
 
-        if not wants_dashboard(self.stderr_fd, self.environ, self.config.no_dashboard):
+        if not wants_dashboard(self.stderr_fd, self.environ, self.config.no_dashboard,
+                               stdout_fd=self.stdout_fd, force=self.config.dashboard):
             return
-        from .dashboard import Dashboard, DashboardState
+        from .dashboard import Dashboard, DashboardState, expected_cache
 
         state = DashboardState(self.config.num_instances, self.hosts.labels, self.loop.time(),
                                remote_hosts=len(self.hosts.remote),
-                               offline=self.config.offline_mode)
+                               offline=self.config.offline_mode,
+                               cache_dir=expected_cache(self.config, self.mode, self.environ),
+                               kill_timeout=self.config.kill_timeout)
         self.dashboard = Dashboard(state, self.stderr_fd)
         self.job.view = state
         self.job.router.write = self.log.write = self.dashboard.emit

@@ -299,6 +299,26 @@ class TestMpiArgs:
 # --- TOML export / import (guide §2.9) ------------------------------------------------------
 
 
+@pytest.mark.parametrize("kw,message", [
+    (dict(num_replicas=99999999999999999999), "--num-replicas=99999999999999999999 is more "
+                                              "than poprun handles"),
+    (dict(num_instances=1 << 17, num_replicas=1 << 17), "--num-instances=131072 is more"),
+    (dict(vipu_server_port=70000), "--vipu-server-port must be a TCP port"),
+])
+def test_counts_beyond_any_system_are_usage_errors(kw, message):
+    """Found by tests/test_cli_fuzz.py: an OverflowError (exit 70) while planning."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make(**kw)
+
+
+def test_a_fifo_as_the_program_is_refused_unread(tmp_path):
+    """Found by the fuzzer: asking a FIFO for its #! line waited for a writer."""
+    from poprun.config import missing_program
+
+    os.mkfifo(tmp_path / "fifo")
+    assert str(missing_program("fifo", str(tmp_path))) == "program 'fifo' is not a regular file"
+
+
 def _words(text: str) -> str:
     return " ".join(text.replace("`", "").split())
 

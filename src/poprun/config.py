@@ -28,6 +28,8 @@ DEFAULT_RESTART_DELAY = 1.0  # seconds between a failed attempt's cleanup and th
 SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
 LAUNCHERS = ("ssh", "slurm")  # how agents reach remote hosts (--launcher)
 REMOTE_INSTALL = ("auto", "never")  # --remote-install: spawner.bootstrap.INSTALL_MODES
+MAX_COUNT = 1 << 20  # replicas, IPUs per replica, ILDs, SSH fan-out: beyond any IPU system
+MAX_INSTANCES = 1 << 16  # instances (a dry run plans 65,536 in ~6 s here)
 FORWARD_ENV_MODES = ("default", "all")  # --forward-env (popdist.env.NOT_FORWARDED for all)
 
 
@@ -122,6 +124,10 @@ class LaunchConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
                                   f"got {value!r}")
+            top = MAX_INSTANCES if name == "num_instances" else MAX_COUNT
+            if value > top:
+                raise ConfigError(f"--{name.replace('_', '-')}={value} is more than poprun "
+                                  f"handles (at most {top})")
         if self.num_replicas % self.num_instances:
             raise ConfigError(
                 f"--num-replicas={self.num_replicas} is not divisible by "
@@ -201,6 +207,8 @@ class LaunchConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):
                 raise bad(name, "a positive integer")
+        if self.vipu_server_port is not None and self.vipu_server_port > 65535:
+            raise bad("vipu_server_port", "a TCP port (1-65535)")
         only = self.only_output_from_instance
         if only is not None and (not isinstance(only, int) or isinstance(only, bool)):
             raise bad("only_output_from_instance", "an integer")
@@ -355,6 +363,8 @@ def missing_program(name: str, cwd: str) -> ConfigError:
     candidate = os.path.join(cwd, name)
     if os.path.isdir(candidate):
         return ConfigError(f"program {name!r} is a directory ({os.path.abspath(candidate)})")
+    if os.path.exists(candidate) and not os.path.isfile(candidate):
+        return ConfigError(f"program {name!r} is not a regular file")
     if os.path.exists(candidate):
         with_interpreter = _interpreter_for(candidate)
         how = (f"run it with its interpreter: {shlex.join([with_interpreter, name])}"

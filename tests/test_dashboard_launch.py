@@ -102,3 +102,17 @@ def test_the_first_frame_shows_the_cache_that_will_exist(tmp_path):
     assert code == 0, raw[-2000:]
     first = re.split(rb"\x1b\[\d+A", raw.split(b"\x1b[?25l", 1)[1], 1)[0]  # to an erase
     assert f"cache: {cache}".encode() in ANSI.sub(b"", first), first
+
+
+def test_the_topology_table_is_not_erased_by_the_panel():
+    """--print-topology wrote past the panel, which then erased the table's lines."""
+    code, raw = run_on_a_terminal(*OFFLINE, "--print-topology=yes", "--num-instances=2",
+                                  "--num-replicas=2", PY, "-c", PROGRAM, rows=40)
+    assert code == 0, raw[-2000:]
+    screen = Screen()
+    screen.feed(raw.replace(b"\r\n", b"\n"))
+    shown = [line for line in screen.lines if line]
+    assert shown[:5] == ["|  poprun topology  |", "| hosts     |  [0]  |",
+                         "| ILDs      |   0   |", "| instances | 0 | 1 |",
+                         "| replicas  | 0 | 1 |"], shown
+    assert sorted(shown[6:-1]) == sorted(f"out-{r}-{i}" for r in (0, 1) for i in range(6))

@@ -477,7 +477,7 @@ class _Session:
             self.log.warning(warning)
         self._log_placement(launch_plan)
         if self.config.print_topology:
-            os.write(self.stdout_fd, topology_table(launch_plan).encode())
+            self.job.router.write(self.stdout_fd, topology_table(launch_plan).encode())
         self.job.plan = launch_plan
         if self.job.view is not None:
             self.job.view.plan((i.index, i.host) for i in launch_plan.instances)

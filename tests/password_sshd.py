@@ -16,7 +16,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +72,9 @@ def start_password_hosts(n: int, tmp_path: Path) -> Iterator[SshHosts]:
     (instead of the harness's shared file: the harness key authorises nobody there)."""
     real_write = sshd_hosts._write_sshd_config
 
-    def write_config(host: sshd_hosts.SshHost, authorized_keys: Path) -> None:
-        real_write(host, authorized_keys)
+    def write_config(host: sshd_hosts.SshHost, authorized_keys: Path,
+                     setenv: Mapping[str, str] | None = None) -> None:
+        real_write(host, authorized_keys, setenv)
         config = host.dir / "sshd_config"
         text = config.read_text()
         changed = text.replace("PasswordAuthentication no", "PasswordAuthentication yes").replace(

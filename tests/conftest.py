@@ -69,3 +69,19 @@ def dead_host_leftovers():
 
     with leftovers():
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_state_dir(tmp_path_factory):
+    """Job records and crash files (jobs.jobs_dir, crash.state_dir) go under
+    $XDG_RUNTIME_DIR: the test session gets its own, so it never fills (or reads) the real
+    user's `poprunctl list`. Subprocesses inherit it through poprun_env."""
+    state = tmp_path_factory.mktemp("xdg-runtime")
+    state.chmod(0o700)
+    previous = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = str(state)
+    yield state
+    if previous is None:
+        os.environ.pop("XDG_RUNTIME_DIR", None)
+    else:
+        os.environ["XDG_RUNTIME_DIR"] = previous

@@ -1,5 +1,6 @@
 """popdist: what a poprun instance needs to know about itself (Graphcore-compatible API)."""
 
+from popdist._stacks import install as _install_stacks
 from popdist.autoreport import apply_to_environment as _apply_autoreport
 from popdist.autoreport import setEngineOptions
 from popdist.errorfile import install as _install_error_hook
@@ -46,3 +47,5 @@ __all__ = [
 _apply_autoreport()
 # Under poprun, an uncaught exception is also written where poprun reads it (errorfile.py).
 _install_error_hook()
+# Under poprun, the stacks of every thread on poprun's signal (`poprunctl stacks`: _stacks.py).
+_install_stacks()

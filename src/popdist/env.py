@@ -23,6 +23,14 @@ AUTOREPORT_DIRECTORY = "POPDIST_AUTOREPORT_DIRECTORY"
 # Where an instance writes its uncaught exception (popdist/errorfile.py); set by the spawner
 # that starts it (spawner.local), on every host.
 ERROR_FILE = "POPDIST_ERROR_FILE"
+# Where `import popdist` has the instance dump the Python stacks of its threads when it gets
+# STACKS_SIGNAL (popdist/_stacks.py; `poprunctl stacks`, `poprun --stall-timeout`); set by
+# the spawner that starts it (spawner.stackdump), on every host. STACKS_SIGNAL is a name
+# (`SIGRTMIN+7`, `SIGUSR2`) or a number; set it in poprun's environment to choose another
+# (`-x POPDIST_STACKS_SIGNAL` for remote hosts).
+STACKS_FILE = "POPDIST_STACKS_FILE"
+STACKS_SIGNAL = "POPDIST_STACKS_SIGNAL"
+DEFAULT_STACKS_SIGNAL = "SIGRTMIN+7"  # real-time: no program or library we know uses it
 # Which attempt this is, from 0 (`poprun --max-restarts`); torch elastic's name too.
 RESTART_COUNT = "POPDIST_RESTART_COUNT"
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"

@@ -203,6 +203,13 @@ OPTIONS: tuple[Opt, ...] = (
         "(Ctrl-C meanwhile ends poprun without a restart)"),
     Opt("kill-timeout", Kind.FLOAT,
         "Seconds between SIGTERM and SIGKILL when stopping instances"),
+    Opt("stall-timeout", Kind.FLOAT, "When no instance has written a line for this many "
+        "seconds, print where each one is (their Python stacks, folded as poprunctl stacks "
+        "does) to stderr and beside the job's record, mark the job stalled and go on (see "
+        "--stall-action)"),
+    Opt("stall-action", Kind.STR, "What a stall does then: report (the default: the job "
+        "goes on), or kill: stop the job, the stall named as its root cause (exit status "
+        "124)"),
     Opt("export-config", Kind.STR, "Write the options and program to this TOML file, then launch",
         default=None),
     Opt("import-config", Kind.STR,

@@ -31,6 +31,7 @@ REMOTE_INSTALL = ("auto", "never")  # --remote-install: spawner.bootstrap.INSTAL
 MAX_COUNT = 1 << 20  # replicas, IPUs per replica, ILDs, SSH fan-out: beyond any IPU system
 MAX_INSTANCES = 1 << 16  # instances (a dry run plans 65,536 in ~6 s here)
 FORWARD_ENV_MODES = ("default", "all")  # --forward-env (popdist.env.NOT_FORWARDED for all)
+STALL_ACTIONS = ("report", "kill")  # --stall-action (poprun/jobwatch.py)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,10 @@ class LaunchConfig:
     result_json: str | None = None  # write the LaunchResult here as JSON (CLI only)
     no_dashboard: bool = False  # never show the live panel, even on a terminal
     dashboard: bool = False  # show it on stderr's terminal even when stdout goes elsewhere
+    # No line from any instance for this many seconds: print their folded stacks (and, with
+    # stall_action "kill", stop the job). None: never (poprun/jobwatch.py).
+    stall_timeout: float | None = None
+    stall_action: str = "report"
     # Accepted from later SDKs' scripts; nothing to do without IPUs or MPI (logged at -v).
     host_subnet: str | None = None
     allow_run_as_root: bool = False
@@ -156,6 +161,11 @@ class LaunchConfig:
         if self.forward_env not in FORWARD_ENV_MODES:
             raise ConfigError(f"--forward-env must be one of {', '.join(FORWARD_ENV_MODES)}, "
                               f"got {self.forward_env!r}")
+        if self.stall_action not in STALL_ACTIONS:
+            raise ConfigError(f"--stall-action must be one of {', '.join(STALL_ACTIONS)}, "
+                              f"got {self.stall_action!r}")
+        if self.stall_timeout is not None and self.stall_timeout <= 0:
+            raise ConfigError(f"--stall-timeout must be positive, got {self.stall_timeout}")
         if self.remote_install not in REMOTE_INSTALL:
             raise ConfigError(f"--remote-install must be one of {', '.join(REMOTE_INSTALL)}, "
                               f"got {self.remote_install!r}")
@@ -216,8 +226,11 @@ class LaunchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "a non-negative integer")
-        for name in ("kill_timeout", "ssh_timeout", "host_timeout", "restart_delay"):
+        for name in ("kill_timeout", "ssh_timeout", "host_timeout", "restart_delay",
+                     "stall_timeout"):
             seconds = getattr(self, name)
+            if seconds is None and name == "stall_timeout":
+                continue
             if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) \
                     or not math.isfinite(seconds):
                 raise bad(name, "a number of seconds")

@@ -180,6 +180,8 @@ class DashboardState:
         self.attempt: tuple[int, int] | None = None  # (this attempt, of) once restarted
         self.stop_reason: str | None = None
         self.stop_began: float | None = None  # when the first stop came (SIGKILL's clock)
+        self.job_id: str | None = None  # the job's id for poprunctl (poprun/jobs.py)
+        self.stalled = False  # --stall-timeout saw no output for that long (jobwatch.py)
         self.changes = 0
 
     # --- events -----------------------------------------------------------------------
@@ -394,7 +396,10 @@ def _header(state: DashboardState, now: float, width: int) -> list:
     launched = ("" if state.launched is None else
                 f" (launched in {state.launched - state.began:.1f}s)")
     attempt = "" if state.attempt is None else f" (attempt {state.attempt[0]}/{state.attempt[1]})"
-    first = _text(("poprun ", "bold"), (job.value, _STYLE[job]),
+    label, style = (("stalled", "bold magenta") if state.stalled and job is JobState.RUNNING
+                    else (job.value, _STYLE[job]))
+    first = _text(("poprun ", "bold"), (f"{state.job_id} ", "bold") if state.job_id else "",
+                  (label, style),
                   f"{attempt} {_duration(now - state.began)}{launched}   "
                   f"instances: {len(state.instances)}  running {tally[InstanceState.RUNNING]}"
                   f"  finished {tally[InstanceState.EXITED]}  ",

@@ -31,7 +31,7 @@ from .errors import LaunchError
 from .log import Log
 from .output import OutputOptions, OutputRouter
 from .plan import LaunchPlan
-from .result import InstanceResult, LaunchResult
+from .result import STALL_STATUS, InstanceResult, LaunchResult
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LOST_HOST_STATUS = 255  # the status of an instance whose host was lost (ssh's own 255)
@@ -73,11 +73,14 @@ class Job:
         # without starting them (the session sets it).
         self.on_interrupt = lambda: None
         self._all_started = False
+        self._spawning_remote = False  # spawn requests are out; their instances may run already
         self._kill_timer = None
         self.local: LocalSpawner | None = None
         self.remote: Mapping[str, object] = {}
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
         self.view = None  # a dashboard.DashboardState when a live panel shows the job
+        self.watch = None  # the job's record, control socket and log (jobwatch.JobWatch)
+        self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
 
     @staticmethod
     def _router(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
@@ -151,6 +154,7 @@ class Job:
 
         merge = self.config.effective_merge_stderr
         hosts = list(self.remote)
+        self._spawning_remote = True
         outcomes = await asyncio.gather(*(self.remote[host].spawn_all(
             SpawnRequest(key=inst.index, argv=inst.argv, env_set=inst.env,
                          env_unset=self.plan.unset_env, cwd=self.cwd, merge_stderr=merge,
@@ -175,8 +179,11 @@ class Job:
         self._all_started = True
         if self.config.effective_report_bindings:
             self._report_bindings()
-        if self.root_cause is not None or self.stop_signal is not None:
-            self._signal_all(signal.SIGTERM)  # stopped while these were starting
+        if self.stop_signal is not None:  # a stop signal came while these were starting
+            self._log_stopping(self.stop_signal)
+            self._stop(self.stop_signal)
+        elif self.root_cause is not None:
+            self._signal_all(signal.SIGTERM)  # an instance failed while these were starting
         self._maybe_finish()
 
     def _record(self, key: int, pid: int, spawner) -> None:
@@ -188,6 +195,8 @@ class Job:
         if self.view is not None:
             self.view.instance_started(key, inst.host, pid, self.loop.time(),
                                        local=spawner is self.local)
+        if self.watch is not None:
+            self.watch.started(key, pid, spawner)
         self.log.debug(f"started instance {key} on {inst.host}, pid {pid}: "
                        f"{' '.join(inst.argv)}")
 
@@ -231,6 +240,8 @@ class Job:
             self.first_output[key] = time.time()
         if self.view is not None:  # before the router: hidden instances still count
             self.view.output(key, data, self.loop.time())
+        if self.watch is not None:
+            self.watch.output(key, stream, data)
         self.router.on_output(key, stream, data)
 
     def on_usage(self, key: int, cpu_percent: float | None, rss: int) -> None:
@@ -247,9 +258,11 @@ class Job:
         self.done.add(key)
         if self.view is not None:
             self.view.instance_exited(key, returncode, self.loop.time())
+        if self.watch is not None:
+            self.watch.exited(key, returncode)
         self.log.info(f"instance {key} (pid {record.pid}) exited with {returncode}")
         if returncode != 0 and self.root_cause is None and self.stop_signal is None \
-                and self.output_error is None:
+                and self.output_error is None and self.stall is None:
             self.root_cause = key
             self._stopping(f"instance {key} failed")
             self._stop(signal.SIGTERM)
@@ -262,6 +275,8 @@ class Job:
         lost = sorted(k for k in spawner.unaccounted() if k not in self.done)
         if self.view is not None:
             self.view.host_lost(host, self.loop.time())
+        if self.watch is not None:
+            self.watch.host_lost(host, lost)
         self.log.error(f"{host}: lost the connection to the host ({reason}); "
                        f"{len(lost)} instance(s) there are gone")
         for key in lost:
@@ -269,7 +284,7 @@ class Job:
             record.lost, record.end = reason, time.time()
             self.done.add(key)
         if lost and self.root_cause is None and self.stop_signal is None \
-                and self.output_error is None:
+                and self.output_error is None and self.stall is None:
             self.root_cause = lost[0]
             self._stopping(f"{host} lost")
             self._stop(signal.SIGTERM)
@@ -286,21 +301,36 @@ class Job:
         return [k for s in spawners.values() for k in s.running()]
 
     def on_signal(self, sig: int) -> None:
+        if self.stop_signal is not None and self._spawning_remote and not self._all_started:
+            self.log.warning(f"{signal.Signals(sig).name} again: stopping now")
+            self.on_interrupt()  # the agents' teardown kills whatever they started
+            return
         if self.stop_signal is not None or self.root_cause is not None:
             self.log.warning(f"{signal.Signals(sig).name} again: killing every instance now")
             self._stopping(f"{signal.Signals(sig).name} again: SIGKILL")
             self._signal_all(signal.SIGKILL)
             return
         self.stop_signal = sig
+        name = signal.Signals(sig).name
+        if self._spawning_remote and not self._all_started:
+            # Agents may have forked instances whose STARTED has not come back yet: cancelling
+            # now would leave their fate to the agents' teardown and the message would lie.
+            # spawn_remote stops them all once it knows them (a second signal cancels).
+            self._stopping(name)
+            self.log.warning(f"{name} received: stopping once the instances being started "
+                             "have started (again: stop now)")
+            return
         if not self.started:  # nothing runs yet: do not start anything
-            self.log.warning(f"{signal.Signals(sig).name} received: stopping before any "
-                             "instance started")
+            self.log.warning(f"{name} received: stopping before any instance started")
             self.on_interrupt()
             return
-        self._stopping(signal.Signals(sig).name)
+        self._stopping(name)
+        self._log_stopping(sig)
+        self._stop(sig)
+
+    def _log_stopping(self, sig: int) -> None:
         self.log.warning(f"{signal.Signals(sig).name} received: stopping "
                          f"{len(self.running())} running instance(s)")
-        self._stop(sig)
 
     def _broken_pipe(self) -> None:
         if self.stop_signal is None:
@@ -315,9 +345,19 @@ class Job:
             self._stopping("output error")
             self._stop(signal.SIGTERM)
 
+    def stop_stalled(self, stall: dict) -> None:
+        """--stall-action kill: stop every instance, the stall being the root cause."""
+        if all(v is None for v in (self.root_cause, self.stop_signal, self.output_error,
+                                   self.stall)):
+            self.stall = stall
+            self._stopping("stalled")
+            self._stop(signal.SIGTERM)
+
     def _stopping(self, reason: str) -> None:
         if self.view is not None:
             self.view.stopping(reason)
+        if self.watch is not None:
+            self.watch.stopping(reason)
 
     def _stop(self, sig: int) -> None:
         """Signal every instance still running; SIGKILL them all after the one deadline."""
@@ -352,13 +392,16 @@ class Job:
             code = OUTPUT_ERROR_STATUS
         elif self.stop_signal is not None:
             code = 128 + self.stop_signal
+        elif self.stall is not None:
+            code = STALL_STATUS
         elif root is not None:
             code = by_index[root].exit_status
         else:
             code = 0
         return LaunchResult(instances=instances, exit_code=code, root_cause=root,
                             stop_signal=self.stop_signal, phases=self._phases(instances),
-                            start_time=self.launch_time, output_error=self.output_error)
+                            start_time=self.launch_time, output_error=self.output_error,
+                            stall=self.stall)
 
     def _phases(self, instances: tuple[InstanceResult, ...]) -> dict[str, dict[str, float]]:
         """Per host: what the fleet measured (remote), plus first start and first output."""

@@ -251,6 +251,7 @@ class _Session:
         self._pause_signal: int | None = None  # a stop signal that came during it
         self._restore_signals = lambda: None
         self._result: LaunchResult | None = None
+        self.watch = None  # the job's record and control socket (jobwatch.JobWatch)
 
     async def __aenter__(self) -> _Session:
         config, log = self.config, self.log
@@ -281,6 +282,9 @@ class _Session:
             raise LaunchError(f"--output-filename: cannot write to "
                               f"{exc.filename or config.effective_output_filename} on this "
                               f"host ({socket.gethostname()}): {exc.strerror}") from None
+        from .jobwatch import JobWatch  # poprunctl's view of the job (issue 15)
+
+        self.watch = await JobWatch.open(self)
         # From here a stop signal is the job's: before any instance runs, it ends the launch.
         self._restore_signals = install_signal_handlers(self.loop, self._on_signal)
         return self
@@ -298,6 +302,8 @@ class _Session:
     async def _run(self) -> None:
         self._open_dashboard()
         await self._acquire_partition()
+        if self.watch is not None:  # a partition poprun created is in the record from now
+            self.watch.write()
         if self.hosts.remote:
             await self._open_fleet()
         caches = await self._create_caches()
@@ -344,6 +350,8 @@ class _Session:
         self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
                        self.stderr_fd, self.loop, router=previous.router)
         self.job.on_interrupt, self.job.view = previous.on_interrupt, previous.view
+        if previous.watch is not None:
+            previous.watch.attach(self.job)
         self.job.phases = previous.phases
         for spawner in (self.fleet.spawners.values() if self.fleet else ()):
             spawner.new_attempt(self.job, self.job.on_host_lost)
@@ -424,6 +432,7 @@ class _Session:
                                offline=self.config.offline_mode,
                                cache_dir=expected_cache(self.config, self.mode, self.environ),
                                kill_timeout=self.config.kill_timeout)
+        state.job_id = self.watch.id if self.watch is not None else None
         self.dashboard = Dashboard(state, self.stderr_fd)
         self.job.view = state
         self.job.router.write = self.log.write = self.dashboard.emit
@@ -511,6 +520,8 @@ class _Session:
     def result(self) -> LaunchResult:
         if self._result is None:
             self._result = self.job.result()
+        if self.watch is not None:  # the final record: --result-json's schema (jobs.py)
+            self._result = self.watch.finish(self._result)
         return self._result
 
     async def __aexit__(self, *exc_info) -> None:
@@ -519,7 +530,8 @@ class _Session:
         errors = []
         for step in (self._close_fleet, self._close_dashboard, self.job.close,
                      self._restore_signals, self.cache.remove, self.lifeline.close,
-                     self._release_partition):
+                     self._release_partition,
+                     lambda: self.watch and self.watch.close(self._result, exc_info[1])):
             try:
                 result = step()
                 if asyncio.iscoroutine(result):

@@ -9,6 +9,10 @@ from typing import Any
 from .render import describe_status, fold_indices, signal_name
 from .rootcause import exception_text
 
+# The one schema of `--result-json` and of the job records poprunctl reads (poprun/jobs.py).
+JOB_SCHEMA = "poprun.job/1"
+STALL_STATUS = 124  # a job ended by --stall-action kill (as timeout(1) exits)
+
 
 @dataclass(frozen=True)
 class InstanceResult:
@@ -29,6 +33,7 @@ class InstanceResult:
     # file, line, function, traceback, time. None: none written (no popdist, or no error).
     error: Mapping[str, Any] | None = None
     collateral: str | None = None  # why its failure looks like the root cause's consequence
+    start_ticks: int | None = None  # its start in /proc's clock (spawner/procid.py)
 
     @property
     def exit_status(self) -> int:
@@ -57,6 +62,12 @@ class LaunchResult:
     # The failed attempts before this one (`--max-restarts`), oldest first; the fields above
     # are the last attempt's.
     attempts: tuple[LaunchResult, ...] = ()
+    # --stall-action kill ended the job: {idle, timeout, stacks_file, stacks} (stacks.Folded's
+    # JSON). The stall is then the root cause (exit status STALL_STATUS).
+    stall: Mapping[str, Any] | None = None
+    # The job's record (poprun/jobs.py): id, argv, cwd, hosts, launcher, caches, partition...
+    # (jobwatch.JobWatch.meta); None for a launch that was not registered.
+    job: Mapping[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -66,14 +77,16 @@ class LaunchResult:
     def exit_reason(self) -> str:
         """Why `exit_code` is what it is: "success", "instance" (the root cause's status),
         "host_lost" (255, as ssh), "signal" (poprun stopped by signal N: 128+N),
-        "output_error" (74: output could not be written) or "scheduler" (Slurm ended the job:
-        the instances' statuses)."""
+        "output_error" (74: output could not be written), "scheduler" (Slurm ended the job:
+        the instances' statuses) or "stall" (124: --stall-action kill)."""
         if self.output_error is not None:
             return "output_error"
         if self.scheduler_stop is not None:
             return "scheduler"
         if self.stop_signal is not None:
             return "signal"
+        if self.stall is not None:
+            return "stall"
         if self.root_cause is None:
             return "success"
         cause = next(i for i in self.instances if i.index == self.root_cause)
@@ -106,6 +119,8 @@ class LaunchResult:
             lines.append(("stopped", f"poprun: stopped: {self.output_error}"))
         if self.stop_signal is not None:
             lines.append(("stopped", f"poprun: stopped by {signal_name(self.stop_signal)}"))
+        if self.stall is not None:
+            lines += _stall_lines(self.stall)
         if self.root_cause is not None:
             first = next(i for i in self.instances if i.index == self.root_cause)
             lines.append(("root", f"poprun: instance {first.index} (pid {first.pid} on "
@@ -146,8 +161,14 @@ class LaunchResult:
         return lines
 
     def to_json(self) -> dict:
-        """`--result-json`: the job and every instance, as plain JSON values."""
+        """`--result-json`, and the final record of the job (poprun/jobs.py: one schema,
+        JOB_SCHEMA): the job's own keys (`job`: id, argv, cwd, hosts...), why it ended, and
+        every instance, as plain JSON values."""
         return {
+            "schema": JOB_SCHEMA,
+            **(self.job or {}),
+            "state": "ended",
+            "stall": self.stall,
             "exit_code": self.exit_code,
             "exit_reason": self.exit_reason,
             "root_cause": self.root_cause,
@@ -164,7 +185,7 @@ class LaunchResult:
                 "signal": signal_name(i.signal) if i.signal else None,
                 "outcome": _outcome(i), "lines": i.lines, "lost": i.lost,
                 "stopped_by_poprun": i.stopped_by_poprun, "error": i.error,
-                "collateral": i.collateral,
+                "collateral": i.collateral, "start": i.start_ticks, "state": _state(i),
             } for i in self.instances],
         }
 
@@ -210,6 +231,34 @@ _STYLES = {
 
 def _plain(lines: list[tuple[str, str]]) -> str:
     return "\n".join(line for _, line in lines) + "\n"
+
+
+def _state(inst: InstanceResult) -> str:
+    """As the dashboard names it: exited (status 0), failed, killed (a signal) or lost."""
+    if inst.lost:
+        return "lost"
+    return "exited" if inst.returncode == 0 else "failed" if inst.returncode > 0 else "killed"
+
+
+def _stall_lines(stall: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The root cause of a job --stall-action kill ended: the silence, where each group of
+    instances was (the innermost frame of each folded stack, the odd ones out first)."""
+    lines = [("root", f"poprun: stalled: no instance wrote a line for "
+                      f"{float(stall.get('idle') or 0):.0f} s (--stall-timeout "
+                      f"{float(stall.get('timeout') or 0):g}); stopped by --stall-action kill")]
+    groups = (stall.get("stacks") or {}).get("groups") or []
+    for group in groups[:6]:
+        frames = group.get("frames") or []
+        where = "no Python frame" if not frames else (
+            f"{frames[0]['file']}:{frames[0]['line']} in {frames[0]['function']}"
+            + (f": {frames[0]['code']}" if frames[0].get("code") else ""))
+        lines.append(("text", f"poprun:   instances {fold_indices(group['instances'])} at "
+                              f"{where}"))
+    if len(groups) > 6:
+        lines.append(("text", f"poprun:   ... and {len(groups) - 6} more stacks"))
+    if stall.get("stacks_file"):
+        lines.append(("text", f"poprun: every stack: {stall['stacks_file']}"))
+    return lines
 
 
 def _outcome(inst: InstanceResult) -> str:

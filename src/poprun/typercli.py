@@ -33,7 +33,7 @@ from typer._completion_classes import BashComplete, FishComplete, ZshComplete
 from typer._completion_shared import _get_shell_name, install
 
 from .cli import _BOOL_WORDS, _SECTIONS, OPTIONS, Kind, Opt, Parsed, _resolve_long, _short
-from .config import FORWARD_ENV_MODES, SSH_KEY_TYPES, field_defaults
+from .config import FORWARD_ENV_MODES, SSH_KEY_TYPES, STALL_ACTIONS, field_defaults
 from .errors import ConfigError
 
 PROG = "poprun"
@@ -51,7 +51,8 @@ DESCRIPTION = (
 EPILOG = (
     "Exit status: 0 when every instance exits 0; otherwise the status of the instance that "
     "failed first (its root cause; 128+N for signal N), 255 when that was a lost host, 128+N "
-    "when poprun is stopped by signal N, 74 when output could not be written (a full disk), 2 "
+    "when poprun is stopped by signal N, 74 when output could not be written (a full disk), "
+    "124 when --stall-action kill ended a stalled job, 2 "
     "for a usage error or a job that could not start, 70 for an internal error (a bug: see "
     "the crash file named), 1 for --check with a host that failed a check. With "
     "--max-restarts, the last attempt's. --result-json says which (exit_reason).")
@@ -75,6 +76,7 @@ _CHOICES: dict[str, Callable[[], list[str]]] = {
     "offline-target": _offline_targets,
     "distribute-ssh-key-type": lambda: list(SSH_KEY_TYPES),
     "forward-env": lambda: list(FORWARD_ENV_MODES),
+    "stall-action": lambda: list(STALL_ACTIONS),
     "show-completion": lambda: list(SHELLS),
     "install-completion": lambda: list(SHELLS),
 }

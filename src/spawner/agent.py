@@ -37,6 +37,7 @@ from typing import Any
 
 from poprun._version import __version__
 
+from . import procid, stackdump
 from .binding import read_binding
 from .containment import become_subreaper
 from .lifeline import Lifeline
@@ -87,6 +88,7 @@ def hello_reply(request: dict[str, Any]) -> dict[str, Any]:
         "address": (os.environ.get("SSH_CONNECTION", "").split()[2:3] or [None])[0],
         # What instances here inherit before the launcher's additions (poprun --check).
         "environ": instance_environ({}, ()),
+        "boot_id": procid.boot_id(),  # with STARTED's start: which process a pid is
     }
 
 
@@ -251,7 +253,8 @@ class Agent:
         self._temp_dirs: list[str] = []
         self._handlers = {Kind.HELLO: self._hello, Kind.MKTEMP: self._mktemp,
                           Kind.MKDIR: self._mkdir, Kind.HEARTBEAT: lambda fields: None,
-                          Kind.SPAWN: self._spawn, Kind.SIGNAL: self._signal}
+                          Kind.SPAWN: self._spawn, Kind.SIGNAL: self._signal,
+                          Kind.STACKS: self._stacks}
         self._last_heard = time.monotonic()
         self.done, self.status = False, 0
         self.finished = loop.create_future()  # set by stop()
@@ -364,6 +367,7 @@ class Agent:
                 error += f": {exc.filename}"
         else:
             self._outbox.send(encode(Kind.STARTED, key=request.key, pid=pid,
+                                     start=procid.start_ticks(pid),
                                      memory_binding_skipped=self._spawner.memory_binding_skipped,
                                      binding=_binding_of(pid),
                                      containment=self._spawner.containment))
@@ -391,6 +395,14 @@ class Agent:
             self._spawner.signal_all(sig)
         elif self._spawner_knows(key):
             self._spawner.signal(key, sig)
+
+    def _stacks(self, request: dict[str, Any]) -> None:
+        """STACKS: the Python stacks of the instances asked for (spawner/stackdump.py)."""
+        keys = request.get("keys")
+        pids = {k: self._spawner.pid(k) for k in self._spawner.running()
+                if keys is None or k in keys}
+        stackdump.answer(pids, float(request["within"]),
+                         lambda found: self._reply(request, {"stacks": found}))
 
     # --- spawner sink -----------------------------------------------------------------
 

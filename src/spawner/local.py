@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from popdist.env import ERROR_FILE
 
-from . import containment
+from . import containment, stackdump
 from .binding import bound
 from .containment import Cgroups
 from .lifeline import Lifeline
@@ -150,6 +150,7 @@ class LocalSpawner:
         if self._lifeline:
             env[containment.MARK] = self._lifeline.token
         env[ERROR_FILE] = self._error_file(spec.key)
+        env.update(stackdump.instance_env(env[ERROR_FILE], env))  # popdist/_stacks.py
         with bound(spec.cpus, spec.mems) as memory_bound:
             proc = subprocess.Popen(
                 spec.argv, env=env, cwd=spec.cwd,

@@ -22,13 +22,17 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems}
       SIGNAL  {key (null: every instance), signal (name, e.g. "SIGTERM")}
       HEARTBEAT {}                           every `interval` seconds
+      STACKS  {id, keys (null: every instance), within}    their Python stacks (stackdump.py)
       (closing the agent's stdin ends it: it kills its instances and removes its temp dirs)
     agent -> launcher
       REPLY   {id, result}                   result of HELLO: see agent.hello_reply()
                                              result of MKTEMP, MKDIR: {path}
+                                             result of STACKS: {stacks: {key: {pid, how,
+                                             threads, error}}} within `within` seconds
       FAILED  {id, error}                    a request failed (id null: a malformed frame)
-      STARTED {key, pid, memory_binding_skipped, binding: {cpus, mems, mempolicy},
-               containment}                 containment: how escaped descendants are caught
+      STARTED {key, pid, start, memory_binding_skipped, binding: {cpus, mems, mempolicy},
+               containment}                 containment: how escaped descendants are caught;
+                                             start: its start time (spawner/procid.py)
       SPAWN_FAILED {key, error}
       OUTPUT  key, stream, bytes             binary; blocks of whole lines, as LocalSpawner
       EXIT    {key, returncode, error}       after the last OUTPUT of that instance; error:
@@ -50,7 +54,7 @@ from typing import Any, NamedTuple
 
 from .local import Stream
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)
@@ -74,6 +78,8 @@ class Kind(enum.IntEnum):
     """Launcher: create a directory that is kept (an explicit executable cache)."""
     HEARTBEAT = 6
     """Launcher: I am here. An agent that hears nothing for the HELLO's timeout stops."""
+    STACKS = 7
+    """Launcher: the Python stacks of instances. Agent answers with REPLY {stacks}."""
     REPLY = 16
     """Agent: the result of the request with the same id."""
     FAILED = 17

@@ -270,6 +270,7 @@ class RemoteSpawner:
         self.memory_binding_skipped = False
         self.containment = "unknown"  # how the agent catches escaped descendants (for -v)
         self.errors: dict[int, dict[str, Any]] = {}  # as LocalSpawner.errors, from EXIT
+        self.start_ticks: dict[int, int | None] = {}  # per instance, its start (procid.py)
 
     # --- starting ---------------------------------------------------------------------
 
@@ -370,6 +371,14 @@ class RemoteSpawner:
         if (key in self._pids or key in self._spawning) and key not in self._exited:
             self._send_quietly(encode(Kind.SIGNAL, key=key, signal=signals.Signals(sig).name))
 
+    async def stacks(self, keys: Iterable[int] | None, timeout: float) -> dict[int, Any]:
+        """The Python stacks of these instances there (every one: None), gathered by the
+        agent within `timeout` (STACKS; spawner/stackdump.py): {key: {pid, how, threads,
+        error}}."""
+        reply = await self._request(Kind.STACKS, timeout + CLOSE_TIMEOUT, within=timeout,
+                                    keys=None if keys is None else list(keys))
+        return {int(key): found for key, found in reply["stacks"].items()}
+
     def write(self, data: bytes) -> None:
         """Raw bytes on the agent's stdin, outside the protocol (spawner.bootstrap's zip)."""
         self._send(data)
@@ -408,7 +417,8 @@ class RemoteSpawner:
         report the next attempt's events to `sink`."""
         if self.running():
             raise RuntimeError(f"{self.host}: instances of the last attempt still run")
-        for record in (self._pids, self._exited, self.errors, self.bindings, self._spawning):
+        for record in (self._pids, self._exited, self.errors, self.bindings, self._spawning,
+                       self.start_ticks):
             record.clear()
         self._sink, self._on_lost = sink, on_lost
 
@@ -484,6 +494,7 @@ class RemoteSpawner:
         elif frame.kind is Kind.STARTED:
             self._pids[fields["key"]] = fields["pid"]
             self.bindings[fields["key"]] = fields.get("binding")
+            self.start_ticks[fields["key"]] = fields.get("start")
             self.memory_binding_skipped |= bool(fields.get("memory_binding_skipped"))
             self.containment = fields.get("containment", self.containment)
             if self.timings.first_started is None:

@@ -1,0 +1,38 @@
+"""Which process a pid is: its start time, so that a pid recorded long ago is never taken for
+the unrelated process that reuses it, and the boot it belongs to.
+
+A process is named by (boot id, pid, start time): the start time is field 22 of
+`/proc/<pid>/stat`, in clock ticks since boot, fixed for the life of the process; the boot id
+(`/proc/sys/kernel/random/boot_id`) changes at every boot, when every recorded pid is stale.
+Standard library only: the agent (Python 3.10) and `poprunctl reap`'s remote script use it.
+"""
+
+from __future__ import annotations
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def start_ticks(pid: int, proc: str = "/proc") -> int | None:
+    """The start time of `pid` (clock ticks after boot), or None when there is no such
+    process. The command name (field 2) may hold spaces and parentheses: fields are counted
+    from the last `)`."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def boot_id() -> str | None:
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def is_same(pid: int, ticks: int | None, proc: str = "/proc") -> bool:
+    """Whether `pid` is still the process that started at `ticks` (False when `ticks` is
+    unknown: never act on a pid that cannot be told apart from its successor)."""
+    return ticks is not None and start_ticks(pid, proc) == ticks

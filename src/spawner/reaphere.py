@@ -1,0 +1,107 @@
+"""What `poprunctl reap` does on one host for a job whose launcher died without cleaning up:
+kill the job's leftover instances, remove its leftover temporary directories.
+
+It runs here for this host's part of the job, and on every other recorded host over SSH, on
+that host's Python (3.10 or later), sent with procid.py's source as one `python -c` line
+(poprun/reap.py): standard library only. Its input is one JSON object:
+
+    {"boot_id": the host's boot id when the job ran (None: unknown),
+     "instances": [[index, pid, start ticks], ...], "dirs": [path, ...], "dry_run": bool}
+
+and it prints one JSON list of what it did (or would do), one entry each:
+{"what": "instance" | "dir", "index", "pid", "path", "done": bool, "note": str}.
+
+A pid is acted on only when it is still the process that was recorded (same start time): a
+pid the system has given to an unrelated process since is left alone, and a host that has
+rebooted since (another boot id) has nothing of the job left to kill. A directory is removed
+only when it is one of poprun's temporary ones (`poprun-cache-*`, `poprun-errors-*`), a real
+directory (not a link) owned by this user.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+
+from .procid import boot_id, start_ticks
+
+PREFIXES = ("poprun-cache-", "poprun-errors-")
+
+
+def reap_here(job: dict) -> list[dict]:
+    dry = bool(job.get("dry_run"))
+    recorded_boot = job.get("boot_id")
+    rebooted = bool(recorded_boot) and boot_id() not in (None, recorded_boot)
+    done = []
+    for index, pid, start in job.get("instances") or ():
+        entry = {"what": "instance", "index": index, "pid": pid}
+        done.append(entry)
+        if rebooted:
+            entry.update(done=False, note="gone (the host has rebooted since)")
+            continue
+        now = start_ticks(pid)
+        if now is not None and (start is None or now != start):
+            entry.update(done=False, note="its pid is another process's now: not touched")
+            continue
+        if now is None and not _group_exists(pid):
+            entry.update(done=False, note="gone")
+            continue
+        what = "its process group" if now is not None else "what is left of its process group"
+        if dry:
+            entry.update(done=False, note=f"would kill {what}")
+            continue
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            entry.update(done=False, note="gone")
+            continue
+        except PermissionError:
+            entry.update(done=False, note="not allowed to kill it")
+            continue
+        entry.update(done=True, note=f"killed {what}")
+    for path in job.get("dirs") or ():
+        entry = {"what": "dir", "path": path}
+        done.append(entry)
+        entry.update(_remove(path, dry))
+    return done
+
+
+def _group_exists(pgid: int) -> bool:
+    """A process group whose leader has exited, but not all its members: its id cannot have
+    been reused meanwhile (the kernel keeps it while the group exists)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _remove(path: str, dry: bool) -> dict:
+    if not os.path.basename(path.rstrip("/")).startswith(PREFIXES):
+        return {"done": False, "note": "not a poprun temporary directory: kept"}
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return {"done": False, "note": "already gone"}
+    except OSError as exc:
+        return {"done": False, "note": f"cannot look at it: {exc.strerror}"}
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        return {"done": False, "note": "not a directory of this user's: kept"}
+    if dry:
+        return {"done": False, "note": "would remove it"}
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):
+        return {"done": False, "note": "could not remove all of it"}
+    return {"done": True, "note": "removed"}
+
+
+def main(argv: list[str]) -> int:
+    """`python -c <this> <base64 JSON>`: the input, then the report on stdout."""
+    import base64
+    import json
+    import sys
+
+    sys.stdout.write(json.dumps(reap_here(json.loads(base64.b64decode(argv[0])))) + "\n")
+    return 0

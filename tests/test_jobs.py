@@ -1,0 +1,238 @@
+"""The per-user job records (poprun/jobs.py) and the output ring (poprun/joblog.py): files in a
+temporary state directory, no launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from poprun import jobs, joblog
+from poprun.result import JOB_SCHEMA
+from spawner import procid
+from spawner.local import Stream
+
+
+@pytest.fixture
+def environ(tmp_path):
+    """A state directory of the test's own ($XDG_RUNTIME_DIR/poprun)."""
+    (tmp_path / "run").mkdir()
+    return {"XDG_RUNTIME_DIR": str(tmp_path / "run")}
+
+
+def record(job_id: str, **fields) -> dict:
+    base = {"schema": JOB_SCHEMA, "id": job_id, "state": "ended", "instances": [],
+            "start_time": time.time(), "end_time": time.time(), "program": ["true"]}
+    return {**base, **fields}
+
+
+def new(environ, **fields) -> tuple[str, str]:
+    job_id, directory = jobs.create(environ)
+    jobs.write(directory, record(job_id, **fields))
+    return job_id, directory
+
+
+def test_a_job_directory_is_private_and_its_id_short_and_unique(environ):
+    ids = {jobs.create(environ)[0] for _ in range(50)}
+    assert len(ids) == 50 and all(len(i) == jobs.ID_LENGTH for i in ids)
+    assert all(set(i) <= set(jobs.ID_ALPHABET) for i in ids)
+    parent = jobs.jobs_dir(environ)
+    assert parent == os.path.join(environ["XDG_RUNTIME_DIR"], "poprun", "jobs")
+    for path in (os.path.dirname(parent), parent, os.path.join(parent, ids.pop())):
+        assert os.stat(path).st_mode & 0o777 == 0o700
+
+
+def test_without_xdg_runtime_dir_the_records_are_under_the_home(tmp_path):
+    env = {"HOME": str(tmp_path)}
+    assert jobs.jobs_dir(env) == os.path.join(os.path.expanduser("~"), ".local", "state",
+                                              "poprun", "jobs")
+
+
+def test_a_record_is_replaced_whole(environ):
+    job_id, directory = new(environ, state="running")
+    jobs.write(directory, record(job_id, state="ended", exit_code=3))
+    loaded = jobs.load(directory)
+    assert loaded["state"] == "ended" and loaded["exit_code"] == 3
+    assert os.listdir(directory) == [jobs.RECORD]  # no temporary file left
+    assert os.stat(os.path.join(directory, jobs.RECORD)).st_mode & 0o777 == 0o600
+
+
+def test_damaged_and_foreign_records_are_reported_and_skipped(environ):
+    good, _ = new(environ)
+    _, broken = jobs.create(environ)
+    with open(os.path.join(broken, jobs.RECORD), "w") as f:
+        f.write('{"schema": "poprun.job/1", "id": ')  # cut short
+    _, other = jobs.create(environ)
+    jobs.write(other, {"schema": "someone-else/9", "id": os.path.basename(other)})
+    _, empty = jobs.create(environ)  # no record yet (a launch starting)
+    _, renamed = jobs.create(environ)
+    jobs.write(renamed, record("notthis"))
+    with open(os.path.join(jobs.jobs_dir(environ), "stray-file"), "w") as f:
+        f.write("x")
+    found = jobs.scan(environ)
+    assert [r["id"] for r in found.records] == [good]
+    reasons = dict(found.problems)
+    assert "not JSON" in reasons[broken]
+    assert "not a poprun.job/1 record" in reasons[other]
+    assert "cannot read it" in reasons[empty]
+    assert "id" in reasons[renamed]
+    assert "not a job directory" in reasons[os.path.join(jobs.jobs_dir(environ), "stray-file")]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_another_users_record_is_not_trusted(environ):
+    _, directory = new(environ)
+    os.chown(os.path.join(directory, jobs.RECORD), 12345, -1)
+    (path, why), = jobs.scan(environ).problems
+    assert path == directory and "another user" in why
+
+
+def test_a_job_is_found_by_its_id_or_a_prefix(environ):
+    records = [record("abc234"), record("abd567"), record("xyz234")]
+    assert jobs.find(records, "xyz")["id"] == "xyz234"
+    assert jobs.find(records, "abc234")["id"] == "abc234"
+    with pytest.raises(LookupError, match="ambiguous: abc234, abd567"):
+        jobs.find(records, "ab")
+    with pytest.raises(LookupError, match="no job 'qqq'"):
+        jobs.find(records, "qqq")
+
+
+def test_the_launcher_is_told_apart_from_a_process_that_reused_its_pid(environ):
+    here = {"host": socket.gethostname(), "boot_id": procid.boot_id()}
+    me = os.getpid()
+    alive = record("a", state="running",
+                   launcher={**here, "pid": me, "start": procid.start_ticks(me)})
+    assert jobs.launcher_status(alive) == "alive" and jobs.state_of(alive) == "running"
+    reused = record("b", state="running",
+                    launcher={**here, "pid": me, "start": procid.start_ticks(me) - 1})
+    assert jobs.launcher_status(reused) == "gone" and jobs.state_of(reused) == "gone"
+    rebooted = record("c", state="running",
+                      launcher={**here, "pid": me, "start": procid.start_ticks(me),
+                                "boot_id": "another-boot"})
+    assert jobs.launcher_status(rebooted) == "gone"
+    elsewhere = record("d", state="running", launcher={**here, "host": "not-this-host",
+                                                       "pid": me})
+    assert jobs.launcher_status(elsewhere) == "elsewhere"
+    assert jobs.launcher_status(record("e")) == "ended"
+
+
+def test_ended_jobs_are_kept_bounded_and_running_ones_never_pruned(environ):
+    now = time.time()
+    made = [new(environ) for _ in range(7)]
+    running, _ = new(environ, state="running")
+    old_id, old_dir = new(environ)
+    os.utime(os.path.join(old_dir, jobs.RECORD), (now - 8 * 86400,) * 2)
+    for rank, (_, directory) in enumerate(made):  # the first made is the oldest
+        os.utime(os.path.join(directory, jobs.RECORD), (now - 100 + rank,) * 2)
+        with open(os.path.join(directory, "output.log"), "w") as f:
+            f.write("@0 o 2\nx\n")
+    # Most recent first: running, made[6], ..., made[0], then the 8-day-old one.
+    removed = jobs.prune(environ, now=now, keep=5, keep_logs=3)
+    assert set(removed) == {old_id, made[0][0], made[1][0], made[2][0]}
+    left = {r["id"] for r in jobs.scan(environ).records}
+    assert left == {running} | {i for i, _ in made[3:]}
+    with_logs = [i for i, d in made if os.path.exists(os.path.join(d, "output.log"))]
+    assert with_logs == [i for i, _ in made[-2:]]  # 3 most recent: running + the 2 newest
+
+
+def test_the_ring_keeps_the_most_recent_output_within_its_cap(tmp_path):
+    ring = joblog.RingLog(str(tmp_path), cap=1000)
+    for n in range(100):
+        ring.write(n % 3, Stream.STDERR if n % 2 else Stream.STDOUT, b"line %d\n" % n)
+    ring.close()
+    data = joblog.read_ring(str(tmp_path))
+    assert 500 <= len(data) <= 1100
+    got = list(joblog.records(data))
+    assert got[-1] == (99 % 3, "stderr", b"line 99\n")
+    numbers = [int(d.split()[1]) for _, _, d in got]
+    assert numbers == list(range(numbers[0], 100))  # in order, nothing lost since the cut
+
+
+def test_records_survive_any_bytes_and_a_torn_end():
+    data = b"\xff\x00binary\n\r\n"
+    whole = joblog.encode(2, "stdout", data) + joblog.encode(0, "stderr", b"e\n")
+    assert list(joblog.records(whole)) == [(2, "stdout", data), (0, "stderr", b"e\n")]
+    assert list(joblog.records(whole[:-1])) == [(2, "stdout", data)]
+    assert joblog.tagged(3, "stderr", b"a\nb") == b"[1,3]<stderr>:a\n[1,3]<stderr>:b\n"
+
+
+def test_the_ring_cap_comes_from_the_environment():
+    assert joblog.cap_from({}) == joblog.DEFAULT_CAP
+    assert joblog.cap_from({joblog.CAP_VARIABLE: "0"}) == 0
+    assert joblog.cap_from({joblog.CAP_VARIABLE: "junk"}) == joblog.DEFAULT_CAP
+
+
+def test_a_launch_registers_and_its_record_is_its_result_json(tmp_path, environ):
+    """Both are LaunchResult.to_json(): one schema."""
+    from conftest import OFFLINE, run_poprun
+
+    out = tmp_path / "r.json"
+    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "-v",
+                      f"--result-json={out}", sys.executable, "-c", "print('hi')",
+                      env=environ)
+    assert proc.returncode == 0, proc.stderr.decode()
+    result = json.loads(out.read_text())
+    (found,) = jobs.scan(environ).records
+    assert f"job {found['id']} (poprunctl show {found['id']}" in proc.stderr.decode()
+    found.pop("_dir")
+    assert found == result
+    assert result["schema"] == JOB_SCHEMA and result["state"] == "ended"
+    assert result["argv"][-3:] == [sys.executable, "-c", "print('hi')"]
+    assert result["launcher"]["pid"] > 0 and result["hosts"][0]["label"] == "localhost"
+    assert all(i["start"] and i["state"] == "exited" for i in result["instances"])
+    lines = list(joblog.records(joblog.read_ring(result["dir"])))
+    assert sorted(k for k, _, _ in lines) == [0, 1]
+
+
+def test_an_unwritable_state_directory_does_not_stop_a_launch(tmp_path):
+    from conftest import OFFLINE, run_poprun
+
+    (tmp_path / "poprun").write_text("a file where the state directory should be")
+    proc = run_poprun(*OFFLINE, "-v", sys.executable, "-c", "print('ok')",
+                      env={"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert b"ok" in proc.stdout
+    assert b"no job record" in proc.stderr
+
+
+def test_a_subprocess_sees_the_record_written_while_the_job_runs(tmp_path, environ):
+    from conftest import OFFLINE, poprun_argv, poprun_env
+    from sshd_hosts import wait_until
+
+    proc = subprocess.Popen(poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                                        sys.executable, "-c", "import time; time.sleep(30)"),
+                            env=poprun_env(environ), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        def running():
+            records = jobs.scan(environ).records
+            return records and sum(i["state"] == "running"
+                                   for i in records[0]["instances"]) == 2
+        wait_until(running, "a running record")
+        (found,) = jobs.scan(environ).records
+        assert found["state"] == "running" and found["exit_code"] is None
+        assert jobs.launcher_status(found) == "alive"
+        assert all(procid.is_same(i["pid"], i["start"]) for i in found["instances"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    (ended,) = jobs.scan(environ).records
+    assert ended["state"] == "ended" and ended["exit_reason"] == "signal"
+
+
+def test_a_dead_launchers_record_is_kept_for_reap_then_expires(environ):
+    now = time.time()
+    gone = {"host": socket.gethostname(), "boot_id": procid.boot_id(), "pid": 2 ** 22 + 7,
+            "start": 1}
+    fresh, fresh_dir = new(environ, state="running", launcher=gone)
+    stale, stale_dir = new(environ, state="running", launcher=gone)
+    for directory in (fresh_dir, stale_dir):
+        open(os.path.join(directory, jobs.SOCKET), "w").close()  # what a SIGKILL leaves
+    os.utime(os.path.join(stale_dir, jobs.RECORD), (now - 8 * 86400,) * 2)
+    assert jobs.prune(environ, now=now, keep=0) == [stale]
+    assert [r["id"] for r in jobs.scan(environ).records] == [fresh]

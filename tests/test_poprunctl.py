@@ -1,0 +1,547 @@
+"""`poprunctl` (poprun/ctl.py) and what it reaches: the command surface through typer's
+CliRunner, then real jobs — instances that deadlock on each other's sockets and one stuck in
+time.sleep, on this host and on real sshd hosts (tests/sshd_hosts.py) — seen, folded, read,
+stopped and reaped by a second process; `--stall-timeout` end to end.
+
+Every job runs with a state directory of the test's own ($XDG_RUNTIME_DIR), every wait is
+bounded (sshd_hosts.wait_until, subprocess timeouts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import OFFLINE, poprun_argv, poprun_env
+from poprun import ctl, jobs
+from poprun.result import JOB_SCHEMA
+from spawner import procid
+from sshd_hosts import instances_with, start_ssh_hosts, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+PY = sys.executable
+
+# Instances 0 and 1 each listen, connect to the other and wait for it to speak first: a
+# deadlock. Instance 2 (when there is one) is stuck in time.sleep: the odd one out.
+PROGRAM = """\
+import os, socket, sys, time
+import popdist
+
+def wait_for_peer(conn):
+    return conn.recv(1)  # BLOCKED IN RECV
+
+def deadlock(rank):
+    base = int(os.environ["MASTER_PORT"]) + 100
+    server = socket.create_server(("", base + rank))
+    while True:
+        try:
+            out = socket.create_connection(("127.0.0.1", base + 1 - rank))
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.02)
+    conn, _ = server.accept()
+    print(f"rank {rank} connected", flush=True)
+    wait_for_peer(conn)
+
+def nap():
+    print("napping", flush=True)
+    time.sleep(300)  # ASLEEP
+
+rank = int(os.environ["RANK"])
+if rank < 2:
+    deadlock(rank)
+else:
+    nap()
+"""
+
+
+@pytest.fixture
+def environ(tmp_path, monkeypatch):
+    """A state directory of the test's own, for the jobs and for poprunctl (here and in
+    subprocesses)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+    return {"XDG_RUNTIME_DIR": str(run)}
+
+
+@pytest.fixture
+def program(tmp_path) -> str:
+    path = tmp_path / "stuck.py"
+    path.write_text(PROGRAM)
+    return str(path)
+
+
+def poprunctl(*args: str, env: dict[str, str], timeout: float = 60
+              ) -> subprocess.CompletedProcess:
+    """poprunctl in a process of its own, as a user would run it."""
+    return subprocess.run([PY, "-m", "poprun.ctl", *args], env=poprun_env(env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_job(*args: str, env: dict[str, str], cwd=None) -> subprocess.Popen:
+    return subprocess.Popen(poprun_argv(*OFFLINE, *args), env=poprun_env(env), cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def running_job(env: dict[str, str], instances: int) -> str:
+    """The id of the one job running, once `instances` of its instances run."""
+    def ready():
+        found = json.loads(poprunctl("list", "--json", env=env).stdout)["jobs"]
+        return [j["id"] for j in found if j["state"] == "running"
+                and j["running"] == instances]
+    wait_until(ready, f"a job with {instances} running instances", timeout=60)
+    return ready()[0]
+
+
+def record_of(env: dict[str, str], job_id: str) -> dict:
+    return next(r for r in jobs.scan(env).records if r["id"] == job_id)
+
+
+def wait_lines(env, job_id, text: str, count: int) -> None:
+    wait_until(lambda: poprunctl("logs", job_id, env=env).stdout.count(text) >= count,
+               f"{count} x {text!r} in the job's output")
+
+
+# --- the command surface (CliRunner) -----------------------------------------------------
+
+runner = CliRunner()
+
+
+def test_every_command_is_there_with_json(environ):
+    result = runner.invoke(ctl.app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("list", "show", "stacks", "kill", "logs", "reap"):
+        assert command in result.output
+        assert "--json" in runner.invoke(ctl.app, [command, "--help"]).output
+    assert "--install-completion" in result.output
+
+
+def test_no_jobs_no_such_job_and_usage_errors(environ):
+    result = runner.invoke(ctl.app, ["list"])
+    assert result.exit_code == 0 and result.output == "no jobs\n"
+    assert json.loads(runner.invoke(ctl.app, ["list", "--json"]).output)["jobs"] == []
+    missing = runner.invoke(ctl.app, ["show", "zzzzzz"])
+    assert missing.exit_code == 1
+    assert "poprunctl: error: no job 'zzzzzz'" in missing.output
+    assert runner.invoke(ctl.app, ["kill", "x", "--signal", "NOPE"]).exit_code == 2
+    assert runner.invoke(ctl.app, ["stacks"]).exit_code == 2  # JOB missing
+    assert runner.invoke(ctl.app, ["frobnicate"]).exit_code == 2
+    nothing = runner.invoke(ctl.app, ["reap"])
+    assert nothing.exit_code == 0 and nothing.output.startswith("nothing to reap")
+
+
+def ended_record(environ, **fields) -> str:
+    job_id, directory = jobs.create(environ)
+    jobs.write(directory, {
+        "schema": JOB_SCHEMA, "id": job_id, "state": "ended", "exit_code": 3,
+        "exit_reason": "instance", "start_time": time.time() - 90, "num_instances": 2,
+        "program": ["python3", "train.py", "--lr\n1"], "dir": directory,
+        "hosts": [{"label": "localhost", "local": True}],
+        "instances": [{"index": i, "host": "localhost", "pid": 100 + i, "state": "failed",
+                       "outcome": "exited with status 3", "lines": 5, "start_time": 1.0,
+                       "end_time": 3.5} for i in range(2)], **fields})
+    return job_id
+
+
+def test_an_ended_job_is_listed_and_shown_from_its_record(environ):
+    job_id = ended_record(environ)
+    listed = runner.invoke(ctl.app, ["list"])
+    assert listed.exit_code == 0
+    line = next(x for x in listed.output.splitlines() if x.startswith(job_id))
+    assert "ended: instance (3)" in line and "0/2" in line and "1m30s" in line
+    assert "train.py --lr␊1" in line  # a newline in an argument stays on one line
+    shown = runner.invoke(ctl.app, ["show", job_id[:4]])
+    assert shown.exit_code == 0, shown.output
+    assert "exited with status 3" in shown.output
+    data = json.loads(runner.invoke(ctl.app, ["show", job_id, "--json"]).output)
+    assert [r["pid"] for r in data["instances"]] == [100, 101]
+    for command in ("stacks", "kill"):
+        refused = runner.invoke(ctl.app, [command, job_id])
+        assert refused.exit_code == 1 and "has ended" in refused.output
+
+
+def test_a_damaged_record_is_reported_not_fatal(environ):
+    good = ended_record(environ)
+    _, broken = jobs.create(environ)
+    Path(broken, jobs.RECORD).write_text("{not json")
+    result = runner.invoke(ctl.app, ["list", "--json"])
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert [j["id"] for j in data["jobs"]] == [good]
+    assert data["skipped"][0]["path"] == broken
+    plain = runner.invoke(ctl.app, ["list"])
+    assert f"poprunctl: skipped {broken}: not JSON" in plain.stderr
+
+
+def test_job_ids_complete(environ):
+    first, second = ended_record(environ), ended_record(environ)
+    assert {i for i, _ in ctl._complete_job("")} == {first, second}
+    assert first in [i for i, _ in ctl._complete_job(first[:3])]
+    assert [i for i, _ in ctl._complete_job(first)] == [first]
+
+
+def test_the_dashboard_says_the_job_id_and_stalled():
+    from rich.console import Console
+
+    from poprun.dashboard import DashboardState, panel_lines
+
+    state = DashboardState(2, ["localhost"], 0.0)
+    for i in range(2):
+        state.instance_started(i, "localhost", 10 + i, 0.0)
+    state.job_id, state.stalled = "k3f9qz", True
+    console = Console(width=100)
+    with console.capture() as capture:
+        console.print(panel_lines(state, 5.0, 100, 20)[0])
+    assert capture.get().startswith("poprun k3f9qz stalled")
+
+
+# --- a real job, from a second process -----------------------------------------------------
+
+def test_list_show_stacks_logs_kill_against_a_live_local_job(environ, program, tmp_path):
+    job = start_job("--num-instances=3", "--num-replicas=3", "--result-json",
+                    str(tmp_path / "r.json"), PY, program, env=environ)
+    try:
+        job_id = running_job(environ, 3)
+        wait_lines(environ, job_id, "connected", 2)
+        listed = poprunctl("list", env=environ)
+        assert listed.returncode == 0
+        row = next(x for x in listed.stdout.splitlines() if x.startswith(job_id))
+        assert "running" in row and "3/3" in row and "localhost" in row and "stuck.py" in row
+
+        shown = poprunctl("show", job_id, "--json", env=environ)
+        rows = json.loads(shown.stdout)["instances"]
+        assert [r["state"] for r in rows] == ["running"] * 3
+        assert {r["last_line"] for r in rows} == {"rank 0 connected", "rank 1 connected",
+                                                  "napping"}
+        assert all(r["rss"] for r in rows)  # sampled from /proc for local instances
+        table = poprunctl("show", job_id, env=environ).stdout
+        assert "napping" in table and "running" in table
+
+        started = time.monotonic()
+        stacks = poprunctl("stacks", job_id, env=environ)
+        assert stacks.returncode == 0, stacks.stderr
+        assert time.monotonic() - started < 10
+        text = stacks.stdout
+        assert "instances [2] (1 of 3):" in text and "instances [0-1] (2 of 3):" in text
+        assert text.index("instances [2]") < text.index("instances [0-1]")  # odd one first
+        assert "time.sleep(300)  # ASLEEP" in text
+        assert f"{program}:5 in wait_for_peer   return conn.recv(1)  # BLOCKED IN RECV" in text
+        folded = json.loads(poprunctl("stacks", job_id, "--json", "-i", "1", env=environ)
+                            .stdout)
+        assert folded["instances"] == [1]
+        assert folded["groups"][0]["frames"][0]["code"].endswith("# BLOCKED IN RECV")
+
+        logs = poprunctl("logs", job_id, "--instance", "2", env=environ).stdout
+        assert logs == "[1,2]<stdout>:napping\n"
+
+        killed = poprunctl("kill", job_id, env=environ)
+        assert killed.returncode == 0 and "SIGINT sent" in killed.stdout
+        _, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 130, err.decode()
+    assert err.decode().count("KeyboardInterrupt") >= 3  # every instance got the Ctrl-C
+    ended = poprunctl("list", "--json", env=environ)
+    (entry,) = json.loads(ended.stdout)["jobs"]
+    assert entry["state"] == "ended" and entry["exit_reason"] == "signal"
+    record = record_of(environ, job_id)
+    record.pop("_dir")
+    assert record == json.loads((tmp_path / "r.json").read_text())  # one schema
+    assert not os.path.exists(record["control"])
+    after = poprunctl("logs", job_id, env=environ).stdout  # from the ring, once ended
+    assert "[1,0]<stdout>:rank 0 connected" in after and "[1,2]<stdout>:napping" in after
+
+
+def test_logs_follow_sees_every_new_line_once_and_ends_with_the_job(environ, tmp_path):
+    count = 60
+    job = start_job("--num-instances=2", "--num-replicas=2", PY, "-c",
+                    "import sys, time\n"
+                    "for i in range(%d):\n"
+                    "    print('tick', i, flush=True)\n"
+                    "    time.sleep(0.03)\n" % count, env=environ)
+    try:
+        job_id = running_job(environ, 2)
+        follow = subprocess.run([PY, "-m", "poprun.ctl", "logs", "-f", job_id],
+                                env=poprun_env(environ), capture_output=True, text=True,
+                                timeout=60)
+        job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert follow.returncode == 0, follow.stderr
+    for index in range(2):
+        mine = [x for x in follow.stdout.splitlines() if x.startswith(f"[1,{index}]")]
+        assert mine == [f"[1,{index}]<stdout>:tick {i}" for i in range(count)]
+
+
+def test_a_job_with_output_filename_keeps_no_ring_and_logs_read_its_files(environ, tmp_path):
+    job = subprocess.run(poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                                     "--output-filename", "out", PY, "-c",
+                                     "import sys; print('o'); print('e', file=sys.stderr)"),
+                         env=poprun_env(environ), cwd=tmp_path, capture_output=True,
+                         timeout=60)
+    assert job.returncode == 0, job.stderr.decode()
+    (record,) = jobs.scan(environ).records
+    assert record["log"] is None and record["output_dir"] == str(tmp_path / "out")
+    assert not any(n.startswith("output.log") for n in os.listdir(record["_dir"]))
+    logs = poprunctl("logs", record["id"], env=environ).stdout.splitlines()
+    assert sorted(logs) == sorted(["[1,0]<stdout>:o", "[1,0]<stderr>:e", "[1,1]<stdout>:o",
+                                   "[1,1]<stderr>:e"])
+
+
+# --- stalls ---------------------------------------------------------------------------------
+
+def test_a_stall_is_reported_once_and_the_job_goes_on(environ, tmp_path):
+    quiet = tmp_path / "quiet.py"
+    quiet.write_text("import os, time\nimport popdist\nprint('step 0', flush=True)\n"
+                     "time.sleep(2.5)  # QUIET HERE\nprint('step 1', flush=True)\n")
+    proc = subprocess.run(poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                                      "--stall-timeout=1", "--result-json",
+                                      str(tmp_path / "r.json"), PY, str(quiet)),
+                          env=poprun_env(environ), capture_output=True, timeout=60)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert proc.stdout.decode().count("step 1") == 2
+    assert err.count("no instance has written a line for") == 1, err
+    assert "instances [0-1] (2 of 2):" in err and "time.sleep(2.5)  # QUIET HERE" in err
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["exit_reason"] == "success" and result["stall"] is None
+    (stall,) = result["stalls"]
+    assert stall["timeout"] == 1 and stall["idle"] >= 1
+    assert Path(stall["stacks_file"]).parent == Path(result["dir"])
+    assert "# QUIET HERE" in Path(stall["stacks_file"]).read_text()
+
+
+def test_stall_action_kill_names_the_stall_as_the_root_cause(environ, program, tmp_path):
+    proc = subprocess.run(poprun_argv(*OFFLINE, "--num-instances=3", "--num-replicas=3",
+                                      "--stall-timeout=1.5", "--stall-action=kill",
+                                      "--result-json", str(tmp_path / "r.json"), PY, program),
+                          env=poprun_env(environ), capture_output=True, timeout=60)
+    err = proc.stderr.decode()
+    assert proc.returncode == 124, err
+    assert "poprun: stalled: no instance wrote a line for" in err
+    assert "stopped by --stall-action kill" in err
+    assert "poprun:   instances [2] at " in err and "# ASLEEP" in err
+    assert "# BLOCKED IN RECV" in err
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["exit_reason"] == "stall" and result["exit_code"] == 124
+    assert result["root_cause"] is None
+    groups = result["stall"]["stacks"]["groups"]
+    assert [g["instances"] for g in groups][:2] == [[2], [0, 1]]
+    assert all(i["stopped_by_poprun"] for i in result["instances"])
+
+
+# --- reap -----------------------------------------------------------------------------------
+
+def test_reap_leaves_alone_a_process_that_reuses_a_recorded_pid(environ, tmp_path):
+    """A fake record of a dead launcher whose instance's pid now belongs to an unrelated
+    process (its start time differs): reap kills nothing, removes only poprun's dirs."""
+    unrelated = subprocess.Popen(["sleep", "300"])
+    cache = tmp_path / "poprun-cache-leftover"
+    cache.mkdir()
+    (cache / "compiled.bin").write_text("x")
+    mine = tmp_path / "precious"
+    mine.mkdir()
+    try:
+        job_id, directory = jobs.create(environ)
+        host = {"host": os.uname().nodename, "boot_id": procid.boot_id()}
+        jobs.write(directory, {
+            "schema": JOB_SCHEMA, "id": job_id, "state": "running", "dir": directory,
+            "start_time": time.time(), "program": ["train"], "num_instances": 1,
+            "launcher": {**host, "pid": unrelated.pid,
+                         "start": procid.start_ticks(unrelated.pid) + 5},
+            "hosts": [{"label": "localhost", "local": True, "boot_id": procid.boot_id()}],
+            "caches": {"localhost": str(cache)}, "error_dirs": {"localhost": str(mine)},
+            "instances": [{"index": 0, "host": "localhost", "pid": unrelated.pid,
+                           "start": procid.start_ticks(unrelated.pid) - 1,
+                           "state": "running"}]})
+        if os.uname().nodename != __import__("socket").gethostname():
+            pytest.skip("uname and gethostname differ here")
+        listed = poprunctl("list", "--json", env=environ)
+        assert json.loads(listed.stdout)["jobs"][0]["state"] == "gone"
+        dry = poprunctl("reap", "--dry-run", env=environ)
+        assert "localhost: instance 0 (pid %d): its pid is another process's now: not " \
+               "touched" % unrelated.pid in dry.stdout
+        assert f"{cache}: would remove it" in dry.stdout and cache.exists()
+        done = poprunctl("reap", env=environ)
+        assert done.returncode == 0, done.stderr
+        assert "not touched" in done.stdout and f"{cache}: removed" in done.stdout
+        assert f"{mine}: not a poprun temporary directory: kept" in done.stdout
+        assert unrelated.poll() is None and not cache.exists() and mine.exists()
+        assert record_of(environ, job_id)["exit_reason"] == "reaped"
+        assert poprunctl("reap", env=environ).stdout.startswith("nothing to reap")
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+
+
+def test_reap_after_sigkill_of_poprun_and_its_lifeline(environ, program):
+    marker = f"reap-local-{os.getpid()}"
+    job = start_job("--num-instances=3", "--num-replicas=3", PY, program, marker, env=environ)
+    try:
+        job_id = running_job(environ, 3)
+        record = record_of(environ, job_id)
+        caches = list(record["caches"].values())
+        assert caches and all(os.path.isdir(c) for c in caches)
+        os.kill(record["lifeline"]["pid"], signal.SIGKILL)
+        os.kill(record["launcher"]["pid"], signal.SIGKILL)
+        job.wait(timeout=30)
+        leftovers = instances_with(marker)
+        assert len(leftovers) == 3  # nobody cleaned up
+        assert json.loads(poprunctl("list", "--json", env=environ).stdout)["jobs"][0][
+            "state"] == "gone"
+        reaped = poprunctl("reap", env=environ)
+        assert reaped.returncode == 0, reaped.stderr
+        for index in range(3):
+            assert f"localhost: instance {index} (pid" in reaped.stdout
+        assert reaped.stdout.count("killed its process group") == 3
+        assert f"{caches[0]}: removed" in reaped.stdout
+        wait_until(lambda: not instances_with(marker), "the leftovers gone")
+        assert not any(os.path.exists(c) for c in caches)
+    finally:
+        for pid in instances_with(marker):
+            os.kill(pid, signal.SIGKILL)
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+
+
+# --- remote hosts ----------------------------------------------------------------------------
+
+@pytest.fixture
+def hosts(tmp_path):
+    with start_ssh_hosts(2, tmp_path) as h:
+        yield h
+
+
+def test_stacks_show_kill_with_instances_on_sshd_hosts(environ, program, hosts, tmp_path):
+    env = {**hosts.env(), **environ}
+    job = start_job("--host", "h1,h2,localhost", "--num-instances=3", "--num-replicas=3",
+                    PY, program, env=env)
+    try:
+        job_id = running_job(env, 3)
+        wait_lines(env, job_id, "connected", 2)
+        rows = json.loads(poprunctl("show", job_id, "--json", env=env).stdout)["instances"]
+        assert [r["host"] for r in rows] == ["h1", "h2", "localhost"]
+        assert all(r["state"] == "running" and r["pid"] for r in rows)
+        stacks = poprunctl("stacks", job_id, env=env)
+        assert stacks.returncode == 0, stacks.stderr
+        text = stacks.stdout
+        assert "instances [2] (1 of 3):" in text and "# ASLEEP" in text  # on localhost
+        assert "instances [0-1] (2 of 3):" in text  # on h1 and h2, read by their agents
+        assert "return conn.recv(1)  # BLOCKED IN RECV" in text
+        assert text.index("instances [2]") < text.index("instances [0-1]")
+        killed = poprunctl("kill", job_id, "--signal", "SIGTERM", env=env)
+        assert killed.returncode == 0
+        _, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 128 + signal.SIGTERM, err.decode()
+    record = record_of(env, job_id)
+    assert {h["label"]: h["local"] for h in record["hosts"]} == {
+        "h1": False, "h2": False, "localhost": True}
+    assert all(i["start"] for i in record["instances"])  # remote start times from agents
+
+
+def test_stall_kill_reads_remote_stacks(environ, program, hosts, tmp_path):
+    env = {**hosts.env(), **environ}
+    proc = subprocess.run(poprun_argv(*OFFLINE, "--host", "h1,h2,localhost",
+                                      "--num-instances=3", "--num-replicas=3",
+                                      "--stall-timeout=2", "--stall-action=kill", PY, program),
+                          env=poprun_env(env), capture_output=True, timeout=90)
+    err = proc.stderr.decode()
+    assert proc.returncode == 124, err
+    assert "instances [0-1] (2 of 3):" in err and "# BLOCKED IN RECV" in err
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        found += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    return found
+
+
+def _ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rpartition(")")[2].split()[1])
+
+
+def test_reap_over_ssh_after_the_launcher_and_a_remote_agent_were_killed(environ, program,
+                                                                        hosts):
+    """poprun, its lifeline, and h1's agent with its own lifeline all SIGKILLed: instances
+    are left on this host and on h1; reap kills both (over SSH for h1) and removes both
+    hosts' temporary caches."""
+    from spawner.containment import remove_tree
+
+    env = {**hosts.env(), **environ}
+    marker = f"reap-ssh-{os.getpid()}"
+    job = start_job("--host", "localhost,h1", "--num-instances=2", "--num-replicas=2", PY,
+                    "-c", "import time; time.sleep(300)", marker, env=env)
+    remote_dirs = []
+    try:
+        job_id = running_job(env, 2)
+        record = record_of(env, job_id)
+        remote = next(i for i in record["instances"] if i["host"] == "h1")
+        environ_there = dict(e.split("=", 1) for e in Path(f"/proc/{remote['pid']}/environ")
+                             .read_text().split("\0") if "=" in e)
+        remote_dirs.append(os.path.dirname(environ_there["POPDIST_ERROR_FILE"]))
+        cgroup = Path(f"/proc/{remote['pid']}/cgroup").read_text().strip().partition("::")[2]
+        agent = _ppid(remote["pid"])
+        launcher = record["launcher"]["pid"]
+        os.kill(launcher, signal.SIGSTOP)  # it must not see its agent go
+        os.kill(record["lifeline"]["pid"], signal.SIGKILL)
+        for pid in _children(agent):
+            if pid != remote["pid"]:
+                os.kill(pid, signal.SIGKILL)  # the agent's lifeline
+        os.kill(agent, signal.SIGKILL)
+        os.kill(launcher, signal.SIGKILL)
+        job.wait(timeout=30)
+        assert len(instances_with(marker)) == 2
+        caches = dict(record["caches"])
+        assert set(caches) == {"localhost", "h1"} and all(map(os.path.isdir, caches.values()))
+        dry = poprunctl("reap", "--dry-run", "--json", env=env)
+        (plan,) = json.loads(dry.stdout)["jobs"]
+        by_host = {h["host"]: h for h in plan["hosts"]}
+        assert by_host["h1"]["error"] is None
+        assert {e["note"] for e in by_host["h1"]["entries"]} == {
+            "would kill its process group", "would remove it"}
+        reaped = poprunctl("reap", env=env)
+        assert reaped.returncode == 0, reaped.stderr
+        assert f"h1: instance {remote['index']} (pid {remote['pid']}): killed its process " \
+               "group" in reaped.stdout
+        assert f"h1: {caches['h1']}: removed" in reaped.stdout
+        assert f"localhost: {caches['localhost']}: removed" in reaped.stdout
+        wait_until(lambda: not instances_with(marker), "every leftover gone")
+        assert not any(map(os.path.exists, caches.values()))
+        assert record_of(env, job_id)["state"] == "ended"
+    finally:
+        for pid in instances_with(marker):
+            os.kill(pid, signal.SIGKILL)
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        for path in remote_dirs:  # h1's agent's own: nobody recorded it
+            shutil.rmtree(path, ignore_errors=True)
+        from spawner.containment import own_cgroup_dir
+
+        mount = own_cgroup_dir()
+        if mount and "cgroup" in locals() and cgroup.startswith("/"):
+            root = Path(f"/sys/fs/cgroup{cgroup}").parent
+            for candidate in (root, Path(str(root).replace("/sys/fs/cgroup",
+                                                           "/sys/fs/cgroup/unified"))):
+                if candidate.name.startswith("poprun-") and candidate.is_dir():
+                    remove_tree(str(candidate))

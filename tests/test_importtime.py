@@ -64,3 +64,14 @@ def test_numa_is_imported_when_memory_is_bound():
                        "--process-placement=spreadnuma", "true")
     assert "numa" in modules
     assert not {"typer", "rich", "asyncssh"} & {m.partition(".")[0] for m in modules}
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--num-instances=0", "true"]],
+                         ids=["version", "usage-error"])
+def test_what_launches_nothing_does_not_import_asyncio(args):
+    """`--version` and a usage error run no loop: asyncio (~25 ms here) stays out of them."""
+    assert "asyncio" not in imported(*args)
+
+
+def test_a_launch_does_import_asyncio():  # the check above can see asyncio when it is there
+    assert "asyncio" in imported("--num-instances=1", "--num-replicas=1", *OFFLINE, "true")

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from popdist.env import ERROR_FILE
 
-from . import containment, stackdump
+from . import containment
 from .binding import bound
 from .containment import Cgroups
 from .lifeline import Lifeline
@@ -150,6 +150,9 @@ class LocalSpawner:
         if self._lifeline:
             env[containment.MARK] = self._lifeline.token
         env[ERROR_FILE] = self._error_file(spec.key)
+        # Imported here: stackdump needs asyncio, which `poprun --version` must not import.
+        from . import stackdump
+
         env.update(stackdump.instance_env(env[ERROR_FILE], env))  # popdist/_stacks.py
         with bound(spec.cpus, spec.mems) as memory_bound:
             proc = subprocess.Popen(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 import signal
 import sys
@@ -239,3 +240,20 @@ async def test_cancelled_launch_leaves_nothing(tmp_path: Path, capture: Capture)
         await asyncio.wait_for(task, TIMEOUT)
     assert pids and not (children() & pids)
     assert children() <= before
+
+
+async def test_a_launch_from_python_is_a_job_poprunctl_sees(tmp_path: Path, capture: Capture,
+                                                             monkeypatch) -> None:
+    """`await launch()` registers the job as the command does: its ended record is the
+    result's JSON (one schema), in the caller's state directory."""
+    from poprun import jobs
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    result = await asyncio.wait_for(launch(config(PY, "-c", "print('hi')"), **capture.fds),
+                                    TIMEOUT)
+    assert result.exit_code == 0
+    (found,) = jobs.scan().records
+    assert found.pop("_dir") == os.path.join(tmp_path, "poprun", "jobs", found["id"])
+    assert found == json.loads(json.dumps(result.to_json()))
+    assert found["state"] == "ended" and found["exit_reason"] == "success"
+    assert [i["state"] for i in found["instances"]] == ["exited", "exited"]

@@ -84,6 +84,25 @@ def test_damaged_and_foreign_records_are_reported_and_skipped(environ):
     assert "not a job directory" in reasons[os.path.join(jobs.jobs_dir(environ), "stray-file")]
 
 
+@pytest.mark.parametrize("fields, named", [
+    ({"start_time": "yesterday"}, "start_time"),
+    ({"hosts": ["h1"]}, "hosts[]"),
+    ({"launcher": ["pid", 1]}, "launcher"),
+    ({"instances": [{"index": 0, "pid": "12"}]}, "instances[0].pid"),
+    ({"instances": ["x"]}, "instances[0]"),
+    ({"instances": None}, "instances"),
+    ({"num_instances": True}, "num_instances"),
+])
+def test_a_record_with_fields_of_the_wrong_type_is_skipped_naming_them(environ, fields, named):
+    """Right schema, wrong shapes (a hand edit): the readers would crash on them later."""
+    good, _ = new(environ)
+    _, damaged = new(environ, **fields)
+    found = jobs.scan(environ)
+    assert [r["id"] for r in found.records] == [good]
+    (path, why), = found.problems
+    assert path == damaged and why.startswith("damaged: ") and named in why.split(": ")[1]
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
 def test_another_users_record_is_not_trusted(environ):
     _, directory = new(environ)

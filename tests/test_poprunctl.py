@@ -25,6 +25,7 @@ from poprun import ctl, jobs
 from poprun.result import JOB_SCHEMA
 from spawner import procid
 from sshd_hosts import instances_with, start_ssh_hosts, wait_until
+from vipu_harness import sim  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(120)
 PY = sys.executable
@@ -180,6 +181,14 @@ def test_a_damaged_record_is_reported_not_fatal(environ):
     assert data["skipped"][0]["path"] == broken
     plain = runner.invoke(ctl.app, ["list"])
     assert f"poprunctl: skipped {broken}: not JSON" in plain.stderr
+    # Right schema, wrong types: skipped too, by every command that reads records.
+    _, typed = jobs.create(environ)
+    jobs.write(typed, {"schema": JOB_SCHEMA, "id": Path(typed).name, "state": "running",
+                       "start_time": "yesterday", "hosts": ["h1"], "instances": []})
+    for command in (["list"], ["reap", "--dry-run"], ["show", Path(typed).name]):
+        result = runner.invoke(ctl.app, command)
+        assert result.exception is None or isinstance(result.exception, SystemExit), command
+        assert f"poprunctl: skipped {typed}: damaged: start_time, hosts[]" in result.stderr
 
 
 def test_job_ids_complete(environ):
@@ -324,6 +333,38 @@ def test_a_stall_is_reported_once_and_the_job_goes_on(environ, tmp_path):
     assert "# QUIET HERE" in Path(stall["stacks_file"]).read_text()
 
 
+def test_a_stalled_job_is_seen_stalled_from_outside_then_running_again(environ, tmp_path):
+    """`list` and `show` from a second process say "stalled" while the job is silent, and
+    "running" once an instance writes again."""
+    go = tmp_path / "go"
+    waiting = tmp_path / "waiting.py"
+    waiting.write_text(f"import os, time\nimport popdist\nprint('step 0', flush=True)\n"
+                       f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n"
+                       f"while os.path.exists({str(go)!r}):  # never silent again\n"
+                       f"    print('step 1', flush=True)\n    time.sleep(0.1)\n")
+    job = start_job("--num-instances=2", "--num-replicas=2", "--stall-timeout=1", PY,
+                    str(waiting), env=environ)
+
+    def listed(state: str) -> list[str]:
+        found = json.loads(poprunctl("list", "--json", env=environ).stdout)["jobs"]
+        return [j["id"] for j in found if j["state"] == state]
+    try:
+        wait_until(lambda: listed("stalled"), "the job to be listed as stalled", timeout=30)
+        job_id = listed("stalled")[0]
+        assert json.loads(poprunctl("show", job_id, "--json", env=environ).stdout)[
+            "state"] == "stalled"
+        go.write_text("")
+        wait_until(lambda: listed("running") == [job_id], "the job to run again", timeout=30)
+        go.unlink()
+        _, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, err.decode()
+    assert record_of(environ, job_id)["exit_reason"] == "success"
+
+
 def test_stall_action_kill_names_the_stall_as_the_root_cause(environ, program, tmp_path):
     proc = subprocess.run(poprun_argv(*OFFLINE, "--num-instances=3", "--num-replicas=3",
                                       "--stall-timeout=1.5", "--stall-action=kill",
@@ -344,6 +385,83 @@ def test_stall_action_kill_names_the_stall_as_the_root_cause(environ, program, t
 
 
 # --- reap -----------------------------------------------------------------------------------
+
+def dead_launcher_record(environ, **fields) -> str:
+    """A record of a job whose launcher is gone (its pid is this test's, its start time not);
+    `fields` complete or replace it. Returns the job id."""
+    job_id, directory = jobs.create(environ)
+    jobs.write(directory, {
+        "schema": JOB_SCHEMA, "id": job_id, "state": "running", "dir": directory,
+        "start_time": time.time(), "program": ["train"], "num_instances": 1,
+        "launcher": {"host": __import__("socket").gethostname(), "boot_id": procid.boot_id(),
+                     "pid": os.getpid(), "start": procid.start_ticks(os.getpid()) + 5},
+        "hosts": [{"label": "localhost", "local": True, "boot_id": procid.boot_id()}],
+        "instances": [], **fields})
+    return job_id
+
+
+def test_a_host_that_cannot_be_reached_keeps_the_record_for_the_next_reap(environ, tmp_path):
+    """A remote host that does not answer: the rest is cleaned, reap exits 1 saying so, and
+    the job is still there to reap (not marked ended)."""
+    cache = tmp_path / "poprun-cache-here"
+    cache.mkdir()
+    job_id = dead_launcher_record(
+        environ, caches={"localhost": str(cache)},
+        hosts=[{"label": "localhost", "local": True, "boot_id": procid.boot_id()},
+               {"label": "poprun-test-no-such-host.invalid", "local": False}])
+    done = poprunctl("reap", env=environ)
+    assert done.returncode == 1, done
+    assert f"localhost: {cache}: removed" in done.stdout and not cache.exists()
+    assert "poprun-test-no-such-host.invalid: nothing done: " in done.stdout
+    assert "run poprunctl reap again" in done.stdout
+    record = record_of(environ, job_id)
+    assert record["state"] == "running" and record["last_reap"]["complete"] is False
+    assert jobs.state_of(record) == "gone"
+    again = poprunctl("reap", "--json", env=environ)
+    assert again.returncode == 1 and json.loads(again.stdout)["jobs"][0]["id"] == job_id
+
+
+def test_reap_removes_the_partition_poprun_created(environ, sim):
+    """The V-IPU side (the simulator: no V-IPU server exists here): a partition poprun
+    created is removed, one it was told to keep is kept; the job then ends."""
+    sim.add("made-by-poprun")
+    sim.add("kept")
+    partition = {"host": "localhost", "port": 8090, "timeout": 30, "executable": "vipu",
+                 "created": True}
+    removed = dead_launcher_record(environ, partition={**partition, "name": "made-by-poprun",
+                                                       "remove": True})
+    kept = dead_launcher_record(environ, partition={**partition, "name": "kept",
+                                                    "remove": False})
+    dry = poprunctl("reap", "--dry-run", env=environ)
+    assert "partition made-by-poprun: would remove it" in dry.stdout, dry
+    assert set(sim.partitions()) == {"made-by-poprun", "kept"}
+    done = poprunctl("reap", env=environ)
+    assert done.returncode == 0, done
+    assert "partition made-by-poprun: removed" in done.stdout
+    assert "partition kept: kept (--remove-partition=no)" in done.stdout
+    assert set(sim.partitions()) == {"kept"}
+    assert {record_of(environ, j)["exit_reason"] for j in (removed, kept)} == {"reaped"}
+
+
+def test_after_a_reboot_recorded_pids_are_never_touched(tmp_path):
+    """A host whose boot id changed: every recorded pid belongs to someone else now (this
+    test's own sleep stands for one): nothing is killed; poprun's temporary dirs still go."""
+    from spawner import reaphere
+
+    other = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    cache = tmp_path / "poprun-cache-old"
+    cache.mkdir()
+    try:
+        done = reaphere.reap_here({
+            "boot_id": "another-boot", "dirs": [str(cache)],
+            "instances": [[0, other.pid, procid.start_ticks(other.pid)]]})
+        assert done[0] == {"what": "instance", "index": 0, "pid": other.pid, "done": False,
+                           "note": "gone (the host has rebooted since)"}
+        assert other.poll() is None and not cache.exists()
+    finally:
+        other.kill()
+        other.wait()
+
 
 def test_reap_leaves_alone_a_process_that_reuses_a_recorded_pid(environ, tmp_path):
     """A fake record of a dead launcher whose instance's pid now belongs to an unrelated
@@ -428,19 +546,20 @@ def hosts(tmp_path):
 
 def test_stacks_show_kill_with_instances_on_sshd_hosts(environ, program, hosts, tmp_path):
     env = {**hosts.env(), **environ}
-    job = start_job("--host", "h1,h2,localhost", "--num-instances=3", "--num-replicas=3",
+    # The deadlock spans this host and h1; the sleeper is on h2.
+    job = start_job("--host", "localhost,h1,h2", "--num-instances=3", "--num-replicas=3",
                     PY, program, env=env)
     try:
         job_id = running_job(env, 3)
         wait_lines(env, job_id, "connected", 2)
         rows = json.loads(poprunctl("show", job_id, "--json", env=env).stdout)["instances"]
-        assert [r["host"] for r in rows] == ["h1", "h2", "localhost"]
+        assert [r["host"] for r in rows] == ["localhost", "h1", "h2"]
         assert all(r["state"] == "running" and r["pid"] for r in rows)
         stacks = poprunctl("stacks", job_id, env=env)
         assert stacks.returncode == 0, stacks.stderr
         text = stacks.stdout
-        assert "instances [2] (1 of 3):" in text and "# ASLEEP" in text  # on localhost
-        assert "instances [0-1] (2 of 3):" in text  # on h1 and h2, read by their agents
+        assert "instances [2] (1 of 3):" in text and "# ASLEEP" in text  # read by h2's agent
+        assert "instances [0-1] (2 of 3):" in text  # here and on h1
         assert "return conn.recv(1)  # BLOCKED IN RECV" in text
         assert text.index("instances [2]") < text.index("instances [0-1]")
         killed = poprunctl("kill", job_id, "--signal", "SIGTERM", env=env)

@@ -396,7 +396,8 @@ def reap(dry_run: Annotated[bool, typer.Option("--dry-run", "-n",
     and its watchdog were SIGKILLed, a remote host died and came back): kill their leftover
     instances (pid and start time must match: never a recycled pid), remove their
     poprun-cache-* directories on every recorded host (over SSH for remote ones), release
-    the partitions poprun created; host by host, what was done."""
+    the partitions poprun created; host by host, what was done. Exit status 1 when a host
+    could not be reached or a partition not removed: the record is kept for the next reap."""
     import asyncio
 
     from . import reap as reaping
@@ -406,12 +407,13 @@ def reap(dry_run: Annotated[bool, typer.Option("--dry-run", "-n",
     reports = [asyncio.run(reaping.reap(r, dry_run=dry_run)) for r in orphans]
     if as_json:
         _print_json({"dry_run": dry_run, "jobs": [r.to_json() for r in reports]})
-        return
-    if not reports:
+    elif not reports:
         sys.stdout.write("nothing to reap: every job's launcher is alive or has cleaned up\n")
-        return
     for record, report in zip(orphans, reports):
-        sys.stdout.write(reaping.render(report, record))
+        if not as_json:
+            sys.stdout.write(reaping.render(report, record))
+    if not all(r.complete for r in reports):
+        raise typer.Exit(1)  # something is left that a later reap must finish
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ mode 0700) holding:
   `--output-filename` writes it already;
 - `stall-<n>.txt`: the folded stacks of each stall `--stall-timeout` saw.
 
-The record has one schema, `SCHEMA`, shared with `--result-json`: an ended job's record *is*
+The record has one schema, `result.JOB_SCHEMA`, shared with `--result-json`: an ended job's record *is*
 its `LaunchResult.to_json()`; while the job runs the same keys are there, the result's own
 (`exit_code`, `exit_reason`, ...) null. See `LaunchResult.to_json` for the keys.
 
@@ -37,8 +37,8 @@ from typing import Any
 from spawner import procid
 
 from .crash import ensure_state_dir, state_dir
+from .result import JOB_SCHEMA as SCHEMA
 
-SCHEMA = "poprun.job/1"
 RECORD = "job.json"
 SOCKET = "control.sock"
 KEEP_ENDED = 100  # ended records kept
@@ -123,11 +123,48 @@ def load(directory: str) -> dict[str, Any]:
     if not isinstance(record, dict) or record.get("schema") != SCHEMA:
         found = record.get("schema") if isinstance(record, dict) else type(record).__name__
         raise RecordError(f"not a {SCHEMA} record (schema {found!r})")
-    if record.get("id") != os.path.basename(directory) or not isinstance(
-            record.get("instances"), list):
-        raise RecordError("its id or instances are missing or wrong")
+    if record.get("id") != os.path.basename(directory):
+        raise RecordError("its id is missing or wrong")
+    wrong = _wrong_fields(record)
+    if wrong:
+        raise RecordError(f"damaged: {', '.join(wrong)} of the wrong type")
     record["_dir"] = directory  # where it was read from; never written back
     return record
+
+
+_NUMBER, _TEXT, _LIST, _MAPPING = (int, float), (str,), (list,), (dict,)
+# What the readers here and in ctl.py/reap.py rely on; None is allowed for every key but
+# `instances` (a running job's result keys are null until it ends).
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "state": _TEXT, "start_time": _NUMBER, "end_time": _NUMBER, "exit_code": (int,),
+    "exit_reason": _TEXT, "program": _LIST, "argv": _LIST, "cwd": _TEXT, "hosts": _LIST,
+    "num_instances": (int,), "launcher": _MAPPING, "lifeline": _MAPPING,
+    "partition": _MAPPING, "control": _TEXT, "caches": _MAPPING, "error_dirs": _MAPPING,
+    "pythons": _MAPPING, "cgroup": _TEXT, "output_dir": _TEXT, "log": _TEXT}
+INSTANCE_TYPES: dict[str, tuple[type, ...]] = {
+    "index": (int,), "host": _TEXT, "pid": (int,), "start": (int,), "state": _TEXT,
+    "start_time": _NUMBER, "end_time": _NUMBER}
+
+
+def _wrong_fields(record: Mapping[str, Any]) -> list[str]:
+    """The keys whose values the readers could not use (a hand-edited or damaged record)."""
+    def wrong(value: Any, types: tuple[type, ...]) -> bool:
+        return value is not None and (not isinstance(value, types) or isinstance(value, bool)
+                                      and bool not in types)
+
+    found = [key for key, types in FIELD_TYPES.items() if wrong(record.get(key), types)]
+    if not isinstance(record.get("instances"), list):
+        return [*found, "instances"]
+    for i, inst in enumerate(record["instances"]):
+        if not isinstance(inst, dict):
+            found.append(f"instances[{i}]")
+            continue
+        found += [f"instances[{i}].{key}" for key, types in INSTANCE_TYPES.items()
+                  if wrong(inst.get(key), types)]
+    if isinstance(record.get("hosts"), list) and not all(
+            isinstance(h, dict) and isinstance(h.get("label"), str) for h in record["hosts"]):
+        found.append("hosts[]")
+    return found
 
 
 @dataclass(frozen=True)

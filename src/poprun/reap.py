@@ -12,8 +12,10 @@ really died and came back. For each such job, host by host:
   host's Python (arguments as base64 JSON: nothing is pasted into a shell);
 - the V-IPU partition, when poprun created it (and --remove-partition allowed removing it);
 
-then the record is marked ended (`exit_reason` "reaped", with what was done). `dry_run`
-only says what would be done.
+then the record is marked ended (`exit_reason` "reaped", with what was done) — but only when
+every host answered and the partition (if any) is gone: otherwise the record keeps its state,
+with this attempt noted (`last_reap`), so a later `reap`, once the host is back, finishes the
+job. `dry_run` only says what would be done.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import base64
 import json
 import os
 import shlex
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,11 +56,17 @@ class JobReport:
     id: str
     hosts: list[HostReport]
     partition: str | None = None  # what became of it, in words
+    partition_left: bool = False  # poprun created it and it could not be removed
     dry_run: bool = False
+
+    @property
+    def complete(self) -> bool:
+        """Nothing is left that another reap could still clean up."""
+        return not self.partition_left and all(h.error is None for h in self.hosts)
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "dry_run": self.dry_run, "partition": self.partition,
-                "hosts": [h.to_json() for h in self.hosts]}
+                "complete": self.complete, "hosts": [h.to_json() for h in self.hosts]}
 
 
 def orphans(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -92,9 +101,10 @@ async def reap(record: Mapping[str, Any], dry_run: bool = False,
     if remote:
         reports += await _reap_remote(record, remote, dry_run)
     report = JobReport(record["id"], reports, dry_run=dry_run)
-    report.partition = await _release_partition(record, dry_run, environ)
+    report.partition, report.partition_left = await _release_partition(record, dry_run,
+                                                                       environ)
     if not dry_run:
-        _mark_reaped(record, report)
+        _write_outcome(record, report)
     return report
 
 
@@ -199,15 +209,16 @@ async def _reap_remote(record: Mapping[str, Any], parts: dict[str, dict[str, Any
 
 
 async def _release_partition(record: Mapping[str, Any], dry_run: bool,
-                             environ: Mapping[str, str]) -> str | None:
+                             environ: Mapping[str, str]) -> tuple[str | None, bool]:
+    """What became of the partition poprun created (in words), and whether it is left."""
     found = record.get("partition")
     if not isinstance(found, dict) or not found.get("created"):
-        return None
+        return None, False
     name = found.get("name")
     if not found.get("remove"):
-        return f"{name}: kept (--remove-partition=no)"
+        return f"{name}: kept (--remove-partition=no)", False
     if dry_run:
-        return f"{name}: would remove it (poprun created it)"
+        return f"{name}: would remove it (poprun created it)", False
     from .log import Log
     from .vipu import Partition, PartitionInfo, release
 
@@ -216,16 +227,23 @@ async def _release_partition(record: Mapping[str, Any], dry_run: bool,
                           created=True, remove_on_release=True, target_options="",
                           executable=found.get("executable") or "vipu")
     removed = await release(partition, Log(0), environ)
-    return f"{name}: removed" if removed else f"{name}: could not remove it (see above)"
+    if removed:
+        return f"{name}: removed", False
+    return f"{name}: could not remove it (see above); reap again", True
 
 
-def _mark_reaped(record: Mapping[str, Any], report: JobReport) -> None:
+def _write_outcome(record: Mapping[str, Any], report: JobReport) -> None:
+    """A complete reap ends the record; a partial one only notes itself in it (the job
+    stays `gone`, for the next reap)."""
     final = {k: v for k, v in record.items() if not k.startswith("_")}
-    final.update(state=jobs.ENDED, exit_reason="reaped", reaped=report.to_json())
-    for inst in final.get("instances") or ():
-        if inst.get("state") in ("running", "starting"):
-            inst["state"] = "reaped"
-    final["end_time"] = final.get("end_time") or __import__("time").time()
+    if report.complete:
+        final.update(state=jobs.ENDED, exit_reason="reaped", reaped=report.to_json())
+        for inst in final.get("instances") or ():
+            if inst.get("state") in ("running", "starting"):
+                inst["state"] = "reaped"
+        final["end_time"] = final.get("end_time") or time.time()
+    else:
+        final["last_reap"] = {**report.to_json(), "time": time.time()}
     try:
         jobs.write(record["_dir"], final)
     except OSError:
@@ -254,4 +272,7 @@ def render(report: JobReport, record: Mapping[str, Any]) -> str:
                 lines.append(f"  {host.host}: {entry['note']}")
     if report.partition:
         lines.append(f"  partition {report.partition}")
+    if not report.dry_run and not report.complete:
+        lines.append("  not finished: the record is kept; run poprunctl reap again once the "
+                     "host(s) above can be reached")
     return "\n".join(lines) + "\n"

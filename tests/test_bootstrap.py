@@ -192,6 +192,42 @@ def test_a_host_whose_python_has_popdist_keeps_its_own(hosts, tmp_path):
     assert os.listdir(cache_root(hosts, 0)) == [bootstrap.payload().name]  # agent brought
 
 
+def test_a_host_with_another_poprun_version_gets_the_launchers_agent(hosts, tmp_path):
+    """poprun installed there, in another version: `auto` brings this one's agent (the
+    protocol may differ) and the instances import the carried popdist."""
+    other = _venv(tmp_path / "other")
+    site = next((tmp_path / "other" / "lib").glob("python3*/site-packages"))
+    (site / "poprun").mkdir()
+    (site / "poprun" / "__init__.py").write_text("")
+    (site / "poprun" / "_version.py").write_text('__version__ = "0.0.1"\n')
+    proc = run(hosts, "-v", f"--remote-python={other}", "-H", "h1", "--num-instances=1",
+               "--num-replicas=1", "--tag-output", other, "-c", REPORT, cwd=tmp_path)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert re.search(rf"h1: poprun 0\.0\.1 there for {re.escape(other)}: brought the poprun "
+                     "agent", err), err
+    name = bootstrap.payload().name
+    assert reports(proc.stdout) == {
+        0: (1, str(cache_root(hosts, 0) / name / "lib/popdist/__init__.py"))}
+
+
+def test_the_launchers_python_path_is_preferred_to_python3_on_the_path(tmp_path):
+    """No --remote-python: the launcher's interpreter path, where it exists there, wins over
+    a `python3` earlier on that host's PATH (which here would fail loudly)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    decoy = bin_dir / "python3"
+    decoy.write_text("#!/bin/sh\necho decoy python3 ran >&2\nexit 97\n")
+    decoy.chmod(0o755)
+    command = bootstrap.agent_command(None, "never", own=PY)
+    proc = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=30,
+                          env={"PATH": f"{bin_dir}:{os.defpath}", "HOME": str(tmp_path),
+                               "PYTHONPATH": SRC},
+                          stdin=subprocess.PIPE)  # the agent: MAGIC, then EOF ends it
+    assert proc.returncode == 0, proc.stderr
+    assert "decoy" not in proc.stderr and proc.stdout.startswith("\0poprun-agent\0")
+
+
 @functools.cache
 def _pythons() -> dict[tuple[int, int], str]:
     """Real interpreters on this machine, by version (pyenv's, /usr/bin's), no shims."""

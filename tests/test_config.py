@@ -615,3 +615,13 @@ class TestTomlCommand:
         proc = poprun("--import-config", str(tmp_path / "nope.toml"), *OFFLINE, "--dry-run",
                       cwd=tmp_path, timeout=30)
         assert_usage_error(proc, "--import-config", "nope.toml", "cannot read")
+
+
+def test_the_line_cap_in_help_is_the_spawner_s():
+    """--help states the cap a long line is cut at (issue 14.4): the spawner's LINE_CAP."""
+    from poprun.cli import OPTIONS
+    from spawner.local import LINE_CAP
+
+    text = next(o.help for o in OPTIONS if o.long == "tag-output")
+    assert LINE_CAP % (1 << 20) == 0
+    assert f"longer than {LINE_CAP >> 20} MiB is written in {LINE_CAP >> 20} MiB pieces" in text

@@ -13,8 +13,10 @@ import contextlib
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -65,13 +67,47 @@ def test_a_regular_file_is_refused_before_anything_starts(where, tmp_path, reque
     assert not witness.exists()
 
 
-def test_a_read_only_filesystem_is_refused_before_anything_starts(tmp_path):
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_read_only_filesystem_is_refused_before_anything_starts(where, tmp_path, request):
+    extra, env = [], {}
+    if where == "remote":  # not "lost the connection to the host" (exit 255)
+        hosts = request.getfixturevalue("hosts")
+        extra, env = ["-H", "h1"], hosts.env()
     with tmpfs(tmp_path / "ro", "ro") as ro:
         witness = tmp_path / "ran"
-        proc = run_poprun(*OFFLINE, f"--output-filename={ro}/out", "--num-instances=1",
-                          "--num-replicas=1", "touch", str(witness))
-        assert_usage_error(proc, f"{ro}/out", "Read-only file system")
+        proc = run_poprun(*OFFLINE, *extra, f"--output-filename={ro}/out", "--num-instances=1",
+                          "--num-replicas=1", "touch", str(witness), env=env)
+        assert_usage_error(proc, f"{ro}/out", "Read-only file system", "on this host")
         assert not witness.exists()
+
+
+@pytest.mark.parametrize("path", ["/proc/poprun-output", "{tmp}/locked/out"],
+                         ids=["proc", "no-permission"])
+def test_an_uncreatable_path_is_refused_before_anything_starts(path):
+    # Where another user can reach it: root would ignore the directory's mode, so the
+    # no-permission case runs poprun as nobody.
+    top = Path(tempfile.mkdtemp(prefix="poprun-test-"))
+    try:
+        _refused(path.format(tmp=top), top)
+    finally:
+        (top / "locked").chmod(0o700)
+        shutil.rmtree(top)
+
+
+def _refused(target: str, top: Path) -> None:
+    top.chmod(0o755)
+    (top / "locked").mkdir(mode=0o555)
+    witness = top / "ran"
+    prefix = [] if os.getuid() or "locked" not in target else [
+        "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    proc = subprocess.run([*prefix, *poprun_argv(*OFFLINE, f"--output-filename={target}",
+                                                 "--num-instances=1", "--num-replicas=1",
+                                                 "touch", str(witness))],
+                          env=poprun_env({"XDG_RUNTIME_DIR": "", "HOME": str(top)}),
+                          capture_output=True,
+                          timeout=60)
+    assert_usage_error(proc, target, "on this host")
+    assert not witness.exists() and not Path(target).exists()
 
 
 @pytest.mark.parametrize("where", ["local", "remote"])

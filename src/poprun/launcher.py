@@ -279,9 +279,13 @@ class _Session:
             self.job.router.check_directory()
         except OSError as exc:
             self.lifeline.close()
-            raise LaunchError(f"--output-filename: cannot write to "
-                              f"{exc.filename or config.effective_output_filename} on this "
-                              f"host ({socket.gethostname()}): {exc.strerror}") from None
+            given = config.effective_output_filename
+            # The path that failed may be a parent of the one given (a directory without
+            # search permission): name both, the user's first.
+            failed = exc.filename if isinstance(exc.filename, str) else given
+            where = given if failed.startswith(given) else f"{given} ({failed})"
+            raise LaunchError(f"--output-filename: cannot write to {where} on this host "
+                              f"({socket.gethostname()}): {exc.strerror}") from None
         from .jobwatch import JobWatch  # poprunctl's view of the job (issue 15)
 
         self.watch = await JobWatch.open(self)

@@ -215,6 +215,11 @@ def install_and_run(name: str, digest: str, data: bytes, initial: bytes) -> int:
         return 1
     # As `python3 <path>` would run it: the cache and its lib first, no current directory.
     sys.path[:] = [path, os.path.join(path, LIB), *(p for p in sys.path if p)]
+    # The probe imported that Python's own poprun (another version) to compare it: forget
+    # it, or the agent's HELLO would report that version and be refused.
+    for module in [m for m in sys.modules if m.partition(".")[0] in ("poprun", "spawner",
+                                                                     "popdist")]:
+        del sys.modules[module]
     from spawner.carried import run_agent as run  # the cache's copy of this module
 
     return run(path, initial)

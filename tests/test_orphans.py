@@ -263,9 +263,11 @@ def test_a_stop_during_a_proxycommand_connect_leaves_no_proxy(sig, hosts, tmp):
 @pytest.mark.timeout(90)
 def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, tmp):
     """h2's sshd processes are frozen (SIGSTOP): its agent lives on but hears nothing. Its
-    instances are gone within --host-timeout + 2 s, and poprun reports h2 lost."""
+    instances are gone within --host-timeout + 2 s, its cache too (the agent removes it on
+    its own), and poprun reports h2 lost."""
     mark = marker()
     timeout = 4.0
+    before = remote_caches()
     proc = subprocess.Popen(poprun_argv(*OFFLINE, "-H", "h1,h2", f"--host-timeout={timeout}",
                                         "--num-instances=2", "--num-replicas=2", PY, "-c",
                                         SLEEPER, mark),
@@ -283,6 +285,8 @@ def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, t
         wait_until(lambda: not instances_with(mark), "both instances to be gone",
                    timeout + 2 + 1)
         assert time.monotonic() - stopped_at <= timeout + 2
+        # h2's sshd is still frozen: only its agent can have removed its cache.
+        wait_until(lambda: not (remote_caches() - before), "the hosts' caches to go", 5)
         _, err = proc.communicate(timeout=30)
     finally:
         for pid in frozen:
@@ -314,3 +318,16 @@ def test_a_remote_bash_instance_does_not_read_bashrc(hosts, tmp_path):
     assert proc.returncode == 0, proc.stderr.decode()
     assert proc.stdout == b"SSH_CLIENT=unset SSH_TTY=unset\n"
     assert not witness.exists()
+
+
+def test_a_remote_instance_has_the_shell_level_of_a_local_child_and_no_ssh_login(hosts):
+    """No SSH_CONNECTION (POPRUN_SSH_CONNECTION says where the agent was reached) and the
+    launcher's SHLVL, as a local instance would have, not the SSH login's."""
+    show = ("echo SHLVL=${SHLVL-unset} SSH_CONNECTION=${SSH_CONNECTION-unset} "
+            "copy=${POPRUN_SSH_CONNECTION:+set}")
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, "-H", "h1", "--num-instances=1", "--num-replicas=1",
+                    "sh", "-c", show),
+        env=poprun_env({**hosts.env(), "SHLVL": "7"}), capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout == b"SHLVL=7 SSH_CONNECTION=unset copy=set\n"

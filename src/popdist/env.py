@@ -71,6 +71,12 @@ MASTER_PORT = "MASTER_PORT"
 # drops the one its SSH login gave it).
 FORWARDED_TO_REMOTE = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", POPLAR_ENGINE_OPTIONS, "SHLVL")
 
+# Set by the agent on remote instances: its own SSH_CONNECTION ("client-ip client-port
+# server-ip server-port"), which instances do not get themselves (spawner/agent.py:
+# instance_environ). POPRUN_LIFELINE, on every instance, is defined where it is set
+# (spawner.containment.MARK): `poprun --version` imports that module, and not popdist.
+SSH_CONNECTION_COPY = "POPRUN_SSH_CONNECTION"
+
 # `poprun --forward-env all` forwards every variable of the launcher's to remote instances but
 # these (glob patterns), which describe the launcher's host, login session or scheduler step
 # rather than the job: on another host they would be wrong. `-x NAME` still forwards any of
@@ -81,7 +87,7 @@ NOT_FORWARDED = (
     "XDG_SEAT", "XDG_VTNR", "DBUS_SESSION_BUS_ADDRESS", "SESSION_MANAGER", "TMUX", "TMUX_PANE",
     "STY", "WINDOW", "KRB5CCNAME", "SLURM_*", "SLURMD_*", "PMI_*", "PMIX_*",
     "OMPI_COMM_WORLD_*", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
-    "POPRUN_LIFELINE", "POPRUN_SSH_CONNECTION", IPUOF_CONFIG_PATH,
+    "POPRUN_LIFELINE", SSH_CONNECTION_COPY, IPUOF_CONFIG_PATH,
 )
 
 
@@ -90,11 +96,6 @@ def forwarded_by_all(name: str) -> bool:
     from fnmatch import fnmatchcase
 
     return not any(fnmatchcase(name, pattern) for pattern in NOT_FORWARDED)
-
-# Set by the spawner, and defined there (a spawner does not import popdist): POPRUN_LIFELINE
-# (spawner.containment.MARK, on every instance) and POPRUN_SSH_CONNECTION
-# (spawner.agent.SSH_CONNECTION_COPY, on remote instances: the agent's own SSH_CONNECTION,
-# "client-ip client-port server-ip server-port", which instances do not get themselves).
 
 
 @dataclass(frozen=True)

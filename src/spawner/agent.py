@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from itertools import islice
 from typing import Any
 
+from popdist.env import SSH_CONNECTION_COPY
 from poprun._version import __version__
 
 from . import procid, stackdump
@@ -55,7 +56,6 @@ IOV_BATCH = 512  # buffers per writev (Linux allows 1024)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 # What sshd sets for a login session; instances are not one (see instance_environ).
 SSH_SESSION_VARIABLES = ("SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_ORIGINAL_COMMAND")
-SSH_CONNECTION_COPY = "POPRUN_SSH_CONNECTION"
 INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, as the launcher's own internal errors
 # Set when the launcher brought this agent and the host's Python has no popdist of its own
 # (spawner/carried.py): the carried popdist, at the end of the instances' PYTHONPATH.

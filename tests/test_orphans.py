@@ -161,14 +161,91 @@ def test_escaped_helpers_die_with_a_remote_job(ending, hosts, tmp):
     assert_all_gone(mark, before=before)
 
 
+def cgroups_here() -> bool:
+    """Whether this host gives poprun a cgroup v2 subtree (what LocalSpawner tries)."""
+    from spawner.containment import Cgroups
+
+    found = Cgroups.create(f"probe-{uuid.uuid4().hex[:8]}")
+    if found is None:
+        return False
+    os.rmdir(found.root)
+    return True
+
+
+# Waits (bounded) until it is in its own cgroup, as poprun moves it there right after its
+# spawn, then prints that cgroup.
+IN_CGROUP = ("import sys, time\n"
+             "deadline = time.monotonic() + 10\n"
+             "while '/poprun-' not in open('/proc/self/cgroup').read().splitlines()[-1]:\n"
+             "    if time.monotonic() > deadline: sys.exit('never moved into a cgroup')\n"
+             "    time.sleep(0.01)\n"
+             "print(open('/proc/self/cgroup').read().splitlines()[-1])\n")
+
+
 def test_verbose_names_the_containment_in_force(tmp):
+    """-v says which mechanism holds; where this host allows cgroups, each instance really
+    is in a cgroup of its own."""
     proc = subprocess.run(poprun_argv(*OFFLINE, "-v", "--num-instances=2", "--num-replicas=2",
-                                      "true"), env=poprun_env(tmp), capture_output=True,
-                          timeout=60)
-    assert proc.returncode == 0
+                                      PY, "-c", IN_CGROUP if cgroups_here() else "pass"),
+                          env=poprun_env(tmp), capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()
     line = next(l for l in proc.stderr.decode().splitlines() if "containment:" in l)
     assert "child subreaper" in line
-    assert "cgroup" in line or "POPRUN_LIFELINE" in line
+    if cgroups_here():
+        assert "a cgroup per instance under " in line
+        root = line.split("a cgroup per instance under ")[1].split(",")[0]
+        assert sorted(proc.stdout.decode().split()) == [
+            f"0::/{Path(root).name}/i0", f"0::/{Path(root).name}/i1"]
+        assert not Path(root).exists()  # removed with the job
+    else:
+        assert "the POPRUN_LIFELINE environment mark" in line
+
+
+# The instance: a helper of its own session (escaped from the process group) that holds
+# 200 MiB, while the instance itself only waits.
+HOLDER = f"""\
+import subprocess, sys, time
+exec({IN_CGROUP!r})
+subprocess.Popen([sys.executable, "-c", "import sys, time; b = bytearray(200 << 20); "
+                  "open(sys.argv[1], 'w').close(); time.sleep(300)", sys.argv[2]],
+                 start_new_session=True)
+time.sleep(300)
+"""
+
+
+def test_an_instance_s_memory_counts_its_escaped_helpers_where_it_has_a_cgroup(tmp, tmp_path):
+    """`poprunctl show` (and the dashboard, which samples the same way) gives an instance's
+    whole memory from its cgroup: a helper in a session of its own counts."""
+    if not cgroups_here():
+        pytest.skip("no writable cgroup v2 subtree here: usage is the leader process's")
+    env = {**tmp, "XDG_RUNTIME_DIR": str(tmp_path)}
+    mark = marker()
+    holding = tmp_path / "holding"
+    proc = subprocess.Popen(poprun_argv(*OFFLINE, "--num-instances=1", "--num-replicas=1",
+                                        PY, "-c", HOLDER, mark, str(holding)),
+                            env=poprun_env(env), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        wait_until(holding.exists, "the helper to hold its memory", 30)
+        show = subprocess.run([PY, "-m", "poprun.ctl", "show", "--json",
+                               _only_job(env)], env=poprun_env(env), capture_output=True,
+                              text=True, timeout=60)
+        (row,) = __import__("json").loads(show.stdout)["instances"]
+        assert row["rss"] >= 200 << 20, row  # the leader alone holds ~10 MiB
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert_all_gone(mark)
+
+
+def _only_job(env: dict[str, str]) -> str:
+    from poprun import jobs
+
+    (record,) = jobs.scan(env).records
+    return record["id"]
 
 
 # --- 3. signals before poprun is ready ---------------------------------------------------------

@@ -612,6 +612,9 @@ class Dashboard:
         self._dirty = False
         self._sampled_at = -math.inf
         self._sampler = ProcSampler()
+        # A local instance's own cgroup, where it has one (LocalSpawner.cgroup_of): its CPU
+        # and memory are then the whole instance's, escaped helpers included.
+        self.cgroup_of: Callable[[int], str | None] = lambda key: None
         self._terminal = self._identity(fd)
         self._shares: dict[int, bool] = {}
         self._closed = False
@@ -739,7 +742,8 @@ class Dashboard:
             if inst.local and inst.pid is not None:
                 if inst.done:
                     self._sampler.forget(inst.pid)
-                elif (usage := self._sampler.sample(inst.pid, now)) is not None:
+                elif (usage := self._sampler.sample(inst.pid, now,
+                                                    self.cgroup_of(inst.index))) is not None:
                     self.state.set_usage(inst.index, usage)
 
     # --- the end -----------------------------------------------------------------------

@@ -39,13 +39,13 @@ class Fleet:
         self.transport = transport  # "ssh", or "slurm": agents as job steps (spawner.srun)
         self.connections: Mapping[Host, object] = {}
         self.spawners: dict[str, RemoteSpawner] = {}
-        self._opened_at = self._agents_started_at = 0.0  # time.time(), for phases()
+        self._opened_at = self._agents_started_at = 0.0  # time.monotonic(), for phases()
 
     async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
                    program: str, path: str | None, view=None) -> None:
         """Connect to every host and start its agent; raises LaunchError (every failing host
         named, one line each) with nothing started and everything opened closed again."""
-        self._opened_at = time.time()
+        self._opened_at = time.monotonic()
         if self.transport == "slurm":
             self.connections = _srun_connections(self.hosts)
         else:
@@ -61,7 +61,7 @@ class Fleet:
             str(host): RemoteSpawner(conn, str(host), sink, on_lost,
                                      python=self.config.remote_python)
             for host, conn in self.connections.items()}
-        self._agents_started_at = time.time()
+        self._agents_started_at = time.monotonic()
         stats = STATS_INTERVAL if view is not None else None  # only a dashboard shows them
         # Over SSH, the agent is brought where poprun is missing; a Slurm step runs it as is.
         install = self.config.remote_install if self.transport == "ssh" else None
@@ -100,7 +100,7 @@ class Fleet:
             raise LaunchError("\n".join(failed))
 
     def phases(self, since: float) -> dict[str, dict[str, float]]:
-        """Per host, seconds from `since` (time.time()) to connected and agent ready."""
+        """Per host, seconds from `since` (time.monotonic()) to connected and agent ready."""
         opened = self._opened_at
         out = {}
         timings = getattr(self.connections, "timings", {})  # a Slurm step has no connect

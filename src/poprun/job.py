@@ -64,6 +64,10 @@ class Job:
         self.started: dict[int, Started] = {}
         self.first_output: dict[int, float] = {}  # time.time() of each instance's first block
         self.launch_time = time.time()
+        # The phases (result.phases) are measured on one clock, the monotonic one, as the
+        # fleet's are: wall-clock times and monotonic spans do not order exactly.
+        self.launch_mono = time.monotonic()
+        self._marks: dict[str, dict[int, float]] = {"first_started": {}, "first_output": {}}
         self.phases: dict[str, dict[str, float]] = {}  # host -> phase -> seconds (result)
         self.done: set[int] = set()  # exit reported, or lost with its host
         self.root_cause: int | None = None
@@ -190,6 +194,7 @@ class Job:
         if key in self.started:  # its exit beat the end of spawn_all (see on_exit)
             return
         self.started[key] = Started(pid=pid, start=time.time())
+        self._marks["first_started"][key] = time.monotonic()
         self.spawner_of[key] = spawner
         inst = self.plan.instances[key]
         if self.view is not None:
@@ -238,6 +243,7 @@ class Job:
     def on_output(self, key: int, stream: Stream, data: bytes) -> None:
         if key not in self.first_output:
             self.first_output[key] = time.time()
+            self._marks["first_output"][key] = time.monotonic()
         if self.view is not None:  # before the router: hidden instances still count
             self.view.output(key, data, self.loop.time())
         if self.watch is not None:
@@ -408,10 +414,9 @@ class Job:
         phases = {host: dict(p) for host, p in self.phases.items()}
         for inst in instances:
             host = phases.setdefault(inst.host, {})
-            marks = (("first_started", inst.start_time), ("first_output", inst.first_output_time))
-            for name, at in marks:
-                if at is not None:
-                    since = round(at - self.launch_time, 6)
+            for name, marks in self._marks.items():
+                if inst.index in marks:
+                    since = round(marks[inst.index] - self.launch_mono, 6)
                     host[name] = min(host.get(name, since), since)
         return phases
 

@@ -335,15 +335,17 @@ class JobWatch:
 
         sampler = ProcSampler()
         local = [i for i in self.state.instances.values() if i.local and not i.done]
+        cgroup_of = self.job.local.cgroup_of if self.job.local else lambda key: None
         for inst in local:
-            sampler.sample(inst.pid, self.loop.time())
+            sampler.sample(inst.pid, self.loop.time(), cgroup_of(inst.index))
         if local:
             await asyncio.sleep(SHOW_SAMPLE)
         now = self.loop.time()
         view = self.job.view
         rows = []
         for index, inst in sorted(self.state.instances.items()):
-            usage = (sampler.sample(inst.pid, now) if inst.local and not inst.done
+            usage = (sampler.sample(inst.pid, now, cgroup_of(index))
+                     if inst.local and not inst.done
                      else view.instances[index].usage if view is not None
                      and index in view.instances else None)
             rows.append({

@@ -395,7 +395,7 @@ class _Session:
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
                               program=self.program[0], path=self.environ.get("PATH"),
                               view=self.job.view)
-        self.job.phases.update(self.fleet.phases(since=self.job.launch_time))
+        self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))
 
     async def _create_caches(self) -> dict[str, str]:
         """The executable cache of every host: a temporary dir on each (removed at the end),
@@ -438,6 +438,7 @@ class _Session:
                                kill_timeout=self.config.kill_timeout)
         state.job_id = self.watch.id if self.watch is not None else None
         self.dashboard = Dashboard(state, self.stderr_fd)
+        self.dashboard.cgroup_of = lambda key: self.job.local and self.job.local.cgroup_of(key)
         self.job.view = state
         self.job.router.write = self.log.write = self.dashboard.emit
         self._tick()

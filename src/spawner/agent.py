@@ -328,7 +328,8 @@ class Agent:
         now = time.monotonic()
         usage = {}
         for key in self._spawner.running():
-            sample = self._sampler.sample(self._spawner.pid(key), now)
+            sample = self._sampler.sample(self._spawner.pid(key), now,
+                                          self._spawner.cgroup_of(key))
             if sample is not None:
                 usage[str(key)] = [sample.cpu_percent, sample.rss]
         if usage:

@@ -145,6 +145,7 @@ class Cgroups:
     def __init__(self, home: str, root: str) -> None:
         self.home, self.root = home, root
         self._made: dict[int, str] = {}
+        self.members: dict[int, str] = {}  # instance -> its cgroup, once it was moved there
 
     @classmethod
     def create(cls, token: str) -> Cgroups | None:
@@ -177,7 +178,9 @@ class Cgroups:
             with open(os.path.join(path, "cgroup.procs"), "wb", buffering=0) as procs:
                 procs.write(str(pid).encode())
         except OSError:
+            self.members.pop(key, None)
             return False
+        self.members[key] = path
         return True
 
     def kill(self, key: int) -> None:

@@ -214,6 +214,11 @@ class LocalSpawner:
         for key, pid in batch if self._cgroups else ():
             self._cgroups.adopt(key, pid)
 
+    def cgroup_of(self, key: int) -> str | None:
+        """Instance `key`'s own cgroup, once it is in it (its usage is then the whole
+        instance's: spawner/procstat.py)."""
+        return self._cgroups.members.get(key) if self._cgroups else None
+
     @property
     def containment(self) -> str:
         """How escaped descendants are caught here, in words (for -v)."""

@@ -721,3 +721,16 @@ def test_tick_samples_local_instances(pty):
     assert state.instances[0].usage.rss > 0
     assert state.instances[1].usage is None
     dash.close()
+
+
+def test_a_failed_instance_s_row_shows_its_exception():
+    state = DashboardState(2, ["h1"], 0.0)
+    state.plan([(0, "h1"), (1, "h1")])
+    state.instance_started(1, "h1", 4343, 1.0)
+    state.output(1, b"step 88\n", 2.0)
+    state.instance_exited(1, 1, 3.0, {"type": "ValueError", "message": "loss is NaN",
+                                      "file": "/work/train.py", "line": 88, "function": "step"})
+    row = next(line for line in plain(state, 4.0, width=120).split("\n")
+               if line.startswith("1 "))
+    assert re.match(r"1 h1 +4343 failed 1 +2s +1 +ValueError: loss is NaN \(train.py:88, "
+                    r"in step\)$", row), row

@@ -116,3 +116,20 @@ def test_the_topology_table_is_not_erased_by_the_panel():
                          "| ILDs      |   0   |", "| instances | 0 | 1 |",
                          "| replicas  | 0 | 1 |"], shown
     assert sorted(shown[6:-1]) == sorted(f"out-{r}-{i}" for r in (0, 1) for i in range(6))
+
+
+def test_the_panel_names_a_failed_instance_s_exception(tmp_path):
+    """Instance 1 raises; instance 0 holds out through the kill timeout, so the panel is
+    drawn while the job stops: the failed row shows the exception, not a status alone."""
+    script = tmp_path / "train.py"
+    script.write_text("import os, signal, time\nimport popdist\n"
+                      "def step():\n    raise ValueError('loss is NaN')\n"
+                      "if os.environ['RANK'] == '1':\n    step()\n"
+                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n")
+    code, raw = run_on_a_terminal(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                                  "--kill-timeout=1.5", PY, str(script))
+    assert code == 1, raw[-2000:]
+    rows = [line for line in plain_lines(raw) if re.match(r"\s*1 +localhost +\d+ +failed 1 ",
+                                                          line)]
+    assert rows and all(row.rstrip().endswith("ValueError: loss is NaN (train.py:4, in step)")
+                        for row in rows), rows

@@ -1,7 +1,8 @@
 """Exit statuses a script can tell apart, and `--result-json` saying which (issue 17 point 4):
 0 success, the root cause's status, 255 for a lost host, 128+N for a stop by signal N, 74 for
-output that could not be written; 2 (usage) and 70 (internal error) are tested where those
-are made (test_cli.py, test_internal_error.py). Real processes and sshd hosts."""
+output that could not be written; 2 for a job that could not start (usage errors in
+test_cli.py) and 70 for an internal error (test_internal_error.py). Real processes and sshd
+hosts."""
 
 from __future__ import annotations
 
@@ -32,6 +33,21 @@ def test_success_and_an_instances_status(code, reason, tmp_path):
                       PY, "-c", f"import sys; sys.exit({code})")
     assert proc.returncode == code
     assert (result_of(out)["exit_code"], result_of(out)["exit_reason"]) == (code, reason)
+
+
+def test_a_job_that_cannot_start_says_so(tmp_path):
+    """Exit 2 from a launch that could not start (a host that does not resolve): the JSON
+    says `usage_error` with the message; nothing ran."""
+    out = tmp_path / "r.json"
+    witness = tmp_path / "ran"
+    proc = run_poprun(*OFFLINE, "-H", "localhost,poprun-test-no-such-host.invalid",
+                      "--num-instances=2", "--num-replicas=2", f"--result-json={out}",
+                      "touch", str(witness))
+    assert proc.returncode == 2, proc.stderr.decode()
+    result = result_of(out)
+    assert (result["exit_code"], result["exit_reason"]) == (2, "usage_error")
+    assert "poprun-test-no-such-host.invalid" in result["error"]
+    assert result["instances"] == [] and not witness.exists()
 
 
 def test_a_stop_by_signal(tmp_path):

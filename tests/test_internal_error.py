@@ -11,6 +11,7 @@ runs in a subprocess whose first lines replace one method by a wrapper that rais
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -114,6 +115,20 @@ def test_an_exit_fault_when_one_instance_ends_first_kills_the_others(place):
                       "--num-replicas=3", PY, "-c", script, marker, env=place)
     crash = assert_internal_error(proc.returncode, proc.stderr.decode())
     assert crash.parent == Path(place["XDG_RUNTIME_DIR"]) / "poprun"
+    assert_nothing_left(marker, place)
+
+
+def test_result_json_says_internal_error(place, tmp_path):
+    """--result-json always says why the job ended: an internal error too (exit 70)."""
+    marker = f"fault-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "result.json"
+    proc = run_faulty(with_fault("poprun.output:OutputRouter.on_output"), *OFFLINE,
+                      f"--result-json={out}", "--num-instances=2", "--num-replicas=2",
+                      *sleeper(marker), env=place)
+    assert_internal_error(proc.returncode, proc.stderr.decode())
+    result = json.loads(out.read_text())
+    assert (result["exit_code"], result["exit_reason"]) == (INTERNAL, "internal_error")
+    assert result["error"].startswith("RuntimeError: ")
     assert_nothing_left(marker, place)
 
 

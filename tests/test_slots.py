@@ -166,3 +166,42 @@ def test_slots_and_an_mpi_hostfile_on_real_hosts(tmp_path):
             seen = sorted(json.loads(line) for line in proc.stdout.decode().splitlines())
             assert seen == [["0", "0", "2", "127.0.77.1"], ["1", "1", "2", "127.0.77.1"],
                             ["2", "0", "1", "127.0.77.2"]]
+
+
+def test_numa_placement_follows_each_hosts_count_and_topology():
+    """h1:3 on a 4-node EPYC spreads its 3 instances over its nodes (one takes two); h2:2 on
+    a 2-socket Xeon puts one on each socket: each host placed from its own count and
+    topology."""
+    from poprun.config import LaunchConfig
+    from poprun.plan import plan
+    from poprun.topology import parse_topology
+    from sysfs_machines import EPYC_NPS4, XEON_2S, load_files
+
+    config = LaunchConfig(program=("true",), num_instances=5, num_replicas=5, offline_mode=True)
+    topologies = {"h1": parse_topology(load_files(EPYC_NPS4)),
+                  "h2": parse_topology(load_files(XEON_2S))}
+    launch_plan = plan(config, {}, program=("/bin/true",), master_port=29500, hosts=("h1", "h2"),
+                       remote_hosts=frozenset({"h1", "h2"}), topologies=topologies,
+                       counts=(3, 2))
+    placed = [(i.host, tuple(i.mems), sorted(i.cpus)) for i in launch_plan.instances]
+    assert [h for h, _, _ in placed] == ["h1"] * 3 + ["h2"] * 2
+    for host, machine, count in (("h1", EPYC_NPS4, 3), ("h2", XEON_2S, 2)):
+        nodes = [mems for h, mems, _ in placed if h == host]
+        assert sorted(n for mems in nodes for n in mems) == sorted(machine.nodes)  # all, once
+        for mems, cpus in ((m, c) for h, m, c in placed if h == host):
+            assert cpus == sorted(c for n in mems for c in machine.node_cpus(n))
+    assert [m for h, m, _ in placed if h == "h2"] == [(n,) for n in XEON_2S.nodes]
+
+
+def test_an_ssh_url_gives_the_port_and_user_on_a_real_host(tmp_path):
+    """`ssh://user@host:port`, with no ~/.ssh/config entry for it: the agent is reached on
+    that port (its SSH_CONNECTION's server side says so)."""
+    show = "import os; print(os.environ['POPRUN_SSH_CONNECTION'].split()[2:])"
+    with start_ssh_hosts(1, tmp_path) as hosts:
+        (host,) = hosts.hosts
+        (hosts.home / ".ssh" / "config").unlink()  # the URL alone says where
+        url = f"ssh://{hosts.user}@{host.addr}:{host.port}"
+        proc = run_poprun(*OFFLINE, "-H", url, "--num-instances=1", "--num-replicas=1",
+                          PY, "-c", show, env={**SLURM_ONLY, **hosts.env()})
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().strip() == str([host.addr, str(host.port)])

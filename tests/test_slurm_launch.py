@@ -55,11 +55,37 @@ def test_under_salloc_instances_run_on_both_nodes_as_job_steps(cluster):
 
 
 def test_a_failing_instance_ends_the_job_and_its_status_propagates(cluster):
-    failing = "import os, sys, time; sys.exit(7) if os.environ['RANK'] == '3' else time.sleep(60)"
+    """The others would sleep 300 s: only poprun stopping them ends the job within the
+    timeout; nothing of it is left."""
+    marker = f"slurm-{uuid.uuid4().hex[:8]}"
+    failing = ("import os, sys, time; sys.exit(7) if os.environ['RANK'] == '3' else "
+               "time.sleep(300)")
     done = cluster.run(["salloc", "-N2", "--ntasks-per-node=2", *POPRUN, "--num-replicas=4",
-                        PY, "-c", failing], env=env(), timeout=90)
+                        PY, "-c", failing, marker], env=env(), timeout=60)
     assert done.returncode == 7, done.stderr
     assert "instance 3" in done.stderr and "exited with status 7" in done.stderr
+    wait_until(lambda: not processes_with(marker), "every process of the job to be gone", 30)
+
+
+def test_caches_bindings_and_sources_on_every_node(cluster):
+    """Each node's agent makes the executable cache there and removes it; each node's
+    instances are bound from that node's own topology (--report-bindings reads them back
+    there); -v says the hosts and counts came from the allocation."""
+    before = set(Path("/tmp").glob("poprun-cache-*"))
+    done = cluster.run(["salloc", "-N2", "--ntasks-per-node=2", *POPRUN, "-v",
+                        "--report-bindings", "--num-replicas=4", "--process-placement=close",
+                        PY, "-c", "import os; print(os.environ['POPDIST_EXECUTABLE_CACHE_PATH'],"
+                        " os.path.isdir(os.environ['POPDIST_EXECUTABLE_CACHE_PATH']))"],
+                       env=env(), timeout=90)
+    assert done.returncode == 0, done.stderr
+    caches = {line.split()[0] for line in done.stdout.splitlines()}
+    assert {line.split()[1] for line in done.stdout.splitlines()} == {"True"}
+    assert len(caches) == 2  # one per node, made by its agent
+    assert not {Path(c) for c in caches} & before and not any(map(os.path.exists, caches))
+    assert "hosts: node1 (2), node2 (2) from the Slurm allocation (SLURM_JOB_NODELIST=node[1-2]) " \
+           "with SLURM_TASKS_PER_NODE=2(x2), over slurm" in done.stderr, done.stderr
+    bound = re.findall(r"instance (\d) \(pid \d+\) on (node\d): cpus ", done.stderr)
+    assert sorted(bound) == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")]
 
 
 def test_under_sbatch(cluster, tmp_path):

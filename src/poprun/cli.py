@@ -588,9 +588,19 @@ def _main(argv: list[str]) -> int:
 
     if config.distribute_ssh_key:
         _distribute_ssh_key(config)
-    result = asyncio.run(launch(config))
+    try:
+        result = asyncio.run(launch(config))
+    except PoprunError as exc:  # nothing ran: --result-json still says why (main reports it)
+        if config.result_json:
+            from .result import not_run_json
+
+            internal = isinstance(exc, InternalError)
+            _write_result_json(not_run_json(INTERNAL_ERROR_STATUS if internal else 2,
+                                            "internal_error" if internal else "usage_error",
+                                            str(exc)), config.result_json)
+        raise
     if config.result_json:
-        _write_result(result, config.result_json)
+        _write_result_json(result.to_json(), config.result_json)
     return result.exit_code
 
 
@@ -626,12 +636,12 @@ def _warnings(parsed: Parsed) -> list[str]:
     return out
 
 
-def _write_result(result, path: str) -> None:
+def _write_result_json(data: dict, path: str) -> None:
     import json
 
     try:
         with open(path, "w", encoding="utf-8") as fh:
-            json.dump(result.to_json(), fh, indent=2)
+            json.dump(data, fh, indent=2)
             fh.write("\n")
     except OSError as exc:  # the job has run: say so, but keep its exit status
         sys.stderr.write(f"poprun: warning: cannot write --result-json {path}: "

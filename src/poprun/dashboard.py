@@ -244,9 +244,16 @@ class DashboardState:
         self.instances[index].usage = usage
         self.changes += 1
 
-    def instance_exited(self, index: int, returncode: int, now: float | None = None) -> None:
+    def instance_exited(self, index: int, returncode: int, now: float | None = None,
+                        error: Mapping | None = None) -> None:
+        """`error`: its uncaught exception (popdist's error file), shown in place of its last
+        line: `ValueError: loss is NaN (train.py:88, in step)`."""
         inst = self.instances[index]
         inst.returncode, inst.ended = returncode, _now(now)
+        if error:
+            from .rootcause import exception_text
+
+            inst.last_line = exception_text(error).encode()
         inst.state = (InstanceState.EXITED if returncode == 0 else
                       InstanceState.FAILED if returncode > 0 else InstanceState.KILLED)
         self.changes += 1

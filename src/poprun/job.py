@@ -263,7 +263,8 @@ class Job:
         record.returncode, record.end = returncode, time.time()
         self.done.add(key)
         if self.view is not None:
-            self.view.instance_exited(key, returncode, self.loop.time())
+            self.view.instance_exited(key, returncode, self.loop.time(),
+                                      self.spawner_of[key].errors.get(key))
         if self.watch is not None:
             self.watch.exited(key, returncode)
         self.log.info(f"instance {key} (pid {record.pid}) exited with {returncode}")

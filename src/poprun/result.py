@@ -78,7 +78,9 @@ class LaunchResult:
         """Why `exit_code` is what it is: "success", "instance" (the root cause's status),
         "host_lost" (255, as ssh), "signal" (poprun stopped by signal N: 128+N),
         "output_error" (74: output could not be written), "scheduler" (Slurm ended the job:
-        the instances' statuses) or "stall" (124: --stall-action kill)."""
+        the instances' statuses) or "stall" (124: --stall-action kill). A job that ended
+        before any instance ran has no LaunchResult; its --result-json (`not_run_json`) says
+        "usage_error" (2) or "internal_error" (70)."""
         if self.output_error is not None:
             return "output_error"
         if self.scheduler_stop is not None:
@@ -188,6 +190,16 @@ class LaunchResult:
                 "collateral": i.collateral, "start": i.start_ticks, "state": _state(i),
             } for i in self.instances],
         }
+
+
+def not_run_json(exit_code: int, exit_reason: str, error: str) -> dict:
+    """`--result-json` for a job that ended before any instance ran: a usage error or a job
+    that could not start (2, "usage_error"), an internal error (70, "internal_error"). The
+    keys are LaunchResult.to_json()'s, so a script reads every outcome the same way."""
+    return {"schema": JOB_SCHEMA, "state": "ended", "stall": None, "exit_code": exit_code,
+            "exit_reason": exit_reason, "error": error, "root_cause": None,
+            "stop_signal": None, "output_error": None, "scheduler_stop": None, "attempts": [],
+            "start_time": None, "phases": {}, "instances": []}
 
 
 def render_report(result: LaunchResult, fd: int, environ: Mapping[str, str],

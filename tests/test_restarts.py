@@ -5,6 +5,8 @@ here, see vipu_harness.py)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -125,3 +127,62 @@ def test_without_max_restarts_instances_see_no_restart_count(tmp_path):
     proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", PY, "-c",
                       "import os; print('POPDIST_RESTART_COUNT' in os.environ)")
     assert proc.stdout == b"False\n"
+
+
+# Attempt 0: instance 1 (on h2) kills its agent, as a host that goes down would lose it;
+# attempt 1 succeeds. Each instance notes the attempts it ran in.
+LOSES_ITS_HOST = """
+import os, signal, sys, time
+attempt = int(os.environ["POPDIST_RESTART_COUNT"])
+open(os.path.join(sys.argv[1], f"{os.environ['RANK']}-{attempt}.json"), "w").write("{}")
+if attempt == 0:
+    if os.environ["RANK"] == "1":
+        os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(300)
+"""
+
+
+def test_a_lost_host_is_connected_again_for_the_next_attempt(tmp_path):
+    (tmp_path / "notes").mkdir()
+    out = tmp_path / "result.json"
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        proc = run_poprun(*OFFLINE, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                          "--max-restarts=1", "--restart-delay=0", f"--result-json={out}",
+                          PY, "-c", LOSES_ITS_HOST, str(tmp_path / "notes"), env=hosts.env())
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert "h2: lost the connection to the host" in err
+    assert "reconnecting to h2 for the next attempt" in err
+    assert sorted(notes(tmp_path)) == ["0-0", "0-1", "1-0", "1-1"]
+    result = json.loads(out.read_text())
+    assert [a["exit_reason"] for a in result["attempts"]] == ["host_lost"]
+    assert result["exit_reason"] == "success"
+
+
+def test_a_host_that_stays_down_ends_the_job_with_its_loss(tmp_path):
+    (tmp_path / "notes").mkdir()
+    out = tmp_path / "result.json"
+    sleeper = "import os, sys, time; open(sys.argv[1] + '/' + os.environ['RANK'], 'w'); " \
+              "time.sleep(300)"
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        job = subprocess.Popen(poprun_argv(*OFFLINE, "-H", "h1,h2", "--num-instances=2",
+                                           "--num-replicas=2", "--max-restarts=3",
+                                           "--restart-delay=0", f"--result-json={out}", PY,
+                                           "-c", sleeper, str(tmp_path / "notes")),
+                               env=poprun_env(hosts.env()), stderr=subprocess.PIPE)
+        try:
+            wait_until(lambda: len(list((tmp_path / "notes").iterdir())) == 2,
+                       "both instances to run", 30)
+            for pid in hosts.sshd_pids(1):  # h2 goes down: its sshd, listener and sessions
+                os.kill(pid, signal.SIGKILL)
+            _, err = job.communicate(timeout=60)
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    err = err.decode()
+    assert job.returncode == 255, err
+    assert "reconnecting to h2 for the next attempt" in err
+    assert re.search(r"POPRUN \[E\] cannot restart the job: h2: connection refused", err), err
+    result = json.loads(out.read_text())
+    assert result["exit_reason"] == "host_lost" and result["attempts"] == []

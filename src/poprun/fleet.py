@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from spawner import bootstrap
 from spawner.local import Sink
@@ -37,31 +37,57 @@ class Fleet:
                  transport: str = "ssh") -> None:
         self.hosts, self.config, self.log = tuple(hosts), config, log
         self.transport = transport  # "ssh", or "slurm": agents as job steps (spawner.srun)
-        self.connections: Mapping[Host, object] = {}
+        self.connections: dict[Host, object] = {}
         self.spawners: dict[str, RemoteSpawner] = {}
+        self._timings: dict[Host, object] = {}  # per host: how its connection went
         self._opened_at = self._agents_started_at = 0.0  # time.monotonic(), for phases()
 
     async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
                    program: str, path: str | None, view=None) -> None:
         """Connect to every host and start its agent; raises LaunchError (every failing host
-        named, one line each) with nothing started and everything opened closed again."""
+        named, one line each) with nothing started; the caller closes what was opened."""
         self._opened_at = time.monotonic()
-        if self.transport == "slurm":
-            self.connections = _srun_connections(self.hosts)
-        else:
-            try:
-                self.connections = await connect_all(
-                    self.hosts, fanout=self.config.ssh_fanout,
-                    timeout=self.config.ssh_timeout, progress=_connected_to(view))
-            except SshConnectError as exc:
-                raise LaunchError("\n".join(f.message for f in exc.failures)) from None
-            for host, timing in self.connections.timings.items():
-                self.log.info(f"{host}: connected in {timing.connect * 1000:.0f} ms")
-        self.spawners = {
-            str(host): RemoteSpawner(conn, str(host), sink, on_lost,
-                                     python=self.config.remote_python)
-            for host, conn in self.connections.items()}
+        await self._connect(self.hosts, view)
         self._agents_started_at = time.monotonic()
+        await self._start_agents(self.hosts, sink, on_lost, cwd=cwd, program=program,
+                                 path=path, view=view)
+
+    async def reopen(self, labels: Iterable[str], sink: Sink,
+                     on_lost: Callable[[str, str], None], *, cwd: str, program: str,
+                     path: str | None) -> None:
+        """Lost hosts, connected and given an agent again (the next attempt of a restarted
+        job: a host that rebooted is back); LaunchError when one cannot be."""
+        hosts = [h for h in self.hosts if str(h) in set(labels)]
+        await asyncio.gather(*(self.spawners.pop(str(h)).close() for h in hosts),
+                             return_exceptions=True)
+        await close_all([self.connections.pop(h) for h in hosts])
+        await self._connect(hosts, None)
+        await self._start_agents(hosts, sink, on_lost, cwd=cwd, program=program, path=path,
+                                 view=None)
+
+    async def _connect(self, hosts: Sequence[Host], view) -> None:
+        if self.transport == "slurm":
+            self.connections.update(_srun_connections(hosts))
+            return
+        try:
+            opened = await connect_all(hosts, fanout=self.config.ssh_fanout,
+                                       timeout=self.config.ssh_timeout,
+                                       progress=_connected_to(view))
+        except SshConnectError as exc:
+            raise LaunchError("\n".join(f.message for f in exc.failures)) from None
+        self.connections.update(opened)
+        self._timings.update(opened.timings)
+        for host, timing in opened.timings.items():
+            self.log.info(f"{host}: connected in {timing.connect * 1000:.0f} ms")
+
+    async def _start_agents(self, hosts: Sequence[Host], sink: Sink,
+                            on_lost: Callable[[str, str], None], *, cwd: str, program: str,
+                            path: str | None, view) -> None:
+        spawners = [RemoteSpawner(self.connections[h], str(h), sink, on_lost,
+                                  python=self.config.remote_python) for h in hosts]
+        self.spawners.update((s.host, s) for s in spawners)
+        self.spawners = {str(h): self.spawners[str(h)] for h in self.hosts
+                         if str(h) in self.spawners}  # in host order, as planned
         stats = STATS_INTERVAL if view is not None else None  # only a dashboard shows them
         # Over SSH, the agent is brought where poprun is missing; a Slurm step runs it as is.
         install = self.config.remote_install if self.transport == "ssh" else None
@@ -69,17 +95,18 @@ class Fleet:
             *(_start_agent(s, view, install, self.config.remote_python, self.log.info,
                            cwd=cwd, program=program, path=path, stats=stats,
                            host_timeout=self.config.host_timeout)
-              for s in self.spawners.values()), return_exceptions=True)
+              for s in spawners), return_exceptions=True)
         problems = [_problem(spawner, outcome, cwd, program)
-                    for spawner, outcome in zip(self.spawners.values(), outcomes)]
+                    for spawner, outcome in zip(spawners, outcomes)]
         if any(problems):
             raise LaunchError("\n".join(p for p in problems if p))
-        for spawner in self.spawners.values():
+        for spawner in spawners:
             self.log.info(f"{spawner.host}: agent ready ({spawner.timings.describe()})")
 
-    async def temp_dirs(self) -> dict[str, str]:
-        """A unique temporary cache directory on each host, removed by its agent at exit."""
-        labels = list(self.spawners)
+    async def temp_dirs(self, labels: Iterable[str] | None = None) -> dict[str, str]:
+        """A unique temporary cache directory on each host (or on those of `labels`),
+        removed by its agent at exit."""
+        labels = list(self.spawners if labels is None else labels)
         paths = await asyncio.gather(*(self.spawners[h].make_temp_dir(CACHE_PREFIX)
                                        for h in labels), return_exceptions=True)
         failed = [f"{h}: cannot create a temporary executable cache: {p}"
@@ -88,9 +115,10 @@ class Fleet:
             raise LaunchError("\n".join(failed))
         return dict(zip(labels, paths))
 
-    async def make_dirs(self, path: str) -> None:
-        """An explicit executable cache: created on every host where it is missing."""
-        labels = list(self.spawners)
+    async def make_dirs(self, path: str, labels: Iterable[str] | None = None) -> None:
+        """An explicit executable cache: created on every host (or on those of `labels`)
+        where it is missing."""
+        labels = list(self.spawners if labels is None else labels)
         outcomes = await asyncio.gather(*(self.spawners[h].make_dir(path) for h in labels),
                                         return_exceptions=True)
         failed = [f"{h}: cannot create the executable cache {path}: "
@@ -103,7 +131,7 @@ class Fleet:
         """Per host, seconds from `since` (time.monotonic()) to connected and agent ready."""
         opened = self._opened_at
         out = {}
-        timings = getattr(self.connections, "timings", {})  # a Slurm step has no connect
+        timings = self._timings  # a Slurm step has no connect
         for host in self.connections:
             spawner = self.spawners[str(host)]
             out[str(host)] = {}

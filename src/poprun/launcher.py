@@ -323,7 +323,30 @@ class _Session:
                 result = replace(result, stop_signal=self._pause_signal,
                                  exit_code=128 + self._pause_signal)
                 break
+            lost = sorted({i.host for i in result.instances if i.lost})
+            if lost:
+                try:
+                    caches, master = await self._reopen(lost, caches)
+                except LaunchError as exc:  # still gone: the lost host's failure stands
+                    earlier.pop()
+                    for line in str(exc).splitlines():
+                        self.log.error(f"cannot restart the job: {line}")
+                    break
         self._result = replace(result, attempts=tuple(earlier)) if earlier else result
+
+    async def _reopen(self, lost: list[str], caches: dict[str, str]
+                      ) -> tuple[dict[str, str], str]:
+        """Hosts lost in the last attempt, back for the next one: connected, an agent
+        started, their temporary cache made again (the old one went with its agent)."""
+        self.log.warning(f"reconnecting to {', '.join(lost)} for the next attempt")
+        await self.fleet.reopen(lost, self.job, self.job.on_host_lost, cwd=self.cwd,
+                                program=self.program[0], path=self.environ.get("PATH"))
+        caches = dict(caches)
+        if self.mode is CacheMode.TEMPORARY:
+            caches.update(await self.fleet.temp_dirs(lost))
+        elif (explicit := _explicit_cache(self.config, self.mode)) is not None:
+            await self.fleet.make_dirs(explicit, lost)
+        return caches, await self._master_address()
 
     async def _run_attempt(self) -> LaunchResult:
         finished = self.loop.create_future()
@@ -336,11 +359,10 @@ class _Session:
         return self.job.result()
 
     def _restarts(self, result: LaunchResult, done: int) -> bool:
-        """Whether a failed attempt is followed by another: not after a stop by the user, an
-        output error or a lost host (its connection cannot be used again)."""
+        """Whether a failed attempt is followed by another: not after a stop by the user or
+        an output error (a lost host is connected again first: `_reopen`)."""
         return (not result.ok and done < self.config.max_restarts
-                and result.stop_signal is None and result.output_error is None
-                and not any(i.lost for i in result.instances))
+                and result.stop_signal is None and result.output_error is None)
 
     async def _pause_between_attempts(self, failed: LaunchResult, attempt: int) -> bool:
         """Clean up after a failed attempt, wait --restart-delay, make the next attempt's

@@ -85,3 +85,21 @@ def _private_state_dir(tmp_path_factory):
         os.environ.pop("XDG_RUNTIME_DIR", None)
     else:
         os.environ["XDG_RUNTIME_DIR"] = previous
+
+
+def wait_started(launcher_pid: int, count: int, timeout: float = 30) -> None:
+    """Until the poprun of `launcher_pid` knows `count` of its instances run: its job record
+    says so (poprun/jobs.py; rewritten as they start, in the session's XDG_RUNTIME_DIR).
+    Seeing the processes in /proc is not enough for a test that then kills a host: their
+    STARTED frames may still be on the way, and a host lost then is a launch that failed
+    (exit 2), not a running job that lost a host."""
+    from poprun import jobs
+    from sshd_hosts import wait_until
+
+    def running() -> int:
+        for record in jobs.scan().records:
+            if (record.get("launcher") or {}).get("pid") == launcher_pid:
+                return sum(i.get("state") == "running" for i in record["instances"])
+        return 0
+
+    wait_until(lambda: running() >= count, f"poprun to see {count} instance(s) run", timeout)

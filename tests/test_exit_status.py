@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun
-from sshd_hosts import processes_with, start_ssh_hosts, wait_until
+from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun, wait_started
+from sshd_hosts import start_ssh_hosts
 
 pytestmark = pytest.mark.timeout(90)
 PY = sys.executable
@@ -90,7 +90,7 @@ def test_a_lost_host(tmp_path):
                         marker),
             env=poprun_env(hosts.env()), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            wait_until(lambda: len(processes_with(marker)) >= 4, "both instances to run", 30)
+            wait_started(proc.pid, 2)
             hosts.kill_host(1)
             err = proc.communicate(timeout=60)[1]
         finally:

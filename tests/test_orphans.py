@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE, poprun_argv, poprun_env
+from conftest import OFFLINE, poprun_argv, poprun_env, wait_started
 from sshd_hosts import instances_with, processes_with, start_ssh_hosts, wait_until
 
 PY = sys.executable
@@ -352,7 +352,7 @@ def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, t
                             stderr=subprocess.PIPE)
     frozen: list[int] = []
     try:
-        wait_until(lambda: len(instances_with(mark)) == 2, "both instances to run", 30)
+        wait_started(proc.pid, 2)
         frozen = hosts.sshd_pids(1)
         assert len(frozen) >= 2  # the listener, and the launcher's connection
         for pid in frozen:

@@ -68,15 +68,30 @@ def test_a_remote_instances_exception_comes_back(tmp_path):
 def test_record_opts_in_without_the_hook_and_no_popdist_falls_back(tmp_path):
     """`popdist.record` writes the error for its function; a program that never imports
     popdist gets today's report: the exit status and its stderr tail."""
+    # The import installs the hook too: put the interpreter's back, so only @record writes.
     recorded = script(tmp_path, "import sys\nfrom popdist.errorfile import record\n"
+                      "sys.excepthook = sys.__excepthook__\n"
                       "@record\ndef main():\n    raise KeyError('missing')\nmain()\n")
     proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", PY, recorded)
-    assert "failed first: KeyError: 'missing' (train.py:5, in main)" in proc.stderr.decode()
+    assert "failed first: KeyError: 'missing' (train.py:6, in main)" in proc.stderr.decode()
     plain = tmp_path / "plain.py"
     plain.write_text("raise KeyError('missing')\n")
     proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", PY, str(plain))
     err = proc.stderr.decode()
     assert "failed first: exited with status 1" in err and "KeyError: 'missing'" in err
+
+
+def test_the_hook_is_chained_to_the_program_s_own(tmp_path):
+    """A hook the program set before `import popdist` still runs; poprun still gets the
+    exception."""
+    own = script(tmp_path, "import sys\n"
+                 "def mine(kind, value, tb):\n    print('own hook saw', kind.__name__, "
+                 "file=sys.stderr)\n"
+                 "sys.excepthook = mine\nimport popdist\nraise OSError('disk gone')\n")
+    proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", PY, own)
+    err = proc.stderr.decode()
+    assert "failed first: OSError: disk gone (train.py:6, in <module>)" in err, err
+    assert "own hook saw OSError" in err
 
 
 GLOO = """

@@ -13,7 +13,7 @@ Scenarios (bench/README.md says how each figure is measured):
   ssh       16 loopback sshd hosts x 4 instances of `hostname` (and 4 x 2), poprun vs mpirun
   rss       the launcher's peak RSS with 256 local instances (measured in the teardown runs)
   teardown  SIGTERM to the launcher with 256 running instances, until every one has exited
-  slurm     srun vs poprun --launcher slurm on a local Slurm (skipped until poprun has one)
+  slurm     srun vs poprun --launcher slurm on a local Slurm (skipped, saying why, without one)
 
 Sides alternate within each repetition (A B C A B C ...); a side that is not installed is
 skipped and the page says so. Writes <out>/results.json, results.md (machine, versions,
@@ -270,7 +270,7 @@ def slurm_skip_reason(sides: dict) -> str | None:
     help_text = subprocess.run([sides["poprun"]["path"], "--help"], capture_output=True, text=True,
                                timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
     if "--launcher" not in help_text:
-        return "this poprun has no --launcher option yet (the Slurm issue has not landed)"
+        return "this poprun has no --launcher option (an older one: see --poprun)"
     if importlib.util.find_spec("slurm_cluster") is None:
         return "tests/slurm_cluster.py (the local Slurm harness) is missing"
     return None

@@ -172,6 +172,25 @@ def test_the_ring_keeps_the_most_recent_output_within_its_cap(tmp_path):
     assert numbers == list(range(numbers[0], 100))  # in order, nothing lost since the cut
 
 
+def test_the_ring_writes_when_flushed_and_keeps_its_cap_across_flushes(tmp_path):
+    """Records wait in memory until a flush (the launcher's every FLUSH_EVERY seconds, and
+    before the ring is read); flushed often or rarely, the files end the same way."""
+    ring = joblog.RingLog(str(tmp_path), cap=1000)
+    ring.write(0, Stream.STDOUT, b"first\n")
+    assert joblog.read_ring(str(tmp_path)) == b"" and ring.pending
+    ring.flush()
+    assert list(joblog.records(joblog.read_ring(str(tmp_path)))) == [(0, "stdout", b"first\n")]
+    for n in range(200):
+        ring.write(1, Stream.STDOUT, b"line %d\n" % n)
+        if n % 7 == 0:
+            ring.flush()
+    ring.close()
+    data = joblog.read_ring(str(tmp_path))
+    assert 500 <= len(data) <= 1100
+    numbers = [int(d.split()[1]) for _, _, d in joblog.records(data)]
+    assert numbers == list(range(numbers[0], 200))
+
+
 def test_records_survive_any_bytes_and_a_torn_end():
     data = b"\xff\x00binary\n\r\n"
     whole = joblog.encode(2, "stdout", data) + joblog.encode(0, "stderr", b"e\n")

@@ -328,7 +328,7 @@ def logs(job: JobArg,
                                                    "until it ends")] = False,
          as_json: JsonOpt = False) -> None:
     """The job's output, each line tagged [1,<instance>]<stdout|stderr>: as --tag-output
-    does: what poprun kept of it (the most recent 4 to 8 MiB, or every line when it ran with
+    does: what poprun kept of it (the most recent 2 to 4 MiB, or every line when it ran with
     --output-filename), then with --follow each new line until the job ends."""
     record = _job(job)
     wanted = set(instance) if instance else None

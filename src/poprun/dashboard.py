@@ -229,11 +229,13 @@ class DashboardState:
             self.launched = inst.started
         self.changes += 1
 
-    def output(self, index: int, data: bytes, now: float | None = None) -> None:
+    def output(self, index: int, data: bytes, now: float | None = None,
+               lines: int | None = None) -> None:
         """A block of the instance's output (whole lines, or a `\\r` progress update): counts
-        its lines and keeps the last one, so a progress bar shows as it moves."""
+        its lines (`lines`, when the caller counted them) and keeps the last one, so a
+        progress bar shows as it moves."""
         inst = self.instances[index]
-        inst.lines += data.count(b"\n")
+        inst.lines += data.count(b"\n") if lines is None else lines
         inst.last_output = _now(now)
         inst.last_line = last_line(data) or inst.last_line
         self.changes += 1

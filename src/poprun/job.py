@@ -244,11 +244,16 @@ class Job:
         if key not in self.first_output:
             self.first_output[key] = time.time()
             self._marks["first_output"][key] = time.monotonic()
-        if self.view is not None:  # before the router: hidden instances still count
-            self.view.output(key, data, self.loop.time())
-        if self.watch is not None:
-            self.watch.output(key, stream, data)
+        counted = self.router.instances[key]
+        before = counted.lines
         self.router.on_output(key, stream, data)
+        # The router counts every instance's lines (hidden ones too), mostly for free while
+        # tagging: the panel and the record take its count rather than scan the block again.
+        lines = counted.lines - before
+        if self.view is not None:
+            self.view.output(key, data, self.loop.time(), lines)
+        if self.watch is not None:
+            self.watch.output(key, stream, data, lines)
 
     def on_usage(self, key: int, cpu_percent: float | None, rss: int) -> None:
         """A remote agent's sample of an instance (sent only while a dashboard shows them)."""

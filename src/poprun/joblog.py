@@ -1,11 +1,17 @@
 """A job's output, kept for `poprunctl logs`: a size-capped ring of two files.
 
-The launcher appends every block of instance output as it routes it (one `writev` per block:
-a header line `@<instance> <o|e> <bytes>\\n`, then the block's bytes as they came). When
-`output.log` passes half the cap it becomes `output.log.1` (replacing the previous one) and a
-new `output.log` starts, so the two together hold between half the cap and the cap of the
-most recent output: `DEFAULT_CAP` (8 MiB) unless `POPRUN_JOB_LOG_BYTES` says otherwise (0: no
+The launcher keeps every block of instance output as it routes it, as a record: a header
+line `@<instance> <o|e> <bytes>\\n`, then the block's bytes as they came. When `output.log`
+passes half the cap it becomes `output.log.1` (replacing the previous one) and a new
+`output.log` starts, so the two together hold between half the cap and the cap of the most
+recent output: `DEFAULT_CAP` (4 MiB) unless `POPRUN_JOB_LOG_BYTES` says otherwise (0: no
 log). Each file starts at a record, so either can be read alone.
+
+Records are buffered in memory and written every `FLUSH_EVERY` seconds (and before the ring
+is read, and at the end), at most a cap's worth each time: a job writing 100 MB of output a
+second would otherwise write all of it a second time, only to rotate it away (measured:
++57 ms on a 380 ms run of 8 x 200k tagged lines). A launcher killed outright loses at most
+the last `FLUSH_EVERY` seconds of the ring.
 
 With `--output-filename`, poprun writes every instance's output to files already: no ring is
 kept, and `poprunctl logs` reads those files (`rank.<i>/stdout`, `rank.<i>/stderr`).
@@ -18,12 +24,15 @@ from __future__ import annotations
 
 import os
 import re
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 
 from spawner.local import Stream
 
 LOG = "output.log"
-DEFAULT_CAP = 8 << 20
+DEFAULT_CAP = 4 << 20
+FLUSH_EVERY = 0.5  # seconds between writes of the buffered records
+IOV_BATCH = 512  # buffers per writev (the kernel takes at most IOV_MAX, 1024 on Linux)
 CAP_VARIABLE = "POPRUN_JOB_LOG_BYTES"
 _HEADER = re.compile(rb"@(\d+) ([oe]) (\d+)\n")
 _STREAM = {Stream.STDOUT: b"o", Stream.STDERR: b"e"}
@@ -43,23 +52,57 @@ class RingLog:
 
     def __init__(self, directory: str, cap: int = DEFAULT_CAP) -> None:
         self.path = os.path.join(directory, LOG)
-        self._half = max(1, cap // 2)
+        self._cap, self._half = max(1, cap), max(1, cap // 2)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                            0o600)
         self._size = os.fstat(self._fd).st_size
+        self._pending: deque[tuple[bytes, bytes]] = deque()  # records not written yet
+        self._pending_bytes = 0
         self.broken: str | None = None
 
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
     def write(self, key: int, stream: Stream, data: bytes) -> None:
+        """Keep a record (written at the next `flush`); only the newest cap's worth of what
+        is pending can survive rotation, so older pending records are dropped already."""
         if self._fd < 0:
             return
+        data = data if isinstance(data, bytes) else bytes(data)
         header = b"@%d %s %d\n" % (key, _STREAM[stream], len(data))
+        self._pending.append((header, data))
+        self._pending_bytes += len(header) + len(data)
+        while self._pending_bytes > self._cap and len(self._pending) > 1:
+            old_header, old_data = self._pending.popleft()
+            self._pending_bytes -= len(old_header) + len(old_data)
+
+    def flush(self) -> None:
+        """Write the pending records, rotating at half the cap as they go."""
+        if self._fd < 0 or not self._pending:
+            return
+        pending, self._pending, self._pending_bytes = self._pending, deque(), 0
+        batch: list[bytes] = []
+        batched = 0
         try:
-            if self._size >= self._half:
-                self._rotate()
-            self._size += os.writev(self._fd, (header, data))
+            for header, data in pending:
+                if self._size + batched >= self._half:
+                    self._write(batch)
+                    batch, batched = [], 0
+                    self._rotate()
+                batch += (header, data)
+                batched += len(header) + len(data)
+                if len(batch) >= IOV_BATCH:
+                    self._write(batch)
+                    batch, batched = [], 0
+            self._write(batch)
         except OSError as exc:
             self.broken = f"{self.path}: {exc.strerror or exc}"
-            self.close()
+            self._close_fd()
+
+    def _write(self, iov: list[bytes]) -> None:
+        if iov:
+            self._size += os.writev(self._fd, iov)
 
     def _rotate(self) -> None:
         os.replace(self.path, self.path + ".1")
@@ -68,6 +111,12 @@ class RingLog:
         self._fd, self._size = fd, 0
 
     def close(self) -> None:
+        """Write what is pending, then stop."""
+        self.flush()
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        self._pending.clear()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -78,9 +78,10 @@ class Rows:
         if row.state == "starting":  # an exit may be reported before the start
             row.state = "running"
 
-    def output(self, index: int, data: bytes, now: float) -> None:
+    def output(self, index: int, data: bytes, now: float, lines: int | None = None) -> None:
+        """`lines`: the block's `\\n` count, when the caller has it already."""
         row = self.instances[index]
-        row.lines += data.count(b"\n")
+        row.lines += data.count(b"\n") if lines is None else lines
         row.last_output = now
         end = len(data)
         while end and data[end - 1] in b"\r\n":

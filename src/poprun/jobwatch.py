@@ -48,6 +48,7 @@ class JobWatch:
         self.status = "starting"
         self.server: ControlServer | None = None
         self.log: joblog.RingLog | None = None
+        self._log_flush: asyncio.TimerHandle | None = None  # the ring's next write
         self.followers: set[asyncio.StreamWriter] = set()
         self.ticks: dict[int, int | None] = {}  # per instance of this attempt, its start
         self.state = self._new_state()
@@ -106,6 +107,8 @@ class JobWatch:
         for writer in list(self.followers):
             writer.close()
         self.followers.clear()
+        if self._log_flush is not None:
+            self._log_flush.cancel()
         if self.log is not None:
             self.log.close()
         if result is not None:
@@ -169,15 +172,23 @@ class JobWatch:
             self._arm_stall()
         self._schedule_write()
 
-    def output(self, key: int, stream: Stream, data: bytes) -> None:
+    def output(self, key: int, stream: Stream, data: bytes, lines: int | None = None
+               ) -> None:
         self._last_output = now = self.loop.time()
-        self.state.output(key, data, now)
+        self.state.output(key, data, now, lines)
         if self.log is not None:
             self.log.write(key, stream, data)
+            if self._log_flush is None:
+                self._log_flush = self.loop.call_later(joblog.FLUSH_EVERY, self._flush_log)
         if self.followers:
             self._forward(joblog.encode(key, stream.name.lower(), data))
         if self._stalled:
             self._unstall()
+
+    def _flush_log(self) -> None:
+        self._log_flush = None
+        if self.log is not None:
+            self.log.flush()
 
     def exited(self, key: int, returncode: int) -> None:
         self.state.exited(key, returncode, self.loop.time())
@@ -366,6 +377,7 @@ class JobWatch:
         source = "ring" if self.log is not None else "files" if self.config.\
             effective_output_filename else "none"
         if self.log is not None:
+            self.log.flush()  # what is buffered is part of what was kept
             history = joblog.read_ring(self.dir)
         elif source == "files":
             history = joblog.from_output_files(self.meta()["output_dir"],

@@ -8,6 +8,7 @@ bounded (sshd_hosts.wait_until, subprocess timeouts)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,27 @@ def poprunctl(*args: str, env: dict[str, str], timeout: float = 60
 def start_job(*args: str, env: dict[str, str], cwd=None) -> subprocess.Popen:
     return subprocess.Popen(poprun_argv(*OFFLINE, *args), env=poprun_env(env), cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@contextlib.contextmanager
+def job_running(*args: str, env: dict[str, str], cwd=None) -> Iterator[subprocess.Popen]:
+    """start_job, killed on the way out if it still runs (an assertion failed)."""
+    job = start_job(*args, env=env, cwd=cwd)
+    try:
+        yield job
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+
+
+def kill_leftovers(marker: str, job: subprocess.Popen) -> None:
+    """What a reap test left if it failed: the instances poprun can no longer stop."""
+    for pid in instances_with(marker):
+        os.kill(pid, signal.SIGKILL)
+    if job.poll() is None:
+        job.kill()
+        job.wait()
 
 
 def running_job(env: dict[str, str], instances: int) -> str:
@@ -216,9 +239,8 @@ def test_the_dashboard_says_the_job_id_and_stalled():
 # --- a real job, from a second process -----------------------------------------------------
 
 def test_list_show_stacks_logs_kill_against_a_live_local_job(environ, program, tmp_path):
-    job = start_job("--num-instances=3", "--num-replicas=3", "--result-json",
-                    str(tmp_path / "r.json"), PY, program, env=environ)
-    try:
+    with job_running("--num-instances=3", "--num-replicas=3", "--result-json",
+                     str(tmp_path / "r.json"), PY, program, env=environ) as job:
         job_id = running_job(environ, 3)
         wait_lines(environ, job_id, "connected", 2)
         listed = poprunctl("list", env=environ)
@@ -255,10 +277,6 @@ def test_list_show_stacks_logs_kill_against_a_live_local_job(environ, program, t
         killed = poprunctl("kill", job_id, env=environ)
         assert killed.returncode == 0 and "SIGINT sent" in killed.stdout
         _, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
     assert job.returncode == 130, err.decode()
     assert err.decode().count("KeyboardInterrupt") >= 3  # every instance got the Ctrl-C
     ended = poprunctl("list", "--json", env=environ)
@@ -274,21 +292,16 @@ def test_list_show_stacks_logs_kill_against_a_live_local_job(environ, program, t
 
 def test_logs_follow_sees_every_new_line_once_and_ends_with_the_job(environ, tmp_path):
     count = 60
-    job = start_job("--num-instances=2", "--num-replicas=2", PY, "-c",
-                    "import sys, time\n"
-                    "for i in range(%d):\n"
-                    "    print('tick', i, flush=True)\n"
-                    "    time.sleep(0.03)\n" % count, env=environ)
-    try:
+    with job_running("--num-instances=2", "--num-replicas=2", PY, "-c",
+                     "import sys, time\n"
+                     "for i in range(%d):\n"
+                     "    print('tick', i, flush=True)\n"
+                     "    time.sleep(0.03)\n" % count, env=environ) as job:
         job_id = running_job(environ, 2)
         follow = subprocess.run([PY, "-m", "poprun.ctl", "logs", "-f", job_id],
                                 env=poprun_env(environ), capture_output=True, text=True,
                                 timeout=60)
         job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
     assert follow.returncode == 0, follow.stderr
     for index in range(2):
         mine = [x for x in follow.stdout.splitlines() if x.startswith(f"[1,{index}]")]
@@ -342,13 +355,12 @@ def test_a_stalled_job_is_seen_stalled_from_outside_then_running_again(environ, 
                        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n"
                        f"while os.path.exists({str(go)!r}):  # never silent again\n"
                        f"    print('step 1', flush=True)\n    time.sleep(0.1)\n")
-    job = start_job("--num-instances=2", "--num-replicas=2", "--stall-timeout=1", PY,
-                    str(waiting), env=environ)
 
     def listed(state: str) -> list[str]:
         found = json.loads(poprunctl("list", "--json", env=environ).stdout)["jobs"]
         return [j["id"] for j in found if j["state"] == state]
-    try:
+    with job_running("--num-instances=2", "--num-replicas=2", "--stall-timeout=1", PY,
+                     str(waiting), env=environ) as job:
         wait_until(lambda: listed("stalled"), "the job to be listed as stalled", timeout=30)
         job_id = listed("stalled")[0]
         assert json.loads(poprunctl("show", job_id, "--json", env=environ).stdout)[
@@ -357,10 +369,6 @@ def test_a_stalled_job_is_seen_stalled_from_outside_then_running_again(environ, 
         wait_until(lambda: listed("running") == [job_id], "the job to run again", timeout=30)
         go.unlink()
         _, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
     assert job.returncode == 0, err.decode()
     assert record_of(environ, job_id)["exit_reason"] == "success"
 
@@ -529,11 +537,7 @@ def test_reap_after_sigkill_of_poprun_and_its_lifeline(environ, program):
         wait_until(lambda: not instances_with(marker), "the leftovers gone")
         assert not any(os.path.exists(c) for c in caches)
     finally:
-        for pid in instances_with(marker):
-            os.kill(pid, signal.SIGKILL)
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+        kill_leftovers(marker, job)
 
 
 # --- remote hosts ----------------------------------------------------------------------------
@@ -547,9 +551,8 @@ def hosts(tmp_path):
 def test_stacks_show_kill_with_instances_on_sshd_hosts(environ, program, hosts, tmp_path):
     env = {**hosts.env(), **environ}
     # The deadlock spans this host and h1; the sleeper is on h2.
-    job = start_job("--host", "localhost,h1,h2", "--num-instances=3", "--num-replicas=3",
-                    PY, program, env=env)
-    try:
+    with job_running("--host", "localhost,h1,h2", "--num-instances=3", "--num-replicas=3",
+                     PY, program, env=env) as job:
         job_id = running_job(env, 3)
         wait_lines(env, job_id, "connected", 2)
         rows = json.loads(poprunctl("show", job_id, "--json", env=env).stdout)["instances"]
@@ -565,10 +568,6 @@ def test_stacks_show_kill_with_instances_on_sshd_hosts(environ, program, hosts, 
         killed = poprunctl("kill", job_id, "--signal", "SIGTERM", env=env)
         assert killed.returncode == 0
         _, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
     assert job.returncode == 128 + signal.SIGTERM, err.decode()
     record = record_of(env, job_id)
     assert {h["label"]: h["local"] for h in record["hosts"]} == {
@@ -648,11 +647,7 @@ def test_reap_over_ssh_after_the_launcher_and_a_remote_agent_were_killed(environ
         assert not any(map(os.path.exists, caches.values()))
         assert record_of(env, job_id)["state"] == "ended"
     finally:
-        for pid in instances_with(marker):
-            os.kill(pid, signal.SIGKILL)
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+        kill_leftovers(marker, job)
         for path in remote_dirs:  # h1's agent's own: nobody recorded it
             shutil.rmtree(path, ignore_errors=True)
         from spawner.containment import own_cgroup_dir

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -621,9 +620,8 @@ class _CacheDir:
                 raise LaunchError(f"cannot create executable cache {self.path}: "
                                   f"{exc.strerror}") from None
         elif self._mode is CacheMode.TEMPORARY:
-            self.path = tempfile.mkdtemp(prefix="poprun-cache-")  # mode 0700
+            self.path = self._lifeline.make_temp_dir("poprun-cache-")  # mode 0700
             self._temporary = True
-            self._lifeline.add_dir(self.path)
         if self.path:
             self._log.info(f"executable cache ({self._mode.value}): {self.path}")
         return self.path

@@ -27,7 +27,6 @@ import shutil
 import signal
 import stat
 import sys
-import tempfile
 import time
 import traceback
 from collections import deque
@@ -338,12 +337,11 @@ class Agent:
 
     def _mktemp(self, request: dict[str, Any]) -> None:
         try:
-            path = tempfile.mkdtemp(prefix=request["prefix"])  # mode 0700
+            path = self._lifeline.make_temp_dir(request["prefix"])  # mode 0700
         except OSError as exc:
             self._outbox.send(encode(Kind.FAILED, id=request["id"],
                                      error=f"cannot create a temporary directory: {exc}"))
             return
-        self._lifeline.add_dir(path)
         self._temp_dirs.append(path)
         self._reply(request, {"path": path})
 

@@ -181,9 +181,8 @@ class LocalSpawner:
 
     def _error_file(self, key: int) -> str:
         if self._error_dir is None:  # private (0700), removed at close (or by the lifeline)
-            self._error_dir = tempfile.mkdtemp(prefix="poprun-errors-")
-            if self._lifeline:
-                self._lifeline.add_dir(self._error_dir)
+            self._error_dir = (self._lifeline.make_temp_dir("poprun-errors-") if self._lifeline
+                               else tempfile.mkdtemp(prefix="poprun-errors-"))
         return os.path.join(self._error_dir, f"{key}.json")
 
     def _read_error(self, key: int) -> None:

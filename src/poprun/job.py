@@ -193,8 +193,12 @@ class Job:
     def _record(self, key: int, pid: int, spawner) -> None:
         if key in self.started:  # its exit beat the end of spawn_all (see on_exit)
             return
-        self.started[key] = Started(pid=pid, start=time.time())
-        self._marks["first_started"][key] = time.monotonic()
+        # A remote instance started when its STARTED came, which may be well before this
+        # (spawn_remote records a host's instances once all of them have started).
+        now = time.monotonic()
+        at = getattr(spawner, "started_at", {}).get(key, now)
+        self.started[key] = Started(pid=pid, start=time.time() - (now - at))
+        self._marks["first_started"][key] = at
         self.spawner_of[key] = spawner
         inst = self.plan.instances[key]
         if self.view is not None:

@@ -271,6 +271,9 @@ class RemoteSpawner:
         self.containment = "unknown"  # how the agent catches escaped descendants (for -v)
         self.errors: dict[int, dict[str, Any]] = {}  # as LocalSpawner.errors, from EXIT
         self.start_ticks: dict[int, int | None] = {}  # per instance, its start (procid.py)
+        # Per instance, when its STARTED came (time.monotonic()): spawn_all returns only
+        # once every instance of the host has started, and one may have printed before.
+        self.started_at: dict[int, float] = {}
 
     # --- starting ---------------------------------------------------------------------
 
@@ -418,7 +421,7 @@ class RemoteSpawner:
         if self.running():
             raise RuntimeError(f"{self.host}: instances of the last attempt still run")
         for record in (self._pids, self._exited, self.errors, self.bindings, self._spawning,
-                       self.start_ticks):
+                       self.start_ticks, self.started_at):
             record.clear()
         self._sink, self._on_lost = sink, on_lost
 
@@ -495,6 +498,7 @@ class RemoteSpawner:
             self._pids[fields["key"]] = fields["pid"]
             self.bindings[fields["key"]] = fields.get("binding")
             self.start_ticks[fields["key"]] = fields.get("start")
+            self.started_at[fields["key"]] = time.monotonic()
             self.memory_binding_skipped |= bool(fields.get("memory_binding_skipped"))
             self.containment = fields.get("containment", self.containment)
             if self.timings.first_started is None:

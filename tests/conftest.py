@@ -87,17 +87,19 @@ def _private_state_dir(tmp_path_factory):
         os.environ["XDG_RUNTIME_DIR"] = previous
 
 
-def wait_started(launcher_pid: int, count: int, timeout: float = 30) -> None:
+def wait_started(launcher_pid: int, count: int, timeout: float = 30,
+                 environ: dict[str, str] | None = None) -> None:
     """Until the poprun of `launcher_pid` knows `count` of its instances run: its job record
     says so (poprun/jobs.py; rewritten as they start, in the session's XDG_RUNTIME_DIR).
     Seeing the processes in /proc is not enough for a test that then kills a host: their
     STARTED frames may still be on the way, and a host lost then is a launch that failed
-    (exit 2), not a running job that lost a host."""
+    (exit 2), not a running job that lost a host. `environ`: the job's, when it has its own
+    XDG_RUNTIME_DIR."""
     from poprun import jobs
     from sshd_hosts import wait_until
 
     def running() -> int:
-        for record in jobs.scan().records:
+        for record in jobs.scan(environ or os.environ).records:
             if (record.get("launcher") or {}).get("pid") == launcher_pid:
                 return sum(i.get("state") == "running" for i in record["instances"])
         return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import re
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE, poprun_env
+from conftest import OFFLINE, poprun_env, wait_started
 from poprun import InternalError, LaunchConfig, PoprunError, launch
 from sshd_hosts import processes_with, start_ssh_hosts, wait_until
 from terminal import run_on_a_terminal
@@ -177,6 +178,36 @@ def test_a_fault_in_the_partition_release_still_releases_it(sim, place):  # noqa
     assert "remove" in sim.verbs()
     assert sim.partitions() == {}
     assert_nothing_left(marker, place)
+
+
+def test_a_fault_when_a_host_is_lost_stops_the_job(tmp_path, place):
+    """Job.on_host_lost raises when h2 goes down. asyncssh reports the loss from its own
+    cleanup, where an exception is swallowed: poprun then waited forever for h2's instances.
+    It must be an internal error like any other (exit 70, nothing left)."""
+    marker = f"fault-{uuid.uuid4().hex[:8]}"
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    program = [PY, "-c", "import os, sys, time; open(sys.argv[1] + '/' + os.environ['RANK'], "
+                         "'w'); time.sleep(300)", str(notes), marker]
+    before = set(Path("/tmp").glob("poprun-cache-*"))
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        job = subprocess.Popen([PY, "-c", with_fault("poprun.job:Job.on_host_lost"), *OFFLINE,
+                                "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                                *program], env=poprun_env({**hosts.env(), **place}),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            wait_started(job.pid, 2, environ=place)
+            for pid in hosts.sshd_pids(1):  # h2 goes down
+                os.kill(pid, signal.SIGKILL)
+            err = job.communicate(timeout=30)[1].decode()
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+        assert_internal_error(job.returncode, err)
+        wait_until(lambda: not processes_with(marker), "every instance to be gone", 15)
+        wait_until(lambda: set(Path("/tmp").glob("poprun-cache-*")) <= before,
+                   "the hosts' caches to be removed", 15)
 
 
 def test_a_fault_in_a_remote_agent_stops_the_job_everywhere(tmp_path, place):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun
+from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun, wait_started
 from sshd_hosts import start_ssh_hosts, wait_until
 from vipu_harness import sim  # noqa: F401 (a fixture)
 
@@ -171,8 +171,7 @@ def test_a_host_that_stays_down_ends_the_job_with_its_loss(tmp_path):
                                            "-c", sleeper, str(tmp_path / "notes")),
                                env=poprun_env(hosts.env()), stderr=subprocess.PIPE)
         try:
-            wait_until(lambda: len(list((tmp_path / "notes").iterdir())) == 2,
-                       "both instances to run", 30)
+            wait_started(job.pid, 2)
             for pid in hosts.sshd_pids(1):  # h2 goes down: its sshd, listener and sessions
                 os.kill(pid, signal.SIGKILL)
             _, err = job.communicate(timeout=60)

@@ -296,6 +296,8 @@ class Job:
         self.log.error(f"{host}: lost the connection to the host ({reason}); "
                        f"{len(lost)} instance(s) there are gone")
         for key in lost:
+            if key not in self.started:  # lost before spawn_remote recorded it (as on_exit)
+                self._record(key, spawner.pid(key), spawner)
             record = self.started[key]
             record.lost, record.end = reason, time.time()
             self.done.add(key)

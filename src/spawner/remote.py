@@ -558,7 +558,10 @@ class RemoteSpawner:
             return
         self.lost = reason
         if self._on_lost is not None and self.info is not None:
-            self._on_lost(self.host, reason)
+            # Through the loop: asyncssh calls this from its connection cleanup, where an
+            # exception is swallowed (the job then waited forever for the lost instances);
+            # a loop callback's goes to the loop's exception handler (launcher._Guard).
+            asyncio.get_running_loop().call_soon(self._on_lost, self.host, reason)
 
     def _end_reason(self, exc: Exception | None) -> str:
         if exc is not None:

@@ -186,8 +186,8 @@ class Job:
         if self.stop_signal is not None:  # a stop signal came while these were starting
             self._log_stopping(self.stop_signal)
             self._stop(self.stop_signal)
-        elif self.root_cause is not None:
-            self._signal_all(signal.SIGTERM)  # an instance failed while these were starting
+        elif any(v is not None for v in (self.root_cause, self.output_error, self.stall)):
+            self._signal_all(signal.SIGTERM)  # the job began to stop while these started
         self._maybe_finish()
 
     def _record(self, key: int, pid: int, spawner) -> None:
@@ -385,9 +385,15 @@ class Job:
                                                     signal.SIGKILL)
 
     def _signal_all(self, sig: int) -> None:
-        for key in self.running():
-            self.started[key].signalled = True
-            self.spawner_of[key].signal(key, sig)
+        spawners = {id(s): s for s in self.spawner_of.values()}
+        for spawner in spawners.values():
+            for key in spawner.running():
+                spawner.signal(key, sig)
+                # An instance started there but not recorded yet (spawn_remote records a
+                # host's instances once all have started) is signalled again, and marked,
+                # when spawn_remote sees the job already stopping.
+                if key in self.started:
+                    self.started[key].signalled = True
 
     def result(self) -> LaunchResult:
         instances = tuple(

@@ -129,14 +129,18 @@ def test_without_max_restarts_instances_see_no_restart_count(tmp_path):
     assert proc.stdout == b"False\n"
 
 
-# Attempt 0: instance 1 (on h2) kills its agent, as a host that goes down would lose it;
-# attempt 1 succeeds. Each instance notes the attempts it ran in.
+# Attempt 0: once the test says go (poprun knows both instances run), instance 1 (on h2)
+# kills its agent, as a host that goes down would lose it; attempt 1 succeeds. Each instance
+# notes the attempts it ran in.
 LOSES_ITS_HOST = """
 import os, signal, sys, time
 attempt = int(os.environ["POPDIST_RESTART_COUNT"])
 open(os.path.join(sys.argv[1], f"{os.environ['RANK']}-{attempt}.json"), "w").write("{}")
 if attempt == 0:
     if os.environ["RANK"] == "1":
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.kill(os.getppid(), signal.SIGKILL)
     time.sleep(300)
 """
@@ -145,12 +149,23 @@ if attempt == 0:
 def test_a_lost_host_is_connected_again_for_the_next_attempt(tmp_path):
     (tmp_path / "notes").mkdir()
     out = tmp_path / "result.json"
+    go = tmp_path / "go"
     with start_ssh_hosts(2, tmp_path) as hosts:
-        proc = run_poprun(*OFFLINE, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
-                          "--max-restarts=1", "--restart-delay=0", f"--result-json={out}",
-                          PY, "-c", LOSES_ITS_HOST, str(tmp_path / "notes"), env=hosts.env())
-    err = proc.stderr.decode()
-    assert proc.returncode == 0, err
+        job = subprocess.Popen(poprun_argv(*OFFLINE, "-H", "h1,h2", "--num-instances=2",
+                                           "--num-replicas=2", "--max-restarts=1",
+                                           "--restart-delay=0", f"--result-json={out}", PY,
+                                           "-c", LOSES_ITS_HOST, str(tmp_path / "notes"),
+                                           str(go)),
+                               env=poprun_env(hosts.env()), stderr=subprocess.PIPE)
+        try:
+            wait_started(job.pid, 2)  # else a host lost while starting: exit 2, no restart
+            go.write_text("")
+            err = job.communicate(timeout=60)[1].decode()
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    assert job.returncode == 0, err
     assert "h2: lost the connection to the host" in err
     assert "reconnecting to h2 for the next attempt" in err
     assert sorted(notes(tmp_path)) == ["0-0", "0-1", "1-0", "1-1"]

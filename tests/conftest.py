@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -19,6 +20,18 @@ def poprun_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.pop("CI", None)  # CI disables the dashboard; tests decide that themselves
     env.update(extra or {})
     return env
+
+
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen):
+    """`with reaped(Popen(...)) as proc:` a process that must not outlive the test: killed
+    and reaped on the way out if it still runs (an assertion failed, a wait timed out)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def poprun_argv(*args: str) -> list[str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE, poprun_env, wait_started
+from conftest import OFFLINE, poprun_env, reaped, wait_started
 from poprun import InternalError, LaunchConfig, PoprunError, launch
 from sshd_hosts import processes_with, start_ssh_hosts, wait_until
 from terminal import run_on_a_terminal
@@ -195,15 +195,11 @@ def test_a_fault_when_a_host_is_lost_stops_the_job(tmp_path, place):
                                 "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
                                 *program], env=poprun_env({**hosts.env(), **place}),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
+        with reaped(job):
             wait_started(job.pid, 2, environ=place)
             for pid in hosts.sshd_pids(1):  # h2 goes down
                 os.kill(pid, signal.SIGKILL)
             err = job.communicate(timeout=30)[1].decode()
-        finally:
-            if job.poll() is None:
-                job.kill()
-                job.wait()
         assert_internal_error(job.returncode, err)
         wait_until(lambda: not processes_with(marker), "every instance to be gone", 15)
         wait_until(lambda: set(Path("/tmp").glob("poprun-cache-*")) <= before,

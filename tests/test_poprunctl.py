@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import OFFLINE, poprun_argv, poprun_env
+from conftest import OFFLINE, poprun_argv, poprun_env, reaped
 from poprun import ctl, jobs
 from poprun.result import JOB_SCHEMA
 from spawner import procid
@@ -98,22 +98,16 @@ def start_job(*args: str, env: dict[str, str], cwd=None) -> subprocess.Popen:
 @contextlib.contextmanager
 def job_running(*args: str, env: dict[str, str], cwd=None) -> Iterator[subprocess.Popen]:
     """start_job, killed on the way out if it still runs (an assertion failed)."""
-    job = start_job(*args, env=env, cwd=cwd)
-    try:
+    with reaped(start_job(*args, env=env, cwd=cwd)) as job:
         yield job
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
 
 
 def kill_leftovers(marker: str, job: subprocess.Popen) -> None:
     """What a reap test left if it failed: the instances poprun can no longer stop."""
     for pid in instances_with(marker):
         os.kill(pid, signal.SIGKILL)
-    if job.poll() is None:
-        job.kill()
-        job.wait()
+    with reaped(job):
+        pass
 
 
 def running_job(env: dict[str, str], instances: int) -> str:

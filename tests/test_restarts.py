@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun, wait_started
+from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
 from sshd_hosts import start_ssh_hosts, wait_until
 from vipu_harness import sim  # noqa: F401 (a fixture)
 
@@ -157,14 +157,10 @@ def test_a_lost_host_is_connected_again_for_the_next_attempt(tmp_path):
                                            "-c", LOSES_ITS_HOST, str(tmp_path / "notes"),
                                            str(go)),
                                env=poprun_env(hosts.env()), stderr=subprocess.PIPE)
-        try:
+        with reaped(job):
             wait_started(job.pid, 2)  # else a host lost while starting: exit 2, no restart
             go.write_text("")
             err = job.communicate(timeout=60)[1].decode()
-        finally:
-            if job.poll() is None:
-                job.kill()
-                job.wait()
     assert job.returncode == 0, err
     assert "h2: lost the connection to the host" in err
     assert "reconnecting to h2 for the next attempt" in err
@@ -185,15 +181,11 @@ def test_a_host_that_stays_down_ends_the_job_with_its_loss(tmp_path):
                                            "--restart-delay=0", f"--result-json={out}", PY,
                                            "-c", sleeper, str(tmp_path / "notes")),
                                env=poprun_env(hosts.env()), stderr=subprocess.PIPE)
-        try:
+        with reaped(job):
             wait_started(job.pid, 2)
             for pid in hosts.sshd_pids(1):  # h2 goes down: its sshd, listener and sessions
                 os.kill(pid, signal.SIGKILL)
             _, err = job.communicate(timeout=60)
-        finally:
-            if job.poll() is None:
-                job.kill()
-                job.wait()
     err = err.decode()
     assert job.returncode == 255, err
     assert "reconnecting to h2 for the next attempt" in err

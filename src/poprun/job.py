@@ -62,10 +62,9 @@ class Job:
         self.router.instances.clear()  # a new attempt's counts and tails start afresh
         self.output_error: str | None = None  # why output could not be written, if so
         self.started: dict[int, Started] = {}
-        self.first_output: dict[int, float] = {}  # time.time() of each instance's first block
         self.launch_time = time.time()
-        # The phases (result.phases) are measured on one clock, the monotonic one, as the
-        # fleet's are: wall-clock times and monotonic spans do not order exactly.
+        # Instants are taken on one clock, the monotonic one, as the fleet's are (wall-clock
+        # times and monotonic spans do not order exactly); `_wall` gives their time.time().
         self.launch_mono = time.monotonic()
         self._marks: dict[str, dict[int, float]] = {"first_started": {}, "first_output": {}}
         self.phases: dict[str, dict[str, float]] = {}  # host -> phase -> seconds (result)
@@ -195,9 +194,8 @@ class Job:
             return
         # A remote instance started when its STARTED came, which may be well before this
         # (spawn_remote records a host's instances once all of them have started).
-        now = time.monotonic()
-        at = getattr(spawner, "started_at", {}).get(key, now)
-        self.started[key] = Started(pid=pid, start=time.time() - (now - at))
+        at = getattr(spawner, "started_at", {}).get(key) or time.monotonic()
+        self.started[key] = Started(pid=pid, start=self._wall(at))
         self._marks["first_started"][key] = at
         self.spawner_of[key] = spawner
         inst = self.plan.instances[key]
@@ -245,9 +243,9 @@ class Job:
     # --- spawner sink -----------------------------------------------------------------
 
     def on_output(self, key: int, stream: Stream, data: bytes) -> None:
-        if key not in self.first_output:
-            self.first_output[key] = time.time()
-            self._marks["first_output"][key] = time.monotonic()
+        first_output = self._marks["first_output"]
+        if key not in first_output:
+            first_output[key] = time.monotonic()
         counted = self.router.instances[key]
         before = counted.lines
         self.router.on_output(key, stream, data)
@@ -314,12 +312,20 @@ class Job:
 
     # --- stopping ---------------------------------------------------------------------
 
+    def _spawners(self) -> list:
+        """Every spawner running instances of this job (local, and one per remote host)."""
+        return list({id(s): s for s in self.spawner_of.values()}.values())
+
     def running(self) -> list[int]:
-        spawners = {id(s): s for s in self.spawner_of.values()}
-        return [k for s in spawners.values() for k in s.running()]
+        return [k for s in self._spawners() for k in s.running()]
+
+    @property
+    def _starting_remote(self) -> bool:
+        """Spawn requests are out and their instances may run, unrecorded (spawn_remote)."""
+        return self._spawning_remote and not self._all_started
 
     def on_signal(self, sig: int) -> None:
-        if self.stop_signal is not None and self._spawning_remote and not self._all_started:
+        if self.stop_signal is not None and self._starting_remote:
             self.log.warning(f"{signal.Signals(sig).name} again: stopping now")
             self.on_interrupt()  # the agents' teardown kills whatever they started
             return
@@ -330,7 +336,7 @@ class Job:
             return
         self.stop_signal = sig
         name = signal.Signals(sig).name
-        if self._spawning_remote and not self._all_started:
+        if self._starting_remote:
             # Agents may have forked instances whose STARTED has not come back yet: cancelling
             # now would leave their fate to the agents' teardown and the message would lie.
             # spawn_remote stops them all once it knows them (a second signal cancels).
@@ -385,8 +391,7 @@ class Job:
                                                     signal.SIGKILL)
 
     def _signal_all(self, sig: int) -> None:
-        spawners = {id(s): s for s in self.spawner_of.values()}
-        for spawner in spawners.values():
+        for spawner in self._spawners():
             for key in spawner.running():
                 spawner.signal(key, sig)
                 # An instance started there but not recorded yet (spawn_remote records a
@@ -405,7 +410,7 @@ class Job:
                 lines=self.router.instances[i].lines,
                 stderr_tail=tuple(self.router.instances[i].stderr_tail),
                 stopped_by_poprun=r.signalled, lost=r.lost,
-                first_output_time=self.first_output.get(i),
+                first_output_time=self._wall(self._marks["first_output"].get(i)),
                 error=self.spawner_of[i].errors.get(i))
             for i, r in sorted(self.started.items()))
         root, collateral = rootcause.analyze(instances, self.root_cause)
@@ -426,6 +431,10 @@ class Job:
                             stop_signal=self.stop_signal, phases=self._phases(instances),
                             start_time=self.launch_time, output_error=self.output_error,
                             stall=self.stall)
+
+    def _wall(self, mono: float | None) -> float | None:
+        """time.time() of a time.monotonic() instant of this job."""
+        return None if mono is None else self.launch_time + (mono - self.launch_mono)
 
     def _phases(self, instances: tuple[InstanceResult, ...]) -> dict[str, dict[str, float]]:
         """Per host: what the fleet measured (remote), plus first start and first output."""

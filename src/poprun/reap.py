@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spawner import containment, reaphere
+from spawner import containment, procid, reaphere
 
 from . import jobs
 
@@ -113,7 +113,7 @@ def _reap_local(record: Mapping[str, Any], label: str, part: dict[str, Any],
     report = HostReport(label, reaphere.reap_here({**part, "dry_run": dry_run}))
     lifeline = record.get("lifeline") or {}
     token = lifeline.get("token")
-    rebooted = part.get("boot_id") and part["boot_id"] != _boot_id()
+    rebooted = part.get("boot_id") and part["boot_id"] != procid.boot_id()
     if isinstance(token, str) and token and not rebooted:
         marked = containment.marked(token, exclude=os.getpid())
         if marked:
@@ -137,12 +137,6 @@ def _reap_local(record: Mapping[str, Any], label: str, part: dict[str, Any],
                                    "done": not dry_run and not os.path.exists(cgroup),
                                    "note": "would remove it" if dry_run else "removed"})
     return report
-
-
-def _boot_id() -> str | None:
-    from spawner.procid import boot_id
-
-    return boot_id()
 
 
 def remote_script() -> str:

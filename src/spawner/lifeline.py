@@ -72,12 +72,11 @@ class Lifeline:
         """A new private (0700) temporary directory the watchdog removes if its owner dies.
         Registered *before* it exists: with mkdtemp-then-register, an owner SIGKILLed in
         between left the directory behind (1 run in ~150 of the start-up SIGKILL test)."""
-        import secrets
         import tempfile
 
         parent = tempfile.gettempdir()
         for _ in range(100):
-            path = os.path.join(parent, prefix + secrets.token_hex(6))
+            path = os.path.join(parent, prefix + os.urandom(6).hex())
             if os.path.lexists(path):
                 continue
             self.add_dir(path)

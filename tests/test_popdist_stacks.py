@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -75,11 +76,18 @@ time.sleep(60)  # main here
 
 def test_a_stuck_program_answers_with_every_thread(tmp_path):
     proc = start(tmp_path, STUCK)
+    expected = ["lock.acquire()  # blocked here", "time.sleep(60)  # main here"]
     try:
-        found = asyncio.run(stackdump.collect(proc.pid, 5))
-        assert found["how"] == "popdist" and found["error"] is None, found
-        innermost = sorted(t["frames"][0][3] for t in found["threads"])
-        assert innermost == ["lock.acquire()  # blocked here", "time.sleep(60)  # main here"]
+        # Asked until both threads got there (bounded): "ready" is read before the main
+        # thread's print returns, and the worker may not have run yet.
+        deadline = time.monotonic() + 10
+        while True:
+            found = asyncio.run(stackdump.collect(proc.pid, 5))
+            assert found["how"] == "popdist" and found["error"] is None, found
+            innermost = sorted(t["frames"][0][3] for t in found["threads"])
+            if innermost == expected or time.monotonic() > deadline:
+                break
+        assert innermost == expected
         again = asyncio.run(stackdump.collect(proc.pid, 5))  # asked twice: same answer
         assert len(again["threads"]) == 2
         assert proc.poll() is None  # and it runs on

@@ -67,24 +67,43 @@ def test_a_failing_instance_ends_the_job_and_its_status_propagates(cluster):
     wait_until(lambda: not processes_with(marker), "every process of the job to be gone", 30)
 
 
-def test_caches_bindings_and_sources_on_every_node(cluster):
+def test_caches_bindings_and_sources_on_every_node(cluster, tmp_path):
     """Each node's agent makes the executable cache there and removes it; each node's
     instances are bound from that node's own topology (--report-bindings reads them back
-    there); -v says the hosts and counts came from the allocation."""
+    there); -v says the hosts and counts came from the allocation. The instances stay until
+    poprun knows all four run: one that exits first has no binding left to read."""
+    from poprun import jobs
+
     before = set(Path("/tmp").glob("poprun-cache-*"))
-    done = cluster.run(["salloc", "-N2", "--ntasks-per-node=2", *POPRUN, "-v",
-                        "--report-bindings", "--num-replicas=4", "--process-placement=close",
-                        PY, "-c", "import os; print(os.environ['POPDIST_EXECUTABLE_CACHE_PATH'],"
-                        " os.path.isdir(os.environ['POPDIST_EXECUTABLE_CACHE_PATH']))"],
-                       env=env(), timeout=90)
-    assert done.returncode == 0, done.stderr
-    caches = {line.split()[0] for line in done.stdout.splitlines()}
-    assert {line.split()[1] for line in done.stdout.splitlines()} == {"True"}
+    go = tmp_path / "go"
+    program = ("import os, sys, time; c = os.environ['POPDIST_EXECUTABLE_CACHE_PATH']; "
+               "print(c, os.path.isdir(c), flush=True)\n"
+               "while not os.path.exists(sys.argv[1]): time.sleep(0.01)")
+    proc = cluster.popen(["salloc", "-N2", "--ntasks-per-node=2", *POPRUN, "-v",
+                          "--report-bindings", "--num-replicas=4", "--process-placement=close",
+                          PY, "-c", program, str(go)], env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+
+    def running() -> bool:
+        return any(str(go) in (r.get("argv") or []) and
+                   sum(i.get("state") == "running" for i in r["instances"]) == 4
+                   for r in jobs.scan().records)
+    try:
+        wait_until(running, "poprun to see its 4 instances run", 60)
+        go.write_text("")
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    caches = {line.split()[0] for line in out.splitlines()}
+    assert {line.split()[1] for line in out.splitlines()} == {"True"}
     assert len(caches) == 2  # one per node, made by its agent
     assert not {Path(c) for c in caches} & before and not any(map(os.path.exists, caches))
     assert "hosts: node1 (2), node2 (2) from the Slurm allocation (SLURM_JOB_NODELIST=node[1-2]) " \
-           "with SLURM_TASKS_PER_NODE=2(x2), over slurm" in done.stderr, done.stderr
-    bound = re.findall(r"instance (\d) \(pid \d+\) on (node\d): cpus ", done.stderr)
+           "with SLURM_TASKS_PER_NODE=2(x2), over slurm" in err, err
+    bound = re.findall(r"instance (\d) \(pid \d+\) on (node\d): cpus ", err)
     assert sorted(bound) == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")]
 
 

@@ -148,47 +148,95 @@ def test_ended_jobs_are_kept_bounded_and_running_ones_never_pruned(environ):
     os.utime(os.path.join(old_dir, jobs.RECORD), (now - 8 * 86400,) * 2)
     for rank, (_, directory) in enumerate(made):  # the first made is the oldest
         os.utime(os.path.join(directory, jobs.RECORD), (now - 100 + rank,) * 2)
-        with open(os.path.join(directory, "output.log"), "w") as f:
-            f.write("@0 o 2\nx\n")
+        joblog.RingLog(directory, cap=1000).close()
     # Most recent first: running, made[6], ..., made[0], then the 8-day-old one.
     removed = jobs.prune(environ, now=now, keep=5, keep_logs=3)
     assert set(removed) == {old_id, made[0][0], made[1][0], made[2][0]}
     left = {r["id"] for r in jobs.scan(environ).records}
     assert left == {running} | {i for i, _ in made[3:]}
-    with_logs = [i for i, d in made if os.path.exists(os.path.join(d, "output.log"))]
+    with_logs = [i for i, d in made if os.path.exists(os.path.join(d, joblog.LOG))]
     assert with_logs == [i for i, _ in made[-2:]]  # 3 most recent: running + the 2 newest
 
 
-def test_the_ring_keeps_the_most_recent_output_within_its_cap(tmp_path):
+def test_the_ring_keeps_the_most_recent_whole_records_within_its_cap(tmp_path):
     ring = joblog.RingLog(str(tmp_path), cap=1000)
     for n in range(100):
         ring.write(n % 3, Stream.STDERR if n % 2 else Stream.STDOUT, b"line %d\n" % n)
     ring.close()
+    assert os.path.getsize(tmp_path / joblog.LOG) == joblog.HEADER_SIZE + 1000
     data = joblog.read_ring(str(tmp_path))
-    assert 500 <= len(data) <= 1100
+    assert 1000 - 20 < len(data) <= 1000  # full, but for less than one record
     got = list(joblog.records(data))
     assert got[-1] == (99 % 3, "stderr", b"line 99\n")
     numbers = [int(d.split()[1]) for _, _, d in got]
-    assert numbers == list(range(numbers[0], 100))  # in order, nothing lost since the cut
+    assert numbers == list(range(numbers[0], 100))  # in order, whole, nothing lost since
 
 
-def test_the_ring_writes_when_flushed_and_keeps_its_cap_across_flushes(tmp_path):
-    """Records wait in memory until a flush (the launcher's every FLUSH_EVERY seconds, and
-    before the ring is read); flushed often or rarely, the files end the same way."""
-    ring = joblog.RingLog(str(tmp_path), cap=1000)
-    ring.write(0, Stream.STDOUT, b"first\n")
-    assert joblog.read_ring(str(tmp_path)) == b"" and ring.pending
-    ring.flush()
-    assert list(joblog.records(joblog.read_ring(str(tmp_path)))) == [(0, "stdout", b"first\n")]
-    for n in range(200):
+def test_the_ring_holds_each_record_as_soon_as_it_is_written(tmp_path):
+    """No flush: another reader of the file sees every record at once, across the wrap."""
+    ring = joblog.RingLog(str(tmp_path), cap=300)
+    assert joblog.read_ring(str(tmp_path)) == b""
+    for n in range(60):
         ring.write(1, Stream.STDOUT, b"line %d\n" % n)
-        if n % 7 == 0:
-            ring.flush()
+        got = [d for _, _, d in joblog.records(joblog.read_ring(str(tmp_path)))]
+        assert got[-1] == b"line %d\n" % n and len(b"".join(got)) <= 300
     ring.close()
-    data = joblog.read_ring(str(tmp_path))
-    assert 500 <= len(data) <= 1100
-    numbers = [int(d.split()[1]) for _, _, d in joblog.records(data)]
-    assert numbers == list(range(numbers[0], 200))
+
+
+def test_a_block_longer_than_the_ring_keeps_its_end(tmp_path):
+    ring = joblog.RingLog(str(tmp_path), cap=joblog.MIN_CAP)
+    ring.write(0, Stream.STDOUT, b"old\n")
+    block = b"".join(b"%04d\n" % n for n in range(1000))
+    ring.write(2, Stream.STDOUT, block)
+    ring.close()
+    kept = joblog.read_ring(str(tmp_path))
+    *_, (key, stream, data) = joblog.records(kept)
+    assert len(kept) <= joblog.MIN_CAP
+    assert (key, stream) == (2, "stdout") and block.endswith(data)
+    assert joblog.MIN_CAP - 48 <= len(data) < joblog.MIN_CAP
+
+
+def test_the_ring_survives_its_writer_killed_outright(tmp_path):
+    """What a launcher routed before a SIGKILL is in the file: the kernel keeps the
+    mapped pages (a real process, killed by the real signal)."""
+    script = (
+        "import os, signal, sys\n"
+        "from poprun import joblog\n"
+        "from spawner.local import Stream\n"
+        f"ring = joblog.RingLog({str(tmp_path)!r}, cap=1 << 16)\n"
+        "for n in range(500):\n"
+        "    ring.write(n % 4, Stream.STDOUT, b'line %d\\n' % n)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", script], timeout=60)
+    assert proc.returncode == -9
+    numbers = [int(d.split()[1]) for _, _, d in joblog.records(joblog.read_ring(
+        str(tmp_path)))]
+    assert numbers == list(range(500))
+
+
+def test_a_ring_the_filesystem_cannot_back_is_refused_at_its_making(tmp_path):
+    """Space is reserved up front: a file that cannot have it (here the file-size limit
+    stands for a full disk) raises OSError and leaves no file, rather than a SIGBUS on a
+    later store into the mapping."""
+    script = (
+        "import resource, signal\n"
+        "from poprun import joblog\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "try:\n"
+        f"    joblog.RingLog({str(tmp_path)!r}, cap=1 << 20)\n"
+        "except OSError as exc:\n"
+        "    print('refused', exc.strerror)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert proc.stdout.decode().startswith("refused "), proc.stderr.decode()
+    assert not (tmp_path / joblog.LOG).exists()
+
+
+def test_anything_but_a_ring_file_reads_as_no_output(tmp_path):
+    assert joblog.read_ring(str(tmp_path)) == b""
+    for junk in (b"", b"@0 o 2\nx\n", b"poprunR1" + bytes(100), bytes(joblog.HEADER_SIZE + 8)):
+        (tmp_path / joblog.LOG).write_bytes(junk)
+        assert joblog.read_ring(str(tmp_path)) == b""
 
 
 def test_records_survive_any_bytes_and_a_torn_end():

@@ -23,7 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped
-from poprun import ctl, jobs
+from poprun import ctl, joblog, jobs
 from poprun.result import JOB_SCHEMA
 from spawner import procid
 from sshd_hosts import instances_with, start_ssh_hosts, wait_until
@@ -311,7 +311,7 @@ def test_a_job_with_output_filename_keeps_no_ring_and_logs_read_its_files(enviro
     assert job.returncode == 0, job.stderr.decode()
     (record,) = jobs.scan(environ).records
     assert record["log"] is None and record["output_dir"] == str(tmp_path / "out")
-    assert not any(n.startswith("output.log") for n in os.listdir(record["_dir"]))
+    assert joblog.LOG not in os.listdir(record["_dir"])
     logs = poprunctl("logs", record["id"], env=environ).stdout.splitlines()
     assert sorted(logs) == sorted(["[1,0]<stdout>:o", "[1,0]<stderr>:e", "[1,1]<stdout>:o",
                                    "[1,1]<stderr>:e"])

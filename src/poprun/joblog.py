@@ -1,39 +1,54 @@
-"""A job's output, kept for `poprunctl logs`: a size-capped ring of two files.
+"""A job's output, kept for `poprunctl logs`: the most recent of it, in a ring file.
 
 The launcher keeps every block of instance output as it routes it, as a record: a header
-line `@<instance> <o|e> <bytes>\\n`, then the block's bytes as they came. When `output.log`
-passes half the cap it becomes `output.log.1` (replacing the previous one) and a new
-`output.log` starts, so the two together hold between half the cap and the cap of the most
-recent output: `DEFAULT_CAP` (4 MiB) unless `POPRUN_JOB_LOG_BYTES` says otherwise (0: no
-log). Each file starts at a record, so either can be read alone.
+line `@<instance> <o|e> <bytes>\\n`, then the block's bytes as they came. The records go to
+`output.ring`, a file of `HEADER_SIZE + cap` bytes mapped into memory: its data area is a
+circle in which byte `s` of the record stream lives at `HEADER_SIZE + s % cap`, and its
+header says where the stream ends and where its oldest whole record starts. So the file
+always holds the newest `cap` bytes' worth of whole records: `DEFAULT_CAP` (4 MiB) unless
+`POPRUN_JOB_LOG_BYTES` says otherwise (0: no log). A block longer than the whole ring keeps
+its end.
 
-Records are buffered in memory and written every `FLUSH_EVERY` seconds (and before the ring
-is read, and at the end), at most a cap's worth each time: a job writing 100 MB of output a
-second would otherwise write all of it a second time, only to rotate it away (measured:
-+57 ms on a 380 ms run of 8 x 200k tagged lines). A launcher killed outright loses at most
-the last `FLUSH_EVERY` seconds of the ring.
+Why a mapped file (8 x 200k tagged lines, ~300 ms, on the 2-core machine of
+docs/architecture.md): writing each block to a file cost +57 ms; keeping the blocks in
+memory to write every half second still cost ~15-25 ms (4 MiB of blocks held back from the
+allocator, whose reuse of hot memory the output path relies on, and a 4 MiB write at the
+end); a copy into the mapping costs ~4 ms and nothing at the end. The kernel writes the pages
+back by itself, so a launcher killed outright loses none of what it had routed. The space
+is reserved when the file is made (`posix_fallocate`): a store into a mapped page that the
+filesystem could not back would be SIGBUS, so a full disk turns the log off at the start.
 
 With `--output-filename`, poprun writes every instance's output to files already: no ring is
 kept, and `poprunctl logs` reads those files (`rank.<i>/stdout`, `rank.<i>/stderr`).
 
-Reading is pure: `records(data)` splits bytes into (instance, stream, bytes); a torn last
-record (read while being written) is dropped.
+Reading is pure: `unwind(file bytes)` gives the records' bytes oldest first, and
+`records(data)` splits them into (instance, stream, bytes); a torn last record is dropped.
+The launcher's own reads (`poprunctl logs` of a live job, through its control socket) are
+never torn: it writes and serves from one thread.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
+import struct
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 
 from spawner.local import Stream
 
-LOG = "output.log"
+LOG = "output.ring"
 DEFAULT_CAP = 4 << 20
-FLUSH_EVERY = 0.5  # seconds between writes of the buffered records
-IOV_BATCH = 512  # buffers per writev (the kernel takes at most IOV_MAX, 1024 on Linux)
+MIN_CAP = 256  # smaller asks get this much: room for a header and a little output
 CAP_VARIABLE = "POPRUN_JOB_LOG_BYTES"
+# magic, cap, start (the oldest whole record's stream offset), end (the stream's length)
+_FILE_HEADER = struct.Struct("<8sQQQ")
+HEADER_SIZE = _FILE_HEADER.size
+_U64 = struct.Struct("<Q")
+_START_AT, _END_AT = 16, 24  # the header's start and end fields
+_MAGIC = b"poprunR1"
+_RECORD_HEADER_MAX = 48  # "@<instance> o <bytes>\n" is shorter whatever the numbers
 _HEADER = re.compile(rb"@(\d+) ([oe]) (\d+)\n")
 _STREAM = {Stream.STDOUT: b"o", Stream.STDERR: b"e"}
 _NAME = {b"o": "stdout", b"e": "stderr"}
@@ -47,91 +62,91 @@ def cap_from(environ: Mapping[str, str]) -> int:
 
 
 class RingLog:
-    """The writer. Any error writing (a full disk) turns the log off: the job never stops
-    for it (`broken` says why)."""
+    """The writer. Raises OSError at its making where the file cannot be made and backed
+    (the job goes on without a log); never after."""
 
     def __init__(self, directory: str, cap: int = DEFAULT_CAP) -> None:
         self.path = os.path.join(directory, LOG)
-        self._cap, self._half = max(1, cap), max(1, cap // 2)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-                           0o600)
-        self._size = os.fstat(self._fd).st_size
-        self._pending: deque[tuple[bytes, bytes]] = deque()  # records not written yet
-        self._pending_bytes = 0
-        self.broken: str | None = None
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._pending)
+        self._cap = cap = max(MIN_CAP, cap)
+        self._room = cap - _RECORD_HEADER_MAX  # the most of one block a record can hold
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, HEADER_SIZE + cap)
+            self._map: mmap.mmap | None = mmap.mmap(fd, HEADER_SIZE + cap)
+        except OSError:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)  # the mapping keeps the file
+        _FILE_HEADER.pack_into(self._map, 0, _MAGIC, cap, 0, 0)
+        self._starts: deque[int] = deque()  # stream offsets of the records in the ring
+        self._end = 0
 
     def write(self, key: int, stream: Stream, data: bytes) -> None:
-        """Keep a record (written at the next `flush`); only the newest cap's worth of what
-        is pending can survive rotation, so older pending records are dropped already."""
-        if self._fd < 0:
+        """Keep a record, overwriting the oldest ones it needs the room of. (Called for
+        every block of output: written for speed, the usual case inline.)"""
+        ring = self._map
+        if ring is None:
             return
-        data = data if isinstance(data, bytes) else bytes(data)
+        if len(data) > self._room:
+            data = data[len(data) - self._room:]
         header = b"@%d %s %d\n" % (key, _STREAM[stream], len(data))
-        self._pending.append((header, data))
-        self._pending_bytes += len(header) + len(data)
-        while self._pending_bytes > self._cap and len(self._pending) > 1:
-            old_header, old_data = self._pending.popleft()
-            self._pending_bytes -= len(old_header) + len(old_data)
+        start, cap = self._end, self._cap
+        end = start + len(header) + len(data)
+        starts = self._starts
+        starts.append(start)
+        if starts[0] < end - cap:
+            while starts[0] < end - cap:  # overwritten by this record
+                starts.popleft()
+            # Said before the bytes go in (and the end after): read at any moment, the
+            # file holds whole records only.
+            _U64.pack_into(ring, _START_AT, starts[0])
+        at = HEADER_SIZE + start % cap
+        if at + end - start <= HEADER_SIZE + cap:
+            ring[at:at + len(header)] = header
+            ring[at + len(header):at + end - start] = data
+        else:  # wraps around
+            self._put(start, header)
+            self._put(start + len(header), data)
+        self._end = end
+        _U64.pack_into(ring, _END_AT, end)
 
-    def flush(self) -> None:
-        """Write the pending records, rotating at half the cap as they go."""
-        if self._fd < 0 or not self._pending:
-            return
-        pending, self._pending, self._pending_bytes = self._pending, deque(), 0
-        batch: list[bytes] = []
-        batched = 0
-        try:
-            for header, data in pending:
-                if self._size + batched >= self._half:
-                    self._write(batch)
-                    batch, batched = [], 0
-                    self._rotate()
-                batch += (header, data)
-                batched += len(header) + len(data)
-                if len(batch) >= IOV_BATCH:
-                    self._write(batch)
-                    batch, batched = [], 0
-            self._write(batch)
-        except OSError as exc:
-            self.broken = f"{self.path}: {exc.strerror or exc}"
-            self._close_fd()
-
-    def _write(self, iov: list[bytes]) -> None:
-        if iov:
-            self._size += os.writev(self._fd, iov)
-
-    def _rotate(self) -> None:
-        os.replace(self.path, self.path + ".1")
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        os.close(self._fd)
-        self._fd, self._size = fd, 0
+    def _put(self, offset: int, data: bytes) -> None:
+        at = offset % self._cap
+        first = min(len(data), self._cap - at)
+        view = memoryview(data)
+        self._map[HEADER_SIZE + at:HEADER_SIZE + at + first] = view[:first]
+        if first < len(data):
+            self._map[HEADER_SIZE:HEADER_SIZE + len(data) - first] = view[first:]
 
     def close(self) -> None:
-        """Write what is pending, then stop."""
-        self.flush()
-        self._close_fd()
-
-    def _close_fd(self) -> None:
-        self._pending.clear()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Stop writing; the file keeps what was written (the kernel writes it back)."""
+        if self._map is not None:
+            self._map.close()
+            self._map = None
 
 
-def read_ring(directory: str, limit: int | None = None) -> bytes:
-    """The ring's bytes, oldest first (`output.log.1`, then `output.log`); b"" when none."""
-    data = b""
-    for name in (LOG + ".1", LOG):
-        try:
-            with open(os.path.join(directory, name), "rb") as f:
-                data += f.read() if limit is None else f.read(limit)
-        except OSError:
-            continue
-    return data
+def read_ring(directory: str) -> bytes:
+    """The ring's records, oldest first; b"" when there is none (or it is not a ring)."""
+    try:
+        with open(os.path.join(directory, LOG), "rb") as f:
+            return unwind(f.read())
+    except OSError:
+        return b""
+
+
+def unwind(ring: bytes) -> bytes:
+    """A ring file's records in stream order (pure)."""
+    if len(ring) < HEADER_SIZE:
+        return b""
+    magic, cap, start, end = _FILE_HEADER.unpack_from(ring)
+    if magic != _MAGIC or len(ring) != HEADER_SIZE + cap or not 0 <= end - start <= cap:
+        return b""
+    area = memoryview(ring)[HEADER_SIZE:]
+    first, length = start % cap, end - start
+    if first + length <= cap:
+        return bytes(area[first:first + length])
+    return bytes(area[first:]) + bytes(area[:first + length - cap])  # wrapped around
 
 
 def records(data: bytes) -> Iterator[tuple[int, str, bytes]]:

@@ -6,8 +6,8 @@ mode 0700) holding:
 
 - `job.json`: the record, rewritten whole (a temporary file renamed over it) as the job goes;
 - `control.sock`: the launcher's control socket while it runs (poprun/control.py);
-- `output.log`, `output.log.1`: the job's output, size-capped (poprun/joblog.py), unless
-  `--output-filename` writes it already;
+- `output.ring`: the job's most recent output, a ring of fixed size (poprun/joblog.py),
+  unless `--output-filename` writes it already;
 - `stall-<n>.txt`: the folded stacks of each stall `--stall-timeout` saw.
 
 The record has one schema, `result.JOB_SCHEMA`, shared with `--result-json`: an ended job's record *is*
@@ -294,7 +294,8 @@ def prune(environ: Mapping[str, str] = os.environ, now: float | None = None,
 
 def _logs_in(path: str) -> list[str]:
     try:
-        return [name for name in os.listdir(path) if name.startswith("output.log")]
+        # output.ring (poprun/joblog.py's LOG), and the output.log* of earlier versions
+        return [name for name in os.listdir(path) if name.startswith("output.")]
     except OSError:
         return []
 

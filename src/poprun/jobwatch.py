@@ -48,7 +48,6 @@ class JobWatch:
         self.status = "starting"
         self.server: ControlServer | None = None
         self.log: joblog.RingLog | None = None
-        self._log_flush: asyncio.TimerHandle | None = None  # the ring's next write
         self.followers: set[asyncio.StreamWriter] = set()
         self.ticks: dict[int, int | None] = {}  # per instance of this attempt, its start
         self.state = self._new_state()
@@ -107,8 +106,6 @@ class JobWatch:
         for writer in list(self.followers):
             writer.close()
         self.followers.clear()
-        if self._log_flush is not None:
-            self._log_flush.cancel()
         if self.log is not None:
             self.log.close()
         if result is not None:
@@ -178,17 +175,10 @@ class JobWatch:
         self.state.output(key, data, now, lines)
         if self.log is not None:
             self.log.write(key, stream, data)
-            if self._log_flush is None:
-                self._log_flush = self.loop.call_later(joblog.FLUSH_EVERY, self._flush_log)
         if self.followers:
             self._forward(joblog.encode(key, stream.name.lower(), data))
         if self._stalled:
             self._unstall()
-
-    def _flush_log(self) -> None:
-        self._log_flush = None
-        if self.log is not None:
-            self.log.flush()
 
     def exited(self, key: int, returncode: int) -> None:
         self.state.exited(key, returncode, self.loop.time())
@@ -270,7 +260,7 @@ class JobWatch:
                 "remove": partition.remove_on_release, "host": partition.host,
                 "port": partition.port, "timeout": partition.timeout,
                 "executable": partition.executable},
-            "log": self.log.path if self.log is not None and not self.log.broken else None,
+            "log": self.log.path if self.log is not None else None,
             "output_dir": output_dir,
             "stalls": list(self.stalls),
         }
@@ -377,7 +367,6 @@ class JobWatch:
         source = "ring" if self.log is not None else "files" if self.config.\
             effective_output_filename else "none"
         if self.log is not None:
-            self.log.flush()  # what is buffered is part of what was kept
             history = joblog.read_ring(self.dir)
         elif source == "files":
             history = joblog.from_output_files(self.meta()["output_dir"],

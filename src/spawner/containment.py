@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
+from collections import deque
 
 MARK = "POPRUN_LIFELINE"  # instances' environment: the token of the lifeline watching them
 # POPRUN_CGROUPS=0 in the launcher's (or an agent's) environment: no cgroups, the other two
@@ -193,6 +195,71 @@ class Cgroups:
         """Kill whatever is left in every instance cgroup and remove them all."""
         _write(os.path.join(self.root, "cgroup.kill"), b"1")
         remove_tree(self.root)
+
+
+class Adopter:
+    """Moves spawned processes into their cgroups (`Cgroups.adopt`) on a thread of its own.
+
+    Why a thread: the first move of a run waits out an RCU grace period in the kernel
+    (cgroup_threadgroup_rwsem: 5-25 ms measured here, for each launch) while the event loop
+    could be routing output; the moves after it are ~0.1 ms. The price is a longer moment
+    before an instance is in its cgroup: what it forks meanwhile stays outside, which the
+    environment mark and the final sweep cover (as for the microseconds before a move made
+    at once). A process must be `settle`d before it is reaped: a move after the reap could
+    take another process that reused the pid."""
+
+    def __init__(self, cgroups: Cgroups) -> None:
+        self.cgroups = cgroups
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._queue: deque[tuple[int, int]] = deque()  # (key, pid) not moved yet
+        self._moving: int | None = None  # the key being moved now
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, key: int, pid: int) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._queue.append((key, pid))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="poprun-cgroups",
+                                                daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def settle(self, key: int) -> None:
+        """`key`'s process has been moved, or never will be."""
+        with self._lock:
+            if any(k == key for k, _ in self._queue):
+                self._queue = deque(item for item in self._queue if item[0] != key)
+            while self._moving == key:
+                self._changed.wait()
+
+    def close(self) -> None:
+        """No more moves (those not made are dropped); returns once none is under way."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            self._changed.notify_all()
+            while self._moving is not None:
+                self._changed.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._changed.wait()
+                if self._closed:
+                    return
+                key, pid = self._queue.popleft()
+                self._moving = key
+            try:
+                self.cgroups.adopt(key, pid)
+            finally:
+                with self._lock:
+                    self._moving = None
+                    self._changed.notify_all()
 
 
 def _write(path: str, data: bytes) -> None:

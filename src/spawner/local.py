@@ -32,7 +32,7 @@ from popdist.env import ERROR_FILE
 
 from . import containment
 from .binding import bound
-from .containment import Cgroups
+from .containment import Adopter, Cgroups
 from .lifeline import Lifeline
 
 # One pipe's worth. Measured with bench/launch_bench.py: 256 KiB or 1 MiB pipes and reads made
@@ -133,7 +133,7 @@ class LocalSpawner:
         # {type, message, file, line, function, traceback, time}.
         self.errors: dict[int, dict[str, Any]] = {}
         self._error_dir: str | None = None
-        self._unadopted: list[tuple[int, int]] = []  # spawned, not yet in their cgroups
+        self._adopter: Adopter | None = None  # moves them there, where cgroups are ours
         wanted = cgroups and os.environ.get(containment.CGROUPS_SWITCH) != "0"
         self._cgroups: Cgroups | bool | None = None if wanted and lifeline else False
         # A memory binding was asked for but this host cannot do it (no libnuma): the
@@ -196,22 +196,14 @@ class LocalSpawner:
 
     def _contain(self, key: int, pid: int) -> None:
         """A cgroup of its own for the new process, where this host allows (containment.py).
-        The moves are batched after the spawns of this loop round: a cgroup move right
-        after a fork waits out an RCU grace period (~2.5 ms a spawn here), a run of moves
-        pays it once."""
+        The move is made on the adopter's thread (containment.Adopter says why)."""
         if self._cgroups is None:  # the first spawn: can this host give us cgroups?
             self._cgroups = Cgroups.create(self._lifeline.token) or False
             if self._cgroups:
                 self._lifeline.add_cgroup(self._cgroups.root)
+                self._adopter = Adopter(self._cgroups)
         if self._cgroups:
-            if not self._unadopted:
-                self._loop.call_later(0, self._adopt)
-            self._unadopted.append((key, pid))
-
-    def _adopt(self) -> None:
-        batch, self._unadopted = self._unadopted, []
-        for key, pid in batch if self._cgroups else ():
-            self._cgroups.adopt(key, pid)
+            self._adopter.add(key, pid)
 
     def cgroup_of(self, key: int) -> str | None:
         """Instance `key`'s own cgroup, once it is in it (its usage is then the whole
@@ -306,6 +298,7 @@ class LocalSpawner:
         # whatever it left behind in its group before reaping it.
         _killpg(pid, signal.SIGKILL)
         if self._cgroups:  # and whatever left the group but not its cgroup
+            self._adopter.settle(child.spec.key)  # before the reap frees its pid
             self._cgroups.kill(child.spec.key)
         if self._lifeline:
             self._lifeline.discard_group(pid)
@@ -390,7 +383,7 @@ class LocalSpawner:
         if not self._children:
             return
         if self._cgroups:
-            self._unadopted.clear()
+            self._adopter.close()
             self._cgroups.close()
             self._cgroups = False  # a late move must not make the tree again
         if self._lifeline:  # with cgroups too: what forked before its cgroup move

@@ -275,6 +275,24 @@ def test_a_launch_registers_and_its_record_is_its_result_json(tmp_path, environ)
     assert sorted(k for k, _, _ in lines) == [0, 1]
 
 
+def test_a_launch_prunes_old_records_and_their_rings(environ):
+    """A launch removes ended jobs beyond the bounds (on a thread of its own, joined before
+    it ends): one older than KEEP_SECONDS goes with its output ring; a running one stays."""
+    from conftest import OFFLINE, run_poprun
+
+    old_id, old_dir = new(environ)
+    joblog.RingLog(old_dir, cap=1000).close()
+    running_id, _ = new(environ, state="running")
+    stale = time.time() - jobs.KEEP_SECONDS - 60
+    os.utime(os.path.join(old_dir, jobs.RECORD), (stale, stale))
+    proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", "true", env=environ)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert not os.path.exists(old_dir)
+    left = {r["id"]: r["state"] for r in jobs.scan(environ).records}
+    assert left.pop(running_id) == "running"
+    assert list(left.values()) == ["ended"]  # the launch's own
+
+
 def test_an_unwritable_state_directory_does_not_stop_a_launch(tmp_path):
     from conftest import OFFLINE, run_poprun
 

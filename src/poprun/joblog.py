@@ -38,7 +38,8 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from spawner.local import Stream
 
-LOG = "output.ring"
+from .jobs import OUTPUT as LOG
+
 DEFAULT_CAP = 4 << 20
 MIN_CAP = 256  # smaller asks get this much: room for a header and a little output
 CAP_VARIABLE = "POPRUN_JOB_LOG_BYTES"

@@ -41,6 +41,7 @@ from .result import JOB_SCHEMA as SCHEMA
 
 RECORD = "job.json"
 SOCKET = "control.sock"
+OUTPUT = "output.ring"  # the output ring (poprun/joblog.py)
 KEEP_ENDED = 100  # ended records kept
 KEEP_SECONDS = 7 * 86400  # ... and none older than this
 KEEP_LOGS = 20  # ended jobs whose output log is kept
@@ -293,11 +294,8 @@ def prune(environ: Mapping[str, str] = os.environ, now: float | None = None,
 
 
 def _logs_in(path: str) -> list[str]:
-    try:
-        # output.ring (poprun/joblog.py's LOG), and the output.log* of earlier versions
-        return [name for name in os.listdir(path) if name.startswith("output.")]
-    except OSError:
-        return []
+    # A stat, not a listing: every launch ends with this, for ~KEEP_ENDED directories.
+    return [OUTPUT] if os.path.exists(os.path.join(path, OUTPUT)) else []
 
 
 def _number(value: Any) -> float:

@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 MARK = "POPRUN_LIFELINE"  # instances' environment: the token of the lifeline watching them
 # POPRUN_CGROUPS=0 in the launcher's (or an agent's) environment: no cgroups, the other two
@@ -214,6 +215,7 @@ class Adopter:
         self._changed = threading.Condition(self._lock)
         self._queue: deque[tuple[int, int]] = deque()  # (key, pid) not moved yet
         self._moving: int | None = None  # the key being moved now
+        self._then: list[Callable[[], None]] = []  # to call once that move is made
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -231,10 +233,23 @@ class Adopter:
     def settle(self, key: int) -> None:
         """`key`'s process has been moved, or never will be."""
         with self._lock:
-            if any(k == key for k, _ in self._queue):
-                self._queue = deque(item for item in self._queue if item[0] != key)
+            self._drop(key)
             while self._moving == key:
                 self._changed.wait()
+
+    def settled(self, key: int, then: Callable[[], None]) -> bool:
+        """As `settle` without waiting: True when `key` is settled now; else False, and
+        `then()` is called (on the adopter's thread) once its move is made."""
+        with self._lock:
+            self._drop(key)
+            if self._moving != key:
+                return True
+            self._then.append(then)
+            return False
+
+    def _drop(self, key: int) -> None:
+        if any(k == key for k, _ in self._queue):
+            self._queue = deque(item for item in self._queue if item[0] != key)
 
     def close(self) -> None:
         """No more moves (those not made are dropped); returns once none is under way."""
@@ -259,7 +274,11 @@ class Adopter:
             finally:
                 with self._lock:
                     self._moving = None
+                    then, self._then = self._then, []
                     self._changed.notify_all()
+                for call in then:
+                    with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+                        call()
 
 
 def _write(path: str, data: bytes) -> None:

@@ -283,16 +283,27 @@ class LocalSpawner:
     # --- exit -------------------------------------------------------------------------
 
     def _on_exit(self, child: _Child) -> None:
+        if child.returncode is not None:  # reaped meanwhile (close())
+            return
+        if self._adopter is not None and not self._adopter.settled(
+                child.spec.key, lambda: self._loop.call_soon_threadsafe(self._on_exit, child)):
+            # Its cgroup move is under way: reaped when it is made, without holding up the
+            # loop meanwhile (a first move can take 25 ms).
+            self._unwatch_exit(child)
+            return
         self._reap(child)
         if child.open_fds:
             self._loop.call_later(PIPE_DRAIN_TIMEOUT, self._abandon_pipes, child)
         self._maybe_report(child)
 
-    def _reap(self, child: _Child) -> None:
+    def _unwatch_exit(self, child: _Child) -> None:
         if child.pidfd >= 0:
             self._loop.remove_reader(child.pidfd)
             os.close(child.pidfd)
             child.pidfd = -1
+
+    def _reap(self, child: _Child) -> None:
+        self._unwatch_exit(child)
         pid = child.proc.pid
         # The exited leader is still a zombie, so its group id cannot have been reused: kill
         # whatever it left behind in its group before reaping it.

@@ -75,3 +75,31 @@ def test_what_launches_nothing_does_not_import_asyncio(args):
 
 def test_a_launch_does_import_asyncio():  # the check above can see asyncio when it is there
     assert "asyncio" in imported("--num-instances=1", "--num-replicas=1", *OFFLINE, "true")
+
+
+def test_the_command_and_the_agent_run_asyncio_without_ssl():
+    """poprun's own processes import asyncio with ssl hidden (spawner/asyncio_import.py):
+    neither the command's launch nor an agent imports ssl (a real agent, ended by stdin's
+    EOF, as when its launcher goes)."""
+    # importtime lists the refused `import ssl` too: the real one always loads `_ssl`.
+    launch = imported("--num-instances=1", "--num-replicas=1", *OFFLINE, "true")
+    assert "asyncio" in launch and "_ssl" not in launch
+    agent = subprocess.run([sys.executable, "-X", "importtime", "-m", "spawner.agent"],
+                           env=poprun_env({}), input=b"", capture_output=True, timeout=30)
+    modules = {line.rpartition("|")[2].strip() for line in agent.stderr.decode().splitlines()
+               if line.startswith("import time:")}
+    assert "spawner.lifeline" in modules and "asyncio" in modules, agent.stderr.decode()[-2000:]
+    assert "_ssl" not in modules
+
+
+@pytest.mark.parametrize("first", ["", "import asyncio\n"], ids=["hidden", "already-there"])
+def test_hiding_ssl_from_asyncio_leaves_ssl_to_everyone_else(first):
+    """After the hidden import, `import ssl` works, and only asyncio's own TLS is off; in a
+    process that imported asyncio already (a caller's program), nothing changes."""
+    script = (first + "from spawner.asyncio_import import asyncio_without_tls\n"
+              "aio = asyncio_without_tls()\n"
+              "import asyncio.sslproto, ssl\n"
+              "print(ssl.SSLContext.__name__, aio.sslproto.ssl is None)\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=poprun_env({}),
+                          capture_output=True, text=True, timeout=30)
+    assert proc.stdout.split() == ["SSLContext", "False" if first else "True"], proc.stderr

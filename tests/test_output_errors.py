@@ -140,3 +140,27 @@ def test_a_stdout_that_cannot_be_written_stops_the_job():
     assert "Traceback" not in err
     assert re.search(r"^poprun: stopped: cannot write poprun's stdout: Bad file descriptor$",
                      err, re.M), err
+
+
+def test_write_all_waits_for_a_slow_reader_of_a_non_blocking_pipe():
+    """A full non-blocking pipe (a slow reader of poprun's stdout): every part arrives, in
+    order, whatever the partial writes split (a real pipe, its reader a thread)."""
+    import threading
+
+    from poprun.output import write_all
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    parts = [b"a" * 100_000, memoryview(b"b" * 150_001)[1:], b"", b"c" * 70_000, b"\n"]
+    got = bytearray()
+    reader = threading.Thread(target=lambda: [got.extend(chunk) for chunk in
+                                              iter(lambda: os.read(read_fd, 4096), b"")])
+    reader.start()
+    try:
+        write_all(write_fd, *parts)
+    finally:
+        os.close(write_fd)
+        reader.join(timeout=30)
+        os.close(read_fd)
+    assert not reader.is_alive()
+    assert bytes(got) == b"".join(bytes(p) for p in parts)

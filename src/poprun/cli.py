@@ -582,8 +582,9 @@ def _main(argv: list[str]) -> int:
         sys.stderr.write(f"poprun: warning: {one_line(warning)}\n")
     if values.get("dry_run"):
         return _dry_run(config, launch_plan, bool(values.get("json")))
-    import asyncio
+    from spawner.asyncio_import import asyncio_without_tls
 
+    asyncio = asyncio_without_tls()  # the command's own process never speaks TLS
     from .launcher import launch
 
     if config.distribute_ssh_key:

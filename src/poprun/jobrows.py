@@ -87,7 +87,8 @@ class Rows:
         while end and data[end - 1] in b"\r\n":
             end -= 1
         if end:
-            start = max(data.rfind(b"\n", 0, end), data.rfind(b"\r", 0, end)) + 1
+            start = data.rfind(b"\n", 0, end) + 1
+            start = data.rfind(b"\r", start, end) + 1 or start  # a \r after it (progress)
             row.last_line = data[start:min(end, start + LAST_LINE_KEEP)]
 
     def exited(self, index: int, returncode: int, now: float) -> None:

@@ -289,7 +289,19 @@ class _FdFile:
 def write_all(fd: int, *parts: bytes | memoryview) -> None:
     """Write all parts in order with as few system calls as possible, waiting when `fd` is
     non-blocking and full (a slow reader)."""
-    views = [memoryview(p) for p in parts if len(p)]
+    try:  # usually one writev takes all (called for every block of output: kept lean)
+        done = os.writev(fd, parts)
+    except BlockingIOError:
+        done = 0
+    if done == sum(map(len, parts)):
+        return
+    views = []  # what is left
+    for part in parts:
+        if done >= len(part):
+            done -= len(part)
+        elif len(part):
+            views.append(memoryview(part)[done:])
+            done = 0
     while views:
         try:
             done = os.writev(fd, views)

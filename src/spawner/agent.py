@@ -21,8 +21,10 @@ the launcher is not reading: shutdown never waits for a write.
 
 from __future__ import annotations
 
-import asyncio
-import os
+from .asyncio_import import asyncio_without_tls
+
+asyncio = asyncio_without_tls()  # before anything else imports it: an agent never speaks TLS
+import os  # noqa: E402
 import shutil
 import signal
 import stat

@@ -247,7 +247,8 @@ class LocalSpawner:
         if not data:
             self._close_pipe(child, fd)
             return
-        cut = max(data.rfind(b"\n"), data.rfind(b"\r"))
+        cut = data.rfind(b"\n")
+        cut = max(cut, data.rfind(b"\r", cut + 1))  # a \r after it (progress) ends there
         if cut < 0:  # no line end yet: keep collecting, up to LINE_CAP
             buf += data
             while len(buf) >= LINE_CAP:

@@ -408,3 +408,57 @@ def test_a_remote_instance_has_the_shell_level_of_a_local_child_and_no_ssh_login
         env=poprun_env({**hosts.env(), "SHLVL": "7"}), capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr.decode()
     assert proc.stdout == b"SHLVL=7 SSH_CONNECTION=unset copy=set\n"
+
+
+def _cgroup_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/cgroup").read_text().splitlines()[-1]
+
+
+@pytest.mark.timeout(60)
+def test_the_adopter_moves_processes_and_never_one_it_has_let_go():
+    """containment.Adopter, on this host's real cgroups, with real processes. Its moves run
+    on a thread; so that one stays under way while the test looks, that thread's first move
+    waits for the test's word (an Event around the real `Cgroups.adopt`: the only stand-in)."""
+    import threading
+
+    from spawner.containment import Adopter, Cgroups
+
+    if not cgroups_here():
+        pytest.skip("no writable cgroup v2 subtree here")
+    cgroups = Cgroups.create(f"adopter-{uuid.uuid4().hex[:8]}")
+    go, called = threading.Event(), threading.Event()
+    real_adopt, first = cgroups.adopt, []
+
+    def gated(key: int, pid: int) -> bool:
+        if not first:
+            first.append(key)
+            assert go.wait(30)
+        return real_adopt(key, pid)
+
+    cgroups.adopt = gated
+    adopter = Adopter(cgroups)
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        for key, proc in enumerate(procs):
+            adopter.add(key, proc.pid)
+        wait_until(lambda: first, "the first move to be under way", 10)
+        assert adopter.settled(1, lambda: None)  # only queued: let go, never moved
+        assert not adopter.settled(0, called.set)  # under way: called back once made
+        assert not called.is_set()
+        go.set()
+        assert called.wait(10)
+        adopter.settle(2)  # waits for the queued move
+        assert _cgroup_of(procs[0].pid).endswith("/i0")
+        assert _cgroup_of(procs[2].pid).endswith("/i2")
+        assert "/poprun-" not in _cgroup_of(procs[1].pid)
+        adopter.close()
+        adopter.add(3, procs[1].pid)  # closed: nothing more is moved
+        assert "/poprun-" not in _cgroup_of(procs[1].pid)
+    finally:
+        go.set()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        adopter.close()
+        cgroups.close()
+    assert not os.path.exists(cgroups.root)

@@ -120,14 +120,23 @@ def test_the_topology_table_is_not_erased_by_the_panel():
 
 def test_the_panel_names_a_failed_instance_s_exception(tmp_path):
     """Instance 1 raises; instance 0 holds out through the kill timeout, so the panel is
-    drawn while the job stops: the failed row shows the exception, not a status alone."""
+    drawn while the job stops: the failed row shows the exception, not a status alone.
+    Instance 1 raises only once instance 0 ignores SIGTERM (it says so with a file): on a
+    loaded machine, the stop could otherwise reach instance 0 before its own first line."""
     script = tmp_path / "train.py"
-    script.write_text("import os, signal, time\nimport popdist\n"
+    ready = tmp_path / "holding-out"
+    script.write_text("import os, signal, sys, time\nimport popdist\n"
                       "def step():\n    raise ValueError('loss is NaN')\n"
-                      "if os.environ['RANK'] == '1':\n    step()\n"
-                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n")
+                      "if os.environ['RANK'] == '1':\n"
+                      "    deadline = time.monotonic() + 20\n"
+                      "    while not os.path.exists(sys.argv[1]):\n"
+                      "        assert time.monotonic() < deadline, 'instance 0 never ready'\n"
+                      "        time.sleep(0.01)\n"
+                      "    step()\n"
+                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "open(sys.argv[1], 'w').close()\ntime.sleep(60)\n")
     code, raw = run_on_a_terminal(*OFFLINE, "--num-instances=2", "--num-replicas=2",
-                                  "--kill-timeout=1.5", PY, str(script))
+                                  "--kill-timeout=1.5", PY, str(script), str(ready))
     assert code == 1, raw[-2000:]
     rows = [line for line in plain_lines(raw) if re.match(r"\s*1 +localhost +\d+ +failed 1 ",
                                                           line)]

@@ -249,9 +249,10 @@ def prune(environ: Mapping[str, str] = os.environ, now: float | None = None,
     """Remove ended jobs beyond the bounds (the `keep` most recent, none older than
     `keep_seconds`) and the output logs of all but the `keep_logs` most recent; the ids
     removed. Most recent by the record's last write; only the records beyond a bound are
-    read, at most `PRUNE_READS` of them (a launch ends with this: it must stay cheap; the
-    next launch goes on). Jobs that run and damaged records are never removed; a job whose
-    launcher died without ending it is kept `keep_seconds` for `reap`."""
+    read, at most `PRUNE_READS` of them (every launch runs this, on a thread beside its job:
+    it must stay cheap; the next launch goes on). Jobs that run and damaged records are never
+    removed; a job whose launcher died without ending it is kept `keep_seconds` for
+    `reap`."""
     now = time.time() if now is None else now
     try:
         entries = [e for e in os.scandir(jobs_dir(environ)) if not e.name.startswith(".")]

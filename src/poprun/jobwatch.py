@@ -129,7 +129,7 @@ class JobWatch:
             self.write(extra={"exit_reason": "error" if error is not None else None,
                               "error": None if error is None else
                               f"{type(error).__name__}: {error}"})
-        if self._pruning is not None:
+        if self._pruning is not None and self._pruning.ident is not None:  # it started
             self._pruning.join()
 
     def _prune(self) -> None:

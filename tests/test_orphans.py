@@ -462,3 +462,24 @@ def test_the_adopter_moves_processes_and_never_one_it_has_let_go():
         adopter.close()
         cgroups.close()
     assert not os.path.exists(cgroups.root)
+
+
+def test_a_stop_signal_inside_a_finalizer_is_acted_on_not_printed():
+    """A stop signal whose Stopped lands where Python can only print it (here a weakref
+    callback, as the import system's module-lock cleanup is: seen once as "Exception ignored
+    in ... _get_module_lock" on a poprun's stderr) prints nothing; the signal is remembered
+    for the launch to act on. A real signal, sent by the process to itself."""
+    script = ("import os, signal, sys, weakref\n"
+              "from poprun.command import install_early_stop\n"
+              "early = install_early_stop()\n"
+              "class Thing: pass\n"
+              "def callback(ref):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    sum(range(100000))  # the handler runs here, inside the callback\n"
+              "thing = Thing(); ref = weakref.ref(thing, callback)\n"
+              "del thing\n"
+              "print('remembered', early.received)\n")
+    proc = subprocess.run([PY, "-c", script], env=poprun_env({}), capture_output=True,
+                          text=True, timeout=30)
+    assert proc.stdout.split() == ["remembered", str(int(signal.SIGTERM))], proc.stderr
+    assert proc.stderr == ""

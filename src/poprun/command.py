@@ -58,11 +58,26 @@ class EarlyStop:
         raise Stopped(signum)
 
 
-def run() -> None:
-    claim_standard_fds()
+def install_early_stop() -> EarlyStop:
+    """Stop signals raise Stopped from here on; one raised where Python can only print it
+    (a finalizer, a weakref callback such as the import system's module-lock cleanup, an
+    at-fork hook) is not printed: EarlyStop remembered it and the launch acts on it."""
     early = EarlyStop()
     for sig in STOP_SIGNALS:
         signal.signal(sig, early)
+    default = sys.unraisablehook
+
+    def quiet_stops(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, Stopped):
+            default(unraisable)
+
+    sys.unraisablehook = quiet_stops
+    return early
+
+
+def run() -> None:
+    claim_standard_fds()
+    install_early_stop()
     code = _run()
     for stream in (sys.stdout, sys.stderr):
         try:

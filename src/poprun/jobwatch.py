@@ -99,11 +99,6 @@ class JobWatch:
                 session.log.info(f"no control socket: {exc.strerror or exc}")
                 watch.server = None
         watch.write()
-        # Old records go meanwhile, on a thread: removing a job's output ring frees 4 MiB
-        # of disk, ~1-2 ms of a launch's end otherwise.
-        watch._pruning = threading.Thread(target=watch._prune, name="poprun-prune",
-                                          daemon=True)
-        watch._pruning.start()
         session.log.info(f"job {job_id} (poprunctl show {job_id}; record in {directory})")
         return watch
 
@@ -131,6 +126,16 @@ class JobWatch:
                               f"{type(error).__name__}: {error}"})
         if self._pruning is not None and self._pruning.ident is not None:  # it started
             self._pruning.join()
+
+    def start_pruning(self) -> None:
+        """Old records go while the job runs, on a thread: removing a job's output ring
+        frees 4 MiB of disk, ~1-2 ms of a launch's end otherwise. Called once the launch
+        holds the stop signals: before, a signal raises in the main thread, which must not
+        happen inside threading's own locks."""
+        if self._pruning is None and not self.closed:
+            self._pruning = threading.Thread(target=self._prune, name="poprun-prune",
+                                             daemon=True)
+            self._pruning.start()
 
     def _prune(self) -> None:
         try:

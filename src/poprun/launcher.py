@@ -290,6 +290,8 @@ class _Session:
         self.watch = await JobWatch.open(self)
         # From here a stop signal is the job's: before any instance runs, it ends the launch.
         self._restore_signals = install_signal_handlers(self.loop, self._on_signal)
+        if self.watch is not None:
+            self.watch.start_pruning()
         return self
 
     async def run(self) -> None:

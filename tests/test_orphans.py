@@ -483,3 +483,28 @@ def test_a_stop_signal_inside_a_finalizer_is_acted_on_not_printed():
                           text=True, timeout=30)
     assert proc.stdout.split() == ["remembered", str(int(signal.SIGTERM))], proc.stderr
     assert proc.stderr == ""
+
+
+def test_a_stop_signal_once_the_launch_loop_runs_is_remembered_and_acted_on(tmp):
+    """From the launch's asyncio.run until the launch takes the signals, a stop signal is
+    only remembered (command.hold_stops): raised in there, it was swallowed by asyncio with
+    the launch's next step, and poprun waited forever (seen once in a test loop). The
+    launch then acts on it: a real SIGTERM, then a real launch, which stops at once."""
+    mark = marker()
+    script = ("import os, signal, sys\n"
+              "from poprun.command import install_early_stop, hold_stops\n"
+              "early = install_early_stop()\n"
+              "hold_stops()\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "sum(range(100000))  # the handler runs here: it must not raise\n"
+              "print('held', early.received, flush=True)\n"
+              "from poprun import cli\n"
+              f"sys.exit(cli.main([*{OFFLINE!r}, '--num-instances=2', '--num-replicas=2',\n"
+              f"                   'sh', '-c', 'sleep 300; :', {mark!r}]))\n")
+    proc = subprocess.run([PY, "-c", script],
+                          env=poprun_env({**tmp, "POPRUN_NO_DASHBOARD": "1"}),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["held", str(int(signal.SIGTERM))], proc.stderr
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "SIGTERM received: stopping" in proc.stderr and "Traceback" not in proc.stderr
+    assert_all_gone(mark, tmp["TMPDIR"])

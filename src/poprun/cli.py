@@ -589,6 +589,9 @@ def _main(argv: list[str]) -> int:
 
     if config.distribute_ssh_key:
         _distribute_ssh_key(config)
+    from .command import hold_stops
+
+    hold_stops()  # a stop signal now is the launch's to act on, not an exception
     try:
         result = asyncio.run(launch(config))
     except PoprunError as exc:  # nothing ran: --result-json still says why (main reports it)

@@ -52,10 +52,24 @@ class EarlyStop:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.raising = True  # False once the launch's loop runs (hold_stops)
 
     def __call__(self, signum: int, frame: object) -> None:
         self.received = signum
-        raise Stopped(signum)
+        if self.raising:
+            raise Stopped(signum)
+
+
+def hold_stops() -> None:
+    """From here until the launch takes the stop signals, one is only remembered: the
+    launch acts on it then (job.install_signal_handlers). Raised while asyncio's loop runs,
+    Stopped can land in the loop's own code between taking a callback and running it: the
+    loop swallows it and that callback, and when the callback was the launch's next step
+    the launch waits forever (seen once: stuck in create_unix_server's sleep(0))."""
+    for sig in STOP_SIGNALS:
+        handler = signal.getsignal(sig)
+        if isinstance(handler, EarlyStop):
+            handler.raising = False
 
 
 def install_early_stop() -> EarlyStop:

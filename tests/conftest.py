@@ -103,12 +103,12 @@ def _private_state_dir(tmp_path_factory):
 def wait_started(launcher_pid: int, count: int, timeout: float = 30,
                  environ: dict[str, str] | None = None) -> None:
     """Until the poprun of `launcher_pid` knows `count` of its instances run: its job record
-    says so (poprun/jobs.py; rewritten as they start, in the session's XDG_RUNTIME_DIR).
+    says so (poprun/jobctl/records.py; rewritten as they start, in the session's XDG_RUNTIME_DIR).
     Seeing the processes in /proc is not enough for a test that then kills a host: their
     STARTED frames may still be on the way, and a host lost then is a launch that failed
     (exit 2), not a running job that lost a host. `environ`: the job's, when it has its own
     XDG_RUNTIME_DIR."""
-    from poprun import jobs
+    from poprun.jobctl import records as jobs
     from sshd_hosts import wait_until
 
     def running() -> int:

@@ -246,7 +246,7 @@ async def test_a_launch_from_python_is_a_job_poprunctl_sees(tmp_path: Path, capt
                                                              monkeypatch) -> None:
     """`await launch()` registers the job as the command does: its ended record is the
     result's JSON (one schema), in the caller's state directory."""
-    from poprun import jobs
+    from poprun.jobctl import records as jobs
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     result = await asyncio.wait_for(launch(config(PY, "-c", "print('hi')"), **capture.fds),

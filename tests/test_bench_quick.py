@@ -152,10 +152,10 @@ def test_report_judges_targets_and_renders_a_page_from_a_document():
 
 def test_report_top_frames_of_folded_stacks():
     report = _report()
-    folded = ("main (poprun/command.py:10);run (asyncio/runners.py:5);_on_readable (spawner/local.py:197) 6\n"
-              "main (poprun/command.py:10);run (asyncio/runners.py:5);_on_readable (spawner/local.py:201) 2\n"
-              "main (poprun/command.py:10);write_all (poprun/output.py:50) 2\n")
+    folded = ("main (poprun/cli/command.py:10);run (asyncio/runners.py:5);_on_readable (spawner/local.py:197) 6\n"
+              "main (poprun/cli/command.py:10);run (asyncio/runners.py:5);_on_readable (spawner/local.py:201) 2\n"
+              "main (poprun/cli/command.py:10);write_all (poprun/run/output.py:50) 2\n")
     top = report.top_frames(folded)
     assert top["total"] == 10
     assert top["self"][0] == ("_on_readable (spawner/local.py)", 8)
-    assert top["inclusive"]["write_all (poprun/output.py)"] == 2
+    assert top["inclusive"]["write_all (poprun/run/output.py)"] == 2

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from poprun.topology import parse_cpu_list
+from poprun.plan.topology import parse_cpu_list
 from spawner.binding import (ProcessBinding, bound, memory_binding_available, parse_binding,
                              parse_mempolicy, read_binding)
 

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timeout(120)
 PY = sys.executable
 TIMEOUT = 60
 LAUNCHER = [PY, "-c", f"import sys; sys.path.insert(0, {SRC!r}); "
-                      "from poprun.command import run; run()"]
+                      "from poprun.cli.command import run; run()"]
 BROUGHT = re.compile(r"(h\d+): no poprun there for .* brought the poprun agent")
 REPORT = "import popdist; print(popdist.getInstanceIndex(), popdist.getNumInstances(), " \
          "popdist.__file__)"

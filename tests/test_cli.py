@@ -1,6 +1,6 @@
 """The `poprun` command line: Boost-style parsing, usage errors, --help/--version, dry runs.
 
-Parsing is tested in-process through `poprun.cli.parse_args` / `build_config`; whatever depends
+Parsing is tested in-process through `poprun.cli.options.parse_args` / `build_config`; whatever depends
 on the real command (exit status, stderr, "no traceback", what a dry run does not do) runs
 `python -m poprun` in a subprocess through conftest's `run_poprun`.
 """
@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 
 from conftest import OFFLINE, assert_usage_error, run_poprun
-from poprun import ConfigError, __version__, cli
-from poprun.config import LaunchConfig
-from poprun.hosts import Host
+from poprun import ConfigError, __version__
+from poprun.cli import options as cli
+from poprun.cli.help import help_text
+from poprun.plan.config import LaunchConfig
+from poprun.plan.hosts import Host
 
 # A program that exists everywhere the suite runs and is not a boolean word (`true` is one:
 # `--offline-mode true` would take it as the option's value).
@@ -480,7 +482,7 @@ class TestHelpVersion:
 
     def test_help_text_matches_the_in_process_rendering(self, poprun):
         out = poprun("--help", timeout=30, env={"COLUMNS": "100"}).stdout.decode()
-        assert out == cli.help_text(100)
+        assert out == help_text(100)
 
 
 # --- real short runs ----------------------------------------------------------------------

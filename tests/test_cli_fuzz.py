@@ -5,7 +5,7 @@ nested TOML, /dev/zero, a FIFO, a directory, /dev/full) — must each exit 0 or 
 traceback, a usage error in exactly one `poprun: error: ...` line, and write no file outside a
 temporary directory.
 
-The lines run in-process (`cli.main`), with the working directory, HOME and TMPDIR in a
+The lines run in-process (`poprun.cli.main.main`), with the working directory, HOME and TMPDIR in a
 temporary directory. An audit hook records every file this process opens for writing,
 creates, renames or removes while a line runs: each must lie inside that directory (other
 tests running beside this one cannot make that flaky, as a listing of /tmp would). Every line
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from poprun import cli
+from poprun.cli import main as cli_main
+from poprun.cli import options as cli
 
 SEED = 14  # fixed: a failure reproduces; print(case) shows the command line
 LINES = 600
@@ -248,7 +249,7 @@ def test_generated_command_lines_exit_0_or_2_in_one_line_and_write_only_where_to
         watch.writes.clear()
         watch.on = True
         try:
-            code = cli.main(argv)
+            code = cli_main.main(argv)
         finally:
             watch.on = False
         out, err = capfd.readouterr()

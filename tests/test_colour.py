@@ -20,7 +20,8 @@ import pytest
 from rich.color import ColorSystem
 
 from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun
-from poprun.output import TAG_PALETTE, render_tag, tag_colour_system
+from poprun.run.output import TAG_PALETTE, render_tag
+from poprun.view.console import tag_colour_system
 from spawner.local import Stream
 from sshd_hosts import start_ssh_hosts
 

@@ -14,8 +14,11 @@ import pytest
 
 from conftest import OFFLINE
 from conftest import assert_usage_error as _usage_error
-from poprun import ConfigError, LaunchConfig, PoprunError, cli, mpiargs
-from poprun.config import DEFAULT_KILL_TIMEOUT, field_defaults, load_toml
+from poprun import ConfigError, LaunchConfig, PoprunError
+from poprun.cli import main as cli_main
+from poprun.cli import options as cli
+from poprun.plan import mpiargs
+from poprun.plan.config import DEFAULT_KILL_TIMEOUT, field_defaults, load_toml
 
 import tomllib
 
@@ -313,7 +316,7 @@ def test_counts_beyond_any_system_are_usage_errors(kw, message):
 
 def test_a_fifo_as_the_program_is_refused_unread(tmp_path):
     """Found by the fuzzer: asking a FIFO for its #! line waited for a writer."""
-    from poprun.config import missing_program
+    from poprun.plan.config import missing_program
 
     os.mkfifo(tmp_path / "fifo")
     assert str(missing_program("fifo", str(tmp_path))) == "program 'fifo' is not a regular file"
@@ -534,7 +537,7 @@ class TestTomlCommand:
                 raise OSError(28, "No space left on device")
 
         with mock.patch("os.fdopen", Full), pytest.raises(ConfigError) as err:
-            cli.export_config(cfg, str(target), overwrite=False)
+            cli_main.export_config(cfg, str(target), overwrite=False)
         assert str(err.value) == (f"--export-config {target}: cannot write it: No space left "
                                   "on device")
         assert list(tmp_path.iterdir()) == []
@@ -619,7 +622,7 @@ class TestTomlCommand:
 
 def test_the_line_cap_in_help_is_the_spawner_s():
     """--help states the cap a long line is cut at (issue 14.4): the spawner's LINE_CAP."""
-    from poprun.cli import OPTIONS
+    from poprun.cli.options import OPTIONS
     from spawner.local import LINE_CAP
 
     text = next(o.help for o in OPTIONS if o.long == "tag-output")

@@ -1,4 +1,4 @@
-"""poprun.dashboard (issue 7, points 1-2): the state model, the panel's content, and what
+"""poprun.view.dashboard (issue 7, points 1-2): the state model, the panel's content, and what
 reaches a real pseudo-terminal around raw instance output."""
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import pytest
 from rich.cells import cell_len
 
 from conftest import poprun_env
-from poprun.dashboard import (
+from poprun.view.dashboard import (
     FOLD_ABOVE, HIDE_CURSOR, LAST_LINE_KEEP, QUIET_LISTED, SHOW_CURSOR, Dashboard,
     DashboardState, InstanceState, JobState, Phase, erase_sequence, last_line, panel_budget,
     wants_dashboard)
-from poprun.render import signal_name
+from poprun.text import signal_name
 from spawner.procstat import ProcSampler, Usage, cpu_seconds, rss_bytes
 
 pytestmark = pytest.mark.timeout(20)
@@ -270,9 +270,9 @@ def test_stopping_says_when_sigkill_comes_and_what_ctrl_c_does():
 
 
 def test_the_cache_label_of_the_first_frame_stays_until_a_directory_is_made(tmp_path):
-    from poprun.dashboard import expected_cache
-    from poprun.config import LaunchConfig
-    from poprun.plan import CacheMode
+    from poprun.view.dashboard import expected_cache
+    from poprun.plan.config import LaunchConfig
+    from poprun.plan.planner import CacheMode
 
     config = LaunchConfig(program=("p",), executable_cache_path="rel")
     assert expected_cache(config, CacheMode.EXPLICIT, {}) == os.path.abspath("rel")
@@ -678,7 +678,7 @@ def test_no_dashboard_on_a_pipe_or_a_closed_fd():
 
 
 def test_importing_the_module_does_not_import_rich():
-    code = ("import sys, poprun.dashboard as d; "
+    code = ("import sys, poprun.view.dashboard as d; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'rich'))")
     proc = subprocess.run([sys.executable, "-c", code], env=poprun_env(), capture_output=True,
                           text=True, timeout=30)

@@ -18,8 +18,9 @@ import pytest
 
 from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env, run_poprun
 from popdist import env as E
-from poprun import ConfigError, LaunchConfig, cli
-from poprun.plan import forwarded, plan, remote_differences
+from poprun import ConfigError, LaunchConfig
+from poprun.cli import options as cli
+from poprun.plan.planner import forwarded, plan, remote_differences
 
 PY = sys.executable
 ENVIRON = {"PATH": "/bin", "HOME": "/home/me", "HOSTNAME": "here", "SSH_AUTH_SOCK": "/tmp/a",

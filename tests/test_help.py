@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 
 from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env, run_poprun
-from poprun import cli
+from poprun.cli import options as cli
+from poprun.cli.help import help_text
 
 pytestmark = pytest.mark.timeout(60)
 SGR = re.compile(rb"\x1b\[[0-9;]*m")
 COLOUR = re.compile(rb"\x1b\[[0-9;]*(3[0-9]|9[0-7])[0-9;]*m")  # a foreground colour
-HEADINGS = tuple(cli._SECTIONS.values())
+HEADINGS = tuple(cli.SECTIONS.values())
 # What decides layout and colour, cleared so that the caller's environment does not.
 CLEAR = ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLORTERM", "COLUMNS",
          "TERMINAL_WIDTH", "GITHUB_ACTIONS", "PY_COLORS", "_POPRUN_COMPLETE")
@@ -71,7 +72,7 @@ class TestHelp:
         positions = [re.search(rf"^│ --{opt.long}\s", out, re.M).start()
                      for opt in cli.OPTIONS]
         assert positions == sorted(positions)
-        for long, heading in cli._SECTIONS.items():
+        for long, heading in cli.SECTIONS.items():
             before = out.rindex("╭─", 0, positions[[o.long for o in cli.OPTIONS].index(long)])
             assert out.startswith(f"╭─ {heading} ─", before), long
 
@@ -112,7 +113,7 @@ class TestHelp:
         assert b'"-h"' in proc.stdout
 
     def test_in_process_rendering_is_what_a_pipe_gets(self):
-        assert cli.help_text(100) == help_out("--help", COLUMNS="100")
+        assert help_text(100) == help_out("--help", COLUMNS="100")
 
     def test_ascii_boxes_for_an_ascii_stream(self):
         out = help_out("--help", COLUMNS="100", PYTHONIOENCODING="ascii")

@@ -3,7 +3,7 @@
 import pytest
 
 from poprun.errors import ConfigError
-from poprun.hosts import (Host, expand_brackets, is_local, job_hosts, parse_host_file,
+from poprun.plan.hosts import (Host, expand_brackets, is_local, job_hosts, parse_host_file,
                           parse_host_list)
 
 

@@ -30,7 +30,7 @@ def imported(*args: str, env: dict[str, str] | None = None) -> set[str]:
     lines = proc.stderr.decode().splitlines()
     modules = {line.rpartition("|")[2].strip() for line in lines
                if line.startswith("import time:")}
-    assert "poprun.cli" in modules, proc.stderr.decode()[-2000:]
+    assert "poprun.cli.options" in modules, proc.stderr.decode()[-2000:]
     return modules
 
 

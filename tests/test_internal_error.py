@@ -54,7 +54,7 @@ def with_fault(target: str, after: int = 0, message: str = "injected fault") -> 
                 raise RuntimeError({message!r})
             return original(*args, **kwargs)
         setattr(owner, {method!r}, faulty)
-        from poprun.command import run
+        from poprun.cli.command import run
         run()
     """)
 
@@ -96,7 +96,7 @@ def assert_nothing_left(marker: str, place: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize("target", [
-    "poprun.output:OutputRouter.on_output",  # the output router
+    "poprun.run.output:OutputRouter.on_output",  # the output router
     "spawner.local:LocalSpawner._on_readable",  # a spawner callback: a pipe reader
 ])
 def test_a_fault_in_the_output_path_stops_the_job_with_exit_70(target, place):
@@ -112,7 +112,7 @@ def test_an_exit_fault_when_one_instance_ends_first_kills_the_others(place):
     marker = f"fault-{uuid.uuid4().hex[:8]}"
     script = ("import os, time; print('ready', flush=True);"
               " time.sleep(0 if os.environ['RANK'] == '0' else 300)")
-    proc = run_faulty(with_fault("poprun.job:Job.on_exit"), *OFFLINE, "--num-instances=3",
+    proc = run_faulty(with_fault("poprun.run.job:Job.on_exit"), *OFFLINE, "--num-instances=3",
                       "--num-replicas=3", PY, "-c", script, marker, env=place)
     crash = assert_internal_error(proc.returncode, proc.stderr.decode())
     assert crash.parent == Path(place["XDG_RUNTIME_DIR"]) / "poprun"
@@ -123,7 +123,7 @@ def test_result_json_says_internal_error(place, tmp_path):
     """--result-json always says why the job ended: an internal error too (exit 70)."""
     marker = f"fault-{uuid.uuid4().hex[:8]}"
     out = tmp_path / "result.json"
-    proc = run_faulty(with_fault("poprun.output:OutputRouter.on_output"), *OFFLINE,
+    proc = run_faulty(with_fault("poprun.run.output:OutputRouter.on_output"), *OFFLINE,
                       f"--result-json={out}", "--num-instances=2", "--num-replicas=2",
                       *sleeper(marker), env=place)
     assert_internal_error(proc.returncode, proc.stderr.decode())
@@ -135,7 +135,7 @@ def test_result_json_says_internal_error(place, tmp_path):
 
 def test_verbose_shows_the_traceback_too(place):
     marker = f"fault-{uuid.uuid4().hex[:8]}"
-    proc = run_faulty(with_fault("poprun.output:OutputRouter.on_output"), *OFFLINE, "-v",
+    proc = run_faulty(with_fault("poprun.run.output:OutputRouter.on_output"), *OFFLINE, "-v",
                       "--num-instances=2", "--num-replicas=2", *sleeper(marker), env=place)
     err = proc.stderr.decode()
     assert proc.returncode == INTERNAL, err
@@ -145,7 +145,7 @@ def test_verbose_shows_the_traceback_too(place):
 
 def test_a_fault_in_the_dashboard_stops_the_job(place):
     marker = f"fault-{uuid.uuid4().hex[:8]}"
-    prologue = with_fault("poprun.dashboard:Dashboard.tick", after=1)
+    prologue = with_fault("poprun.view.dashboard:Dashboard.tick", after=1)
     code, out = run_on_a_terminal(*OFFLINE, "--num-instances=2", "--num-replicas=2",
                                   *sleeper(marker), env=place, command=[PY, "-c", prologue])
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode(errors="replace")).replace("\r", "")
@@ -160,7 +160,7 @@ def test_a_fault_in_the_partition_release_still_releases_it(sim, place):  # noqa
     gone, and the job that ran is not reported as a success."""
     marker = f"fault-{uuid.uuid4().hex[:8]}"
     prologue = textwrap.dedent("""
-        from poprun import vipu
+        from poprun.run import vipu
         original = vipu.VipuRunner.run
         async def run(self, *command):
             out = await original(self, *command)
@@ -168,7 +168,7 @@ def test_a_fault_in_the_partition_release_still_releases_it(sim, place):  # noqa
                 raise RuntimeError("injected fault")
             return out
         vipu.VipuRunner.run = run
-        from poprun.command import run
+        from poprun.cli.command import run
         run()
     """)
     proc = run_faulty(prologue, "--vipu-server-host=localhost", "--vipu-partition=job",
@@ -191,7 +191,7 @@ def test_a_fault_when_a_host_is_lost_stops_the_job(tmp_path, place):
                          "'w'); time.sleep(300)", str(notes), marker]
     before = set(Path("/tmp").glob("poprun-cache-*"))
     with start_ssh_hosts(2, tmp_path) as hosts:
-        job = subprocess.Popen([PY, "-c", with_fault("poprun.job:Job.on_host_lost"), *OFFLINE,
+        job = subprocess.Popen([PY, "-c", with_fault("poprun.run.job:Job.on_host_lost"), *OFFLINE,
                                 "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
                                 *program], env=poprun_env({**hosts.env(), **place}),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -213,7 +213,7 @@ def test_a_fault_in_a_remote_agent_stops_the_job_everywhere(tmp_path, place):
     agent = tmp_path / "faulty-python"
     agent.write_text("#!/bin/sh\n"  # run by the agent command as `<python> -m spawner.agent`
                      f"exec {PY} -c {_sh(with_fault('spawner.agent:Agent.on_output'))}"
-                     .replace("from poprun.command import run\nrun()",
+                     .replace("from poprun.cli.command import run\nrun()",
                               "from spawner.agent import main\nsys.exit(main())") + "\n")
     agent.chmod(0o755)
     before = set(Path("/tmp").glob("poprun-cache-*"))
@@ -241,7 +241,7 @@ def _sh(text: str) -> str:
 async def test_launch_raises_internal_error_and_leaves_nothing(tmp_path, monkeypatch):
     """Through the API (the reproduction of the issue: the job used to return exit code 0):
     a fault in the output router raises InternalError, a PoprunError, chained to it."""
-    from poprun import output
+    from poprun.run import output
 
     def broken(self, key, stream, data):
         raise RuntimeError("router broke")

@@ -227,7 +227,7 @@ def test_an_instance_s_memory_counts_its_escaped_helpers_where_it_has_a_cgroup(t
                             stderr=subprocess.PIPE)
     try:
         wait_until(holding.exists, "the helper to hold its memory", 30)
-        show = subprocess.run([PY, "-m", "poprun.ctl", "show", "--json",
+        show = subprocess.run([PY, "-m", "poprun.cli.ctl", "show", "--json",
                                _only_job(env)], env=poprun_env(env), capture_output=True,
                               text=True, timeout=60)
         (row,) = __import__("json").loads(show.stdout)["instances"]
@@ -242,7 +242,7 @@ def test_an_instance_s_memory_counts_its_escaped_helpers_where_it_has_a_cgroup(t
 
 
 def _only_job(env: dict[str, str]) -> str:
-    from poprun import jobs
+    from poprun.jobctl import records as jobs
 
     (record,) = jobs.scan(env).records
     return record["id"]
@@ -470,7 +470,7 @@ def test_a_stop_signal_inside_a_finalizer_is_acted_on_not_printed():
     in ... _get_module_lock" on a poprun's stderr) prints nothing; the signal is remembered
     for the launch to act on. A real signal, sent by the process to itself."""
     script = ("import os, signal, sys, weakref\n"
-              "from poprun.command import install_early_stop\n"
+              "from poprun.run.signals import install_early_stop\n"
               "early = install_early_stop()\n"
               "class Thing: pass\n"
               "def callback(ref):\n"
@@ -492,13 +492,13 @@ def test_a_stop_signal_once_the_launch_loop_runs_is_remembered_and_acted_on(tmp)
     launch then acts on it: a real SIGTERM, then a real launch, which stops at once."""
     mark = marker()
     script = ("import os, signal, sys\n"
-              "from poprun.command import install_early_stop, hold_stops\n"
+              "from poprun.run.signals import install_early_stop, hold_stops\n"
               "early = install_early_stop()\n"
               "hold_stops()\n"
               "os.kill(os.getpid(), signal.SIGTERM)\n"
               "sum(range(100000))  # the handler runs here: it must not raise\n"
               "print('held', early.received, flush=True)\n"
-              "from poprun import cli\n"
+              "from poprun.cli import main as cli\n"
               f"sys.exit(cli.main([*{OFFLINE!r}, '--num-instances=2', '--num-replicas=2',\n"
               f"                   'sh', '-c', 'sleep 300; :', {mark!r}]))\n")
     proc = subprocess.run([PY, "-c", script],

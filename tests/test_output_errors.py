@@ -147,7 +147,7 @@ def test_write_all_waits_for_a_slow_reader_of_a_non_blocking_pipe():
     order, whatever the partial writes split (a real pipe, its reader a thread)."""
     import threading
 
-    from poprun.output import write_all
+    from poprun.fdio import write_all
 
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)

@@ -1,4 +1,4 @@
-"""`poprun.placement`: every strategy, 1..16 instances, on every recorded machine.
+"""`poprun.plan.placement`: every strategy, 1..16 instances, on every recorded machine.
 
 Two kinds of expectation, neither computed by the code under test: explicit tables for the
 counts where the layout matters, and for every count the strategy's definition applied to the
@@ -12,8 +12,8 @@ import functools
 import pytest
 
 from poprun import ConfigError
-from poprun.placement import Binding, Strategy, place, resolve_strategy
-from poprun.topology import Topology, format_cpu_list, parse_cpu_list, parse_topology
+from poprun.plan.placement import Binding, Strategy, place, resolve_strategy
+from poprun.plan.topology import Topology, format_cpu_list, parse_cpu_list, parse_topology
 from sysfs_machines import (EPYC_2S_NPS4, EPYC_NPS4, MACHINES, XEON_2S, XEON_INTERLEAVED,
                             Machine, load_files)
 

@@ -116,7 +116,7 @@ def test_contradictory_placement_options_are_a_usage_error():
     (None, "numa", None),
 ])
 def test_mpirun_bind_to_and_map_by_as_strategies(bind_to, map_by, expected):
-    from poprun.placement import strategy_from_mpi
+    from poprun.plan.placement import strategy_from_mpi
 
     got = strategy_from_mpi(bind_to, map_by)
     assert (got.value if got else None) == expected

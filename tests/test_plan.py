@@ -1,4 +1,4 @@
-"""Pure planning (`poprun.plan`, `launcher.make_plan`) and the text renderings (`poprun.render`).
+"""Pure planning (`poprun.plan.planner`, `launcher.make_plan`) and the text renderings (`poprun.view.render`).
 
 Every fact from outside comes in as an argument (environ dict, hosts, port, cache paths), so
 these tests need no process, network or file-system state beyond a tmp_path for programs.
@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from poprun import ConfigError, LaunchConfig
-from poprun.launcher import DRY_RUN_CACHE_DIR, make_plan
-from poprun.plan import CacheMode, LaunchPlan, cache_mode, instance_environ, plan
-from poprun.render import describe_status, dry_run_text, fold_indices, signal_name, \
+from poprun.run.session import DRY_RUN_CACHE_DIR, make_plan
+from poprun.plan.planner import CacheMode, LaunchPlan, cache_mode, instance_environ, plan
+from poprun.text import describe_status, fold_indices, signal_name
+from poprun.view.render import dry_run_text, \
     topology_table
 
 # The --print-topology example of the PopRun user guide (§1.3), committed verbatim.

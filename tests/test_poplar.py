@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import OFFLINE, assert_usage_error, run_poprun
-from poprun.poplar import AUTOREPORT_CONFLICT, OFFLINE_TARGETS
+from poprun.plan.poplar import AUTOREPORT_CONFLICT, OFFLINE_TARGETS
 
 pytestmark = pytest.mark.timeout(60)
 PY = sys.executable

@@ -1,4 +1,4 @@
-"""`poprunctl` (poprun/ctl.py) and what it reaches: the command surface through typer's
+"""`poprunctl` (poprun/cli/ctl.py) and what it reaches: the command surface through typer's
 CliRunner, then real jobs — instances that deadlock on each other's sockets and one stuck in
 time.sleep, on this host and on real sshd hosts (tests/sshd_hosts.py) — seen, folded, read,
 stopped and reaped by a second process; `--stall-timeout` end to end.
@@ -23,7 +23,9 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped
-from poprun import ctl, joblog, jobs
+from poprun.cli import ctl
+from poprun.jobctl import joblog
+from poprun.jobctl import records as jobs
 from poprun.result import JOB_SCHEMA
 from spawner import procid
 from sshd_hosts import instances_with, start_ssh_hosts, wait_until
@@ -86,7 +88,7 @@ def program(tmp_path) -> str:
 def poprunctl(*args: str, env: dict[str, str], timeout: float = 60
               ) -> subprocess.CompletedProcess:
     """poprunctl in a process of its own, as a user would run it."""
-    return subprocess.run([PY, "-m", "poprun.ctl", *args], env=poprun_env(env),
+    return subprocess.run([PY, "-m", "poprun.cli.ctl", *args], env=poprun_env(env),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -218,7 +220,7 @@ def test_job_ids_complete(environ):
 def test_the_dashboard_says_the_job_id_and_stalled():
     from rich.console import Console
 
-    from poprun.dashboard import DashboardState, panel_lines
+    from poprun.view.dashboard import DashboardState, panel_lines
 
     state = DashboardState(2, ["localhost"], 0.0)
     for i in range(2):
@@ -292,7 +294,7 @@ def test_logs_follow_sees_every_new_line_once_and_ends_with_the_job(environ, tmp
                      "    print('tick', i, flush=True)\n"
                      "    time.sleep(0.03)\n" % count, env=environ) as job:
         job_id = running_job(environ, 2)
-        follow = subprocess.run([PY, "-m", "poprun.ctl", "logs", "-f", job_id],
+        follow = subprocess.run([PY, "-m", "poprun.cli.ctl", "logs", "-f", job_id],
                                 env=poprun_env(environ), capture_output=True, text=True,
                                 timeout=60)
         job.communicate(timeout=60)

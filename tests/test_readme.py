@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from popdist.env import NOT_FORWARDED
-from poprun import cli
+from poprun.cli import options as cli
 from spawner.carried import MIN_PYTHON
 
 ROOT = Path(__file__).resolve().parent.parent

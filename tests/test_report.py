@@ -88,7 +88,9 @@ def test_the_report_is_plain_text_unless_rich_would_style_its_fd():
     stderr as text (its brackets are not markup)."""
     import os
 
-    from poprun.result import LaunchResult, render_report
+    from poprun.result import LaunchResult
+
+    from poprun.view.render import render_report
 
     result = _failed_result()
     read_end, write_end = os.pipe()

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import OFFLINE, assert_usage_error, run_poprun
 from poprun.errors import ConfigError
-from poprun.hosts import (Host, expand_brackets, instance_counts, parse_host_file,
+from poprun.plan.hosts import (Host, expand_brackets, instance_counts, parse_host_file,
                           parse_host_list, parse_tasks_per_node)
 from sshd_hosts import start_ssh_hosts
 
@@ -172,9 +172,9 @@ def test_numa_placement_follows_each_hosts_count_and_topology():
     """h1:3 on a 4-node EPYC spreads its 3 instances over its nodes (one takes two); h2:2 on
     a 2-socket Xeon puts one on each socket: each host placed from its own count and
     topology."""
-    from poprun.config import LaunchConfig
-    from poprun.plan import plan
-    from poprun.topology import parse_topology
+    from poprun.plan.config import LaunchConfig
+    from poprun.plan.planner import plan
+    from poprun.plan.topology import parse_topology
     from sysfs_machines import EPYC_NPS4, XEON_2S, load_files
 
     config = LaunchConfig(program=("true",), num_instances=5, num_replicas=5, offline_mode=True)

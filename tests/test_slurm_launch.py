@@ -72,7 +72,7 @@ def test_caches_bindings_and_sources_on_every_node(cluster, tmp_path):
     instances are bound from that node's own topology (--report-bindings reads them back
     there); -v says the hosts and counts came from the allocation. The instances stay until
     poprun knows all four run: one that exits first has no binding left to read."""
-    from poprun import jobs
+    from poprun.jobctl import records as jobs
 
     before = set(Path("/tmp").glob("poprun-cache-*"))
     go = tmp_path / "go"

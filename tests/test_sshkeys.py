@@ -1,4 +1,4 @@
-"""poprun.sshkeys: `--distribute-ssh-key` (pick or generate a key, ask the password once,
+"""poprun.run.sshkeys: `--distribute-ssh-key` (pick or generate a key, ask the password once,
 install the key on every host).
 
 Real: key generation (asyncssh), files and modes on disk, and the distribution end to end —
@@ -24,7 +24,7 @@ import pytest
 
 from password_sshd import LocalUser, start_password_hosts, throwaway_user
 from poprun.errors import ConfigError
-from poprun.sshkeys import (
+from poprun.run.sshkeys import (
     KeyDistributionError, KeyStatus, KeyType, PublicKey, distribute_ssh_key, find_key_path,
     install_key, prepare_key, read_password,
 )
@@ -113,7 +113,7 @@ def test_no_terminal_fails_instead_of_echoing() -> None:
     # Real getpass, no controlling terminal and stdin a pipe: it would read with echo.
     code = textwrap.dedent("""\
         from poprun.errors import ConfigError
-        from poprun.sshkeys import read_password
+        from poprun.run.sshkeys import read_password
         try:
             read_password(["h1"])
         except ConfigError as e:

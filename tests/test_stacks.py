@@ -1,11 +1,11 @@
-"""Stacks folded as STAT folds them (poprun/stacks.py) and read from faulthandler's and
+"""Stacks folded as STAT folds them (poprun/jobctl/stacks.py) and read from faulthandler's and
 py-spy's formats (spawner/stackparse.py): pure functions, no process."""
 
 from __future__ import annotations
 
 import json
 
-from poprun.stacks import fold, render
+from poprun.jobctl.stacks import fold, render
 from spawner.stackparse import parse_faulthandler, parse_pyspy, with_source
 
 FAULTHANDLER = """\

@@ -1,4 +1,4 @@
-"""`poprun.topology`: the Linux list format, recorded sysfs trees, cpusets, the wire form."""
+"""`poprun.plan.topology`: the Linux list format, recorded sysfs trees, cpusets, the wire form."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from poprun import ConfigError
-from poprun.topology import (Cpu, Node, Topology, format_cpu_list, local_topology, parse_allowed,
+from poprun.plan.topology import (Cpu, Node, Topology, format_cpu_list, local_topology, parse_allowed,
                              parse_cpu_list, parse_topology, read_sysfs)
 from sysfs_machines import EPYC_NPS4, MACHINES, XEON_2S, XEON_INTERLEAVED, load_files
 

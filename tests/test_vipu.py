@@ -1,4 +1,4 @@
-"""poprun.vipu against a simulator of the `vipu` CLI (tests/vipu_sim/vipu) first on PATH.
+"""poprun.run.vipu against a simulator of the `vipu` CLI (tests/vipu_sim/vipu) first on PATH.
 
 Issue 6's numbered points, each in its own section. Tests assert the exact `vipu` invocations
 (the simulator logs every argv) and the simulator's final state: no partition leaked.
@@ -20,10 +20,10 @@ import pytest
 from popdist import env as E
 from poprun.errors import ConfigError
 from vipu_harness import sim  # noqa: F401 (a fixture)
-from poprun.vipu import (Failure, PartitionInfo, PartitionState, Requirements, VipuError,
+from poprun.run.vipu import (Failure, PartitionInfo, PartitionState, Requirements, VipuError,
                          VipuSettings, mismatches, parse_partition_details,
                          parse_partition_table, parse_server_version, partition_target_options)
-from poprun import vipu
+from poprun.run import vipu
 
 TIMEOUT = 5
 ADDR = ["--api-host", "localhost", "--api-port", "8090", "--server-timeout", str(TIMEOUT)]
@@ -492,7 +492,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 @pytest.mark.timeout(60)
 def test_ctrl_c_while_waiting_removes_the_created_partition(sim):
     sim.fail(pending_polls=100_000)
-    script = ("import asyncio\nfrom poprun.vipu import *\nfrom poprun.log import Log\n"
+    script = ("import asyncio\nfrom poprun.run.vipu import *\nfrom poprun.log import Log\n"
               "asyncio.run(acquire(VipuSettings(server_host='localhost', server_timeout=60, "
               "poll_interval=0.05, partition='job'), Requirements.of(32, 1, 2, 2), "
               "log=Log(0)))\n")

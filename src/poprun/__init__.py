@@ -8,8 +8,8 @@ Everything but the version and the errors is imported on first use: `poprun --ve
 the per-host agent (which only needs `poprun._version`) stay fast.
 """
 
-from ._version import __version__
-from .errors import ConfigError, InternalError, LaunchError, PoprunError
+from poprun._version import __version__
+from poprun.errors import ConfigError, InternalError, LaunchError, PoprunError
 
 __all__ = [
     "ConfigError",
@@ -26,15 +26,15 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "launch":
-        from .launcher import launch
+        from poprun.run.session import launch
 
         return launch
     if name == "LaunchConfig":
-        from .config import LaunchConfig
+        from poprun.plan.config import LaunchConfig
 
         return LaunchConfig
     if name in ("LaunchResult", "InstanceResult"):
-        from . import result
+        from poprun import result
 
         return getattr(result, name)
     raise AttributeError(f"module 'poprun' has no attribute {name!r}")

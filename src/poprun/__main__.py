@@ -1,3 +1,3 @@
-from .command import run
+from poprun.cli.command import run
 
 run()

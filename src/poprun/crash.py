@@ -16,8 +16,8 @@ import os
 import sys
 import time
 
-from ._version import __version__
-from .errors import InternalError, describe
+from poprun._version import __version__
+from poprun.errors import InternalError, describe
 
 INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE (sysexits.h)
 

@@ -6,11 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .render import describe_status, fold_indices, signal_name
-from .rootcause import exception_text
+from poprun.text import describe_status, fold_indices, signal_name
+from poprun.rootcause import exception_text
 
-# The one schema of `--result-json` and of the job records poprunctl reads (poprun/jobs.py).
-JOB_SCHEMA = "poprun.job/1"
+# The one schema of `--result-json` and of the job records poprunctl reads (poprun/jobctl/records.py).
+JOB_SCHEMA = "poprun.run.job/1"
 STALL_STATUS = 124  # a job ended by --stall-action kill (as timeout(1) exits)
 
 
@@ -65,7 +65,7 @@ class LaunchResult:
     # --stall-action kill ended the job: {idle, timeout, stacks_file, stacks} (stacks.Folded's
     # JSON). The stall is then the root cause (exit status STALL_STATUS).
     stall: Mapping[str, Any] | None = None
-    # The job's record (poprun/jobs.py): id, argv, cwd, hosts, launcher, caches, partition...
+    # The job's record (poprun/jobctl/records.py): id, argv, cwd, hosts, launcher, caches, partition...
     # (jobwatch.JobWatch.meta); None for a launch that was not registered.
     job: Mapping[str, Any] | None = None
 
@@ -96,13 +96,13 @@ class LaunchResult:
 
     def failure_report(self) -> str:
         """The root cause in full, the collateral outcomes folded (empty for a success)."""
-        return "" if self.ok else _plain(self._failure_lines())
+        return "" if self.ok else _plain(self.failure_lines())
 
     def summary(self) -> str:
         """One line per host for a job that went well (shown at -v)."""
-        return _plain(self._summary_lines())
+        return _plain(self.summary_lines())
 
-    def _failure_lines(self) -> list[tuple[str, str]]:
+    def failure_lines(self) -> list[tuple[str, str]]:
         """The failure report's lines, each with its part (a _STYLES key)."""
         if self.ok:
             return []
@@ -149,7 +149,7 @@ class LaunchResult:
             lines.append(("collateral", f"poprun: instances {indices} on {hosts}: {outcome}"))
         return lines
 
-    def _summary_lines(self) -> list[tuple[str, str]]:
+    def summary_lines(self) -> list[tuple[str, str]]:
         by_host: dict[str, list[InstanceResult]] = {}
         for inst in self.instances:
             by_host.setdefault(inst.host, []).append(inst)
@@ -163,7 +163,7 @@ class LaunchResult:
         return lines
 
     def to_json(self) -> dict:
-        """`--result-json`, and the final record of the job (poprun/jobs.py: one schema,
+        """`--result-json`, and the final record of the job (poprun/jobctl/records.py: one schema,
         JOB_SCHEMA): the job's own keys (`job`: id, argv, cwd, hosts...), why it ended, and
         every instance, as plain JSON values."""
         return {
@@ -202,49 +202,6 @@ def not_run_json(exit_code: int, exit_reason: str, error: str) -> dict:
             "start_time": None, "phases": {}, "instances": []}
 
 
-def render_report(result: LaunchResult, fd: int, environ: Mapping[str, str],
-                  verbose: bool = False) -> bytes:
-    """What the launcher writes to `fd` (its stderr) after a job: the failure report, or at
-    `verbose` the summary of a good one; empty for neither. Styled with rich where rich would
-    style `fd` (a terminal, by its rules read from `environ`), else plain text exactly as
-    failure_report()/summary() give it. The instances' stderr lines are rich Text, never
-    markup."""
-    if not result.ok:
-        lines = result._failure_lines()
-    elif verbose:
-        lines = result._summary_lines()
-    else:
-        return b""
-    from .output import rich_console
-
-    console = rich_console(fd, environ)
-    if console is None:
-        return _plain(lines).encode()
-    from rich.text import Text
-
-    with console.capture() as capture:
-        for part, line in lines:
-            console.print(Text(line, style=_STYLES[part]), soft_wrap=True)
-    return capture.get().encode()
-
-
-# The report's parts, as rich styles on a terminal: the root cause stands out, the instance's
-# own stderr keeps the terminal's colour (its words matter most), the rest recedes.
-_STYLES = {
-    "stopped": "bold yellow",
-    "root": "bold red",
-    "hint": "yellow",
-    "text": "dim",
-    "tail": "",
-    "collateral": "dim",
-    "summary": "green",
-}
-
-
-def _plain(lines: list[tuple[str, str]]) -> str:
-    return "\n".join(line for _, line in lines) + "\n"
-
-
 def _state(inst: InstanceResult) -> str:
     """As the dashboard names it: exited (status 0), failed, killed (a signal) or lost."""
     if inst.lost:
@@ -281,3 +238,8 @@ def _outcome(inst: InstanceResult) -> str:
     if inst.error and inst.returncode != 0:
         return exception_text(inst.error)
     return describe_status(inst.returncode)
+
+
+def _plain(lines: list[tuple[str, str]]) -> str:
+    return "\n".join(line for _, line in lines) + "\n"
+

@@ -48,13 +48,13 @@ from .procstat import ProcSampler
 from .protocol import (MAGIC, PROTOCOL_VERSION, Control, Frame, FrameDecoder, Kind,
                        ProtocolError, SpawnRequest, encode, output_header)
 from .srun import step_variables
+from .stopsignals import STOP_SIGNALS
 from .sysfs import read_sysfs
 
 READ_SIZE = 65536
 HIGH_WATER = 1 << 20  # unsent bytes above which instances' pipes are no longer read
 LOW_WATER = 256 << 10  # ... and below which they are read again
 IOV_BATCH = 512  # buffers per writev (Linux allows 1024)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 # What sshd sets for a login session; instances are not one (see instance_environ).
 SSH_SESSION_VARIABLES = ("SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_ORIGINAL_COMMAND")
 INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, as the launcher's own internal errors
@@ -81,7 +81,7 @@ def hello_reply(request: dict[str, Any]) -> dict[str, Any]:
         "cwd": cwd,
         "cwd_exists": os.path.isdir(cwd),
         "program": resolve_program(program, path, cwd) if program else None,
-        # The raw NUMA topology: the launcher parses it (poprun.topology) and plans binding.
+        # The raw NUMA topology: the launcher parses it (poprun.plan.topology) and plans binding.
         "sysfs": read_sysfs(),
         "status": _own_status(),
         # The address this host was reached at (SSH_CONNECTION's server address): the one

@@ -15,7 +15,6 @@ arrives after its exit event.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
 import os

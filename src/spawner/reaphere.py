@@ -3,7 +3,7 @@ kill the job's leftover instances, remove its leftover temporary directories.
 
 It runs here for this host's part of the job, and on every other recorded host over SSH, on
 that host's Python (3.10 or later), sent with procid.py's source as one `python -c` line
-(poprun/reap.py): standard library only. Its input is one JSON object:
+(poprun/run/reap.py): standard library only. Its input is one JSON object:
 
     {"boot_id": the host's boot id when the job ran (None: unknown),
      "instances": [[index, pid, start ticks], ...], "dirs": [path, ...], "dry_run": bool}

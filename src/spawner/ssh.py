@@ -53,7 +53,7 @@ KEEPALIVE_COUNT = 3
 
 
 class SshTarget(Hashable, Protocol):
-    """What a host must look like: `poprun.hosts.Host` and `Target` both qualify."""
+    """What a host must look like: `poprun.plan.hosts.Host` and `Target` both qualify."""
 
     @property
     def name(self) -> str: ...  # looked up in ~/.ssh/config (Host patterns)

@@ -1,4 +1,4 @@
-"""Reading the sysfs files a NUMA topology is parsed from (poprun.topology parses them).
+"""Reading the sysfs files a NUMA topology is parsed from (poprun.plan.topology parses them).
 Here, in the spawner layer, so that a host's agent can send its files to the launcher."""
 
 from __future__ import annotations

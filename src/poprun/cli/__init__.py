@@ -1,0 +1,4 @@
+"""The commands people type: `poprun` (command, options, main, help) and `poprunctl` (ctl).
+
+Top layer: it may import every other part of poprun; nothing imports it. Modules are imported
+on first use (docs/architecture.md, "Start-up budget")."""

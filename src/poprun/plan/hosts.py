@@ -1,0 +1,251 @@
+"""Host-list syntax: `h1,h2`, `pod[1-4]`, `node[01-10,15]`, `user@host`, slots as mpirun and
+horovodrun write them (`h1:4,h2:2`: four instances on h1, two on h2), `ssh://[user@]host:port`
+for an SSH port, host files (ours, and MPI hostfiles: `node1 slots=4`), and Slurm's
+`SLURM_JOB_NODELIST` (the same bracket syntax, several groups allowed: `rack[1-2]-n[1-3]`) with
+`SLURM_TASKS_PER_NODE` (`2(x3),1`). Pure: text in, `Host` tuples out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from poprun.errors import ConfigError
+from poprun.plan.files import MAX_HOST_FILE
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+# `[::1]:22` or `user@[fe80::1]`: brackets around an IPv6 address, not a range to expand.
+_IPV6 = re.compile(r"^(?:ssh://)?(?:[^@\[]+@)?\[[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*\](?::\d+)?$")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host as the user named it; `name` is what ~/.ssh/config is looked up with.
+    `slots`: how many instances run there, when the list says (None: an even share)."""
+
+    name: str
+    user: str | None = None
+    port: int | None = None
+    slots: int | None = field(default=None, compare=False)
+
+    @property
+    def entry(self) -> str:
+        """Host-list text that parses back to this host, slots included."""
+        return f"{self}:{self.slots}" if self.slots and not self.port else str(self)
+
+    def __str__(self) -> str:
+        """The host's label (slots are not part of it)."""
+        text = f"{self.user}@{self.name}" if self.user else self.name
+        return f"ssh://{text}:{self.port}" if self.port else text
+
+
+SLURM_NODELIST = "SLURM_JOB_NODELIST"
+SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
+SLURM_NTASKS = "SLURM_NTASKS"
+# Where Open MPI (and the Kubeflow MPI Operator, which mounts /etc/mpi/hostfile) names its
+# default hostfile.
+OMPI_HOSTFILE = "OMPI_MCA_orte_default_hostfile"
+LOCAL_NAMES = ("localhost",)
+SLOTS_PORT_FLOOR = 1024  # `host:N` with N this large is probably meant as a port
+
+
+def job_hosts(hosts: tuple[Host, ...], environ: Mapping[str, str]) -> tuple[Host, ...]:
+    """The hosts a job runs on: those given, else a Slurm allocation's nodes (with their
+    task counts as slots), else Open MPI's default hostfile, else none (this host only)."""
+    return hosts or job_hosts_and_source(hosts, environ)[0]
+
+
+def job_hosts_and_source(hosts: tuple[Host, ...], environ: Mapping[str, str]
+                         ) -> tuple[tuple[Host, ...], str]:
+    """`job_hosts`, and where they came from in words (for -v and error messages)."""
+    if hosts:
+        return hosts, "--host"
+    nodelist = environ.get(SLURM_NODELIST, "").strip()
+    if nodelist:
+        where = f"the Slurm allocation ({SLURM_NODELIST}={nodelist})"
+        found = parse_host_list(nodelist, where)
+        counts = environ.get(SLURM_TASKS_PER_NODE, "").strip()
+        if counts:
+            per_node = parse_tasks_per_node(counts, found, SLURM_TASKS_PER_NODE)
+            found = tuple(replace(h, slots=n) for h, n in zip(found, per_node))
+            where += f" with {SLURM_TASKS_PER_NODE}={counts}"
+        return found, where
+    hostfile = environ.get(OMPI_HOSTFILE, "").strip()
+    if hostfile:
+        where = f"{OMPI_HOSTFILE}={hostfile}"
+        return parse_host_file(read_host_file(hostfile, where), where), where
+    return (), "this host"
+
+
+def read_host_file(path: str, source: str) -> str:
+    """A host file's text: a regular file, at most MAX_HOST_FILE bytes, UTF-8."""
+    from poprun.plan.files import read_small_file
+
+    return read_small_file(path, source, MAX_HOST_FILE, "a host file")
+
+
+def parse_tasks_per_node(text: str, hosts: tuple[Host, ...], source: str) -> tuple[int, ...]:
+    """Slurm's `2(x3),1` -> (2, 2, 2, 1), one count per host of the node list."""
+    counts: list[int] = []
+    for piece in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", piece)
+        if not match or int(match.group(1)) < 1:
+            raise ConfigError(f"{source}={text!r}: {piece!r} is not a count like 2 or 2(x3)")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    if len(counts) != len(hosts):
+        raise ConfigError(f"{source}={text!r} gives {len(counts)} count(s) for "
+                          f"{len(hosts)} node(s)")
+    return tuple(counts)
+
+
+def instance_counts(hosts: tuple[Host, ...], num_instances: int | None,
+                    source: str = "--host") -> tuple[int, ...]:
+    """How many instances each host runs, in host order: its slots where the list gives any
+    (1 where a host has none, as mpirun), else an even share. `num_instances` None: the
+    slots' total. Raises ConfigError when they disagree."""
+    if not hosts:
+        return (num_instances or 1,)
+    if any(h.slots for h in hosts):
+        counts = tuple(h.slots or 1 for h in hosts)
+        if num_instances is not None and num_instances != sum(counts):
+            raise ConfigError(f"--num-instances={num_instances} does not match the "
+                              f"{sum(counts)} slots of {source} "
+                              f"({' + '.join(f'{h}:{n}' for h, n in zip(hosts, counts))})")
+        return counts
+    total = num_instances or len(hosts)
+    if total % len(hosts):
+        raise ConfigError(f"--num-instances={total} is not divisible by the {len(hosts)} hosts "
+                          f"of {source}: give each host its count (h1:3,h2:1)")
+    return (total // len(hosts),) * len(hosts)
+
+
+def is_local(host: Host, this_host: str) -> bool:
+    """Whether `host` names this machine, so its instances start without SSH (as mpirun
+    does). Only names count, not addresses: `127.0.0.2` may well be an sshd in a test."""
+    if host.user or host.port:
+        return False
+    short = this_host.split(".", 1)[0]
+    return host.name in LOCAL_NAMES or host.name in (this_host, short)
+
+
+def parse_host_list(text: str, source: str = "--host") -> tuple[Host, ...]:
+    """Parse a comma-separated host list with bracket ranges; duplicates are an error."""
+    hosts: list[Host] = []
+    for item in _split_top_level(text, source):
+        expanded = [item] if _IPV6.match(item) else expand_brackets(item, source)
+        hosts += [_parse_host(name, source) for name in expanded]
+    return _unique(hosts, source)
+
+
+def parse_host_file(content: str, source: str) -> tuple[Host, ...]:
+    """One host (or host list) per line; `#` starts a comment; blank lines are skipped. MPI
+    hostfiles too: `node1 slots=4 max_slots=8` (max_slots is ignored)."""
+    hosts: list[Host] = []
+    for number, line in enumerate(content.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        entry, options = words[0], words[1:]
+        slots = None
+        for option in options:
+            key, eq, value = option.partition("=")
+            if key in ("slots", "slot") and eq and value.isdigit() and int(value) > 0:
+                slots = int(value)
+            elif key != "max_slots" or not eq:
+                raise ConfigError(f"{source}, line {number}: {option!r} is not slots=N or "
+                                  "max_slots=N")
+        listed = parse_host_list(entry, f"{source}, line {number}")
+        hosts += [replace(h, slots=slots) for h in listed] if slots else listed
+    if not hosts:
+        raise ConfigError(f"{source}: no hosts in the file")
+    return _unique(hosts, source)
+
+
+def expand_brackets(item: str, source: str = "--host") -> list[str]:
+    """`node[01-03,7]` -> node01 node02 node03 node7 (zero padding of each bound kept)."""
+    parts = re.split(r"(\[[^\]]*\])", item)
+    choices: list[list[str]] = []
+    for part in parts:
+        if part.startswith("["):
+            choices.append(_expand_range_list(part[1:-1], item, source))
+        elif "[" in part or "]" in part:
+            raise ConfigError(f"{source}: unbalanced brackets in {item!r}")
+        else:
+            choices.append([part])
+    return ["".join(combo) for combo in itertools.product(*choices)]
+
+
+def _expand_range_list(body: str, item: str, source: str) -> list[str]:
+    out: list[str] = []
+    for piece in body.split(","):
+        match = _RANGE.match(piece.strip())
+        if not match:
+            raise ConfigError(f"{source}: {piece!r} in {item!r} is not a number or a range a-b")
+        low, high = match.group(1), match.group(2) or match.group(1)
+        if int(high) < int(low):
+            raise ConfigError(f"{source}: range {piece!r} in {item!r} runs backwards")
+        width = len(low) if low.startswith("0") else 0
+        out += [str(n).zfill(width) for n in range(int(low), int(high) + 1)]
+    return out
+
+
+def _split_top_level(text: str, source: str) -> list[str]:
+    """Split on commas that are not inside brackets."""
+    items, depth, current = [], 0, []
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if depth < 0 or depth > 1:
+            raise ConfigError(f"{source}: unbalanced brackets in {text!r}")
+        if ch == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    items.append("".join(current))
+    stripped = [i.strip() for i in items]
+    if any(not i for i in stripped):
+        raise ConfigError(f"{source}: empty host name in {text!r}")
+    return stripped
+
+
+def _parse_host(text: str, source: str) -> Host:
+    """`[user@]host[:slots]`, `[user@][v6addr][:slots]`, or `ssh://[user@]host[:port]`."""
+    ssh = text.startswith("ssh://")
+    user, _, rest = text[6 if ssh else 0:].rpartition("@")
+    number = None
+    if rest.startswith("["):  # [::1]:4 style
+        name, _, tail = rest[1:].partition("]")
+        if tail.startswith(":"):
+            number = tail[1:]
+    elif rest.count(":") == 1:
+        name, number = rest.split(":")
+    else:
+        name = rest
+    if not name or any(c.isspace() for c in name):
+        raise ConfigError(f"{source}: {text!r} is not a host name")
+    if ssh:
+        port = _number(number, text, source, "port", 65535) if number is not None else None
+        return Host(name=name, user=user or None, port=port)
+    slots = _number(number, text, source, "number of slots", None) if number else None
+    if slots is not None and slots >= SLOTS_PORT_FLOOR:
+        raise ConfigError(f"{source}: {text!r}: `host:N` gives the host N slots (instances); "
+                          f"for an SSH port write ssh://{text} or set Port in ~/.ssh/config")
+    return Host(name=name, user=user or None, slots=slots)
+
+
+def _number(text: str | None, item: str, source: str, what: str, top: int | None) -> int:
+    if not text or not text.isdigit() or int(text) < 1 or (top and int(text) > top):
+        raise ConfigError(f"{source}: {text!r} in {item!r} is not a {what}")
+    return int(text)
+
+
+def _unique(hosts: list[Host], source: str) -> tuple[Host, ...]:
+    seen: set[Host] = set()
+    for host in hosts:
+        if host in seen:
+            raise ConfigError(f"{source}: host {host} is listed twice")
+        seen.add(host)
+    return tuple(hosts)

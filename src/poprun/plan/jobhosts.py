@@ -1,0 +1,63 @@
+"""Where a job runs: its hosts in instance order, which need a connection, how many instances
+each runs, over which transport. Pure but for this host's name (socket.gethostname)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from poprun.errors import ConfigError
+from poprun.plan.config import LaunchConfig
+from poprun.plan.hosts import SLURM_JOB_ID, Host, instance_counts, is_local, job_hosts_and_source
+from poprun.plan.planner import LOCALHOST
+
+
+@dataclass(frozen=True)
+class JobHosts:
+    """Where a job runs: host labels in instance order, which of them need SSH, how many
+    instances each runs, and where the list came from (for messages)."""
+
+    hosts: tuple[Host, ...]  # empty: this host only
+    remote: frozenset[str]
+    counts: tuple[int, ...]
+    source: str = "--host"
+    transport: str = "ssh"  # how remote hosts are reached: "ssh" or "slurm"
+
+    @classmethod
+    def of(cls, config: LaunchConfig, environ: Mapping[str, str]) -> JobHosts:
+        hosts, source = job_hosts_and_source(config.host_list, environ)
+        transport = config.launcher or (
+            "slurm" if environ.get(SLURM_JOB_ID) and not config.host_list else "ssh")
+        if transport == "slurm" and not environ.get(SLURM_JOB_ID):
+            raise ConfigError("--launcher slurm runs inside a Slurm allocation: start poprun "
+                              "with `salloc -N <nodes> poprun ...` or from an `sbatch` script "
+                              "(or use --launcher ssh)")
+        this = socket.gethostname()
+        # Over Slurm every node's instances start as a job step, this node's too.
+        remote = frozenset(str(h) for h in hosts if transport == "slurm"
+                           or not is_local(h, this))
+        return cls(hosts, remote, instance_counts(hosts, config.num_instances, source), source,
+                   transport)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return tuple(str(h) for h in self.hosts) or (LOCALHOST,)
+
+    def count(self, label: str) -> int:
+        """Instances on the host labelled `label`."""
+        return self.counts[self.labels.index(label)]
+
+    def describe(self) -> str:
+        """`h1 (4), h2 (2) from --host, over ssh`, for -v."""
+        listed = ", ".join(f"{label} ({n})" for label, n in zip(self.labels, self.counts))
+        over = f", over {self.transport}" if self.remote else ""
+        return f"{listed} from {self.source}{over}"
+
+    @property
+    def any_local(self) -> bool:
+        return len(self.remote) < len(self.labels)
+
+    @property
+    def first_is_local(self) -> bool:
+        return self.labels[0] not in self.remote

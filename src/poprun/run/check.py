@@ -1,0 +1,274 @@
+"""`poprun --check`: every host checked in parallel, nothing started, one table.
+
+For each host: reachable and authenticated (host key known), its Python and poprun versions
+against the launcher's, the working directory present, the program found (when one is given),
+its NUMA nodes and CPUs. Failures are folded by kind under the table ("permission denied:
+h[3,7-9]") so a 64-host pod's problems read in a few lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from spawner.local import resolve_program
+from spawner.remote import AgentVersionError, RemoteError, RemoteSpawner
+from spawner.ssh import connect_each
+
+from poprun._version import __version__
+from poprun.plan.config import LaunchConfig
+from poprun.errors import ConfigError
+from poprun.plan.jobhosts import JobHosts
+from poprun.text import fold_indices
+from poprun.plan.topology import Topology, agent_topology, local_topology
+
+OK = "ok"
+
+
+@dataclass
+class HostCheck:
+    host: str
+    ssh: str = "-"
+    python: str = "-"
+    poprun: str = "-"
+    cwd: str = "-"
+    program: str = "-"
+    numa: str = "-"
+    problem: str | None = None  # the kind of the first failure, for the folded summary
+    detail: str | None = None  # one line naming the host, when the table cannot say it
+    # The launcher's variables a remote instance would lack or see with another value (not
+    # a failure: said under the table so that a missing variable is no surprise).
+    env_differences: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+
+
+async def check_hosts(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
+                      program: str | None) -> tuple[CheckReport, bool]:
+    """The report and whether every host passed."""
+    hosts = JobHosts.of(config, environ)
+    checks = [_check_here(label, cwd, program, environ)
+              for label in hosts.labels if label not in hosts.remote]
+    remote = [h for h in hosts.hosts if str(h) in hosts.remote]
+    if remote:
+        checks += await _check_remote(remote, config, cwd, program, environ)
+    order = {label: i for i, label in enumerate(hosts.labels)}
+    checks.sort(key=lambda c: order[c.host])
+    return CheckReport(tuple(checks)), all(c.problem is None for c in checks)
+
+
+def _check_here(label: str, cwd: str, program: str | None,
+                environ: Mapping[str, str]) -> HostCheck:
+    check = HostCheck(label, ssh="local", python=_python(sys.version_info),
+                      poprun=__version__, cwd=OK if os.path.isdir(cwd) else "missing")
+    if program:
+        found = resolve_program(program, environ.get("PATH"), cwd)
+        check.program = OK if found else "not found"
+    check.numa = _numa(local_topology())
+    _note_problem(check)
+    return check
+
+
+async def _check_remote(remote, config: LaunchConfig, cwd: str, program: str | None,
+                        environ: Mapping[str, str]) -> list[HostCheck]:
+    results = await connect_each(remote, fanout=config.ssh_fanout, timeout=config.ssh_timeout)
+    checks = []
+    for failure in results.failures:
+        checks.append(HostCheck(str(failure.target), ssh=failure.kind.value,
+                                problem=failure.kind.value.replace("_", " "),
+                                detail=failure.message))
+    for target in results.not_attempted:
+        checks.append(HostCheck(str(target), ssh="not tried", problem="not tried"))
+    try:
+        checks += await asyncio.gather(*(
+            _check_agent(conn, str(target), config, cwd, program, environ)
+            for target, conn in results.connections.items()))
+    finally:
+        for conn in results.connections.values():
+            conn.close()
+    return checks
+
+
+async def _check_agent(conn, label: str, config: LaunchConfig, cwd: str, program: str | None,
+                       environ: Mapping[str, str]) -> HostCheck:
+    check = HostCheck(label, ssh=OK)
+    spawner = RemoteSpawner(conn, label, _NoEvents(), python=config.remote_python)
+    try:
+        info = await spawner.start(cwd=cwd, program=program, path=environ.get("PATH"))
+    except AgentVersionError as exc:
+        check.problem, check.detail = "different Python or poprun", str(exc)
+        return check
+    except RemoteError as exc:
+        check.problem, check.detail = "agent did not start", str(exc)
+        return check
+    finally:
+        await spawner.close()
+    check.python, check.poprun = _python(info.python), info.poprun
+    check.cwd = OK if info.cwd_exists else "missing"
+    if program:
+        check.program = OK if info.program else "not found"
+    check.numa = _numa(_remote_topology(info.raw))
+    there = info.raw.get("environ")
+    if isinstance(there, dict):
+        from poprun.plan.planner import remote_differences
+
+        missing, different = remote_differences(config, environ, there)
+        check.env_differences = (tuple(missing), tuple(different))
+    _note_problem(check)
+    return check
+
+
+def _remote_topology(raw: Mapping) -> Topology | None:
+    try:
+        return agent_topology(raw)
+    except ConfigError:  # shown as unknown in the table, not a crash
+        return None
+
+
+def _note_problem(check: HostCheck) -> None:
+    if check.cwd != OK:
+        check.problem = "working directory missing"
+    elif check.program not in (OK, "-"):
+        check.problem = "program not found"
+
+
+def _python(version) -> str:
+    return ".".join(str(v) for v in tuple(version)[:3])
+
+
+def _numa(topology: Topology | None) -> str:
+    if topology is None:
+        return "unknown"
+    return f"{len(topology.nodes)} node(s), {len(topology.cpus)} CPUs"
+
+
+class _NoEvents:
+    """The check starts no instance, so no output or exit ever arrives."""
+
+    def on_output(self, key, stream, data) -> None: ...
+
+    def on_exit(self, key, returncode) -> None: ...
+
+
+# --- the report ---------------------------------------------------------------------------
+
+_COLUMNS = ("host", "ssh", "python", "poprun", "cwd", "program", "numa")
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """The table and the folded problems: plain text (`str()`), or rich's table on a
+    terminal (`for_console`)."""
+
+    checks: tuple[HostCheck, ...]
+
+    def __str__(self) -> str:
+        return render(list(self.checks))
+
+    def for_console(self, stream, environ: Mapping[str, str]) -> str:
+        """The report for the text stream `stream` (poprun's stdout): a rich table where rich
+        would style it (a terminal, by its rules read from `environ`), else `str(self)`."""
+        from poprun.view.console import rich_console
+
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # not a file (a test's StringIO)
+            return str(self)
+        console = rich_console(fd, environ)
+        return str(self) if console is None else render_rich(list(self.checks), console)
+
+
+def render(checks: list[HostCheck]) -> str:
+    rows = [[h.upper() for h in _COLUMNS]]
+    rows += [[str(getattr(c, col)) for col in _COLUMNS] for c in checks]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [line for _, line in _footer(checks)]
+    return "\n".join(lines) + "\n"
+
+
+def render_rich(checks: list[HostCheck], console) -> str:
+    """The same report as a rich Table rendered for `console`: passes green, failures red.
+    Every cell and line is rich Text (host names and remote messages are never markup)."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+    for column in _COLUMNS:
+        table.add_column(column.upper(), no_wrap=column == "host")
+    for c in checks:
+        cells = [str(getattr(c, col)) for col in _COLUMNS]
+        style = "red" if c.problem else ""
+        table.add_row(Text(cells[0], style=style),
+                      *(Text(cell, style=_cell_style(col, cell))
+                        for col, cell in zip(_COLUMNS[1:], cells[1:])))
+    with console.capture() as capture:
+        console.print(table)
+        for kind, line in _footer(checks):
+            console.print(Text(line, style=_FOOTER_STYLES[kind]), soft_wrap=True)
+    return capture.get()
+
+
+def _cell_style(column: str, cell: str) -> str:
+    if cell in (OK, "local"):
+        return "green"
+    if cell == "-":  # not checked (not asked for, or an earlier check failed)
+        return "dim"
+    if column in ("ssh", "cwd", "program"):  # an SSH failure's kind, missing, not found
+        return "red"
+    return "yellow" if cell == "unknown" else ""  # versions, the NUMA summary
+
+
+_FOOTER_STYLES = {"detail": "", "env": "yellow", "problem": "red", "ready": "bold green",
+                  "not ready": "bold red"}
+
+
+def _env_lines(checks: list[HostCheck]) -> list[str]:
+    """Per group of hosts with the same differences: the variables their instances would
+    lack, or see with another value, compared with poprun's environment here."""
+    by_differences: dict[tuple, list[str]] = {}
+    for c in checks:
+        if any(c.env_differences):
+            by_differences.setdefault(c.env_differences, []).append(c.host)
+    lines = []
+    for (missing, different), hosts in by_differences.items():
+        parts = ([f"missing there: {', '.join(missing)}"] if missing else []) + (
+            [f"other value there: {', '.join(different)}"] if different else [])
+        lines.append(f"{fold_hosts(hosts)}: {len(missing) + len(different)} variable(s) of "
+                     f"this environment differ in instances there ({'; '.join(parts)}); "
+                     "forward them with -x NAME, -x 'PATTERN*' or --forward-env all")
+    return lines
+
+
+def _footer(checks: list[HostCheck]) -> list[tuple[str, str]]:
+    """Under the table: each failure's detail, the hosts folded by problem, the count."""
+    by_problem: dict[str, list[str]] = {}
+    for c in checks:
+        if c.problem:
+            by_problem.setdefault(c.problem, []).append(c.host)
+    lines = [("detail", c.detail) for c in checks if c.detail]
+    lines += [("env", line) for line in _env_lines(checks)]
+    lines += [("problem", f"{problem}: {fold_hosts(names)}")
+              for problem, names in by_problem.items()]
+    ready = len(checks) - sum(map(len, by_problem.values()))
+    lines.append(("ready" if ready == len(checks) else "not ready",
+                  f"{ready} of {len(checks)} host(s) ready"))
+    return lines
+
+
+def fold_hosts(names: list[str]) -> str:
+    """["h3", "h7", "h8", "h9", "x"] -> "h[3,7-9],x": names sharing a prefix and ending in
+    numbers without leading zeros fold into one range list."""
+    groups: dict[str, list[int]] = {}
+    rest = []
+    for name in names:
+        match = re.fullmatch(r"(.*?)([1-9]\d*|0)", name)
+        if match:
+            groups.setdefault(match[1], []).append(int(match[2]))
+        else:
+            rest.append(name)
+    parts = [f"{p}{n[0]}" if len(n) == 1 else f"{p}{fold_indices(n)}" for p, n in groups.items()]
+    return ",".join(parts + rest)

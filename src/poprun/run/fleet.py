@@ -1,0 +1,235 @@
+"""The remote hosts of a job: one SSH connection and one agent on each, opened before anything
+starts and closed on every exit path.
+
+Opening checks everything that can be checked before the first instance starts, on all hosts
+at once, and reports every host's problem (one line each) rather than the first: SSH failures
+(unknown/changed host key, permission denied, name, refused, timeout), an agent that does not
+start, a different Python/poprun version, a missing working directory, a program not found.
+
+Imports asyncssh (through spawner.remote, ~250 ms): only runs with remote hosts load it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from spawner import bootstrap
+from spawner.local import Sink
+from spawner.remote import RemoteError, RemoteSpawner
+from spawner.ssh import SshConnectError, close_all, connect_all
+
+from poprun.plan.config import LaunchConfig
+from poprun.errors import ConfigError, LaunchError
+from poprun.plan.hosts import Host
+from poprun.log import Log
+from poprun.plan.topology import Topology, agent_topology
+
+CACHE_PREFIX = "poprun-cache-"
+STATS_INTERVAL = 1.0  # seconds between the agents' CPU/RSS samples for the dashboard
+
+
+class Fleet:
+    """Connections and agents, by host label (`str(host)`)."""
+
+    def __init__(self, hosts: Sequence[Host], config: LaunchConfig, log: Log,
+                 transport: str = "ssh") -> None:
+        self.hosts, self.config, self.log = tuple(hosts), config, log
+        self.transport = transport  # "ssh", or "slurm": agents as job steps (spawner.srun)
+        self.connections: dict[Host, object] = {}
+        self.spawners: dict[str, RemoteSpawner] = {}
+        self._timings: dict[Host, object] = {}  # per host: how its connection went
+        self._opened_at = self._agents_started_at = 0.0  # time.monotonic(), for phases()
+
+    async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
+                   program: str, path: str | None, view=None) -> None:
+        """Connect to every host and start its agent; raises LaunchError (every failing host
+        named, one line each) with nothing started; the caller closes what was opened."""
+        self._opened_at = time.monotonic()
+        await self._connect(self.hosts, view)
+        self._agents_started_at = time.monotonic()
+        await self._start_agents(self.hosts, sink, on_lost, cwd=cwd, program=program,
+                                 path=path, view=view)
+
+    async def reopen(self, labels: Iterable[str], sink: Sink,
+                     on_lost: Callable[[str, str], None], *, cwd: str, program: str,
+                     path: str | None) -> None:
+        """Lost hosts, connected and given an agent again (the next attempt of a restarted
+        job: a host that rebooted is back); LaunchError when one cannot be."""
+        hosts = [h for h in self.hosts if str(h) in set(labels)]
+        await asyncio.gather(*(self.spawners.pop(str(h)).close() for h in hosts),
+                             return_exceptions=True)
+        await close_all([self.connections.pop(h) for h in hosts])
+        await self._connect(hosts, None)
+        await self._start_agents(hosts, sink, on_lost, cwd=cwd, program=program, path=path,
+                                 view=None)
+
+    async def _connect(self, hosts: Sequence[Host], view) -> None:
+        if self.transport == "slurm":
+            self.connections.update(_srun_connections(hosts))
+            return
+        try:
+            opened = await connect_all(hosts, fanout=self.config.ssh_fanout,
+                                       timeout=self.config.ssh_timeout,
+                                       progress=_connected_to(view))
+        except SshConnectError as exc:
+            raise LaunchError("\n".join(f.message for f in exc.failures)) from None
+        self.connections.update(opened)
+        self._timings.update(opened.timings)
+        for host, timing in opened.timings.items():
+            self.log.info(f"{host}: connected in {timing.connect * 1000:.0f} ms")
+
+    async def _start_agents(self, hosts: Sequence[Host], sink: Sink,
+                            on_lost: Callable[[str, str], None], *, cwd: str, program: str,
+                            path: str | None, view) -> None:
+        spawners = [RemoteSpawner(self.connections[h], str(h), sink, on_lost,
+                                  python=self.config.remote_python) for h in hosts]
+        self.spawners.update((s.host, s) for s in spawners)
+        self.spawners = {str(h): self.spawners[str(h)] for h in self.hosts
+                         if str(h) in self.spawners}  # in host order, as planned
+        stats = STATS_INTERVAL if view is not None else None  # only a dashboard shows them
+        # Over SSH, the agent is brought where poprun is missing; a Slurm step runs it as is.
+        install = self.config.remote_install if self.transport == "ssh" else None
+        outcomes = await asyncio.gather(
+            *(_start_agent(s, view, install, self.config.remote_python, self.log.info,
+                           cwd=cwd, program=program, path=path, stats=stats,
+                           host_timeout=self.config.host_timeout)
+              for s in spawners), return_exceptions=True)
+        problems = [_problem(spawner, outcome, cwd, program)
+                    for spawner, outcome in zip(spawners, outcomes)]
+        if any(problems):
+            raise LaunchError("\n".join(p for p in problems if p))
+        for spawner in spawners:
+            self.log.info(f"{spawner.host}: agent ready ({spawner.timings.describe()})")
+
+    async def temp_dirs(self, labels: Iterable[str] | None = None) -> dict[str, str]:
+        """A unique temporary cache directory on each host (or on those of `labels`),
+        removed by its agent at exit."""
+        labels = list(self.spawners if labels is None else labels)
+        paths = await asyncio.gather(*(self.spawners[h].make_temp_dir(CACHE_PREFIX)
+                                       for h in labels), return_exceptions=True)
+        failed = [f"{h}: cannot create a temporary executable cache: {p}"
+                  for h, p in zip(labels, paths) if isinstance(p, BaseException)]
+        if failed:
+            raise LaunchError("\n".join(failed))
+        return dict(zip(labels, paths))
+
+    async def make_dirs(self, path: str, labels: Iterable[str] | None = None) -> None:
+        """An explicit executable cache: created on every host (or on those of `labels`)
+        where it is missing."""
+        labels = list(self.spawners if labels is None else labels)
+        outcomes = await asyncio.gather(*(self.spawners[h].make_dir(path) for h in labels),
+                                        return_exceptions=True)
+        failed = [f"{h}: cannot create the executable cache {path}: "
+                  f"{getattr(o, 'reason', o)}" for h, o in zip(labels, outcomes)
+                  if isinstance(o, BaseException)]
+        if failed:
+            raise LaunchError("\n".join(failed))
+
+    def phases(self, since: float) -> dict[str, dict[str, float]]:
+        """Per host, seconds from `since` (time.monotonic()) to connected and agent ready."""
+        opened = self._opened_at
+        out = {}
+        timings = self._timings  # a Slurm step has no connect
+        for host in self.connections:
+            spawner = self.spawners[str(host)]
+            out[str(host)] = {}
+            if host in timings:
+                connected = opened + timings[host].queued + timings[host].connect - since
+                out[str(host)]["connected"] = round(connected, 6)
+            if spawner.timings.ready is not None:
+                ready = self._agents_started_at + spawner.timings.ready - since
+                out[str(host)]["agent_ready"] = round(ready, 6)
+        return out
+
+    def topologies(self) -> dict[str, Topology]:
+        """Each host's NUMA topology as its agent read it, cut to the agent's cpuset."""
+        out = {}
+        for label, spawner in self.spawners.items():
+            try:
+                out[label] = agent_topology(spawner.info.raw)
+            except ConfigError as exc:
+                raise ConfigError(f"{label}: cannot read its NUMA topology: {exc}") from None
+        return out
+
+    def address_of(self, label: str) -> str:
+        """The address the other hosts reach `label` at (MASTER_ADDR): the one the launcher
+        connected to (a name from ~/.ssh/config may mean nothing to them); through a
+        ProxyCommand there is no such address here, and the host's agent says where it was
+        reached (its SSH_CONNECTION); a Slurm node's is the host name its agent reports
+        (Slurm's nodes know each other by name)."""
+        host = next(h for h in self.hosts if str(h) == label)
+        peer = self.connections[host].get_extra_info("peername")
+        if peer:
+            return peer[0]
+        info = self.spawners[label].info
+        return info.raw.get("address") or info.hostname
+
+    def own_address(self) -> str:
+        """This machine's address on the way to the remote hosts, for a MASTER_ADDR that
+        is local: the other hosts reach it there. Through ProxyCommands only (no socket of
+        ours faces the hosts), the source address of this machine's route to the first
+        host, else its name."""
+        for conn in self.connections.values():
+            sock = conn.get_extra_info("sockname")
+            if sock:
+                return sock[0]
+        import socket
+
+        target = self.address_of(str(self.hosts[0]))
+        try:
+            family = socket.AF_INET6 if ":" in target else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((target, 9))  # UDP: nothing is sent, the route is chosen
+                return probe.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
+
+    async def close(self) -> None:
+        """Close every agent (each kills what it still runs and removes its temp dirs),
+        then the connections (over Slurm: cancel any step still there)."""
+        await asyncio.gather(*(s.close() for s in self.spawners.values()),
+                             return_exceptions=True)
+        await close_all(self.connections.values())
+
+
+def _srun_connections(hosts: Sequence[Host]) -> dict[Host, object]:
+    """One SrunConnection per node: agents start as job steps of the allocation."""
+    import shutil
+
+    from spawner.srun import SrunConnection
+
+    srun = shutil.which("srun")
+    if srun is None:
+        raise LaunchError("--launcher slurm: `srun` is not on PATH (is the Slurm client "
+                          "installed here?)")
+    return {host: SrunConnection(host.name, srun) for host in hosts}
+
+
+def _connected_to(view):
+    """connect_all's progress callback: the dashboard's "hosts connected" phase."""
+    if view is None:
+        return None
+    return lambda host, timing, failure: failure is None and view.host_connected(str(host))
+
+
+async def _start_agent(spawner: RemoteSpawner, view, install, python, log, **hello):
+    info = await bootstrap.start_agent(spawner, install, python=python, log=log, **hello)
+    if view is not None:
+        view.agent_ready(spawner.host)
+    return info
+
+
+def _problem(spawner: RemoteSpawner, outcome: object, cwd: str, program: str) -> str | None:
+    if isinstance(outcome, RemoteError):
+        return str(outcome)
+    if isinstance(outcome, BaseException):
+        return f"{spawner.host}: {outcome!r}"
+    info = spawner.info
+    if not info.cwd_exists:
+        return f"{spawner.host}: the working directory {cwd} does not exist there"
+    if info.program is None:
+        return (f"{spawner.host}: program {program!r} not found or not executable there "
+                f"(looked in PATH and in {cwd})")
+    return None

@@ -1,0 +1,448 @@
+"""One run of a plan: the spawners' sink, and the failure and signal policy.
+
+- all instances exit 0                   -> exit code 0
+- an instance fails (non-zero or signal) -> SIGTERM to the others, SIGKILL after
+                                            `kill_timeout`; exit code = its status (128+N)
+- a remote host is lost                  -> as a failure of its instances (status 255)
+- SIGINT / SIGTERM / SIGHUP to poprun    -> forwarded to every instance; SIGKILL after
+                                            `kill_timeout`, or at once on a second signal;
+                                            exit code 128+N
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from spawner.binding import read_binding
+from spawner.cpulist import format_cpu_list
+from spawner.lifeline import Lifeline
+from spawner.local import LocalSpawner, ProcessSpec, Stream
+from spawner.procstat import Usage
+
+from poprun.plan import planner as planning
+from poprun import rootcause
+from poprun.plan.config import LaunchConfig
+from poprun.errors import LaunchError
+from poprun.log import Log
+from poprun.run.output import OutputOptions, OutputRouter
+from poprun.plan.planner import LaunchPlan
+from poprun.result import STALL_STATUS, InstanceResult, LaunchResult
+
+LOST_HOST_STATUS = 255  # the status of an instance whose host was lost (ssh's own 255)
+OUTPUT_ERROR_STATUS = 74  # EX_IOERR: output could not be written (a full disk...): job stopped
+
+
+@dataclass
+class Started:
+    pid: int
+    start: float
+    end: float = 0.0
+    returncode: int | None = None
+    signalled: bool = False
+    lost: str | None = None  # why its host was lost, if it was
+
+
+class Job:
+    """One run of the plan: the spawners' sink, and the failure and signal policy."""
+
+    def __init__(self, config: LaunchConfig, environ: dict[str, str], cwd: str, log: Log,
+                 stdout_fd: int, stderr_fd: int, loop, router: OutputRouter | None = None
+                 ) -> None:
+        self.config, self.environ, self.cwd, self.log = config, environ, cwd, log
+        self.loop = loop
+        self.plan: LaunchPlan | None = None  # set by the session once the hosts are known
+        self.router = router or Job._router(config, environ, cwd, stdout_fd, stderr_fd)
+        self.router.report_to(self._broken_pipe, self._write_error)
+        self.router.instances.clear()  # a new attempt's counts and tails start afresh
+        self.output_error: str | None = None  # why output could not be written, if so
+        self.started: dict[int, Started] = {}
+        self.launch_time = time.time()
+        # Instants are taken on one clock, the monotonic one, as the fleet's are (wall-clock
+        # times and monotonic spans do not order exactly); `_wall` gives their time.time().
+        self.launch_mono = time.monotonic()
+        self._marks: dict[str, dict[int, float]] = {"first_started": {}, "first_output": {}}
+        self.phases: dict[str, dict[str, float]] = {}  # host -> phase -> seconds (result)
+        self.done: set[int] = set()  # exit reported, or lost with its host
+        self.root_cause: int | None = None
+        self.stop_signal: int | None = None
+        self.on_finished = None
+        # Called when a stop signal comes before any instance runs: the launch then ends
+        # without starting them (the session sets it).
+        self.on_interrupt = lambda: None
+        self._all_started = False
+        self._spawning_remote = False  # spawn requests are out; their instances may run already
+        self._kill_timer = None
+        self.local: LocalSpawner | None = None
+        self.remote: Mapping[str, object] = {}
+        self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
+        self.view = None  # a dashboard.DashboardState when a live panel shows the job
+        self.watch = None  # the job's record, control socket and log (jobwatch.JobWatch)
+        self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
+
+    @staticmethod
+    def _router(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
+                stdout_fd: int, stderr_fd: int) -> OutputRouter:
+        directory = config.effective_output_filename
+        nocopy = bool(directory) and directory.lower().endswith(":nocopy")
+        return OutputRouter(OutputOptions(
+            tag=config.effective_tag_output, timestamp=config.effective_timestamp_output,
+            only_instance=config.only_output_from_instance,
+            directory=os.path.join(cwd, directory[:-7] if nocopy else directory) if directory
+            else None, copy_to_console=not nocopy, colour_environ=environ),
+            stdout_fd, stderr_fd)
+
+    def start(self, lifeline: Lifeline, on_finished=None, remote=None) -> None:
+        """Start this host's instances; with `remote` spawners (by host), `spawn_remote()`
+        starts theirs. `on_finished` is called once every instance has exited (or was lost)
+        and its output has been delivered."""
+        self.on_finished, self.remote = on_finished, remote or {}
+        self.local = LocalSpawner(self, self.loop, lifeline)
+        self._spawn_local()
+        self._all_started = not self.remote
+        self._maybe_finish()
+
+    @property
+    def finished(self) -> bool:
+        return self._all_started and len(self.done) == len(self.started)
+
+    def close(self, keep_output: bool = False) -> None:
+        """Kill and reap what still runs here, stop timers, close the output files (not when
+        `keep_output`: the next attempt of a restarted job writes on)."""
+        if self._kill_timer:
+            self._kill_timer.cancel()
+        try:
+            if self.local:
+                self.local.close()
+        finally:
+            if not keep_output:
+                self.router.close()
+
+    def _spawn_local(self) -> None:
+        merge = self.config.effective_merge_stderr
+        for inst in self.plan.instances:
+            if inst.host in self.remote:
+                continue
+            spec = ProcessSpec(
+                key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge,
+                env=planning.instance_environ(self.environ, inst, self.plan),
+                inherit_stdin=inst.index == 0,  # as mpirun: stdin goes to the first instance
+                cpus=inst.cpus, mems=inst.mems)
+            try:
+                pid = self.local.spawn(spec)
+            except OSError as exc:
+                raise LaunchError(f"cannot start instance {inst.index} ({inst.argv[0]}): "
+                                  f"{exc.strerror or exc}") from None
+            self._record(inst.index, pid, self.local)
+        if self.local.running():
+            self.log.info(f"containment: {self.local.containment}")
+        if self.local.memory_binding_skipped:
+            self.log.warning("memory binding skipped: libnuma (libnuma1) or the kernel's NUMA "
+                             "support is missing on this host; CPU binding is in force")
+        if self.config.effective_report_bindings and not self.remote:
+            self._report_bindings()
+
+    async def spawn_remote(self) -> None:
+        """Start every remote host's instances, all hosts at once. Raises LaunchError when
+        any could not start (the session then stops the others)."""
+        import asyncio
+
+        from spawner.protocol import SpawnRequest
+        from spawner.remote import RemoteSpawnError
+
+        merge = self.config.effective_merge_stderr
+        hosts = list(self.remote)
+        self._spawning_remote = True
+        outcomes = await asyncio.gather(*(self.remote[host].spawn_all(
+            SpawnRequest(key=inst.index, argv=inst.argv, env_set=inst.env,
+                         env_unset=self.plan.unset_env, cwd=self.cwd, merge_stderr=merge,
+                         cpus=inst.cpus, mems=inst.mems)
+            for inst in self.plan.on_host(host)) for host in hosts), return_exceptions=True)
+        problems = []
+        for host, outcome in zip(hosts, outcomes):
+            pids = outcome.started if isinstance(outcome, RemoteSpawnError) else outcome
+            if isinstance(pids, dict):
+                for key, pid in pids.items():
+                    self._record(key, pid, self.remote[host])
+            if isinstance(outcome, BaseException):
+                problems.append(str(outcome))
+        if problems:
+            raise LaunchError("\n".join(problems))
+        for host in hosts:
+            self.log.info(f"{host}: {self.remote[host].timings.describe()}; containment: "
+                          f"{self.remote[host].containment}")
+            if self.remote[host].memory_binding_skipped:
+                self.log.warning(f"{host}: memory binding skipped: libnuma (libnuma1) or the "
+                                 "kernel's NUMA support is missing there; CPU binding is in force")
+        self._all_started = True
+        if self.config.effective_report_bindings:
+            self._report_bindings()
+        if self.stop_signal is not None:  # a stop signal came while these were starting
+            self._log_stopping(self.stop_signal)
+            self._stop(self.stop_signal)
+        elif any(v is not None for v in (self.root_cause, self.output_error, self.stall)):
+            self._signal_all(signal.SIGTERM)  # the job began to stop while these started
+        self._maybe_finish()
+
+    def _record(self, key: int, pid: int, spawner) -> None:
+        if key in self.started:  # its exit beat the end of spawn_all (see on_exit)
+            return
+        # A remote instance started when its STARTED came, which may be well before this
+        # (spawn_remote records a host's instances once all of them have started).
+        at = getattr(spawner, "started_at", {}).get(key) or time.monotonic()
+        self.started[key] = Started(pid=pid, start=self._wall(at))
+        self._marks["first_started"][key] = at
+        self.spawner_of[key] = spawner
+        inst = self.plan.instances[key]
+        if self.view is not None:
+            self.view.instance_started(key, inst.host, pid, self.loop.time(),
+                                       local=spawner is self.local)
+        if self.watch is not None:
+            self.watch.started(key, pid, spawner)
+        self.log.debug(f"started instance {key} on {inst.host}, pid {pid}: "
+                       f"{' '.join(inst.argv)}")
+
+    def _report_bindings(self) -> None:
+        """mpirun's --report-bindings, from what the kernel says of each live instance: read
+        here from /proc, or by the agent on its host when the instance started."""
+        for inst in self.plan.instances:
+            if inst.index not in self.started:
+                continue
+            actual = self._binding_of(inst.index)
+            if actual is None:  # already gone: nothing to report
+                continue
+            cpus, mems, policy = actual
+            pid = self.started[inst.index].pid
+            self.log.always(f"instance {inst.index} (pid {pid}) on {inst.host}: cpus "
+                            f"{format_cpu_list(cpus)}, memory {policy} {format_cpu_list(mems)}")
+            for what, planned, got in (("cpus", inst.cpus, cpus),
+                                       ("memory nodes", inst.mems, mems)):
+                if planned is not None and tuple(planned) != tuple(got):
+                    self.log.warning(f"instance {inst.index} runs on {what} "
+                                     f"{format_cpu_list(got)}, planned "
+                                     f"{format_cpu_list(planned)}")
+
+    def _binding_of(self, key: int) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
+        spawner = self.spawner_of[key]
+        if spawner is self.local:
+            try:
+                found = read_binding(self.started[key].pid)
+            except OSError:
+                return None
+            return found.cpus, found.mems, found.mempolicy
+        reported = spawner.bindings.get(key)
+        if not reported:
+            return None
+        return tuple(reported["cpus"]), tuple(reported["mems"]), reported["mempolicy"]
+
+    # --- spawner sink -----------------------------------------------------------------
+
+    def on_output(self, key: int, stream: Stream, data: bytes) -> None:
+        first_output = self._marks["first_output"]
+        if key not in first_output:
+            first_output[key] = time.monotonic()
+        counted = self.router.instances[key]
+        before = counted.lines
+        self.router.on_output(key, stream, data)
+        # The router counts every instance's lines (hidden ones too), mostly for free while
+        # tagging: the panel and the record take its count rather than scan the block again.
+        lines = counted.lines - before
+        if self.view is not None:
+            self.view.output(key, data, self.loop.time(), lines)
+        if self.watch is not None:
+            self.watch.output(key, stream, data, lines)
+
+    def on_usage(self, key: int, cpu_percent: float | None, rss: int) -> None:
+        """A remote agent's sample of an instance (sent only while a dashboard shows them)."""
+        if self.view is not None:
+            self.view.set_usage(key, Usage(cpu_percent, rss))
+
+    def on_exit(self, key: int, returncode: int) -> None:
+        if key not in self.started:  # a remote instance can exit before spawn_all returns
+            spawner = self.remote[self.plan.instances[key].host]
+            self._record(key, spawner.pid(key), spawner)
+        record = self.started[key]
+        record.returncode, record.end = returncode, time.time()
+        self.done.add(key)
+        if self.view is not None:
+            self.view.instance_exited(key, returncode, self.loop.time(),
+                                      self.spawner_of[key].errors.get(key))
+        if self.watch is not None:
+            self.watch.exited(key, returncode)
+        self.log.info(f"instance {key} (pid {record.pid}) exited with {returncode}")
+        if returncode != 0 and self.root_cause is None and self.stop_signal is None \
+                and self.output_error is None and self.stall is None:
+            self.root_cause = key
+            self._stopping(f"instance {key} failed")
+            self._stop(signal.SIGTERM)
+        self._maybe_finish()
+
+    def on_host_lost(self, host: str, reason: str) -> None:
+        """A remote host's agent or connection ended early: its instances are gone with it
+        (the agent kills them when it can), so the job stops everywhere."""
+        spawner = self.remote[host]
+        lost = sorted(k for k in spawner.unaccounted() if k not in self.done)
+        if self.view is not None:
+            self.view.host_lost(host, self.loop.time())
+        if self.watch is not None:
+            self.watch.host_lost(host, lost)
+        self.log.error(f"{host}: lost the connection to the host ({reason}); "
+                       f"{len(lost)} instance(s) there are gone")
+        for key in lost:
+            if key not in self.started:  # lost before spawn_remote recorded it (as on_exit)
+                self._record(key, spawner.pid(key), spawner)
+            record = self.started[key]
+            record.lost, record.end = reason, time.time()
+            self.done.add(key)
+        if lost and self.root_cause is None and self.stop_signal is None \
+                and self.output_error is None and self.stall is None:
+            self.root_cause = lost[0]
+            self._stopping(f"{host} lost")
+            self._stop(signal.SIGTERM)
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        if self.on_finished and self.finished:
+            self.on_finished()
+
+    # --- stopping ---------------------------------------------------------------------
+
+    def _spawners(self) -> list:
+        """Every spawner running instances of this job (local, and one per remote host)."""
+        return list({id(s): s for s in self.spawner_of.values()}.values())
+
+    def running(self) -> list[int]:
+        return [k for s in self._spawners() for k in s.running()]
+
+    @property
+    def _starting_remote(self) -> bool:
+        """Spawn requests are out and their instances may run, unrecorded (spawn_remote)."""
+        return self._spawning_remote and not self._all_started
+
+    def on_signal(self, sig: int) -> None:
+        if self.stop_signal is not None and self._starting_remote:
+            self.log.warning(f"{signal.Signals(sig).name} again: stopping now")
+            self.on_interrupt()  # the agents' teardown kills whatever they started
+            return
+        if self.stop_signal is not None or self.root_cause is not None:
+            self.log.warning(f"{signal.Signals(sig).name} again: killing every instance now")
+            self._stopping(f"{signal.Signals(sig).name} again: SIGKILL")
+            self._signal_all(signal.SIGKILL)
+            return
+        self.stop_signal = sig
+        name = signal.Signals(sig).name
+        if self._starting_remote:
+            # Agents may have forked instances whose STARTED has not come back yet: cancelling
+            # now would leave their fate to the agents' teardown and the message would lie.
+            # spawn_remote stops them all once it knows them (a second signal cancels).
+            self._stopping(name)
+            self.log.warning(f"{name} received: stopping once the instances being started "
+                             "have started (again: stop now)")
+            return
+        if not self.started:  # nothing runs yet: do not start anything
+            self.log.warning(f"{name} received: stopping before any instance started")
+            self.on_interrupt()
+            return
+        self._stopping(name)
+        self._log_stopping(sig)
+        self._stop(sig)
+
+    def _log_stopping(self, sig: int) -> None:
+        self.log.warning(f"{signal.Signals(sig).name} received: stopping "
+                         f"{len(self.running())} running instance(s)")
+
+    def _broken_pipe(self) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signal.SIGPIPE
+            self._stopping("SIGPIPE")
+            self._stop(signal.SIGTERM)
+
+    def _write_error(self, where: str, exc: OSError) -> None:
+        """Output that cannot be written is not dropped silently: the job stops (exit 74)."""
+        if self.output_error is None and self.stop_signal is None:  # the report says it
+            self.output_error = f"cannot write {where}: {exc.strerror or exc}"
+            self._stopping("output error")
+            self._stop(signal.SIGTERM)
+
+    def stop_stalled(self, stall: dict) -> None:
+        """--stall-action kill: stop every instance, the stall being the root cause."""
+        if all(v is None for v in (self.root_cause, self.stop_signal, self.output_error,
+                                   self.stall)):
+            self.stall = stall
+            self._stopping("stalled")
+            self._stop(signal.SIGTERM)
+
+    def _stopping(self, reason: str) -> None:
+        if self.view is not None:
+            self.view.stopping(reason)
+        if self.watch is not None:
+            self.watch.stopping(reason)
+
+    def _stop(self, sig: int) -> None:
+        """Signal every instance still running; SIGKILL them all after the one deadline."""
+        self._signal_all(sig)
+        if self._kill_timer is None:
+            self._kill_timer = self.loop.call_later(self.config.kill_timeout, self._signal_all,
+                                                    signal.SIGKILL)
+
+    def _signal_all(self, sig: int) -> None:
+        for spawner in self._spawners():
+            for key in spawner.running():
+                spawner.signal(key, sig)
+                # An instance started there but not recorded yet (spawn_remote records a
+                # host's instances once all have started) is signalled again, and marked,
+                # when spawn_remote sees the job already stopping.
+                if key in self.started:
+                    self.started[key].signalled = True
+
+    def result(self) -> LaunchResult:
+        instances = tuple(
+            InstanceResult(
+                index=i, host=self.plan.instances[i].host, pid=r.pid,
+                returncode=(r.returncode if r.returncode is not None
+                            else LOST_HOST_STATUS if r.lost else -signal.SIGKILL),
+                start_time=r.start, end_time=r.end or time.time(),
+                lines=self.router.instances[i].lines,
+                stderr_tail=tuple(self.router.instances[i].stderr_tail),
+                stopped_by_poprun=r.signalled, lost=r.lost,
+                first_output_time=self._wall(self._marks["first_output"].get(i)),
+                error=self.spawner_of[i].errors.get(i))
+            for i, r in sorted(self.started.items()))
+        root, collateral = rootcause.analyze(instances, self.root_cause)
+        instances = tuple(replace(inst, collateral=collateral.get(inst.index))
+                          for inst in instances)
+        by_index = {inst.index: inst for inst in instances}
+        if self.output_error is not None:
+            code = OUTPUT_ERROR_STATUS
+        elif self.stop_signal is not None:
+            code = 128 + self.stop_signal
+        elif self.stall is not None:
+            code = STALL_STATUS
+        elif root is not None:
+            code = by_index[root].exit_status
+        else:
+            code = 0
+        return LaunchResult(instances=instances, exit_code=code, root_cause=root,
+                            stop_signal=self.stop_signal, phases=self._phases(instances),
+                            start_time=self.launch_time, output_error=self.output_error,
+                            stall=self.stall)
+
+    def _wall(self, mono: float | None) -> float | None:
+        """time.time() of a time.monotonic() instant of this job."""
+        return None if mono is None else self.launch_time + (mono - self.launch_mono)
+
+    def _phases(self, instances: tuple[InstanceResult, ...]) -> dict[str, dict[str, float]]:
+        """Per host: what the fleet measured (remote), plus first start and first output."""
+        phases = {host: dict(p) for host, p in self.phases.items()}
+        for inst in instances:
+            host = phases.setdefault(inst.host, {})
+            for name, marks in self._marks.items():
+                if inst.index in marks:
+                    since = round(marks[inst.index] - self.launch_mono, 6)
+                    host[name] = min(host.get(name, since), since)
+        return phases
+
+

@@ -1,0 +1,272 @@
+"""`poprunctl reap`: clean up after jobs whose launcher died without doing it (issue 15).
+
+That is a job whose record still says it runs while its launcher (pid and start time) is gone
+from this host: its host rebooted, poprun and its lifeline were both SIGKILLed, a remote host
+really died and came back. For each such job, host by host:
+
+- this host: the leftover instances (pid *and* start time must match the record: never a
+  recycled pid), every process still carrying the job's lifeline mark, its cgroups, its
+  temporary directories (`poprun-cache-*`, `poprun-errors-*`);
+- every other recorded host, over SSH (the user's ~/.ssh/config and keys, as a launch):
+  the same for its instances and temporary caches, by spawner/reaphere.py run there on the
+  host's Python (arguments as base64 JSON: nothing is pasted into a shell);
+- the V-IPU partition, when poprun created it (and --remove-partition allowed removing it);
+
+then the record is marked ended (`exit_reason` "reaped", with what was done) — but only when
+every host answered and the partition (if any) is gone: otherwise the record keeps its state,
+with this attempt noted (`last_reap`), so a later `reap`, once the host is back, finishes the
+job. `dry_run` only says what would be done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shlex
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spawner import containment, procid, reaphere
+
+from poprun.jobctl import records as jobs
+
+SSH_TIMEOUT = 10.0
+REMOTE_TIMEOUT = 30.0
+
+
+@dataclass
+class HostReport:
+    """What was done (or found) on one host: reaphere's entries, or why nothing could be."""
+
+    host: str
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"host": self.host, "entries": self.entries, "error": self.error}
+
+
+@dataclass
+class JobReport:
+    id: str
+    hosts: list[HostReport]
+    partition: str | None = None  # what became of it, in words
+    partition_left: bool = False  # poprun created it and it could not be removed
+    dry_run: bool = False
+
+    @property
+    def complete(self) -> bool:
+        """Nothing is left that another reap could still clean up."""
+        return not self.partition_left and all(h.error is None for h in self.hosts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "dry_run": self.dry_run, "partition": self.partition,
+                "complete": self.complete, "hosts": [h.to_json() for h in self.hosts]}
+
+
+def orphans(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The jobs to reap: their launcher is gone from this host, their record not ended."""
+    return [r for r in records if jobs.launcher_status(r) == "gone"]
+
+
+def host_parts(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per host label, reaphere's input: its instances, temporary dirs and boot id."""
+    parts: dict[str, dict[str, Any]] = {}
+    for host in record.get("hosts") or ():
+        parts[host["label"]] = {"boot_id": host.get("boot_id"), "instances": [], "dirs": [],
+                                "local": bool(host.get("local"))}
+    for inst in record.get("instances") or ():
+        label = inst.get("host")
+        if label in parts and isinstance(inst.get("pid"), int) and inst.get("state") in (
+                "running", "starting", None):
+            parts[label]["instances"].append([inst["index"], inst["pid"], inst.get("start")])
+    for key in ("caches", "error_dirs"):
+        for label, path in (record.get(key) or {}).items():
+            if label in parts and isinstance(path, str):
+                parts[label]["dirs"].append(path)
+    return parts
+
+
+async def reap(record: Mapping[str, Any], dry_run: bool = False,
+               environ: Mapping[str, str] = os.environ) -> JobReport:
+    parts = host_parts(record)
+    local = {label: part for label, part in parts.items() if part["local"]}
+    remote = {label: part for label, part in parts.items() if not part["local"]}
+    reports = [_reap_local(record, label, part, dry_run) for label, part in local.items()]
+    if remote:
+        reports += await _reap_remote(record, remote, dry_run)
+    report = JobReport(record["id"], reports, dry_run=dry_run)
+    report.partition, report.partition_left = await _release_partition(record, dry_run,
+                                                                       environ)
+    if not dry_run:
+        _write_outcome(record, report)
+    return report
+
+
+def _reap_local(record: Mapping[str, Any], label: str, part: dict[str, Any],
+                dry_run: bool) -> HostReport:
+    report = HostReport(label, reaphere.reap_here({**part, "dry_run": dry_run}))
+    lifeline = record.get("lifeline") or {}
+    token = lifeline.get("token")
+    rebooted = part.get("boot_id") and part["boot_id"] != procid.boot_id()
+    if isinstance(token, str) and token and not rebooted:
+        marked = containment.marked(token, exclude=os.getpid())
+        if marked:
+            if not dry_run:
+                containment.kill_marked(token)
+            report.entries.append({"what": "marked", "pids": marked, "done": not dry_run,
+                                   "note": f"{'would kill' if dry_run else 'killed'} "
+                                           f"{len(marked)} process(es) still carrying the "
+                                           f"job's mark ({containment.MARK})"})
+        cgroup = record.get("cgroup")
+        if isinstance(cgroup, str) and os.path.basename(cgroup) == f"poprun-{token}" \
+                and os.path.isdir(cgroup):
+            if not dry_run:
+                try:
+                    with open(os.path.join(cgroup, "cgroup.kill"), "wb", buffering=0) as f:
+                        f.write(b"1")
+                except OSError:
+                    pass
+                containment.remove_tree(cgroup)
+            report.entries.append({"what": "dir", "path": cgroup,
+                                   "done": not dry_run and not os.path.exists(cgroup),
+                                   "note": "would remove it" if dry_run else "removed"})
+    return report
+
+
+def remote_script() -> str:
+    """spawner/procid.py and spawner/reaphere.py as one `python -c` program for any shell."""
+    from spawner.bootstrap import _one_line
+
+    here = Path(reaphere.__file__).parent
+    source = []
+    for name in ("procid.py", "reaphere.py"):
+        source += [line for line in (here / name).read_text().splitlines()
+                   if line != "from __future__ import annotations"
+                   and not line.startswith("from .procid import")]
+    source.append("import sys")
+    source.append("sys.exit(main(sys.argv[1:]))")
+    return _one_line("\n".join(source) + "\n")
+
+
+async def _reap_remote(record: Mapping[str, Any], parts: dict[str, dict[str, Any]],
+                       dry_run: bool) -> list[HostReport]:
+    from spawner.ssh import close_all, connect_each
+
+    from poprun.plan.hosts import parse_host_list
+
+    targets = {}
+    reports = {label: HostReport(label) for label in parts}
+    for label in parts:
+        try:
+            targets[label] = parse_host_list(label)[0]
+        except Exception as exc:  # noqa: BLE001 - a label from a damaged record
+            reports[label].error = f"cannot read the host name: {exc}"
+    results = await connect_each(list(targets.values()), timeout=SSH_TIMEOUT,
+                                 keep_going=True)
+    try:
+        by_label = {label: results.outcomes.get(host) for label, host in targets.items()}
+
+        async def one(label: str, conn) -> None:
+            report = reports[label]
+            if conn is None or not hasattr(conn, "run"):
+                report.error = getattr(conn, "message", None) or "not reachable"
+                return
+            payload = base64.b64encode(json.dumps({**parts[label], "dry_run": dry_run})
+                                       .encode()).decode()
+            python = (record.get("pythons") or {}).get(label) or "python3"
+            command = "exec " + shlex.join([python, "-c", remote_script(), payload])
+            try:
+                done = await asyncio.wait_for(conn.run(command, check=False, encoding=None),
+                                              REMOTE_TIMEOUT)
+            except (asyncio.TimeoutError, OSError) as exc:
+                report.error = f"no answer: {exc or 'timed out'}"
+                return
+            if done.exit_status != 0:
+                err = (done.stderr or b"").decode(errors="replace").strip().splitlines()
+                report.error = err[-1] if err else f"exit status {done.exit_status}"
+                return
+            try:
+                report.entries = json.loads(done.stdout.decode())
+            except ValueError:
+                report.error = "its answer is not JSON"
+
+        await asyncio.gather(*(one(label, conn) for label, conn in by_label.items()))
+    finally:
+        await close_all(results.connections.values())
+    return [reports[label] for label in parts]
+
+
+async def _release_partition(record: Mapping[str, Any], dry_run: bool,
+                             environ: Mapping[str, str]) -> tuple[str | None, bool]:
+    """What became of the partition poprun created (in words), and whether it is left."""
+    found = record.get("partition")
+    if not isinstance(found, dict) or not found.get("created"):
+        return None, False
+    name = found.get("name")
+    if not found.get("remove"):
+        return f"{name}: kept (--remove-partition=no)", False
+    if dry_run:
+        return f"{name}: would remove it (poprun created it)", False
+    from poprun.log import Log
+    from poprun.run.vipu import Partition, PartitionInfo, release
+
+    partition = Partition(name=name, host=found.get("host"), port=found.get("port"),
+                          timeout=float(found.get("timeout") or 30), info=PartitionInfo(name),
+                          created=True, remove_on_release=True, target_options="",
+                          executable=found.get("executable") or "vipu")
+    removed = await release(partition, Log(0), environ)
+    if removed:
+        return f"{name}: removed", False
+    return f"{name}: could not remove it (see above); reap again", True
+
+
+def _write_outcome(record: Mapping[str, Any], report: JobReport) -> None:
+    """A complete reap ends the record; a partial one only notes itself in it (the job
+    stays `gone`, for the next reap)."""
+    final = {k: v for k, v in record.items() if not k.startswith("_")}
+    if report.complete:
+        final.update(state=jobs.ENDED, exit_reason="reaped", reaped=report.to_json())
+        for inst in final.get("instances") or ():
+            if inst.get("state") in ("running", "starting"):
+                inst["state"] = "reaped"
+        final["end_time"] = final.get("end_time") or time.time()
+    else:
+        final["last_reap"] = {**report.to_json(), "time": time.time()}
+    try:
+        jobs.write(record["_dir"], final)
+    except OSError:
+        pass
+
+
+def render(report: JobReport, record: Mapping[str, Any]) -> str:
+    """Host by host, what was done: for the terminal."""
+    launcher = record.get("launcher") or {}
+    lines = [f"job {report.id} ({' '.join(record.get('program') or [])[:60]}): its launcher "
+             f"(pid {launcher.get('pid')} on {launcher.get('host')}) is gone"
+             + (" — dry run, nothing done" if report.dry_run else "")]
+    for host in report.hosts:
+        if host.error:
+            lines.append(f"  {host.host}: nothing done: {host.error}")
+            continue
+        if not host.entries:
+            lines.append(f"  {host.host}: nothing recorded there")
+        for entry in host.entries:
+            if entry["what"] == "instance":
+                lines.append(f"  {host.host}: instance {entry['index']} (pid {entry['pid']}): "
+                             f"{entry['note']}")
+            elif entry["what"] == "dir":
+                lines.append(f"  {host.host}: {entry['path']}: {entry['note']}")
+            else:
+                lines.append(f"  {host.host}: {entry['note']}")
+    if report.partition:
+        lines.append(f"  partition {report.partition}")
+    if not report.dry_run and not report.complete:
+        lines.append("  not finished: the record is kept; run poprunctl reap again once the "
+                     "host(s) above can be reached")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,585 @@
+"""`launch(config)`: check, acquire resources, plan, start the job, clean up after it.
+
+The resources of a launch (lifeline, cache dirs, V-IPU partition, remote connections and
+agents) live in a `_Session`, whose exit runs on every path: it closes the agents (which kill
+what still runs on their hosts), kills and reaps what still runs here, restores the signal
+handlers, removes temporary caches and releases the partition. A SIGKILL of poprun itself is
+covered by the lifelines (here and in each agent). What happens while the job runs (failures,
+signals, lost hosts) is the job's policy: see job.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+from collections.abc import Mapping
+from dataclasses import replace
+
+from spawner import containment
+from spawner.cpulist import format_cpu_list
+from spawner.lifeline import Lifeline
+from spawner.local import resolve_program
+
+from poprun.crash import report_internal_error
+from poprun.errors import LaunchError, PoprunError
+from poprun.fdio import write_all
+from poprun.log import Log
+from poprun.plan import planner as planning
+from poprun.plan.config import INERT_FIELDS, VIPU_FIELDS, LaunchConfig, missing_program
+from poprun.plan.jobhosts import JobHosts
+from poprun.plan.planner import CacheMode, LaunchPlan
+from poprun.plan.topology import Topology, local_topology
+from poprun.result import LaunchResult
+from poprun.run.job import Job
+from poprun.run.signals import install_signal_handlers
+from poprun.view.render import topology_table
+
+DRY_RUN_CACHE_DIR = "<temporary directory, created at launch>"
+DASHBOARD_REFRESH = 0.25  # seconds between live panel updates (it redraws only on change)
+LOOPBACK = "127.0.0.1"
+
+
+def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> LaunchPlan:
+    """The plan `--dry-run` shows: a launch's plan, contacting no host. Cache dirs not made
+    yet are placeholders; MASTER_ADDR is the first host's name (a launch uses its address)."""
+    hosts = JobHosts.of(config, environ)
+    program, mode = preflight(config, environ, cwd, resolve=hosts.any_local)
+    cache = _explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
+    master = LOOPBACK if hosts.first_is_local and not hosts.remote else hosts.labels[0]
+    return planning.plan(config, environ, program=program, master_port=free_port(),
+                         hosts=hosts.labels, master_addr=master, remote_hosts=hosts.remote,
+                         cache_paths={label: cache for label in hosts.labels},
+                         topologies=local_topologies(config, hosts), counts=hosts.counts)
+
+
+def local_topologies(config: LaunchConfig, hosts: JobHosts) -> dict[str, Topology]:
+    """This machine's NUMA topology under each of its labels, when placement needs it."""
+    local = [label for label in hosts.labels if label not in hosts.remote
+             and planning.needs_topology(config, hosts.count(label))]
+    if not local:
+        return {}
+    topology = local_topology()
+    return {label: topology for label in local}
+
+
+def preflight(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
+              resolve: bool = True) -> tuple[tuple[str, ...], CacheMode]:
+    """Everything checked before anything starts: the program (argv[0] resolved here when
+    `resolve`; remote hosts resolve it themselves) and the executable cache mode."""
+    program = config.program
+    if not resolve:
+        return program, planning.cache_mode(config, environ)
+    resolved = resolve_program(program[0], environ.get("PATH"), cwd)
+    if resolved is None:
+        raise missing_program(program[0], cwd)
+    return (resolved,) + program[1:], planning.cache_mode(config, environ)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for torch.distributed's MASTER_PORT."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _explicit_cache(config: LaunchConfig, mode: CacheMode) -> str | None:
+    if mode is CacheMode.EXPLICIT and config.executable_cache_path:
+        return os.path.abspath(config.executable_cache_path)
+    return None
+
+
+async def launch(config: LaunchConfig, *, stdout_fd: int = 1, stderr_fd: int = 2,
+                 environ: Mapping[str, str] | None = None, cwd: str | None = None) -> LaunchResult:
+    """Run the job to its end. Raises ConfigError/LaunchError when it cannot start; a job
+    whose instances fail is not an error: the result says so. Cancelling it stops the job.
+    Any unexpected exception — here or in a callback the loop runs for the job — stops the
+    job, cleans up and raises InternalError (the `poprun` command exits 70)."""
+    loop = asyncio.get_running_loop()
+    session = _Session(config, stdout_fd, stderr_fd, environ, cwd, loop)
+    guard = _Guard(loop)
+    try:
+        with guard:
+            async with session:
+                session.job.on_interrupt = guard.interrupt
+                await guard.run(session.run())
+    except Exception as exc:  # noqa: BLE001 - sorted below: ours, or a bug
+        if guard.error is None and isinstance(exc, PoprunError):
+            raise
+        guard.error = guard.error or exc
+    if guard.error is not None:
+        raise report_internal_error(guard.error, stderr_fd, config.verbose) from guard.error
+    return session.result()
+
+
+class _Guard:
+    """Makes every unexpected exception of a launch stop it. The loop's exception handler
+    (where asyncio sends what a callback raises: a pipe reader, a timer, a signal handler)
+    records the first one and cancels the launch's body, whose cleanup then runs as for
+    Ctrl-C; `launch()` raises it as an InternalError afterwards. Without this, asyncio only
+    logs such an exception and the job would go on, or end "successfully"."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._task = asyncio.current_task()
+        self._previous = None
+        self._running = self._cancelled = False
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> _Guard:
+        self._previous = self._loop.get_exception_handler()
+        self._loop.set_exception_handler(self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._loop.set_exception_handler(self._previous)
+
+    def _handle(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        error = context.get("exception")
+        if error is None or isinstance(error, asyncio.CancelledError):
+            # A message without an exception (e.g. a slow callback): asyncio's own handling.
+            if self._previous is not None:
+                self._previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        self.fault(error)
+
+    def fault(self, error: BaseException) -> None:
+        """Record `error` (the first one wins) and stop the launch."""
+        if self.error is None:
+            self.error = error
+        self.interrupt()
+
+    def interrupt(self) -> None:
+        """Cancel the launch's body (not its cleanup): a fault, or a stop signal that came
+        before any instance was started."""
+        if self._running and not self._cancelled and self._task is not None:
+            self._cancelled = True
+            self._task.cancel()
+
+    async def run(self, body) -> None:
+        """Await `body`; a cancellation that `interrupt()` asked for ends it quietly."""
+        self._running = True
+        try:
+            await body
+        except asyncio.CancelledError:
+            if not self._cancelled or self._task.uncancel() > 0:
+                raise  # cancelled from outside too: the caller's cancellation goes on
+        finally:
+            self._running = False
+
+
+class _Session:
+    """One launch's resources. Entering checks the configuration, creates the lifeline and
+    takes the stop signals; `run()` acquires the partition, opens the remote hosts (their
+    connections and agents first, so any host's problem stops the launch before a single
+    instance has started), creates the cache dirs, plans, spawns and waits for the end.
+    Leaving — on every path — closes the agents (which kill what still runs there), kills
+    and reaps what still runs here, restores the signal handlers, removes the temporary
+    caches, releases the partition and prints the failure report."""
+
+    def __init__(self, config: LaunchConfig, stdout_fd: int, stderr_fd: int,
+                 environ: Mapping[str, str] | None, cwd: str | None,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.config, self.stdout_fd, self.stderr_fd = config, stdout_fd, stderr_fd
+        self.environ = dict(os.environ if environ is None else environ)
+        self.cwd = cwd or os.getcwd()
+        self.loop = loop
+        self.log = Log(config.verbose, stderr_fd)
+        self.job: Job | None = None
+        self.lifeline: Lifeline | None = None
+        self.cache: _CacheDir | None = None
+        self.fleet = None
+        self.dashboard = None
+        self.partition = None  # the V-IPU partition (poprun.run.vipu.Partition), unless offline
+        self._ticker = None
+        self._pause: asyncio.Task | None = None  # the wait between two attempts
+        self._pause_signal: int | None = None  # a stop signal that came during it
+        self._restore_signals = lambda: None
+        self._result: LaunchResult | None = None
+        self.watch = None  # the job's record and control socket (jobwatch.JobWatch)
+
+    async def __aenter__(self) -> _Session:
+        config, log = self.config, self.log
+        self.hosts = JobHosts.of(config, self.environ)
+        self.program, self.mode = preflight(config, self.environ, self.cwd,
+                                            resolve=self.hosts.any_local)
+        for ignored in config.mpi.ignored:
+            log.info(f"ignoring mpirun argument {ignored!r}: poprun does not use MPI")
+        for name in INERT_FIELDS:
+            if getattr(config, name) not in (None, False):
+                log.info(f"--{name.replace('_', '-')}: accepted for compatibility, nothing to "
+                         "do here (no MPI, no device to attach to)")
+        for name in VIPU_FIELDS if config.offline_mode else ():
+            if getattr(config, name) not in (None, False):
+                log.info(f"--{name.replace('_', '-')}: ignored with --offline-mode (no V-IPU "
+                         "server is contacted)")
+        self.lifeline = Lifeline()
+        if containment.is_subreaper():  # the poprun command: every child it starts is its own
+            # ... so its helpers (an SSH ProxyCommand, vipu) carry the lifeline's mark too.
+            os.environ[containment.MARK] = self.environ[containment.MARK] = self.lifeline.token
+        self.cache = _CacheDir(config, self.mode, self.lifeline, log)
+        self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
+                       self.stderr_fd, self.loop)
+        try:  # poprun writes every instance's files, remote ones too: here is the place
+            self.job.router.check_directory()
+        except OSError as exc:
+            self.lifeline.close()
+            given = config.effective_output_filename
+            # The path that failed may be a parent of the one given (a directory without
+            # search permission): name both, the user's first.
+            failed = exc.filename if isinstance(exc.filename, str) else given
+            where = given if failed.startswith(given) else f"{given} ({failed})"
+            raise LaunchError(f"--output-filename: cannot write to {where} on this host "
+                              f"({socket.gethostname()}): {exc.strerror}") from None
+        from poprun.jobctl.watch import JobWatch  # poprunctl's view of the job (issue 15)
+
+        self.watch = await JobWatch.open(self)
+        # From here a stop signal is the job's: before any instance runs, it ends the launch.
+        self._restore_signals = install_signal_handlers(self.loop, self._on_signal)
+        if self.watch is not None:
+            self.watch.start_pruning()
+        return self
+
+    async def run(self) -> None:
+        """Start every instance, here and on the remote hosts, and wait for the job's end.
+        A stop signal before any instance started cancels this: the result then says so."""
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            if self.job.stop_signal is not None:
+                self._result = self.job.result()
+            raise
+
+    async def _run(self) -> None:
+        self._open_dashboard()
+        await self._acquire_partition()
+        if self.watch is not None:  # a partition poprun created is in the record from now
+            self.watch.write()
+        if self.hosts.remote:
+            await self._open_fleet()
+        caches = await self._create_caches()
+        master = await self._master_address()
+        earlier: list[LaunchResult] = []
+        while True:
+            self._plan(caches, master, attempt=len(earlier))
+            result = await self._run_attempt()
+            if not self._restarts(result, len(earlier)):
+                break
+            earlier.append(result)
+            if not await self._pause_between_attempts(result, len(earlier)):
+                result = replace(result, stop_signal=self._pause_signal,
+                                 exit_code=128 + self._pause_signal)
+                break
+            lost = sorted({i.host for i in result.instances if i.lost})
+            if lost:
+                try:
+                    caches, master = await self._reopen(lost, caches)
+                except LaunchError as exc:  # still gone: the lost host's failure stands
+                    earlier.pop()
+                    for line in str(exc).splitlines():
+                        self.log.error(f"cannot restart the job: {line}")
+                    break
+        self._result = replace(result, attempts=tuple(earlier)) if earlier else result
+
+    async def _reopen(self, lost: list[str], caches: dict[str, str]
+                      ) -> tuple[dict[str, str], str]:
+        """Hosts lost in the last attempt, back for the next one: connected, an agent
+        started, their temporary cache made again (the old one went with its agent)."""
+        self.log.warning(f"reconnecting to {', '.join(lost)} for the next attempt")
+        await self.fleet.reopen(lost, self.job, self.job.on_host_lost, cwd=self.cwd,
+                                program=self.program[0], path=self.environ.get("PATH"))
+        caches = dict(caches)
+        if self.mode is CacheMode.TEMPORARY:
+            caches.update(await self.fleet.temp_dirs(lost))
+        elif (explicit := _explicit_cache(self.config, self.mode)) is not None:
+            await self.fleet.make_dirs(explicit, lost)
+        return caches, await self._master_address()
+
+    async def _run_attempt(self) -> LaunchResult:
+        finished = self.loop.create_future()
+        self.job.start(self.lifeline, lambda: finished.done() or finished.set_result(None),
+                       remote=self.fleet.spawners if self.fleet else None)
+        if self.fleet is not None:
+            await self.job.spawn_remote()
+        if not self.job.finished:
+            await finished
+        return self.job.result()
+
+    def _restarts(self, result: LaunchResult, done: int) -> bool:
+        """Whether a failed attempt is followed by another: not after a stop by the user or
+        an output error (a lost host is connected again first: `_reopen`)."""
+        return (not result.ok and done < self.config.max_restarts
+                and result.stop_signal is None and result.output_error is None)
+
+    async def _pause_between_attempts(self, failed: LaunchResult, attempt: int) -> bool:
+        """Clean up after a failed attempt, wait --restart-delay, make the next attempt's
+        Job; False when a stop signal came meanwhile (then no restart)."""
+        total = self.config.max_restarts + 1
+        self.log.warning(f"attempt {attempt} of {total} failed (exit status "
+                         f"{failed.exit_code}); starting attempt {attempt + 1} in "
+                         f"{self.config.restart_delay:g} s")
+        previous = self.job
+        previous.close(keep_output=True)  # its instances are gone; reap, sweep, keep files
+        self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
+                       self.stderr_fd, self.loop, router=previous.router)
+        self.job.on_interrupt, self.job.view = previous.on_interrupt, previous.view
+        if previous.watch is not None:
+            previous.watch.attach(self.job)
+        self.job.phases = previous.phases
+        for spawner in (self.fleet.spawners.values() if self.fleet else ()):
+            spawner.new_attempt(self.job, self.job.on_host_lost)
+        self._pause = self.loop.create_task(asyncio.sleep(self.config.restart_delay))
+        try:
+            await self._pause
+        except asyncio.CancelledError:
+            if self._pause_signal is None:
+                raise  # cancelled from outside, not by a stop signal
+        finally:
+            self._pause = None
+        if self._pause_signal is not None:
+            self.log.warning(f"{signal.Signals(self._pause_signal).name} received: no "
+                             "restart")
+            return False
+        if self.partition is not None:
+            from poprun.run.vipu import reset
+
+            await reset(self.partition, self.log, self.environ)
+        if self.job.view is not None:
+            self.job.view.restarted(attempt + 1, total)
+        return True
+
+    def _on_signal(self, sig: int) -> None:
+        """The stop signals: the running attempt's job decides, except between attempts."""
+        if self._pause is not None and self._pause_signal is None:
+            self._pause_signal = sig
+            self._pause.cancel()
+            return
+        self.job.on_signal(sig)
+
+    async def _open_fleet(self) -> None:
+        from poprun.run.fleet import Fleet  # asyncssh: only runs with remote hosts import it
+
+        self.fleet = Fleet([h for h in self.hosts.hosts if str(h) in self.hosts.remote],
+                           self.config, self.log, self.hosts.transport)
+        await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
+                              program=self.program[0], path=self.environ.get("PATH"),
+                              view=self.job.view)
+        self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))
+
+    async def _create_caches(self) -> dict[str, str]:
+        """The executable cache of every host: a temporary dir on each (removed at the end),
+        or the explicit path, created where missing; none when caching is off."""
+        local_cache = self.cache.create() if self.hosts.any_local else None
+        explicit = _explicit_cache(self.config, self.mode)
+        caches = {}
+        if local_cache or explicit:  # an explicit path: the same on every host
+            caches = {h: local_cache or explicit for h in self.hosts.labels}
+        if self.fleet is not None and self.mode is CacheMode.TEMPORARY:
+            caches.update(await self.fleet.temp_dirs())
+        elif self.fleet is not None and explicit:
+            await self.fleet.make_dirs(explicit)
+        return caches
+
+    async def _master_address(self) -> str:
+        """MASTER_ADDR: loopback for a job on this host only, else the first host's address
+        as the others reach it."""
+        if self.fleet is None:
+            return LOOPBACK
+        return (self.fleet.own_address() if self.hosts.first_is_local
+                else self.fleet.address_of(self.hosts.labels[0]))
+
+    def _open_dashboard(self) -> None:
+        """The live panel, when stderr is a terminal (dashboard.wants_dashboard says): every
+        console write (instance output, poprun's messages) then goes through it."""
+        if not os.isatty(self.stderr_fd):  # the usual case in scripts: skip the import
+            return
+        from poprun.view.dashboard import wants_dashboard
+
+        if not wants_dashboard(self.stderr_fd, self.environ, self.config.no_dashboard,
+                               stdout_fd=self.stdout_fd, force=self.config.dashboard):
+            return
+        from poprun.view.dashboard import Dashboard, DashboardState, expected_cache
+
+        state = DashboardState(self.config.num_instances, self.hosts.labels, self.loop.time(),
+                               remote_hosts=len(self.hosts.remote),
+                               offline=self.config.offline_mode,
+                               cache_dir=expected_cache(self.config, self.mode, self.environ),
+                               kill_timeout=self.config.kill_timeout)
+        state.job_id = self.watch.id if self.watch is not None else None
+        self.dashboard = Dashboard(state, self.stderr_fd)
+        self.dashboard.cgroup_of = lambda key: self.job.local and self.job.local.cgroup_of(key)
+        self.job.view = state
+        self.job.router.write = self.log.write = self.dashboard.emit
+        self._tick()
+
+    def _tick(self) -> None:
+        self.dashboard.tick(self.loop.time())
+        self._ticker = self.loop.call_later(DASHBOARD_REFRESH, self._tick)
+
+    def _close_dashboard(self) -> None:
+        """Erase the panel (the report then prints below the output, as without it)."""
+        if self.dashboard is None:
+            return
+        self._ticker.cancel()
+        self.job.router.write = write_all
+        self.log.write = os.write
+        dashboard, self.dashboard = self.dashboard, None
+        dashboard.close()
+
+    async def _acquire_partition(self) -> None:
+        """The job's V-IPU partition (found, checked, created or reset), unless offline.
+        A stop signal meanwhile cancels this; vipu.acquire then removes what it created."""
+        if self.config.offline_mode:
+            return
+        from poprun.run import vipu
+
+        settings = vipu.VipuSettings.from_config(self.config)
+        ilds = self.config.num_ilds if self.config.num_ilds > 1 else None
+        required = vipu.Requirements.of(self.config.num_replicas, self.config.ipus_per_replica,
+                                        self.config.num_instances, ilds, settings)
+        self.partition = await vipu.acquire(settings, required, self.environ, self.log)
+        if self.job.view is not None:
+            self.job.view.set_partition(self.partition.name)
+    def _plan(self, cache_paths: Mapping[str, str], master_addr: str, attempt: int = 0) -> None:
+        topologies = local_topologies(self.config, self.hosts)
+        if self.fleet is not None and any(planning.needs_topology(self.config, n)
+                                          for n in self.hosts.counts):
+            topologies.update(self.fleet.topologies())
+        launch_plan = planning.plan(
+            self.config, self.environ, program=self.program, master_port=free_port(),
+            hosts=self.hosts.labels, master_addr=master_addr, remote_hosts=self.hosts.remote,
+            cache_paths=cache_paths, topologies=topologies,
+            partition_env=self.partition.environment if self.partition else None,
+            restart_count=attempt if self.config.max_restarts else None,
+            counts=self.hosts.counts)
+        if self.config.warns_single_instance:
+            self.log.warning("Using --num-instances=1 and --num-replicas=1 together is not "
+                             "supported and might give additional overhead and/or raise other "
+                             "issues.")
+        for warning in launch_plan.warnings:
+            self.log.warning(warning)
+        self._log_placement(launch_plan)
+        if self.config.print_topology:
+            self.job.router.write(self.stdout_fd, topology_table(launch_plan).encode())
+        self.job.plan = launch_plan
+        if self.job.view is not None:
+            self.job.view.plan((i.index, i.host) for i in launch_plan.instances)
+            caches = set(cache_paths.values())
+            self.job.view.set_cache_dir(caches.pop() if len(caches) == 1 else
+                                        f"{len(caches)} dirs, one per host" if caches else None)
+
+    def _log_placement(self, launch_plan: LaunchPlan) -> None:
+        """-v: the hosts, and each host's strategy; -vv: each instance's binding."""
+        self.log.info(f"hosts: {self.hosts.describe()}")
+        mpi = self.config.mpi
+        if mpi.bind_to and planning.strategy_from_mpi(mpi.bind_to, mpi.map_by) is None:
+            self.log.info(f"ignoring mpirun --bind-to {mpi.bind_to}"
+                          f"{' --map-by ' + mpi.map_by if mpi.map_by else ''}: no placement "
+                          "strategy matches it")
+        counts = self.hosts.counts
+        if len(set(counts)) == 1:
+            strategy = planning.host_strategy(self.config, counts[0])
+            self.log.info(f"process placement: {strategy.value} ({counts[0]} instance(s) per "
+                          "host)")
+        for label, count in zip(self.hosts.labels, counts) if len(set(counts)) > 1 else ():
+            strategy = planning.host_strategy(self.config, count)
+            self.log.info(f"process placement on {label}: {strategy.value} ({count} "
+                          "instance(s))")
+        for inst in launch_plan.instances:
+            self.log.debug(f"instance {inst.index} on {inst.host}: cpus "
+                           f"{'any' if inst.cpus is None else format_cpu_list(inst.cpus)}, "
+                           f"memory nodes "
+                           f"{'any' if inst.mems is None else format_cpu_list(inst.mems)}")
+
+    def result(self) -> LaunchResult:
+        if self._result is None:
+            self._result = self.job.result()
+        if self.watch is not None:  # the final record: --result-json's schema (jobs.py)
+            self._result = self.watch.finish(self._result)
+        return self._result
+
+    async def __aexit__(self, *exc_info) -> None:
+        """Every step runs whatever the others do; the first exception is raised after all
+        of them (a bug in one step must not leave processes, caches or a partition)."""
+        errors = []
+        for step in (self._close_fleet, self._close_dashboard, self.job.close,
+                     self._restore_signals, self.cache.remove, self.lifeline.close,
+                     self._release_partition,
+                     lambda: self.watch and self.watch.close(self._result, exc_info[1])):
+            try:
+                result = step()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception as exc:  # noqa: BLE001 - raised below, after the other steps
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        if self._result is not None:
+            self._note_scheduler_stop()
+            self._print_report()
+
+    def _note_scheduler_stop(self) -> None:
+        """Slurm ending the job (scancel, a time limit) kills the instances, which then look
+        like failures: name the reason, from the agents' steps' stderr (read by now, the
+        agents being closed)."""
+        if self.fleet is None or self.fleet.transport != "slurm":
+            return
+        from spawner.srun import cancellation
+
+        for label, spawner in self.fleet.spawners.items():
+            reason = cancellation(spawner.stderr_tail)
+            if reason:
+                self._result = replace(self._result, scheduler_stop=f"{label}: {reason}")
+                return
+
+    async def _close_fleet(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.close()
+
+    async def _release_partition(self) -> None:
+        if self.partition is not None:  # after the instances are gone from it
+            from poprun.run.vipu import release
+
+            await release(self.partition, self.log, self.environ)
+
+    def _print_report(self) -> None:
+        from poprun.view.render import render_report  # plain text, or rich's on a terminal
+
+        report = render_report(self._result, self.stderr_fd, self.environ, self.config.verbose)
+        if report:
+            os.write(self.stderr_fd, report)
+
+
+class _CacheDir:
+    """The executable cache directory of this host, for the job's lifetime."""
+
+    def __init__(self, config: LaunchConfig, mode: CacheMode, lifeline: Lifeline,
+                 log: Log) -> None:
+        self._config, self._mode, self._lifeline, self._log = config, mode, lifeline, log
+        self.path: str | None = None
+        self._temporary = False
+
+    def create(self) -> str | None:
+        if self._mode is CacheMode.EXPLICIT:
+            self.path = _explicit_cache(self._config, self._mode)
+            try:
+                os.makedirs(self.path, exist_ok=True)
+            except OSError as exc:
+                raise LaunchError(f"cannot create executable cache {self.path}: "
+                                  f"{exc.strerror}") from None
+        elif self._mode is CacheMode.TEMPORARY:
+            self.path = self._lifeline.make_temp_dir("poprun-cache-")  # mode 0700
+            self._temporary = True
+        if self.path:
+            self._log.info(f"executable cache ({self._mode.value}): {self.path}")
+        return self.path
+
+    def remove(self) -> None:
+        if self._temporary and self.path:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self._lifeline.discard_dir(self.path)
+            self._log.info(f"removed temporary executable cache {self.path}")

@@ -68,7 +68,7 @@ def test_damaged_and_foreign_records_are_reported_and_skipped(environ):
     good, _ = new(environ)
     _, broken = jobs.create(environ)
     with open(os.path.join(broken, jobs.RECORD), "w") as f:
-        f.write('{"schema": "poprun.run.job/1", "id": ')  # cut short
+        f.write('{"schema": "poprun.job/1", "id": ')  # cut short
     _, other = jobs.create(environ)
     jobs.write(other, {"schema": "someone-else/9", "id": os.path.basename(other)})
     _, empty = jobs.create(environ)  # no record yet (a launch starting)
@@ -80,7 +80,7 @@ def test_damaged_and_foreign_records_are_reported_and_skipped(environ):
     assert [r["id"] for r in found.records] == [good]
     reasons = dict(found.problems)
     assert "not JSON" in reasons[broken]
-    assert "not a poprun.run.job/1 record" in reasons[other]
+    assert "not a poprun.job/1 record" in reasons[other]
     assert "cannot read it" in reasons[empty]
     assert "id" in reasons[renamed]
     assert "not a job directory" in reasons[os.path.join(jobs.jobs_dir(environ), "stray-file")]

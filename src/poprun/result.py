@@ -10,7 +10,7 @@ from poprun.text import describe_status, fold_indices, signal_name
 from poprun.rootcause import exception_text
 
 # The one schema of `--result-json` and of the job records poprunctl reads (poprun/jobctl/records.py).
-JOB_SCHEMA = "poprun.run.job/1"
+JOB_SCHEMA = "poprun.job/1"
 STALL_STATUS = 124  # a job ended by --stall-action kill (as timeout(1) exits)
 
 

@@ -18,10 +18,10 @@ import pytest
 from rich.cells import cell_len
 
 from conftest import poprun_env
+from poprun.events import LAST_LINE_KEEP, InstanceState, last_line
 from poprun.view.dashboard import (
-    FOLD_ABOVE, HIDE_CURSOR, LAST_LINE_KEEP, QUIET_LISTED, SHOW_CURSOR, Dashboard,
-    DashboardState, InstanceState, JobState, Phase, erase_sequence, last_line, panel_budget,
-    wants_dashboard)
+    FOLD_ABOVE, HIDE_CURSOR, QUIET_LISTED, SHOW_CURSOR, Dashboard, DashboardState, JobState,
+    Phase, erase_sequence, panel_budget, wants_dashboard)
 from poprun.text import signal_name
 from spawner.procstat import ProcSampler, Usage, cpu_seconds, rss_bytes
 

@@ -203,7 +203,7 @@ def test_the_ring_survives_its_writer_killed_outright(tmp_path):
     mapped pages (a real process, killed by the real signal)."""
     script = (
         "import os, signal, sys\n"
-        "from poprun import joblog\n"
+        "from poprun.jobctl import joblog\n"
         "from spawner.local import Stream\n"
         f"ring = joblog.RingLog({str(tmp_path)!r}, cap=1 << 16)\n"
         "for n in range(500):\n"
@@ -222,7 +222,7 @@ def test_a_ring_the_filesystem_cannot_back_is_refused_at_its_making(tmp_path):
     later store into the mapping."""
     script = (
         "import resource, signal\n"
-        "from poprun import joblog\n"
+        "from poprun.jobctl import joblog\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
         "try:\n"

@@ -12,6 +12,37 @@ from poprun.rootcause import exception_text
 # The one schema of `--result-json` and of the job records poprunctl reads (poprun/jobctl/records.py).
 JOB_SCHEMA = "poprun.job/1"
 STALL_STATUS = 124  # a job ended by --stall-action kill (as timeout(1) exits)
+OUTPUT_ERROR_STATUS = 74  # EX_IOERR: output could not be written (a full disk...): job stopped
+LOST_HOST_STATUS = 255  # the status of an instance whose host was lost (ssh's own 255)
+
+
+def end_reason(*, output_error: str | None, stop_signal: int | None,
+               stall: Mapping[str, Any] | None, root_cause: int | None,
+               scheduler_stop: str | None = None) -> str:
+    """Why a job ended, the strongest reason first: the one precedence behind poprun's exit
+    status (`exit_status`) and `LaunchResult.exit_reason`. A running job's `Job.stop_reason`
+    is this too ("success": nothing has stopped it). Slurm ending the job does not change the
+    exit status (the instances' statuses stand) but names the reason."""
+    if output_error is not None:
+        return "output_error"
+    if scheduler_stop is not None:
+        return "scheduler"
+    if stop_signal is not None:
+        return "signal"
+    if stall is not None:
+        return "stall"
+    return "success" if root_cause is None else "instance"
+
+
+def exit_status(reason: str, stop_signal: int | None, root_status: int | None) -> int:
+    """poprun's exit status for `end_reason`'s answer (before a scheduler's stop)."""
+    if reason == "output_error":
+        return OUTPUT_ERROR_STATUS
+    if reason == "signal":
+        return 128 + stop_signal
+    if reason == "stall":
+        return STALL_STATUS
+    return root_status if reason == "instance" else 0
 
 
 @dataclass(frozen=True)
@@ -81,16 +112,11 @@ class LaunchResult:
         the instances' statuses) or "stall" (124: --stall-action kill). A job that ended
         before any instance ran has no LaunchResult; its --result-json (`not_run_json`) says
         "usage_error" (2) or "internal_error" (70)."""
-        if self.output_error is not None:
-            return "output_error"
-        if self.scheduler_stop is not None:
-            return "scheduler"
-        if self.stop_signal is not None:
-            return "signal"
-        if self.stall is not None:
-            return "stall"
-        if self.root_cause is None:
-            return "success"
+        reason = end_reason(output_error=self.output_error, stop_signal=self.stop_signal,
+                            stall=self.stall, root_cause=self.root_cause,
+                            scheduler_stop=self.scheduler_stop)
+        if reason != "instance":
+            return reason
         cause = next(i for i in self.instances if i.index == self.root_cause)
         return "host_lost" if cause.lost else "instance"
 
@@ -166,40 +192,62 @@ class LaunchResult:
         """`--result-json`, and the final record of the job (poprun/jobctl/records.py: one schema,
         JOB_SCHEMA): the job's own keys (`job`: id, argv, cwd, hosts...), why it ended, and
         every instance, as plain JSON values."""
-        return {
-            "schema": JOB_SCHEMA,
-            **(self.job or {}),
-            "state": "ended",
-            "stall": self.stall,
-            "exit_code": self.exit_code,
-            "exit_reason": self.exit_reason,
-            "root_cause": self.root_cause,
-            "stop_signal": signal_name(self.stop_signal) if self.stop_signal else None,
-            "output_error": self.output_error,
-            "scheduler_stop": self.scheduler_stop,
-            "attempts": [earlier.to_json() for earlier in self.attempts],
-            "start_time": self.start_time,
-            "phases": self.phases,
-            "instances": [{
-                "index": i.index, "host": i.host, "pid": i.pid, "start_time": i.start_time,
-                "end_time": i.end_time, "first_output_time": i.first_output_time,
-                "exit_status": i.exit_status,
-                "signal": signal_name(i.signal) if i.signal else None,
-                "outcome": _outcome(i), "lines": i.lines, "lost": i.lost,
-                "stopped_by_poprun": i.stopped_by_poprun, "error": i.error,
-                "collateral": i.collateral, "start": i.start_ticks, "state": _state(i),
-            } for i in self.instances],
-        }
+        return job_json(
+            "ended", self.job, stall=self.stall, exit_code=self.exit_code,
+            exit_reason=self.exit_reason, root_cause=self.root_cause,
+            stop_signal=signal_name(self.stop_signal) if self.stop_signal else None,
+            output_error=self.output_error, scheduler_stop=self.scheduler_stop,
+            attempts=[earlier.to_json() for earlier in self.attempts],
+            start_time=self.start_time, phases=self.phases, instances=[instance_json(
+                i.index, i.host, i.pid, i.returncode, _state(i), lines=i.lines,
+                start_time=i.start_time, end_time=i.end_time,
+                first_output_time=i.first_output_time, outcome=_outcome(i), lost=i.lost,
+                stopped_by_poprun=i.stopped_by_poprun, error=i.error,
+                collateral=i.collateral, start=i.start_ticks) for i in self.instances])
+
+
+# A record's keys, as a job that has not ended has them (the result's own null): the one
+# schema (JOB_SCHEMA) of --result-json, of the running job's record and of a job that never
+# ran. `job_json` is the only writer of it.
+_UNENDED = {"stall": None, "exit_code": None, "exit_reason": None, "root_cause": None,
+            "stop_signal": None, "output_error": None, "scheduler_stop": None, "attempts": [],
+            "start_time": None, "phases": {}, "instances": []}
+
+
+def job_json(state: str, job: Mapping[str, Any] | None = None, **fields: Any) -> dict:
+    """The record in `state` ("starting", "running"..., "ended"): the job's own keys (`job`:
+    id, argv, cwd, hosts...; records.py) and `fields` (the result's keys) over the unended
+    record's."""
+    unknown = fields.keys() - _UNENDED.keys() - {"error"}
+    if unknown:  # a key nobody reads would be a schema of its own
+        raise ValueError(f"not a key of {JOB_SCHEMA}: {sorted(unknown)}")
+    return {"schema": JOB_SCHEMA, **_UNENDED, **(job or {}), "state": state, **fields}
+
+
+def instance_json(index: int, host: str | None, pid: int | None, returncode: int | None,
+                  state: str, *, lines: int, start: int | None, start_time: float | None = None,
+                  end_time: float | None = None, first_output_time: float | None = None,
+                  outcome: str | None = None, lost: str | None = None,
+                  stopped_by_poprun: bool | None = None, error: Mapping[str, Any] | None = None,
+                  collateral: str | None = None) -> dict:
+    """One instance in a record: `returncode` as subprocess gives it (None: still running),
+    shown as the shell's exit status and the signal's name."""
+    signalled = returncode is not None and returncode < 0
+    return {
+        "index": index, "host": host, "pid": pid, "start_time": start_time,
+        "end_time": end_time, "first_output_time": first_output_time,
+        "exit_status": None if returncode is None else 128 - returncode if signalled
+        else returncode,
+        "signal": signal_name(-returncode) if signalled else None,
+        "outcome": outcome, "lines": lines, "lost": lost,
+        "stopped_by_poprun": stopped_by_poprun, "error": error, "collateral": collateral,
+        "start": start, "state": state}
 
 
 def not_run_json(exit_code: int, exit_reason: str, error: str) -> dict:
     """`--result-json` for a job that ended before any instance ran: a usage error or a job
-    that could not start (2, "usage_error"), an internal error (70, "internal_error"). The
-    keys are LaunchResult.to_json()'s, so a script reads every outcome the same way."""
-    return {"schema": JOB_SCHEMA, "state": "ended", "stall": None, "exit_code": exit_code,
-            "exit_reason": exit_reason, "error": error, "root_cause": None,
-            "stop_signal": None, "output_error": None, "scheduler_stop": None, "attempts": [],
-            "start_time": None, "phases": {}, "instances": []}
+    that could not start (2, "usage_error"), an internal error (70, "internal_error")."""
+    return job_json("ended", exit_code=exit_code, exit_reason=exit_reason, error=error)
 
 
 def _state(inst: InstanceResult) -> str:

@@ -204,6 +204,12 @@ class LocalSpawner:
         if self._cgroups:
             self._adopter.add(key, pid)
 
+    @property
+    def error_dir(self) -> str | None:
+        """Where popdist writes its instances' uncaught exceptions, once one has started
+        (the job's record names it, for reap)."""
+        return self._error_dir
+
     def cgroup_of(self, key: int) -> str | None:
         """Instance `key`'s own cgroup, once it is in it (its usage is then the whole
         instance's: spawner/procstat.py)."""

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from spawner.local import Stream
 
+from poprun.events import JobObserver
 from poprun.jobctl.records import OUTPUT as LOG
 
 DEFAULT_CAP = 4 << 20
@@ -53,6 +54,7 @@ _RECORD_HEADER_MAX = 48  # "@<instance> o <bytes>\n" is shorter whatever the num
 _HEADER = re.compile(rb"@(\d+) ([oe]) (\d+)\n")
 _STREAM = {Stream.STDOUT: b"o", Stream.STDERR: b"e"}
 _NAME = {b"o": "stdout", b"e": "stderr"}
+MAX_FOLLOWER_BACKLOG = 8 << 20  # bytes a slow `logs --follow` may lag before it is dropped
 
 
 def cap_from(environ: Mapping[str, str]) -> int:
@@ -192,3 +194,48 @@ def tagged(key: int, stream: str, data: bytes) -> bytes:
     lines = data.splitlines(keepends=True)
     return b"".join(tag + (line if line.endswith((b"\n", b"\r")) else line + b"\n")
                     for line in lines)
+
+
+class JobLog(JobObserver):
+    """The running job's output for `poprunctl logs` (an observer of its events): every
+    block into the ring (`ring`: None with --output-filename, whose files keep it, or where
+    the ring could not be made), and to the clients following it live."""
+
+    def __init__(self, ring: RingLog | None, directory: str, output_dir: str | None,
+                 num_instances: int) -> None:
+        self.ring, self.dir = ring, directory
+        self.output_dir, self.num_instances = output_dir, num_instances
+        self.followers: set = set()  # asyncio.StreamWriter of each `logs --follow`
+
+    @property
+    def source(self) -> str:
+        return "ring" if self.ring is not None else "files" if self.output_dir else "none"
+
+    def output(self, key: int, stream, data: bytes, now: float, lines: int) -> None:
+        if self.ring is not None:
+            self.ring.write(key, stream, data)
+        if self.followers:
+            self._forward(encode(key, stream.name.lower(), data))
+
+    def history(self) -> bytes:
+        """What was kept so far, as records."""
+        if self.ring is not None:
+            return read_ring(self.dir)
+        if self.output_dir:
+            return from_output_files(self.output_dir, range(self.num_instances))
+        return b""
+
+    def _forward(self, record: bytes) -> None:
+        for writer in list(self.followers):
+            if writer.transport.get_write_buffer_size() > MAX_FOLLOWER_BACKLOG:
+                self.followers.discard(writer)
+                writer.close()  # too slow a reader: it may reconnect
+                continue
+            writer.write(record)
+
+    def close(self) -> None:
+        for writer in list(self.followers):
+            writer.close()
+        self.followers.clear()
+        if self.ring is not None:
+            self.ring.close()

@@ -11,29 +11,28 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from spawner import procid
 from spawner.binding import read_binding
 from spawner.cpulist import format_cpu_list
 from spawner.lifeline import Lifeline
 from spawner.local import LocalSpawner, ProcessSpec, Stream
 from spawner.procstat import Usage
 
-from poprun.plan import planner as planning
 from poprun import rootcause
-from poprun.plan.config import LaunchConfig
 from poprun.errors import LaunchError
+from poprun.events import Observers
 from poprun.log import Log
-from poprun.run.output import OutputOptions, OutputRouter
+from poprun.plan import planner as planning
+from poprun.plan.config import LaunchConfig
 from poprun.plan.planner import LaunchPlan
-from poprun.result import STALL_STATUS, InstanceResult, LaunchResult
-
-LOST_HOST_STATUS = 255  # the status of an instance whose host was lost (ssh's own 255)
-OUTPUT_ERROR_STATUS = 74  # EX_IOERR: output could not be written (a full disk...): job stopped
+from poprun.result import (LOST_HOST_STATUS, InstanceResult, LaunchResult, end_reason,
+                           exit_status)
+from poprun.run.output import OutputOptions, OutputRouter, output_files
 
 
 @dataclass
@@ -47,14 +46,17 @@ class Started:
 
 
 class Job:
-    """One run of the plan: the spawners' sink, and the failure and signal policy."""
+    """One run of the plan: the spawners' sink, and the failure and signal policy. What
+    happens is published to `events` (poprun/events.py): the dashboard, the record, the log
+    and the stall watch are its observers."""
 
     def __init__(self, config: LaunchConfig, environ: dict[str, str], cwd: str, log: Log,
-                 stdout_fd: int, stderr_fd: int, loop, router: OutputRouter | None = None
-                 ) -> None:
+                 stdout_fd: int, stderr_fd: int, loop, router: OutputRouter | None = None,
+                 events: Observers | None = None) -> None:
         self.config, self.environ, self.cwd, self.log = config, environ, cwd, log
         self.loop = loop
-        self.plan: LaunchPlan | None = None  # set by the session once the hosts are known
+        self.events = events if events is not None else Observers()
+        self.plan: LaunchPlan | None = None  # set_plan(), once the hosts are known
         self.router = router or Job._router(config, environ, cwd, stdout_fd, stderr_fd)
         self.router.report_to(self._broken_pipe, self._write_error)
         self.router.instances.clear()  # a new attempt's counts and tails start afresh
@@ -79,21 +81,27 @@ class Job:
         self.local: LocalSpawner | None = None
         self.remote: Mapping[str, object] = {}
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
-        self.view = None  # a dashboard.DashboardState when a live panel shows the job
-        self.watch = None  # the job's record, control socket and log (jobwatch.JobWatch)
         self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
 
     @staticmethod
     def _router(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
                 stdout_fd: int, stderr_fd: int) -> OutputRouter:
-        directory = config.effective_output_filename
-        nocopy = bool(directory) and directory.lower().endswith(":nocopy")
+        directory, copy = output_files(config.effective_output_filename, cwd)
         return OutputRouter(OutputOptions(
             tag=config.effective_tag_output, timestamp=config.effective_timestamp_output,
-            only_instance=config.only_output_from_instance,
-            directory=os.path.join(cwd, directory[:-7] if nocopy else directory) if directory
-            else None, copy_to_console=not nocopy, colour_environ=environ),
-            stdout_fd, stderr_fd)
+            only_instance=config.only_output_from_instance, directory=directory,
+            copy_to_console=copy, colour_environ=environ), stdout_fd, stderr_fd)
+
+    def set_plan(self, launch_plan: LaunchPlan) -> None:
+        self.plan = launch_plan
+        self.events.planned(tuple(inst.host for inst in launch_plan.instances))
+
+    @property
+    def stop_reason(self) -> str:
+        """Why the job is ending early, if it is (result.end_reason's precedence): "success"
+        while nothing has stopped it."""
+        return end_reason(output_error=self.output_error, stop_signal=self.stop_signal,
+                          stall=self.stall, root_cause=self.root_cause)
 
     def start(self, lifeline: Lifeline, on_finished=None, remote=None) -> None:
         """Start this host's instances; with `remote` spawners (by host), `spawn_remote()`
@@ -183,7 +191,7 @@ class Job:
         if self.stop_signal is not None:  # a stop signal came while these were starting
             self._log_stopping(self.stop_signal)
             self._stop(self.stop_signal)
-        elif any(v is not None for v in (self.root_cause, self.output_error, self.stall)):
+        elif self.stop_reason != "success":
             self._signal_all(signal.SIGTERM)  # the job began to stop while these started
         self._maybe_finish()
 
@@ -197,11 +205,10 @@ class Job:
         self._marks["first_started"][key] = at
         self.spawner_of[key] = spawner
         inst = self.plan.instances[key]
-        if self.view is not None:
-            self.view.instance_started(key, inst.host, pid, self.loop.time(),
-                                       local=spawner is self.local)
-        if self.watch is not None:
-            self.watch.started(key, pid, spawner)
+        local = spawner is self.local
+        self.events.started(key, inst.host, pid, self.loop.time(), local=local,
+                            start_ticks=procid.start_ticks(pid) if local
+                            else spawner.start_ticks.get(key))
         self.log.debug(f"started instance {key} on {inst.host}, pid {pid}: "
                        f"{' '.join(inst.argv)}")
 
@@ -249,16 +256,11 @@ class Job:
         self.router.on_output(key, stream, data)
         # The router counts every instance's lines (hidden ones too), mostly for free while
         # tagging: the panel and the record take its count rather than scan the block again.
-        lines = counted.lines - before
-        if self.view is not None:
-            self.view.output(key, data, self.loop.time(), lines)
-        if self.watch is not None:
-            self.watch.output(key, stream, data, lines)
+        self.events.output(key, stream, data, self.loop.time(), counted.lines - before)
 
     def on_usage(self, key: int, cpu_percent: float | None, rss: int) -> None:
         """A remote agent's sample of an instance (sent only while a dashboard shows them)."""
-        if self.view is not None:
-            self.view.set_usage(key, Usage(cpu_percent, rss))
+        self.events.usage(key, Usage(cpu_percent, rss))
 
     def on_exit(self, key: int, returncode: int) -> None:
         if key not in self.started:  # a remote instance can exit before spawn_all returns
@@ -267,14 +269,10 @@ class Job:
         record = self.started[key]
         record.returncode, record.end = returncode, time.time()
         self.done.add(key)
-        if self.view is not None:
-            self.view.instance_exited(key, returncode, self.loop.time(),
-                                      self.spawner_of[key].errors.get(key))
-        if self.watch is not None:
-            self.watch.exited(key, returncode)
+        self.events.exited(key, returncode, self.loop.time(),
+                           self.spawner_of[key].errors.get(key))
         self.log.info(f"instance {key} (pid {record.pid}) exited with {returncode}")
-        if returncode != 0 and self.root_cause is None and self.stop_signal is None \
-                and self.output_error is None and self.stall is None:
+        if returncode != 0 and self.stop_reason == "success":
             self.root_cause = key
             self._stopping(f"instance {key} failed")
             self._stop(signal.SIGTERM)
@@ -285,10 +283,7 @@ class Job:
         (the agent kills them when it can), so the job stops everywhere."""
         spawner = self.remote[host]
         lost = sorted(k for k in spawner.unaccounted() if k not in self.done)
-        if self.view is not None:
-            self.view.host_lost(host, self.loop.time())
-        if self.watch is not None:
-            self.watch.host_lost(host, lost)
+        self.events.host_lost(host, lost, self.loop.time())
         self.log.error(f"{host}: lost the connection to the host ({reason}); "
                        f"{len(lost)} instance(s) there are gone")
         for key in lost:
@@ -297,8 +292,7 @@ class Job:
             record = self.started[key]
             record.lost, record.end = reason, time.time()
             self.done.add(key)
-        if lost and self.root_cause is None and self.stop_signal is None \
-                and self.output_error is None and self.stall is None:
+        if lost and self.stop_reason == "success":
             self.root_cause = lost[0]
             self._stopping(f"{host} lost")
             self._stop(signal.SIGTERM)
@@ -367,19 +361,25 @@ class Job:
             self._stopping("output error")
             self._stop(signal.SIGTERM)
 
+    def report_stall(self, stall: dict, ongoing: bool) -> None:
+        """The stall watch saw no output for --stall-timeout (`ongoing`: still none once it
+        had the stacks): every observer hears of it; --stall-action kill stops the job."""
+        self.events.stalled(stall, ongoing)
+        if self.config.stall_action == "kill":
+            self.stop_stalled(stall)
+
+    def report_unstall(self) -> None:
+        self.events.unstalled()
+
     def stop_stalled(self, stall: dict) -> None:
         """--stall-action kill: stop every instance, the stall being the root cause."""
-        if all(v is None for v in (self.root_cause, self.stop_signal, self.output_error,
-                                   self.stall)):
+        if self.stop_reason == "success":
             self.stall = stall
             self._stopping("stalled")
             self._stop(signal.SIGTERM)
 
     def _stopping(self, reason: str) -> None:
-        if self.view is not None:
-            self.view.stopping(reason)
-        if self.watch is not None:
-            self.watch.stopping(reason)
+        self.events.stopping(reason, self.loop.time())
 
     def _stop(self, sig: int) -> None:
         """Signal every instance still running; SIGKILL them all after the one deadline."""
@@ -414,17 +414,10 @@ class Job:
         root, collateral = rootcause.analyze(instances, self.root_cause)
         instances = tuple(replace(inst, collateral=collateral.get(inst.index))
                           for inst in instances)
-        by_index = {inst.index: inst for inst in instances}
-        if self.output_error is not None:
-            code = OUTPUT_ERROR_STATUS
-        elif self.stop_signal is not None:
-            code = 128 + self.stop_signal
-        elif self.stall is not None:
-            code = STALL_STATUS
-        elif root is not None:
-            code = by_index[root].exit_status
-        else:
-            code = 0
+        reason = end_reason(output_error=self.output_error, stop_signal=self.stop_signal,
+                            stall=self.stall, root_cause=root)
+        root_status = next((i.exit_status for i in instances if i.index == root), None)
+        code = exit_status(reason, self.stop_signal, root_status)
         return LaunchResult(instances=instances, exit_code=code, root_cause=root,
                             stop_signal=self.stop_signal, phases=self._phases(instances),
                             start_time=self.launch_time, output_error=self.output_error,

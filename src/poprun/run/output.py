@@ -38,6 +38,20 @@ class InstanceOutput:
         default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
 
 
+NOCOPY = ":nocopy"  # mpirun's `--output-filename DIR:nocopy`: files only, no console copy
+
+
+def output_files(given: str | None, cwd: str) -> tuple[str | None, bool]:
+    """`--output-filename DIR[:nocopy]` read once for every part that needs it: the
+    directory (absolute) and whether output is copied to the console too. Open MPI takes
+    the suffix in any case (`:NOCOPY`), so do we."""
+    if not given:
+        return None, True
+    nocopy = given.lower().endswith(NOCOPY)
+    directory = given[:-len(NOCOPY)] if nocopy else given
+    return os.path.join(cwd, directory), not nocopy
+
+
 @dataclass(frozen=True)
 class OutputOptions:
     tag: bool = False

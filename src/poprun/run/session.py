@@ -18,13 +18,15 @@ import socket
 from collections.abc import Mapping
 from dataclasses import replace
 
-from spawner import containment
+from popdist.env import EXECUTABLE_CACHE_PATH
+from spawner import containment, procid
 from spawner.cpulist import format_cpu_list
 from spawner.lifeline import Lifeline
 from spawner.local import resolve_program
 
 from poprun.crash import report_internal_error
 from poprun.errors import LaunchError, PoprunError
+from poprun.events import Observers
 from poprun.fdio import write_all
 from poprun.log import Log
 from poprun.plan import planner as planning
@@ -34,6 +36,7 @@ from poprun.plan.planner import CacheMode, LaunchPlan
 from poprun.plan.topology import Topology, local_topology
 from poprun.result import LaunchResult
 from poprun.run.job import Job
+from poprun.run.output import output_files
 from poprun.run.signals import install_signal_handlers
 from poprun.view.render import topology_table
 
@@ -194,13 +197,15 @@ class _Session:
         self.cache: _CacheDir | None = None
         self.fleet = None
         self.dashboard = None
+        self.panel = None  # the dashboard's state (view.dashboard.DashboardState), if shown
+        self.events = Observers()  # the job's observers, every attempt's
         self.partition = None  # the V-IPU partition (poprun.run.vipu.Partition), unless offline
         self._ticker = None
         self._pause: asyncio.Task | None = None  # the wait between two attempts
         self._pause_signal: int | None = None  # a stop signal that came during it
         self._restore_signals = lambda: None
         self._result: LaunchResult | None = None
-        self.watch = None  # the job's record and control socket (jobwatch.JobWatch)
+        self.control = None  # poprunctl's view of the job (run/watching.JobControl)
 
     async def __aenter__(self) -> _Session:
         config, log = self.config, self.log
@@ -223,7 +228,7 @@ class _Session:
             os.environ[containment.MARK] = self.environ[containment.MARK] = self.lifeline.token
         self.cache = _CacheDir(config, self.mode, self.lifeline, log)
         self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
-                       self.stderr_fd, self.loop)
+                       self.stderr_fd, self.loop, events=self.events)
         try:  # poprun writes every instance's files, remote ones too: here is the place
             self.job.router.check_directory()
         except OSError as exc:
@@ -235,14 +240,65 @@ class _Session:
             where = given if failed.startswith(given) else f"{given} ({failed})"
             raise LaunchError(f"--output-filename: cannot write to {where} on this host "
                               f"({socket.gethostname()}): {exc.strerror}") from None
-        from poprun.jobctl.watch import JobWatch  # poprunctl's view of the job (issue 15)
-
-        self.watch = await JobWatch.open(self)
+        await self._open_job_control()
         # From here a stop signal is the job's: before any instance runs, it ends the launch.
-        self._restore_signals = install_signal_handlers(self.loop, self._on_signal)
-        if self.watch is not None:
-            self.watch.start_pruning()
+        self._restore_signals = install_signal_handlers(self.loop, self.on_signal)
+        if self.control is not None:
+            self.control.start_pruning(self.environ)
         return self
+
+    async def _open_job_control(self) -> None:
+        """poprunctl's view of the job (issue 15): its record, log, stall watch and control
+        socket, given callbacks into this launch, never the launch itself."""
+        from poprun.jobctl import stacks
+        from poprun.run.watching import JobControl
+
+        self.control = await JobControl.open(
+            self, facts=self._record_facts, stop=self.on_signal,
+            running=lambda: self.job.running(),
+            gather=lambda keys, timeout: stacks.gather(self.job, keys, timeout),
+            cgroup_of=self._cgroup_of,
+            on_stall=lambda stall, ongoing: self.job.report_stall(stall, ongoing),
+            on_unstall=lambda: self.job.report_unstall())
+        for observer in self.control.observers if self.control is not None else ():
+            self.events.add(observer)
+
+    def _cgroup_of(self, key: int) -> str | None:
+        """A local instance's own cgroup, where it has one: its CPU and memory are then the
+        whole instance's, escaped helpers included."""
+        return self.job.local.cgroup_of(key) if self.job.local else None
+
+    def _record_facts(self) -> dict:
+        """The record's keys that this launch learns as it goes (JobRecord.meta)."""
+        labels, remote = self.hosts.labels, self.hosts.remote
+        agents = {label: spawner.info for label, spawner in
+                  (self.fleet.spawners.items() if self.fleet is not None else ())
+                  if spawner.info is not None}
+        here = procid.boot_id()
+        plan = self.job.plan
+        caches = {}
+        if plan is not None and plan.cache_mode is CacheMode.TEMPORARY:
+            for inst in plan.instances:
+                if inst.env.get(EXECUTABLE_CACHE_PATH):
+                    caches.setdefault(inst.host, inst.env[EXECUTABLE_CACHE_PATH])
+        error_dir = self.job.local.error_dir if self.job.local else None
+        partition = self.partition
+        return {
+            "hosts": [{"label": label, "local": label not in remote,
+                       "boot_id": (agents[label].raw.get("boot_id") if label in agents
+                                   else None) if label in remote else here}
+                      for label in labels],
+            "pythons": {label: info.python_executable for label, info in agents.items()},
+            "caches": caches,
+            "error_dirs": {label: error_dir for label in labels
+                           if label not in remote} if error_dir else {},
+            "partition": None if partition is None else {
+                "name": partition.name, "created": partition.created,
+                "remove": partition.remove_on_release, "host": partition.host,
+                "port": partition.port, "timeout": partition.timeout,
+                "executable": partition.executable},
+            "output_dir": output_files(self.config.effective_output_filename, self.cwd)[0],
+        }
 
     async def run(self) -> None:
         """Start every instance, here and on the remote hosts, and wait for the job's end.
@@ -257,8 +313,8 @@ class _Session:
     async def _run(self) -> None:
         self._open_dashboard()
         await self._acquire_partition()
-        if self.watch is not None:  # a partition poprun created is in the record from now
-            self.watch.write()
+        if self.control is not None:  # a partition poprun created is in the record from now
+            self.control.record.write()
         if self.hosts.remote:
             await self._open_fleet()
         caches = await self._create_caches()
@@ -325,10 +381,8 @@ class _Session:
         previous = self.job
         previous.close(keep_output=True)  # its instances are gone; reap, sweep, keep files
         self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
-                       self.stderr_fd, self.loop, router=previous.router)
-        self.job.on_interrupt, self.job.view = previous.on_interrupt, previous.view
-        if previous.watch is not None:
-            previous.watch.attach(self.job)
+                       self.stderr_fd, self.loop, router=previous.router, events=self.events)
+        self.job.on_interrupt = previous.on_interrupt
         self.job.phases = previous.phases
         for spawner in (self.fleet.spawners.values() if self.fleet else ()):
             spawner.new_attempt(self.job, self.job.on_host_lost)
@@ -348,11 +402,10 @@ class _Session:
             from poprun.run.vipu import reset
 
             await reset(self.partition, self.log, self.environ)
-        if self.job.view is not None:
-            self.job.view.restarted(attempt + 1, total)
+        self.events.restarted(attempt + 1, total)
         return True
 
-    def _on_signal(self, sig: int) -> None:
+    def on_signal(self, sig: int) -> None:
         """The stop signals: the running attempt's job decides, except between attempts."""
         if self._pause is not None and self._pause_signal is None:
             self._pause_signal = sig
@@ -367,7 +420,7 @@ class _Session:
                            self.config, self.log, self.hosts.transport)
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
                               program=self.program[0], path=self.environ.get("PATH"),
-                              view=self.job.view)
+                              view=self.panel)
         self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))
 
     async def _create_caches(self) -> dict[str, str]:
@@ -402,17 +455,17 @@ class _Session:
         if not wants_dashboard(self.stderr_fd, self.environ, self.config.no_dashboard,
                                stdout_fd=self.stdout_fd, force=self.config.dashboard):
             return
-        from poprun.view.dashboard import Dashboard, DashboardState, expected_cache
+        from poprun.view.dashboard import Dashboard, DashboardState, PanelFeed, expected_cache
 
         state = DashboardState(self.config.num_instances, self.hosts.labels, self.loop.time(),
                                remote_hosts=len(self.hosts.remote),
                                offline=self.config.offline_mode,
                                cache_dir=expected_cache(self.config, self.mode, self.environ),
                                kill_timeout=self.config.kill_timeout)
-        state.job_id = self.watch.id if self.watch is not None else None
-        self.dashboard = Dashboard(state, self.stderr_fd)
-        self.dashboard.cgroup_of = lambda key: self.job.local and self.job.local.cgroup_of(key)
-        self.job.view = state
+        state.job_id = self.control.id if self.control is not None else None
+        self.dashboard = Dashboard(state, self.stderr_fd, cgroup_of=self._cgroup_of)
+        self.panel = state
+        self.events.add(PanelFeed(state))
         self.job.router.write = self.log.write = self.dashboard.emit
         self._tick()
 
@@ -442,8 +495,9 @@ class _Session:
         required = vipu.Requirements.of(self.config.num_replicas, self.config.ipus_per_replica,
                                         self.config.num_instances, ilds, settings)
         self.partition = await vipu.acquire(settings, required, self.environ, self.log)
-        if self.job.view is not None:
-            self.job.view.set_partition(self.partition.name)
+        if self.panel is not None:
+            self.panel.set_partition(self.partition.name)
+
     def _plan(self, cache_paths: Mapping[str, str], master_addr: str, attempt: int = 0) -> None:
         topologies = local_topologies(self.config, self.hosts)
         if self.fleet is not None and any(planning.needs_topology(self.config, n)
@@ -465,11 +519,10 @@ class _Session:
         self._log_placement(launch_plan)
         if self.config.print_topology:
             self.job.router.write(self.stdout_fd, topology_table(launch_plan).encode())
-        self.job.plan = launch_plan
-        if self.job.view is not None:
-            self.job.view.plan((i.index, i.host) for i in launch_plan.instances)
+        self.job.set_plan(launch_plan)
+        if self.panel is not None:
             caches = set(cache_paths.values())
-            self.job.view.set_cache_dir(caches.pop() if len(caches) == 1 else
+            self.panel.set_cache_dir(caches.pop() if len(caches) == 1 else
                                         f"{len(caches)} dirs, one per host" if caches else None)
 
     def _log_placement(self, launch_plan: LaunchPlan) -> None:
@@ -498,8 +551,8 @@ class _Session:
     def result(self) -> LaunchResult:
         if self._result is None:
             self._result = self.job.result()
-        if self.watch is not None:  # the final record: --result-json's schema (jobs.py)
-            self._result = self.watch.finish(self._result)
+        if self.control is not None:  # the final record: --result-json's schema
+            self._result = self.control.record.finish(self._result)
         return self._result
 
     async def __aexit__(self, *exc_info) -> None:
@@ -509,7 +562,7 @@ class _Session:
         for step in (self._close_fleet, self._close_dashboard, self.job.close,
                      self._restore_signals, self.cache.remove, self.lifeline.close,
                      self._release_partition,
-                     lambda: self.watch and self.watch.close(self._result, exc_info[1])):
+                     lambda: self.control and self.control.close(self._result, exc_info[1])):
             try:
                 result = step()
                 if asyncio.iscoroutine(result):

@@ -28,15 +28,15 @@ from dataclasses import dataclass
 
 from spawner.procstat import ProcSampler, Usage
 
+from poprun.events import BAD, InstanceRow, InstanceRows, InstanceState, JobObserver
 from poprun.fdio import write_all
-from poprun.text import fold_indices, signal_name
+from poprun.text import fold_indices
 
 REFRESH = 0.25  # seconds between renders: "a few times per second"
 IDLE_REFRESH = 1.0  # with nothing new, the clocks in the panel still move once a second
 USAGE_EVERY = 1.0  # seconds between /proc samples of local instances
 FOLD_ABOVE = 32  # more instances than this: one row per host
 QUIET_LISTED = 3  # the quietest instances named in a folded host row
-LAST_LINE_KEEP = 512  # bytes of an instance's last line kept: the panel shows one row of it
 HOST_WIDTH = 24  # longer host names are cut in the table (the header has them in full)
 
 HIDE_CURSOR = b"\x1b[?25l"
@@ -77,72 +77,6 @@ class Phase(str, enum.Enum):
     """Instances with a pid, on every host."""
 
 
-class InstanceState(str, enum.Enum):
-    """Where one instance is in its life."""
-
-    STARTING = "starting"
-    """Planned; no pid yet."""
-    RUNNING = "running"
-    """Started and not yet exited."""
-    EXITED = "exited"
-    """Exited with status 0."""
-    FAILED = "failed"
-    """Exited with a non-zero status."""
-    KILLED = "killed"
-    """Ended by a signal."""
-    LOST = "lost"
-    """Its host's connection or agent went away: its fate is unknown."""
-
-
-_DONE = (InstanceState.EXITED, InstanceState.FAILED, InstanceState.KILLED, InstanceState.LOST)
-_BAD = (InstanceState.FAILED, InstanceState.KILLED, InstanceState.LOST)
-
-
-@dataclass
-class Instance:
-    """One instance as the panel shows it; updated in place by the state's events."""
-
-    index: int
-    host: str
-    pid: int | None = None
-    state: InstanceState = InstanceState.STARTING
-    returncode: int | None = None
-    started: float | None = None
-    ended: float | None = None
-    local: bool = False  # its pid is on this host: /proc can be read
-    usage: Usage | None = None
-    lines: int = 0
-    last_output: float | None = None
-    last_line: bytes = b""
-
-    @property
-    def status(self) -> str:
-        """As the panel says it: running, exited 0, failed 3, killed SIGTERM, lost..."""
-        if self.state is InstanceState.EXITED:
-            return "exited 0"
-        if self.state is InstanceState.FAILED:
-            return f"failed {self.returncode}"
-        if self.state is InstanceState.KILLED:
-            return f"killed {signal_name(-self.returncode)}"
-        return self.state.value
-
-    @property
-    def done(self) -> bool:
-        return self.state in _DONE
-
-    def uptime(self, now: float) -> float | None:
-        if self.started is None:
-            return None
-        return (self.ended if self.ended is not None else now) - self.started
-
-    def idle(self, now: float) -> float | None:
-        """Seconds since its last line (since its start when it has written none); None once
-        it has ended, when silence no longer means anything."""
-        if self.done or self.started is None:
-            return None
-        return now - (self.last_output if self.last_output is not None else self.started)
-
-
 @dataclass(frozen=True)
 class HostSummary:
     """A host's instances folded into one row."""
@@ -172,7 +106,7 @@ class DashboardState:
         self.offline = offline
         self.partition: str | None = None
         self.cache_dir = cache_dir
-        self.instances = {i: Instance(i, "") for i in range(num_instances)}
+        self.rows = InstanceRows([""] * num_instances, self.began)
         self.totals = {Phase.CONNECT: remote_hosts, Phase.AGENTS: remote_hosts,
                        Phase.START: num_instances}
         self._reached: dict[Phase, set[str]] = {Phase.CONNECT: set(), Phase.AGENTS: set()}
@@ -181,21 +115,24 @@ class DashboardState:
         self.stop_reason: str | None = None
         self.stop_began: float | None = None  # when the first stop came (SIGKILL's clock)
         self.job_id: str | None = None  # the job's id for poprunctl (poprun/jobctl/records.py)
-        self.stalled = False  # --stall-timeout saw no output for that long (jobwatch.py)
+        self.stalled = False  # --stall-timeout saw no output for that long (jobctl/stall.py)
         self.changes = 0
+
+    @property
+    def instances(self) -> dict[int, InstanceRow]:
+        return self.rows.instances
 
     # --- events -----------------------------------------------------------------------
 
     def plan(self, assignments: Iterable[tuple[int, str]]) -> None:
         """(instance, host) pairs, once the plan is made: rows show their host before pids."""
-        for index, host in assignments:
-            self.instances[index].host = host
+        self.rows.planned(assignments)
         self.changes += 1
 
     def restarted(self, attempt: int, attempts: int) -> None:
         """A new attempt of a restarted job (`--max-restarts`): every row starts afresh."""
         self.attempt = (attempt, attempts)
-        self.instances = {i: Instance(i, inst.host) for i, inst in self.instances.items()}
+        self.rows = InstanceRows([inst.host for inst in self.instances.values()], self.began)
         self.launched, self.stop_reason, self.stop_began = None, None, None
         self.changes += 1
 
@@ -220,13 +157,9 @@ class DashboardState:
 
     def instance_started(self, index: int, host: str, pid: int, now: float | None = None, *,
                          local: bool = False) -> None:
-        inst = self.instances[index]
-        inst.host, inst.pid, inst.local = host, pid, local
-        inst.started = _now(now)
-        if inst.state is InstanceState.STARTING:  # an exit may be reported before the start
-            inst.state = InstanceState.RUNNING
+        self.rows.started(index, host, pid, _now(now), local)
         if self.launched is None and self.count(Phase.START) == self.totals[Phase.START]:
-            self.launched = inst.started
+            self.launched = self.instances[index].started
         self.changes += 1
 
     def output(self, index: int, data: bytes, now: float | None = None,
@@ -234,10 +167,7 @@ class DashboardState:
         """A block of the instance's output (whole lines, or a `\\r` progress update): counts
         its lines (`lines`, when the caller counted them) and keeps the last one, so a
         progress bar shows as it moves."""
-        inst = self.instances[index]
-        inst.lines += data.count(b"\n") if lines is None else lines
-        inst.last_output = _now(now)
-        inst.last_line = last_line(data) or inst.last_line
+        self.rows.output(index, data, _now(now), lines)
         self.changes += 1
 
     def set_usage(self, index: int, usage: Usage | None) -> None:
@@ -250,23 +180,24 @@ class DashboardState:
                         error: Mapping | None = None) -> None:
         """`error`: its uncaught exception (popdist's error file), shown in place of its last
         line: `ValueError: loss is NaN (train.py:88, in step)`."""
-        inst = self.instances[index]
-        inst.returncode, inst.ended = returncode, _now(now)
+        self.rows.exited(index, returncode, _now(now))
         if error:
             from poprun.rootcause import exception_text
 
-            inst.last_line = exception_text(error).encode()
-        inst.state = (InstanceState.EXITED if returncode == 0 else
-                      InstanceState.FAILED if returncode > 0 else InstanceState.KILLED)
+            self.instances[index].last_line = exception_text(error).encode()
         self.changes += 1
 
     def host_lost(self, host: str, now: float | None = None) -> None:
         """Every instance of `host` that had not ended is lost with it."""
-        when = _now(now)
-        for inst in self.instances.values():
-            if inst.host == host and not inst.done:
-                inst.state, inst.ended = InstanceState.LOST, when
+        self.rows.host_lost(host, _now(now))
         self.changes += 1
+
+    def set_stalled(self, stalled: bool) -> None:
+        """--stall-timeout: no instance has written a line for that long (or, False, one
+        has written again)."""
+        if stalled != self.stalled:
+            self.stalled = stalled
+            self.changes += 1
 
     def stopping(self, reason: str, now: float | None = None) -> None:
         """The job is being stopped (e.g. "SIGINT", "instance 3 failed"); a later call,
@@ -291,7 +222,7 @@ class DashboardState:
     def job_state(self) -> JobState:
         insts = self.instances.values()
         if insts and all(i.done for i in insts):
-            return JobState.FAILED if any(i.state in _BAD for i in insts) else JobState.FINISHED
+            return JobState.FAILED if any(i.state in BAD for i in insts) else JobState.FINISHED
         if self.stop_reason is not None:
             return JobState.STOPPING
         return JobState.LAUNCHING if self.launching else JobState.RUNNING
@@ -307,13 +238,52 @@ class DashboardState:
         return len(self.instances) > FOLD_ABOVE or len(self.instances) > max_rows
 
     def by_host(self, now: float) -> list[HostSummary]:
-        groups: dict[str, list[Instance]] = {}
+        groups: dict[str, list[InstanceRow]] = {}
         for inst in sorted(self.instances.values(), key=lambda i: i.index):
             groups.setdefault(inst.host, []).append(inst)
         return [_summarise(host, insts, now) for host, insts in groups.items()]
 
 
-def _summarise(host: str, insts: list[Instance], now: float) -> HostSummary:
+class PanelFeed(JobObserver):
+    """The job's events, into the panel's state (the dashboard's observer)."""
+
+    def __init__(self, state: DashboardState) -> None:
+        self.state = state
+
+    def planned(self, hosts: Sequence[str]) -> None:
+        self.state.plan(enumerate(hosts))
+
+    def started(self, key: int, host: str, pid: int, now: float, *, local: bool,
+                start_ticks: int | None) -> None:
+        self.state.instance_started(key, host, pid, now, local=local)
+
+    def output(self, key: int, stream, data: bytes, now: float, lines: int) -> None:
+        self.state.output(key, data, now, lines)
+
+    def usage(self, key: int, usage) -> None:
+        self.state.set_usage(key, usage)
+
+    def exited(self, key: int, returncode: int, now: float, error) -> None:
+        self.state.instance_exited(key, returncode, now, error)
+
+    def host_lost(self, host: str, keys: Sequence[int], now: float) -> None:
+        self.state.host_lost(host, now)
+
+    def stopping(self, reason: str, now: float) -> None:
+        self.state.stopping(reason, now)
+
+    def stalled(self, stall, ongoing: bool) -> None:
+        if ongoing:
+            self.state.set_stalled(True)
+
+    def unstalled(self) -> None:
+        self.state.set_stalled(False)
+
+    def restarted(self, attempt: int, attempts: int) -> None:
+        self.state.restarted(attempt, attempts)
+
+
+def _summarise(host: str, insts: list[InstanceRow], now: float) -> HostSummary:
     usages = [i.usage for i in insts if i.usage is not None]
     rates = [u.cpu_percent for u in usages if u.cpu_percent is not None]
     uptimes = [u for u in (i.uptime(now) for i in insts) if u is not None]
@@ -325,17 +295,7 @@ def _summarise(host: str, insts: list[Instance], now: float) -> HostSummary:
         lines=sum(i.lines for i in insts), cpu_percent=sum(rates) if rates else None,
         rss=sum(u.rss for u in usages) if usages else None,
         uptime=max(uptimes) if uptimes else None, quiet=tuple(silent[:QUIET_LISTED]),
-        bad=sum(1 for i in insts if i.state in _BAD))
-
-
-def last_line(data: bytes) -> bytes:
-    """The last non-empty line of a block, cut to LAST_LINE_KEEP bytes; `\\r` ends a line as
-    `\\n` does, so of `10%\\r20%\\r` it is `20%`."""
-    end = len(data)
-    while end and data[end - 1] in b"\r\n":
-        end -= 1
-    start = max(data.rfind(b"\n", 0, end), data.rfind(b"\r", 0, end)) + 1
-    return data[start:min(end, start + LAST_LINE_KEEP)]
+        bad=sum(1 for i in insts if i.state in BAD))
 
 
 def _now(now: float | None) -> float:
@@ -401,7 +361,7 @@ def _text(*parts, width: int):
 def _header(state: DashboardState, now: float, width: int) -> list:
     job = state.job_state
     tally = state.tally()
-    failed = sum(tally[s] for s in _BAD)
+    failed = sum(tally[s] for s in BAD)
     launched = ("" if state.launched is None else
                 f" (launched in {state.launched - state.began:.1f}s)")
     attempt = "" if state.attempt is None else f" (attempt {state.attempt[0]}/{state.attempt[1]})"
@@ -453,7 +413,7 @@ def _phases(state: DashboardState, width: int) -> list:
     return lines
 
 
-def _instance_row(inst: Instance, now: float, width: int) -> tuple:
+def _instance_row(inst: InstanceRow, now: float, width: int) -> tuple:
     usage = inst.usage
     return ((str(inst.index), _cut(inst.host, HOST_WIDTH),
              "" if inst.pid is None else str(inst.pid), inst.status,
@@ -601,7 +561,8 @@ class Dashboard:
 
     def __init__(self, state: DashboardState, fd: int = 2, *, color_system: str | None = "auto",
                  refresh: float = REFRESH,
-                 schedule: Callable[[Callable[[], None]], object] | None = None) -> None:
+                 schedule: Callable[[Callable[[], None]], object] | None = None,
+                 cgroup_of: Callable[[int], str | None] = lambda key: None) -> None:
         self.state = state
         self._fd = fd
         self._color_system = color_system
@@ -623,7 +584,7 @@ class Dashboard:
         self._sampler = ProcSampler()
         # A local instance's own cgroup, where it has one (LocalSpawner.cgroup_of): its CPU
         # and memory are then the whole instance's, escaped helpers included.
-        self.cgroup_of: Callable[[int], str | None] = lambda key: None
+        self.cgroup_of = cgroup_of
         self._terminal = self._identity(fd)
         self._shares: dict[int, bool] = {}
         self._closed = False

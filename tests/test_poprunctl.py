@@ -319,6 +319,25 @@ def test_a_job_with_output_filename_keeps_no_ring_and_logs_read_its_files(enviro
                                    "[1,1]<stderr>:e"])
 
 
+
+@pytest.mark.parametrize("suffix", [":nocopy", ":NOCOPY", ":NoCopy"])
+def test_logs_of_a_nocopy_job_read_its_files_whatever_the_suffix_case(environ, tmp_path, suffix):
+    """Open MPI takes `DIR:nocopy` in any case, and so does poprun's output router; the
+    record once stripped only `:nocopy`, so `poprunctl logs` of a `DIR:NOCOPY` job read
+    `DIR:NOCOPY/...`, found nothing and printed nothing, exit 0 (issue 23)."""
+    job = subprocess.run(poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                                     "--output-filename", f"out{suffix}", PY, "-c",
+                                     "print('o')"),
+                         env=poprun_env(environ), cwd=tmp_path, capture_output=True,
+                         timeout=60)
+    assert job.returncode == 0, job.stderr.decode()
+    assert job.stdout == b""  # nocopy: files only
+    (record,) = jobs.scan(environ).records
+    assert record["output_dir"] == str(tmp_path / "out")
+    logs = poprunctl("logs", record["id"], env=environ)
+    assert sorted(logs.stdout.splitlines()) == ["[1,0]<stdout>:o", "[1,1]<stdout>:o"]
+
+
 # --- stalls ---------------------------------------------------------------------------------
 
 def test_a_stall_is_reported_once_and_the_job_goes_on(environ, tmp_path):

@@ -1,5 +1,6 @@
 """Small text renderings shared by the report, the dashboard, poprunctl and the record: index
-sets, exit statuses, signal names. Pure; a leaf."""
+sets, exit statuses, signal names, durations and sizes, child bytes made safe to show. Pure;
+a leaf."""
 
 from __future__ import annotations
 
@@ -26,3 +27,50 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+# C0 controls and DEL shown as their Unicode pictures (ESC as ␛), C1 as U+FFFD: a child's
+# escape sequences show as text and never move the cursor or change colours in the panel.
+_VISIBLE = {c: 0x2400 + c for c in range(32)}
+_VISIBLE.update({0x7F: 0x2421, 0x09: 0x20, **{c: 0xFFFD for c in range(0x80, 0xA0)}})
+
+
+def visible(raw: bytes, limit: int) -> str:
+    """Child bytes as display text: decoded leniently, controls made visible, at most
+    `limit` characters (a row never shows more)."""
+    return raw[:limit * 4].decode("utf-8", "replace")[:limit].translate(_VISIBLE)
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def percent(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}%"
+
+
+def size(value: int | None) -> str:
+    if value is None:
+        return ""
+    if value < 1024:
+        return f"{value}B"
+    for unit in ("K", "M", "G"):
+        value /= 1024
+        if value < 1024 or unit == "G":
+            break
+    return f"{value:.0f}{unit}" if value >= 10 else f"{value:.1f}{unit}"
+
+
+# --- the terminal driver --------------------------------------------------------------------
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters, an ellipsis marking a cut."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"

@@ -26,11 +26,10 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from poprun.jobctl import records as jobs
-
 from poprun.jobctl import joblog
+from poprun.jobctl import records as jobs
 from poprun.jobctl.control import ControlError, ask, connect
-from poprun.text import fold_indices
+from poprun.text import cut, duration, fold_indices, percent, size, visible
 
 ASK_TIMEOUT = 10.0  # seconds for a launcher to answer (stacks: its timeout more)
 COMMAND_WIDTH = 48
@@ -123,10 +122,6 @@ def _age(seconds: float | None) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 1] + "…"
-
-
 def _state_label(record: dict[str, Any]) -> str:
     state = jobs.state_of(record)
     if state == jobs.ENDED:
@@ -138,15 +133,13 @@ def _state_label(record: dict[str, Any]) -> str:
 
 def _command(record: dict[str, Any], width: int | None = None) -> str:
     """The program and its arguments on one line (control characters made visible)."""
-    from poprun.view.dashboard import visible
-
     words = [str(a) for a in record.get("program") or []]
     if width is not None:  # cut: absolute paths by their last part (`python3 train.py`)
         words = [os.path.basename(w) if w.startswith("/") and len(w) > 1 else w
                  for w in words]
     raw = " ".join(words).encode("utf-8", "replace")
     text = visible(raw, len(raw) + 1)
-    return text if width is None else _cut(text, width)
+    return text if width is None else cut(text, width)
 
 
 def _hosts(record: dict[str, Any]) -> str:
@@ -200,7 +193,7 @@ def list_jobs(as_json: JsonOpt = False,
     for row in rows:
         table.add_row(row["id"], row["label"], _age(row["age"]),
                       f"{row['running']}/{row['instances']}",
-                      _cut(",".join(row["hosts"]), 24),
+                      cut(",".join(row["hosts"]), 24),
                       _command(row, COMMAND_WIDTH),
                       style=styles.get(row["state"], "dim" if row["state"] == jobs.ENDED
                                        else ""))
@@ -239,8 +232,6 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
         return
     from rich.table import Table
 
-    from poprun.view.dashboard import _duration, _percent, _size
-
     console = _console()
     console.print(f"job {record['id']}  {state}" + (f" ({note})" if note else "")
                   + f"   hosts: {_hosts(record)}   command: {_command(record)}",
@@ -253,16 +244,14 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
     for row in rows:
         table.add_row(str(row["index"]), row.get("host") or "",
                       "" if row.get("pid") is None else str(row["pid"]), str(row["state"]),
-                      _duration(row.get("uptime")), _percent(row.get("cpu_percent")),
-                      _size(row.get("rss")), "" if row.get("lines") is None
-                      else str(row["lines"]), _duration(row.get("idle")),
+                      duration(row.get("uptime")), percent(row.get("cpu_percent")),
+                      size(row.get("rss")), "" if row.get("lines") is None
+                      else str(row["lines"]), duration(row.get("idle")),
                       _printable(row.get("last_line") or ""))
     console.print(table)
 
 
 def _printable(text: str) -> str:
-    from poprun.view.dashboard import visible
-
     return visible(text.encode("utf-8", "replace"), 200)
 
 

@@ -30,7 +30,7 @@ from spawner.procstat import ProcSampler, Usage
 
 from poprun.events import BAD, InstanceRow, InstanceRows, InstanceState, JobObserver
 from poprun.fdio import write_all
-from poprun.text import fold_indices
+from poprun.text import cut, duration, fold_indices, percent, size, visible
 
 REFRESH = 0.25  # seconds between renders: "a few times per second"
 IDLE_REFRESH = 1.0  # with nothing new, the clocks in the panel still move once a second
@@ -315,16 +315,6 @@ _STYLE = {
     JobState.LAUNCHING: "yellow", JobState.RUNNING: "green", JobState.STOPPING: "bold yellow",
     JobState.FINISHED: "blue", JobState.FAILED: "bold red",
 }
-# C0 controls and DEL shown as their Unicode pictures (ESC as ␛), C1 as U+FFFD: a child's
-# escape sequences show as text and never move the cursor or change colours in the panel.
-_VISIBLE = {c: 0x2400 + c for c in range(32)}
-_VISIBLE.update({0x7F: 0x2421, 0x09: 0x20, **{c: 0xFFFD for c in range(0x80, 0xA0)}})
-
-
-def visible(raw: bytes, limit: int) -> str:
-    """Child bytes as display text: decoded leniently, controls made visible, at most
-    `limit` characters (a row never shows more)."""
-    return raw[:limit * 4].decode("utf-8", "replace")[:limit].translate(_VISIBLE)
 
 
 def panel_budget(rows: int) -> int:
@@ -369,7 +359,7 @@ def _header(state: DashboardState, now: float, width: int) -> list:
                     else (job.value, _STYLE[job]))
     first = _text(("poprun ", "bold"), (f"{state.job_id} ", "bold") if state.job_id else "",
                   (label, style),
-                  f"{attempt} {_duration(now - state.began)}{launched}   "
+                  f"{attempt} {duration(now - state.began)}{launched}   "
                   f"instances: {len(state.instances)}  running {tally[InstanceState.RUNNING]}"
                   f"  finished {tally[InstanceState.EXITED]}  ",
                   ("failed", "red" if failed else ""), f" {failed}", width=width)
@@ -415,20 +405,20 @@ def _phases(state: DashboardState, width: int) -> list:
 
 def _instance_row(inst: InstanceRow, now: float, width: int) -> tuple:
     usage = inst.usage
-    return ((str(inst.index), _cut(inst.host, HOST_WIDTH),
+    return ((str(inst.index), cut(inst.host, HOST_WIDTH),
              "" if inst.pid is None else str(inst.pid), inst.status,
-             _duration(inst.uptime(now)), _percent(usage and usage.cpu_percent),
-             _size(usage and usage.rss), str(inst.lines), _duration(inst.idle(now)),
+             duration(inst.uptime(now)), percent(usage and usage.cpu_percent),
+             size(usage and usage.rss), str(inst.lines), duration(inst.idle(now)),
              visible(inst.last_line, width)), _STYLE[inst.state])
 
 
 def _host_row(summary: HostSummary) -> tuple:
     # `running (20)`: a count first would read as the pid column's
     statuses = ", ".join(f"{status} ({n})" for status, n in summary.statuses)
-    quiet = ", ".join(f"{i} ({_duration(s)})" for i, s in summary.quiet)
-    return ((fold_indices(summary.indices), _cut(summary.host, HOST_WIDTH), "", statuses,
-             _duration(summary.uptime), _percent(summary.cpu_percent), _size(summary.rss),
-             str(summary.lines), _duration(summary.quiet[0][1] if summary.quiet else None),
+    quiet = ", ".join(f"{i} ({duration(s)})" for i, s in summary.quiet)
+    return ((fold_indices(summary.indices), cut(summary.host, HOST_WIDTH), "", statuses,
+             duration(summary.uptime), percent(summary.cpu_percent), size(summary.rss),
+             str(summary.lines), duration(summary.quiet[0][1] if summary.quiet else None),
              f"quietest: {quiet}" if quiet else ""), "bold red" if summary.bad else "")
 
 
@@ -453,39 +443,6 @@ def _table(rows: list[tuple], width: int) -> list:
     heading = _text((" ".join(aligned(_COLUMNS)), "bold"), width=width)
     return [heading] + [line(cells, style) for cells, style in rows]
 
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return ""
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-def _percent(value: float | None) -> str:
-    return "" if value is None else f"{value:.0f}%"
-
-
-def _size(value: int | None) -> str:
-    if value is None:
-        return ""
-    if value < 1024:
-        return f"{value}B"
-    for unit in ("K", "M", "G"):
-        value /= 1024
-        if value < 1024 or unit == "G":
-            break
-    return f"{value:.0f}{unit}" if value >= 10 else f"{value:.1f}{unit}"
-
-
-# --- the terminal driver --------------------------------------------------------------------
 
 def wants_dashboard(stderr_fd: int, environ: Mapping[str, str], no_dashboard: bool, *,
                     stdout_fd: int | None = None, force: bool = False) -> bool:
@@ -533,7 +490,7 @@ def summary_line(state: DashboardState, now: float) -> str | None:
                 f" (launched in {state.launched - state.began:.1f}s)")
     attempt = "" if state.attempt is None else f", attempt {state.attempt[0]}"
     return (f"poprun: {len(state.instances)} instance(s) on {hosts} host(s) finished, all "
-            f"with status 0, in {_duration(now - state.began)}{launched}{attempt}")
+            f"with status 0, in {duration(now - state.began)}{launched}{attempt}")
 
 
 def erase_sequence(rows: int) -> bytes:

@@ -487,7 +487,7 @@ def test_a_stop_signal_inside_a_finalizer_is_acted_on_not_printed():
 
 def test_a_stop_signal_once_the_launch_loop_runs_is_remembered_and_acted_on(tmp):
     """From the launch's asyncio.run until the launch takes the signals, a stop signal is
-    only remembered (command.hold_stops): raised in there, it was swallowed by asyncio with
+    only remembered (run/signals.hold_stops): raised in there, it was swallowed by asyncio with
     the launch's next step, and poprun waited forever (seen once in a test loop). The
     launch then acts on it: a real SIGTERM, then a real launch, which stops at once."""
     mark = marker()

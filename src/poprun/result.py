@@ -97,7 +97,7 @@ class LaunchResult:
     # JSON). The stall is then the root cause (exit status STALL_STATUS).
     stall: Mapping[str, Any] | None = None
     # The job's record (poprun/jobctl/records.py): id, argv, cwd, hosts, launcher, caches, partition...
-    # (jobwatch.JobWatch.meta); None for a launch that was not registered.
+    # (jobctl/watch.JobRecord.meta); None for a launch that was not registered.
     job: Mapping[str, Any] | None = None
 
     @property

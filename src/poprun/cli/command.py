@@ -1,4 +1,4 @@
-"""The `poprun` command's first and last instructions, around `cli.main()`.
+"""The `poprun` command's first and last instructions, around `cli.main.main()`.
 
 First, before any import that takes time (the console script and `python -m poprun` land
 here): standard descriptors that are closed get /dev/null, so nothing poprun opens later

@@ -1,8 +1,8 @@
 """Where people meet the command line: `--help`/`-h` and shell completion, by typer.
 
-typer renders `cli.OPTIONS` (one typer option per entry, grouped into panels under the
-`cli.SECTIONS` headings) and speaks the shells' completion protocol; it never parses a launch.
-`cli.parse_args` stays the parser: typer cannot express option prefixes, boolean words and
+typer renders `options.OPTIONS` (one typer option per entry, grouped into panels under the
+`options.SECTIONS` headings) and speaks the shells' completion protocol; it never parses a launch.
+`options.parse_args` stays the parser: typer cannot express option prefixes, boolean words and
 repeated options, and a typer app takes ~250 ms to start here. So only `--help`, `-h`,
 `--show-completion`, `--install-completion` and the shells' completion requests import this
 module (measured: `--help` ~220 ms in all, most of it typer's rich renderer; a bash completion
@@ -122,7 +122,7 @@ def _parameter(opt: Opt, panel: str, defaults: dict[str, object]) -> inspect.Par
 
 def app() -> typer.Typer:
     """The typer app of poprun's options, for help and completion only (its command does
-    nothing: cli.parse_args parses)."""
+    nothing: options.parse_args parses)."""
     defaults = field_defaults()
     parameters, panel = [], ""
     for opt in OPTIONS:
@@ -222,7 +222,7 @@ def _context(cmd: typer.core.TyperCommand) -> typer.Context:
 
 
 class _BoostResolution:
-    """Completions for poprun's command line as cli.parse_args reads it (mixed into typer's
+    """Completions for poprun's command line as options.parse_args reads it (mixed into typer's
     per-shell classes, which read the shell's words and format the answer)."""
 
     cli: typer.core.TyperCommand

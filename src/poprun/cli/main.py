@@ -3,7 +3,8 @@
 usage errors as one line (exit 2), internal errors with a crash file (exit 70).
 
 Everything slow is imported where it is needed: `--version` and a launch import only what
-they use (docs/architecture.md, "Start-up budget")."""
+they use (docs/architecture.md, "Measured reasons": import what a run needs, when it
+needs it)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import time
 
 from poprun._version import __version__
-from poprun.cli.options import (BY_LONG, Parsed, build_config, counted_instances, parse_args,
+from poprun.cli.options import (BY_LONG, Parsed, build_config, listed_hosts, parse_args,
                                 read_host_file_entries)
 from poprun.crash import INTERNAL_ERROR_STATUS, report_internal_error
 from poprun.errors import ConfigError, InternalError, PoprunError
@@ -221,17 +222,18 @@ def _check(parsed: Parsed) -> int:
     """--check: no program needed; instance counts default to one per host."""
     import asyncio
 
+    from poprun.plan.hosts import counted_instances, instance_counts
     from poprun.run.check import check_hosts
-    from poprun.plan.hosts import job_hosts, parse_host_list
 
     program = tuple(parsed.program)
-    entries = parsed.values.get("hosts") or ()
+    entries = tuple(parsed.values.get("hosts") or ())
     if parsed.values.get("host_file"):
         entries = read_host_file_entries(str(parsed.values["host_file"]))
-    hosts = len(job_hosts(parse_host_list(",".join(entries)) if entries else (), os.environ))
-    # As a launch counts them: the hosts' slots (or SLURM_NTASKS), else one per host.
-    instances = parsed.values.get("num_instances") or counted_instances(tuple(entries))[0] \
-        or max(hosts, 1)
+    hosts, source = listed_hosts(entries)
+    # As a launch counts them (the hosts' slots, SLURM_NTASKS), else one per host.
+    instances = parsed.values.get("num_instances") \
+        or counted_instances(hosts, source, os.environ, listed=bool(entries))[0] \
+        or sum(instance_counts(hosts, None, source))
     defaults = {n: instances for n in ("num_instances", "num_replicas")
                 if n not in parsed.given}
     config = build_config(_with(parsed, program=program or ("true",), **defaults))

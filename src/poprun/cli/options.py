@@ -13,7 +13,7 @@ shell completion and the TOML names of `--export-config`. Defaults live on `Laun
 The parser is our own, not typer: typer cannot express option prefixes, boolean words and
 repeated options, and it is slow to start: a 7-option typer 0.29 app takes ~250 ms here to parse
 a command line (`python -c pass`: ~50 ms; mpirun starts 8 processes in ~65 ms). typer does what
-a person waits for anyway: `--help`/`-h` and shell completion (`typercli`, built from this
+a person waits for anyway: `--help`/`-h` and shell completion (`cli/help.py`, built from this
 table); a launch and `--version` never import it (tests/test_importtime.py).
 """
 
@@ -27,6 +27,7 @@ from popdist.env import NOT_FORWARDED
 
 from poprun.plan import mpiargs
 from poprun.plan.config import LaunchConfig, field_defaults, load_toml
+from poprun.plan.hosts import Host, counted_instances, job_hosts_and_source, parse_host_list
 from poprun.errors import ConfigError
 
 
@@ -358,7 +359,9 @@ def build_config(parsed: Parsed) -> LaunchConfig:
         options["hosts"] = read_host_file_entries(str(parsed.values["host_file"]))
     counted_from = None
     if "num_instances" not in parsed.given and "num_instances" not in stored:
-        counted, counted_from = counted_instances(options.get("hosts", ()))
+        entries = options.get("hosts", ())
+        counted, counted_from = counted_instances(*listed_hosts(entries), os.environ,
+                                                  listed=bool(entries))
         if counted:
             options["num_instances"] = counted
     given = frozenset(parsed.given) | frozenset(stored)
@@ -405,19 +408,11 @@ def _blame_file(exc: ConfigError, path: str, from_file: set[str]) -> ConfigError
     return ConfigError(f"--import-config {path}: key '{key.replace('_', '-')}': {message}")
 
 
-def counted_instances(entries: tuple[str, ...]) -> tuple[int | None, str | None]:
-    """--num-instances when not given, and where it was counted from: the hosts' slots
-    (`h1:4,h2:2`, an MPI hostfile), or inside a Slurm allocation SLURM_NTASKS (its nodes'
-    task counts)."""
-    from poprun.plan.hosts import SLURM_NTASKS, instance_counts, job_hosts_and_source, parse_host_list
-
-    hosts, source = job_hosts_and_source(parse_host_list(",".join(entries)) if entries else (),
-                                         os.environ)
-    if any(h.slots for h in hosts):
-        return sum(instance_counts(hosts, None, source)), f"the slots of {source}"
-    if not entries and os.environ.get(SLURM_NTASKS, "").isdigit():
-        return int(os.environ[SLURM_NTASKS]), f"{SLURM_NTASKS}={os.environ[SLURM_NTASKS]}"
-    return None, None
+def listed_hosts(entries: tuple[str, ...]) -> tuple[tuple[Host, ...], str]:
+    """The job's hosts from --host/--host-file entries (else the Slurm allocation's, an MPI
+    hostfile's, none), and where they came from."""
+    return job_hosts_and_source(parse_host_list(",".join(entries)) if entries else (),
+                                os.environ)
 
 
 def read_host_file_entries(path: str) -> tuple[str, ...]:

@@ -122,6 +122,19 @@ def instance_counts(hosts: tuple[Host, ...], num_instances: int | None,
     return (total // len(hosts),) * len(hosts)
 
 
+def counted_instances(hosts: tuple[Host, ...], source: str, environ: Mapping[str, str], *,
+                      listed: bool) -> tuple[int | None, str | None]:
+    """--num-instances when it is not given, and where it was counted from (for messages):
+    the hosts' slots (`h1:4,h2:2`, an MPI hostfile, SLURM_TASKS_PER_NODE), or for hosts not
+    `listed` on the command line SLURM_NTASKS; (None, None) when nothing counts them."""
+    if any(h.slots for h in hosts):
+        return sum(instance_counts(hosts, None, source)), f"the slots of {source}"
+    tasks = environ.get(SLURM_NTASKS, "")
+    if not listed and tasks.isdigit():
+        return int(tasks), f"{SLURM_NTASKS}={tasks}"
+    return None, None
+
+
 def is_local(host: Host, this_host: str) -> bool:
     """Whether `host` names this machine, so its instances start without SSH (as mpirun
     does). Only names count, not addresses: `127.0.0.2` may well be an sshd in a test."""

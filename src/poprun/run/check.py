@@ -1,23 +1,25 @@
 """`poprun --check`: every host checked in parallel, nothing started, one table.
 
-For each host: reachable and authenticated (host key known), its Python and poprun versions
-against the launcher's, the working directory present, the program found (when one is given),
-its NUMA nodes and CPUs. Failures are folded by kind under the table ("permission denied:
-h[3,7-9]") so a 64-host pod's problems read in a few lines.
+For each host, opened as a launch opens it (run/fleet.py: over SSH or as a Slurm job step, its
+agent brought where poprun is missing): reachable and authenticated (host key known), the
+agent started, its Python and poprun versions against the launcher's, the working directory
+present, the program found (when one is given), its NUMA nodes and CPUs. Failures are folded by
+kind under the table ("permission denied: h[3,7-9]") so a 64-host pod's problems read in a few
+lines.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from spawner.bootstrap import AgentNotInstalledError
 from spawner.local import resolve_program
-from spawner.remote import AgentVersionError, RemoteError, RemoteSpawner
-from spawner.ssh import connect_each
+from spawner.remote import AgentVersionError, RemoteError
+from spawner.ssh import HostFailure
 
 from poprun._version import __version__
 from poprun.plan.config import LaunchConfig
@@ -51,9 +53,8 @@ async def check_hosts(config: LaunchConfig, environ: Mapping[str, str], cwd: str
     hosts = JobHosts.of(config, environ)
     checks = [_check_here(label, cwd, program, environ)
               for label in hosts.labels if label not in hosts.remote]
-    remote = [h for h in hosts.hosts if str(h) in hosts.remote]
-    if remote:
-        checks += await _check_remote(remote, config, cwd, program, environ)
+    if hosts.remote:
+        checks += await _check_remote(hosts, config, cwd, program, environ)
     order = {label: i for i, label in enumerate(hosts.labels)}
     checks.sort(key=lambda c: order[c.host])
     return CheckReport(tuple(checks)), all(c.problem is None for c in checks)
@@ -71,40 +72,38 @@ def _check_here(label: str, cwd: str, program: str | None,
     return check
 
 
-async def _check_remote(remote, config: LaunchConfig, cwd: str, program: str | None,
+async def _check_remote(hosts: JobHosts, config: LaunchConfig, cwd: str, program: str | None,
                         environ: Mapping[str, str]) -> list[HostCheck]:
-    results = await connect_each(remote, fanout=config.ssh_fanout, timeout=config.ssh_timeout)
-    checks = []
-    for failure in results.failures:
-        checks.append(HostCheck(str(failure.target), ssh=failure.kind.value,
-                                problem=failure.kind.value.replace("_", " "),
-                                detail=failure.message))
-    for target in results.not_attempted:
-        checks.append(HostCheck(str(target), ssh="not tried", problem="not tried"))
+    """Each remote host opened as a launch opens it (run/fleet.py: the same transport, agent
+    bootstrap and --remote-install), one row each whatever the others do."""
+    from poprun.log import Log
+    from poprun.run.fleet import Fleet
+
+    fleet = Fleet.of(hosts, config, Log(config.verbose))
     try:
-        checks += await asyncio.gather(*(
-            _check_agent(conn, str(target), config, cwd, program, environ)
-            for target, conn in results.connections.items()))
+        outcomes = await fleet.open_each(_NoEvents(), cwd=cwd, program=program,
+                                         path=environ.get("PATH"))
     finally:
-        for conn in results.connections.values():
-            conn.close()
-    return checks
+        await fleet.close()
+    reached = OK if fleet.transport == "ssh" else "srun"  # a Slurm job step, not SSH
+    return [_check_outcome(label, outcome, reached, config, program, environ)
+            for label, outcome in outcomes.items()]
 
 
-async def _check_agent(conn, label: str, config: LaunchConfig, cwd: str, program: str | None,
-                       environ: Mapping[str, str]) -> HostCheck:
-    check = HostCheck(label, ssh=OK)
-    spawner = RemoteSpawner(conn, label, _NoEvents(), python=config.remote_python)
-    try:
-        info = await spawner.start(cwd=cwd, program=program, path=environ.get("PATH"))
-    except AgentVersionError as exc:
-        check.problem, check.detail = "different Python or poprun", str(exc)
-        return check
-    except RemoteError as exc:
-        check.problem, check.detail = "agent did not start", str(exc)
-        return check
-    finally:
-        await spawner.close()
+def _check_outcome(label: str, outcome: object, reached: str, config: LaunchConfig,
+                   program: str | None, environ: Mapping[str, str]) -> HostCheck:
+    """One remote host's row from what opening it gave: its agent's answer, or why none."""
+    if isinstance(outcome, HostFailure):
+        return HostCheck(label, ssh=outcome.kind.value,
+                         problem=outcome.kind.value.replace("_", " "), detail=outcome.message)
+    check = HostCheck(label, ssh=reached)
+    for kind, problem in _AGENT_PROBLEMS:
+        if isinstance(outcome, kind):
+            check.problem, check.detail = problem, str(outcome)
+            return check
+    if isinstance(outcome, BaseException):
+        raise outcome  # not a host's problem: a bug, reported as one
+    info = outcome
     check.python, check.poprun = _python(info.python), info.poprun
     check.cwd = OK if info.cwd_exists else "missing"
     if program:
@@ -118,6 +117,12 @@ async def _check_agent(conn, label: str, config: LaunchConfig, cwd: str, program
         check.env_differences = (tuple(missing), tuple(different))
     _note_problem(check)
     return check
+
+
+# An agent that did not start, by why (the first class that matches), for the folded summary.
+_AGENT_PROBLEMS = ((AgentVersionError, "different Python or poprun"),
+                   (AgentNotInstalledError, "poprun not installed"),
+                   (RemoteError, "agent did not start"))
 
 
 def _remote_topology(raw: Mapping) -> Topology | None:
@@ -213,7 +218,7 @@ def render_rich(checks: list[HostCheck], console) -> str:
 
 
 def _cell_style(column: str, cell: str) -> str:
-    if cell in (OK, "local"):
+    if cell in (OK, "local", "srun"):
         return "green"
     if cell == "-":  # not checked (not asked for, or an earlier check failed)
         return "dim"

@@ -6,6 +6,10 @@ at once, and reports every host's problem (one line each) rather than the first:
 (unknown/changed host key, permission denied, name, refused, timeout), an agent that does not
 start, a different Python/poprun version, a missing working directory, a program not found.
 
+This is the one module that opens connections to hosts: a launch's agents (`Fleet.open`),
+`poprun --check`'s (`Fleet.open_each`: the same bootstrap, --remote-install and transport),
+and `poprunctl reap`'s SSH connections (`connect`), so all of them connect the same way.
+
 Imports asyncssh (through spawner.remote, ~250 ms): only runs with remote hosts load it.
 """
 
@@ -18,11 +22,12 @@ from collections.abc import Callable, Iterable, Sequence
 from spawner import bootstrap
 from spawner.local import Sink
 from spawner.remote import RemoteError, RemoteSpawner
-from spawner.ssh import SshConnectError, close_all, connect_all
+from spawner.ssh import DEFAULT_FANOUT, ConnectResults, HostFailure, close_all, connect_each
 
 from poprun.plan.config import LaunchConfig
 from poprun.errors import ConfigError, LaunchError
 from poprun.plan.hosts import Host
+from poprun.plan.jobhosts import JobHosts
 from poprun.log import Log
 from poprun.plan.topology import Topology, agent_topology
 
@@ -42,15 +47,35 @@ class Fleet:
         self._timings: dict[Host, object] = {}  # per host: how its connection went
         self._opened_at = self._agents_started_at = 0.0  # time.monotonic(), for phases()
 
+    @classmethod
+    def of(cls, hosts: JobHosts, config: LaunchConfig, log: Log) -> Fleet:
+        """The job's hosts that need a connection, over the transport JobHosts chose."""
+        return cls([h for h in hosts.hosts if str(h) in hosts.remote], config, log,
+                   hosts.transport)
+
     async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
                    program: str, path: str | None, view=None) -> None:
         """Connect to every host and start its agent; raises LaunchError (every failing host
         named, one line each) with nothing started; the caller closes what was opened."""
         self._opened_at = time.monotonic()
-        await self._connect(self.hosts, view)
+        _raise_failures(await self._connect(self.hosts, view, keep_going=False))
         self._agents_started_at = time.monotonic()
         await self._start_agents(self.hosts, sink, on_lost, cwd=cwd, program=program,
                                  path=path, view=view)
+
+    async def open_each(self, sink: Sink, *, cwd: str, program: str | None,
+                        path: str | None) -> dict[str, object]:
+        """Every host connected and given its agent as `open` does, none failing the others
+        (`poprun --check` reports them all). Per host label, in host order: the agent's
+        AgentInfo, or why there is none (the connection's HostFailure, or the exception
+        the agent's start raised); the caller closes what was opened."""
+        failed = {str(f.target): f for f in await self._connect(self.hosts, None,
+                                                                 keep_going=True)}
+        connected = [h for h in self.hosts if h in self.connections]
+        started = await self._agents(connected, sink, None, cwd=cwd, program=program,
+                                     path=path, view=None)
+        outcomes = {**failed, **{str(h): o for h, o in zip(connected, started)}}
+        return {str(h): outcomes[str(h)] for h in self.hosts}
 
     async def reopen(self, labels: Iterable[str], sink: Sink,
                      on_lost: Callable[[str, str], None], *, cwd: str, program: str,
@@ -61,28 +86,44 @@ class Fleet:
         await asyncio.gather(*(self.spawners.pop(str(h)).close() for h in hosts),
                              return_exceptions=True)
         await close_all([self.connections.pop(h) for h in hosts])
-        await self._connect(hosts, None)
+        _raise_failures(await self._connect(hosts, None, keep_going=False))
         await self._start_agents(hosts, sink, on_lost, cwd=cwd, program=program, path=path,
                                  view=None)
 
-    async def _connect(self, hosts: Sequence[Host], view) -> None:
+    async def _connect(self, hosts: Sequence[Host], view, *,
+                       keep_going: bool) -> list[HostFailure]:
+        """Connections to `hosts` (those opened are kept, for close()); the failures.
+        `keep_going` False: once one host failed, the hosts still queued are not tried."""
         if self.transport == "slurm":
             self.connections.update(_srun_connections(hosts))
-            return
-        try:
-            opened = await connect_all(hosts, fanout=self.config.ssh_fanout,
-                                       timeout=self.config.ssh_timeout,
-                                       progress=_connected_to(view))
-        except SshConnectError as exc:
-            raise LaunchError("\n".join(f.message for f in exc.failures)) from None
-        self.connections.update(opened)
-        self._timings.update(opened.timings)
-        for host, timing in opened.timings.items():
-            self.log.info(f"{host}: connected in {timing.connect * 1000:.0f} ms")
+            return []
+        results = await connect(hosts, fanout=self.config.ssh_fanout,
+                                timeout=self.config.ssh_timeout, keep_going=keep_going,
+                                progress=_connected_to(view))
+        self.connections.update(results.connections)
+        self._timings.update(results.timings)
+        for host in results.connections:
+            self.log.info(f"{host}: connected in {results.timings[host].connect * 1000:.0f} ms")
+        return results.failures
 
     async def _start_agents(self, hosts: Sequence[Host], sink: Sink,
                             on_lost: Callable[[str, str], None], *, cwd: str, program: str,
                             path: str | None, view) -> None:
+        outcomes = await self._agents(hosts, sink, on_lost, cwd=cwd, program=program,
+                                      path=path, view=view)
+        spawners = [self.spawners[str(h)] for h in hosts]
+        problems = [_problem(spawner, outcome, cwd, program)
+                    for spawner, outcome in zip(spawners, outcomes)]
+        if any(problems):
+            raise LaunchError("\n".join(p for p in problems if p))
+        for spawner in spawners:
+            self.log.info(f"{spawner.host}: agent ready ({spawner.timings.describe()})")
+
+    async def _agents(self, hosts: Sequence[Host], sink: Sink,
+                      on_lost: Callable[[str, str], None] | None, *, cwd: str,
+                      program: str | None, path: str | None, view) -> list[object]:
+        """An agent started on each of `hosts` (connected); per host, its AgentInfo or the
+        exception its start raised."""
         spawners = [RemoteSpawner(self.connections[h], str(h), sink, on_lost,
                                   python=self.config.remote_python) for h in hosts]
         self.spawners.update((s.host, s) for s in spawners)
@@ -91,17 +132,11 @@ class Fleet:
         stats = STATS_INTERVAL if view is not None else None  # only a dashboard shows them
         # Over SSH, the agent is brought where poprun is missing; a Slurm step runs it as is.
         install = self.config.remote_install if self.transport == "ssh" else None
-        outcomes = await asyncio.gather(
+        return await asyncio.gather(
             *(_start_agent(s, view, install, self.config.remote_python, self.log.info,
                            cwd=cwd, program=program, path=path, stats=stats,
                            host_timeout=self.config.host_timeout)
               for s in spawners), return_exceptions=True)
-        problems = [_problem(spawner, outcome, cwd, program)
-                    for spawner, outcome in zip(spawners, outcomes)]
-        if any(problems):
-            raise LaunchError("\n".join(p for p in problems if p))
-        for spawner in spawners:
-            self.log.info(f"{spawner.host}: agent ready ({spawner.timings.describe()})")
 
     async def temp_dirs(self, labels: Iterable[str] | None = None) -> dict[str, str]:
         """A unique temporary cache directory on each host (or on those of `labels`),
@@ -194,6 +229,21 @@ class Fleet:
         await close_all(self.connections.values())
 
 
+async def connect(hosts: Sequence, *, fanout: int = DEFAULT_FANOUT, timeout: float,
+                  keep_going: bool, progress=None) -> ConnectResults:
+    """SSH connections to `hosts`, at most `fanout` opening at once, each within `timeout`,
+    never prompting (the user's ~/.ssh/config and keys); a host's failure is data. The
+    caller closes the connections (spawner.ssh.close_all)."""
+    return await connect_each(hosts, fanout=fanout, timeout=timeout, keep_going=keep_going,
+                              progress=progress)
+
+
+def _raise_failures(failures: Sequence[HostFailure]) -> None:
+    """A launch starts nothing unless every host is connected: one line per failed host."""
+    if failures:
+        raise LaunchError("\n".join(f.message for f in failures))
+
+
 def _srun_connections(hosts: Sequence[Host]) -> dict[Host, object]:
     """One SrunConnection per node: agents start as job steps of the allocation."""
     import shutil
@@ -208,7 +258,7 @@ def _srun_connections(hosts: Sequence[Host]) -> dict[Host, object]:
 
 
 def _connected_to(view):
-    """connect_all's progress callback: the dashboard's "hosts connected" phase."""
+    """connect's progress callback: the dashboard's "hosts connected" phase."""
     if view is None:
         return None
     return lambda host, timing, failure: failure is None and view.host_connected(str(host))

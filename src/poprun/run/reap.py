@@ -156,9 +156,10 @@ def remote_script() -> str:
 
 async def _reap_remote(record: Mapping[str, Any], parts: dict[str, dict[str, Any]],
                        dry_run: bool) -> list[HostReport]:
-    from spawner.ssh import close_all, connect_each
+    from spawner.ssh import close_all
 
     from poprun.plan.hosts import parse_host_list
+    from poprun.run.fleet import connect
 
     targets = {}
     reports = {label: HostReport(label) for label in parts}
@@ -167,8 +168,9 @@ async def _reap_remote(record: Mapping[str, Any], parts: dict[str, dict[str, Any
             targets[label] = parse_host_list(label)[0]
         except Exception as exc:  # noqa: BLE001 - a label from a damaged record
             reports[label].error = f"cannot read the host name: {exc}"
-    results = await connect_each(list(targets.values()), timeout=SSH_TIMEOUT,
-                                 keep_going=True)
+    # Over SSH whatever the job's transport: reaphere runs as a plain remote command, and a
+    # dead launcher's Slurm allocation has usually ended with it.
+    results = await connect(list(targets.values()), timeout=SSH_TIMEOUT, keep_going=True)
     try:
         by_label = {label: results.outcomes.get(host) for label, host in targets.items()}
 

@@ -230,12 +230,14 @@ class Fleet:
 
 
 async def connect(hosts: Sequence, *, fanout: int = DEFAULT_FANOUT, timeout: float,
-                  keep_going: bool, progress=None) -> ConnectResults:
+                  keep_going: bool, progress=None, password: str | None = None
+                  ) -> ConnectResults:
     """SSH connections to `hosts`, at most `fanout` opening at once, each within `timeout`,
-    never prompting (the user's ~/.ssh/config and keys); a host's failure is data. The
-    caller closes the connections (spawner.ssh.close_all)."""
+    never prompting (the user's ~/.ssh/config and keys; `password`: the one the user typed
+    for --distribute-ssh-key); a host's failure is data. The caller closes the connections
+    (spawner.ssh.close_all)."""
     return await connect_each(hosts, fanout=fanout, timeout=timeout, keep_going=keep_going,
-                              progress=progress)
+                              progress=progress, password=password)
 
 
 def _raise_failures(failures: Sequence[HostFailure]) -> None:

@@ -416,8 +416,7 @@ class _Session:
     async def _open_fleet(self) -> None:
         from poprun.run.fleet import Fleet  # asyncssh: only runs with remote hosts import it
 
-        self.fleet = Fleet([h for h in self.hosts.hosts if str(h) in self.hosts.remote],
-                           self.config, self.log, self.hosts.transport)
+        self.fleet = Fleet.of(self.hosts, self.config, self.log)
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
                               program=self.program[0], path=self.environ.get("PATH"),
                               view=self.panel)

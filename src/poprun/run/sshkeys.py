@@ -227,8 +227,10 @@ async def install_key(targets: Iterable[Any], key: PublicKey, password: str, *,
                       timeout: float = ssh.DEFAULT_TIMEOUT) -> dict[Any, HostKeyResult]:
     """Connect to every target with `password` (concurrently), then add the key to each
     host's authorized_keys in turn. Never raises for one host's failure: see the results."""
-    connected = await ssh.connect_each(targets, fanout=fanout, timeout=timeout,
-                                       password=password)
+    from poprun.run.fleet import connect  # the one place hosts are connected to
+
+    connected = await connect(list(targets), fanout=fanout, timeout=timeout,
+                              keep_going=True, password=password)
     results = {f.target: HostKeyResult(f.target, KeyStatus.FAILED, f.message)
                for f in connected.failures}
     conns = connected.connections

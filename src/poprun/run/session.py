@@ -250,18 +250,22 @@ class _Session:
     async def _open_job_control(self) -> None:
         """poprunctl's view of the job (issue 15): its record, log, stall watch and control
         socket, given callbacks into this launch, never the launch itself."""
-        from poprun.jobctl import stacks
         from poprun.run.watching import JobControl
 
         self.control = await JobControl.open(
             self, facts=self._record_facts, stop=self.on_signal,
-            running=lambda: self.job.running(),
-            gather=lambda keys, timeout: stacks.gather(self.job, keys, timeout),
+            running=lambda: self.job.running(), gather=self._gather_stacks,
             cgroup_of=self._cgroup_of,
             on_stall=lambda stall, ongoing: self.job.report_stall(stall, ongoing),
             on_unstall=lambda: self.job.report_unstall())
         for observer in self.control.observers if self.control is not None else ():
             self.events.add(observer)
+
+    async def _gather_stacks(self, keys, timeout: float):
+        """The running instances' stacks (`keys`: only these), from every host at once."""
+        from poprun.jobctl import stacks  # imported when asked: a launch rarely is
+
+        return await stacks.gather(self.job, keys, timeout)
 
     def _cgroup_of(self, key: int) -> str | None:
         """A local instance's own cgroup, where it has one: its CPU and memory are then the

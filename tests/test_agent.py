@@ -191,12 +191,26 @@ def test_spawn_binds_the_instance_to_the_cpus_asked_for(agent):
     assert agent.output[(0, Stream.STDOUT)] == f"[{cpu}]\n".encode()
 
 
+# Waits (at most 5 s: without cgroups it never moves) until this process is no longer in
+# its parent's cgroup.
+IN_OWN_CGROUP = ("import os, time\n"
+                 "cg = lambda pid: open(f'/proc/{pid}/cgroup').read()\n"
+                 "end = time.monotonic() + 5\n"
+                 "while cg('self') == cg(os.getppid()) and time.monotonic() < end:\n"
+                 "    time.sleep(0.01)\n")
+
+
 def test_stats_are_sent_only_when_hello_asks_for_them(agent):
     agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__,
                   python=list(sys.version_info[:2]), cwd=os.getcwd(), stats=0.05)
-    started = agent.spawn(3, PY, "-c", "x = bytearray(30 << 20); print('allocated', flush=True);"
-                          " import time; time.sleep(30)")
+    # Memory is charged to the cgroup a process is in when it touches the pages, and stays
+    # there when it moves: the instance allocates once the agent has moved it into its own
+    # cgroup (a move on a thread of its own, spawner.containment.Adopter), where it has one.
+    started = agent.spawn(3, PY, "-c", IN_OWN_CGROUP + "x = bytearray(30 << 20); "
+                          "print('allocated', flush=True); import time; time.sleep(30)")
     assert agent.read_line(3) == b"allocated\n"  # samples from now on see the 30 MB
+    # ... and those read before it may not: wait_for also returns events already read.
+    agent.events = [e for e in agent.events if e.kind is not Kind.STATS]
     rates = []
     while not rates or rates[-1][0] is None:  # the first sample has no rate yet
         stats = agent.wait_for(lambda f: f.kind is Kind.STATS)

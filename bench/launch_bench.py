@@ -201,6 +201,22 @@ class Target:
 # ---------------------------------------------------------------------------- processes
 
 
+
+def open_mpi_mpirun() -> str:
+    """Open MPI's mpirun, the benchmark's mpirun side, by path: the test extra installs
+    MPICH's wheels, whose `mpirun` (Hydra) comes first on a venv's PATH and must not stand
+    in for it. The first `mpirun` that says it is Open MPI: on PATH, then Debian's."""
+    candidates = [p for p in (shutil.which("mpirun"), "/usr/bin/mpirun") if p]
+    for path in dict.fromkeys(os.path.realpath(p) for p in candidates):
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if "Open MPI" in out or "open-mpi" in out.lower():
+            return path
+    return "/usr/bin/mpirun"  # reported missing when it is not there
+
 def descendants(pid: int) -> list[int]:
     """All live descendants of pid, from /proc. Needed because a launcher may put its
     instances in sessions of their own, out of reach of a killpg on the launcher's group."""
@@ -1134,7 +1150,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run only this scenario (repeatable); default all")
     p.add_argument("--check", action="store_true", help="exit 1 if a stated target is missed")
     p.add_argument("--poprun", default=None, help="poprun executable (default: next to sys.executable, else PATH)")
-    p.add_argument("--mpirun", default=shutil.which("mpirun") or "/usr/bin/mpirun", help="mpirun executable")
+    p.add_argument("--mpirun", default=open_mpi_mpirun(), help="Open MPI's mpirun executable")
     p.add_argument("--no-mpirun", action="store_true", help="leave the mpirun sides out")
     p.add_argument("--lines", type=int, default=None, help="lines per instance in the output scenario (default 200000; 20000 with --quick)")
     p.add_argument("--writer", choices=WRITERS, default="seq", help="writer program of the output scenario")

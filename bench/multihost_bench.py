@@ -39,6 +39,7 @@ sys.path[:0] = [str(BENCH_DIR), str(REPO / "tests")]
 # The timing, process-tree and reporting plumbing is launch_bench's, so both benchmarks measure
 # the same way (pidfd wake-up, own session per run, SIGKILL of the whole tree on a hang).
 from launch_bench import (BYTECODE_VAR, Run, Side, checked, counts, default_poprun,  # noqa: E402
+                          open_mpi_mpirun,
                           descendants, kill_pids, kill_unfinished, machine_info, ms, python_env,
                           results_path, tail, wait_all)
 from sshd_hosts import SshHosts, start_ssh_hosts  # noqa: E402
@@ -583,7 +584,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cases", type=parse_case, nargs="+", default=None, metavar="HxI",
                    help="hosts x instances per host (default: 16x4 4x2)")
     p.add_argument("--poprun", default=None, help="poprun executable (default: next to sys.executable, else PATH)")
-    p.add_argument("--mpirun", default=shutil.which("mpirun") or "/usr/bin/mpirun", help="mpirun executable")
+    p.add_argument("--mpirun", default=open_mpi_mpirun(), help="Open MPI's mpirun executable")
     p.add_argument("--no-mpirun", action="store_true", help="leave the mpirun side out")
     p.add_argument("--mpirun-arg", action="append", default=[], dest="mpirun_extra", metavar="ARG",
                    help="extra mpirun argument, repeatable, e.g. --mpirun-arg=--mca "

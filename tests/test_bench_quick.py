@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ def installed_sides() -> dict[str, bool]:
     beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
     return {
         "poprun": True,  # the package under test; run_all finds its script beside the interpreter
-        "mpirun": shutil.which("mpirun") is not None,
+        "mpirun": os.access(_bench("launch_bench").open_mpi_mpirun(), os.X_OK),
         "torchrun": os.access(beside, os.X_OK) or importlib.util.find_spec("torch") is not None,
     }
 
@@ -92,13 +91,17 @@ def _side(name: str, *seconds: float, hung: int = 0, **extra) -> dict:
             "max_s": ok[-1] if ok else None, **extra}
 
 
-def _report():
+def _bench(name: str):
+    """A module of bench/, imported as run_all imports it."""
     sys.path.insert(0, str(REPO / "bench"))
     try:
-        import report
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(REPO / "bench"))
-    return report
+
+
+def _report():
+    return _bench("report")
 
 
 def test_report_judges_targets_and_renders_a_page_from_a_document():

@@ -159,6 +159,9 @@ def test_a_lost_host_is_connected_again_for_the_next_attempt(tmp_path):
                                env=poprun_env(hosts.env()), stderr=subprocess.PIPE)
         with reaped(job):
             wait_started(job.pid, 2)  # else a host lost while starting: exit 2, no restart
+            # ... and both have noted attempt 0 (else the loss may stop instance 0 first)
+            wait_until(lambda: {"0-0", "1-0"} <= {p.stem for p in (tmp_path / "notes").glob(
+                "*.json")}, "attempt 0's notes")
             go.write_text("")
             err = job.communicate(timeout=60)[1].decode()
     assert job.returncode == 0, err

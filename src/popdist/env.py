@@ -58,6 +58,14 @@ OMPI_SIZE = "OMPI_COMM_WORLD_SIZE"
 OMPI_LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
 OMPI_LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
 
+# --- An MPI world over PMI-1 (spawner/pmi.py), as MPICH's Hydra sets it ------------------
+PMI_FD = "PMI_FD"  # the instance's end of a socket to poprun's PMI server
+PMI_RANK = "PMI_RANK"
+PMI_SIZE = "PMI_SIZE"
+PMI_HOSTNAME = "PMI_HOSTNAME"  # MPICH's ofi netmod picks its network card by it
+MPI_LOCALRANKID = "MPI_LOCALRANKID"
+MPI_LOCALNRANKS = "MPI_LOCALNRANKS"
+
 # --- torch.distributed ------------------------------------------------------------------
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"

@@ -67,6 +67,7 @@ class ProcessSpec:
     inherit_stdin: bool = False  # otherwise stdin is /dev/null
     cpus: tuple[int, ...] | None = None  # CPU binding (None: not bound)
     mems: tuple[int, ...] | None = None  # memory node binding (None: not bound)
+    pass_fds: tuple[int, ...] = ()  # descriptors it inherits (its PMI socket: spawner/pmi.py)
 
 
 class EventLoop(Protocol):
@@ -159,7 +160,7 @@ class LocalSpawner:
                 stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT if spec.merge_stderr else subprocess.PIPE,
-                start_new_session=True, close_fds=True, bufsize=0)
+                start_new_session=True, close_fds=True, pass_fds=spec.pass_fds, bufsize=0)
         if spec.mems and not memory_bound:
             self.memory_binding_skipped = True
         self._contain(spec.key, proc.pid)

@@ -6,10 +6,11 @@ that host's Python (3.10 or later), sent with procid.py's source as one `python 
 (poprun/run/reap.py): standard library only. Its input is one JSON object:
 
     {"boot_id": the host's boot id when the job ran (None: unknown),
-     "instances": [[index, pid, start ticks], ...], "dirs": [path, ...], "dry_run": bool}
+     "instances": [[index, pid, start ticks], ...], "dirs": [path, ...],
+     "kvsnames": [the MPI worlds poprun served there, ...], "dry_run": bool}
 
 and it prints one JSON list of what it did (or would do), one entry each:
-{"what": "instance" | "dir", "index", "pid", "path", "done": bool, "note": str}.
+{"what": "instance" | "dir" | "shm", "index", "pid", "path", "done": bool, "note": str}.
 
 A pid is acted on only when it is still the process that was recorded (same start time): a
 pid the system has given to an unrelated process since is left alone, and a host that has
@@ -65,6 +66,55 @@ def reap_here(job: dict) -> list[dict]:
         entry = {"what": "dir", "path": path}
         done.append(entry)
         entry.update(_remove(path, dry))
+    for kvsname in job.get("kvsnames") or ():
+        done += remove_mpich_shm(kvsname, dry)
+    return done
+
+
+def mpich_world_ids(kvsname: str, max_init_count: int = 4) -> list[int]:
+    """The ids MPICH names a job's shared memory by: the 32-bit FNV-1a hash of its kvsname
+    (MPICH 5.0, the PyPI wheel: src/util/mpir_pmi.c), or of `<kvsname>-<n>` for its n-th
+    MPI initialisation (MPICH's development branch since 338496d7c7)."""
+    def fnv1a(text: str) -> int:
+        value = 2166136261
+        for byte in text.encode():
+            value = ((value ^ byte) * 16777619) & 0xFFFFFFFF
+        return value
+
+    return [fnv1a(kvsname)] + [fnv1a(f"{kvsname}-{n}") for n in range(1, max_init_count + 1)]
+
+
+def mpich_shm_leftovers(kvsname: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """MPICH's shared-memory segments of the job `kvsname` on this host:
+    `mpich_shm_<id hex>_<node>` (one per node, made at MPI_Init) and `mpich_vci_<id>_<node>`
+    (src/mpid/ch4/shm/posix/posix_init.c). The last rank to finalize removes them; an
+    aborted or killed job leaves them, and a kvsname used again would find them."""
+    import glob
+
+    found = []
+    for world in mpich_world_ids(kvsname):
+        for kind in ("shm", "vci"):
+            found += [path for path in glob.glob(os.path.join(shm_dir, f"mpich_{kind}_{world:x}_*"))
+                      if path.rsplit("_", 1)[-1].isdigit()]
+    return found
+
+
+def remove_mpich_shm(kvsname: str, dry: bool = False) -> list[dict]:
+    """Remove MPICH's leftovers of `kvsname` here (reap's entries)."""
+    done = []
+    for path in mpich_shm_leftovers(kvsname):
+        entry = {"what": "shm", "path": path, "done": False}
+        done.append(entry)
+        if dry:
+            entry["note"] = "would remove it"
+            continue
+        try:
+            os.unlink(path)
+            entry.update(done=True, note="removed")
+        except FileNotFoundError:
+            entry["note"] = "already gone"
+        except OSError as exc:
+            entry["note"] = f"cannot remove it: {exc.strerror}"
     return done
 
 

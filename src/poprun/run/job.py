@@ -82,6 +82,8 @@ class Job:
         self.remote: Mapping[str, object] = {}
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
         self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
+        self.world = None  # the instances' MPI world (run/world.MpiWorld), where served
+        self.mpi_aborts: dict[int, tuple[int, str]] = {}  # instance -> MPI_Abort's code, text
 
     @staticmethod
     def _router(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
@@ -103,12 +105,24 @@ class Job:
         return end_reason(output_error=self.output_error, stop_signal=self.stop_signal,
                           stall=self.stall, root_cause=self.root_cause)
 
-    def start(self, lifeline: Lifeline, on_finished=None, remote=None) -> None:
+    def start(self, lifeline: Lifeline, on_finished=None, remote=None,
+              kvsname: str | None = None) -> None:
         """Start this host's instances; with `remote` spawners (by host), `spawn_remote()`
         starts theirs. `on_finished` is called once every instance has exited (or was lost)
-        and its output has been delivered."""
+        and its output has been delivered. `kvsname`: the name of the instances' MPI world,
+        served when they all run here (run/world.py)."""
         self.on_finished, self.remote = on_finished, remote or {}
         self.local = LocalSpawner(self, self.loop, lifeline)
+        if kvsname and not self.remote:
+            from poprun.run.world import MpiWorld
+
+            self.world = MpiWorld(kvsname, self.plan, on_abort=self.on_mpi_abort,
+                                  on_lost=self.on_mpi_lost)
+            self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s), "
+                          f"kvsname {kvsname}")
+        elif self.remote:
+            self.log.info("MPI world: none served for a job on several hosts yet (an MPICH "
+                          "program's instances each get a world of one)")
         self._spawn_local()
         self._all_started = not self.remote
         self._maybe_finish()
@@ -134,16 +148,24 @@ class Job:
         for inst in self.plan.instances:
             if inst.host in self.remote:
                 continue
+            env = planning.instance_environ(self.environ, inst, self.plan)
+            pmi_end = None
+            if self.world is not None:
+                world_env, pmi_end = self.world.attach(inst)
+                env.update(world_env)
             spec = ProcessSpec(
-                key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge,
-                env=planning.instance_environ(self.environ, inst, self.plan),
+                key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge, env=env,
                 inherit_stdin=inst.index == 0,  # as mpirun: stdin goes to the first instance
-                cpus=inst.cpus, mems=inst.mems)
+                cpus=inst.cpus, mems=inst.mems,
+                pass_fds=(pmi_end.fileno(),) if pmi_end is not None else ())
             try:
                 pid = self.local.spawn(spec)
             except OSError as exc:
                 raise LaunchError(f"cannot start instance {inst.index} ({inst.argv[0]}): "
                                   f"{exc.strerror or exc}") from None
+            finally:
+                if pmi_end is not None:
+                    pmi_end.close()  # the instance has its copy
             self._record(inst.index, pid, self.local)
         if self.local.running():
             self.log.info(f"containment: {self.local.containment}")
@@ -298,6 +320,32 @@ class Job:
             self._stop(signal.SIGTERM)
         self._maybe_finish()
 
+    def on_mpi_abort(self, key: int, code: int, message: str) -> None:
+        """MPI_Abort: the job ends with this instance as its root cause and the abort's exit
+        code. MPICH sends the abort and returns (ch4's MPID_Abort): the aborting instance is
+        stopped with the others."""
+        self.mpi_aborts.setdefault(key, (code, message))
+        self.log.error(f"instance {key} called MPI_Abort (exit code {code})")
+        if self.stop_reason == "success":
+            self.root_cause = key
+            self._stopping(f"instance {key}: MPI_Abort")
+            self._stop(signal.SIGTERM)
+
+    def on_mpi_lost(self, key: int, initialized: bool) -> None:
+        """An instance's PMI connection closed before MPI_Finalize. One that ends badly stops
+        the job as any failure does; one still running (it closed the descriptor) or that
+        exits 0 is only noted at -v (issue 24: more to come)."""
+        if initialized:
+            self.log.info(f"instance {key}: its MPI world connection closed before "
+                          "MPI_Finalize")
+
+    async def close_world(self) -> None:
+        """The attempt's MPI world ends: its server stops, MPICH's /dev/shm leftovers go."""
+        if self.world is not None:
+            world, self.world = self.world, None
+            for path in await world.close():
+                self.log.info(f"removed MPICH's leftover {path}")
+
     def _maybe_finish(self) -> None:
         if self.on_finished and self.finished:
             self.on_finished()
@@ -411,6 +459,7 @@ class Job:
                 first_output_time=self._wall(self._marks["first_output"].get(i)),
                 error=self.spawner_of[i].errors.get(i))
             for i, r in sorted(self.started.items()))
+        instances = tuple(self._as_aborted(inst) for inst in instances)
         root, collateral = rootcause.analyze(instances, self.root_cause)
         instances = tuple(replace(inst, collateral=collateral.get(inst.index))
                           for inst in instances)
@@ -422,6 +471,16 @@ class Job:
                             stop_signal=self.stop_signal, phases=self._phases(instances),
                             start_time=self.launch_time, output_error=self.output_error,
                             stall=self.stall)
+
+    def _as_aborted(self, inst: InstanceResult) -> InstanceResult:
+        """An instance that called MPI_Abort ends with the abort's code and says so (its own
+        end was poprun's SIGTERM)."""
+        if inst.index not in self.mpi_aborts:
+            return inst
+        code, message = self.mpi_aborts[inst.index]
+        return replace(inst, returncode=code, error=inst.error or {
+            "type": "MPI_Abort", "message": f"exit code {code}" + (
+                f": {message}" if message and message != "abort" else "")})
 
     def _wall(self, mono: float | None) -> float | None:
         """time.time() of a time.monotonic() instant of this job."""

@@ -89,6 +89,9 @@ def host_parts(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         for label, path in (record.get(key) or {}).items():
             if label in parts and isinstance(path, str):
                 parts[label]["dirs"].append(path)
+    for label, names in (record.get("mpi_worlds") or {}).items():
+        if label in parts and isinstance(names, list):
+            parts[label]["kvsnames"] = [n for n in names if isinstance(n, str)]
     return parts
 
 

@@ -206,6 +206,8 @@ class _Session:
         self._restore_signals = lambda: None
         self._result: LaunchResult | None = None
         self.control = None  # poprunctl's view of the job (run/watching.JobControl)
+        self.mpi_worlds: list[str] = []  # the kvsname of every attempt's MPI world
+        self._own_id: str | None = None  # the job's id when it has no record
 
     async def __aenter__(self) -> _Session:
         config, log = self.config, self.log
@@ -267,6 +269,15 @@ class _Session:
 
         return await stacks.gather(self.job, keys, timeout)
 
+    @property
+    def _job_id(self) -> str:
+        """The job's id (its record's), else one of its own: unique among this user's jobs."""
+        if self.control is not None:
+            return self.control.id
+        if self._own_id is None:
+            self._own_id = os.urandom(6).hex()
+        return self._own_id
+
     def _cgroup_of(self, key: int) -> str | None:
         """A local instance's own cgroup, where it has one: its CPU and memory are then the
         whole instance's, escaped helpers included."""
@@ -302,6 +313,9 @@ class _Session:
                 "port": partition.port, "timeout": partition.timeout,
                 "executable": partition.executable},
             "output_dir": output_files(self.config.effective_output_filename, self.cwd)[0],
+            # Served on this host only (run/world.py): what reap removes from /dev/shm.
+            "mpi_worlds": {label: list(self.mpi_worlds) for label in labels
+                           if label not in remote} if self.mpi_worlds else {},
         }
 
     async def run(self) -> None:
@@ -326,7 +340,7 @@ class _Session:
         earlier: list[LaunchResult] = []
         while True:
             self._plan(caches, master, attempt=len(earlier))
-            result = await self._run_attempt()
+            result = await self._run_attempt(len(earlier))
             if not self._restarts(result, len(earlier)):
                 break
             earlier.append(result)
@@ -359,15 +373,19 @@ class _Session:
             await self.fleet.make_dirs(explicit, lost)
         return caches, await self._master_address()
 
-    async def _run_attempt(self) -> LaunchResult:
+    async def _run_attempt(self, attempt: int) -> LaunchResult:
         finished = self.loop.create_future()
+        kvsname = f"poprun-{self._job_id}-{attempt}"  # MPICH's shared memory is named by it
+        self.mpi_worlds.append(kvsname)
         self.job.start(self.lifeline, lambda: finished.done() or finished.set_result(None),
-                       remote=self.fleet.spawners if self.fleet else None)
+                       remote=self.fleet.spawners if self.fleet else None, kvsname=kvsname)
         if self.fleet is not None:
             await self.job.spawn_remote()
         if not self.job.finished:
             await finished
-        return self.job.result()
+        result = self.job.result()
+        await self.job.close_world()  # its instances are gone: MPICH's leftovers can go
+        return result
 
     def _restarts(self, result: LaunchResult, done: int) -> bool:
         """Whether a failed attempt is followed by another: not after a stop by the user or
@@ -563,6 +581,7 @@ class _Session:
         of them (a bug in one step must not leave processes, caches or a partition)."""
         errors = []
         for step in (self._close_fleet, self._close_dashboard, self.job.close,
+                     self.job.close_world,
                      self._restore_signals, self.cache.remove, self.lifeline.close,
                      self._release_partition,
                      lambda: self.control and self.control.close(self._result, exc_info[1])):

@@ -1,0 +1,696 @@
+"""PMI-1 ("simple PMI") wire-protocol server, pure Python (stdlib + asyncio).
+
+This lets programs linked with MPICH (e.g. the ``mpich`` PyPI wheel used by
+mpi4py) form one MPI world when they are started by our own launcher instead
+of ``mpiexec``, the same way MPICH's Hydra and Slurm's srun do it.
+
+Protocol summary (from pmodels/mpich: src/pmi/src/pmi_v1.c, pmi_wire.c,
+pmi_util.c, src/pmi/maint/pmi-1.1.txt, src/pm/hydra/proxy/pmip_pmi.c):
+
+* Transport.  The process finds the server through its environment:
+  ``PMI_FD=<n>``  an inherited, already connected stream socket (we use one
+                  end of a socketpair); ``PMI_RANK`` and ``PMI_SIZE`` then give
+                  the rank and the world size (both default to 0 / 1).
+  ``PMI_PORT=<host>:<port>``  a TCP address to connect to (IPv4/IPv6 only:
+                  MPICH uses MPL_get_sockaddr + MPL_socket, no Unix sockets);
+                  with ``PMI_ID=<id>`` the client first sends
+                  ``cmd=initack pmiid=<id>`` and reads rank/size from the reply.
+                  Without ``PMI_ID`` there is no handshake and rank/size stay
+                  0/1: every process is a world of one.
+  ``PMI_SPAWNED=1`` marks processes created by MPI_Comm_spawn (has a parent).
+  ``PMI_FD`` wins over ``PMI_PORT``.  Neither -> singleton (size 1).
+  poprun serves ``PMI_FD`` only: a ``PMI_PORT`` listener would let any user
+  of the host speak for a rank.
+* Framing.  One command per line: ``cmd=<name> key=value key=value\\n``.
+  Tokens are separated by single spaces; a value ends at the next unescaped
+  space; MPICH's parser (pmi_wire.c ``parse_v1``) un-escapes ``\\x`` -> ``x``.
+  MPICH's client never escapes what it sends, so a value that holds spaces
+  (the ``value`` of ``put``, the ``message`` of ``abort``) arrives raw; we
+  therefore let those *last* fields run to the end of the line.
+* Replies carry ``rc=0`` (Hydra adds it to every response) or ``rc=<n>`` on
+  failure; the client checks rc only after the reply's cmd name matched.
+
+  ==========================================  =====================================================
+  query                                        reply
+  ==========================================  =====================================================
+  init pmi_version=1 pmi_subversion=1          response_to_init rc=0 pmi_version=1 pmi_subversion=1
+  initack pmiid=<id>   (PMI_PORT only)         initack rc=0 rank= size= appnum= debug=0 + 3 lines
+                                               ``cmd=set size=`` / ``cmd=set rank=`` / ``cmd=set debug=``
+  get_maxes                                    maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max=1024
+  get_appnum                                   appnum rc=0 appnum=0
+  get_universe_size                            universe_size rc=0 size=<n>
+  get_my_kvsname                               my_kvsname rc=0 kvsname=<name>
+  put kvsname= key= value=                     put_result rc=0
+  get kvsname= key=                            get_result rc=0 value=<v>   | get_result rc=1 (absent)
+  barrier_in                                   barrier_out rc=0   (when everybody has entered)
+  finalize                                     finalize_ack rc=0
+  abort exitcode= message=                     (no reply; see below: the launcher must kill)
+  ==========================================  =====================================================
+
+  ``abort``: MPICH 5.0 (ch4_globals.c MPID_Abort) sends it for MPI_Abort on
+  COMM_WORLD of size > 1 and then RETURNS: the aborting process carries on
+  (measured: MPI_Abort returned, the ranks went on and exited 0).  The
+  launcher has to kill every rank, the aborting one included, and report
+  the abort's exit code.  MPICH's pmi1_abort always sends ``message=abort``.
+
+  We answer init with version 1.1 (Hydra answers 1.2).  A 1.2 answer switches
+  the client into its threaded mode (barrier_out with ``tag=``, group
+  barriers ``barrier_in group=...``); with 1.1 MPICH sets
+  MPIR_CVAR_PMI_DISABLE_GROUP and only ever sends plain ``barrier_in``.
+
+* Job attributes: ``get`` of a ``PMI_`` key is answered from the launcher's
+  attributes (``PMI_process_mapping``; ``PMI_hwloc_xmlfile`` and
+  ``PMI_mpi_memory_alloc_kinds`` are simply absent -> rc=1, as in Hydra).
+  ``put`` of a ``PMI_`` key is refused with rc=1, as in Hydra.
+
+Structure of this module:
+
+* pure protocol core, no I/O: :func:`parse`, :func:`format`,
+  :func:`process_mapping`, :func:`process_mapping_for_ranks`,
+  :class:`KeyValueSpace`, :class:`Barrier`;
+* asyncio I/O: :class:`PmiServer` (serves the instances of one job, either
+  as the job's root or as a per-host agent forwarding to an upstream), and
+  :class:`LocalUpstream` (adapter that connects an agent-mode server directly
+  to a root server in the same process, used by tests);
+* MPICH's /dev/shm segments of a job are found and removed by spawner/reaphere.py
+  (``mpich_shm_leftovers``, ``remove_mpich_shm``): reap runs it on every host.
+
+Barrier / key-value exchange across hosts (agent forwarding)
+------------------------------------------------------------
+Every barrier participant contributes ``(count, puts)``: ``count`` is how
+many MPI processes it stands for and ``puts`` the key/values those processes
+put since the previous barrier.  A local instance served directly by the
+root is a participant with count 1.  A per-host agent serves its own
+instances with an agent-mode :class:`PmiServer`; when all of *its* instances
+have entered the barrier it sends ONE message upstream carrying
+``count = number of its instances`` and the union of their puts.  The root's
+:class:`Barrier` completes when the counts add up to the world size and then
+answers every participant with the *delta* of that epoch: every key/value
+contributed by anybody during the epoch (not the whole key-value space).
+Agents merge the delta into their local mirror of the key-value space and
+answer their instances' ``get`` locally; a key missing locally is asked
+upstream (:meth:`Upstream.get`).  This is Hydra's design (proxy ``mput`` +
+``barrier_in count=`` upstream, server broadcast of ``keyval_cache`` before
+``barrier_out``).  Deltas keep the traffic at O(total puts) per host instead
+of O(barriers x puts); a full snapshot would only be needed by an agent that
+joins late, which cannot happen for a fixed-size job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Protocol, Tuple
+
+from popdist.env import PMI_FD, PMI_RANK, PMI_SIZE
+
+__all__ = [
+    "PmiError", "parse", "format_cmd", "escape", "unescape",
+    "process_mapping", "process_mapping_for_ranks",
+    "KeyValueSpace", "Barrier", "BarrierRelease",
+    "PmiServer", "Upstream", "LocalUpstream",
+    "KVSNAME_MAX", "KEYLEN_MAX", "VALLEN_MAX",
+]
+
+# Limits announced in ``maxes`` (the values Hydra uses: lib/pmiserv_common.h).
+# MPICH splits binary business cards into hex segments of (vallen_max-2)/2
+# bytes, so vallen_max must be honoured by whoever stores values.
+KVSNAME_MAX = 256
+KEYLEN_MAX = 64
+VALLEN_MAX = 1024
+
+# Commands whose last field may contain spaces: that field runs to the end
+# of the line.  (MPICH sends ``put kvsname= key= value=`` and
+# ``abort exitcode= message=`` in that order; see pmi-1.1.txt.)
+_TAIL_KEYS = {"put": "value", "abort": "message"}
+
+# Reply names of queries we do not implement; answering them with rc=1 makes
+# the client fail cleanly instead of waiting forever.
+_UNSUPPORTED_REPLIES = {
+    "spawn": "spawn_result",
+    "publish_name": "publish_result",
+    "unpublish_name": "unpublish_result",
+    "lookup_name": "lookup_result",
+}
+
+
+class PmiError(ValueError):
+    """A malformed or unexpected PMI command."""
+
+
+# --------------------------------------------------------------------------
+# pure protocol core
+# --------------------------------------------------------------------------
+
+def escape(value: str) -> str:
+    """Escape a value for a reply so MPICH's ``unescape_val`` restores it.
+
+    MPICH's v1 parser ends a value at an unescaped space and turns ``\\x``
+    into ``x``.  Values MPICH itself stores are hex or plain words, so this
+    is a no-op for them.
+    """
+    if " " not in value and "\\" not in value:
+        return value
+    return value.replace("\\", "\\\\").replace(" ", "\\ ")
+
+
+def unescape(value: str) -> str:
+    """Inverse of :func:`escape` (``\\x`` -> ``x``), like pmi_wire.c."""
+    if "\\" not in value:
+        return value
+    out = []
+    i = 0
+    while i < len(value):
+        c = value[i]
+        if c == "\\" and i + 1 < len(value):
+            out.append(value[i + 1])
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def parse(line) -> Tuple[str, Dict[str, Optional[str]]]:
+    """Parse one PMI-1 command line into ``(cmd, {key: value})``.
+
+    ``line`` may be ``str`` or ``bytes`` and may end with ``\\n``.  A token
+    without ``=`` maps to ``None``.  For ``put`` (``value``) and ``abort``
+    (``message``) that field takes the rest of the line verbatim, spaces
+    included.  Other values end at an unescaped space and are un-escaped.
+    Raises :class:`PmiError` when the line does not start with ``cmd=``.
+    """
+    if isinstance(line, (bytes, bytearray)):
+        line = bytes(line).decode("utf-8", "surrogateescape")
+    line = line.rstrip("\r\n")
+    if not line.startswith("cmd="):
+        raise PmiError(f"expecting cmd=, got {line[:60]!r}")
+    cmd = None
+    args: Dict[str, Optional[str]] = {}
+    i, n = 0, len(line)
+    while i < n:
+        while i < n and line[i] == " ":
+            i += 1
+        if i >= n:
+            break
+        # key: up to '=', space or end
+        j = i
+        while j < n and line[j] not in " =":
+            j += 1
+        key = line[i:j]
+        if not key:
+            raise PmiError(f"empty key at column {i} in {line[:60]!r}")
+        if j < n and line[j] == "=":
+            j += 1
+            if cmd is not None and _TAIL_KEYS.get(cmd) == key:
+                args[key] = line[j:]
+                break
+            k = j
+            while k < n and line[k] != " ":
+                k += 2 if (line[k] == "\\" and k + 1 < n) else 1
+            val = unescape(line[j:k])
+            i = k
+        else:
+            val = None
+            i = j
+        if key == "cmd" and cmd is None:
+            if not val:
+                raise PmiError("empty cmd")
+            cmd = val
+        else:
+            args[key] = val
+    assert cmd is not None
+    return cmd, args
+
+
+def format_cmd(cmd: str, _fields: Optional[Dict[str, object]] = None, **kv) -> str:
+    """Format one reply line: ``cmd=<cmd> k=v ...\\n``.
+
+    Fields keep their order (``_fields`` first, then keyword arguments; use
+    ``_fields`` for keys that are not Python identifiers such as
+    ``spawner-jobid``).  ``None`` values are dropped; ints are rendered with
+    ``str``; string values are escaped with :func:`escape`.
+    """
+    parts = ["cmd=" + cmd]
+    items = list((_fields or {}).items()) + list(kv.items())
+    for key, val in items:
+        if val is None:
+            continue
+        if " " in key or "=" in key or not key:
+            raise PmiError(f"bad key {key!r}")
+        sval = escape(val) if isinstance(val, str) else str(int(val))
+        if "\n" in sval:
+            raise PmiError(f"newline in value of {key!r}")
+        parts.append(f"{key}={sval}")
+    return " ".join(parts) + "\n"
+
+
+def process_mapping_for_ranks(node_of_rank: Iterable[int]) -> str:
+    """``PMI_process_mapping`` for an arbitrary rank -> node-id list.
+
+    Format (pmodels/mpich src/mpl/src/mpl_rankmap.c): ``(vector,B,B,...)``
+    where a block ``(X,Y,Z)`` means "nodes X..X+Y-1 each hold the next Z
+    ranks".  Consecutive ranks on one node form a block; adjacent blocks
+    with consecutive node ids and equal sizes are merged.  (MPICH's own
+    writer can also emit ``[...]xN`` repeats; its reader does not need them.)
+    Note MPICH's reader *wraps around* to the first block when the string
+    describes fewer ranks than the world size, so the mapping must be exact.
+    """
+    nodes = list(node_of_rank)
+    if not nodes:
+        raise ValueError("empty mapping")
+    runs: List[List[int]] = []  # [node, count]
+    for nd in nodes:
+        if nd < 0:
+            raise ValueError("negative node id")
+        if runs and runs[-1][0] == nd:
+            runs[-1][1] += 1
+        else:
+            runs.append([nd, 1])
+    blocks: List[List[int]] = []  # [start, nnodes, per_node]
+    for nd, cnt in runs:
+        if blocks:
+            b = blocks[-1]
+            if b[2] == cnt and b[0] + b[1] == nd:
+                b[1] += 1
+                continue
+        blocks.append([nd, 1, cnt])
+    return "(vector," + ",".join(f"({a},{b},{c})" for a, b, c in blocks) + ")"
+
+
+def process_mapping(counts_per_node: Iterable[int]) -> str:
+    """``PMI_process_mapping`` for block placement: node i holds the next
+    ``counts_per_node[i]`` ranks.  ``[4, 4]`` -> ``(vector,(0,2,4))``;
+    ``[4, 4, 2]`` -> ``(vector,(0,2,4),(2,1,2))``.  A zero count uses up
+    a node id but holds no rank.
+    """
+    node_of_rank: List[int] = []
+    for node, cnt in enumerate(counts_per_node):
+        if cnt < 0:
+            raise ValueError("negative count")
+        node_of_rank.extend([node] * cnt)
+    return process_mapping_for_ranks(node_of_rank)
+
+
+class KeyValueSpace:
+    """The job's key-value space plus read-only job attributes.
+
+    ``attrs`` holds the ``PMI_*`` job attributes (``PMI_process_mapping``).
+    Keys starting with ``PMI_`` cannot be put (Hydra refuses them too).
+    """
+
+    def __init__(self, attrs: Optional[Dict[str, str]] = None,
+                 keylen_max: int = KEYLEN_MAX, vallen_max: int = VALLEN_MAX):
+        self.attrs: Dict[str, str] = dict(attrs or {})
+        self._kv: Dict[str, str] = {}
+        self.keylen_max = keylen_max
+        self.vallen_max = vallen_max
+
+    def check(self, key: str, value: str) -> Optional[str]:
+        """Return an error message if ``put(key, value)`` is not allowed."""
+        if not key:
+            return "empty_key"
+        if key.startswith("PMI_"):
+            return "Keys with PMI_ prefix are reserved"
+        if len(key) > self.keylen_max:
+            return "key_too_long"
+        if len(value) > self.vallen_max:
+            return "value_too_long"
+        return None
+
+    def put(self, key: str, value: str) -> None:
+        err = self.check(key, value)
+        if err:
+            raise PmiError(err)
+        self._kv[key] = value
+
+    def update(self, puts: Dict[str, str]) -> None:
+        """Merge puts that were already checked (e.g. a barrier delta)."""
+        self._kv.update(puts)
+
+    def get(self, key: str) -> Optional[str]:
+        if key.startswith("PMI_"):
+            return self.attrs.get(key)
+        return self._kv.get(key)
+
+    def snapshot(self) -> Dict[str, str]:
+        return dict(self._kv)
+
+    def __len__(self) -> int:
+        return len(self._kv)
+
+    def __contains__(self, key: str) -> bool:
+        return self.get(key) is not None
+
+
+@dataclass
+class BarrierRelease:
+    """What every participant of a completed barrier epoch receives."""
+    epoch: int
+    puts: Dict[str, str]
+
+
+class Barrier:
+    """Counting barrier whose participants may stand for several processes.
+
+    ``enter(count, puts)`` adds ``count`` arrivals and the participant's
+    puts since its previous barrier.  When the arrivals reach ``total`` the
+    epoch completes: ``enter`` returns a :class:`BarrierRelease` carrying
+    all puts of the epoch (later puts of a key win), and the barrier resets
+    for the next epoch.  Otherwise it returns ``None``.  Pure: the I/O layer
+    keeps the list of waiters and answers them.
+    """
+
+    def __init__(self, total: int):
+        if total <= 0:
+            raise ValueError("barrier total must be positive")
+        self.total = total
+        self.epoch = 0
+        self.arrived = 0
+        self._puts: Dict[str, str] = {}
+
+    def enter(self, count: int = 1, puts: Optional[Dict[str, str]] = None
+              ) -> Optional[BarrierRelease]:
+        if count <= 0:
+            raise PmiError(f"barrier count must be positive, got {count}")
+        if self.arrived + count > self.total:
+            raise PmiError(f"barrier epoch {self.epoch}: {self.arrived}+{count} "
+                           f"arrivals exceed {self.total}")
+        self.arrived += count
+        if puts:
+            self._puts.update(puts)
+        if self.arrived < self.total:
+            return None
+        release = BarrierRelease(self.epoch, self._puts)
+        self.epoch += 1
+        self.arrived = 0
+        self._puts = {}
+        return release
+
+
+# --------------------------------------------------------------------------
+# asyncio I/O
+# --------------------------------------------------------------------------
+
+class Upstream(Protocol):
+    """What an agent-mode :class:`PmiServer` needs from the level above."""
+
+    async def barrier(self, count: int, puts: Dict[str, str]) -> Dict[str, str]:
+        """Enter the job-wide barrier for ``count`` processes with their
+        puts; return the epoch's delta once the whole job has entered."""
+
+    async def get(self, key: str) -> Optional[str]:
+        """Look up a key this host has not seen (None if absent)."""
+
+
+@dataclass
+class _Instance:
+    rank: int
+    initialized: bool = False
+    finalized: bool = False
+    aborted: bool = False
+    lost: bool = False
+    connected: bool = False
+    puts: Dict[str, str] = field(default_factory=dict)  # since last barrier
+    writer: Optional[asyncio.StreamWriter] = None
+
+
+AbortCallback = Callable[[int, int, str], None]
+LostCallback = Callable[[int, bool], None]
+
+
+class PmiServer:
+    """Serves the PMI-1 connections of one job's instances on this host.
+
+    Root mode (``upstream=None``): authoritative key-value space and a
+    :class:`Barrier` over the whole world (``size`` processes); local
+    instances are participants of count 1, per-host agents join through
+    :meth:`group_barrier` / :meth:`lookup` with their instance count.
+
+    Agent mode (``upstream`` given): serves ``local_ranks`` only; when all of
+    them entered a barrier it calls ``upstream.barrier(len(local_ranks),
+    their puts)`` once, merges the returned delta and releases them.
+
+    ``kvsname`` must be unique per job *and attempt* (e.g.
+    ``poprun-<jobid>-<attempt>``): MPICH derives its /dev/shm names from it.
+
+    Callbacks (called in the event loop, must not block):
+    ``on_abort(rank, exitcode, message)`` when an instance sends abort
+    (MPICH does not exit after it: kill the whole job, aborting rank
+    included, and report ``exitcode``);
+    ``on_lost(rank, initialized)`` when a connection closes before the
+    instance sent finalize (and did not abort).  ``initialized`` tells
+    whether it had sent init (a non-MPI program never does).
+    """
+
+    def __init__(self, kvsname: str, size: int, *,
+                 local_ranks: Optional[Iterable[int]] = None,
+                 process_mapping: Optional[str] = None,
+                 attrs: Optional[Dict[str, str]] = None,
+                 appnum: int = 0,
+                 universe_size: Optional[int] = None,
+                 upstream: Optional[Upstream] = None,
+                 on_abort: Optional[AbortCallback] = None,
+                 on_lost: Optional[LostCallback] = None):
+        if not kvsname or " " in kvsname or len(kvsname) >= KVSNAME_MAX:
+            raise ValueError(f"bad kvsname {kvsname!r}")
+        if size <= 0:
+            raise ValueError("size must be positive")
+        self.kvsname = kvsname
+        self.size = size
+        self.appnum = appnum
+        self.universe_size = universe_size if universe_size is not None else size
+        attrs = dict(attrs or {})
+        attrs["PMI_process_mapping"] = process_mapping or attrs.get(
+            "PMI_process_mapping") or process_mapping_for_ranks([0] * size)
+        self.kvs = KeyValueSpace(attrs)
+        self.upstream = upstream
+        ranks = list(range(size)) if local_ranks is None else sorted(set(local_ranks))
+        for r in ranks:
+            if not 0 <= r < size:
+                raise ValueError(f"rank {r} outside world of {size}")
+        self.instances: Dict[int, _Instance] = {r: _Instance(r) for r in ranks}
+        # Root: the barrier counts the whole world.  Agent: only local ranks.
+        self.barrier = Barrier(size if upstream is None else max(1, len(ranks)))
+        self._waiters: List[asyncio.Future] = []
+        self.on_abort = on_abort
+        self.on_lost = on_lost
+        self._tasks: set = set()
+        self._closing = False
+
+    # ---- setting up instances ------------------------------------------
+
+    def attach(self, rank: int) -> socket.socket:
+        """Create the socketpair for ``rank`` and start serving our end.
+
+        Returns the child's end (inheritable).  Start the process with
+        ``pass_fds=[sock.fileno()]`` and :meth:`env`, then close the
+        returned socket in the parent.  Must be called with a running loop.
+        """
+        inst = self._instance(rank)
+        if inst.connected:
+            raise PmiError(f"rank {rank} already attached")
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        child.set_inheritable(True)
+        inst.connected = True
+        self._spawn(self._serve_socket(parent, inst))
+        return child
+
+    def env(self, rank: int, fd: int) -> Dict[str, str]:
+        """The environment that points `rank` at its end of the socketpair, inherited as
+        `fd` (``PMI_SPAWNED`` is never set: no dynamic spawn)."""
+        return {PMI_FD: str(fd), PMI_RANK: str(rank), PMI_SIZE: str(self.size)}
+
+    # ---- state ------------------------------------------------------------
+
+    def _instance(self, rank: int) -> _Instance:
+        try:
+            return self.instances[rank]
+        except KeyError:
+            raise PmiError(f"rank {rank} is not served here") from None
+
+    def finished(self) -> bool:
+        """True when every instance finalized, aborted or was lost."""
+        return all(i.finalized or i.aborted or i.lost for i in self.instances.values())
+
+    async def close(self) -> None:
+        """Stop listening, close all connections, cancel pending work.
+        Connections closed here are not reported to ``on_lost``."""
+        self._closing = True
+        for fut in self._waiters:
+            if not fut.done():
+                fut.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    # ---- barrier / kvs entry points (root mode) ----------------------------
+
+    async def group_barrier(self, count: int, puts: Dict[str, str]) -> Dict[str, str]:
+        """Root mode: an agent enters the barrier for ``count`` processes with
+        their puts; returns the epoch's delta (all puts of the epoch)."""
+        if self.upstream is not None:
+            raise PmiError("group_barrier is for the root server")
+        for k, v in puts.items():
+            err = self.kvs.check(k, v)
+            if err:
+                raise PmiError(f"{k}: {err}")
+        return await self._enter(count, puts)
+
+    async def lookup(self, key: str) -> Optional[str]:
+        """Root mode: answer an agent's get for a key it has not seen."""
+        return self.kvs.get(key)
+
+    async def _enter(self, count: int, puts: Dict[str, str]) -> Dict[str, str]:
+        # Make the puts visible at once (gets before the barrier completes
+        # may see them; PMI only promises visibility after it).
+        self.kvs.update(puts)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        release = self.barrier.enter(count, puts)
+        if release is not None:
+            waiters, self._waiters = self._waiters, []
+            try:
+                if self.upstream is not None:
+                    # Agent: all local instances are in; go upstream once.
+                    delta = await self.upstream.barrier(self.barrier.total, release.puts)
+                    self.kvs.update(delta)
+                else:
+                    delta = release.puts
+            except BaseException as e:
+                for w in waiters:
+                    if not w.done():
+                        w.set_exception(e if isinstance(e, Exception) else PmiError(repr(e)))
+            else:
+                for w in waiters:
+                    if not w.done():
+                        w.set_result(delta)
+        return await fut
+
+    # ---- connection handling ---------------------------------------------------
+
+    async def _serve_socket(self, sock: socket.socket, inst: _Instance) -> None:
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 20)
+        await self._serve(reader, writer, inst)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     inst: _Instance) -> None:
+        inst.writer = writer
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except (ConnectionError, asyncio.LimitOverrunError, ValueError):
+                    break
+                if not line:
+                    break  # EOF
+                if not line.endswith(b"\n"):
+                    break  # EOF in the middle of a line
+                if not line.strip():
+                    continue
+                try:
+                    cmd, args = parse(line)
+                except PmiError:  # not a PMI line: MPICH never sends one
+                    continue
+                try:
+                    reply = await self._handle(inst, cmd, args)
+                except PmiError:
+                    # protocol violation (e.g. barrier overflow, bad upstream
+                    # data): drop the connection, reported as lost below
+                    break
+                if reply:
+                    writer.write(reply.encode("utf-8", "surrogateescape"))
+                    try:
+                        await writer.drain()
+                    except ConnectionError:
+                        break
+        finally:
+            inst.writer = None
+            writer.close()
+            if not (inst.finalized or inst.aborted or self._closing):
+                inst.lost = True
+                if self.on_lost:
+                    self.on_lost(inst.rank, inst.initialized)
+
+    async def _handle(self, inst: _Instance, cmd: str, args: Dict[str, Optional[str]]
+                      ) -> Optional[str]:
+        if cmd == "init":
+            inst.initialized = True
+            if args.get("pmi_version") != "1":
+                # PMI-2 clients send init pmi_version=2 over the v2 framing;
+                # we only speak v1.
+                return format_cmd("response_to_init", rc=1, pmi_version=1, pmi_subversion=1)
+            return format_cmd("response_to_init", rc=0, pmi_version=1, pmi_subversion=1)
+        if cmd == "get_maxes":
+            return format_cmd("maxes", rc=0, kvsname_max=KVSNAME_MAX,
+                              keylen_max=KEYLEN_MAX, vallen_max=VALLEN_MAX)
+        if cmd == "get_appnum":
+            return format_cmd("appnum", rc=0, appnum=self.appnum)
+        if cmd == "get_universe_size":
+            return format_cmd("universe_size", rc=0, size=self.universe_size)
+        if cmd == "get_my_kvsname":
+            return format_cmd("my_kvsname", rc=0, kvsname=self.kvsname)
+        if cmd == "put":
+            key, value = args.get("key") or "", args.get("value") or ""
+            err = self.kvs.check(key, value)
+            if err:
+                return format_cmd("put_result", rc=1, msg=err)
+            self.kvs.put(key, value)
+            inst.puts[key] = value
+            return format_cmd("put_result", rc=0)
+        if cmd == "get":
+            key = args.get("key") or ""
+            val = self.kvs.get(key)
+            if val is None and self.upstream is not None and not key.startswith("PMI_"):
+                val = await self.upstream.get(key)
+            if val is None:
+                # Hydra answers rc=1 only (its msg lands on the query by a bug);
+                # the client treats any rc != 0 as "not found".
+                return format_cmd("get_result", rc=1, msg="key_not_found")
+            return format_cmd("get_result", rc=0, value=val)
+        if cmd == "barrier_in":
+            puts, inst.puts = inst.puts, {}
+            await self._enter(1, puts)
+            return format_cmd("barrier_out", rc=0)
+        if cmd == "finalize":
+            inst.finalized = True
+            return format_cmd("finalize_ack", rc=0)
+        if cmd == "abort":
+            inst.aborted = True
+            try:
+                code = int(args.get("exitcode") or "1")
+            except ValueError:
+                code = 1
+            msg = args.get("message") or ""
+            if self.on_abort:
+                self.on_abort(inst.rank, code, msg)
+            return None
+        if cmd in _UNSUPPORTED_REPLIES:
+            return format_cmd(_UNSUPPORTED_REPLIES[cmd], rc=1, msg=f"{cmd}_not_supported")
+        return format_cmd(cmd + "_result", rc=1, msg="unknown_command")
+
+
+class LocalUpstream:
+    """:class:`Upstream` that talks to a root :class:`PmiServer` in-process.
+
+    The real agent will carry the same two calls over its control
+    connection to the launcher; this adapter lets tests run the
+    agent-forwarding path without a network.
+    """
+
+    def __init__(self, root: PmiServer):
+        self.root = root
+
+    async def barrier(self, count: int, puts: Dict[str, str]) -> Dict[str, str]:
+        return await self.root.group_barrier(count, puts)
+
+    async def get(self, key: str) -> Optional[str]:
+        return await self.root.lookup(key)

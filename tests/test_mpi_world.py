@@ -1,0 +1,149 @@
+"""The instances' MPI world (issue 24 point 1, this host): real MPICH (the `mpich` wheel) under
+real mpi4py, started by poprun, which serves their PMI-1 itself (run/world.py,
+spawner/pmi.py). Four instances form one world; MPI_Abort ends the job with its code and its
+instance as the root cause; a killed rank ends the job; a restarted job gets a new world;
+nothing of MPICH's stays in /dev/shm, after a job or after `poprunctl reap` of a job whose
+poprun was killed.
+
+They skip without mpi4py and MPICH, and fail instead where POPRUN_REQUIRE_MPI=1 (CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
+from spawner.reaphere import mpich_shm_leftovers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mpich():
+    """MPICH under mpi4py, or a skip (a failure where POPRUN_REQUIRE_MPI=1)."""
+    probe = subprocess.run([sys.executable, "-c", "from mpi4py import MPI; "
+                            "print(MPI.Get_library_version())"], capture_output=True, text=True,
+                           timeout=60)
+    if probe.returncode != 0 or "MPICH" not in probe.stdout:
+        reason = f"mpi4py over MPICH is not installed ({probe.stderr.strip()[-200:]})"
+        if os.environ.get("POPRUN_REQUIRE_MPI") == "1":
+            pytest.fail(f"{reason}; POPRUN_REQUIRE_MPI=1 forbids skipping", pytrace=False)
+        pytest.skip(reason)
+
+
+WORLD = """
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+total = comm.allreduce(rank + 1, op=MPI.SUM)
+word = comm.bcast("hello" if rank == 0 else None, root=0)
+comm.Barrier()
+print(f"world rank={rank} size={size} sum={total} bcast={word}", flush=True)
+"""
+
+
+def kvsnames(environ: dict[str, str]) -> list[str]:
+    """The MPI worlds of every job in the test's state directory (their records)."""
+    from poprun.jobctl import records
+
+    return [name for record in records.scan(environ).records
+            for names in (record.get("mpi_worlds") or {}).values() for name in names]
+
+
+def test_four_instances_form_one_world_with_ranks_their_indices():
+    proc = run_poprun(*OFFLINE, "-v", "--num-instances=4", "--num-replicas=4", sys.executable,
+                      "-c", WORLD, timeout=90)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("world"))
+    assert lines == [f"world rank={r} size=4 sum=10 bcast=hello" for r in range(4)]
+    assert "MPI world: PMI-1 for 4 instance(s)" in proc.stderr.decode()
+    for name in kvsnames(os.environ):
+        assert mpich_shm_leftovers(name) == []
+
+
+def test_mpi_abort_ends_the_job_with_its_code_and_its_instance_as_root_cause(tmp_path):
+    out = tmp_path / "r.json"
+    program = ("import time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\nc.Barrier()\n"
+               "if c.Get_rank() == 1:\n    c.Abort(3)\ntime.sleep(60)\n")
+    proc = run_poprun(*OFFLINE, "--num-instances=4", "--num-replicas=4",
+                      f"--result-json={out}", sys.executable, "-c", program, timeout=90)
+    err = proc.stderr.decode()
+    assert proc.returncode == 3, err[-3000:]
+    assert "instance 1 called MPI_Abort (exit code 3)" in err
+    assert "instance 1 (pid" in err and "failed first: MPI_Abort: exit code 3" in err
+    result = json.loads(out.read_text())
+    assert result["root_cause"] == 1 and result["exit_reason"] == "instance"
+    assert {i["index"]: i["exit_status"] for i in result["instances"]}[1] == 3
+    (name,) = [n for n in result["mpi_worlds"]["localhost"]]
+    assert mpich_shm_leftovers(name) == []  # MPICH leaves them after an abort: poprun does not
+
+
+def test_a_killed_rank_ends_the_job_and_leaves_nothing_in_dev_shm(tmp_path):
+    out = tmp_path / "r.json"
+    program = ("import os, signal, time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+               "c.Barrier()\nif c.Get_rank() == 2:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+               "time.sleep(60)\n")
+    proc = run_poprun(*OFFLINE, "--num-instances=4", "--num-replicas=4",
+                      f"--result-json={out}", sys.executable, "-c", program, timeout=90)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr.decode()[-3000:]
+    result = json.loads(out.read_text())
+    assert result["root_cause"] == 2
+    for name in result["mpi_worlds"]["localhost"]:
+        assert mpich_shm_leftovers(name) == []
+
+
+def test_each_attempt_of_a_restarted_job_gets_a_world_of_its_own(tmp_path):
+    out = tmp_path / "r.json"
+    program = ("import os\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+               "print('attempt', os.environ['POPDIST_RESTART_COUNT'], 'size', c.Get_size(),"
+               " flush=True)\nc.Barrier()\n"
+               "if os.environ['POPDIST_RESTART_COUNT'] == '0' and c.Get_rank() == 0:\n"
+               "    c.Abort(5)\n")
+    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "--max-restarts=1",
+                      "--restart-delay=0", f"--result-json={out}", sys.executable, "-c",
+                      program, timeout=90)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    said = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("attempt"))
+    assert said == ["attempt 0 size 2"] * 2 + ["attempt 1 size 2"] * 2
+    result = json.loads(out.read_text())
+    names = result["mpi_worlds"]["localhost"]
+    assert len(names) == 2 and names[0] != names[1]  # MPICH's shared memory is named by it
+    assert [a["exit_code"] for a in result["attempts"]] == [5]
+    for name in names:
+        assert mpich_shm_leftovers(name) == []
+
+
+def test_reap_removes_what_a_killed_poprun_left_in_dev_shm(tmp_path):
+    """SIGKILL of poprun while its instances hold their world: the instances go (the
+    lifeline), MPICH's segment stays, and `poprunctl reap` removes it (the record names the
+    world)."""
+    program = ("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+               "print('in', flush=True)\ntime.sleep(60)\n")
+    with reaped(subprocess.Popen(
+            poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2", sys.executable,
+                        "-c", program),
+            env=poprun_env({"POPRUN_NO_DASHBOARD": "1"}), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE)) as job:
+        wait_started(job.pid, 2)
+        assert job.stdout.readline() == b"in\n"  # the world is up: MPICH made its segment
+        (name,) = [n for n in kvsnames(os.environ) if mpich_shm_leftovers(n)]
+        job.kill()
+        job.wait(30)
+    reap = subprocess.run([sys.executable, "-m", "poprun.cli.ctl", "reap"],
+                          env=poprun_env(), capture_output=True, text=True, timeout=60)
+    assert reap.returncode == 0, reap.stdout + reap.stderr
+    assert mpich_shm_leftovers(name) == []
+
+
+def test_a_program_without_mpi_is_untouched_by_the_world():
+    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", sys.executable, "-c",
+                      "import os; print(os.environ['PMI_RANK'], os.environ['PMI_SIZE'], "
+                      "os.environ['MPI_LOCALNRANKS'])")
+    assert proc.returncode == 0 and proc.stderr == b"", proc.stderr.decode()
+    assert sorted(proc.stdout.decode().split("\n")[:2]) == ["0 2 2", "1 2 2"]

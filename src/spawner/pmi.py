@@ -100,8 +100,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from popdist.env import PMI_FD, PMI_RANK, PMI_SIZE
 
@@ -344,11 +343,20 @@ class KeyValueSpace:
         return self.get(key) is not None
 
 
-@dataclass
 class BarrierRelease:
     """What every participant of a completed barrier epoch receives."""
-    epoch: int
-    puts: Dict[str, str]
+
+    __slots__ = ("epoch", "puts")
+
+    def __init__(self, epoch: int, puts: Dict[str, str]) -> None:
+        self.epoch, self.puts = epoch, puts
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, BarrierRelease)
+                and (self.epoch, self.puts) == (other.epoch, other.puts))
+
+    def __repr__(self) -> str:
+        return f"BarrierRelease({self.epoch}, {self.puts})"
 
 
 class Barrier:
@@ -393,7 +401,7 @@ class Barrier:
 # asyncio I/O
 # --------------------------------------------------------------------------
 
-class Upstream(Protocol):
+class Upstream:
     """What an agent-mode :class:`PmiServer` needs from the level above."""
 
     async def barrier(self, count: int, puts: Dict[str, str]) -> Dict[str, str]:
@@ -404,16 +412,19 @@ class Upstream(Protocol):
         """Look up a key this host has not seen (None if absent)."""
 
 
-@dataclass
 class _Instance:
-    rank: int
-    initialized: bool = False
-    finalized: bool = False
-    aborted: bool = False
-    lost: bool = False
-    connected: bool = False
-    puts: Dict[str, str] = field(default_factory=dict)  # since last barrier
-    writer: Optional[asyncio.StreamWriter] = None
+    """One rank served here. (Plain classes, no dataclasses: this module is imported on a
+    launch's path once an instance speaks PMI, and every class made at import counts.)"""
+
+    __slots__ = ("rank", "initialized", "finalized", "aborted", "lost", "connected", "puts",
+                 "writer")
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.initialized = self.finalized = self.aborted = self.lost = False
+        self.connected = False
+        self.puts: Dict[str, str] = {}  # since the last barrier
+        self.writer: Optional[asyncio.StreamWriter] = None
 
 
 AbortCallback = Callable[[int, int, str], None]
@@ -488,14 +499,19 @@ class PmiServer:
         ``pass_fds=[sock.fileno()]`` and :meth:`env`, then close the
         returned socket in the parent.  Must be called with a running loop.
         """
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        child.set_inheritable(True)
+        self.adopt(rank, parent)
+        return child
+
+    def adopt(self, rank: int, sock: socket.socket) -> None:
+        """Serve `rank` on `sock`, our end of a socket pair made earlier (what the instance
+        wrote meanwhile is still in it). Must be called with a running loop."""
         inst = self._instance(rank)
         if inst.connected:
             raise PmiError(f"rank {rank} already attached")
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        child.set_inheritable(True)
         inst.connected = True
-        self._spawn(self._serve_socket(parent, inst))
-        return child
+        self._spawn(self._serve_socket(sock, inst))
 
     def env(self, rank: int, fd: int) -> Dict[str, str]:
         """The environment that points `rank` at its end of the socketpair, inherited as

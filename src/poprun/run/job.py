@@ -116,7 +116,7 @@ class Job:
         if kvsname and not self.remote:
             from poprun.run.world import MpiWorld
 
-            self.world = MpiWorld(kvsname, self.plan, on_abort=self.on_mpi_abort,
+            self.world = MpiWorld(kvsname, self.plan, self.loop, on_abort=self.on_mpi_abort,
                                   on_lost=self.on_mpi_lost)
             self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s), "
                           f"kvsname {kvsname}")

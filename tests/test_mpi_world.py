@@ -2,8 +2,8 @@
 real mpi4py, started by poprun, which serves their PMI-1 itself (run/world.py,
 spawner/pmi.py). Four instances form one world; MPI_Abort ends the job with its code and its
 instance as the root cause; a killed rank ends the job; a restarted job gets a new world;
-nothing of MPICH's stays in /dev/shm, after a job or after `poprunctl reap` of a job whose
-poprun was killed.
+nothing of MPICH's stays in /dev/shm, after a job, after a SIGKILL of poprun (the lifeline),
+or after `poprunctl reap` of a recorded world.
 
 They skip without mpi4py and MPICH, and fail instead where POPRUN_REQUIRE_MPI=1 (CI).
 """
@@ -19,7 +19,9 @@ import sys
 import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
-from spawner.reaphere import mpich_shm_leftovers
+from poprun.run.reap import host_parts
+from spawner.reaphere import mpich_shm_leftovers, mpich_world_ids, reap_here
+from sshd_hosts import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,10 +121,9 @@ def test_each_attempt_of_a_restarted_job_gets_a_world_of_its_own(tmp_path):
         assert mpich_shm_leftovers(name) == []
 
 
-def test_reap_removes_what_a_killed_poprun_left_in_dev_shm(tmp_path):
-    """SIGKILL of poprun while its instances hold their world: the instances go (the
-    lifeline), MPICH's segment stays, and `poprunctl reap` removes it (the record names the
-    world)."""
+def test_a_killed_poprun_leaves_nothing_in_dev_shm(tmp_path):
+    """SIGKILL of poprun while its instances hold their world: the lifeline's watchdog kills
+    them and then removes MPICH's segment, which no rank removed."""
     program = ("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
                "print('in', flush=True)\ntime.sleep(60)\n")
     with reaped(subprocess.Popen(
@@ -135,10 +136,29 @@ def test_reap_removes_what_a_killed_poprun_left_in_dev_shm(tmp_path):
         (name,) = [n for n in kvsnames(os.environ) if mpich_shm_leftovers(n)]
         job.kill()
         job.wait(30)
-    reap = subprocess.run([sys.executable, "-m", "poprun.cli.ctl", "reap"],
-                          env=poprun_env(), capture_output=True, text=True, timeout=60)
-    assert reap.returncode == 0, reap.stdout + reap.stderr
-    assert mpich_shm_leftovers(name) == []
+    wait_until(lambda: not mpich_shm_leftovers(name), "the watchdog to remove the segment")
+
+
+def test_reap_removes_a_recorded_world_s_segment():
+    """`poprunctl reap` on a host whose watchdog could not run: the record's mpi_worlds go
+    to reaphere, which removes MPICH's segments of each (a real file in /dev/shm)."""
+    name = f"poprun-reaptest{os.getpid()}-0"
+    path = f"/dev/shm/mpich_shm_{mpich_world_ids(name)[0]:x}_0"
+    with open(path, "w"):
+        pass
+    try:
+        parts = host_parts({"hosts": [{"label": "localhost", "local": True}],
+                            "mpi_worlds": {"localhost": [name]}})
+        assert parts["localhost"]["kvsnames"] == [name]
+        assert reap_here({**parts["localhost"], "dry_run": True}) == [
+            {"what": "shm", "path": path, "done": False, "note": "would remove it"}]
+        assert os.path.exists(path)
+        assert reap_here(parts["localhost"]) == [
+            {"what": "shm", "path": path, "done": True, "note": "removed"}]
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
 
 
 def test_a_program_without_mpi_is_untouched_by_the_world():

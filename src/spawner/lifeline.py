@@ -1,11 +1,12 @@
 """A watchdog that outlives its owner by exactly as long as it takes to clean up after it.
 
 `Lifeline()` forks a small process that holds the read end of a pipe. The owner writes to it
-the process groups it starts, its cgroups and the directories it creates. If the owner dies in
-any way — even by SIGKILL, where no `finally` runs — the pipe reaches EOF and the watchdog
-kills every group and cgroup still registered, and every process marked with its token (see
-containment.py: an instance started but not registered yet when the owner died, a helper that
-left its group), removes every directory still registered, then exits.
+the process groups it starts, its cgroups, the directories it creates and the MPI worlds it
+serves. If the owner dies in any way — even by SIGKILL, where no `finally` runs — the pipe
+reaches EOF and the watchdog kills every group and cgroup still registered, and every process
+marked with its token (see containment.py: an instance started but not registered yet when
+the owner died, a helper that left its group), removes every directory still registered and
+what MPICH left in /dev/shm of every world still registered, then exits.
 
 Why the mark closes the start-up race: the pipe's write end is inherited by every child until
 its exec (close-on-exec), so the watchdog sees EOF only once every instance has exec'd, with
@@ -98,6 +99,14 @@ class Lifeline:
     def discard_dir(self, path: str) -> None:
         self._send(b"k" + os.fsencode(path) + b"\0")
 
+    def add_mpi_world(self, kvsname: str) -> None:
+        """An MPI world served for the owner's instances: what MPICH leaves of it in /dev/shm
+        is removed once they are gone (reaphere.remove_mpich_shm)."""
+        self._send(b"w" + os.fsencode(kvsname) + b"\0")
+
+    def discard_mpi_world(self, kvsname: str) -> None:
+        self._send(b"x" + os.fsencode(kvsname) + b"\0")
+
     def close(self) -> None:
         """Release the watchdog: it cleans up whatever is still registered and exits."""
         if self._write_fd < 0:
@@ -123,11 +132,12 @@ def _watch(read_fd: int, token: str, mask: set[int]) -> None:
     groups: set[int] = set()
     dirs: set[bytes] = set()
     cgroups: set[bytes] = set()
+    worlds: set[bytes] = set()
     closed: list[bool] = []  # the owner said goodbye: it has cleaned up after itself
     pending = b""
     while chunk := os.read(read_fd, 65536):
         pending += chunk
-        pending = _apply(pending, groups, dirs, cgroups, closed)
+        pending = _apply(pending, groups, dirs, cgroups, closed, worlds)
     for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)
@@ -147,10 +157,15 @@ def _watch(read_fd: int, token: str, mask: set[int]) -> None:
         remove_tree(os.fsdecode(path))
     for path in dirs:
         shutil.rmtree(path, ignore_errors=True)
+    if worlds:  # after the kills: a live rank may still use its segment
+        from .reaphere import remove_mpich_shm
+
+        for kvsname in worlds:
+            remove_mpich_shm(os.fsdecode(kvsname))
 
 
 def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],
-           closed: list[bool]) -> bytes:
+           closed: list[bool], worlds: set[bytes]) -> bytes:
     """Apply every complete message in `buf`; return the incomplete rest."""
     while buf:
         kind = buf[:1]
@@ -168,6 +183,10 @@ def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],
             dirs.discard(body)
         elif kind == b"c":
             cgroups.add(body)
+        elif kind == b"w":
+            worlds.add(body)
+        elif kind == b"x":
+            worlds.discard(body)
         elif kind == b"q":
             closed.append(True)
     return buf

@@ -116,8 +116,8 @@ class Job:
         if kvsname and not self.remote:
             from poprun.run.world import MpiWorld
 
-            self.world = MpiWorld(kvsname, self.plan, self.loop, on_abort=self.on_mpi_abort,
-                                  on_lost=self.on_mpi_lost)
+            self.world = MpiWorld(kvsname, self.plan, self.loop, lifeline=lifeline,
+                                  on_abort=self.on_mpi_abort, on_lost=self.on_mpi_lost)
             self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s), "
                           f"kvsname {kvsname}")
         elif self.remote:

@@ -15,7 +15,8 @@ forgotten.
 
 The kvsname is unique per job and per attempt: MPICH names its shared memory after it, and a
 name used again finds the old segment (MPI_Init hangs). What an aborted or killed world
-leaves in /dev/shm is removed when the attempt ends (and by `poprunctl reap`).
+leaves in /dev/shm is removed when the attempt ends, by the lifeline's watchdog when poprun is
+killed outright, and by `poprunctl reap` (a host whose watchdog could not run).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ class MpiWorld:
     """One attempt's world for the plan's instances, all on this host."""
 
     def __init__(self, kvsname: str, launch_plan: LaunchPlan, loop: asyncio.AbstractEventLoop,
-                 *, on_abort: Callable[[int, int, str], None],
+                 *, lifeline, on_abort: Callable[[int, int, str], None],
                  on_lost: Callable[[int, bool], None]) -> None:
-        self.kvsname, self.loop = kvsname, loop
+        self.kvsname, self.loop, self._lifeline = kvsname, loop, lifeline
         self._plan = launch_plan
         self._on_abort, self._on_lost = on_abort, on_lost
         hosts = [inst.host for inst in launch_plan.instances]
@@ -79,6 +80,10 @@ class MpiWorld:
     def _start_server(self) -> None:
         from spawner import pmi
 
+        # Before MPICH makes its segment (its MPI_Init speaks PMI first): a poprun killed
+        # outright leaves nothing in /dev/shm either (spawner/lifeline.py).
+        if self._lifeline is not None:
+            self._lifeline.add_mpi_world(self.kvsname)
         instances = self._plan.instances
         hosts = list(dict.fromkeys(inst.host for inst in instances))
         self.server = pmi.PmiServer(
@@ -103,4 +108,7 @@ class MpiWorld:
         await self.server.close()
         from spawner.reaphere import remove_mpich_shm
 
-        return [entry["path"] for entry in remove_mpich_shm(self.kvsname) if entry["done"]]
+        removed = [entry["path"] for entry in remove_mpich_shm(self.kvsname) if entry["done"]]
+        if self._lifeline is not None:
+            self._lifeline.discard_mpi_world(self.kvsname)
+        return removed

@@ -100,6 +100,22 @@ def test_a_killed_rank_ends_the_job_and_leaves_nothing_in_dev_shm(tmp_path):
         assert mpich_shm_leftovers(name) == []
 
 
+def test_an_instance_that_exits_0_without_finalize_ends_the_job(tmp_path):
+    """Its peers would wait for it in their next collective forever: the job stops, that
+    instance the root cause, and poprun does not exit 0."""
+    out = tmp_path / "r.json"
+    program = ("import os, time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\nc.Barrier()\n"
+               "if c.Get_rank() == 1:\n    os._exit(0)\nc.Barrier()\n")
+    proc = run_poprun(*OFFLINE, "--num-instances=3", "--num-replicas=3",
+                      f"--result-json={out}", sys.executable, "-c", program, timeout=90)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err[-3000:]
+    assert "instance 1 exited with status 0 without MPI_Finalize" in err
+    assert "MPI: exited with status 0 before MPI_Finalize" in err
+    result = json.loads(out.read_text())
+    assert result["root_cause"] == 1 and result["exit_reason"] == "instance"
+
+
 def test_each_attempt_of_a_restarted_job_gets_a_world_of_its_own(tmp_path):
     out = tmp_path / "r.json"
     program = ("import os\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"

@@ -84,6 +84,8 @@ class Job:
         self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
         self.world = None  # the instances' MPI world (run/world.MpiWorld), where served
         self.mpi_aborts: dict[int, tuple[int, str]] = {}  # instance -> MPI_Abort's code, text
+        self._unfinalized: set[int] = set()  # closed its MPI world before MPI_Finalize
+        self._no_finalize: int | None = None  # the instance whose exit 0 stopped the job
 
     @staticmethod
     def _router(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
@@ -298,6 +300,8 @@ class Job:
             self.root_cause = key
             self._stopping(f"instance {key} failed")
             self._stop(signal.SIGTERM)
+        elif returncode == 0:
+            self._maybe_unfinalized(key)
         self._maybe_finish()
 
     def on_host_lost(self, host: str, reason: str) -> None:
@@ -332,12 +336,26 @@ class Job:
             self._stop(signal.SIGTERM)
 
     def on_mpi_lost(self, key: int, initialized: bool) -> None:
-        """An instance's PMI connection closed before MPI_Finalize. One that ends badly stops
-        the job as any failure does; one still running (it closed the descriptor) or that
-        exits 0 is only noted at -v (issue 24: more to come)."""
+        """An instance's PMI connection closed before MPI_Finalize (one that never spoke
+        PMI does not count). One that ends badly stops the job as any failure does; one that
+        exits 0 (`os._exit`, say) would leave the others waiting for it in the world's next
+        collective: that stops the job too (`_maybe_unfinalized`)."""
         if initialized:
+            self._unfinalized.add(key)
             self.log.info(f"instance {key}: its MPI world connection closed before "
                           "MPI_Finalize")
+            self._maybe_unfinalized(key)
+
+    def _maybe_unfinalized(self, key: int) -> None:
+        """Its exit (status 0) and its unfinalized world, known in either order."""
+        record = self.started.get(key)
+        if (key in self._unfinalized and record is not None and record.returncode == 0
+                and self.stop_reason == "success" and self.running()):
+            self.log.error(f"instance {key} exited with status 0 without MPI_Finalize: its "
+                           "MPI world cannot go on")
+            self.root_cause = self._no_finalize = key
+            self._stopping(f"instance {key}: no MPI_Finalize")
+            self._stop(signal.SIGTERM)
 
     async def close_world(self) -> None:
         """The attempt's MPI world ends: its server stops, MPICH's /dev/shm leftovers go."""
@@ -474,7 +492,11 @@ class Job:
 
     def _as_aborted(self, inst: InstanceResult) -> InstanceResult:
         """An instance that called MPI_Abort ends with the abort's code and says so (its own
-        end was poprun's SIGTERM)."""
+        end was poprun's SIGTERM); one whose exit 0 without MPI_Finalize stopped the job ends
+        with status 1 (a job that could not complete never exits 0)."""
+        if inst.index == self._no_finalize and inst.returncode == 0:
+            return replace(inst, returncode=1, error=inst.error or {
+                "type": "MPI", "message": "exited with status 0 before MPI_Finalize"})
         if inst.index not in self.mpi_aborts:
             return inst
         code, message = self.mpi_aborts[inst.index]

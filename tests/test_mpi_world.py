@@ -58,6 +58,19 @@ def kvsnames(environ: dict[str, str]) -> list[str]:
             for names in (record.get("mpi_worlds") or {}).values() for name in names]
 
 
+def run_world(tmp_path, instances: int, program: str, *options: str):
+    """poprun with a --result-json: (the process, the result, None if none was written).
+    However the job ended, none of its worlds left a segment in /dev/shm."""
+    out = tmp_path / "r.json"
+    proc = run_poprun(*OFFLINE, f"--num-instances={instances}", f"--num-replicas={instances}",
+                      *options, f"--result-json={out}", sys.executable, "-c", program,
+                      timeout=90)
+    result = json.loads(out.read_text()) if out.exists() else None
+    for name in ((result or {}).get("mpi_worlds") or {}).get("localhost", []):
+        assert mpich_shm_leftovers(name) == []
+    return proc, result
+
+
 def test_four_instances_form_one_world_with_ranks_their_indices():
     proc = run_poprun(*OFFLINE, "-v", "--num-instances=4", "--num-replicas=4", sys.executable,
                       "-c", WORLD, timeout=90)
@@ -70,71 +83,53 @@ def test_four_instances_form_one_world_with_ranks_their_indices():
 
 
 def test_mpi_abort_ends_the_job_with_its_code_and_its_instance_as_root_cause(tmp_path):
-    out = tmp_path / "r.json"
-    program = ("import time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\nc.Barrier()\n"
-               "if c.Get_rank() == 1:\n    c.Abort(3)\ntime.sleep(60)\n")
-    proc = run_poprun(*OFFLINE, "--num-instances=4", "--num-replicas=4",
-                      f"--result-json={out}", sys.executable, "-c", program, timeout=90)
+    # MPICH leaves its segment after an abort: poprun does not (run_world checks).
+    proc, result = run_world(tmp_path, 4, "import time\nfrom mpi4py import MPI\n"
+                             "c = MPI.COMM_WORLD\nc.Barrier()\nif c.Get_rank() == 1:\n"
+                             "    c.Abort(3)\ntime.sleep(60)\n")
     err = proc.stderr.decode()
     assert proc.returncode == 3, err[-3000:]
     assert "instance 1 called MPI_Abort (exit code 3)" in err
     assert "instance 1 (pid" in err and "failed first: MPI_Abort: exit code 3" in err
-    result = json.loads(out.read_text())
     assert result["root_cause"] == 1 and result["exit_reason"] == "instance"
     assert {i["index"]: i["exit_status"] for i in result["instances"]}[1] == 3
-    (name,) = [n for n in result["mpi_worlds"]["localhost"]]
-    assert mpich_shm_leftovers(name) == []  # MPICH leaves them after an abort: poprun does not
+    assert len(result["mpi_worlds"]["localhost"]) == 1
 
 
 def test_a_killed_rank_ends_the_job_and_leaves_nothing_in_dev_shm(tmp_path):
-    out = tmp_path / "r.json"
-    program = ("import os, signal, time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
-               "c.Barrier()\nif c.Get_rank() == 2:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
-               "time.sleep(60)\n")
-    proc = run_poprun(*OFFLINE, "--num-instances=4", "--num-replicas=4",
-                      f"--result-json={out}", sys.executable, "-c", program, timeout=90)
+    proc, result = run_world(tmp_path, 4, "import os, signal, time\nfrom mpi4py import MPI\n"
+                             "c = MPI.COMM_WORLD\nc.Barrier()\nif c.Get_rank() == 2:\n"
+                             "    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)\n")
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr.decode()[-3000:]
-    result = json.loads(out.read_text())
     assert result["root_cause"] == 2
-    for name in result["mpi_worlds"]["localhost"]:
-        assert mpich_shm_leftovers(name) == []
 
 
 def test_an_instance_that_exits_0_without_finalize_ends_the_job(tmp_path):
     """Its peers would wait for it in their next collective forever: the job stops, that
     instance the root cause, and poprun does not exit 0."""
-    out = tmp_path / "r.json"
-    program = ("import os, time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\nc.Barrier()\n"
-               "if c.Get_rank() == 1:\n    os._exit(0)\nc.Barrier()\n")
-    proc = run_poprun(*OFFLINE, "--num-instances=3", "--num-replicas=3",
-                      f"--result-json={out}", sys.executable, "-c", program, timeout=90)
+    proc, result = run_world(tmp_path, 3, "import os\nfrom mpi4py import MPI\n"
+                             "c = MPI.COMM_WORLD\nc.Barrier()\nif c.Get_rank() == 1:\n"
+                             "    os._exit(0)\nc.Barrier()\n")
     err = proc.stderr.decode()
     assert proc.returncode == 1, err[-3000:]
     assert "instance 1 exited with status 0 without MPI_Finalize" in err
     assert "MPI: exited with status 0 before MPI_Finalize" in err
-    result = json.loads(out.read_text())
     assert result["root_cause"] == 1 and result["exit_reason"] == "instance"
 
 
 def test_each_attempt_of_a_restarted_job_gets_a_world_of_its_own(tmp_path):
-    out = tmp_path / "r.json"
-    program = ("import os\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
-               "print('attempt', os.environ['POPDIST_RESTART_COUNT'], 'size', c.Get_size(),"
-               " flush=True)\nc.Barrier()\n"
-               "if os.environ['POPDIST_RESTART_COUNT'] == '0' and c.Get_rank() == 0:\n"
-               "    c.Abort(5)\n")
-    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "--max-restarts=1",
-                      "--restart-delay=0", f"--result-json={out}", sys.executable, "-c",
-                      program, timeout=90)
+    proc, result = run_world(
+        tmp_path, 2, "import os\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+        "print('attempt', os.environ['POPDIST_RESTART_COUNT'], 'size', c.Get_size(),"
+        " flush=True)\nc.Barrier()\n"
+        "if os.environ['POPDIST_RESTART_COUNT'] == '0' and c.Get_rank() == 0:\n"
+        "    c.Abort(5)\n", "--max-restarts=1", "--restart-delay=0")
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     said = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("attempt"))
     assert said == ["attempt 0 size 2"] * 2 + ["attempt 1 size 2"] * 2
-    result = json.loads(out.read_text())
     names = result["mpi_worlds"]["localhost"]
     assert len(names) == 2 and names[0] != names[1]  # MPICH's shared memory is named by it
     assert [a["exit_code"] for a in result["attempts"]] == [5]
-    for name in names:
-        assert mpich_shm_leftovers(name) == []
 
 
 def test_a_killed_poprun_leaves_nothing_in_dev_shm(tmp_path):

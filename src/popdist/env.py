@@ -66,6 +66,20 @@ PMI_HOSTNAME = "PMI_HOSTNAME"  # MPICH's ofi netmod picks its network card by it
 MPI_LOCALRANKID = "MPI_LOCALRANKID"
 MPI_LOCALNRANKS = "MPI_LOCALNRANKS"
 
+# --- Horovod's Gloo world, as `horovodrun --gloo` sets it (horovod/runner/gloo_run.py) -------
+HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"  # the same for every instance of a host (its scope)
+HOROVOD_RANK = "HOROVOD_RANK"
+HOROVOD_SIZE = "HOROVOD_SIZE"
+HOROVOD_LOCAL_RANK = "HOROVOD_LOCAL_RANK"
+HOROVOD_LOCAL_SIZE = "HOROVOD_LOCAL_SIZE"
+HOROVOD_CROSS_RANK = "HOROVOD_CROSS_RANK"  # the host's index among those with this local rank
+HOROVOD_CROSS_SIZE = "HOROVOD_CROSS_SIZE"
+HOROVOD_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"  # poprun's rendezvous (run/rendezvous.py)
+HOROVOD_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
+HOROVOD_CONTROLLER = "HOROVOD_CONTROLLER"
+HOROVOD_CPU_OPERATIONS = "HOROVOD_CPU_OPERATIONS"  # else a Gloo-only build defaults to MPI's
+HOROVOD_GLOO_IFACE = "HOROVOD_GLOO_IFACE"
+
 # --- torch.distributed ------------------------------------------------------------------
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
@@ -121,6 +135,10 @@ class InstanceIdentity:
     executable_cache_path: str | None = None
     autoreport_dir: str | None = None
     restart_count: int | None = None  # this attempt (from 0) when restarts are enabled
+    host: str = ""  # its host's label
+    cross_rank: int = 0  # its host's index among the hosts that run its local index
+    cross_size: int = 1  # how many hosts run its local index
+    rendezvous: tuple[str, int] | None = None  # Horovod's Gloo rendezvous (address, port)
 
     @property
     def num_local_replicas(self) -> int:
@@ -158,6 +176,25 @@ def instance_environment(who: InstanceIdentity) -> dict[str, str]:
         env[AUTOREPORT_DIRECTORY] = who.autoreport_dir
     if who.restart_count is not None:
         env[RESTART_COUNT] = env[TORCHELASTIC_RESTART_COUNT] = str(who.restart_count)
+    if who.rendezvous is not None:
+        env.update(horovod_environment(who))
+    return env
+
+
+def horovod_environment(who: InstanceIdentity) -> dict[str, str]:
+    """Horovod's Gloo world: what `horovodrun --gloo` gives each process, the rendezvous
+    poprun's (instances are ranks; hosts fill ranks in order, as horovodrun's -H does)."""
+    address, port = who.rendezvous
+    env = {
+        HOROVOD_HOSTNAME: who.host, HOROVOD_RANK: str(who.index),
+        HOROVOD_SIZE: str(who.num_instances), HOROVOD_LOCAL_RANK: str(who.local_index),
+        HOROVOD_LOCAL_SIZE: str(who.local_size), HOROVOD_CROSS_RANK: str(who.cross_rank),
+        HOROVOD_CROSS_SIZE: str(who.cross_size), HOROVOD_RENDEZVOUS_ADDR: address,
+        HOROVOD_RENDEZVOUS_PORT: str(port), HOROVOD_CONTROLLER: "gloo",
+        HOROVOD_CPU_OPERATIONS: "gloo",
+    }
+    if address.startswith("127."):  # every instance on this host: Gloo's TCP over loopback
+        env[HOROVOD_GLOO_IFACE] = "lo"
     return env
 
 

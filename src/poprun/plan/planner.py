@@ -121,6 +121,7 @@ def plan(
     partition_env: Callable[[int], Mapping[str, str]] | None = None,
     restart_count: int | None = None,
     counts: tuple[int, ...] | None = None,
+    rendezvous: tuple[str, int] | None = None,
 ) -> LaunchPlan:
     """Plan the job. `program` is the argv with argv[0] resolved; `cache_paths` maps each host
     to its cache directory when `cache_mode()` is EXPLICIT or TEMPORARY. Instances on
@@ -128,7 +129,8 @@ def plan(
     environment contract"). Instances on a host with a known topology are bound as
     `--process-placement` says (None: unknown, unbound). `restart_count`: the attempt, when
     restarts are enabled (instances then see it). `counts`: instances per host, in host order
-    (None: the same on every host); instance indices run in contiguous blocks per host."""
+    (None: the same on every host); instance indices run in contiguous blocks per host.
+    `rendezvous`: the address and port of Horovod's Gloo rendezvous (run/rendezvous.py)."""
     mode = cache_mode(config, environ)
     counts = counts or even_counts(config.num_instances, len(hosts))
     if sum(counts) != config.num_instances or len(counts) != len(hosts):
@@ -147,12 +149,15 @@ def plan(
         binding = bindings[host][local_index]
         cache = (cache_paths or {}).get(host) if mode in (CacheMode.EXPLICIT,
                                                           CacheMode.TEMPORARY) else None
+        # Horovod's cross rank: the host's place among the hosts with this local index.
+        crossing = [h for h, count in zip(hosts, counts) if count > local_index]
         who = E.InstanceIdentity(
             index=index, num_instances=config.num_instances, local_index=local_index,
             local_size=per_host, num_total_replicas=config.num_replicas,
             ipus_per_replica=config.ipus_per_replica, master_addr=master_addr,
             master_port=master_port, executable_cache_path=cache,
-            autoreport_dir=config.autoreport_dir, restart_count=restart_count)
+            autoreport_dir=config.autoreport_dir, restart_count=restart_count, host=host,
+            cross_rank=crossing.index(host), cross_size=len(crossing), rendezvous=rendezvous)
         added = forwarded(environ, config.forward_env) if host in remote_hosts else {}
         added.update(E.instance_environment(who))
         added.update(poplar_env)
@@ -271,7 +276,7 @@ def remote_differences(config: LaunchConfig, environ: Mapping[str, str],
 
 
 _SET_BY_POPRUN = frozenset(E.instance_environment(E.InstanceIdentity(
-    0, 1, 0, 1, 1, 1, "", 0, "", "", 0)))
+    0, 1, 0, 1, 1, 1, "", 0, "", "", 0, rendezvous=("", 0))))
 
 
 def instance_environ(base: Mapping[str, str], inst: InstancePlan,

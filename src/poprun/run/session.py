@@ -52,10 +52,12 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
     program, mode = preflight(config, environ, cwd, resolve=hosts.any_local)
     cache = _explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
     master = LOOPBACK if hosts.first_is_local and not hosts.remote else hosts.labels[0]
+    rendezvous = (LOOPBACK if not hosts.remote else socket.gethostname(), free_port())
     return planning.plan(config, environ, program=program, master_port=free_port(),
                          hosts=hosts.labels, master_addr=master, remote_hosts=hosts.remote,
                          cache_paths={label: cache for label in hosts.labels},
-                         topologies=local_topologies(config, hosts), counts=hosts.counts)
+                         topologies=local_topologies(config, hosts), counts=hosts.counts,
+                         rendezvous=rendezvous)
 
 
 def local_topologies(config: LaunchConfig, hosts: JobHosts) -> dict[str, Topology]:
@@ -207,6 +209,7 @@ class _Session:
         self._result: LaunchResult | None = None
         self.control = None  # poprunctl's view of the job (run/watching.JobControl)
         self.mpi_worlds: list[str] = []  # the kvsname of every attempt's MPI world
+        self.rendezvous = None  # Horovod's (run/rendezvous.Rendezvous), once hosts are open
         self._own_id: str | None = None  # the job's id when it has no record
 
     async def __aenter__(self) -> _Session:
@@ -337,6 +340,7 @@ class _Session:
             await self._open_fleet()
         caches = await self._create_caches()
         master = await self._master_address()
+        self._open_rendezvous()
         earlier: list[LaunchResult] = []
         while True:
             self._plan(caches, master, attempt=len(earlier))
@@ -458,6 +462,24 @@ class _Session:
             await self.fleet.make_dirs(explicit)
         return caches
 
+    def _open_rendezvous(self) -> None:
+        """Horovod's Gloo rendezvous (run/rendezvous.py), on this machine's address as the
+        hosts reach it; none (said at -v) where it cannot listen there."""
+        from poprun.run.rendezvous import Rendezvous
+
+        address = LOOPBACK if self.fleet is None else self.fleet.own_address()
+        try:
+            self.rendezvous = Rendezvous(address, self.loop)
+        except OSError as exc:
+            self.log.info(f"no Horovod rendezvous: cannot listen on {address}: "
+                          f"{exc.strerror or exc}")
+            return
+        self.log.info(f"Horovod's Gloo rendezvous: {address}:{self.rendezvous.address[1]}")
+
+    async def _close_rendezvous(self) -> None:
+        if self.rendezvous is not None:
+            await self.rendezvous.close()
+
     async def _master_address(self) -> str:
         """MASTER_ADDR: loopback for a job on this host only, else the first host's address
         as the others reach it."""
@@ -530,7 +552,10 @@ class _Session:
             cache_paths=cache_paths, topologies=topologies,
             partition_env=self.partition.environment if self.partition else None,
             restart_count=attempt if self.config.max_restarts else None,
-            counts=self.hosts.counts)
+            counts=self.hosts.counts,
+            rendezvous=self.rendezvous.address if self.rendezvous else None)
+        if self.rendezvous is not None:  # each attempt's hvd.init() starts afresh
+            self.rendezvous.new_world([inst.host for inst in launch_plan.instances])
         if self.config.warns_single_instance:
             self.log.warning("Using --num-instances=1 and --num-replicas=1 together is not "
                              "supported and might give additional overhead and/or raise other "
@@ -581,7 +606,7 @@ class _Session:
         of them (a bug in one step must not leave processes, caches or a partition)."""
         errors = []
         for step in (self._close_fleet, self._close_dashboard, self.job.close,
-                     self.job.close_world,
+                     self.job.close_world, self._close_rendezvous,
                      self._restore_signals, self.cache.remove, self.lifeline.close,
                      self._release_partition,
                      lambda: self.control and self.control.close(self._result, exc_info[1])):

@@ -1,0 +1,134 @@
+"""Horovod's Gloo world (issue 24 point 2): the rendezvous poprun serves (run/rendezvous.py) and
+the variables `horovodrun --gloo` sets (popdist/env.py). The store and the ranks are pure
+tests; the protocol is checked with a plain-Python HTTP client speaking as horovod's C++
+client does (http_store.cc: a connection per request, 404 polled); real horovod
+(`hvd.init()`, allreduce) runs on this host and on two sshd hosts × 2 where it is installed:
+skipped without it, failed where POPRUN_REQUIRE_HOROVOD=1 (CI builds it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun
+from popdist import env as E
+from poprun.plan.config import LaunchConfig
+from poprun.plan.planner import plan
+from poprun.run.rendezvous import Rendezvous, Store, scope_sizes
+from sshd_hosts import start_ssh_hosts
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_ranks_local_and_cross_as_horovodrun_fills_hosts():
+    """-H h1:2,h2:1: ranks in host order; cross rank is the host's index among the hosts
+    that have that local rank (horovod/runner/common/util/hosts.py)."""
+    config = LaunchConfig(program=("p",), num_instances=3, num_replicas=3, offline_mode=True)
+    launch_plan = plan(config, {}, program=("p",), master_port=1, hosts=("h1", "h2"),
+                       counts=(2, 1), rendezvous=("10.0.0.1", 5))
+    got = [(i.env[E.HOROVOD_HOSTNAME], i.env[E.HOROVOD_RANK], i.env[E.HOROVOD_SIZE],
+            i.env[E.HOROVOD_LOCAL_RANK], i.env[E.HOROVOD_LOCAL_SIZE],
+            i.env[E.HOROVOD_CROSS_RANK], i.env[E.HOROVOD_CROSS_SIZE])
+           for i in launch_plan.instances]
+    assert got == [("h1", "0", "3", "0", "2", "0", "2"), ("h1", "1", "3", "1", "2", "0", "1"),
+                   ("h2", "2", "3", "0", "1", "1", "2")]
+    env = launch_plan.instances[0].env
+    assert (env[E.HOROVOD_RENDEZVOUS_ADDR], env[E.HOROVOD_RENDEZVOUS_PORT]) == ("10.0.0.1", "5")
+    assert env[E.HOROVOD_CONTROLLER] == env[E.HOROVOD_CPU_OPERATIONS] == "gloo"
+    assert E.HOROVOD_GLOO_IFACE not in env  # not loopback: Gloo picks the host's own
+
+
+def test_the_store_empties_a_scope_of_known_size_once_every_rank_is_done():
+    store = Store(scope_sizes(["h1", "h1", "h2"]))
+    assert store.sizes == {"global": 3, "local_h1": 2, "local_h2": 1, "cross_0": 2,
+                           "cross_1": 1}
+    for rank in range(3):
+        store.put("global", str(rank), b"addr%d" % rank)
+    assert store.get("global", "1") == b"addr1" and store.get("global", "9") is None
+    store.delete("global", "0")
+    store.delete("global", "1")
+    assert store.get("global", "2") == b"addr2"  # one rank is not done yet
+    store.delete("global", "2")
+    assert store.get("global", "2") is None  # a later hvd.init() starts afresh
+    store.put("global_process_set_hash_7d", "0", b"x")  # a process set: keys go one by one
+    store.delete("global_process_set_hash_7d", "0")
+    assert "global_process_set_hash_7d" not in store.values
+
+
+def test_the_protocol_as_horovods_client_speaks_it():
+    async def main():
+        rendezvous = Rendezvous("127.0.0.1", asyncio.get_running_loop())
+        rendezvous.new_world(["localhost", "localhost"])
+        host, port = rendezvous.address
+
+        def request(method: str, path: str, body: bytes = b""):
+            conn = http.client.HTTPConnection(host, port, timeout=10)
+            conn.request(method, path, body=body, headers={"Content-Length": str(len(body))})
+            reply = conn.getresponse()
+            answer = (reply.status, reply.getheader("Content-Length"), reply.read())
+            conn.close()
+            return answer
+
+        def session():
+            assert request("GET", "/global/1") == (404, "0", b"")  # polled until it is there
+            assert request("PUT", "/global/1", b"\x00\x01 raw") == (200, "0", b"")
+            assert request("GET", "/global/1") == (200, "6", b"\x00\x01 raw")
+            assert request("PUT", "/global/0", b"a") == (200, "0", b"")
+            assert request("DELETE", "/global/0")[0] == 200
+            assert request("DELETE", "/global/1")[0] == 200
+            assert request("GET", "/global/1")[0] == 404  # both done: emptied
+            assert request("GET", "/too/many/parts")[0] == 400
+            return True
+
+        assert await asyncio.to_thread(session)
+        await rendezvous.close()
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@pytest.fixture(scope="module")
+def horovod():
+    probe = subprocess.run([sys.executable, "-c", "import horovod.torch"],
+                           capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        reason = f"horovod with PyTorch is not installed ({probe.stderr.strip()[-200:]})"
+        if os.environ.get("POPRUN_REQUIRE_HOROVOD") == "1":
+            pytest.fail(f"{reason}; POPRUN_REQUIRE_HOROVOD=1 forbids skipping", pytrace=False)
+        pytest.skip(reason)
+
+
+# The PopDist guide's Listing 4.2, with an allreduce: the sum of rank+1 over the world.
+PROGRAM = """
+import horovod.torch as hvd, torch
+hvd.init()
+total = hvd.allreduce(torch.full((2 << 20,), float(hvd.rank() + 1)), op=hvd.Sum)
+print(f"hvd rank={hvd.rank()} size={hvd.size()} local={hvd.local_rank()}/{hvd.local_size()} "
+      f"cross={hvd.cross_rank()}/{hvd.cross_size()} sum={total[0].item():g} "
+      f"{bool((total == total[0]).all())}", flush=True)
+hvd.shutdown()
+"""
+
+
+def test_horovod_instances_on_this_host_form_one_world(horovod):
+    proc = run_poprun(*OFFLINE, "--num-instances=3", "--num-replicas=3", sys.executable,
+                      "-c", PROGRAM, timeout=100)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("hvd"))
+    assert lines == [f"hvd rank={r} size=3 local={r}/3 cross=0/1 sum=6 True" for r in range(3)]
+
+
+def test_horovod_across_two_hosts_of_two(horovod, tmp_path):
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        proc = subprocess.run(
+            poprun_argv(*OFFLINE, "-H", "h1,h2", "--num-instances=4", "--num-replicas=4",
+                        sys.executable, "-c", PROGRAM),
+            env=poprun_env(hosts.env()), capture_output=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("hvd"))
+    assert lines == [f"hvd rank={r} size=4 local={r % 2}/2 cross={r // 2}/2 sum=10 True"
+                     for r in range(4)]

@@ -44,8 +44,16 @@ def test_ranks_local_and_cross_as_horovodrun_fills_hosts():
     assert E.HOROVOD_GLOO_IFACE not in env  # not loopback: Gloo picks the host's own
 
 
+def planned(hosts: tuple[str, ...], counts: tuple[int, ...]) -> list[dict[str, str]]:
+    """Each instance's variables, as a launch plans them."""
+    n = sum(counts)
+    config = LaunchConfig(program=("p",), num_instances=n, num_replicas=n, offline_mode=True)
+    return [i.env for i in plan(config, {}, program=("p",), master_port=1, hosts=hosts,
+                                counts=counts, rendezvous=("127.0.0.1", 5)).instances]
+
+
 def test_the_store_empties_a_scope_of_known_size_once_every_rank_is_done():
-    store = Store(scope_sizes(["h1", "h1", "h2"]))
+    store = Store(scope_sizes(planned(("h1", "h2"), (2, 1))))
     assert store.sizes == {"global": 3, "local_h1": 2, "local_h2": 1, "cross_0": 2,
                            "cross_1": 1}
     for rank in range(3):
@@ -64,7 +72,7 @@ def test_the_store_empties_a_scope_of_known_size_once_every_rank_is_done():
 def test_the_protocol_as_horovods_client_speaks_it():
     async def main():
         rendezvous = Rendezvous("127.0.0.1", asyncio.get_running_loop())
-        rendezvous.new_world(["localhost", "localhost"])
+        rendezvous.new_world(planned(("localhost",), (2,)))
         host, port = rendezvous.address
 
         def request(method: str, path: str, body: bytes = b""):

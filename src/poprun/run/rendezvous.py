@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+
+from popdist import env as E
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
 MAX_VALUE = 64 << 20  # bytes: a Gloo address list is ~136 bytes a rank
@@ -55,16 +57,14 @@ class Store:
             self.values.pop(scope, None)
 
 
-def scope_sizes(hosts: list[str]) -> dict[str, int]:
-    """The scopes of known size for instances on `hosts` (instance i on hosts[i]), as
-    horovodrun declares them: global, each host's local scope, each local rank's cross."""
-    sizes = {"global": len(hosts)}
-    local_rank: dict[str, int] = {}
-    for host in hosts:
-        rank = local_rank.get(host, 0)
-        local_rank[host] = rank + 1
-        sizes[f"local_{host}"] = rank + 1
-        sizes[f"cross_{rank}"] = sizes.get(f"cross_{rank}", 0) + 1
+def scope_sizes(instances: Sequence[Mapping[str, str]]) -> dict[str, int]:
+    """The scopes of known size, as horovodrun declares them (global, each host's local
+    scope, each local rank's cross scope), from the variables the plan gave each instance:
+    the ranks are the planner's (popdist/env.horovod_environment), not worked out again."""
+    sizes = {"global": len(instances)}
+    for env in instances:
+        sizes[f"local_{env[E.HOROVOD_HOSTNAME]}"] = int(env[E.HOROVOD_LOCAL_SIZE])
+        sizes[f"cross_{env[E.HOROVOD_LOCAL_RANK]}"] = int(env[E.HOROVOD_CROSS_SIZE])
     return sizes
 
 
@@ -81,9 +81,9 @@ class Rendezvous:
         self._starting: asyncio.Task | None = None
         loop.add_reader(self._sock.fileno(), self._first_connection)
 
-    def new_world(self, hosts: list[str]) -> None:
-        """An attempt's instances (instance i on hosts[i]): the store starts empty."""
-        self.store = Store(scope_sizes(hosts))
+    def new_world(self, instances: Sequence[Mapping[str, str]]) -> None:
+        """An attempt's instances (each one's planned variables): the store starts empty."""
+        self.store = Store(scope_sizes(instances))
 
     def _first_connection(self) -> None:
         self.loop.remove_reader(self._sock.fileno())

@@ -555,7 +555,7 @@ class _Session:
             counts=self.hosts.counts,
             rendezvous=self.rendezvous.address if self.rendezvous else None)
         if self.rendezvous is not None:  # each attempt's hvd.init() starts afresh
-            self.rendezvous.new_world([inst.host for inst in launch_plan.instances])
+            self.rendezvous.new_world([inst.env for inst in launch_plan.instances])
         if self.config.warns_single_instance:
             self.log.warning("Using --num-instances=1 and --num-replicas=1 together is not "
                              "supported and might give additional overhead and/or raise other "

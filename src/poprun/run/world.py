@@ -48,14 +48,12 @@ class MpiWorld:
     def attach(self, inst: InstancePlan) -> tuple[dict[str, str], socket.socket]:
         """The instance's end of its PMI socket (to inherit, then close here) and the
         variables that point it there."""
+        # Every instance is attached before the loop runs again: the server is not up yet.
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         theirs.set_inheritable(True)
-        if self.server is not None:
-            self.server.adopt(inst.index, ours)
-        else:
-            ours.setblocking(False)
-            self._waiting[inst.index] = ours
-            self.loop.add_reader(ours.fileno(), self._readable, inst.index)
+        ours.setblocking(False)
+        self._waiting[inst.index] = ours
+        self.loop.add_reader(ours.fileno(), self._readable, inst.index)
         return {E.PMI_FD: str(theirs.fileno()), E.PMI_RANK: str(inst.index),
                 E.PMI_SIZE: str(len(self._plan.instances)), E.PMI_HOSTNAME: self._hostname,
                 E.MPI_LOCALRANKID: str(inst.local_index),

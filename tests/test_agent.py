@@ -280,6 +280,61 @@ def test_a_garbled_stream_ends_the_agent_and_its_instances(agent):
     wait_until(lambda: not alive(started.fields["pid"]), "the instance to be killed")
 
 
+# A PMI-1 client as MPICH's speaks it (spawner/pmi.py): init, a put, a barrier, gets of
+# every rank's key (rank 0's put on another host), then finalize, abort or nothing.
+PMI_CLIENT = textwrap.dedent("""
+    import os, socket, sys
+    s = socket.socket(fileno=int(os.environ["PMI_FD"]))
+    f = s.makefile("rwb", buffering=0)
+    rank = os.environ["PMI_RANK"]
+    def ask(line):
+        f.write(line.encode() + b"\\n")
+        return f.readline().decode().strip()
+    ask("cmd=init pmi_version=1 pmi_subversion=1")
+    ask(f"cmd=put kvsname=w key=k{rank} value=from {rank}")
+    ask("cmd=barrier_in")
+    print(rank, os.environ["PMI_SIZE"], [ask(f"cmd=get kvsname=w key=k{r}") for r in range(3)],
+          flush=True)
+    end = sys.argv[1]
+    if end == "finalize":
+        ask("cmd=finalize")
+    elif end == "abort":
+        f.write(b"cmd=abort exitcode=9 message=bye now\\n")
+        sys.stdin.read()  # MPICH returns from MPI_Abort and waits to be killed
+""")
+
+
+def test_a_world_s_ranks_here_go_to_the_launcher_once_per_barrier(agent):
+    """The agent serves the PMI of the world's ranks on its host (spawner/agentworld.py):
+    one BARRIER_IN for both, with both puts; BARRIER_OUT's puts answer their gets of a key
+    put on another host; abort and a connection closed unfinalized are reported."""
+    agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__, python=[3, 11])
+    agent.send(Kind.WORLD, kvsname="w", size=3, ranks=[1, 2], nodes=[0, 1, 1])
+    for rank, end in ((1, "none"), (2, "abort")):
+        assert agent.spawn(rank, PY, "-c", PMI_CLIENT, end, world="w",
+                           env_set={"PMI_RANK": str(rank), "PMI_SIZE": "3"}).kind is Kind.STARTED
+    barrier = agent.wait_for(lambda f: f.kind is Kind.BARRIER_IN)
+    assert barrier.fields == {"kvsname": "w", "count": 2,
+                              "puts": {"k1": "from 1", "k2": "from 2"}}
+    agent.send(Kind.BARRIER_OUT, kvsname="w",
+               puts={"k0": "from 0", "k1": "from 1", "k2": "from 2"})
+    for rank in (1, 2):
+        assert agent.read_line(rank).decode().split(" ", 2) == [
+            str(rank), "3", "['cmd=get_result rc=0 value=from\\\\ 0', "
+            "'cmd=get_result rc=0 value=from\\\\ 1', 'cmd=get_result rc=0 value=from\\\\ 2']\n"]
+    assert agent.wait_for(lambda f: f.kind is Kind.MPI_ABORT).fields == {
+        "kvsname": "w", "key": 2, "exitcode": 9, "message": "bye now"}
+    assert agent.wait_for(lambda f: f.kind is Kind.MPI_LOST).fields == {
+        "kvsname": "w", "key": 1, "initialized": True}
+    assert not [f for f in agent.events if f.kind is Kind.BARRIER_IN]  # once per barrier
+
+
+def test_a_spawn_into_a_world_the_agent_was_not_told_of_fails(agent):
+    agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__, python=[3, 11])
+    failed = agent.spawn(0, PY, "-c", "pass", world="nowhere")
+    assert failed.kind is Kind.SPAWN_FAILED and "nowhere" in failed.fields["error"]
+
+
 def test_stdin_must_be_a_pipe():
     proc = subprocess.run([PY, "-m", "spawner.agent"], stdin=subprocess.DEVNULL,
                           capture_output=True, env=poprun_env(), timeout=TIMEOUT)

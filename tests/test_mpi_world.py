@@ -21,7 +21,7 @@ import pytest
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
 from poprun.run.reap import host_parts
 from spawner.reaphere import mpich_shm_leftovers, mpich_world_ids, reap_here
-from sshd_hosts import wait_until
+from sshd_hosts import start_ssh_hosts, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -178,3 +178,111 @@ def test_a_program_without_mpi_is_untouched_by_the_world():
                       "os.environ['MPI_LOCALNRANKS'])")
     assert proc.returncode == 0 and proc.stderr == b"", proc.stderr.decode()
     assert sorted(proc.stdout.decode().split("\n")[:2]) == ["0 2 2", "1 2 2"]
+
+
+# --- across hosts: each agent serves its own instances and forwards (spawner/agentworld.py) --
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    with start_ssh_hosts(2, tmp_path_factory.mktemp("hosts")) as hosts:
+        yield hosts
+
+
+ACROSS = """
+import numpy as np
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+mine = np.full(1 << 20, rank + 1.0)  # 8 MB
+total = np.empty_like(mine)
+comm.Allreduce(mine, total)
+word = comm.bcast("hello" if rank == 0 else None, root=0)
+comm.Barrier()
+print(f"world rank={rank} size={size} sum={total.min():g}-{total.max():g} bcast={word}",
+      flush=True)
+"""
+
+
+def run_across(hosts, tmp_path, host_list: str, program: str, *options: str):
+    """poprun over sshd hosts with a --result-json, as run_world: (the process, the result).
+    However the job ended, none of its worlds left a segment in /dev/shm (one for every
+    test host: they share this machine's)."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, "-v", "-H", host_list, "--num-instances=4", "--num-replicas=4",
+                    *options, f"--result-json={out}", sys.executable, "-c", program),
+        env=poprun_env(hosts.env()), capture_output=True, timeout=100)
+    result = json.loads(out.read_text()) if out.exists() else None
+    for names in ((result or {}).get("mpi_worlds") or {}).values():
+        for name in names:
+            assert mpich_shm_leftovers(name) == []
+    return proc, result
+
+
+@pytest.mark.parametrize("host_list", ["h1,h2", "localhost,h2"])
+def test_two_hosts_of_two_form_one_world_with_an_8_mb_allreduce(two_hosts, tmp_path, host_list):
+    """Both hosts remote, or this one and a remote one (the launcher's own instances then
+    join the world it serves)."""
+    proc, result = run_across(two_hosts, tmp_path, host_list, ACROSS)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("world"))
+    assert lines == [f"world rank={r} size=4 sum=10-10 bcast=hello" for r in range(4)]
+    assert "MPI world: PMI-1 for 4 instance(s) on 2 hosts" in err
+    assert sorted(result["mpi_worlds"]) == sorted(host_list.split(","))
+
+
+def test_mpi_abort_on_another_host_ends_the_job_with_its_code(two_hosts, tmp_path):
+    proc, result = run_across(two_hosts, tmp_path, "h1,h2",
+                              "import time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+                              "c.Barrier()\nif c.Get_rank() == 3:\n    c.Abort(7)\n"
+                              "time.sleep(60)\n")
+    err = proc.stderr.decode()
+    assert proc.returncode == 7, err[-3000:]
+    assert "instance 3 called MPI_Abort (exit code 7)" in err
+    assert result["root_cause"] == 3 and result["exit_reason"] == "instance"
+
+
+def test_a_killed_rank_on_another_host_ends_the_job(two_hosts, tmp_path):
+    proc, result = run_across(two_hosts, tmp_path, "h1,h2",
+                              "import os, signal, time\nfrom mpi4py import MPI\n"
+                              "c = MPI.COMM_WORLD\nc.Barrier()\nif c.Get_rank() == 2:\n"
+                              "    os.kill(os.getpid(), signal.SIGKILL)\nc.Barrier()\n"
+                              "time.sleep(60)\n")
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr.decode()[-3000:]
+    assert result["root_cause"] == 2
+
+
+def test_each_attempt_across_hosts_gets_a_world_of_its_own(two_hosts, tmp_path):
+    proc, result = run_across(
+        two_hosts, tmp_path, "h1,h2",
+        "import os\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+        "print('attempt', os.environ['POPDIST_RESTART_COUNT'], 'size', c.Get_size(),"
+        " flush=True)\nc.Barrier()\n"
+        "if os.environ['POPDIST_RESTART_COUNT'] == '0' and c.Get_rank() == 2:\n"
+        "    c.Abort(5)\n", "--max-restarts=1", "--restart-delay=0")
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    said = sorted(line for line in proc.stdout.decode().splitlines()
+                  if line.startswith("attempt 1"))
+    assert said == ["attempt 1 size 4"] * 4
+    names = result["mpi_worlds"]["h2"]
+    assert len(names) == 2 and names[0] != names[1]
+
+
+def test_a_killed_poprun_leaves_nothing_in_dev_shm_on_the_hosts(two_hosts):
+    """SIGKILL of poprun while the world is up on two hosts: each agent sees its launcher
+    go, kills its instances and removes what MPICH made there."""
+    program = ("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+               "print('in', flush=True)\ntime.sleep(60)\n")
+    with reaped(subprocess.Popen(
+            poprun_argv(*OFFLINE, "-H", "h1,h2", "--num-instances=4", "--num-replicas=4",
+                        sys.executable, "-c", program),
+            env=poprun_env({**two_hosts.env(), "POPRUN_NO_DASHBOARD": "1"}),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)) as job:
+        for _ in range(4):
+            assert job.stdout.readline() == b"in\n"  # the world is up on both hosts
+        environ = {**os.environ, **two_hosts.env()}
+        (name,) = {n for n in kvsnames(environ) if mpich_shm_leftovers(n)}  # one per host
+        job.kill()
+        job.wait(30)
+    wait_until(lambda: not mpich_shm_leftovers(name), "the agents to remove the segments")

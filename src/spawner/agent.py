@@ -33,6 +33,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from itertools import islice
 from typing import Any
 
@@ -255,7 +256,11 @@ class Agent:
         self._handlers = {Kind.HELLO: self._hello, Kind.MKTEMP: self._mktemp,
                           Kind.MKDIR: self._mkdir, Kind.HEARTBEAT: lambda fields: None,
                           Kind.SPAWN: self._spawn, Kind.SIGNAL: self._signal,
-                          Kind.STACKS: self._stacks}
+                          Kind.STACKS: self._stacks, Kind.WORLD: self._open_world,
+                          Kind.WORLD_END: self._end_world,
+                          Kind.BARRIER_OUT: partial(self._to_world, Kind.BARRIER_OUT),
+                          Kind.VALUE: partial(self._to_world, Kind.VALUE)}
+        self._worlds: dict[str, Any] = {}  # kvsname -> spawner.agentworld.AgentWorld
         self._last_heard = time.monotonic()
         self.done, self.status = False, 0
         self.finished = loop.create_future()  # set by stop()
@@ -377,10 +382,38 @@ class Agent:
 
     def _start(self, request: SpawnRequest) -> int:
         self._spawner.forget(request.key)  # a restarted job reuses its keys; a running one
-        return self._spawner.spawn(ProcessSpec(
-            key=request.key, argv=request.argv, cwd=request.cwd,
-            env=instance_environ(request.env_set, request.env_unset),
-            merge_stderr=request.merge_stderr, cpus=request.cpus, mems=request.mems))
+        env = instance_environ(request.env_set, request.env_unset)
+        pmi_end = None
+        if request.world is not None:
+            world_env, pmi_end = self._worlds[request.world].attach(request.key)
+            env.update(world_env)
+        try:
+            return self._spawner.spawn(ProcessSpec(
+                key=request.key, argv=request.argv, cwd=request.cwd, env=env,
+                merge_stderr=request.merge_stderr, cpus=request.cpus, mems=request.mems,
+                pass_fds=(pmi_end.fileno(),) if pmi_end is not None else ()))
+        finally:
+            if pmi_end is not None:
+                pmi_end.close()  # the instance has its copy
+
+    # --- MPI worlds (spawner/agentworld.py) -------------------------------------------
+
+    def _open_world(self, fields: dict[str, Any]) -> None:
+        from .agentworld import AgentWorld
+
+        world = AgentWorld(self._loop, fields, self._outbox.send, self._lifeline)
+        self._worlds[world.kvsname] = world
+
+    def _end_world(self, fields: dict[str, Any]) -> None:
+        world = self._worlds.pop(fields["kvsname"], None)
+        if world is not None:
+            self._loop.create_task(world.close())
+
+    def _to_world(self, kind: Kind, fields: dict[str, Any]) -> None:
+        """BARRIER_OUT, VALUE: the launcher's answers to a world's requests."""
+        world = self._worlds.get(fields["kvsname"])
+        if world is not None:  # else one that has ended
+            world.answered(kind, fields)
 
     def _spawner_knows(self, key: int) -> bool:
         try:
@@ -456,6 +489,9 @@ class Agent:
         """SIGKILL every instance's group and reap it, remove the temp dirs; then a last,
         non-blocking attempt to tell the launcher (if it still listens) how they ended."""
         self._spawner.close()
+        for world in self._worlds.values():  # its instances are dead now
+            world.remove_leftovers()
+        self._worlds.clear()
         for path in self._temp_dirs:
             shutil.rmtree(path, ignore_errors=True)
             self._lifeline.discard_dir(path)

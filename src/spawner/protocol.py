@@ -19,10 +19,15 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                heartbeat: [interval, timeout]}  both sides beat; silence past `timeout` ends it
       MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
       MKDIR   {id, path}                     a directory (and parents) that is kept
-      SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems}
+      SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world}
       SIGNAL  {key (null: every instance), signal (name, e.g. "SIGTERM")}
       HEARTBEAT {}                           every `interval` seconds
       STACKS  {id, keys (null: every instance), within}    their Python stacks (stackdump.py)
+      WORLD   {kvsname, size, ranks, nodes}  an MPI world whose `ranks` run here (before their
+                                             SPAWNs, which name it); nodes: each rank's host
+      WORLD_END {kvsname}                    the world's instances are gone: clean up after it
+      BARRIER_OUT {kvsname, puts | error}    the job-wide barrier is complete: its puts
+      VALUE   {kvsname, id, value}           answers GET (value null: absent)
       (closing the agent's stdin ends it: it kills its instances and removes its temp dirs)
     agent -> launcher
       REPLY   {id, result}                   result of HELLO: see agent.hello_reply()
@@ -39,6 +44,11 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              its uncaught exception (popdist/errorfile.py)
       STATS   {usage: {key: [cpu %, rss]}}   every `stats` seconds, when HELLO gave it
       ALIVE   {}                             every `interval` seconds (the agent's heartbeat)
+      BARRIER_IN {kvsname, count, puts}      all `count` instances here entered a PMI barrier
+      GET     {kvsname, id, key}             a PMI key this host has not seen
+      MPI_ABORT {kvsname, key, exitcode, message}   an instance called MPI_Abort
+      MPI_LOST {kvsname, key, initialized}   an instance's PMI connection closed unfinalized
+      (spawner/agentworld.py: the agent's side of a world; poprun/run/world.py the launcher's)
       INTERNAL {error, traceback}            a bug in the agent: it kills its instances,
                                              removes its temp dirs and exits with status 70
 """
@@ -54,7 +64,7 @@ from typing import Any, NamedTuple
 
 from .local import Stream
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)
@@ -80,6 +90,14 @@ class Kind(enum.IntEnum):
     """Launcher: I am here. An agent that hears nothing for the HELLO's timeout stops."""
     STACKS = 7
     """Launcher: the Python stacks of instances. Agent answers with REPLY {stacks}."""
+    WORLD = 8
+    """Launcher: serve an MPI world's PMI for the instances of it that will run here."""
+    WORLD_END = 9
+    """Launcher: that world is over (its instances are gone): clean up after it."""
+    BARRIER_OUT = 10
+    """Launcher: the world's barrier is complete; the puts of its epoch."""
+    VALUE = 11
+    """Launcher: the value of a key an agent asked for (GET)."""
     REPLY = 16
     """Agent: the result of the request with the same id."""
     FAILED = 17
@@ -98,6 +116,14 @@ class Kind(enum.IntEnum):
     """Agent: I am here (its heartbeat). A launcher that hears nothing declares it lost."""
     INTERNAL = 23
     """Agent: it hit a bug (`error`, `traceback`), killed its instances and is exiting."""
+    BARRIER_IN = 25
+    """Agent: every instance of a world here entered a barrier (once per host and barrier)."""
+    GET = 26
+    """Agent: a world's key this host has not seen. Launcher answers with VALUE."""
+    MPI_ABORT = 27
+    """Agent: an instance called MPI_Abort."""
+    MPI_LOST = 28
+    """Agent: an instance's PMI connection closed before MPI_Finalize."""
 
 
 _KINDS = {int(k): k for k in Kind}
@@ -138,12 +164,14 @@ class SpawnRequest:
     merge_stderr: bool = False
     cpus: tuple[int, ...] | None = None  # CPU binding there (None: not bound)
     mems: tuple[int, ...] | None = None  # memory node binding there (None: not bound)
+    world: str | None = None  # the kvsname of the MPI world it joins (a WORLD frame's)
 
     def to_fields(self) -> dict[str, Any]:
         return {"key": self.key, "argv": list(self.argv), "env_set": dict(self.env_set),
                 "env_unset": list(self.env_unset), "cwd": self.cwd,
                 "merge_stderr": self.merge_stderr,
-                "cpus": _list_or_none(self.cpus), "mems": _list_or_none(self.mems)}
+                "cpus": _list_or_none(self.cpus), "mems": _list_or_none(self.mems),
+                "world": self.world}
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, Any]) -> SpawnRequest:
@@ -156,7 +184,8 @@ class SpawnRequest:
             raise TypeError("argv and environment must be non-empty lists/maps of strings")
         return cls(key=int(fields["key"]), argv=argv, env_set=env_set, env_unset=env_unset,
                    cwd=fields.get("cwd"), merge_stderr=bool(fields.get("merge_stderr")),
-                   cpus=_ints_or_none(fields.get("cpus")), mems=_ints_or_none(fields.get("mems")))
+                   cpus=_ints_or_none(fields.get("cpus")), mems=_ints_or_none(fields.get("mems")),
+                   world=fields.get("world"))
 
 
 def _list_or_none(values: tuple[int, ...] | None) -> list[int] | None:

@@ -64,6 +64,10 @@ HEARTBEATS_PER_TIMEOUT = 3  # heartbeats each way within one --host-timeout
 STDERR_TAIL = 4096  # bytes of the agent's stderr kept for error messages
 
 
+# The agent's frames about an MPI world it serves (spawner.agentworld).
+_WORLD_KINDS = frozenset({Kind.BARRIER_IN, Kind.GET, Kind.MPI_ABORT, Kind.MPI_LOST})
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 class RemoteError(SshError):
@@ -274,6 +278,9 @@ class RemoteSpawner:
         # Per instance, when its STARTED came (time.monotonic()): spawn_all returns only
         # once every instance of the host has started, and one may have printed before.
         self.started_at: dict[int, float] = {}
+        # The launcher's side of the MPI world served here (poprun/run/world.py): called
+        # with each of the agent's BARRIER_IN, GET, MPI_ABORT and MPI_LOST frames.
+        self.on_world: Callable[[RemoteSpawner, Control], None] | None = None
 
     # --- starting ---------------------------------------------------------------------
 
@@ -381,6 +388,18 @@ class RemoteSpawner:
         reply = await self._request(Kind.STACKS, timeout + CLOSE_TIMEOUT, within=timeout,
                                     keys=None if keys is None else list(keys))
         return {int(key): found for key, found in reply["stacks"].items()}
+
+    def open_world(self, on_world: Callable[[RemoteSpawner, Control], None],
+                   **fields: Any) -> None:
+        """WORLD: the agent serves an MPI world's PMI for its ranks here (spawner.agentworld);
+        its requests go to `on_world`. Send before the SPAWNs that join it."""
+        self.on_world = on_world
+        self._send(encode(Kind.WORLD, **fields))
+
+    def tell(self, kind: Kind, **fields: Any) -> None:
+        """A frame that needs no answer (a world's WORLD_END, BARRIER_OUT, VALUE): dropped
+        when the agent is gone or going, as nothing there needs it any more."""
+        self._send_quietly(encode(kind, **fields))
 
     def write(self, data: bytes) -> None:
         """Raw bytes on the agent's stdin, outside the protocol (spawner.bootstrap's zip)."""
@@ -506,6 +525,9 @@ class RemoteSpawner:
             self._resolve(self._spawning.pop(fields["key"], None), (fields["pid"], None))
         elif frame.kind is Kind.ALIVE:
             pass  # its arrival is the news (_on_data noted the time)
+        elif frame.kind in _WORLD_KINDS:
+            if self.on_world is not None:
+                self.on_world(self, frame)
         elif frame.kind is Kind.STATS:  # for a sink that shows them (the dashboard)
             on_usage = getattr(self._sink, "on_usage", None)
             for key, (cpu, rss) in fields["usage"].items() if on_usage else ():

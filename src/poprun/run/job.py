@@ -29,7 +29,7 @@ from poprun.events import Observers
 from poprun.log import Log
 from poprun.plan import planner as planning
 from poprun.plan.config import LaunchConfig
-from poprun.plan.planner import LaunchPlan
+from poprun.plan.planner import InstancePlan, LaunchPlan
 from poprun.result import (LOST_HOST_STATUS, InstanceResult, LaunchResult, end_reason,
                            exit_status)
 from poprun.run.output import OutputOptions, OutputRouter, output_files
@@ -111,20 +111,20 @@ class Job:
               kvsname: str | None = None) -> None:
         """Start this host's instances; with `remote` spawners (by host), `spawn_remote()`
         starts theirs. `on_finished` is called once every instance has exited (or was lost)
-        and its output has been delivered. `kvsname`: the name of the instances' MPI world,
-        served when they all run here (run/world.py)."""
+        and its output has been delivered. `kvsname`: the name of the instances' MPI world
+        (run/world.py)."""
         self.on_finished, self.remote = on_finished, remote or {}
         self.local = LocalSpawner(self, self.loop, lifeline)
-        if kvsname and not self.remote:
+        if kvsname:
             from poprun.run.world import MpiWorld
 
             self.world = MpiWorld(kvsname, self.plan, self.loop, lifeline=lifeline,
-                                  on_abort=self.on_mpi_abort, on_lost=self.on_mpi_lost)
-            self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s), "
-                          f"kvsname {kvsname}")
-        elif self.remote:
-            self.log.info("MPI world: none served for a job on several hosts yet (an MPICH "
-                          "program's instances each get a world of one)")
+                                  remote=self.remote, on_abort=self.on_mpi_abort,
+                                  on_lost=self.on_mpi_lost)
+            count = len({inst.host for inst in self.plan.instances})
+            hosts = f" on {count} hosts" if count > 1 else ""
+            self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s)"
+                          f"{hosts}, kvsname {kvsname}")
         self._spawn_local()
         self._all_started = not self.remote
         self._maybe_finish()
@@ -188,11 +188,20 @@ class Job:
         merge = self.config.effective_merge_stderr
         hosts = list(self.remote)
         self._spawning_remote = True
+        world = self.world
+        if world is not None:
+            world.open_remote()
+
+        def request(inst: InstancePlan) -> SpawnRequest:
+            env = inst.env if world is None else {**inst.env, **world.variables(inst)}
+            return SpawnRequest(key=inst.index, argv=inst.argv, env_set=env,
+                                env_unset=self.plan.unset_env, cwd=self.cwd, merge_stderr=merge,
+                                cpus=inst.cpus, mems=inst.mems,
+                                world=world.kvsname if world is not None else None)
+
         outcomes = await asyncio.gather(*(self.remote[host].spawn_all(
-            SpawnRequest(key=inst.index, argv=inst.argv, env_set=inst.env,
-                         env_unset=self.plan.unset_env, cwd=self.cwd, merge_stderr=merge,
-                         cpus=inst.cpus, mems=inst.mems)
-            for inst in self.plan.on_host(host)) for host in hosts), return_exceptions=True)
+            request(inst) for inst in self.plan.on_host(host)) for host in hosts),
+            return_exceptions=True)
         problems = []
         for host, outcome in zip(hosts, outcomes):
             pids = outcome.started if isinstance(outcome, RemoteSpawnError) else outcome

@@ -316,9 +316,10 @@ class _Session:
                 "port": partition.port, "timeout": partition.timeout,
                 "executable": partition.executable},
             "output_dir": output_files(self.config.effective_output_filename, self.cwd)[0],
-            # Served on this host only (run/world.py): what reap removes from /dev/shm.
-            "mpi_worlds": {label: list(self.mpi_worlds) for label in labels
-                           if label not in remote} if self.mpi_worlds else {},
+            # Every host's instances join them (run/world.py): what reap removes from
+            # /dev/shm on each.
+            "mpi_worlds": {label: list(self.mpi_worlds) for label in labels}
+            if self.mpi_worlds else {},
         }
 
     async def run(self) -> None:

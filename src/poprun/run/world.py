@@ -1,109 +1,147 @@
 """The instances' MPI world (issue 24): what mpirun gave the instances of Graphcore's PopRun,
 poprun serves itself. MPICH-family programs (the `mpich` wheel under mpi4py, Intel MPI,
-MVAPICH) find their world through PMI-1: each instance gets one end of a socket pair
-(`PMI_FD`, `PMI_RANK`, `PMI_SIZE`, and the variables Hydra adds) and poprun's server
-(spawner/pmi.py) answers its puts, gets and barriers. Ranks are instance indices.
+MVAPICH) find their world through PMI-1: each instance gets one end of a socket pair from its
+host's spawner (`PMI_FD`, `PMI_RANK`, `PMI_SIZE`, and the variables Hydra adds) and a PMI
+server (spawner/pmi.py) answers its puts, gets and barriers. Ranks are instance indices.
 
-Served for jobs whose instances all run on this host; a job on several hosts gets no PMI
-world yet (its agents will serve theirs and forward: spawner/pmi.py's agent mode) and `-v`
-says so.
+This host's instances are served here. On every other host the agent serves its own
+(spawner/agentworld.py) and comes here only for what crosses hosts, over the connection it
+already has: one BARRIER_IN per host and barrier, a GET for a key it has not seen, an abort or
+a lost connection. This server holds the job's key-value space and the world-wide barrier.
 
-A job that does not use MPI pays for a socket pair per instance and nothing more: the server
-(and the import of its module, ~5 ms) starts when an instance first writes to its socket;
-until then the launcher's ends are only watched, and an instance that ends without a word is
-forgotten.
+A job that does not use MPI pays for a socket pair per instance and a WORLD frame per host:
+the servers (and the import of their module, ~5 ms) start when an instance first writes to
+its socket, or an agent first asks.
 
 The kvsname is unique per job and per attempt: MPICH names its shared memory after it, and a
 name used again finds the old segment (MPI_Init hangs). What an aborted or killed world
-leaves in /dev/shm is removed when the attempt ends, by the lifeline's watchdog when poprun is
-killed outright, and by `poprunctl reap` (a host whose watchdog could not run).
+leaves in /dev/shm is removed on every host when the attempt ends, by the lifelines'
+watchdogs when poprun or an agent is killed outright, and by `poprunctl reap`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from popdist import env as E
+from spawner.pmiends import PmiEnds
+from spawner.protocol import Control, Kind
 
 from poprun.plan.planner import InstancePlan, LaunchPlan
 
 
 class MpiWorld:
-    """One attempt's world for the plan's instances, all on this host."""
+    """One attempt's world for the plan's instances; `remote`: the agents (by host) of the
+    hosts other than this one."""
 
     def __init__(self, kvsname: str, launch_plan: LaunchPlan, loop: asyncio.AbstractEventLoop,
-                 *, lifeline, on_abort: Callable[[int, int, str], None],
+                 *, lifeline, remote: Mapping[str, object] | None = None,
+                 on_abort: Callable[[int, int, str], None],
                  on_lost: Callable[[int, bool], None]) -> None:
         self.kvsname, self.loop, self._lifeline = kvsname, loop, lifeline
-        self._plan = launch_plan
+        self._plan, self._remote = launch_plan, dict(remote or {})
         self._on_abort, self._on_lost = on_abort, on_lost
         hosts = [inst.host for inst in launch_plan.instances]
         self._local_size = {host: hosts.count(host) for host in set(hosts)}
-        self._hostname = socket.gethostname()
-        self._waiting: dict[int, socket.socket] = {}  # rank -> our end, not served yet
-        self.server = None  # spawner.pmi.PmiServer, once an instance has spoken
+        order = list(dict.fromkeys(hosts))
+        self._nodes = [order.index(host) for host in hosts]  # each rank's host
+        self._ends = PmiEnds(loop, self._start_server)
+        self._tasks: set[asyncio.Task] = set()
+        self.server = None  # spawner.pmi.PmiServer, once an instance or an agent has spoken
+        self._cleans_here = False  # MPICH may leave segments on this host (local instances)
+
+    def variables(self, inst: InstancePlan) -> dict[str, str]:
+        """What every instance is told, on any host (its host's spawner adds `PMI_FD` and
+        `PMI_HOSTNAME`)."""
+        return {E.PMI_RANK: str(inst.index), E.PMI_SIZE: str(len(self._plan.instances)),
+                E.MPI_LOCALRANKID: str(inst.local_index),
+                E.MPI_LOCALNRANKS: str(self._local_size[inst.host])}
 
     def attach(self, inst: InstancePlan) -> tuple[dict[str, str], socket.socket]:
-        """The instance's end of its PMI socket (to inherit, then close here) and the
-        variables that point it there."""
-        # Every instance is attached before the loop runs again: the server is not up yet.
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        theirs.set_inheritable(True)
-        ours.setblocking(False)
-        self._waiting[inst.index] = ours
-        self.loop.add_reader(ours.fileno(), self._readable, inst.index)
-        return {E.PMI_FD: str(theirs.fileno()), E.PMI_RANK: str(inst.index),
-                E.PMI_SIZE: str(len(self._plan.instances)), E.PMI_HOSTNAME: self._hostname,
-                E.MPI_LOCALRANKID: str(inst.local_index),
-                E.MPI_LOCALNRANKS: str(self._local_size[inst.host])}, theirs
+        """A local instance's end of its PMI socket (to inherit, then close here) and every
+        variable that points it there."""
+        theirs = (self.server.attach(inst.index) if self.server is not None
+                  else self._ends.attach(inst.index))
+        return {**self.variables(inst), E.PMI_FD: str(theirs.fileno()),
+                E.PMI_HOSTNAME: socket.gethostname()}, theirs
 
-    def _readable(self, rank: int) -> None:
-        """An instance wrote (the world starts) or ended without a word (forgotten)."""
-        ours = self._waiting[rank]
-        try:
-            spoke = ours.recv(1, socket.MSG_PEEK) != b""
-        except BlockingIOError:
-            return
-        except OSError:
-            spoke = False
-        if not spoke:
-            self.loop.remove_reader(ours.fileno())
-            ours.close()
-            del self._waiting[rank]
-            return
-        self._start_server()
+    def open_remote(self) -> None:
+        """Tell each agent which of the world's ranks run there (before their SPAWNs)."""
+        size = len(self._plan.instances)
+        for host, spawner in self._remote.items():
+            spawner.open_world(self._from_agent, kvsname=self.kvsname, size=size,
+                               ranks=[inst.index for inst in self._plan.on_host(host)],
+                               nodes=self._nodes)
 
     def _start_server(self) -> None:
         from spawner import pmi
 
-        # Before MPICH makes its segment (its MPI_Init speaks PMI first): a poprun killed
-        # outright leaves nothing in /dev/shm either (spawner/lifeline.py).
-        if self._lifeline is not None:
+        local = [inst.index for inst in self._plan.instances if inst.host not in self._remote]
+        # Before MPICH makes its segment here (its MPI_Init speaks PMI first): a poprun
+        # killed outright leaves nothing in /dev/shm either (spawner/lifeline.py).
+        self._cleans_here = bool(local)
+        if self._cleans_here and self._lifeline is not None:
             self._lifeline.add_mpi_world(self.kvsname)
-        instances = self._plan.instances
-        hosts = list(dict.fromkeys(inst.host for inst in instances))
         self.server = pmi.PmiServer(
-            self.kvsname, len(instances), on_abort=self._on_abort, on_lost=self._on_lost,
-            process_mapping=pmi.process_mapping_for_ranks(
-                hosts.index(inst.host) for inst in instances))
-        waiting, self._waiting = self._waiting, {}
-        for rank, ours in waiting.items():
-            self.loop.remove_reader(ours.fileno())
-            ours.setblocking(True)  # asyncio's streams set their own mode
+            self.kvsname, len(self._plan.instances), local_ranks=local,
+            on_abort=self._on_abort, on_lost=self._on_lost,
+            process_mapping=pmi.process_mapping_for_ranks(self._nodes))
+        for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
 
+    # --- what the agents ask ------------------------------------------------------------
+
+    def _from_agent(self, spawner, frame: Control) -> None:
+        fields = frame.fields
+        if fields.get("kvsname") != self.kvsname:
+            return  # the world of an attempt that has ended
+        if frame.kind is Kind.MPI_ABORT:
+            self._on_abort(int(fields["key"]), int(fields["exitcode"]),
+                           str(fields.get("message", "")))
+            return
+        if frame.kind is Kind.MPI_LOST:
+            self._on_lost(int(fields["key"]), bool(fields["initialized"]))
+            return
+        if self.server is None:
+            self._start_server()
+        if frame.kind is Kind.GET:
+            spawner.tell(Kind.VALUE, kvsname=self.kvsname, id=fields["id"],
+                         value=self.server.kvs.get(str(fields["key"])))
+        else:  # BARRIER_IN: answered once the whole world is in
+            task = self.loop.create_task(self._barrier(spawner, int(fields["count"]),
+                                                       dict(fields["puts"])))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _barrier(self, spawner, count: int, puts: dict[str, str]) -> None:
+        from spawner.pmi import PmiError
+
+        try:
+            delta = await self.server.group_barrier(count, puts)
+        except PmiError as exc:  # a host's instances broke the protocol: theirs fail
+            spawner.tell(Kind.BARRIER_OUT, kvsname=self.kvsname, error=str(exc))
+            return
+        spawner.tell(Kind.BARRIER_OUT, kvsname=self.kvsname, puts=delta)
+
+    # --- ending -------------------------------------------------------------------------
+
     async def close(self) -> list[str]:
-        """Stop serving (every instance has ended by now) and remove what MPICH left in
-        /dev/shm; the paths removed. A world nobody spoke to has left nothing."""
-        for ours in self._waiting.values():
-            self.loop.remove_reader(ours.fileno())
-            ours.close()
-        self._waiting.clear()
+        """Stop serving (every instance has ended by now), let the agents clean up after
+        the world, and remove what MPICH left in /dev/shm here; the paths removed. A world
+        nobody spoke to has left nothing."""
+        self._ends.close()
+        for host, spawner in self._remote.items():
+            spawner.tell(Kind.WORLD_END, kvsname=self.kvsname)
+            spawner.on_world = None
+        for task in list(self._tasks):
+            task.cancel()
         if self.server is None:
             return []
         await self.server.close()
+        if not self._cleans_here:  # none of its instances ran here
+            return []
         from spawner.reaphere import remove_mpich_shm
 
         removed = [entry["path"] for entry in remove_mpich_shm(self.kvsname) if entry["done"]]

@@ -288,6 +288,19 @@ class TestMpiArgs:
         with pytest.raises(ConfigError, match="expected '<instance index>:<args>'"):
             mpiargs.parse_instance_args(text)
 
+    @pytest.mark.parametrize("text,count", [  # mpirun(1)'s spellings of processes per node
+        ("--npernode 16", 16), ("-npernode 4", 4), ("--npernode=3", 3), ("-N 2", 2),
+        ("--pernode", 1), ("-pernode", 1), ("--tag-output --npernode 16", 16),
+    ])
+    def test_processes_per_node(self, text, count):
+        assert mpi(text).npernode == count
+
+    @pytest.mark.parametrize("text", ["--npernode 0", "-N x", "--npernode 9999999999",
+                                      "--npernode -1"])
+    def test_processes_per_node_must_be_a_count(self, text):
+        with pytest.raises(ConfigError, match="is not a number of instances per host"):
+            mpi(text)
+
     def test_merge_accumulates_and_later_values_win(self):
         merged = mpiargs.merge([mpi("-x A --output-filename first --mca a b"),
                                 mpi("--tag-output -x B"),
@@ -340,11 +353,12 @@ def test_mpirun_arguments_are_one_list_for_parser_help_and_readme():
     assert summary in str(info.value)
     for arg in mpiargs.ARGS:  # every listed argument parses, with its value words
         dash = "-" if len(arg.name) == 1 else "--"
-        parsed = mpi(" ".join([dash + arg.name] + ["v"] * arg.words))
+        value = "2" if arg.field == "npernode" else "v"  # a count, not a word
+        parsed = mpi(" ".join([dash + arg.name] + [value] * arg.words))
         if arg.field is None:
             assert parsed.ignored and parsed == mpiargs.MpiArgs(ignored=parsed.ignored)
         else:
-            assert getattr(parsed, arg.field) in (True, "v", ("v",)), arg
+            assert getattr(parsed, arg.field) in (True, "v", ("v",), 2), arg
 
 
 def read_toml(path) -> dict:

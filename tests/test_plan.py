@@ -215,6 +215,26 @@ class TestCacheMode:
         with pytest.raises(ConfigError, match="--executable-cache-path=/x"):
             do_plan(cfg(executable_cache_path="/x"), environ)
 
+    @pytest.mark.parametrize("environ", [
+        {"POPTORCH_CACHE_DIR": "/x"}, {"POPTORCH_CACHE_DIR": "/x/"},
+        {"POPART_CACHE_DIR": "/x", "POPTORCH_CACHE_DIR": "/x/./"},
+        {"TF_POPLAR_FLAGS": "--max_compilation_threads=4 --executable_cache_path=/x"},
+    ])
+    def test_a_framework_variable_naming_the_same_directory_is_no_conflict(self, environ):
+        """Issue 25 point 6: balewski/neuron_inverter_benchmark's run-slurm.sh exports
+        POPTORCH_CACHE_DIR=X and passes --executable-cache-path=X."""
+        assert cache_mode(cfg(executable_cache_path="/x"), environ) is CacheMode.EXPLICIT
+
+    @pytest.mark.parametrize("environ,named", [
+        ({"POPTORCH_CACHE_DIR": "/x", "POPART_CACHE_DIR": "/y"}, "POPART_CACHE_DIR=/y"),
+        ({"TF_POPLAR_FLAGS": "--executable_cache_path /x"}, "TF_POPLAR_FLAGS="),
+        ({"POPTORCH_CACHE_DIR": "x"}, "POPTORCH_CACHE_DIR=x"),  # relative: not known the same
+    ])
+    def test_a_different_or_unreadable_framework_directory_still_conflicts(self, environ,
+                                                                           named):
+        with pytest.raises(ConfigError, match=f"conflicts with {named}"):
+            cache_mode(cfg(executable_cache_path="/x"), environ)
+
     def test_explicit_path_in_every_instance(self, tmp_path):
         executable(tmp_path / "prog")
         config = cfg(num_instances=2, num_replicas=2, program=("prog",),

@@ -5,6 +5,7 @@ SLURM_TASKS_PER_NODE and SLURM_NTASKS; dry-run plans and real sshd hosts."""
 from __future__ import annotations
 
 import json
+import socket
 import sys
 
 import pytest
@@ -138,10 +139,81 @@ def test_inside_a_slurm_allocation_hosts_and_counts_come_from_it():
            "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_NTASKS": "5"}
     plan = dry_run("--num-replicas=5", "--launcher=ssh", PY, env=env)
     assert [i["host"] for i in plan["instances"]] == ["node1", "node1", "node2", "node2", "node3"]
+    # An explicit count wins over the task counts (issue 25 point 5): an even share...
+    plan = dry_run("--num-instances=6", "--num-replicas=6", "--launcher=ssh", PY, env=env)
+    assert [i["host"] for i in plan["instances"]] == ["node1", "node1", "node2", "node2",
+                                                      "node3", "node3"]
+    # ... which must then divide evenly.
     proc = run_poprun(*OFFLINE, "--dry-run", "--num-instances=4", "--num-replicas=4",
                       "--launcher=ssh", PY, env={**SLURM_ONLY, **env})
-    line = assert_usage_error(proc, "--num-instances=4 does not match the 5 slots")
+    line = assert_usage_error(proc, "--num-instances=4 is not divisible by the 3 hosts")
     assert "the Slurm allocation (SLURM_JOB_NODELIST=node[1-3]" in line
+    assert "(5 task(s); --num-instances=4 given wins)" in line
+
+
+# The environment of `srun --ipus=4 poprun --num-instances=2 ...` inside a one-task step, as
+# ALCF's Graphcore user guide runs it (issue 25 point 5).
+ONE_TASK_STEP = {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "gc-poplar-02",
+                 "SLURM_NTASKS": "1", "SLURM_TASKS_PER_NODE": "1"}
+
+
+def test_a_one_task_step_asked_for_two_instances_runs_them_on_its_node():
+    plan = dry_run("--num-instances=2", "--num-replicas=4", PY, env=ONE_TASK_STEP)
+    assert placed(plan) == [("gc-poplar-02", 0, "2"), ("gc-poplar-02", 1, "2")]
+    assert [i["replicas"] for i in plan["instances"]] == [[0, 1], [2, 3]]
+    alone = dry_run("--num-replicas=4", PY, env=ONE_TASK_STEP)  # not given: the task count
+    assert placed(alone) == [("gc-poplar-02", 0, "1")]
+
+
+def test_verbose_says_the_given_instance_count_wins_over_the_task_count():
+    node = socket.gethostname()  # this machine: its instances start here, over SSH's rules
+    env = {**ONE_TASK_STEP, "SLURM_JOB_NODELIST": node}
+    proc = run_poprun(*OFFLINE, "-v", "--launcher=ssh", "--num-instances=2",
+                      "--num-replicas=2", "true", env={**SLURM_ONLY, **env})
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert (f"hosts: {node} (2) from the Slurm allocation (SLURM_JOB_NODELIST={node}) with "
+            "SLURM_TASKS_PER_NODE=1 (1 task(s); --num-instances=2 given wins)"
+            in proc.stderr.decode())
+
+
+# --- mpirun's --npernode (issue 25 point 6) ----------------------------------------------------
+
+def test_npernode_counts_the_instances_of_every_host():
+    hosts = parse_host_list("h1:4,h2")
+    assert instance_counts(hosts, None, per_host=2) == (2, 2)  # over the slots, as Open MPI
+    assert instance_counts((), None, per_host=16) == (16,)  # no hosts: this one
+    assert instance_counts(hosts, 4, per_host=2) == (2, 2)
+    with pytest.raises(ConfigError, match=r"--num-instances=3 does not match mpirun's "
+                                          r"--npernode 2 on the 2 host\(s\) of --host"):
+        instance_counts(hosts, 3, per_host=2)
+    with pytest.raises(ConfigError, match="--npernode 16 on this host"):
+        instance_counts((), 64, per_host=16)
+
+
+def test_npernode_in_the_mpi_args_gives_each_host_its_instances():
+    """balewski/neuron_inverter_benchmark's run-slurm.sh: one host, 16 instances."""
+    plan = dry_run("--mpi-global-args=--tag-output --npernode 16", "--num-replicas=16", PY)
+    assert placed(plan) == [("localhost", i, "16") for i in range(16)]
+    plan = dry_run("--mpi-local-args=-N 2", "-H", "h1,h2", "--num-replicas=4", PY)
+    assert placed(plan) == [("h1", 0, "2"), ("h1", 1, "2"), ("h2", 0, "2"), ("h2", 1, "2")]
+    in_slurm = dry_run("--mpi-global-args=--npernode 2", "--num-instances=4",
+                       "--num-replicas=4", "--launcher=ssh", PY,
+                       env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]",
+                            "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_NTASKS": "2"})
+    assert placed(in_slurm) == [("n1", 0, "2"), ("n1", 1, "2"), ("n2", 0, "2"), ("n2", 1, "2")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--mpi-global-args=--npernode 2", "--num-instances=3", "--num-replicas=3"),
+     "--num-instances=3 does not match mpirun's --npernode 2 on this host (2 instances)"),
+    (("--mpi-global-args=--npernode 2", "-H", "h1,h2", "--num-instances=2",
+      "--num-replicas=2"), "--num-instances=2 does not match mpirun's --npernode 2 on the 2 "
+                           "host(s) of --host (4 instances)"),
+    (("--instance-mpi-local-args=0:--npernode 1", "--num-replicas=1"),
+     "--npernode counts the instances of every host"),
+])
+def test_npernode_that_contradicts_the_instances_is_one_line(args, message):
+    assert_usage_error(run_poprun(*OFFLINE, "--dry-run", *args, PY, env=SLURM_ONLY), message)
 
 
 def test_verbose_says_where_hosts_and_counts_came_from():

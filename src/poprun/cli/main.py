@@ -13,8 +13,8 @@ import sys
 import time
 
 from poprun._version import __version__
-from poprun.cli.options import (BY_LONG, Parsed, build_config, listed_hosts, parse_args,
-                                read_host_file_entries)
+from poprun.cli.options import (BY_LONG, Parsed, build_config, listed_hosts, npernode,
+                                parse_args, read_host_file_entries)
 from poprun.crash import INTERNAL_ERROR_STATUS, report_internal_error
 from poprun.errors import ConfigError, InternalError, PoprunError
 from poprun.plan.config import LaunchConfig
@@ -232,7 +232,8 @@ def _check(parsed: Parsed) -> int:
     hosts, source = listed_hosts(entries)
     # As a launch counts them (the hosts' slots, SLURM_NTASKS), else one per host.
     instances = parsed.values.get("num_instances") \
-        or counted_instances(hosts, source, os.environ, listed=bool(entries))[0] \
+        or counted_instances(hosts, source, os.environ, listed=bool(entries),
+                             per_host=npernode(parsed.values))[0] \
         or sum(instance_counts(hosts, None, source))
     defaults = {n: instances for n in ("num_instances", "num_replicas")
                 if n not in parsed.given}

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from popdist.env import NOT_FORWARDED
 
 from poprun.plan import mpiargs
-from poprun.plan.config import LaunchConfig, field_defaults, load_toml
+from poprun.plan.config import LaunchConfig, field_defaults, load_toml, merged_mpi_args
 from poprun.plan.hosts import Host, counted_instances, job_hosts_and_source, parse_host_list
 from poprun.errors import ConfigError
 
@@ -361,7 +361,8 @@ def build_config(parsed: Parsed) -> LaunchConfig:
     if "num_instances" not in parsed.given and "num_instances" not in stored:
         entries = options.get("hosts", ())
         counted, counted_from = counted_instances(*listed_hosts(entries), os.environ,
-                                                  listed=bool(entries))
+                                                  listed=bool(entries),
+                                                  per_host=npernode(options))
         if counted:
             options["num_instances"] = counted
     given = frozenset(parsed.given) | frozenset(stored)
@@ -406,6 +407,19 @@ def _blame_file(exc: ConfigError, path: str, from_file: set[str]) -> ConfigError
         return ConfigError(f"{message} (nor in --import-config {path})")
     key = min(found)[1]
     return ConfigError(f"--import-config {path}: key '{key.replace('_', '-')}': {message}")
+
+
+def npernode(options: dict[str, object]) -> int | None:
+    """mpirun's --npernode in the mpi-args among `options` (they count instances per host);
+    None also when they do not parse: LaunchConfig then reports it, naming its source."""
+    parts = [options.get(name) or () for name in ("mpi_global_args", "mpi_local_args")]
+    if not all(isinstance(p, (list, tuple)) and all(isinstance(t, str) for t in p)
+               for p in parts):
+        return None
+    try:
+        return merged_mpi_args(*parts).npernode
+    except ConfigError:
+        return None
 
 
 def listed_hosts(entries: tuple[str, ...]) -> tuple[tuple[Host, ...], str]:

@@ -170,7 +170,7 @@ class LaunchConfig:
             raise ConfigError(f"--remote-install must be one of {', '.join(REMOTE_INSTALL)}, "
                               f"got {self.remote_install!r}")
         if self.host_list:  # slots that disagree with --num-instances, or an uneven split
-            instance_counts(self.host_list, self.num_instances)
+            instance_counts(self.host_list, self.num_instances, per_host=self.mpi.npernode)
         from poprun.plan.placement import resolve_strategy
 
         resolve_strategy(self.process_placement, self.numa_aware, 1)  # unknown or contradictory
@@ -188,7 +188,10 @@ class LaunchConfig:
             _check_env_entry(entry, "--env")
         # Parsing here reports a bad mpi-args token at construction, not mid-launch.
         self.mpi
-        for index in self.instance_mpi:
+        for index, extra in self.instance_mpi.items():
+            if extra.npernode is not None:
+                raise ConfigError("--instance-mpi-local-args: --npernode counts the instances "
+                                  "of every host, it cannot be given for one instance")
             if index >= self.num_instances:
                 raise ConfigError(f"--instance-mpi-local-args names instance {index}, but there "
                                   f"are only {self.num_instances}")
@@ -245,9 +248,7 @@ class LaunchConfig:
     @cached_property
     def mpi(self) -> MpiArgs:
         """The global and local mpi-args together."""
-        parts = [mpiargs.parse_mpi_args(t, "--mpi-global-args") for t in self.mpi_global_args]
-        parts += [mpiargs.parse_mpi_args(t, "--mpi-local-args") for t in self.mpi_local_args]
-        merged = mpiargs.merge(parts)
+        merged = merged_mpi_args(self.mpi_global_args, self.mpi_local_args)
         for entry in merged.env:
             _check_env_entry(entry, "-x")
         return merged
@@ -333,6 +334,13 @@ VIPU_FIELDS = ("vipu_server_host", "vipu_server_port", "vipu_server_timeout", "v
                "vipu_allocation", "vipu_cluster", "update_partition", "reset_partition",
                "sync_type", "ipu_link_routing_type", "gw_link_routing_type",
                "vipu_partition_attempts")
+
+
+def merged_mpi_args(global_args: Iterable[str], local_args: Iterable[str]) -> MpiArgs:
+    """--mpi-global-args and --mpi-local-args read together (later values win)."""
+    parts = [mpiargs.parse_mpi_args(t, "--mpi-global-args") for t in global_args]
+    parts += [mpiargs.parse_mpi_args(t, "--mpi-local-args") for t in local_args]
+    return mpiargs.merge(parts)
 
 
 def field_defaults() -> dict[str, Any]:

@@ -58,9 +58,10 @@ def job_hosts(hosts: tuple[Host, ...], environ: Mapping[str, str]) -> tuple[Host
     return hosts or job_hosts_and_source(hosts, environ)[0]
 
 
-def job_hosts_and_source(hosts: tuple[Host, ...], environ: Mapping[str, str]
-                         ) -> tuple[tuple[Host, ...], str]:
-    """`job_hosts`, and where they came from in words (for -v and error messages)."""
+def job_hosts_and_source(hosts: tuple[Host, ...], environ: Mapping[str, str],
+                         num_instances: int | None = None) -> tuple[tuple[Host, ...], str]:
+    """`job_hosts`, and where they came from in words (for -v and error messages).
+    `num_instances`: the count the user gave, which wins over Slurm's task counts."""
     if hosts:
         return hosts, "--host"
     nodelist = environ.get(SLURM_NODELIST, "").strip()
@@ -70,8 +71,15 @@ def job_hosts_and_source(hosts: tuple[Host, ...], environ: Mapping[str, str]
         counts = environ.get(SLURM_TASKS_PER_NODE, "").strip()
         if counts:
             per_node = parse_tasks_per_node(counts, found, SLURM_TASKS_PER_NODE)
-            found = tuple(replace(h, slots=n) for h, n in zip(found, per_node))
             where += f" with {SLURM_TASKS_PER_NODE}={counts}"
+            if num_instances is None or num_instances == sum(per_node):
+                found = tuple(replace(h, slots=n) for h, n in zip(found, per_node))
+            else:
+                # Inside a job step (`srun ... poprun --num-instances=2`, as ALCF's guide
+                # runs it) the allocation gives the hosts, the step's task count (often
+                # one: poprun itself) says nothing of the instances: the user's count wins.
+                where += (f" ({sum(per_node)} task(s); --num-instances={num_instances} "
+                          "given wins)")
         return found, where
     hostfile = environ.get(OMPI_HOSTFILE, "").strip()
     if hostfile:
@@ -102,10 +110,13 @@ def parse_tasks_per_node(text: str, hosts: tuple[Host, ...], source: str) -> tup
 
 
 def instance_counts(hosts: tuple[Host, ...], num_instances: int | None,
-                    source: str = "--host") -> tuple[int, ...]:
-    """How many instances each host runs, in host order: its slots where the list gives any
-    (1 where a host has none, as mpirun), else an even share. `num_instances` None: the
-    slots' total. Raises ConfigError when they disagree."""
+                    source: str = "--host", per_host: int | None = None) -> tuple[int, ...]:
+    """How many instances each host runs, in host order: `per_host` on every host when
+    mpirun's --npernode gives it (it overrides slots, as in Open MPI), else its slots where
+    the list gives any (1 where a host has none, as mpirun), else an even share.
+    `num_instances` None: the slots' total. Raises ConfigError when they disagree."""
+    if per_host is not None:
+        return _per_host_counts(hosts, num_instances, source, per_host)
     if not hosts:
         return (num_instances or 1,)
     if any(h.slots for h in hosts):
@@ -122,11 +133,25 @@ def instance_counts(hosts: tuple[Host, ...], num_instances: int | None,
     return (total // len(hosts),) * len(hosts)
 
 
+def _per_host_counts(hosts: tuple[Host, ...], num_instances: int | None, source: str,
+                     per_host: int) -> tuple[int, ...]:
+    counts = (per_host,) * max(len(hosts), 1)  # no hosts: this host alone
+    if num_instances is not None and num_instances != sum(counts):
+        where = f"the {len(hosts)} host(s) of {source}" if hosts else "this host"
+        raise ConfigError(f"--num-instances={num_instances} does not match mpirun's "
+                          f"--npernode {per_host} on {where} ({sum(counts)} instances)")
+    return counts
+
+
 def counted_instances(hosts: tuple[Host, ...], source: str, environ: Mapping[str, str], *,
-                      listed: bool) -> tuple[int | None, str | None]:
+                      listed: bool, per_host: int | None = None
+                      ) -> tuple[int | None, str | None]:
     """--num-instances when it is not given, and where it was counted from (for messages):
-    the hosts' slots (`h1:4,h2:2`, an MPI hostfile, SLURM_TASKS_PER_NODE), or for hosts not
-    `listed` on the command line SLURM_NTASKS; (None, None) when nothing counts them."""
+    mpirun's --npernode on every host, the hosts' slots (`h1:4,h2:2`, an MPI hostfile,
+    SLURM_TASKS_PER_NODE), or for hosts not `listed` on the command line SLURM_NTASKS;
+    (None, None) when nothing counts them."""
+    if per_host is not None:
+        return sum(instance_counts(hosts, None, source, per_host)), f"--npernode {per_host}"
     if any(h.slots for h in hosts):
         return sum(instance_counts(hosts, None, source)), f"the slots of {source}"
     tasks = environ.get(SLURM_NTASKS, "")

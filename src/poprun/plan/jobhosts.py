@@ -26,7 +26,9 @@ class JobHosts:
 
     @classmethod
     def of(cls, config: LaunchConfig, environ: Mapping[str, str]) -> JobHosts:
-        hosts, source = job_hosts_and_source(config.host_list, environ)
+        explicit = config.given is None or "num_instances" in config.given
+        hosts, source = job_hosts_and_source(config.host_list, environ,
+                                             config.num_instances if explicit else None)
         transport = config.launcher or (
             "slurm" if environ.get(SLURM_JOB_ID) and not config.host_list else "ssh")
         if transport == "slurm" and not environ.get(SLURM_JOB_ID):
@@ -37,8 +39,8 @@ class JobHosts:
         # Over Slurm every node's instances start as a job step, this node's too.
         remote = frozenset(str(h) for h in hosts if transport == "slurm"
                            or not is_local(h, this))
-        return cls(hosts, remote, instance_counts(hosts, config.num_instances, source), source,
-                   transport)
+        counts = instance_counts(hosts, config.num_instances, source, config.mpi.npernode)
+        return cls(hosts, remote, counts, source, transport)
 
     @property
     def labels(self) -> tuple[str, ...]:

@@ -46,6 +46,10 @@ ARGS = (
     MpiArg("report-bindings", "report_bindings"),
     MpiArg("bind-to", "bind_to", "WHAT"),
     MpiArg("map-by", "map_by", "WHAT", " (these two with --process-placement disabled)"),
+    # Open MPI's spellings of processes per node (mpirun(1): -npernode, -N, -pernode).
+    MpiArg("npernode", "npernode", "N"),
+    MpiArg("N", "npernode", "N"),
+    MpiArg("pernode", "npernode", "", " (instances per host, as slots say)"),
     MpiArg("mca", None, "KEY VALUE"),
     MpiArg("gmca", None, "KEY VALUE"),
     MpiArg("allow-run-as-root", None),
@@ -77,6 +81,7 @@ class MpiArgs:
     output_filename: str | None = None
     bind_to: str | None = None
     map_by: str | None = None
+    npernode: int | None = None  # instances on every host (`--npernode N`, `-N N`, `--pernode`)
     ignored: tuple[str, ...] = field(default=())  # tokens accepted but without effect
 
 
@@ -122,10 +127,19 @@ def parse_mpi_args(text: str, source: str) -> MpiArgs:
             ignored.append(tok)
         elif arg.field == "env":
             env.append(value())
+        elif arg.field == "npernode":
+            values["npernode"] = _per_host(value() if arg.words else "1", tok, source)
         else:
             values[arg.field] = value() if arg.words else True
         i += 1
     return MpiArgs(env=tuple(env), ignored=tuple(ignored), **values)  # type: ignore[arg-type]
+
+
+def _per_host(text: str, tok: str, source: str) -> int:
+    # Bounded before int(): Python refuses to convert more than 4300 digits (a traceback).
+    if not (text.isdigit() and len(text) <= 6 and int(text) >= 1):
+        raise ConfigError(f"{source}: {tok} {text!r} is not a number of instances per host")
+    return int(text)
 
 
 def parse_instance_args(text: str) -> tuple[int, MpiArgs]:
@@ -150,6 +164,7 @@ def merge(parts: list[MpiArgs]) -> MpiArgs:
             output_filename=p.output_filename or out.output_filename,
             bind_to=p.bind_to or out.bind_to,
             map_by=p.map_by or out.map_by,
+            npernode=p.npernode or out.npernode,
             ignored=out.ignored + p.ignored,
         )
     return out

@@ -8,6 +8,7 @@ directories) comes in as an argument, so `--dry-run` and the tests see exactly w
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
@@ -86,10 +87,14 @@ def cache_mode(config: LaunchConfig, environ: Mapping[str, str]) -> CacheMode:
     if path == "":
         return CacheMode.NONE
     if path is not None:
-        if framework:
-            raise ConfigError(
-                f"--executable-cache-path={path} conflicts with {framework} in the environment: "
-                "set only one of them (guide §2.3)")
+        # A framework variable naming the very same directory asks for what the option does
+        # (balewski/neuron_inverter_benchmark's run-slurm.sh sets both): only another one
+        # would split the instances' cache (guide §2.3).
+        for setting, directory in _framework_caches(environ):
+            if directory is None or os.path.normpath(directory) != os.path.normpath(path):
+                raise ConfigError(
+                    f"--executable-cache-path={path} conflicts with {setting} in the "
+                    "environment: set only one of them (guide §2.3)")
         return CacheMode.EXPLICIT
     if config.num_instances == 1:
         return CacheMode.NONE
@@ -98,13 +103,22 @@ def cache_mode(config: LaunchConfig, environ: Mapping[str, str]) -> CacheMode:
 
 def framework_cache_setting(environ: Mapping[str, str]) -> str | None:
     """`NAME=value` of a framework's own executable-cache setting, if one is in force."""
-    for name in E.FRAMEWORK_CACHE_VARIABLES:
-        if environ.get(name):
-            return f"{name}={environ[name]}"
+    settings = _framework_caches(environ)
+    return settings[0][0] if settings else None
+
+
+def _framework_caches(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """Each framework cache setting in force (`NAME=value`) and the directory it names
+    (None: one we cannot read, such as a flag in another spelling)."""
+    found: list[tuple[str, str | None]] = [
+        (f"{name}={environ[name]}", environ[name])
+        for name in E.FRAMEWORK_CACHE_VARIABLES if environ.get(name)]
     flags = environ.get(E.TF_POPLAR_FLAGS, "")
     if "--executable_cache_path" in flags:
-        return f"{E.TF_POPLAR_FLAGS}={flags}"
-    return None
+        named = [value for flag, eq, value in (f.partition("=") for f in flags.split())
+                 if flag == "--executable_cache_path" and eq]
+        found.append((f"{E.TF_POPLAR_FLAGS}={flags}", named[-1] if named else None))
+    return found
 
 
 def plan(

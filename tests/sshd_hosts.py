@@ -29,11 +29,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
-__all__ = ["SshHost", "SshHosts", "processes_with", "require_sshd", "require_tool",
-           "start_ssh_hosts", "wait_until"]
+__all__ = ["SshClientFiles", "SshHost", "SshHosts", "make_client_files", "processes_with",
+           "require_sshd", "require_tool", "skip_or_fail", "sshd_options", "start_ssh_hosts",
+           "wait_until"]
 
 READY_TIMEOUT = 10.0
 BIND_ATTEMPTS = 5
@@ -51,9 +53,14 @@ def require_tool(name: str, *candidates: str) -> str:
     for path in (*candidates, shutil.which(name)):
         if path and os.access(path, os.X_OK):
             return os.path.abspath(path)  # sshd re-execs itself, so it refuses relative paths
-    reason = f"{name} not found (install openssh-server / openssh-client)"
-    if os.environ.get("POPRUN_REQUIRE_SSHD") == "1":
-        pytest.fail(f"{reason}; POPRUN_REQUIRE_SSHD=1 forbids skipping", pytrace=False)
+    skip_or_fail(f"{name} not found (install openssh-server / openssh-client)")
+
+
+def skip_or_fail(reason: str, variable: str = "POPRUN_REQUIRE_SSHD") -> NoReturn:
+    """Skip the test for ``reason``; fail it instead where CI set ``variable``=1, so that
+    what CI must test cannot silently turn into skips."""
+    if os.environ.get(variable) == "1":
+        pytest.fail(f"{reason}; {variable}=1 forbids skipping", pytrace=False)
     pytest.skip(reason)
 
 
@@ -130,6 +137,54 @@ class SshHosts:
         _stop(self.hosts[i])
 
 
+@dataclass(frozen=True)
+class SshClientFiles:
+    """The client side of a set of test servers, in a HOME-like dir: a user key that every
+    server authorises, a known_hosts and an ssh_config (the caller writes those two)."""
+
+    home: Path
+    user: str
+    user_key: Path  # private key; the public one is user_key + ".pub"
+
+    @property
+    def authorized_keys(self) -> Path:
+        return self.home / ".ssh" / "authorized_keys"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.home / ".ssh" / "known_hosts"
+
+    @property
+    def ssh_config(self) -> Path:
+        return self.home / ".ssh" / "config"
+
+    def host_entry(self, alias: str, **options: object) -> str:
+        """One ``Host`` block of the ssh_config: ``options`` (HostName=..., ProxyCommand=...)
+        first, then key-only login as this user, never prompting, the host key checked
+        against our known_hosts alone."""
+        lines = [*(f"{k} {v}" for k, v in options.items()),
+                 f"User {self.user}",
+                 f"IdentityFile {self.user_key}",
+                 "IdentitiesOnly yes",
+                 f"UserKnownHostsFile {self.known_hosts}",
+                 "GlobalKnownHostsFile /dev/null",
+                 "StrictHostKeyChecking yes",
+                 "BatchMode yes"]
+        return f"Host {alias}\n" + "".join(f"    {line}\n" for line in lines)
+
+
+def make_client_files(root: Path, host_keys: list[Path]) -> SshClientFiles:
+    """``root``/home/.ssh with a user key in ``authorized_keys``; generates the servers'
+    ``host_keys`` too, all at once (ssh-keygen processes run concurrently)."""
+    ssh_dir = root / "home" / ".ssh"
+    ssh_dir.mkdir(parents=True, mode=0o700)
+    client = SshClientFiles(root / "home", pwd.getpwuid(os.getuid()).pw_name,
+                            ssh_dir / "id_ed25519")
+    _keygen([client.user_key, *host_keys])
+    shutil.copyfile(f"{client.user_key}.pub", client.authorized_keys)
+    return client
+
+
 @contextlib.contextmanager
 def start_ssh_hosts(n: int, tmp_path: Path | str,
                     setenv: Callable[[SshHost], Mapping[str, str]] | None = None
@@ -144,43 +199,24 @@ def start_ssh_hosts(n: int, tmp_path: Path | str,
     root = Path(tempfile.mkdtemp(prefix="sshd-hosts-", dir=tmp_path))
     hosts: list[SshHost] = []
     try:
-        home = root / "home"
-        ssh_dir = home / ".ssh"
-        ssh_dir.mkdir(parents=True, mode=0o700)
-        user = pwd.getpwuid(os.getuid()).pw_name
-        user_key = ssh_dir / "id_ed25519"
         hosts = [
             SshHost(f"h{k}", f"127.0.77.{k}", 0, root / f"h{k}") for k in range(1, n + 1)
         ]
         for host in hosts:
             host.dir.mkdir()
-        # All keys in one go: ssh-keygen processes run concurrently.
-        _keygen([user_key, *(h.dir / "ssh_host_ed25519_key" for h in hosts)])
-        authorized_keys = ssh_dir / "authorized_keys"
-        shutil.copyfile(f"{user_key}.pub", authorized_keys)
+        client = make_client_files(root, [h.dir / "ssh_host_ed25519_key" for h in hosts])
 
-        _start_all(sshd, hosts, authorized_keys, setenv)
+        _start_all(sshd, hosts, client.authorized_keys, setenv)
 
-        known_hosts = ssh_dir / "known_hosts"
-        known_hosts.write_text("".join(
+        client.known_hosts.write_text("".join(
             # Keyed the way OpenSSH looks it up: HostName plus non-default port.
             f"[{h.addr}]:{h.port} {_pubkey(h.dir / 'ssh_host_ed25519_key')}\n" for h in hosts
         ))
-        ssh_config = ssh_dir / "config"
-        ssh_config.write_text("".join(
-            f"Host {h.alias}\n"
-            f"    HostName {h.addr}\n"
-            f"    Port {h.port}\n"
-            f"    User {user}\n"
-            f"    IdentityFile {user_key}\n"
-            f"    IdentitiesOnly yes\n"
-            f"    UserKnownHostsFile {known_hosts}\n"
-            f"    GlobalKnownHostsFile /dev/null\n"
-            f"    StrictHostKeyChecking yes\n"
-            f"    BatchMode yes\n"
-            for h in hosts
+        client.ssh_config.write_text("".join(
+            client.host_entry(h.alias, HostName=h.addr, Port=h.port) for h in hosts
         ))
-        yield SshHosts(hosts, home, user, user_key, known_hosts, ssh_config)
+        yield SshHosts(hosts, client.home, client.user, client.user_key, client.known_hosts,
+                       client.ssh_config)
     finally:
         for host in hosts:
             _stop(host)
@@ -253,8 +289,18 @@ def _write_sshd_config(host: SshHost, authorized_keys: Path,
                        setenv: Mapping[str, str] | None = None) -> None:
     lines = [
         f"ListenAddress {host.addr}:{host.port}",
-        f"HostKey {host.dir / 'ssh_host_ed25519_key'}",
         f"PidFile {host.dir / 'sshd.pid'}",
+        *sshd_options(host.dir / "ssh_host_ed25519_key", authorized_keys, setenv),
+    ]
+    (host.dir / "sshd_config").write_text("\n".join(lines) + "\n")
+
+
+def sshd_options(host_key: Path, authorized_keys: Path,
+                 setenv: Mapping[str, str] | None = None) -> list[str]:
+    """The sshd_config lines every test server shares: its host key, key-only login as any
+    user in ``authorized_keys``, no PAM; ``setenv``: variables every session gets."""
+    lines = [
+        f"HostKey {host_key}",
         f"AuthorizedKeysFile {authorized_keys}",
         "PubkeyAuthentication yes",
         "PasswordAuthentication no",
@@ -272,7 +318,7 @@ def _write_sshd_config(host: SshHost, authorized_keys: Path,
         lines.append("PerSourcePenalties no")
     if setenv:
         lines.append("SetEnv " + " ".join(f'"{k}={v}"' for k, v in setenv.items()))
-    (host.dir / "sshd_config").write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def _keygen(paths: list[Path]) -> None:

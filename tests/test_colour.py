@@ -200,7 +200,8 @@ def test_check_table_is_rich_on_a_terminal_and_plain_otherwise():
     piped = run_poprun(*OFFLINE, "--check", env=env())
     lines = piped.stdout.decode().splitlines()
     assert piped.returncode == 0 and b"\x1b" not in piped.stdout
-    assert lines[0].split() == ["HOST", "SSH", "PYTHON", "POPRUN", "CWD", "PROGRAM", "NUMA"]
+    assert lines[0].split() == ["HOST", "SSH", "PYTHON", "POPRUN", "CWD", "PROGRAM", "NUMA",
+                                "REACH"]
     assert lines[1].split()[:2] == ["localhost", "local"] and lines[-1] == "1 of 1 host(s) ready"
 
 

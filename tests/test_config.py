@@ -183,8 +183,9 @@ class TestEffectiveSettings:
 
     def test_ignored_tokens_collected(self):
         cfg = make(mpi_global_args=("--allow-run-as-root",),
-                   mpi_local_args=("--mca btl_tcp_if_include lo",))
-        assert cfg.mpi.ignored == ("--allow-run-as-root", "--mca btl_tcp_if_include lo")
+                   mpi_local_args=("--mca btl_tcp_if_include lo --mca pml ob1",))
+        assert cfg.mpi.ignored == ("--allow-run-as-root", "--mca pml ob1")
+        assert cfg.mpi.mca == (("btl_tcp_if_include", "lo"),)  # the network (plan/network.py)
 
 
 # --- mpirun arguments -------------------------------------------------------------------------
@@ -239,7 +240,7 @@ class TestMpiArgs:
         assert getattr(mpi(text), attr) == value
 
     @pytest.mark.parametrize("text,ignored", [
-        ("--mca oob_tcp_if_include eth0", ("--mca oob_tcp_if_include eth0",)),
+        ("--mca oob_tcp_if_include eth0", ()),  # read: it chooses the network
         ("-mca btl ^openib", ("-mca btl ^openib",)),
         ("--allow-run-as-root", ("--allow-run-as-root",)),
         ("--allow-run-as-root --mca a b --oversubscribe",

@@ -42,6 +42,10 @@ VIPU_API_PORT = "IPUOF_VIPU_API_PORT"
 VIPU_API_PARTITION_ID = "IPUOF_VIPU_API_PARTITION_ID"
 VIPU_API_TIMEOUT = "IPUOF_VIPU_API_TIMEOUT"
 VIPU_API_GCD_ID = "IPUOF_VIPU_API_GCD_ID"
+# PopRun gives its instances IPUOF_LOG_LEVEL=WARN (`-x IPUOF_LOG_LEVEL=WARN` in real -vv logs'
+# mpirun command lines); a value in poprun's environment is kept.
+IPUOF_LOG_LEVEL = "IPUOF_LOG_LEVEL"
+DEFAULT_IPUOF_LOG_LEVEL = "WARN"
 
 # --- Poplar -----------------------------------------------------------------------------
 POPLAR_TARGET_OPTIONS = "POPLAR_TARGET_OPTIONS"
@@ -79,6 +83,12 @@ HOROVOD_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 HOROVOD_CONTROLLER = "HOROVOD_CONTROLLER"
 HOROVOD_CPU_OPERATIONS = "HOROVOD_CPU_OPERATIONS"  # else a Gloo-only build defaults to MPI's
 HOROVOD_GLOO_IFACE = "HOROVOD_GLOO_IFACE"
+
+# --- The data plane's interface, for the libraries that move the bytes (plan/network.py) ---
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"  # torch.distributed's Gloo
+NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
+UCX_NET_DEVICES = "UCX_NET_DEVICES"  # MPICH over UCX (the mpich wheel's default)
+FI_TCP_IFACE = "FI_TCP_IFACE"  # MPICH over OFI's tcp provider
 
 # --- torch.distributed ------------------------------------------------------------------
 RANK = "RANK"

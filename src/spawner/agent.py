@@ -91,7 +91,18 @@ def hello_reply(request: dict[str, Any]) -> dict[str, Any]:
         # What instances here inherit before the launcher's additions (poprun --check).
         "environ": instance_environ({}, ()),
         "boot_id": procid.boot_id(),  # with STARTED's start: which process a pid is
+        # Asked for when the user chose a network (poprun/plan/network.py).
+        "interfaces": _interfaces() if request.get("interfaces") else None,
     }
+
+
+def _interfaces() -> dict[str, list[str]] | None:
+    from .netifs import interfaces
+
+    try:
+        return interfaces()
+    except OSError:  # no getifaddrs here: the launcher says which host could not tell
+        return None
 
 
 def _own_status() -> str:
@@ -259,7 +270,8 @@ class Agent:
                           Kind.STACKS: self._stacks, Kind.WORLD: self._open_world,
                           Kind.WORLD_END: self._end_world,
                           Kind.BARRIER_OUT: partial(self._to_world, Kind.BARRIER_OUT),
-                          Kind.VALUE: partial(self._to_world, Kind.VALUE)}
+                          Kind.VALUE: partial(self._to_world, Kind.VALUE),
+                          Kind.PROBE: self._probe}
         self._worlds: dict[str, Any] = {}  # kvsname -> spawner.agentworld.AgentWorld
         self._last_heard = time.monotonic()
         self.done, self.status = False, 0
@@ -395,6 +407,33 @@ class Agent:
         finally:
             if pmi_end is not None:
                 pmi_end.close()  # the instance has its copy
+
+    def _probe(self, request: dict[str, Any]) -> None:
+        """PROBE: whether this host reaches the launcher back at an address (poprun --check)."""
+        address, port = str(request["address"]), int(request["port"])
+        token, within = str(request["token"]), float(request["within"])
+        self._loop.create_task(self._reach(request, address, port, token, within))
+
+    async def _reach(self, request: dict[str, Any], address: str, port: int, token: str,
+                     within: float) -> None:
+        started = time.monotonic()
+        error = None
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(address, port),
+                                                    within)
+            try:
+                writer.write(token.encode() + b"\n")
+                answer = await asyncio.wait_for(reader.readline(), within)
+            finally:
+                writer.close()
+            if answer.strip() != token.encode():
+                error = "something else answered there"
+        except asyncio.TimeoutError:
+            error = f"no answer within {within:g} s"
+        except OSError as exc:
+            error = exc.strerror or str(exc)
+        self._reply(request, {"ok": error is None, "error": error,
+                              "seconds": round(time.monotonic() - started, 6)})
 
     # --- MPI worlds (spawner/agentworld.py) -------------------------------------------
 

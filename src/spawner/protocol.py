@@ -16,7 +16,8 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
 
     launcher -> agent
       HELLO   {id, protocol, poprun, python: [major, minor], cwd, program, path, stats,
-               heartbeat: [interval, timeout]}  both sides beat; silence past `timeout` ends it
+               heartbeat: [interval, timeout], interfaces}  both sides beat; silence past
+                                             `timeout` ends it; interfaces: tell them
       MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
       MKDIR   {id, path}                     a directory (and parents) that is kept
       SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world}
@@ -28,12 +29,15 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       WORLD_END {kvsname}                    the world's instances are gone: clean up after it
       BARRIER_OUT {kvsname, puts | error}    the job-wide barrier is complete: its puts
       VALUE   {kvsname, id, value}           answers GET (value null: absent)
+      PROBE   {id, address, port, token, within}  connect to the launcher there, send the
+                                             token, read it back (poprun --check)
       (closing the agent's stdin ends it: it kills its instances and removes its temp dirs)
     agent -> launcher
       REPLY   {id, result}                   result of HELLO: see agent.hello_reply()
                                              result of MKTEMP, MKDIR: {path}
                                              result of STACKS: {stacks: {key: {pid, how,
                                              threads, error}}} within `within` seconds
+                                             result of PROBE: {ok, error, seconds}
       FAILED  {id, error}                    a request failed (id null: a malformed frame)
       STARTED {key, pid, start, memory_binding_skipped, binding: {cpus, mems, mempolicy},
                containment}                 containment: how escaped descendants are caught;
@@ -98,6 +102,8 @@ class Kind(enum.IntEnum):
     """Launcher: the world's barrier is complete; the puts of its epoch."""
     VALUE = 11
     """Launcher: the value of a key an agent asked for (GET)."""
+    PROBE = 12
+    """Launcher: can this host reach me back there? Agent answers with REPLY {ok, error}."""
     REPLY = 16
     """Agent: the result of the request with the same id."""
     FAILED = 17

@@ -286,10 +286,11 @@ class RemoteSpawner:
 
     async def start(self, *, cwd: str, program: str | None = None, path: str | None = None,
                     timeout: float = HELLO_TIMEOUT, stats: float | None = None,
-                    host_timeout: float | None = None) -> AgentInfo:
+                    host_timeout: float | None = None, interfaces: bool = False) -> AgentInfo:
         """Start the agent and greet it. `program` is resolved there as instances will run
         it (in `cwd`, on `path`: the PATH they will get). With `host_timeout`, both sides
         send heartbeats and each declares the other gone after that long without a word.
+        With `interfaces`, the agent lists the host's network interfaces (spawner/netifs.py).
         Raises AgentStartError, or AgentVersionError after stopping the agent: then nothing
         was started."""
         self._t0 = time.monotonic()
@@ -304,6 +305,7 @@ class RemoteSpawner:
             reply = await self._request(
                 Kind.HELLO, timeout, protocol=self._expect.protocol, poprun=self._expect.poprun,
                 python=[major, minor], cwd=cwd, program=program, path=path, stats=stats,
+                interfaces=interfaces,
                 heartbeat=[host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout]
                 if host_timeout else None)
         except RemoteError as exc:
@@ -388,6 +390,12 @@ class RemoteSpawner:
         reply = await self._request(Kind.STACKS, timeout + CLOSE_TIMEOUT, within=timeout,
                                     keys=None if keys is None else list(keys))
         return {int(key): found for key, found in reply["stacks"].items()}
+
+    async def probe(self, address: str, port: int, token: str, within: float) -> dict[str, Any]:
+        """Whether the agent's host reaches `address`:`port` (a listener that echoes the
+        token): {ok, error, seconds}."""
+        return await self._request(Kind.PROBE, within + CLOSE_TIMEOUT, address=address,
+                                   port=port, token=token, within=within)
 
     def open_world(self, on_world: Callable[[RemoteSpawner, Control], None],
                    **fields: Any) -> None:

@@ -138,8 +138,15 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("remote-install", Kind.STR, "auto: where poprun is not installed (in this version) "
         "for that Python, bring its agent and popdist over SSH, cached in ~/.cache/poprun; "
         "never: poprun must be installed there"),
+    Opt("host-subnet", Kind.STR, "The network the instances' worlds use, by interface name "
+        "or subnet (e.g. eth1 or 10.1.0.0/16): MASTER_ADDR and Horovod's rendezvous are "
+        "reached there, and the collectives' libraries are told each host's interface "
+        "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, HOROVOD_GLOO_IFACE, UCX_NET_DEVICES, "
+        "FI_TCP_IFACE, unless set); also --mca btl_tcp_if_include/exclude, "
+        "oob_tcp_if_include/exclude in the mpi args"),
     Opt("check", S, "Check every host (reachable, authenticated, same Python and poprun, "
-        "working directory, NUMA) and start nothing", default=False),
+        "working directory, NUMA, and that it reaches this machine back on the job's "
+        "network) and start nothing", default=False),
     Opt("distribute-ssh-key", B, "Append your public key to ~/.ssh/authorized_keys on every "
         "host that lacks it (asks the password once), then launch"),
     Opt("distribute-ssh-key-path", Kind.STR,
@@ -180,7 +187,6 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("gw-link-routing-type", Kind.STR, "GW-Link routing of a partition poprun creates"),
     Opt("vipu-partition-attempts", Kind.INT, "How many times to poll a partition for "
         "readiness"),
-    Opt("host-subnet", Kind.STR, "Accepted for compatibility; no MPI here, so no effect"),
     Opt("allow-run-as-root", B, "Accepted for compatibility; poprun runs as root anyway"),
     Opt("synchronise-python-venv", B, "Accepted for compatibility; no effect"),
     Opt("synchronise-poplar-sdk", B, "Accepted for compatibility; no effect"),
@@ -443,7 +449,7 @@ SECTIONS = {
     "mpi-global-args": "mpirun arguments (read, not passed on)", "host": "Hosts (over SSH)",
     "process-placement": "NUMA placement", "offline-target": "Poplar",
     "vipu-server-host": "V-IPU partition (without --offline-mode)",
-    "host-subnet": "Accepted from later SDKs' scripts, without effect here",
+    "allow-run-as-root": "Accepted from later SDKs' scripts, without effect here",
     "no-dashboard": "Progress and results", "export-config": "Stored command lines",
     "dry-run": "Planning only", "verbose": "Messages",
 }

@@ -17,6 +17,7 @@ from poprun.plan import mpiargs
 from poprun.errors import ConfigError
 from poprun.plan.hosts import Host, instance_counts, parse_host_list
 from poprun.plan.mpiargs import MpiArgs
+from poprun.plan.network import NetworkChoice, choose
 
 DEFAULT_KILL_TIMEOUT = 5.0
 DEFAULT_SSH_FANOUT = 64
@@ -186,8 +187,8 @@ class LaunchConfig:
                               f"{', '.join(SSH_KEY_TYPES)}")
         for entry in self.env:
             _check_env_entry(entry, "--env")
-        # Parsing here reports a bad mpi-args token at construction, not mid-launch.
-        self.mpi
+        # Parsing here reports a bad mpi-args token or network at construction, not mid-launch.
+        self.network
         for index, extra in self.instance_mpi.items():
             if extra.npernode is not None:
                 raise ConfigError("--instance-mpi-local-args: --npernode counts the instances "
@@ -254,11 +255,20 @@ class LaunchConfig:
         return merged
 
     @cached_property
+    def network(self) -> NetworkChoice:
+        """The network the user chose for the instances' worlds (plan/network.py)."""
+        return choose(self.host_subnet, self.mpi.mca)
+
+    @cached_property
     def instance_mpi(self) -> dict[int, MpiArgs]:
         """Per-instance mpi-args from --instance-mpi-local-args."""
         by_index: dict[int, list[MpiArgs]] = {}
         for text in self.instance_mpi_local_args:
             index, parsed = mpiargs.parse_instance_args(text)
+            if parsed.mca:  # one network for the whole job: its world spans every instance
+                key, value = parsed.mca[0]
+                raise ConfigError(f"--instance-mpi-local-args: --mca {key} {value} chooses "
+                                  "the job's network: give it in --mpi-global-args")
             by_index.setdefault(index, []).append(parsed)
         return {i: mpiargs.merge(parts) for i, parts in by_index.items()}
 
@@ -327,7 +337,7 @@ _OPTIONAL_STR_FIELDS = (
     "ipu_link_routing_type", "gw_link_routing_type", "host_subnet", "version_format",
     "result_json")
 # Options that parse (later SDKs' scripts pass them) and do nothing here: said at -v.
-INERT_FIELDS = ("host_subnet", "allow_run_as_root", "synchronise_python_venv",
+INERT_FIELDS = ("allow_run_as_root", "synchronise_python_venv",
                 "synchronise_poplar_sdk", "version_format")
 # Options that only matter when poprun talks to a V-IPU server (not with --offline-mode).
 VIPU_FIELDS = ("vipu_server_host", "vipu_server_port", "vipu_server_timeout", "vipu_partition",

@@ -12,6 +12,9 @@ import shlex
 from dataclasses import dataclass, field
 
 from poprun.errors import ConfigError
+from poprun.plan.network import CONTROL_KEYS, DATA_KEYS
+
+NETWORK_KEYS = frozenset(CONTROL_KEYS + DATA_KEYS)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,8 @@ ARGS = (
     MpiArg("npernode", "npernode", "N"),
     MpiArg("N", "npernode", "N"),
     MpiArg("pernode", "npernode", "", " (instances per host, as slots say)"),
-    MpiArg("mca", None, "KEY VALUE"),
+    MpiArg("mca", None, "KEY VALUE", " (but btl_tcp_if_include/exclude and "
+           "oob_tcp_if_include/exclude, which choose the network)"),
     MpiArg("gmca", None, "KEY VALUE"),
     MpiArg("allow-run-as-root", None),
     MpiArg("oversubscribe", None),
@@ -82,6 +86,8 @@ class MpiArgs:
     bind_to: str | None = None
     map_by: str | None = None
     npernode: int | None = None  # instances on every host (`--npernode N`, `-N N`, `--pernode`)
+    # `--mca KEY VALUE` that choose the network (plan/network.py), in order
+    mca: tuple[tuple[str, str], ...] = ()
     ignored: tuple[str, ...] = field(default=())  # tokens accepted but without effect
 
 
@@ -93,6 +99,7 @@ def parse_mpi_args(text: str, source: str) -> MpiArgs:
         raise ConfigError(f"{source}: cannot split {text!r}: {exc}") from None
     values: dict[str, object] = {}
     env: list[str] = []
+    mca: list[tuple[str, str]] = []
     ignored: list[str] = []
     i = 0
     while i < len(tokens):
@@ -122,7 +129,10 @@ def parse_mpi_args(text: str, source: str) -> MpiArgs:
             if i + 1 >= len(tokens):
                 raise ConfigError(f"{source}: {tok} {key} needs a value")
             i += 1
-            ignored.append(f"{tok} {key} {tokens[i]}")
+            if key in NETWORK_KEYS:  # the network the user chose (plan/network.py)
+                mca.append((key, tokens[i]))
+            else:
+                ignored.append(f"{tok} {key} {tokens[i]}")
         elif arg.field is None:
             ignored.append(tok)
         elif arg.field == "env":
@@ -132,7 +142,8 @@ def parse_mpi_args(text: str, source: str) -> MpiArgs:
         else:
             values[arg.field] = value() if arg.words else True
         i += 1
-    return MpiArgs(env=tuple(env), ignored=tuple(ignored), **values)  # type: ignore[arg-type]
+    return MpiArgs(env=tuple(env), mca=tuple(mca), ignored=tuple(ignored),
+                   **values)  # type: ignore[arg-type]
 
 
 def _per_host(text: str, tok: str, source: str) -> int:
@@ -165,6 +176,7 @@ def merge(parts: list[MpiArgs]) -> MpiArgs:
             bind_to=p.bind_to or out.bind_to,
             map_by=p.map_by or out.map_by,
             npernode=p.npernode or out.npernode,
+            mca=out.mca + p.mca,
             ignored=out.ignored + p.ignored,
         )
     return out

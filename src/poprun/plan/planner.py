@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from popdist import env as E
 
 from poprun.plan.config import LaunchConfig
+from poprun.plan.network import interface_variables
 from poprun.errors import ConfigError
 from poprun.plan.placement import Binding, Strategy, place, resolve_strategy, strategy_from_mpi
 from poprun.plan.poplar import check_autoreport, offline_target, target_options
@@ -136,6 +137,7 @@ def plan(
     restart_count: int | None = None,
     counts: tuple[int, ...] | None = None,
     rendezvous: tuple[str, int] | None = None,
+    interfaces: Mapping[str, str] | None = None,
 ) -> LaunchPlan:
     """Plan the job. `program` is the argv with argv[0] resolved; `cache_paths` maps each host
     to its cache directory when `cache_mode()` is EXPLICIT or TEMPORARY. Instances on
@@ -144,7 +146,9 @@ def plan(
     `--process-placement` says (None: unknown, unbound). `restart_count`: the attempt, when
     restarts are enabled (instances then see it). `counts`: instances per host, in host order
     (None: the same on every host); instance indices run in contiguous blocks per host.
-    `rendezvous`: the address and port of Horovod's Gloo rendezvous (run/rendezvous.py)."""
+    `rendezvous`: the address and port of Horovod's Gloo rendezvous (run/rendezvous.py).
+    `interfaces`: per host, its interface on the network the user chose (plan/network.py),
+    named to the collectives' libraries."""
     mode = cache_mode(config, environ)
     counts = counts or even_counts(config.num_instances, len(hosts))
     if sum(counts) != config.num_instances or len(counts) != len(hosts):
@@ -174,7 +178,12 @@ def plan(
             cross_rank=crossing.index(host), cross_size=len(crossing), rendezvous=rendezvous)
         added = forwarded(environ, config.forward_env) if host in remote_hosts else {}
         added.update(E.instance_environment(who))
+        added[E.IPUOF_LOG_LEVEL] = environ.get(E.IPUOF_LOG_LEVEL) or E.DEFAULT_IPUOF_LOG_LEVEL
         added.update(poplar_env)
+        if interfaces:
+            added.update(interface_variables(
+                interfaces[host], environ, (e.partition("=")[0]
+                                            for e in config.env_entries(index))))
         if partition_env is not None:  # the V-IPU partition's: server, partition, GCD, target
             added.update(partition_env(index))
         added.update(_user_env(config.env_entries(index), environ, warnings))
@@ -290,7 +299,7 @@ def remote_differences(config: LaunchConfig, environ: Mapping[str, str],
 
 
 _SET_BY_POPRUN = frozenset(E.instance_environment(E.InstanceIdentity(
-    0, 1, 0, 1, 1, 1, "", 0, "", "", 0, rendezvous=("", 0))))
+    0, 1, 0, 1, 1, 1, "", 0, "", "", 0, rendezvous=("", 0)))) | {E.IPUOF_LOG_LEVEL}
 
 
 def instance_environ(base: Mapping[str, str], inst: InstancePlan,

@@ -23,12 +23,14 @@ from spawner.ssh import HostFailure
 
 from poprun._version import __version__
 from poprun.plan.config import LaunchConfig
-from poprun.errors import ConfigError
+from poprun.errors import ConfigError, LaunchError
 from poprun.plan.jobhosts import JobHosts
+from poprun.plan.network import pick_or_fail
 from poprun.text import fold_indices
 from poprun.plan.topology import Topology, agent_topology, local_topology
 
 OK = "ok"
+REACH_TIMEOUT = 5.0  # seconds a host has to connect back and read the token
 
 
 @dataclass
@@ -40,6 +42,7 @@ class HostCheck:
     cwd: str = "-"
     program: str = "-"
     numa: str = "-"
+    reach: str = "-"  # whether instances there reach this machine back (the job's endpoints)
     problem: str | None = None  # the kind of the first failure, for the folded summary
     detail: str | None = None  # one line naming the host, when the table cannot say it
     # The launcher's variables a remote instance would lack or see with another value (not
@@ -51,7 +54,7 @@ async def check_hosts(config: LaunchConfig, environ: Mapping[str, str], cwd: str
                       program: str | None) -> tuple[CheckReport, bool]:
     """The report and whether every host passed."""
     hosts = JobHosts.of(config, environ)
-    checks = [_check_here(label, cwd, program, environ)
+    checks = [_check_here(label, config, cwd, program, environ)
               for label in hosts.labels if label not in hosts.remote]
     if hosts.remote:
         checks += await _check_remote(hosts, config, cwd, program, environ)
@@ -60,7 +63,7 @@ async def check_hosts(config: LaunchConfig, environ: Mapping[str, str], cwd: str
     return CheckReport(tuple(checks)), all(c.problem is None for c in checks)
 
 
-def _check_here(label: str, cwd: str, program: str | None,
+def _check_here(label: str, config: LaunchConfig, cwd: str, program: str | None,
                 environ: Mapping[str, str]) -> HostCheck:
     check = HostCheck(label, ssh="local", python=_python(sys.version_info),
                       poprun=__version__, cwd=OK if os.path.isdir(cwd) else "missing")
@@ -68,8 +71,23 @@ def _check_here(label: str, cwd: str, program: str | None,
         found = resolve_program(program, environ.get("PATH"), cwd)
         check.program = OK if found else "not found"
     check.numa = _numa(local_topology())
+    if config.network.chosen:
+        from spawner.netifs import interfaces
+
+        _check_network(check, config, interfaces())
     _note_problem(check)
     return check
+
+
+def _check_network(check: HostCheck, config: LaunchConfig, interfaces) -> None:
+    """With a chosen network: the host has an interface on it (as the launch requires)."""
+    if not config.network.chosen:
+        return
+    try:
+        pick_or_fail(config.network.control, check.host, interfaces or {})
+        pick_or_fail(config.network.data, check.host, interfaces or {})
+    except ConfigError as exc:
+        check.reach, check.problem, check.detail = "no", "not on the chosen network", str(exc)
 
 
 async def _check_remote(hosts: JobHosts, config: LaunchConfig, cwd: str, program: str | None,
@@ -83,11 +101,53 @@ async def _check_remote(hosts: JobHosts, config: LaunchConfig, cwd: str, program
     try:
         outcomes = await fleet.open_each(_NoEvents(), cwd=cwd, program=program,
                                          path=environ.get("PATH"))
+        reached = OK if fleet.transport == "ssh" else "srun"  # a Slurm job step, not SSH
+        checks = [_check_outcome(label, outcome, reached, config, program, environ)
+                  for label, outcome in outcomes.items()]
+        await _check_reach_back(fleet, config, checks)
     finally:
         await fleet.close()
-    reached = OK if fleet.transport == "ssh" else "srun"  # a Slurm job step, not SSH
-    return [_check_outcome(label, outcome, reached, config, program, environ)
-            for label, outcome in outcomes.items()]
+    return checks
+
+
+async def _check_reach_back(fleet, config: LaunchConfig, checks: list[HostCheck]) -> None:
+    """Each host whose agent answered connects to this machine at the job's address (on
+    the chosen network, if any) and reads a token back: a rendezvous that cannot happen is
+    found before anything starts."""
+    import asyncio
+    import secrets
+
+    ready = [c for c in checks if c.problem is None and c.host in fleet.spawners]
+    if not ready:
+        return
+    address = fleet.reach_back_address()
+    token = secrets.token_hex(8)
+
+    async def echo(reader, writer) -> None:
+        writer.write(await reader.readline())
+        await writer.drain()
+        writer.close()
+
+    try:
+        server = await asyncio.start_server(echo, address, 0)
+    except OSError as exc:
+        raise LaunchError(f"cannot listen on {address} to check the hosts reach it: "
+                          f"{exc.strerror or exc}") from None
+    port = server.sockets[0].getsockname()[1]
+    try:
+        answers = await asyncio.gather(
+            *(fleet.spawners[c.host].probe(address, port, token, REACH_TIMEOUT)
+              for c in ready), return_exceptions=True)
+    finally:
+        server.close()
+    for check, answer in zip(ready, answers):
+        if isinstance(answer, dict) and answer.get("ok"):
+            check.reach = OK
+            continue
+        error = answer.get("error") if isinstance(answer, dict) else str(answer)
+        check.reach, check.problem = "no", "cannot reach this machine back"
+        check.detail = (f"{check.host}: cannot connect to {address}:{port}, where its "
+                        f"instances would find the job ({error})")
 
 
 def _check_outcome(label: str, outcome: object, reached: str, config: LaunchConfig,
@@ -109,6 +169,7 @@ def _check_outcome(label: str, outcome: object, reached: str, config: LaunchConf
     if program:
         check.program = OK if info.program else "not found"
     check.numa = _numa(_remote_topology(info.raw))
+    _check_network(check, config, info.raw.get("interfaces"))
     there = info.raw.get("environ")
     if isinstance(there, dict):
         from poprun.plan.planner import remote_differences
@@ -159,7 +220,7 @@ class _NoEvents:
 
 # --- the report ---------------------------------------------------------------------------
 
-_COLUMNS = ("host", "ssh", "python", "poprun", "cwd", "program", "numa")
+_COLUMNS = ("host", "ssh", "python", "poprun", "cwd", "program", "numa", "reach")
 
 
 @dataclass(frozen=True)
@@ -222,7 +283,7 @@ def _cell_style(column: str, cell: str) -> str:
         return "green"
     if cell == "-":  # not checked (not asked for, or an earlier check failed)
         return "dim"
-    if column in ("ssh", "cwd", "program"):  # an SSH failure's kind, missing, not found
+    if column in ("ssh", "cwd", "program", "reach"):  # a failure's kind, missing, not found
         return "red"
     return "yellow" if cell == "unknown" else ""  # versions, the NUMA summary
 

@@ -28,6 +28,7 @@ from poprun.plan.config import LaunchConfig
 from poprun.errors import ConfigError, LaunchError
 from poprun.plan.hosts import Host
 from poprun.plan.jobhosts import JobHosts
+from poprun.plan.network import address_here
 from poprun.log import Log
 from poprun.plan.topology import Topology, agent_topology
 
@@ -135,7 +136,8 @@ class Fleet:
         return await asyncio.gather(
             *(_start_agent(s, view, install, self.config.remote_python, self.log.info,
                            cwd=cwd, program=program, path=path, stats=stats,
-                           host_timeout=self.config.host_timeout)
+                           host_timeout=self.config.host_timeout,
+                           interfaces=self.config.network.chosen)
               for s in spawners), return_exceptions=True)
 
     async def temp_dirs(self, labels: Iterable[str] | None = None) -> dict[str, str]:
@@ -188,6 +190,18 @@ class Fleet:
                 raise ConfigError(f"{label}: cannot read its NUMA topology: {exc}") from None
         return out
 
+    def interfaces(self) -> dict[str, dict[str, list[str]]]:
+        """Each host's network interfaces as its agent listed them (HELLO's `interfaces`,
+        asked for when the user chose a network)."""
+        out = {}
+        for label, spawner in self.spawners.items():
+            listed = spawner.info.raw.get("interfaces")
+            if not isinstance(listed, dict):
+                raise LaunchError(f"{label}: its agent could not list its network interfaces "
+                                  "(--host-subnet, --mca ..._if_include/exclude need them)")
+            out[label] = listed
+        return out
+
     def address_of(self, label: str) -> str:
         """The address the other hosts reach `label` at (MASTER_ADDR): the one the launcher
         connected to (a name from ~/.ssh/config may mean nothing to them); through a
@@ -220,6 +234,14 @@ class Fleet:
                 return probe.getsockname()[0]
         except OSError:
             return socket.gethostname()
+
+    def reach_back_address(self) -> str:
+        """Where the hosts reach this machine for the job's endpoints (Horovod's
+        rendezvous): on the network the user chose where it has an interface there, else
+        `own_address()`."""
+        from spawner.netifs import interfaces
+
+        return address_here(self.config.network, interfaces) or self.own_address()
 
     async def close(self) -> None:
         """Close every agent (each kills what it still runs and removes its temp dirs),

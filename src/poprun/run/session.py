@@ -32,6 +32,8 @@ from poprun.log import Log
 from poprun.plan import planner as planning
 from poprun.plan.config import INERT_FIELDS, VIPU_FIELDS, LaunchConfig, missing_program
 from poprun.plan.jobhosts import JobHosts
+from poprun.plan.network import HostNetwork, address_here
+from poprun.plan.network import resolve as resolve_network
 from poprun.plan.planner import CacheMode, LaunchPlan
 from poprun.plan.topology import Topology, local_topology
 from poprun.result import LaunchResult
@@ -209,6 +211,8 @@ class _Session:
         self._result: LaunchResult | None = None
         self.control = None  # poprunctl's view of the job (run/watching.JobControl)
         self.mpi_worlds: list[str] = []  # the kvsname of every attempt's MPI world
+        # Each host on the network the user chose (plan/network.py); None without a choice.
+        self.network: dict[str, HostNetwork] | None = None
         self.rendezvous = None  # Horovod's (run/rendezvous.Rendezvous), once hosts are open
         self._own_id: str | None = None  # the job's id when it has no record
 
@@ -339,6 +343,7 @@ class _Session:
             self.control.record.write()
         if self.hosts.remote:
             await self._open_fleet()
+        self._choose_network()
         caches = await self._create_caches()
         master = await self._master_address()
         self._open_rendezvous()
@@ -371,6 +376,7 @@ class _Session:
         self.log.warning(f"reconnecting to {', '.join(lost)} for the next attempt")
         await self.fleet.reopen(lost, self.job, self.job.on_host_lost, cwd=self.cwd,
                                 program=self.program[0], path=self.environ.get("PATH"))
+        self._choose_network()
         caches = dict(caches)
         if self.mode is CacheMode.TEMPORARY:
             caches.update(await self.fleet.temp_dirs(lost))
@@ -463,12 +469,35 @@ class _Session:
             await self.fleet.make_dirs(explicit)
         return caches
 
+    def _choose_network(self) -> None:
+        """Each host on the network the user chose (plan/network.py), from the interfaces
+        its agent listed (this host's read here); nothing without a choice."""
+        choice = self.config.network
+        if not choice.chosen:
+            return
+        from spawner.netifs import interfaces
+
+        here = interfaces()
+        found = {label: here for label in self.hosts.labels if label not in self.hosts.remote}
+        if self.fleet is not None:
+            found.update(self.fleet.interfaces())
+        self.network = resolve_network(choice, found)
+        self.log.info(f"network ({choice.control.source}; data: {choice.data.source}): "
+                      + ", ".join(f"{label} {n.address} ({n.interface})"
+                                  for label, n in self.network.items()))
+
     def _open_rendezvous(self) -> None:
         """Horovod's Gloo rendezvous (run/rendezvous.py), on this machine's address as the
-        hosts reach it; none (said at -v) where it cannot listen there."""
+        hosts reach it (on the chosen network, where it has one); none (said at -v) where
+        it cannot listen there."""
         from poprun.run.rendezvous import Rendezvous
 
-        address = LOOPBACK if self.fleet is None else self.fleet.own_address()
+        if self.fleet is not None:
+            address = self.fleet.reach_back_address()
+        else:  # every instance here: loopback, unless the user chose a network
+            from spawner.netifs import interfaces
+
+            address = address_here(self.config.network, interfaces) or LOOPBACK
         try:
             self.rendezvous = Rendezvous(address, self.loop)
         except OSError as exc:
@@ -483,7 +512,9 @@ class _Session:
 
     async def _master_address(self) -> str:
         """MASTER_ADDR: loopback for a job on this host only, else the first host's address
-        as the others reach it."""
+        as the others reach it (on the chosen network, if any)."""
+        if self.network is not None:
+            return self.network[self.hosts.labels[0]].address
         if self.fleet is None:
             return LOOPBACK
         return (self.fleet.own_address() if self.hosts.first_is_local
@@ -554,7 +585,9 @@ class _Session:
             partition_env=self.partition.environment if self.partition else None,
             restart_count=attempt if self.config.max_restarts else None,
             counts=self.hosts.counts,
-            rendezvous=self.rendezvous.address if self.rendezvous else None)
+            rendezvous=self.rendezvous.address if self.rendezvous else None,
+            interfaces={label: n.interface for label, n in self.network.items()}
+            if self.network else None)
         if self.rendezvous is not None:  # each attempt's hvd.init() starts afresh
             self.rendezvous.new_world([inst.env for inst in launch_plan.instances])
         if self.config.warns_single_instance:

@@ -587,7 +587,7 @@ class TestDryRun:
                       "--num-replicas=8", PY, "it's", cwd=tmp_path, timeout=30)
         assert proc.returncode == 0, proc.stderr.decode()
         out = proc.stdout.decode()
-        assert out.startswith("|              poprun topology              |\n")
+        assert out.startswith(" " + "=" * 43 + "\n|              poprun topology              |\n")
         assert "| instances |       0       |       1       |\n" in out
         assert "instance 0 on localhost (local index 0), replicas [0-3], ILD 0\n" in out
         assert "instance 1 on localhost (local index 1), replicas [4-7], ILD 0\n" in out

@@ -112,10 +112,13 @@ def test_the_topology_table_is_not_erased_by_the_panel():
     screen = Screen()
     screen.feed(raw.replace(b"\r\n", b"\n"))
     shown = [line for line in screen.lines if line]
-    assert shown[:5] == ["|  poprun topology  |", "| hosts     |  [0]  |",
-                         "| ILDs      |   0   |", "| instances | 0 | 1 |",
-                         "| replicas  | 0 | 1 |"], shown
-    assert sorted(shown[6:-1]) == sorted(f"out-{r}-{i}" for r in (0, 1) for i in range(6))
+    assert shown[:11] == [" ===================", "|  poprun topology  |",
+                          "|===================|", "| hosts     |  [0]  |",
+                          "|-----------|-------|", "| ILDs      |   0   |",
+                          "|-----------|-------|", "| instances | 0 | 1 |",
+                          "|-----------|-------|", "| replicas  | 0 | 1 |",
+                          " -------------------"], shown
+    assert sorted(shown[12:-1]) == sorted(f"out-{r}-{i}" for r in (0, 1) for i in range(6))
 
 
 def test_the_panel_names_a_failed_instance_s_exception(tmp_path):

@@ -78,8 +78,21 @@ class TestInstanceEnvironment:
                 "LOCAL_WORLD_SIZE": "4",
                 "MASTER_ADDR": "10.1.2.3",
                 "MASTER_PORT": "31337",
+                "IPUOF_LOG_LEVEL": "WARN",
             }
         assert launch_plan.warnings == ()
+
+    def test_ipuof_log_level_is_warn_unless_the_user_set_it(self):
+        """Issue 25 point 7: real PopRun's mpirun lines carry -x IPUOF_LOG_LEVEL=WARN."""
+        def level(environ=None, **kw):
+            return {i.env["IPUOF_LOG_LEVEL"]
+                    for i in do_plan(cfg(num_instances=2, num_replicas=2, **kw), environ,
+                                     hosts=("h1", "h2"), remote_hosts=frozenset({"h2"}))
+                    .instances}
+        assert level() == {"WARN"}
+        assert level({"IPUOF_LOG_LEVEL": "INFO"}) == {"INFO"}  # remote instances too
+        assert level({"IPUOF_LOG_LEVEL": ""}) == {"WARN"}
+        assert level({"IPUOF_LOG_LEVEL": "INFO"}, env=("IPUOF_LOG_LEVEL=DEBUG",)) == {"DEBUG"}
 
     def test_single_instance_has_no_cache_variable(self):
         (inst,) = do_plan(cfg(num_replicas=4), cache_paths={"localhost": "/c"}).instances
@@ -348,12 +361,40 @@ class TestJson:
 
 # The guide's example (GUIDE_TOPOLOGY): 8 replicas, 2 instances, one host, one ILD.
 GUIDE_TABLE = """\
+ ===========================================
 |              poprun topology              |
+|===========================================|
 | hosts     |           localhost           |
+|-----------|-------------------------------|
 | ILDs      |               0               |
+|-----------|-------------------------------|
 | instances |       0       |       1       |
+|-----------|-------------------------------|
 | replicas  | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |
+ -------------------------------------------
 """
+# Tables real PopRun printed (logs and docs), with the plan each came from.
+REAL_TABLES = Path(__file__).parent / "data" / "real_topology_tables.txt"
+
+
+def real_tables() -> list[tuple[dict[str, str], str]]:
+    """(the `# plan:` fields, the table's text) for each table in REAL_TABLES."""
+    tables, plan_of, lines = [], {}, []
+    for line in REAL_TABLES.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# plan:"):
+            plan_of = dict(field.split("=") for field in line[len("# plan:"):].split())
+        elif plan_of and not line.startswith("#") and line.strip():
+            lines.append(line)
+            if line.startswith(" -"):
+                tables.append((plan_of, "\n".join(lines) + "\n"))
+                plan_of, lines = {}, []
+    return tables
+
+
+def rows(table: str) -> list[str]:
+    """The title and the rows, without the rules between them."""
+    return [line for line in table.splitlines() if line.startswith("|")
+            and not set(line) <= set("|=-")]
 
 
 class TestTopologyTable:
@@ -361,47 +402,69 @@ class TestTopologyTable:
         assert topology_table(do_plan(cfg(num_instances=2, num_replicas=8))) == GUIDE_TABLE
 
     def test_guide_example_is_the_guides_text(self):
+        """The PDF of the guide lost the rules; its rows are ours."""
         text = GUIDE_TOPOLOGY.read_text(encoding="utf-8")
         start = text.index("|              poprun topology")
         table = [line for line in text[start:].splitlines()[:5]]
         assert all(line.startswith("|") and line.endswith("|") for line in table)
-        assert "\n".join(table) + "\n" == GUIDE_TABLE
+        assert table == rows(GUIDE_TABLE)
+
+    @pytest.mark.parametrize("asked, real", real_tables(),
+                             ids=[p["hosts"] + "-" + p["replicas"] for p, _ in real_tables()])
+    def test_the_tables_real_poprun_printed(self, asked, real):
+        """Issue 25 point 7: the borders, and the odd space of a centred name on the right."""
+        launch_plan = do_plan(cfg(num_instances=int(asked["instances"]),
+                                  num_replicas=int(asked["replicas"])),
+                              hosts=(asked["hosts"],))
+        ours = topology_table(launch_plan)
+        if "[0]" in real:  # the docs quote the table without the footnote naming the host
+            ours = ours.replace(f"[0] {asked['hosts']}\n", "")
+        assert ours == real
+
+    def test_the_real_tables_are_all_there(self):
+        assert len(real_tables()) == 4
 
     def test_two_ilds(self):
         table = topology_table(do_plan(cfg(num_instances=4, num_replicas=8, num_ilds=2)))
-        assert table == (
-            "|              poprun topology              |\n"
-            "| hosts     |           localhost           |\n"
-            "| ILDs      |       0       |       1       |\n"
-            "| instances |   0   |   1   |   2   |   3   |\n"
-            "| replicas  | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |\n")
+        assert rows(table) == [
+            "|              poprun topology              |",
+            "| hosts     |           localhost           |",
+            "| ILDs      |       0       |       1       |",
+            "| instances |   0   |   1   |   2   |   3   |",
+            "| replicas  | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |"]
 
     def test_two_hosts_two_ilds(self):
-        table = topology_table(do_plan(cfg(num_instances=4, num_replicas=8, num_ilds=2),
-                                       hosts=("pod1", "pod2")))
-        assert table.splitlines()[1] == "| hosts     |      pod1     |      pod2     |"
-        assert table.splitlines()[2] == "| ILDs      |       0       |       1       |"
+        table = rows(topology_table(do_plan(cfg(num_instances=4, num_replicas=8, num_ilds=2),
+                                            hosts=("pod1", "pod2"))))
+        assert table[1] == "| hosts     |     pod1      |     pod2      |"
+        assert table[2] == "| ILDs      |       0       |       1       |"
 
     def test_two_digit_replicas_widen_every_cell(self):
         lines = topology_table(do_plan(cfg(num_instances=2, num_replicas=12))).splitlines()
-        assert lines[-1] == ("| replicas  | 0  | 1  | 2  | 3  | 4  | 5  | 6  | 7  | 8  | 9  "
-                             "| 10 | 11 |")
-        assert len({len(line) for line in lines}) == 1
+        assert rows("\n".join(lines))[-1] == (
+            "| replicas  | 0  | 1  | 2  | 3  | 4  | 5  | 6  | 7  | 8  | 9  | 10 | 11 |")
+        assert len({len(line.rstrip()) for line in lines if line.startswith("|")}) == 1
 
     def test_ten_replicas_keep_one_digit_cells(self):
-        lines = topology_table(do_plan(cfg(num_instances=2, num_replicas=10))).splitlines()
-        assert lines[-1] == "| replicas  | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 |"
-        assert lines[3] == "| instances |         0         |         1         |"
+        table = rows(topology_table(do_plan(cfg(num_instances=2, num_replicas=10))))
+        assert table[-1] == "| replicas  | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 |"
+        assert table[3] == "| instances |         0         |         1         |"
 
     def test_long_host_name_becomes_a_footnote(self):
         table = topology_table(do_plan(cfg(num_instances=2, num_replicas=2),
                                        hosts=("a-very-long-host-name-indeed",)))
         assert table == (
+            " ===================\n"
             "|  poprun topology  |\n"
+            "|===================|\n"
             "| hosts     |  [0]  |\n"
+            "|-----------|-------|\n"
             "| ILDs      |   0   |\n"
+            "|-----------|-------|\n"
             "| instances | 0 | 1 |\n"
+            "|-----------|-------|\n"
             "| replicas  | 0 | 1 |\n"
+            " -------------------\n"
             "[0] a-very-long-host-name-indeed\n")
 
     def test_each_long_host_gets_its_own_marker(self):
@@ -409,7 +472,7 @@ class TestTopologyTable:
             cfg(num_instances=2, num_replicas=2),
             hosts=("first-long-host.example.com", "second-long-host.example.com")))
         lines = table.splitlines()
-        assert lines[1] == "| hosts     |[0]|[1]|"
+        assert rows(table)[1] == "| hosts     |[0]|[1]|"
         assert lines[-2:] == ["[0] first-long-host.example.com",
                               "[1] second-long-host.example.com"]
 
@@ -417,7 +480,7 @@ class TestTopologyTable:
         table = topology_table(do_plan(cfg(num_instances=2, num_replicas=8),
                                        hosts=("h1", "h2")))
         assert "[0]" not in table
-        assert len(table.splitlines()) == 5
+        assert len(table.splitlines()) == 11
 
 
 class TestTextRenderings:

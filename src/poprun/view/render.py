@@ -18,8 +18,9 @@ _HEADERS = ("hosts", "ILDs", "instances", "replicas")
 
 
 def topology_table(launch_plan: LaunchPlan) -> str:
-    """The guide's `--print-topology` table; host names too long for their cells are listed
-    in full after it (as PopRun 2.1 does)."""
+    """The `--print-topology` table as PopRun prints it (with its borders: real logs and the
+    guide's source, tests/data/real_topology_tables.txt); host names too long for their
+    cells are listed in full after it (as PopRun 2.1 does)."""
     insts = launch_plan.instances
     per_instance = len(insts[0].replicas)
     num_replicas = per_instance * len(insts)
@@ -35,7 +36,7 @@ def topology_table(launch_plan: LaunchPlan) -> str:
     head = max(len(h) for h in _HEADERS) + 2
     content = num_replicas * cell + num_replicas - 1
     footnotes: list[str] = []
-    lines = ["|" + "poprun topology".center(head + 1 + content) + "|"]
+    lines = ["|" + _centred("poprun topology", head + 1 + content) + "|"]
     for name in _HEADERS:
         cells = []
         for label, span in rows[name]:
@@ -44,9 +45,24 @@ def topology_table(launch_plan: LaunchPlan) -> str:
                 short = f"[{len(footnotes)}]"
                 footnotes.append(f"{short} {label}")
                 label = short if len(short) <= width else "*"
-            cells.append(label.center(width))
+            cells.append(_centred(label, width))
         lines.append("|" + f" {name}".ljust(head) + "|" + "|".join(cells) + "|")
-    return "\n".join(lines + footnotes) + "\n"
+    return "\n".join(_bordered(lines, head) + footnotes) + "\n"
+
+
+def _centred(text: str, width: int) -> str:
+    # PopRun puts the odd space on the right (`| gc-poplar-02  |` in a real log);
+    # str.center sometimes puts it on the left.
+    return (" " * ((width - len(text)) // 2) + text).ljust(width)
+
+
+def _bordered(lines: list[str], head: int) -> list[str]:
+    """The title and rows with PopRun's rules: `=` above and below the title, `-` between
+    rows (across the row's cells as one), `-` below the last, the corners left blank."""
+    inner = len(lines[0]) - 2
+    between = "|" + "-" * head + "|" + "-" * (inner - head - 1) + "|"
+    rows = [line for row in lines[1:] for line in (between, row)][1:]
+    return [" " + "=" * inner, lines[0], "|" + "=" * inner + "|", *rows, " " + "-" * inner]
 
 
 def dry_run_text(launch_plan: LaunchPlan) -> str:

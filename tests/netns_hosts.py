@@ -32,7 +32,9 @@ from inside a session:
 - ``SSH_CONNECTION`` is ``UNKNOWN 65535 UNKNOWN 65535`` (sshd's stdin is a pipe, not a socket),
   and the launcher sees no peer address either: nothing names the host's address on a/b.
 - The namespaces share this machine's hostname (``ip netns exec`` changes the network only):
-  ``ip netns identify`` tells which host a command ran on.
+  ``ip netns identify`` tells which host a command ran on. Inside each, the name resolves to
+  that host's address on the first network (/etc/netns/<ns>/hosts, which ``ip netns exec``
+  mounts over /etc/hosts), as a cluster node's name resolves to its own address.
 
 The links carry nothing but what the tests send, so that ``counters`` tell which network a job
 used: IPv6 is off in every namespace (autoconfiguration would send router solicitations and
@@ -53,6 +55,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -67,6 +70,7 @@ from sshd_hosts import (_DIE_WITH_US, SshClientFiles, _ensure_privsep_dir, _pubk
 __all__ = ["NetnsHosts", "require_netns", "start_netns_hosts"]
 
 PREFIX = "prn"
+ETC_NETNS = Path("/etc/netns")  # per namespace, files `ip netns exec` mounts over /etc's
 NETNS_DIR = Path("/var/run/netns")  # where `ip netns add` mounts them (iproute2's NETNS_RUN_DIR)
 REQUIRE = "POPRUN_REQUIRE_NETNS"
 COMMAND_TIMEOUT = 30
@@ -216,6 +220,7 @@ def start_netns_hosts(n: int, tmp_path: Path | str, networks: Sequence[str] = ("
         client = make_client_files(root, [_host_key(root, i) for i in range(1, n + 1)])
         hosts = NetnsHosts(n, networks, f"{PREFIX}{os.getpid()}-{next(_fixtures)}", client, ip)
         _make_namespaces(hosts)
+        _write_hosts_files(hosts)
         _write_ssh_files(hosts, root, sshd, setenv)
         yield hosts
     finally:
@@ -314,12 +319,26 @@ def _host_key(root: Path, i: int) -> Path:
     return root / f"h{i}" / "ssh_host_ed25519_key"
 
 
+def _write_hosts_files(hosts: NetnsHosts) -> None:
+    """Each host's name resolves to its own address on the first network, as a cluster
+    node's does (to its management address): `ip netns exec` mounts /etc/netns/<ns>/hosts
+    over /etc/hosts. Without it the shared hostname is 127.0.0.1 everywhere, and a library
+    that publishes its host's address by name (Horovod's process sets do) names loopback."""
+    for i in range(1, hosts.n + 1):
+        folder = ETC_NETNS / hosts.namespace(i)
+        folder.mkdir(parents=True, exist_ok=True)
+        first = hosts.addr(i, hosts.networks[0])
+        (folder / "hosts").write_text(f"127.0.0.1 localhost\n{first} {socket.gethostname()}\n")
+
+
 # --- removing -------------------------------------------------------------------------------
 
 def _remove(ip: str, names: list[str]) -> None:
     """Delete the namespaces ``names``, then kill every process still in them: a namespace
     (and its interfaces) lives on, nameless, while a process is in it. Deleting first means
     no process can enter by name (a ProxyCommand's ``ip netns exec``) once the scan is done."""
+    for name in names:  # its /etc/hosts (_write_hosts_files)
+        shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
     inodes = _inodes(names)
     if not inodes:
         return

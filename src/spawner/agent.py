@@ -87,13 +87,20 @@ def hello_reply(request: dict[str, Any]) -> dict[str, Any]:
         "status": _own_status(),
         # The address this host was reached at (SSH_CONNECTION's server address): the one
         # the other hosts reach it at too, even through a ProxyCommand (MASTER_ADDR).
-        "address": (os.environ.get("SSH_CONNECTION", "").split()[2:3] or [None])[0],
+        "address": _reached_at(os.environ.get("SSH_CONNECTION", "")),
         # What instances here inherit before the launcher's additions (poprun --check).
         "environ": instance_environ({}, ()),
         "boot_id": procid.boot_id(),  # with STARTED's start: which process a pid is
         # Asked for when the user chose a network (poprun/plan/network.py).
         "interfaces": _interfaces() if request.get("interfaces") else None,
     }
+
+
+def _reached_at(ssh_connection: str) -> str | None:
+    """SSH_CONNECTION's server address; sshd run on a pipe (`sshd -i` behind a
+    ProxyCommand) says UNKNOWN there: no address."""
+    address = (ssh_connection.split()[2:3] or [None])[0]
+    return None if address == "UNKNOWN" else address
 
 
 def _interfaces() -> dict[str, list[str]] | None:

@@ -54,6 +54,22 @@ def test_under_salloc_instances_run_on_both_nodes_as_job_steps(cluster):
     assert len({s["MASTER_ADDR"] for s in seen.values()}) == 1
 
 
+def test_an_mpi_world_spans_both_nodes(cluster):
+    """Each node's agent (a job step) serves its instances' PMI and meets the other's
+    through poprun (spawner/agentworld.py), as over SSH."""
+    if os.environ.get("POPRUN_REQUIRE_MPI") != "1":  # CI: its absence fails the test
+        pytest.importorskip("mpi4py")
+    program = ("from mpi4py import MPI; c = MPI.COMM_WORLD; "
+               "print('world', c.Get_rank(), c.Get_size(), c.allreduce(c.Get_rank() + 1), "
+               "MPI.Get_processor_name(), flush=True)")
+    done = cluster.run(["salloc", "-N2", "--ntasks-per-node=2", *POPRUN, "--num-replicas=4",
+                        PY, "-c", program], env=env(), timeout=90)
+    assert done.returncode == 0, done.stderr
+    worlds = sorted(line.split()[:4] for line in done.stdout.splitlines()
+                    if line.startswith("world"))
+    assert worlds == [["world", str(r), "4", "10"] for r in range(4)]
+
+
 def test_a_failing_instance_ends_the_job_and_its_status_propagates(cluster):
     """The others would sleep 300 s: only poprun stopping them ends the job within the
     timeout; nothing of it is left."""

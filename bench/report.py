@@ -23,12 +23,16 @@ OUTPUT_FLOOR_MAX_X = 1.5  # poprun median / one-writer floor median
 RSS_MAX_MIB = 80.0  # every run, at TARGET_N instances
 TEARDOWN_MAX_S = 1.0  # every run, at TARGET_N instances
 TARGET_N = 256
+# Issue 24, point 6.
+MPI_TARGET_N = 16  # local ranks
+MPI_MPIEXEC_MAX_X = 1.5  # poprun median / MPICH mpiexec median
 
 NAMES = {"baseline": "no launcher", "none": "no launcher", "floor": "floor",
          "series": "writers in series"}
-FLOOR_NAMES = {"launch": '`python -c "import asyncio"`', "output": "one writer (dd)"}
+FLOOR_NAMES = {"launch": '`python -c "import asyncio"`', "output": "one writer (dd)",
+               "mpi": '`python -c "from mpi4py import MPI"`'}
 COLOURS = {"floor": "#999999", "series": "#7f7f7f", "baseline": "#bbbbbb", "poprun": "#1f77b4", "mpirun": "#d62728",
-           "torchrun": "#ff7f0e", "srun": "#2ca02c"}
+           "torchrun": "#ff7f0e", "srun": "#2ca02c", "mpiexec": "#9467bd"}
 QUICK_BANNER = ("**Quick run (`--quick`), machine shared: smoke-test figures, not the published "
                 "ones.** Fewer sizes, one repetition, 20k lines.")
 
@@ -175,6 +179,12 @@ def targets(doc: dict) -> list[dict]:
         out.append(competitor_target(f"ssh-{case['case']}", f"ssh fan-out {case['case']}: poprun faster than mpirun",
                                      side(case["sides"], "poprun"), side(case["sides"], "mpirun"), "mpirun",
                                      lambda x: x < 1))
+    for case in sc.get("mpi", {}).get("cases", []):
+        if case["n"] == MPI_TARGET_N:
+            out.append(competitor_target(
+                f"mpi-{case['n']}-mpiexec", f"MPI world ×{case['n']}: poprun within {MPI_MPIEXEC_MAX_X:g}× "
+                "MPICH's mpiexec", side(case["sides"], "poprun"), side(case["sides"], "mpiexec"), "mpiexec",
+                lambda x: x <= MPI_MPIEXEC_MAX_X))
     td = sc.get("teardown", {})
     if td.get("sides"):
         pop = side(td["sides"], "poprun")
@@ -240,6 +250,11 @@ def render_markdown(doc: dict) -> str:
           f"({doc.get('seconds', 0):.0f} s in all). Every side of a scenario ran in the same invocation, "
           "alternating (A B C A B C …). Figures are the **median (min–max)** of the successful runs; "
           "ratios are medians divided.", ""]
+    for later in doc.get("merged", []):
+        L += [f"Measured later and merged into this page (`--merge`): {', '.join(later['scenarios'])}, "
+              f"{later['timestamp']} with `{later['command']}` ({later['seconds']:.0f} s; load average before "
+              + ", ".join(f"{x:.2f}" for x in later["load_before"]) + ", after "
+              + ", ".join(f"{x:.2f}" for x in later["load_after"]) + ").", ""]
     load_b = m.get("load_before") or []
     load_a = m.get("load_after") or []
     L += ["## Machine", ""]
@@ -254,7 +269,7 @@ def render_markdown(doc: dict) -> str:
     ])
     L += ["## Sides", ""]
     rows = []
-    for name in ("poprun", "mpirun", "torchrun", "none"):
+    for name in ("poprun", "mpirun", "torchrun", "mpiexec", "none"):
         info = sides.get(name)
         if not info:
             continue
@@ -291,6 +306,8 @@ def render_markdown(doc: dict) -> str:
         L += teardown_section(sc["teardown"])
     if "slurm" in sc:
         L += slurm_section(sc["slurm"])
+    if "mpi" in sc:
+        L += mpi_section(sc["mpi"])
     if "profile" in doc:
         L += profile_section(doc["profile"])
     L += methods()
@@ -434,6 +451,39 @@ def slurm_section(block: dict) -> list[str]:
     return L
 
 
+def mpi_section(block: dict) -> list[str]:
+    L = ["## MPI world wire-up", "",
+         f"An MPI world of N local ranks of `python -c \"{block.get('program', '')}\"` (mpi4py: `MPI_Init`, "
+         "one `Barrier`, `Finalize`), start to the launcher's exit: poprun serving the world itself "
+         "(PMI-1 over a socket pair per rank) against MPICH's own `mpiexec` (Hydra) from the same "
+         "`mpich` wheel"
+         + (f", `{block['mpiexec']}` (found by the wheel's file list, so Open MPI's `mpirun` cannot "
+            "stand in for it)" if block.get("mpiexec") else "")
+         + ". Rank 0 prints the world's size, which must be N. *Floor*: one "
+         f"`python -c \"{block.get('floor_program', 'from mpi4py import MPI')}\"`, an MPI singleton: what "
+         "the interpreter and the import cost one rank. *No launcher*: N such singletons at once, the "
+         "ranks' own start-up on this machine's cores without any wire-up. *Launcher CPU*: the "
+         "launcher's own user+system time, its ranks excluded (and for mpiexec its `hydra_pmi_proxy`, "
+         "the child that forks the ranks and answers their PMI).", ""]
+    env = block.get("env")
+    if env is not None:
+        L += [("Both launchers ran with " + ", ".join(f"`{k}={v}`" for k, v in env.items()) + "."
+               if env else "No MPICH variable set: the wheel's defaults, shared memory between ranks on "
+               "one host, for both launchers."), ""]
+    L += skipped_note(block)
+    rows = []
+    for case in block.get("cases", []):
+        s = {n: side(case["sides"], n) for n in ("floor", "baseline", "poprun", "mpiexec")}
+        cpu = [(s[n] or {}).get("cpu_s") for n in ("poprun", "mpiexec")]
+        rows.append([str(case["n"])] + [cell(s[n]) for n in s]
+                    + [fmt_x(ratio(med(s["poprun"]), med(s["mpiexec"])))]
+                    + [fmt_s(c["median"]) + fmt_range(c["min"], c["max"]) if c else "—" for c in cpu])
+    if rows:
+        L += md_table(["N", side_title("floor", "mpi"), "no launcher (N singletons)", "poprun", "mpiexec",
+                       "poprun ÷ mpiexec", "poprun CPU (own)", "mpiexec CPU (own)"], rows)
+    return L
+
+
 def profile_section(prof: dict) -> list[str]:
     L = ["## Profile of the output path", ""]
     if prof.get("skipped"):
@@ -540,6 +590,10 @@ def chart_groups(doc: dict) -> list[tuple[str, list[str], list[tuple[str, dict[s
     if sc.get("ssh", {}).get("cases"):
         panels.append(("SSH fan-out (hosts × instances)", ["mpirun"],
                        [(c["case"], ratios(c["sides"], ["mpirun"])) for c in sc["ssh"]["cases"]]))
+    if sc.get("mpi", {}).get("cases"):
+        names = [s["name"] for s in sc["mpi"]["cases"][0]["sides"] if s["name"] != "poprun"]
+        panels.append(("MPI world: mpi4py Init + Barrier", names,
+                       [(f"{c['n']} ranks", ratios(c["sides"], names)) for c in sc["mpi"]["cases"]]))
     td = sc.get("teardown", {})
     if td.get("sides"):
         names = [s["name"] for s in td["sides"] if s["name"] != "poprun"]
@@ -576,7 +630,8 @@ def render_png(doc: dict, path: Path) -> None:
             ys = [g.get(name) for _, g in groups]
             label = NAMES.get(name, name)
             if name == "floor":
-                label = "floor: " + ("python -c 'import asyncio'" if "Launch" in title else "one writer (dd)")
+                label = "floor: " + ("python -c 'import asyncio'" if "Launch" in title
+                                     else "one mpi4py singleton" if "MPI" in title else "one writer (dd)")
             # Bars grow from 1 (as fast as poprun): up where poprun is faster, down where slower.
             bars = [(x, y) for x, y in zip(xs, ys) if isinstance(y, float)]
             ax.bar([x for x, _ in bars], [y - 1 for _, y in bars], width * 0.92, bottom=1,
@@ -605,6 +660,8 @@ def render_png(doc: dict, path: Path) -> None:
     head = "Each side's median time (or memory) ÷ poprun's: above the dashed line poprun is faster, below slower"
     sub = (f"{m.get('cpu_model', '?')}, {m.get('cpus', '?')} cores, Python {m.get('python', '?')}, "
            f"{m.get('timestamp', '')[:10]}")
+    for later in doc.get("merged", []):
+        sub += f"; {', '.join(later['scenarios'])} {later['timestamp'][:10]}"
     if doc.get("quick"):
         sub += "  —  QUICK RUN on a shared machine: not the published figures"
     fig.suptitle(f"{head}\n{sub}", fontsize=10)

@@ -14,6 +14,8 @@ Scenarios (bench/README.md says how each figure is measured):
   rss       the launcher's peak RSS with 256 local instances (measured in the teardown runs)
   teardown  SIGTERM to the launcher with 256 running instances, until every one has exited
   slurm     srun vs poprun --launcher slurm on a local Slurm (skipped, saying why, without one)
+  mpi       an MPI world of 4 and 16 local ranks (mpi4py: MPI_Init, Barrier, Finalize): poprun
+            against MPICH's own mpiexec (Hydra) from the mpich wheel, and the singleton floor
 
 Sides alternate within each repetition (A B C A B C ...); a side that is not installed is
 skipped and the page says so. Writes <out>/results.json, results.md (machine, versions,
@@ -45,10 +47,11 @@ REPO = BENCH_DIR.parent
 sys.path[:0] = [str(BENCH_DIR), str(REPO / "tests")]
 
 import launch_bench as lb  # noqa: E402
+import mpi_bench as mb  # noqa: E402
 import report  # noqa: E402
 
-SIDES = ("poprun", "mpirun", "torchrun", "none")
-SCENARIOS = ("launch", "output", "ssh", "rss", "teardown", "slurm")
+SIDES = ("poprun", "mpirun", "torchrun", "mpiexec", "none")
+SCENARIOS = ("launch", "output", "ssh", "rss", "teardown", "slurm", "mpi")
 # launch_bench's name for the no-launcher side
 BASELINE = {"none": "baseline"}
 
@@ -67,14 +70,16 @@ class Plan:
     torchrun_timeout: float
     poprun_timeout: float
     ssh_phases: bool  # one poprun -v run per ssh case, for the per-host phases
+    mpi_sizes: tuple[int, ...]
+    mpi_reps: int  # more than reps: 16 Python ranks on 2 cores vary by a few hundred ms
 
 
 FULL = Plan(reps=5, launch_sizes=(1, 8, 64, 256, 1024), output_sizes=(8, 16), lines=200_000,
             ssh_cases=("16x4", "4x2"), teardown_n=256, mpirun_timeout=30.0, torchrun_timeout=120.0,
-            poprun_timeout=60.0, ssh_phases=True)
+            poprun_timeout=60.0, ssh_phases=True, mpi_sizes=(4, 16), mpi_reps=15)
 QUICK = Plan(reps=1, launch_sizes=(1, 8, 64), output_sizes=(8,), lines=20_000, ssh_cases=("4x2",),
              teardown_n=256, mpirun_timeout=10.0, torchrun_timeout=60.0, poprun_timeout=60.0,
-             ssh_phases=False)
+             ssh_phases=False, mpi_sizes=(4,), mpi_reps=1)
 
 
 def log(msg: str) -> None:
@@ -145,7 +150,9 @@ def discover(args) -> dict[str, dict]:
         sides["poprun"] = {"available": True, "path": poprun, "version": first_line([poprun, "--version"])}
     else:
         sides["poprun"] = {"available": False, "reason": "no poprun executable (pip install .)"}
-    mpirun = args.mpirun or shutil.which("mpirun") or "/usr/bin/mpirun"
+    # By what it is, not by name on PATH: the mpich wheel puts a Hydra `mpirun` beside the
+    # interpreter, which pyenv's shim puts first on PATH.
+    mpirun = args.mpirun or lb.open_mpi_mpirun()
     if os.access(mpirun, os.X_OK):
         deb = deb_version("openmpi-bin")
         sides["mpirun"] = {"available": True, "path": mpirun, "version": first_line([mpirun, "--version"])
@@ -161,12 +168,25 @@ def discover(args) -> dict[str, dict]:
         sides["torchrun"] = {"available": True, "path": " ".join(torchrun), "argv": torchrun, "version": version}
     else:
         sides["torchrun"] = {"available": False, "reason": "torch not installed (pip install '.[torch]')"}
+    sides["mpiexec"] = discover_mpiexec()
     sides["none"] = {"available": True, "path": "", "version": "the same programs started directly "
                      f"(seq/dd from {first_line(['seq', '--version'])})"}
     for name in SIDES:
         if name not in args.sides:
             sides[name] = {**sides[name], "available": False, "reason": "left out with --sides"}
     return sides
+
+
+def discover_mpiexec() -> dict:
+    """MPICH's mpiexec, by the mpich wheel's own file list (Open MPI's mpirun must never
+    stand in for it), and the MPI library mpi4py loads."""
+    path, why = mb.find_mpiexec()
+    if path is None:
+        return {"available": False, "reason": why}
+    version, why = mb.mpi_versions(sys.executable, path, None)
+    if not version:
+        return {"available": False, "reason": why}
+    return {"available": True, "path": path, "version": version}
 
 
 def make_tools(sides: dict, plan: Plan, pycache: Path | None) -> lb.Tools:
@@ -306,6 +326,18 @@ def run_slurm(tools, sides, plan, tmp) -> dict:
     return {"reps": plan.reps, "cases": cases, "slurm": first_line(["srun", "--version"])}
 
 
+def run_mpi(tools, sides, plan, tmp) -> dict:
+    """An MPI world of N local ranks: poprun against the mpich wheel's mpiexec (mpi_bench)."""
+    info = sides["mpiexec"]
+    if not info.get("path"):  # not found at all, as opposed to left out with --sides
+        return {"skipped": info["reason"]}
+    res = mb.bench_mpi(tools, info["path"] if info["available"] else None, plan.mpi_reps,
+                       list(plan.mpi_sizes), tmp, chosen(sides, "floor", "none", "poprun", "mpiexec"))
+    return {"sizes": list(plan.mpi_sizes), "reps": plan.mpi_reps, "program": mb.PROGRAM,
+            "floor_program": mb.FLOOR_PROGRAM, "mpiexec": info["path"], "env": mb.TRANSPORT_ENV,
+            "cases": [{"n": r.instances, "sides": side_list(r.sides)} for r in res]}
+
+
 # ---------------------------------------------------------------------------- profile
 
 
@@ -353,14 +385,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help=f"comma-separated subset of {','.join(SCENARIOS)}")
     p.add_argument("--out", default=str(BENCH_DIR), help="where results.{md,png,json} and the profile go")
-    p.add_argument("--reps", type=int, default=None, help="repetitions per side (default 5; 1 with --quick)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="repetitions per side (default 5, the mpi scenario 15; 1 with --quick)")
     p.add_argument("--poprun", default=None, help="poprun executable (default: next to sys.executable, else PATH)")
-    p.add_argument("--mpirun", default=None, help="mpirun executable (default: mpirun on PATH)")
+    p.add_argument("--mpirun", default=None,
+                   help="mpirun executable (default: the first Open MPI mpirun on PATH, else /usr/bin/mpirun)")
     p.add_argument("--without-bashrc", action="store_true",
                    help="run in a private mount namespace where ~/.bashrc is empty, which every ssh "
                         "session reads (see bench/README.md, multihost); needs root")
     p.add_argument("--no-profile", action="store_true", help="leave out the py-spy profile")
     p.add_argument("--tmpdir", default=None, help="where outputs and sshd dirs go (default: system temp dir)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the scenarios of <out>/results.json that this run leaves out, and replace "
+                        "those it runs (the page says when each was measured)")
     args = p.parse_args(argv)
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
@@ -371,6 +408,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def previous_results(out_dir: Path, quick: bool) -> dict | None:
+    """The results --merge adds to: None if there are none yet; a quick run and a full one
+    never share a page (the page is either smoke-test figures or the published ones)."""
+    path = out_dir / "results.json"
+    if not path.exists():
+        return None
+    previous = json.loads(path.read_text())
+    if bool(previous.get("quick")) != quick:
+        raise SystemExit(f"run_all: --merge: {path} is {'a quick' if previous.get('quick') else 'a full'} run "
+                         f"and this one is not; a page holds one or the other")
+    return previous
+
+
+def merge(previous: dict, doc: dict) -> dict:
+    """previous with doc's scenarios (and profile) in place of its own: the rest of the page
+    keeps its figures, and "merged" says what was measured later, when and how."""
+    merged = {**previous, "scenarios": {**previous.get("scenarios", {}), **doc["scenarios"]}}
+    # The page's sides are those of the run it was measured in; a side new here is added (this
+    # run's own are in its "merged" entry).
+    merged["sides"] = {**doc["sides"], **previous.get("sides", {})}
+    if "profile" in doc:
+        merged["profile"] = doc["profile"]
+    again = set(doc["scenarios"]) | ({"profile"} if "profile" in doc else set())
+    earlier = [{**m, "scenarios": [x for x in m["scenarios"] if x not in again]} for m in previous.get("merged", [])]
+    merged["merged"] = [m for m in earlier if m["scenarios"]] + [{
+        "scenarios": sorted(again), "timestamp": doc["machine"]["timestamp"], "command": doc["command"],
+        "seconds": doc["seconds"], "load_before": doc["machine"]["load_before"],
+        "load_after": doc["machine"]["load_after"], "sides": doc["sides"]}]
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.without_bashrc:
@@ -379,9 +447,10 @@ def main(argv: list[str] | None = None) -> int:
             return mh.reexec_without_rc(argv, script=Path(__file__).resolve())
     plan = QUICK if args.quick else FULL
     if args.reps:
-        plan = Plan(**{**plan.__dict__, "reps": args.reps})
+        plan = Plan(**{**plan.__dict__, "reps": args.reps, "mpi_reps": args.reps})
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    previous = previous_results(out_dir, args.quick) if args.merge else None
     started = time.perf_counter()
     doc: dict = {
         "benchmark": "run_all",
@@ -407,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             ("ssh", lambda: run_ssh(tools, sides, plan, tmp / "ssh", pycache)),
             ("teardown", lambda: run_teardown(tools, sides, plan, tmp / "teardown")),
             ("slurm", lambda: run_slurm(tools, sides, plan, tmp / "slurm")),
+            ("mpi", lambda: run_mpi(tools, sides, plan, tmp / "mpi")),
         ]
         for name, step in steps:
             wanted = name in args.scenarios or (name == "teardown" and "rss" in args.scenarios)
@@ -431,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
             doc["profile"] = profile_output(tools, sides, plan, out_dir, tmp / "profile")
     doc["machine"]["load_after"] = os.getloadavg()
     doc["seconds"] = round(time.perf_counter() - started, 1)
+    if previous is not None:
+        doc = merge(previous, doc)
     doc["targets"] = report.targets(doc)
 
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
@@ -440,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         log(f"results.png not written: {exc} (pip install '.[bench]')")
         return 1
-    log(f"\n{out_dir / 'results.md'}, results.png, results.json written in {doc['seconds']:.0f} s")
+    log(f"\n{out_dir / 'results.md'}, results.png, results.json written; this run took "
+        f"{time.perf_counter() - started:.0f} s")
     for t in doc["targets"]:
         log(f"  [{t['status'].upper():4}] {t['description']}: {t['detail']}")
     return 0

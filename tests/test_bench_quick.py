@@ -51,9 +51,14 @@ def test_quick_run_writes_page_and_chart_with_every_side(tmp_path):
 
     assert doc["quick"] is True and "Quick run" in page
     # Every scenario ran to the end (the slurm one may say it is skipped, not fail).
-    for name in ("launch", "output", "ssh", "teardown", "slurm"):
+    for name in ("launch", "output", "ssh", "teardown", "slurm", "mpi"):
         assert name in doc["scenarios"], name
         assert "error" not in doc["scenarios"][name], doc["scenarios"][name].get("traceback")
+    # Where mpi4py and the mpich wheel are installed, both launchers formed the world.
+    if doc["sides"]["mpiexec"]["available"]:
+        mpi_sides = doc["scenarios"]["mpi"]["cases"][0]["sides"]
+        assert {s["name"] for s in mpi_sides if s["ok"]} >= {"poprun", "mpiexec"}, mpi_sides
+        assert "## MPI world wire-up" in page
 
     rows = {line.split("|")[1].strip(): line for line in page.splitlines()
             if line.startswith("| ") and line.count("|") == 4}
@@ -123,6 +128,9 @@ def test_report_judges_targets_and_renders_a_page_from_a_document():
             "output": {"lines": 200_000, "cases": [
                 {"n": 8, "lines": 200_000, "sides": [_side("floor", 0.100), _side("poprun", 0.140),
                                                      _side("mpirun", 3.5)]}]},
+            "mpi": {"mpiexec": "/venv/bin/mpiexec", "env": {}, "cases": [
+                {"n": 4, "sides": [_side("poprun", 0.700), _side("mpiexec", 0.400)]},
+                {"n": 16, "sides": [_side("poprun", 2.0), _side("mpiexec", 1.6)]}]},
             "teardown": {"n": 256, "reported": ["rss", "teardown"], "sides": [
                 _side("poprun", 0.05, rss_kib={"median": 30_000, "min": 29_000, "max": 31_000}),
                 _side("mpirun", 2.0, rss_kib={"median": 15_000, "min": 15_000, "max": 15_000})]},
@@ -138,6 +146,7 @@ def test_report_judges_targets_and_renders_a_page_from_a_document():
         "launch-256-torchrun": "skip",
         "output-8-floor": "pass",  # 1.4x
         "output-8-mpirun": "pass",
+        "mpi-16-mpiexec": "pass",  # 1.25x; 4 ranks have no target
         "rss": "pass",  # 31 000 KiB < 80 MiB
         "teardown": "pass",
     }
@@ -147,6 +156,7 @@ def test_report_judges_targets_and_renders_a_page_from_a_document():
     assert "125 ms (120–150 ms)" in page
     assert "— · 1 hung" in page
     assert "+55 ms" in page
+    assert "`/venv/bin/mpiexec`" in page and "| 16 | — | — | 2.00 s | 1.60 s | 1.25× |" in page
     assert "Quick run" not in page
     panels = report.chart_groups(doc)
     launch = dict(panels[0][2])
@@ -162,3 +172,22 @@ def test_report_top_frames_of_folded_stacks():
     assert top["total"] == 10
     assert top["self"][0] == ("_on_readable (spawner/local.py)", 8)
     assert top["inclusive"]["write_all (poprun/run/output.py)"] == 2
+
+
+def test_merge_keeps_the_scenarios_a_run_left_out():
+    run_all = _bench("run_all")
+    machine = {"timestamp": "t", "load_before": [1.0, 1.0, 1.0], "load_after": [2.0, 2.0, 2.0]}
+    previous = {"quick": False, "command": "full", "machine": {**machine, "cpu_model": "Old"},
+                "sides": {"poprun": {"available": True, "version": "old"}},
+                "scenarios": {"launch": {"reps": 5}, "mpi": {"reps": 1}}, "profile": {"skipped": "old"}}
+    doc = {"quick": False, "command": "--scenarios mpi --merge", "seconds": 9, "machine": machine,
+           "sides": {"poprun": {"available": True, "version": "new"}, "mpiexec": {"available": True}},
+           "scenarios": {"mpi": {"reps": 15}}}
+    merged = run_all.merge(previous, doc)
+    assert merged["scenarios"] == {"launch": {"reps": 5}, "mpi": {"reps": 15}}
+    assert merged["machine"]["cpu_model"] == "Old" and merged["profile"] == {"skipped": "old"}
+    assert merged["sides"]["poprun"]["version"] == "old" and "mpiexec" in merged["sides"]
+    assert [m["scenarios"] for m in merged["merged"]] == [["mpi"]]
+    # Measured again: the older merge entry gives way.
+    assert [m["command"] for m in run_all.merge(merged, doc)["merged"]] == ["--scenarios mpi --merge"]
+    assert "merged into this page" in _report().render_markdown(merged)

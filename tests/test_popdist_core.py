@@ -24,6 +24,8 @@ ALL_VARS = (
     env.LOCAL_INSTANCE_INDEX,
     env.EXECUTABLE_CACHE_PATH,
     env.AUTOREPORT_DIRECTORY,
+    env.NODE_DEVICE_ID,
+    env.VIPU_API_GCD_ID,
 )
 
 
@@ -161,24 +163,82 @@ def test_get_device_id_rejects_non_positive():
         popdist.getDeviceId(0)
 
 
+@pytest.mark.parametrize("where", ["offline", "outside poprun"])
 @pytest.mark.parametrize("ipus", [None, 2])
-def test_get_device_id_without_poplar(inside, monkeypatch, ipus):
-    inside(ipus_per_replica=2)
-    monkeypatch.setitem(sys.modules, "poplar", None)  # makes `import poplar` fail
-    with pytest.raises(RuntimeError, match="Poplar SDK") as info:
+def test_get_device_id_where_nothing_says_which_device(inside, where, ipus):
+    """No partition (offline mode) or no poprun: one error, which tells a TensorFlow user
+    (popdist.tensorflow.set_ipu_config's default configure_device=True) what to do."""
+    if where == "offline":
+        inside(ipus_per_replica=2)
+    with pytest.raises(RuntimeError) as info:
         popdist.getDeviceId(ipus)
-    assert "offline" in str(info.value)
+    message = str(info.value)
+    assert "POPDIST_NODE_DEVICE_ID is not set" in message and "--offline-mode" in message
+    assert "configure_device=False" in message
 
 
-def test_get_device_id_outside_poprun_without_poplar(monkeypatch):
-    monkeypatch.setitem(sys.modules, "poplar", None)
-    with pytest.raises(RuntimeError, match="Poplar SDK"):
-        popdist.getDeviceId(8)  # nothing in the env to contradict 8
+def _on_partition(monkeypatch, ipus: int, instances: int, replicas: int,
+                  ipus_per_replica: int, index: int, gcds: bool) -> None:
+    """Instance `index` of a job on a partition of `ipus` IPUs, as poprun and
+    run/vipu.Partition.environment set it: with `gcds`, one GCD per instance."""
+    who = _identity(index=index, num_instances=instances, local_index=index,
+                    local_size=instances, num_total_replicas=replicas,
+                    ipus_per_replica=ipus_per_replica)
+    for name, value in env.instance_environment(who).items():
+        monkeypatch.setenv(name, value)
+    from poprun.run.vipu import node_device
+
+    monkeypatch.setenv(env.NODE_DEVICE_ID, str(node_device(ipus, instances if gcds else 1)))
+    if gcds:
+        monkeypatch.setenv(env.VIPU_API_GCD_ID, str(index))
 
 
-def test_get_device_id_never_fakes_an_id(monkeypatch):
-    monkeypatch.setitem(sys.modules, "poplar", types.ModuleType("poplar"))
-    with pytest.raises(RuntimeError):
+# (partition IPUs, instances, replicas, IPUs per replica, one GCD per instance) -> the
+# instances' devices. Poplar's numbering (popdist/devices.py): 0..n-1 single IPUs, then the
+# pairs, the quads, ..., 2n-2 all of them.
+NUMBERING = [
+    ((1, 1, 1, 1, False), [0]),
+    ((4, 1, 4, 1, False), [6]),  # a real PopRun log: "Attached to device 6" on 4 IPUs
+    ((4, 2, 4, 1, False), [4, 5]),  # gc-info: 4 = IPUs 0-1, 5 = IPUs 2-3
+    ((4, 4, 4, 1, False), [0, 1, 2, 3]),
+    ((4, 2, 4, 1, True), [2, 2]),  # each its own GCD of 2 IPUs: the whole of it
+    ((16, 4, 8, 2, False), [24, 25, 26, 27]),  # the quads of 16 IPUs
+    ((16, 2, 8, 2, False), [28, 29]),  # the eights
+    ((16, 4, 8, 2, True), [6, 6, 6, 6]),
+    ((64, 1, 16, 4, False), [126]),  # POPDIST_NODE_DEVICE_ID=126 for 64 IPUs, one instance
+    ((64, 8, 64, 1, False), list(range(112, 120))),
+    ((64, 64, 64, 1, False), list(range(64))),
+    ((64, 16, 16, 4, True), [6] * 16),
+]
+
+
+@pytest.mark.parametrize("job, devices", NUMBERING,
+                         ids=[f"{j[0]}ipus-{j[1]}x{j[2]}x{j[3]}{'-gcds' if j[4] else ''}"
+                              for j, _ in NUMBERING])
+def test_get_device_id_follows_poplars_numbering(monkeypatch, job, devices):
+    ipus, instances, replicas, per_replica, gcds = job
+    found = []
+    for index in range(instances):
+        _on_partition(monkeypatch, ipus, instances, replicas, per_replica, index, gcds)
+        found.append(popdist.getDeviceId())
+        assert popdist.getDeviceId(per_replica) == found[-1]
+    assert found == devices
+
+
+@pytest.mark.parametrize("node, message", [
+    ("5", "device 5 does not span every IPU of a partition"),
+    ("x", "invalid literal"),
+])
+def test_get_device_id_with_a_node_device_it_cannot_read(inside, monkeypatch, node, message):
+    inside()
+    monkeypatch.setenv(env.NODE_DEVICE_ID, node)
+    with pytest.raises(RuntimeError, match=f"POPDIST_NODE_DEVICE_ID={node}: .*{message}"):
+        popdist.getDeviceId()
+
+
+def test_get_device_id_for_replicas_that_form_no_device(monkeypatch):
+    _on_partition(monkeypatch, 8, 1, 3, 1, 0, False)  # 3 IPUs are no Poplar device
+    with pytest.raises(RuntimeError, match="no Poplar device has 3 IPUs among 8"):
         popdist.getDeviceId()
 
 

@@ -522,8 +522,9 @@ def test_instances_get_the_server_partition_and_their_gcd(sim):
     common = {E.VIPU_API_HOST: "localhost", E.VIPU_API_PORT: "8090",
               E.VIPU_API_PARTITION_ID: "p1", E.VIPU_API_TIMEOUT: "5",
               E.POPLAR_TARGET_OPTIONS: options}
-    assert partition.environment(0) == {**common, E.VIPU_API_GCD_ID: "0"}
-    assert partition.environment(1) == {**common, E.VIPU_API_GCD_ID: "1"}
+    # Each instance's GCD is 16 IPUs: the device spanning it is 30 (Poplar's 2n-2).
+    assert partition.environment(0) == {**common, E.VIPU_API_GCD_ID: "0", E.NODE_DEVICE_ID: "30"}
+    assert partition.environment(1) == {**common, E.VIPU_API_GCD_ID: "1", E.NODE_DEVICE_ID: "30"}
     with pytest.raises(ValueError):
         partition.environment(2)
 
@@ -535,9 +536,20 @@ def test_a_single_gcd_partition_sets_no_gcd_and_the_environment_options_win(sim,
     partition = acquire(SETTINGS, Requirements.of(4, 1, 1), log=sim.log)
     env = partition.environment(0)
     assert E.VIPU_API_GCD_ID not in env
+    assert env[E.NODE_DEVICE_ID] == "6"  # 4 IPUs: real PopRun's "Preparing parent device 6"
     assert json.loads(env[E.POPLAR_TARGET_OPTIONS]) == {
         "ipuLinkDomainSize": "4", "ipuLinkConfiguration": "default", "ipuLinkTopology": "mesh",
         "gatewayMode": "false", "instanceSize": "4", "extra": "1"}
+
+
+@pytest.mark.parametrize("size, gcds, node", [
+    (1, 1, 0), (4, 1, 6), (16, 1, 30), (64, 1, 126), (64, 4, 30), (64, 64, 0),
+    (None, 1, None), (12, 1, None), (16, 3, None),  # unknown, or no Poplar device
+])
+def test_the_node_device_is_the_whole_of_what_an_instance_sees(size, gcds, node):
+    from poprun.run.vipu import node_device
+
+    assert node_device(size, gcds) == node
 
 
 @pytest.mark.timeout(30)

@@ -19,8 +19,9 @@ from vipu_harness import sim  # noqa: F401 (a fixture)
 pytestmark = pytest.mark.timeout(60)
 PY = sys.executable
 SERVER = ("--vipu-server-host=localhost", "--vipu-server-timeout=5", "--vipu-allocation=alloc1")
-SHOW = ("import os, json; print(json.dumps({k: v for k, v in os.environ.items() "
-        "if k.startswith('IPUOF_') or k == 'POPLAR_TARGET_OPTIONS'}))")
+SHOW = ("import os, json, popdist; print(json.dumps({**{k: v for k, v in os.environ.items() "
+        "if k.startswith(('IPUOF_', 'POPDIST_NODE')) or k == 'POPLAR_TARGET_OPTIONS'}, "
+        "'device': popdist.getDeviceId()}))")
 
 
 def test_the_job_runs_on_a_partition_poprun_creates_and_removes(sim):
@@ -33,6 +34,9 @@ def test_the_job_runs_on_a_partition_poprun_creates_and_removes(sim):
         assert env["IPUOF_VIPU_API_PARTITION_ID"] == "job"
         assert env["IPUOF_VIPU_API_HOST"] == "localhost"
         assert env["IPUOF_VIPU_API_GCD_ID"] == str(index)  # 2 instances, 2 GCDs
+        assert env["IPUOF_LOG_LEVEL"] == "WARN"  # as real PopRun gives it
+        # Each GCD has 2 IPUs (device 2 spans them), all of them this instance's replicas'.
+        assert (env["POPDIST_NODE_DEVICE_ID"], env["device"]) == ("2", 2)
         assert json.loads(env["POPLAR_TARGET_OPTIONS"])["instanceSize"] == "2"
     assert "create" in sim.verbs() and "remove" in sim.verbs()
     assert sim.partitions() == {}  # nothing leaked

@@ -8,6 +8,7 @@ from popdist.errorfile import record
 from popdist.popdist_core import (
     checkNumIpusPerReplica,
     execute_on_instances,
+    finalizeBackend,
     getDeviceId,
     getExecutableCachePath,
     getInstanceIndex,
@@ -18,6 +19,7 @@ from popdist.popdist_core import (
     getNumTotalReplicas,
     getReplicaIndexOffset,
     init,
+    isBackendInitialized,
     isPopdistEnvSet,
     isUniformReplicasPerInstance,
 )
@@ -25,6 +27,7 @@ from popdist.popdist_core import (
 __all__ = [
     "checkNumIpusPerReplica",
     "execute_on_instances",
+    "finalizeBackend",
     "getDeviceId",
     "getExecutableCachePath",
     "getInstanceIndex",
@@ -35,6 +38,7 @@ __all__ = [
     "getNumTotalReplicas",
     "getReplicaIndexOffset",
     "init",
+    "isBackendInitialized",
     "isPopdistEnvSet",
     "isUniformReplicasPerInstance",
     "record",

@@ -31,6 +31,10 @@ ERROR_FILE = "POPDIST_ERROR_FILE"
 STACKS_FILE = "POPDIST_STACKS_FILE"
 STACKS_SIGNAL = "POPDIST_STACKS_SIGNAL"
 DEFAULT_STACKS_SIGNAL = "SIGRTMIN+7"  # real-time: no program or library we know uses it
+# The Poplar device spanning every IPU the instance sees (its partition, or its GCD when it
+# has one), by Poplar's numbering (popdist/devices.py); set where poprun knows the partition.
+# popdist.getDeviceId() computes this instance's own device from it.
+NODE_DEVICE_ID = "POPDIST_NODE_DEVICE_ID"
 # Which attempt this is, from 0 (`poprun --max-restarts`); torch elastic's name too.
 RESTART_COUNT = "POPDIST_RESTART_COUNT"
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"

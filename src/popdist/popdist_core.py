@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from popdist import env
+from popdist import devices, env
 
 __all__ = [
     "isPopdistEnvSet",
@@ -27,6 +27,8 @@ __all__ = [
     "getExecutableCachePath",
     "getDeviceId",
     "init",
+    "isBackendInitialized",
+    "finalizeBackend",
     "execute_on_instances",
 ]
 
@@ -120,33 +122,45 @@ def getExecutableCachePath() -> str | None:
 
 
 def getDeviceId(ipus_per_replica: int | None = None) -> int:
-    """The id of an IPU device suitable for this instance (needs the Poplar SDK)."""
-    if ipus_per_replica is not None:
-        if ipus_per_replica < 1:
-            raise ValueError(f"ipus_per_replica must be at least 1, got {ipus_per_replica}")
-        # Only a value poprun actually set can contradict the caller; the default of 1
-        # outside poprun says nothing about the device the application wants.
-        env_set = bool(os.environ.get(env.NUM_IPUS_PER_REPLICA))
-        if env_set and not checkNumIpusPerReplica(ipus_per_replica):
-            raise ValueError(
-                f"getDeviceId(ipus_per_replica={ipus_per_replica}) does not match the "
-                f"{getNumIpusPerReplica()} IPUs per replica poprun was started with "
-                f"({env.NUM_IPUS_PER_REPLICA})"
-            )
-    try:
-        import poplar  # noqa: F401  (only probing whether the SDK is installed)
-    except ImportError:
+    """The id of the Poplar device this instance's replicas run on: the one spanning its
+    replicas' IPUs (local replicas x IPUs per replica), in Poplar's numbering of the IPUs
+    it sees (popdist/devices.py). Computed from POPDIST_NODE_DEVICE_ID, which poprun sets
+    when the job runs on a V-IPU partition; raises RuntimeError where nothing says which
+    device (offline mode, outside poprun)."""
+    ipus = checked_ipus_per_replica(ipus_per_replica, "getDeviceId")
+    node = env.read_str(os.environ, env.NODE_DEVICE_ID)
+    if node is None:
         raise RuntimeError(
-            "popdist.getDeviceId() needs the Poplar SDK (an IPU device) and the Poplar "
-            "Python bindings are not importable here; offline mode and CPU runs should "
-            "not call getDeviceId()"
-        ) from None
-    # Choosing a device means asking Poplar's device manager about the partition; this
-    # re-implementation does not do that, and inventing an id would mislead the caller.
-    raise RuntimeError(
-        "popdist.getDeviceId(): device selection through Poplar is not implemented by this "
-        "popdist; attach to the device with your framework (PopTorch/PopART) instead"
-    )
+            f"popdist.getDeviceId(): no IPU device to select: {env.NODE_DEVICE_ID} is not "
+            "set (poprun sets it for a job on a V-IPU partition, not with --offline-mode "
+            "nor outside poprun). To compile without a device, do not select one: with "
+            "TensorFlow, call popdist.tensorflow.set_ipu_config(config, ipus_per_replica, "
+            "configure_device=False)")
+    try:
+        seen = devices.ipus_of(int(node))
+        offset = getReplicaIndexOffset() * ipus
+        gcd = env.read_str(os.environ, env.VIPU_API_GCD_ID)
+        if gcd is not None:  # its own GCD: devices are numbered within it
+            offset -= int(gcd) * seen
+        return devices.device_id(seen, getNumLocalReplicas() * ipus, offset)
+    except ValueError as error:
+        raise RuntimeError(f"popdist.getDeviceId(): {env.NODE_DEVICE_ID}={node}: {error}") \
+            from None
+
+
+def checked_ipus_per_replica(asked: int | None, caller: str) -> int:
+    """IPUs per replica: the caller's, checked against poprun's when poprun set it."""
+    if asked is None:
+        return getNumIpusPerReplica()
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
+        raise ValueError(f"{caller}: ipus_per_replica must be a positive integer, got {asked!r}")
+    # Only a value poprun actually set can contradict the caller; the default of 1
+    # outside poprun says nothing about the device the application wants.
+    if os.environ.get(env.NUM_IPUS_PER_REPLICA) and not checkNumIpusPerReplica(asked):
+        raise ValueError(
+            f"{caller}(ipus_per_replica={asked}) does not match the {getNumIpusPerReplica()} "
+            f"IPUs per replica poprun was started with ({env.NUM_IPUS_PER_REPLICA})")
+    return asked
 
 
 def _parse_int(name: str, minimum: int) -> int:
@@ -163,11 +177,37 @@ def _parse_int(name: str, minimum: int) -> int:
 
 
 def init() -> None:
-    """Check the environment poprun set; a no-op outside poprun. Safe to call repeatedly."""
-    # Stateless on purpose: validating again is cheap and keeps it idempotent even when the
-    # environment changes between calls (as it does in tests).
+    """Check the environment poprun set and initialise the backend: join the job's MPI
+    world, where poprun serves one (popdist/backend.py); a no-op outside poprun. Safe to
+    call repeatedly."""
+    # Validating again is cheap and keeps it idempotent even when the environment changes
+    # between calls (as it does in tests); joining the world happens once.
     if not any(os.environ.get(name) for name in _CONTRACT):
         return None
+    _check_environment()
+    from popdist import backend
+
+    backend.initialize()
+    return None
+
+
+def isBackendInitialized() -> bool:
+    """Whether this instance's host-side collectives backend is up: it joined the job's MPI
+    world (popdist.init()) and has not left it (popdist.finalizeBackend())."""
+    from popdist import backend
+
+    return backend.initialized()
+
+
+def finalizeBackend() -> None:
+    """Leave the job's MPI world (done at exit otherwise); a no-op when not in it."""
+    from popdist import backend
+
+    backend.finalize()
+
+
+def _check_environment() -> None:
+    """The contract's variables are there and agree with each other, else RuntimeError."""
     total = _parse_int(env.NUM_TOTAL_REPLICAS, 1)
     _parse_int(env.NUM_IPUS_PER_REPLICA, 1)
     local = _parse_int(env.NUM_LOCAL_REPLICAS, 1)
@@ -203,7 +243,6 @@ def init() -> None:
                 f"popdist.init(): {env.REPLICA_INDEX_OFFSET}={offset} is not a multiple of "
                 f"{env.NUM_LOCAL_REPLICAS}={local}"
             )
-    return None
 
 
 def execute_on_instances(

@@ -42,6 +42,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
+from popdist import devices
 from popdist import env as E
 
 from poprun.errors import ConfigError, LaunchError, PoprunError
@@ -534,7 +535,21 @@ class Partition:
                 raise ValueError(f"instance {instance_index} has no GCD in partition "
                                  f"{self.name} ({self.num_gcds} GCDs)")
             env[E.VIPU_API_GCD_ID] = str(instance_index)
+        node = node_device(self.info.size, self.num_gcds)
+        if node is not None:
+            env[E.NODE_DEVICE_ID] = str(node)
         return env
+
+
+def node_device(size: int | None, num_gcds: int) -> int | None:
+    """The Poplar device spanning the IPUs an instance sees (the partition's, or its GCD's when
+    each instance has one); None when the partition's size is unknown or not a device."""
+    if not size or size % num_gcds:
+        return None
+    try:
+        return devices.whole_device_id(size // num_gcds)
+    except ValueError:
+        return None
 
 
 async def _communicate(argv: list[str], environ: Mapping[str, str],

@@ -1,0 +1,1 @@
+"""Part of the stand-in for Graphcore's TensorFlow (tensorflow/__init__.py)."""

@@ -108,6 +108,22 @@ def test_descendants_of_an_instance_are_not_in_its_world():
     assert lines_of(proc) == ["child False", "fork False", "instance True"]
 
 
+def test_instances_on_two_hosts_join_one_world(tmp_path):
+    """Across hosts each host's agent serves its instances' sockets (run/world.py)."""
+    from conftest import poprun_argv, poprun_env
+    from sshd_hosts import start_ssh_hosts
+
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        proc = subprocess.run(
+            poprun_argv(*OFFLINE, "-H", "h1,h2", "--num-instances=4", "--num-replicas=4",
+                        PY, "-c", JOIN),
+            env=poprun_env(hosts.env()), capture_output=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    rows = [line.split() for line in lines_of(proc)]
+    assert [row[:3] for row in rows] == [[str(r), "False", "True"] for r in range(4)]
+    assert len({row[3] for row in rows}) == 1
+
+
 # --- with MPICH on the same socket ----------------------------------------------------------
 
 @pytest.fixture(scope="module")

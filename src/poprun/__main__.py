@@ -1,3 +1,3 @@
-from poprun.cli.command import run
+from poprun_entry import run
 
 run()

@@ -1,11 +1,12 @@
 """The `poprun` command's first and last instructions, around `cli.main.main()`.
 
 First, before any import that takes time (the console script and `python -m poprun` land
-here): standard descriptors that are closed get /dev/null, so nothing poprun opens later
-becomes fd 0, 1 or 2 by accident (`poprun ... >&-`, as cron and some schedulers run it); and
-SIGINT/SIGTERM/SIGHUP end poprun cleanly until the launch takes them over (one line, exit
-128+N, never a `KeyboardInterrupt` traceback from an import); and poprun becomes the child
-subreaper, so what its instances leave behind comes back to it.
+here, through `poprun_entry`, whose first statement takes the stop signals): standard
+descriptors that are closed get /dev/null, so nothing poprun opens later becomes fd 0, 1 or 2
+by accident (`poprun ... >&-`, as cron and some schedulers run it); and SIGINT/SIGTERM/SIGHUP
+end poprun cleanly until the launch takes them over (one line, exit 128+N, never a
+`KeyboardInterrupt` traceback from an import), one that came earlier included; and poprun
+becomes the child subreaper, so what its instances leave behind comes back to it.
 
 Last: every child still there is killed and reaped (the instances are long gone by then:
 this is for what a stop in the middle of something left, e.g. an SSH `ProxyCommand`), then
@@ -22,11 +23,10 @@ import sys
 from poprun.run.signals import Stopped, install_early_stop, interruption_behind
 
 
-
-def run() -> None:
+def run(received: list[int] | tuple[int, ...] = ()) -> None:
+    """`received`: the stop signals that came before (poprun_entry remembered them)."""
     claim_standard_fds()
-    install_early_stop()
-    code = _run()
+    code = _run(received)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -35,8 +35,11 @@ def run() -> None:
     os._exit(code)
 
 
-def _run() -> int:
+def _run(received: list[int] | tuple[int, ...]) -> int:
     try:
+        install_early_stop()  # in here: a signal right after it is a Stopped to report
+        if received:
+            raise Stopped(received[0])
         from spawner.containment import become_subreaper, reap_children
 
         become_subreaper()

@@ -10,6 +10,7 @@ Real filesystems: small tmpfs mounts made for the test (root only; skipped other
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -140,6 +141,57 @@ def test_a_stdout_that_cannot_be_written_stops_the_job():
     assert "Traceback" not in err
     assert re.search(r"^poprun: stopped: cannot write poprun's stdout: Bad file descriptor$",
                      err, re.M), err
+
+
+STDERR_NEEDED = {  # what makes poprun write to its stderr
+    "instance-stderr": ("import sys; print('out'); print('err', file=sys.stderr)",),
+    "failure-report": ("print('out'); raise SystemExit(3)",),
+    "verbose": ("print('out')", "-v"),
+}
+
+
+@pytest.mark.parametrize("case", STDERR_NEEDED)
+def test_a_stderr_that_cannot_be_written_ends_with_74_like_stdout(case, tmp_path):
+    """`poprun ... 2<file` (issue 26 point 4) was an internal error: exit 70, a crash file,
+    `OSError: [Errno 9]` in _print_report. Whatever needed stderr (an instance's stderr line,
+    the failure report, -v's messages): exit 74, no crash file, stdout intact and the reason
+    in --result-json, which is still written."""
+    program, *options = STDERR_NEEDED[case]
+    state, result = tmp_path / "state", tmp_path / "result.json"
+    state.mkdir(mode=0o700)
+    done = _with_read_only_stderr(tmp_path, *options, f"--result-json={result}", PY, "-c",
+                                  program, env={"XDG_RUNTIME_DIR": str(state)})
+    assert done.returncode == OUTPUT_ERROR, done.stdout
+    assert done.stdout and set(done.stdout.splitlines()) == {b"out"}
+    assert not list(state.rglob("crash-*"))
+    data = json.loads(result.read_text())
+    assert (data["exit_code"], data["exit_reason"]) == (OUTPUT_ERROR, "output_error")
+    assert data["output_error"] == "cannot write poprun's stderr: Bad file descriptor"
+
+
+def test_a_stderr_that_cannot_be_written_is_no_error_when_nothing_needs_it(tmp_path):
+    done = _with_read_only_stderr(tmp_path, PY, "-c", "print('out')")
+    assert (done.returncode, done.stdout) == (0, b"out\nout\n")
+
+
+def _with_read_only_stderr(tmp_path, *args: str, env: dict[str, str] | None = None):
+    readable = tmp_path / "stderr"
+    readable.write_text("")
+    command = shlex.join(poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2", *args))
+    return subprocess.run(["sh", "-c", f"{command} 2<{shlex.quote(str(readable))}"],
+                          env=poprun_env(env), stdout=subprocess.PIPE, timeout=60)
+
+
+@pytest.mark.parametrize("target", ["{tmp}/missing/result.json", "{tmp}"])
+def test_a_result_json_that_cannot_be_written_is_refused_before_anything_starts(target,
+                                                                                tmp_path):
+    """It was a warning after the job had run, exit 0 (issue 26 point 4): now a usage error,
+    as --output-filename's, and nothing runs."""
+    target, witness = target.format(tmp=tmp_path), tmp_path / "ran"
+    proc = run_poprun(*OFFLINE, f"--result-json={target}", "--num-instances=1",
+                      "--num-replicas=1", "touch", str(witness))
+    assert_usage_error(proc, f"--result-json {target}: cannot write it")
+    assert not witness.exists()
 
 
 def test_write_all_waits_for_a_slow_reader_of_a_non_blocking_pipe():

@@ -17,6 +17,9 @@ class Log:
         self._pid = os.getpid()
         # os.write, or a live dashboard's emit (which erases its panel around the line).
         self.write = os.write
+        # The first error writing to `fd` (a stderr opened read-only, a full disk): the message
+        # is lost, and the launch ends with the output error's status (74) for it.
+        self.lost: OSError | None = None
 
     def error(self, msg: str) -> None:
         self._emit("E", msg)
@@ -42,5 +45,5 @@ class Log:
         line = f"{stamp} {self._pid} POPRUN [{level}] {msg}\n"
         try:
             self.write(self._fd, line.encode("utf-8", "replace"))
-        except OSError:
-            pass  # a closed stderr must not turn a message into a crash
+        except OSError as exc:  # a stderr that cannot take it must not turn it into a crash
+            self.lost = self.lost or exc

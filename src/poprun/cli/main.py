@@ -140,6 +140,7 @@ def _main(argv: list[str]) -> int:
     # The plan is made first: a launch makes the same one, so a configuration that cannot
     # launch (a program not found...) is an error before --export-config writes anything.
     launch_plan = _plan(config) if values.get("dry_run") or values.get("export_config") else None
+    result_file = None if values.get("dry_run") else _open_result_json(config.result_json)
     if values.get("export_config"):
         written = export_config(config, str(values["export_config"]),
                                 bool(values.get("overwrite_config")))
@@ -148,6 +149,23 @@ def _main(argv: list[str]) -> int:
         sys.stderr.write(f"poprun: warning: {one_line(warning)}\n")
     if values.get("dry_run"):
         return _dry_run(config, launch_plan, bool(values.get("json")))
+    try:
+        result = _launch(config)
+    except PoprunError as exc:  # nothing ran: --result-json still says why (main reports it)
+        if result_file is not None:
+            from poprun.result import not_run_json
+
+            internal = isinstance(exc, InternalError)
+            result_file.write(not_run_json(INTERNAL_ERROR_STATUS if internal else 2,
+                                           "internal_error" if internal else "usage_error",
+                                           str(exc)))
+        raise
+    if result_file is not None:
+        result_file.write(result.to_json())
+    return result.exit_code
+
+
+def _launch(config: LaunchConfig):
     from spawner.asyncio_import import asyncio_without_tls
 
     asyncio = asyncio_without_tls()  # the command's own process never speaks TLS
@@ -158,20 +176,7 @@ def _main(argv: list[str]) -> int:
     from poprun.run.signals import hold_stops
 
     hold_stops()  # a stop signal now is the launch's to act on, not an exception
-    try:
-        result = asyncio.run(launch(config))
-    except PoprunError as exc:  # nothing ran: --result-json still says why (main reports it)
-        if config.result_json:
-            from poprun.result import not_run_json
-
-            internal = isinstance(exc, InternalError)
-            _write_result_json(not_run_json(INTERNAL_ERROR_STATUS if internal else 2,
-                                            "internal_error" if internal else "usage_error",
-                                            str(exc)), config.result_json)
-        raise
-    if config.result_json:
-        _write_result_json(result.to_json(), config.result_json)
-    return result.exit_code
+    return asyncio.run(launch(config))
 
 
 # Options a program may well have of its own: after the program, no hint that they are
@@ -206,16 +211,57 @@ def _warnings(parsed: Parsed) -> list[str]:
     return out
 
 
-def _write_result_json(data: dict, path: str) -> None:
-    import json
+class _ResultFile:
+    """--result-json, opened before anything starts (as --output-filename is checked): a path
+    that cannot be written is a usage error then, not a warning after the job. A new file is
+    created 0600 (it may hold `-x SECRET=value`); an existing one keeps its mode and its old
+    content until the end. A FIFO or a device (/dev/stdout) is only checked now: opening one
+    for writing can wait for a reader."""
 
-    try:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2)
-            fh.write("\n")
-    except OSError as exc:  # the job has run: say so, but keep its exit status
-        sys.stderr.write(f"poprun: warning: cannot write --result-json {path}: "
-                         f"{exc.strerror}\n")
+    def __init__(self, path: str) -> None:
+        import stat
+
+        self.path, self._fd = path, None
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        except OSError as exc:
+            raise self._refused(exc.strerror) from None
+        if mode is not None and stat.S_ISDIR(mode):
+            raise self._refused("is a directory (name a file in it)")
+        if mode is not None and not stat.S_ISREG(mode):
+            if not os.access(path, os.W_OK):
+                raise self._refused("permission denied")
+            return
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise self._refused(exc.strerror) from None
+
+    def _refused(self, why: str) -> ConfigError:
+        return ConfigError(f"--result-json {self.path}: cannot write it: {why}")
+
+    def write(self, data: dict) -> None:
+        import json
+
+        text = (json.dumps(data, indent=2) + "\n").encode()
+        try:
+            if self._fd is None:
+                with open(self.path, "wb") as fh:
+                    fh.write(text)
+            else:
+                from poprun.fdio import write_all
+
+                os.ftruncate(self._fd, 0)
+                write_all(self._fd, text)
+        except OSError as exc:  # the job has run (a full disk): say so, keep its status
+            sys.stderr.write(f"poprun: warning: cannot write --result-json {self.path}: "
+                             f"{exc.strerror}\n")
+
+
+def _open_result_json(path: str | None) -> _ResultFile | None:
+    return _ResultFile(path) if path else None
 
 
 def _check(parsed: Parsed) -> int:

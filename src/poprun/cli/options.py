@@ -197,7 +197,7 @@ OPTIONS: tuple[Opt, ...] = (
         "goes elsewhere (a pipe, a file), in CI or with POPRUN_NO_DASHBOARD set"),
     Opt("result-json", Kind.STR, "After the job, write per instance host, pid, start/end, "
         "exit status or signal, lines written, and per host the launch-phase timings, to "
-        "this JSON file"),
+        "this JSON file (opened before the job starts; created with mode 0600)"),
     Opt("max-restarts", Kind.INT, "When the job fails (not when it is interrupted), stop "
         "every instance, clean up and start the whole job again, at most this many times; "
         "instances see POPDIST_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT, the executable "

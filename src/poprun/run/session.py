@@ -36,7 +36,7 @@ from poprun.plan.network import HostNetwork, address_here
 from poprun.plan.network import resolve as resolve_network
 from poprun.plan.planner import CacheMode, LaunchPlan
 from poprun.plan.topology import Topology, local_topology
-from poprun.result import LaunchResult
+from poprun.result import OUTPUT_ERROR_STATUS, LaunchResult
 from poprun.run.job import Job
 from poprun.run.output import output_files
 from poprun.run.signals import install_signal_handlers
@@ -642,7 +642,8 @@ class _Session:
         for step in (self._close_fleet, self._close_dashboard, self.job.close,
                      self.job.close_world, self._close_rendezvous,
                      self._restore_signals, self.cache.remove, self.lifeline.close,
-                     self._release_partition,
+                     self._release_partition, lambda: errors or self._report(),
+                     # After the report: the record has what its writing did to the status.
                      lambda: self.control and self.control.close(self._result, exc_info[1])):
             try:
                 result = step()
@@ -652,6 +653,8 @@ class _Session:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+    def _report(self) -> None:
         if self._result is not None:
             self._note_scheduler_stop()
             self._print_report()
@@ -681,11 +684,22 @@ class _Session:
             await release(self.partition, self.log, self.environ)
 
     def _print_report(self) -> None:
+        """The report on stderr. What poprun had to say there and could not (a stderr opened
+        read-only, a full disk) is an output error, as on stdout: exit 74, the reason in the
+        result (--result-json, the record) since stderr cannot show it."""
         from poprun.view.render import render_report  # plain text, or rich's on a terminal
 
         report = render_report(self._result, self.stderr_fd, self.environ, self.config.verbose)
-        if report:
-            os.write(self.stderr_fd, report)
+        try:
+            if report:  # nothing to say is no write: a quiet success needs no stderr
+                write_all(self.stderr_fd, report)
+        except OSError as exc:
+            self.log.lost = self.log.lost or exc
+        lost = self.log.lost
+        if lost is not None and self._result.output_error is None:
+            self._result = replace(self._result, exit_code=OUTPUT_ERROR_STATUS,
+                                   output_error=f"cannot write poprun's stderr: "
+                                                f"{lost.strerror or lost}")
 
 
 class _CacheDir:

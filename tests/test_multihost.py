@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -304,3 +305,52 @@ def test_report_bindings_covers_remote_instances(hosts):
         assert re.search(rf"instance {index} \(pid \d+\) on {host}: cpus {cpus[index % 2]}, "
                          r"memory \w+", err), (index, err)
     assert "POPRUN [W]" not in err  # every binding is the planned one
+
+
+# --- a stop that reaches every host at once (issue 26, point 3) ---------------------------------
+
+YES = 'while 1: print("y" * 100)'
+
+
+def piped_to_head(hosts: SshHosts, *args: str) -> tuple[float, int, str]:
+    """`poprun ... | head -1`: seconds from head's exit to poprun's, poprun's status, stderr."""
+    proc = subprocess.Popen(poprun_argv(*OFFLINE, "--kill-timeout=15", *args),
+                            env=poprun_env(hosts.env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    with proc:
+        head = subprocess.run(["head", "-1"], stdin=proc.stdout, stdout=subprocess.DEVNULL,
+                              timeout=TIMEOUT)
+        proc.stdout.close()
+        gone = time.monotonic()
+        err = proc.stderr.read().decode()  # EOF: poprun has ended
+        proc.wait(timeout=TIMEOUT)
+    assert head.returncode == 0
+    return time.monotonic() - gone, proc.returncode, err
+
+
+@pytest.mark.timeout(240)
+def test_a_broken_pipe_stops_every_remote_instance_at_once(hosts):
+    """`poprun --host h1,h2 ... | head -1`, 30 times: every run ends long before the kill
+    timeout (15 s). In 4 of 13 runs the instances never got SIGTERM: the first line came
+    while h2 was still starting, the stop reached no host, and spawn_remote then forwarded
+    SIGPIPE, which Python ignores."""
+    for run_index in range(30):
+        seconds, status, err = piped_to_head(hosts, "--host", "h1,h2", "--num-instances=2",
+                                             "--num-replicas=2", PY, "-c", YES)
+        assert status == 128 + signal.SIGPIPE, (run_index, err)
+        assert seconds < 2.5, (run_index, seconds, err)
+        assert "SIGKILL" not in err, (run_index, err)
+
+
+@pytest.mark.timeout(120)
+def test_a_broken_pipe_while_a_host_still_starts_reaches_every_instance(hosts):
+    """The race made certain: h1's one instance prints while h2 still starts its 31, so
+    poprun's stdout breaks before spawn_remote knows them all. SIGTERM reaches h1's at once
+    and h2's as they start; none waits for the kill timeout."""
+    for run_index in range(3):
+        seconds, status, err = piped_to_head(hosts, "--host", "h1:1,h2:31",
+                                             "--num-instances=32", "--num-replicas=32",
+                                             PY, "-c", YES)
+        assert status == 128 + signal.SIGPIPE, (run_index, err)
+        assert seconds < 8, (run_index, seconds, err)
+        assert "terminated by poprun (SIGTERM)" in err and "SIGKILL" not in err, err

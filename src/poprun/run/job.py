@@ -35,6 +35,13 @@ from poprun.result import (LOST_HOST_STATUS, InstanceResult, LaunchResult, end_r
 from poprun.run.output import OutputOptions, OutputRouter, output_files
 
 
+def _forwarded(stop_signal: int) -> int:
+    """The signal instances get for the job's stop signal. A broken pipe (`poprun | head`)
+    is SIGPIPE to poprun but SIGTERM to them: Python and most runtimes ignore SIGPIPE, so it
+    left them running until --kill-timeout (issue 26)."""
+    return signal.SIGTERM if stop_signal == signal.SIGPIPE else stop_signal
+
+
 @dataclass
 class Started:
     pid: int
@@ -78,6 +85,7 @@ class Job:
         self._all_started = False
         self._spawning_remote = False  # spawn requests are out; their instances may run already
         self._kill_timer = None
+        self._signalled: set[int] = set()  # instances poprun has sent a stop signal to
         self.local: LocalSpawner | None = None
         self.remote: Mapping[str, object] = {}
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
@@ -223,7 +231,7 @@ class Job:
             self._report_bindings()
         if self.stop_signal is not None:  # a stop signal came while these were starting
             self._log_stopping(self.stop_signal)
-            self._stop(self.stop_signal)
+            self._stop(_forwarded(self.stop_signal))
         elif self.stop_reason != "success":
             self._signal_all(signal.SIGTERM)  # the job began to stop while these started
         self._maybe_finish()
@@ -234,7 +242,9 @@ class Job:
         # A remote instance started when its STARTED came, which may be well before this
         # (spawn_remote records a host's instances once all of them have started).
         at = getattr(spawner, "started_at", {}).get(key) or time.monotonic()
-        self.started[key] = Started(pid=pid, start=self._wall(at))
+        # Signalled while its host was still starting (_spawners): poprun stopped it.
+        self.started[key] = Started(pid=pid, start=self._wall(at),
+                                    signalled=key in self._signalled)
         self._marks["first_started"][key] = at
         self.spawner_of[key] = spawner
         inst = self.plan.instances[key]
@@ -380,8 +390,13 @@ class Job:
     # --- stopping ---------------------------------------------------------------------
 
     def _spawners(self) -> list:
-        """Every spawner running instances of this job (local, and one per remote host)."""
-        return list({id(s): s for s in self.spawner_of.values()}.values())
+        """Every spawner running instances of this job (local, and one per remote host).
+        Once spawn requests are out, every remote host's, recorded or not: a stop must reach
+        an instance that already runs there (a broken pipe from its first line) while another
+        host is still starting, not wait for spawn_remote (issue 26)."""
+        spawners = [*self.spawner_of.values(), *(self.remote.values()
+                                                 if self._spawning_remote else ())]
+        return list({id(s): s for s in spawners}.values())
 
     def running(self) -> list[int]:
         return [k for s in self._spawners() for k in s.running()]
@@ -427,7 +442,7 @@ class Job:
         if self.stop_signal is None:
             self.stop_signal = signal.SIGPIPE
             self._stopping("SIGPIPE")
-            self._stop(signal.SIGTERM)
+            self._stop(_forwarded(signal.SIGPIPE))
 
     def _write_error(self, where: str, exc: OSError) -> None:
         """Output that cannot be written is not dropped silently: the job stops (exit 74)."""
@@ -468,8 +483,8 @@ class Job:
             for key in spawner.running():
                 spawner.signal(key, sig)
                 # An instance started there but not recorded yet (spawn_remote records a
-                # host's instances once all have started) is signalled again, and marked,
-                # when spawn_remote sees the job already stopping.
+                # host's instances once all have started) is marked when it is recorded.
+                self._signalled.add(key)
                 if key in self.started:
                     self.started[key].signalled = True
 

@@ -204,8 +204,8 @@ def test_stats_are_sent_only_when_hello_asks_for_them(agent):
     agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__,
                   python=list(sys.version_info[:2]), cwd=os.getcwd(), stats=0.05)
     # Memory is charged to the cgroup a process is in when it touches the pages, and stays
-    # there when it moves: the instance allocates once the agent has moved it into its own
-    # cgroup (a move on a thread of its own, spawner.containment.Adopter), where it has one.
+    # there when it moves: the instance allocates once it is in its own cgroup, where it
+    # has one (it enters it before its first instruction: spawner.containment.entering).
     started = agent.spawn(3, PY, "-c", IN_OWN_CGROUP + "x = bytearray(30 << 20); "
                           "print('allocated', flush=True); import time; time.sleep(30)")
     assert agent.read_line(3) == b"allocated\n"  # samples from now on see the 30 MB

@@ -6,11 +6,13 @@ loaders) leaves the group; three mechanisms catch it, strongest first:
 
 - **cgroup v2**, where a subtree is writable (root, or systemd's user delegation): each
   instance runs in a cgroup of its own, `<our cgroup>/poprun-<token>/i<key>`, which nothing
-  it starts can leave; `cgroup.kill` ends the lot. The instance is moved there right after
-  its spawn: moving the launcher itself in around the fork (as the CPU binding is set) would
-  have it there from its first instruction, but measured 1.5 ms a spawn here (the launcher's
-  own migration into a new cgroup) against 0.03 ms for the child's. What it forks in those
-  microseconds is caught by the mark below, which the final sweep uses too.
+  it starts can leave; `cgroup.kill` ends the lot. The instance is in it before its
+  program's first instruction (`entering`: a shell moves itself in and execs the program),
+  so nothing it forks is ever outside. Moving the launcher itself in around the fork (as the
+  CPU binding is set) would do the same, but measured 1.5 ms a spawn here (the launcher's own
+  migration into a new cgroup); a move made from outside after the spawn left a window in
+  which a helper forked at once stayed in the launcher's cgroup (and, started with `env -i`,
+  without the mark below).
 - **the environment mark**: every instance gets `POPRUN_LIFELINE=<token>` (`MARK`), which its
   descendants inherit; `marked(token)` finds them in /proc whatever their parent or session.
 - **child subreaper** (`become_subreaper`, for the poprun command and the agent, never for
@@ -25,16 +27,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 import time
-from collections import deque
-from collections.abc import Callable
 
 MARK = "POPRUN_LIFELINE"  # instances' environment: the token of the lifeline watching them
 # POPRUN_CGROUPS=0 in the launcher's (or an agent's) environment: no cgroups, the other two
 # mechanisms only (e.g. where creating cgroups is allowed but unwanted).
 CGROUPS_SWITCH = "POPRUN_CGROUPS"
 PR_SET_CHILD_SUBREAPER = 36
+CGROUP_PREFIX = "poprun-"  # every cgroup tree poprun makes is named so (reap checks it)
 CGROUP_EMPTY_TIMEOUT = 2.0  # seconds to wait for a killed cgroup to empty before rmdir
 
 
@@ -141,8 +141,31 @@ def own_cgroup_dir() -> str | None:
     return None
 
 
+def cgroup_root(token: str) -> str | None:
+    """Where the instances of the lifeline `token` get their cgroups on this host:
+    `<this process's cgroup>/poprun-<token>` (None without cgroup v2). The one definition:
+    the spawner makes it there, the job's record names it for reap."""
+    home = own_cgroup_dir()
+    return os.path.join(home, f"{CGROUP_PREFIX}{token}") if home else None
+
+
+# How an instance enters its cgroup before its program's first instruction: a shell writes 0
+# (itself) to the cgroup's cgroup.procs, then execs the program in its place (same pid), so
+# nothing the program ever forks can be outside it. The move is the child's: the kernel's
+# wait on a launch's first move (an RCU grace period, 5-25 ms here) never holds up the
+# launcher, and no Python runs between fork and exec (spawning stays on the vfork path). A
+# move that fails (the cgroup gone meanwhile) leaves the mark and the sweep to catch it.
+_ENTER = 'echo 0 >"$0" 2>/dev/null; exec "$@"'
+SHELL = "/bin/sh"
+
+
+def entering(procs: str, argv: tuple[str, ...]) -> list[str]:
+    """`argv`, run so that it starts inside the cgroup whose cgroup.procs is `procs`."""
+    return [SHELL, "-c", _ENTER, procs, *argv]
+
+
 class Cgroups:
-    """One cgroup per instance under `<own cgroup>/poprun-<token>`; `None` from `create()`
+    """One cgroup per instance under `cgroup_root(token)`; `None` from `create()`
     where no writable cgroup v2 subtree exists."""
 
     def __init__(self, home: str, root: str) -> None:
@@ -152,10 +175,10 @@ class Cgroups:
 
     @classmethod
     def create(cls, token: str) -> Cgroups | None:
-        home = own_cgroup_dir()
-        if home is None:
+        root = cgroup_root(token)
+        if root is None:
             return None  # no cgroup v2 here
-        root = os.path.join(home, f"poprun-{token}")
+        home = os.path.dirname(root)
         try:
             os.mkdir(root, 0o755)
         except OSError:  # not writable: no delegation here
@@ -171,20 +194,18 @@ class Cgroups:
     def path(self, key: int) -> str:
         return os.path.join(self.root, f"i{key}")
 
-    def adopt(self, key: int, pid: int) -> bool:
-        """Move instance `key`'s process `pid` into a cgroup of its own (right after its
-        spawn). False when it could not (the other mechanisms still hold)."""
+    def prepare(self, key: int) -> str | None:
+        """Instance `key`'s own cgroup, made before it starts; its `cgroup.procs`, for the
+        instance to enter (`entering`). None when it could not be made (the other
+        mechanisms still hold)."""
         path = self.path(key)
         try:
             os.makedirs(path, 0o755, exist_ok=True)  # exists: the key's earlier process
-            self._made[key] = path
-            with open(os.path.join(path, "cgroup.procs"), "wb", buffering=0) as procs:
-                procs.write(str(pid).encode())
         except OSError:
             self.members.pop(key, None)
-            return False
-        self.members[key] = path
-        return True
+            return None
+        self._made[key] = self.members[key] = path
+        return os.path.join(path, "cgroup.procs")
 
     def kill(self, key: int) -> None:
         """SIGKILL everything in instance `key`'s cgroup (cgroup.kill)."""
@@ -196,89 +217,6 @@ class Cgroups:
         """Kill whatever is left in every instance cgroup and remove them all."""
         _write(os.path.join(self.root, "cgroup.kill"), b"1")
         remove_tree(self.root)
-
-
-class Adopter:
-    """Moves spawned processes into their cgroups (`Cgroups.adopt`) on a thread of its own.
-
-    Why a thread: the first move of a run waits out an RCU grace period in the kernel
-    (cgroup_threadgroup_rwsem: 5-25 ms measured here, for each launch) while the event loop
-    could be routing output; the moves after it are ~0.1 ms. The price is a longer moment
-    before an instance is in its cgroup: what it forks meanwhile stays outside, which the
-    environment mark and the final sweep cover (as for the microseconds before a move made
-    at once). A process must be `settle`d before it is reaped: a move after the reap could
-    take another process that reused the pid."""
-
-    def __init__(self, cgroups: Cgroups) -> None:
-        self.cgroups = cgroups
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._queue: deque[tuple[int, int]] = deque()  # (key, pid) not moved yet
-        self._moving: int | None = None  # the key being moved now
-        self._then: list[Callable[[], None]] = []  # to call once that move is made
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def add(self, key: int, pid: int) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._queue.append((key, pid))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="poprun-cgroups",
-                                                daemon=True)
-                self._thread.start()
-            self._changed.notify_all()
-
-    def settle(self, key: int) -> None:
-        """`key`'s process has been moved, or never will be."""
-        with self._lock:
-            self._drop(key)
-            while self._moving == key:
-                self._changed.wait()
-
-    def settled(self, key: int, then: Callable[[], None]) -> bool:
-        """As `settle` without waiting: True when `key` is settled now; else False, and
-        `then()` is called (on the adopter's thread) once its move is made."""
-        with self._lock:
-            self._drop(key)
-            if self._moving != key:
-                return True
-            self._then.append(then)
-            return False
-
-    def _drop(self, key: int) -> None:
-        if any(k == key for k, _ in self._queue):
-            self._queue = deque(item for item in self._queue if item[0] != key)
-
-    def close(self) -> None:
-        """No more moves (those not made are dropped); returns once none is under way."""
-        with self._lock:
-            self._closed = True
-            self._queue.clear()
-            self._changed.notify_all()
-            while self._moving is not None:
-                self._changed.wait()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closed:
-                    self._changed.wait()
-                if self._closed:
-                    return
-                key, pid = self._queue.popleft()
-                self._moving = key
-            try:
-                self.cgroups.adopt(key, pid)
-            finally:
-                with self._lock:
-                    self._moving = None
-                    then, self._then = self._then, []
-                    self._changed.notify_all()
-                for call in then:
-                    with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
-                        call()
 
 
 def _write(path: str, data: bytes) -> None:

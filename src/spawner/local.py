@@ -16,6 +16,7 @@ arrives after its exit event.
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ from popdist.env import ERROR_FILE
 
 from . import containment
 from .binding import bound
-from .containment import Adopter, Cgroups
+from .containment import Cgroups
 from .lifeline import Lifeline
 
 # One pipe's worth. Measured with bench/launch_bench.py: 256 KiB or 1 MiB pipes and reads made
@@ -133,7 +134,6 @@ class LocalSpawner:
         # {type, message, file, line, function, traceback, time}.
         self.errors: dict[int, dict[str, Any]] = {}
         self._error_dir: str | None = None
-        self._adopter: Adopter | None = None  # moves them there, where cgroups are ours
         wanted = cgroups and os.environ.get(containment.CGROUPS_SWITCH) != "0"
         self._cgroups: Cgroups | bool | None = None if wanted and lifeline else False
         # A memory binding was asked for but this host cannot do it (no libnuma): the
@@ -154,16 +154,16 @@ class LocalSpawner:
         from . import stackdump
 
         env.update(stackdump.instance_env(env[ERROR_FILE], env))  # popdist/_stacks.py
+        argv = self._contained(spec, env)
         with bound(spec.cpus, spec.mems) as memory_bound:
             proc = subprocess.Popen(
-                spec.argv, env=env, cwd=spec.cwd,
+                argv, env=env, cwd=spec.cwd,
                 stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT if spec.merge_stderr else subprocess.PIPE,
                 start_new_session=True, close_fds=True, pass_fds=spec.pass_fds, bufsize=0)
         if spec.mems and not memory_bound:
             self.memory_binding_skipped = True
-        self._contain(spec.key, proc.pid)
         if self._lifeline:
             self._lifeline.add_group(proc.pid)
         child = _Child(spec, proc)
@@ -180,10 +180,23 @@ class LocalSpawner:
         return proc.pid
 
     def _error_file(self, key: int) -> str:
+        return os.path.join(self._make_error_dir(), f"{key}.json")
+
+    def _make_error_dir(self) -> str:
         if self._error_dir is None:  # private (0700), removed at close (or by the lifeline)
             self._error_dir = (self._lifeline.make_temp_dir("poprun-errors-") if self._lifeline
                                else tempfile.mkdtemp(prefix="poprun-errors-"))
-        return os.path.join(self._error_dir, f"{key}.json")
+        return self._error_dir
+
+    def leaves(self) -> dict[str, str | None]:
+        """What this spawner may leave on its host if it and its lifeline are both SIGKILLed,
+        named before any instance starts (the error dir is made now for that): the mark its
+        instances carry, the root of their cgroups (where cgroups may be used) and the error
+        dir. The job's record keeps it; `poprunctl reap` removes it (spawner/reaphere.py)."""
+        token = self._lifeline.token if self._lifeline else None
+        return {"mark": token, "error_dir": self._make_error_dir(),
+                "cgroup": containment.cgroup_root(token)
+                if token and self._cgroups is not False else None}
 
     def _read_error(self, key: int) -> None:
         path = os.path.join(self._error_dir, f"{key}.json") if self._error_dir else None
@@ -194,16 +207,19 @@ class LocalSpawner:
         except (OSError, TypeError, ValueError):  # none written (or a broken one)
             pass
 
-    def _contain(self, key: int, pid: int) -> None:
-        """A cgroup of its own for the new process, where this host allows (containment.py).
-        The move is made on the adopter's thread (containment.Adopter says why)."""
+    def _contained(self, spec: ProcessSpec, env: dict[str, str]) -> list[str] | tuple[str, ...]:
+        """The argv that starts `spec` in a cgroup of its own, where this host allows: it
+        enters it before its first instruction (containment.entering). A program that
+        cannot be run is refused here, as Popen would refuse it, not by the shell later."""
         if self._cgroups is None:  # the first spawn: can this host give us cgroups?
             self._cgroups = Cgroups.create(self._lifeline.token) or False
             if self._cgroups:
                 self._lifeline.add_cgroup(self._cgroups.root)
-                self._adopter = Adopter(self._cgroups)
-        if self._cgroups:
-            self._adopter.add(key, pid)
+        procs = self._cgroups.prepare(spec.key) if self._cgroups else None
+        if procs is None:
+            return spec.argv
+        _check_runnable(spec.argv[0], env.get("PATH", os.defpath), spec.cwd)
+        return containment.entering(procs, spec.argv)
 
     @property
     def error_dir(self) -> str | None:
@@ -292,12 +308,6 @@ class LocalSpawner:
     def _on_exit(self, child: _Child) -> None:
         if child.returncode is not None:  # reaped meanwhile (close())
             return
-        if self._adopter is not None and not self._adopter.settled(
-                child.spec.key, lambda: self._loop.call_soon_threadsafe(self._on_exit, child)):
-            # Its cgroup move is under way: reaped when it is made, without holding up the
-            # loop meanwhile (a first move can take 25 ms).
-            self._unwatch_exit(child)
-            return
         self._reap(child)
         if child.open_fds:
             self._loop.call_later(PIPE_DRAIN_TIMEOUT, self._abandon_pipes, child)
@@ -316,7 +326,6 @@ class LocalSpawner:
         # whatever it left behind in its group before reaping it.
         _killpg(pid, signal.SIGKILL)
         if self._cgroups:  # and whatever left the group but not its cgroup
-            self._adopter.settle(child.spec.key)  # before the reap frees its pid
             self._cgroups.kill(child.spec.key)
         if self._lifeline:
             self._lifeline.discard_group(pid)
@@ -401,14 +410,26 @@ class LocalSpawner:
         if not self._children:
             return
         if self._cgroups:
-            self._adopter.close()
             self._cgroups.close()
             self._cgroups = False  # a late move must not make the tree again
-        if self._lifeline:  # with cgroups too: what forked before its cgroup move
+        if self._lifeline:  # with cgroups too: an instance whose cgroup could not be made
             containment.kill_marked(self._lifeline.token)
         if containment.is_subreaper():
             containment.reap_children(keep=frozenset(
                 [self._lifeline.pid] if self._lifeline else []))
+
+
+def _check_runnable(program: str, path: str, cwd: str | None) -> None:
+    """Raise the OSError exec would for `program` (looked up on `path` without a slash)."""
+    if "/" not in program:
+        if shutil.which(program, path=path) is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+        return
+    full = os.path.join(cwd or os.getcwd(), program)
+    if not os.path.exists(full):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+    if os.path.isdir(full) or not os.access(full, os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -23,7 +23,7 @@ from poprun.plan.config import LaunchConfig
 def export_config(config: LaunchConfig, path: str, overwrite: bool) -> str:
     """Write the config as TOML; an existing `train.toml` is kept and the config goes to
     `train-<timestamp>.toml` unless `overwrite`. The file appears whole or not at all (written
-    beside it, then renamed). Raises ConfigError: one line naming the path."""
+    beside it, then renamed), mode 0600. Raises ConfigError: one line naming the path."""
     import tempfile
 
     where = f"--export-config {path}"
@@ -55,9 +55,8 @@ def export_config(config: LaunchConfig, path: str, overwrite: bool) -> str:
     temporary = None
     try:
         fd, temporary = tempfile.mkstemp(prefix=".poprun-export-", dir=folder)
-        with os.fdopen(fd, "wb") as fh:
+        with os.fdopen(fd, "wb") as fh:  # mkstemp's 0600: it may hold -x SECRET=value
             fh.write(text)
-        os.chmod(temporary, 0o666 & ~_umask())
         os.replace(temporary, path)
     except (OSError, ValueError) as exc:
         if temporary is not None:
@@ -71,12 +70,6 @@ def export_config(config: LaunchConfig, path: str, overwrite: bool) -> str:
 
 def _reason(exc: Exception) -> str:
     return (exc.strerror or str(exc)) if isinstance(exc, OSError) else "not a file name"
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,10 @@ instance's line bytes follow it raw. rich is imported only when a console fd may
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -83,6 +85,7 @@ class OutputRouter:
         self._on_broken_pipe = on_broken_pipe
         self._closed: set[Stream] = set()  # console streams whose reader has gone
         self._files: dict[tuple[int, Stream], object] = {}
+        self._one_fd: int | None = None  # --output-filename's DIR/1 (see _one)
         self.instances: dict[int, InstanceOutput] = collections.defaultdict(InstanceOutput)
         # Tags are rendered once per (instance, stream), not per line.
         self._tags: dict[tuple[int, Stream], bytes] = {}
@@ -181,17 +184,41 @@ class OutputRouter:
         return ended + (len(body) - len(data)) // len(prefix)
 
     def check_directory(self) -> None:
-        """Before anything starts: the `--output-filename` directory can be created and
-        written (not a file, not on a read-only filesystem...). Raises OSError."""
+        """Before anything starts: the `--output-filename` directory is this user's and can
+        be written (not a file, not on a read-only filesystem...), and nothing poprun will
+        write there is a link another user could have planted. Raises OSError."""
         if self._options.directory is None:
             return
-        import tempfile
+        one = self._one()
+        probe = f".poprun-probe-{os.getpid()}-{os.urandom(4).hex()}"
+        os.close(os.open(probe, _NEW_FILE | os.O_EXCL, 0o600, dir_fd=one))
+        os.unlink(probe, dir_fd=one)
+        for rank in os.scandir(one):  # a previous run's files, or something planted
+            if rank.name.startswith("rank."):
+                self._check_rank(one, rank.name)
 
-        folder = os.path.join(self._options.directory, "1")
-        os.makedirs(folder, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".poprun-probe-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
+    def _check_rank(self, one: int, name: str) -> None:
+        path = os.path.join(self._options.directory, "1", name)
+        owned(os.stat(name, dir_fd=one, follow_symlinks=False), path, directory=True)
+        for stream in Stream:
+            try:
+                found = os.stat(f"{name}/{stream.name.lower()}", dir_fd=one,
+                                follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            owned(found, os.path.join(path, stream.name.lower()), directory=False)
+
+    def _one(self) -> int:
+        """DIR/1, opened once: every file is made below it through descriptors, so a path
+        another user changes meanwhile leads nowhere else."""
+        if self._one_fd is None:
+            top = open_output_directory(self._options.directory)
+            try:
+                self._one_fd = own_subdirectory(top, "1",
+                                                os.path.join(self._options.directory, "1"))
+            finally:
+                os.close(top)
+        return self._one_fd
 
     def _file_path(self, key: int, stream: Stream) -> str:
         return os.path.join(self._options.directory, "1", f"rank.{key}", stream.name.lower())
@@ -199,16 +226,111 @@ class OutputRouter:
     def _file(self, key: int, stream: Stream):
         handle = self._files.get((key, stream))
         if handle is None:
-            path = self._file_path(key, stream)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            rank_path = os.path.dirname(self._file_path(key, stream))
+            rank = own_subdirectory(self._one(), f"rank.{key}", rank_path)
+            try:
+                fd = own_file(rank, stream.name.lower(), self._file_path(key, stream))
+            finally:
+                os.close(rank)
             # Unbuffered: a write error (a full disk) shows at the write, naming this file.
-            handle = self._files[(key, stream)] = open(path, "wb", buffering=0)
+            handle = self._files[(key, stream)] = open(fd, "wb", buffering=0)
         return handle
 
     def close(self) -> None:
         for handle in self._files.values():
             handle.close()
         self._files.clear()
+        if self._one_fd is not None:
+            os.close(self._one_fd)
+            self._one_fd = None
+
+
+# --- the --output-filename directory ------------------------------------------------------
+# poprun may run as root and write there: it never follows a symbolic link it did not make
+# and writes only in directories and files of its own user (issue 26 point 7: a link
+# planted by another user made it overwrite a root-owned file, fs.protected_symlinks off).
+
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO planted there must not block the loop at the open (then refused).
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def owned(found: os.stat_result, path: str, directory: bool) -> None:
+    """Raise OSError unless `found` (not followed) is a directory, or a regular file with one
+    link (a hard link could name any file of this user), of poprun's own user."""
+    if stat.S_ISLNK(found.st_mode):
+        raise OSError(errno.ELOOP, "a symbolic link, which poprun does not follow there", path)
+    if not (stat.S_ISDIR if directory else stat.S_ISREG)(found.st_mode):
+        raise OSError(errno.ENOTDIR if directory else errno.EEXIST,
+                      f"not a {'directory' if directory else 'regular file'}", path)
+    if found.st_uid != os.geteuid():
+        raise OSError(errno.EPERM, f"owned by another user (uid {found.st_uid}): poprun "
+                      "writes only in its own user's directories", path)
+    if not directory and found.st_nlink != 1:
+        raise OSError(errno.EMLINK, f"has {found.st_nlink} hard links", path)
+
+
+def open_output_directory(path: str) -> int:
+    """The directory the user named, made if missing, as a descriptor. It may be a symbolic
+    link of the user's own (or root's), not another user's; where it leads must be the
+    user's own directory."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        pass  # a file: the open below says "Not a directory"
+    link = os.lstat(path)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.geteuid(), 0):
+        owned(link, path, directory=True)  # raises: a link of another user's
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        owned(os.fstat(fd), path, directory=True)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def own_subdirectory(parent: int, name: str, path: str) -> int:
+    """`name` below `parent`, made if missing, as a descriptor: a real directory of this
+    user."""
+    try:
+        os.mkdir(name, dir_fd=parent)
+    except FileExistsError:
+        pass
+    return _open_owned(parent, name, path, _DIRECTORY, directory=True)
+
+
+def own_file(parent: int, name: str, path: str) -> int:
+    """`name` below `parent` opened for writing, emptied: made if missing, else this user's
+    regular file with one link (checked before it is emptied)."""
+    fd = _open_owned(parent, name, path, _NEW_FILE, directory=False)
+    try:
+        os.ftruncate(fd, 0)
+        os.set_blocking(fd, True)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_owned(parent: int, name: str, path: str, flags: int, directory: bool) -> int:
+    """os.open, then `owned` on what was opened. An open that fails on what is there (a
+    symbolic link: ELOOP, a FIFO: ENXIO) says what it found."""
+    try:
+        fd = os.open(name, flags, 0o666, dir_fd=parent)
+    except OSError as error:
+        try:
+            found = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        except OSError:
+            raise error from None
+        owned(found, path, directory)
+        raise
+    try:
+        owned(os.fstat(fd), path, directory)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 # --- colour ------------------------------------------------------------------------------

@@ -244,9 +244,10 @@ class _Session:
             self.lifeline.close()
             given = config.effective_output_filename
             # The path that failed may be a parent of the one given (a directory without
-            # search permission): name both, the user's first.
+            # search permission): name both, the user's first; or a path below it (a link
+            # planted there): name that one.
             failed = exc.filename if isinstance(exc.filename, str) else given
-            where = given if failed.startswith(given) else f"{given} ({failed})"
+            where = failed if failed.startswith(given) else f"{given} ({failed})"
             raise LaunchError(f"--output-filename: cannot write to {where} on this host "
                               f"({socket.gethostname()}): {exc.strerror}") from None
         await self._open_job_control()

@@ -516,7 +516,7 @@ class TestShortRuns:
 
     def test_ignored_mpirun_args_are_mentioned_once_at_v(self, poprun):
         args = (*OFFLINE, "--num-replicas=2",
-                "--mpi-global-args=--allow-run-as-root --mca oob_tcp_if_include lo", "true")
+                "--mpi-global-args=--allow-run-as-root --mca btl openib", "true")
         quiet = poprun(*args, timeout=60)
         assert quiet.returncode == 0, quiet.stderr.decode()
         assert b"ignoring" not in quiet.stderr
@@ -525,7 +525,7 @@ class TestShortRuns:
         lines = loud.stderr.decode().splitlines()
         root = [line for line in lines if "ignoring mpirun argument '--allow-run-as-root'" in line]
         mca = [line for line in lines
-               if "ignoring mpirun argument '--mca oob_tcp_if_include lo'" in line]
+               if "ignoring mpirun argument '--mca btl openib'" in line]
         assert len(root) == 1 and len(mca) == 1, lines
 
 

@@ -94,14 +94,14 @@ def test_autoreport_dir_with_profiling_switched_off_is_accepted():
 
 
 def test_options_of_later_sdks_parse_and_say_at_v_they_do_nothing():
-    proc = run_poprun(*OFFLINE, "-v", "--host-subnet=10.5.0.0/16", "--allow-run-as-root", "1",
+    """(--host-subnet chooses the network now: tests/test_network.py.)"""
+    proc = run_poprun(*OFFLINE, "-v", "--allow-run-as-root", "1",
                       "--synchronise-python-venv=yes", "--synchronise-poplar-sdk=no",
                       "--vipu-partition-attempts=3", "--version-format=json",
                       "--num-instances=2", "--num-replicas=2", PY, "-c", "pass")
     err = proc.stderr.decode()
     assert proc.returncode == 0, err
-    for name in ("host-subnet", "allow-run-as-root", "synchronise-python-venv",
-                 "version-format"):
+    for name in ("allow-run-as-root", "synchronise-python-venv", "version-format"):
         assert f"--{name}: accepted for compatibility" in err, (name, err)
     assert "--vipu-partition-attempts: ignored with --offline-mode" in err
     assert "--synchronise-poplar-sdk" not in err  # given as "no": nothing to say

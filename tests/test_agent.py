@@ -8,6 +8,7 @@ environment proves it was started through sshd. Every wait has a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import select
@@ -364,6 +365,45 @@ def test_killed_agent_leaves_no_instance_and_no_temp_dir(agent, how):
     agent.proc.wait(TIMEOUT)
     wait_until(lambda: not any(alive(pid) for pid in pids) and not path.exists(),
                f"the agent's lifeline to clean up after {how.name}")
+
+
+def test_a_frozen_agent_is_ended_by_its_watchdog_within_the_host_timeout(agent):
+    """An agent that stops acting (here SIGSTOP) never closes its watchdog's pipe. Told a
+    timeout by HELLO's heartbeat, the watchdog hears no beat for that long, SIGKILLs the agent
+    and cleans up after it: instances and temp dir gone (issue 26). Nothing else would: the
+    agent's own check of the launcher's silence runs on its loop, frozen with it."""
+    timeout = 1.0
+    agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__, python=[3, 11],
+                  heartbeat=[timeout / 3, timeout])
+    path = Path(agent.request(Kind.MKTEMP, prefix="poprun-test-").fields["result"]["path"])
+    marker = f"marker-{uuid.uuid4().hex}"
+    agent.spawn(0, *sleeper_with_grandchild(marker))
+    pids = [int(p) for p in agent.read_line(0).split()]
+    try:
+        os.kill(agent.proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_until(lambda: not any(alive(pid) for pid in pids) and not path.exists(),
+                   "the watchdog to end the instances and remove the temp dir", timeout + 5)
+        assert time.monotonic() - stopped < timeout + 3
+        assert agent.proc.wait(TIMEOUT) == -signal.SIGKILL
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(agent.proc.pid, signal.SIGCONT)
+
+
+def test_an_agent_that_beats_is_left_alone_by_its_watchdog(agent):
+    """A well agent beats its watchdog: three timeouts later, with the launcher's heartbeats
+    coming as HELLO said, it and its instance still run, and it ends cleanly on EOF."""
+    timeout = 1.0
+    agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__, python=[3, 11],
+                  heartbeat=[timeout / 3, timeout])
+    started = agent.spawn(0, PY, "-c", SLEEPER)
+    until = time.monotonic() + 3 * timeout
+    while time.monotonic() < until:  # the launcher's side of the heartbeat
+        agent.send(Kind.HEARTBEAT)
+        time.sleep(timeout / 3)
+    assert agent.proc.poll() is None and alive(started.fields["pid"])
+    assert agent.close() == 0
 
 
 # An instance that writes `total` bytes of output and records, the first time its stdout

@@ -337,6 +337,16 @@ def test_a_stop_during_a_proxycommand_connect_leaves_no_proxy(sig, hosts, tmp):
 
 # --- 4. a host that stops answering ----------------------------------------------------------
 
+def start_frozen_host_job(env: dict[str, str], mark: str, host_timeout: float,
+                          instances: int) -> subprocess.Popen:
+    """A job of sleepers on h1 and h2 with a short --host-timeout, for freezing h2."""
+    return subprocess.Popen(poprun_argv(*OFFLINE, "-H", "h1,h2",
+                                        f"--host-timeout={host_timeout}",
+                                        f"--num-instances={instances}",
+                                        f"--num-replicas={instances}", PY, "-c", SLEEPER, mark),
+                            env=poprun_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
 @pytest.mark.timeout(90)
 def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, tmp):
     """h2's sshd processes are frozen (SIGSTOP): its agent lives on but hears nothing. Its
@@ -345,11 +355,7 @@ def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, t
     mark = marker()
     timeout = 4.0
     before = remote_caches()
-    proc = subprocess.Popen(poprun_argv(*OFFLINE, "-H", "h1,h2", f"--host-timeout={timeout}",
-                                        "--num-instances=2", "--num-replicas=2", PY, "-c",
-                                        SLEEPER, mark),
-                            env=poprun_env({**hosts.env(), **tmp}), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = start_frozen_host_job({**hosts.env(), **tmp}, mark, timeout, 2)
     frozen: list[int] = []
     try:
         wait_started(proc.pid, 2)
@@ -375,6 +381,122 @@ def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, t
         proc.wait()
     assert proc.returncode == 255, err.decode()
     assert "h2: lost the connection to the host (no word from the agent" in err.decode()
+
+
+def agent_and_session(hosts, i: int) -> tuple[int, list[int]]:
+    """Host `i`'s agent (the one child of its sshd session: `exec` made it so; its watchdog
+    is the agent's child) and the sshd session processes it runs under (not the listener)."""
+    session = [pid for pid in hosts.sshd_pids(i) if pid != hosts.hosts[i].proc.pid]
+    agents = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+              if _parent(pid) in session and not _comm(pid).startswith("sshd")]
+    assert len(agents) == 1, (agents, session)
+    return agents[0], session
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text()
+    except OSError:
+        return ""
+
+
+def freeze(pids: list[int]) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+
+
+def thaw(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_agent_s_instances_and_cache_go_within_the_host_timeout(hosts, tmp):
+    """h2's agent and its sshd session are frozen (SIGSTOP): nothing there answers, and the
+    agent cannot act on the launcher's silence. Its watchdog, beaten by the agent until then,
+    kills it and what it started, and removes its cache, within --host-timeout + 3 s; poprun
+    reports h2 lost (issue 26: they lived until SIGCONT, the cache stayed)."""
+    mark = marker()
+    timeout = 4.0
+    before = remote_caches()
+    proc = start_frozen_host_job({**hosts.env(), **tmp}, mark, timeout, 4)
+    frozen: list[int] = []
+    try:
+        wait_started(proc.pid, 4)
+        agent, session = agent_and_session(hosts, 1)
+        frozen = [agent, *session]
+        freeze(frozen)
+        stopped_at = time.monotonic()
+        wait_until(lambda: not instances_with(mark), "every instance to be gone", timeout + 5)
+        assert time.monotonic() - stopped_at <= timeout + 3
+        wait_until(lambda: not (remote_caches() - before), "the hosts' caches to go", 5)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        thaw(frozen)
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 255, err.decode()
+    assert "h2: lost the connection to the host (no word from the agent" in err.decode()
+
+
+@pytest.mark.timeout(120)
+def test_reap_ends_what_a_lost_host_kept_when_nothing_there_could(hosts, tmp, tmp_path):
+    """h2's agent, its watchdog and its sshd session all frozen: nothing on h2 can end its
+    instances. poprun declares h2 lost and ends (255); its record keeps h2's lost instances
+    and cache, so `poprunctl reap` (a new SSH session: h2's listener is not frozen) kills them
+    and removes the cache; a second reap has nothing to do (issue 26: "nothing to reap")."""
+    (tmp_path / "run").mkdir()
+    env = {**hosts.env(), **tmp, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    mark = marker()
+    before = remote_caches()
+    proc = start_frozen_host_job(env, mark, 3.0, 4)
+    frozen: list[int] = []
+    try:
+        wait_started(proc.pid, 4, environ=env)
+        agent, session = agent_and_session(hosts, 1)
+        watchdogs = [pid for pid in _children_of(agent) if _cmdline(pid) == _cmdline(agent)]
+        frozen = [agent, *watchdogs, *session]
+        freeze(frozen)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 255, err.decode()
+        assert len(instances_with(mark)) == 2 and remote_caches() - before  # h2's are left
+        done = ctl("reap", env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "ended having lost h2" in done.stdout, done.stdout
+        wait_until(lambda: not instances_with(mark), "reap to end h2's instances", GONE)
+        assert not (remote_caches() - before)
+        assert ctl("reap", env=env).stdout.startswith("nothing to reap")
+    finally:
+        thaw(frozen)
+        proc.kill()
+        proc.wait()
+
+
+def ctl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "poprun.cli.ctl", *args], env=poprun_env(env),
+                          capture_output=True, text=True, timeout=60)
+
+
+def _children_of(pid: int) -> list[int]:
+    return [child for child in map(int, filter(str.isdigit, os.listdir("/proc")))
+            if _parent(child) == pid]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 # --- 7. remote instances are not remote shells -------------------------------------------------

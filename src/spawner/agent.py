@@ -336,17 +336,23 @@ class Agent:
             self._loop.call_later(float(interval), self._send_stats, float(interval))
         if request.get("heartbeat"):
             interval, timeout = map(float, request["heartbeat"])
+            # The launcher declares this host lost after `timeout` without a word from the
+            # agent; should the agent be frozen or stuck meanwhile, its watchdog must then
+            # end what it started, as nothing else on this host will (issue 26).
+            self._lifeline.expect_beats(timeout)
             self._loop.call_later(interval, self._beat, interval, timeout)
 
     def _beat(self, interval: float, timeout: float) -> None:
         """The launcher's silence past `timeout` (a frozen or partitioned launcher host, a
-        stalled SSH path) ends the agent as its EOF would: nobody would stop the instances."""
+        stalled SSH path) ends the agent as its EOF would: nobody would stop the instances.
+        Each beat goes to the launcher (ALIVE) and to the agent's own watchdog."""
         silent = time.monotonic() - self._last_heard
         if silent > timeout:
             self.stop(f"no word from the launcher for {silent:.1f} s (--host-timeout "
                       f"{timeout:g})")
             return
         self._outbox.send(encode(Kind.ALIVE))
+        self._lifeline.beat()
         self._loop.call_later(interval, self._beat, interval, timeout)
 
     def _send_stats(self, interval: float) -> None:

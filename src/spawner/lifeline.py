@@ -13,6 +13,13 @@ its exec (close-on-exec), so the watchdog sees EOF only once every instance has 
 the mark in its environment; a second sweep a moment later covers a child caught between
 closing its descriptors and exec.
 
+An owner that is alive but no longer acts (frozen by SIGSTOP, stuck in a call) is no better
+than a dead one, and no pipe closes: an owner can ask to be watched for that too
+(`expect_beats(timeout)`, then `beat()` more often than `timeout`). A watchdog that hears
+nothing from it for `timeout` SIGKILLs it and cleans up as after its death. The agent does
+this with its host timeout: poprun declares a silent host lost after that long, and what the
+agent started on its host must not outlive it (issue 26).
+
 Why a fork and not PR_SET_PDEATHSIG: a death signal reaches only the direct child, not the
 dataloader workers it started, and setting it needs code between fork and exec, which forces
 the slow spawn path (docs/architecture.md, "Measured reasons"). One watchdog per launcher
@@ -22,6 +29,7 @@ costs one fork in total.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import time
@@ -42,12 +50,13 @@ class Lifeline:
         # at-fork hooks would have its exception swallowed, and the watchdog must not die
         # of one before it ignores them.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _OWNER_SIGNALS)
+        owner = os.getpid()
         try:
             pid = os.fork()
             if pid == 0:  # the watchdog; it never returns from here
                 try:
                     os.close(self._write_fd)
-                    _watch(read_fd, self.token, blocked)
+                    _watch(read_fd, self.token, blocked, owner)
                 finally:
                     os._exit(0)
         finally:
@@ -107,6 +116,14 @@ class Lifeline:
     def discard_mpi_world(self, kvsname: str) -> None:
         self._send(b"x" + os.fsencode(kvsname) + b"\0")
 
+    def expect_beats(self, timeout: float) -> None:
+        """From now on, an owner silent for `timeout` seconds is stuck: the watchdog kills it
+        and cleans up. Any message counts; `beat()` when there is nothing else to say."""
+        self._send(b"t%r\n" % float(timeout))
+
+    def beat(self) -> None:
+        self._send(b"b\n")
+
     def close(self) -> None:
         """Release the watchdog: it cleans up whatever is still registered and exits."""
         if self._write_fd < 0:
@@ -120,7 +137,7 @@ class Lifeline:
         os.write(self._write_fd, message)  # small writes to a pipe are atomic
 
 
-def _watch(read_fd: int, token: str, mask: set[int]) -> None:
+def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
     # Own session: a Ctrl-C or a kill of the launcher's process group must not take the
     # watchdog down before it has done its work; signals are ignored for the same reason.
     os.setsid()
@@ -134,10 +151,15 @@ def _watch(read_fd: int, token: str, mask: set[int]) -> None:
     cgroups: set[bytes] = set()
     worlds: set[bytes] = set()
     closed: list[bool] = []  # the owner said goodbye: it has cleaned up after itself
+    beats: list[float] = []  # the owner's beat timeout, once it asked to be watched
     pending = b""
-    while chunk := os.read(read_fd, 65536):
+    while (chunk := _read(read_fd, beats[-1] if beats else None)) is not None:
+        if not chunk:  # EOF: the owner is gone
+            break
         pending += chunk
-        pending = _apply(pending, groups, dirs, cgroups, closed, worlds)
+        pending = _apply(pending, groups, dirs, cgroups, closed, worlds, beats)
+    else:  # silent past its timeout: frozen or stuck; no one else will stop it
+        _kill_owner(owner)
     for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)
@@ -164,12 +186,33 @@ def _watch(read_fd: int, token: str, mask: set[int]) -> None:
             remove_mpich_shm(os.fsdecode(kvsname))
 
 
+def _read(fd: int, timeout: float | None) -> bytes | None:
+    """The owner's next bytes (b"": EOF), or None when it said nothing for `timeout` s."""
+    if timeout is not None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
+            return None
+    return os.read(fd, 65536)
+
+
+def _kill_owner(owner: int) -> None:
+    """SIGKILL works on a stopped process too; the owner's own cleanup will never run, so
+    the watchdog's does, as after a SIGKILL of the owner. Only while the watchdog is still
+    its child: a dead owner's pid may be another process's by now."""
+    if os.getppid() == owner:
+        try:
+            os.kill(owner, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],
-           closed: list[bool], worlds: set[bytes]) -> bytes:
+           closed: list[bool], worlds: set[bytes], beats: list[float]) -> bytes:
     """Apply every complete message in `buf`; return the incomplete rest."""
     while buf:
         kind = buf[:1]
-        end = buf.find(b"\n" if kind in b"+-q" else b"\0")
+        end = buf.find(b"\n" if kind in b"+-qtb" else b"\0")
         if end < 0:
             return buf
         body, buf = buf[1:end], buf[end + 1:]
@@ -189,4 +232,7 @@ def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],
             worlds.discard(body)
         elif kind == b"q":
             closed.append(True)
+        elif kind == b"t":
+            beats.append(float(body))
+        # b"b", a beat: its arrival is the news
     return buf

@@ -18,6 +18,9 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       HELLO   {id, protocol, poprun, python: [major, minor], cwd, program, path, stats,
                heartbeat: [interval, timeout], interfaces}  both sides beat; silence past
                                              `timeout` ends it; interfaces: tell them
+                                             (the agent beats its own watchdog too: one
+                                             silent, frozen or stuck, that long is killed
+                                             with its instances; no frame for it)
       MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
       MKDIR   {id, path}                     a directory (and parents) that is kept
       SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world}

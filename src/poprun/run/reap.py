@@ -2,7 +2,9 @@
 
 That is a job whose record still says it runs while its launcher (pid and start time) is gone
 from this host: its host rebooted, poprun and its lifeline were both SIGKILLed, a remote host
-really died and came back. For each such job, host by host:
+really died and came back; or a job that ended here having declared hosts lost, for those
+hosts only (what its agents started there may have outlived them: `lost_hosts`). For each
+such job, host by host:
 
 - this host: the leftover instances (pid *and* start time must match the record: never a
   recycled pid), every process still carrying the job's lifeline mark, its cgroups, its
@@ -25,6 +27,7 @@ import base64
 import json
 import os
 import shlex
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,8 +73,27 @@ class JobReport:
 
 
 def orphans(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The jobs to reap: their launcher is gone from this host, their record not ended."""
-    return [r for r in records if jobs.launcher_status(r) == "gone"]
+    """The jobs to reap: their launcher is gone from this host, their record not ended; or
+    it ended here having lost hosts that no reap has finished with yet."""
+    return [r for r in records if jobs.launcher_status(r) == "gone" or lost_hosts(r)]
+
+
+def lost_hosts(record: Mapping[str, Any]) -> list[str]:
+    """The hosts a job that ended here declared lost, until a reap has finished with them.
+    What their agents started may still run there: a host frozen whole, a watchdog that
+    could not act (issue 26); their instances are in the record as `lost`, with pid and
+    start, and their caches as the others'."""
+    if (jobs.launcher_status(record) != "ended" or record.get("reaped")
+            or (record.get("launcher") or {}).get("host") != socket.gethostname()):
+        return []
+    return sorted({inst["host"] for inst in record.get("instances") or ()
+                   if inst.get("lost") and isinstance(inst.get("host"), str)})
+
+
+def parts_to_reap(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """host_parts: of every host, or of its lost hosts only for a job that ended."""
+    parts, lost = host_parts(record), lost_hosts(record)
+    return {label: part for label, part in parts.items() if label in lost} if lost else parts
 
 
 def host_parts(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -83,7 +105,7 @@ def host_parts(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     for inst in record.get("instances") or ():
         label = inst.get("host")
         if label in parts and isinstance(inst.get("pid"), int) and inst.get("state") in (
-                "running", "starting", None):
+                "running", "starting", "lost", None):
             parts[label]["instances"].append([inst["index"], inst["pid"], inst.get("start")])
     for key in ("caches", "error_dirs"):
         for label, path in (record.get(key) or {}).items():
@@ -97,7 +119,7 @@ def host_parts(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 async def reap(record: Mapping[str, Any], dry_run: bool = False,
                environ: Mapping[str, str] = os.environ) -> JobReport:
-    parts = host_parts(record)
+    parts = parts_to_reap(record)
     local = {label: part for label, part in parts.items() if part["local"]}
     remote = {label: part for label, part in parts.items() if not part["local"]}
     reports = [_reap_local(record, label, part, dry_run) for label, part in local.items()]
@@ -210,6 +232,8 @@ async def _reap_remote(record: Mapping[str, Any], parts: dict[str, dict[str, Any
 async def _release_partition(record: Mapping[str, Any], dry_run: bool,
                              environ: Mapping[str, str]) -> tuple[str | None, bool]:
     """What became of the partition poprun created (in words), and whether it is left."""
+    if jobs.launcher_status(record) == "ended":  # a lost host's reap: it released it
+        return None, False
     found = record.get("partition")
     if not isinstance(found, dict) or not found.get("created"):
         return None, False
@@ -234,6 +258,9 @@ async def _release_partition(record: Mapping[str, Any], dry_run: bool,
 def _write_outcome(record: Mapping[str, Any], report: JobReport) -> None:
     """A complete reap ends the record; a partial one only notes itself in it (the job
     stays `gone`, for the next reap)."""
+    if lost_hosts(record):
+        _write_lost_outcome(record, report)
+        return
     final = {k: v for k, v in record.items() if not k.startswith("_")}
     if report.complete:
         final.update(state=jobs.ENDED, exit_reason="reaped", reaped=report.to_json())
@@ -249,11 +276,25 @@ def _write_outcome(record: Mapping[str, Any], report: JobReport) -> None:
         pass
 
 
+def _write_lost_outcome(record: Mapping[str, Any], report: JobReport) -> None:
+    """A job that ended having lost hosts keeps how it ended; a complete reap of those hosts
+    is noted (`reaped`), so the next reap passes it by; a partial one as `last_reap`."""
+    final = {k: v for k, v in record.items() if not k.startswith("_")}
+    final["reaped" if report.complete else "last_reap"] = {**report.to_json(),
+                                                           "time": time.time()}
+    try:
+        jobs.write(record["_dir"], final)
+    except OSError:
+        pass
+
+
 def render(report: JobReport, record: Mapping[str, Any]) -> str:
     """Host by host, what was done: for the terminal."""
     launcher = record.get("launcher") or {}
-    lines = [f"job {report.id} ({' '.join(record.get('program') or [])[:60]}): its launcher "
-             f"(pid {launcher.get('pid')} on {launcher.get('host')}) is gone"
+    lost = lost_hosts(record)
+    why = (f"it ended having lost {', '.join(lost)}" if lost else
+           f"its launcher (pid {launcher.get('pid')} on {launcher.get('host')}) is gone")
+    lines = [f"job {report.id} ({' '.join(record.get('program') or [])[:60]}): {why}"
              + (" — dry run, nothing done" if report.dry_run else "")]
     for host in report.hosts:
         if host.error:

@@ -8,7 +8,8 @@ fast vfork path (docs/architecture.md, "Measured reasons"); the lifeline (see li
 Output is delivered as blocks of whole lines: a block always ends with `\\n` or `\\r`, so a
 consumer can tag or interleave blocks without splitting a line. Two kinds of block end without
 one: the last bytes before EOF, and a piece of a line longer than `LINE_CAP` (memory stays
-bounded whatever the line length; the consumer ends each piece as a line of its own).
+bounded whatever the line length; the consumer decides: poprun's router writes such a block
+as it is, or as a tagged line).
 The exit of a process is reported only after both of its pipes are drained, so no output
 arrives after its exit event.
 """

@@ -104,9 +104,11 @@ OPTIONS: tuple[Opt, ...] = (
         "(local ones inherit all): default: PATH, LD_LIBRARY_PATH, PYTHONPATH, "
         "POPLAR_ENGINE_OPTIONS and what -x names; all: every one but those that describe "
         f"this host or session ({', '.join(NOT_FORWARDED)}), which -x still forwards"),
-    Opt("tag-output", S, "Prefix every line with [1,<instance>]<stdout|stderr>:. (With or "
-        "without tags, a line longer than 1 MiB is written in 1 MiB pieces, each a line of "
-        "its own, and an unterminated last line is ended)"),
+    Opt("tag-output", S, "Prefix every line with [1,<instance>]<stdout|stderr>:. (Tagged, a "
+        "line longer than 1 MiB is written in 1 MiB pieces, each a line of its own, and an "
+        "unterminated last line is ended; untagged, an instance's bytes go out as they are, "
+        "a line end added only where another instance's output would join a line left "
+        "unfinished)"),
     Opt("timestamp-output", S, "Prefix every line with the time it was read, as Open MPI "
         "does: <date><stdout>:line, or <date>[1,<instance>]<stdout>:line with "
         "--tag-output"),

@@ -5,6 +5,13 @@ different instances never interleave. Output is handled as bytes end to end: it 
 (invalid UTF-8 passes through untouched) and never goes through rich (docs/architecture.md,
 "Measured reasons": ~140 µs per line there against well under 1 µs here).
 
+Two kinds of block end without a line end: a stream's last bytes, and a 1 MiB piece of a
+longer line. Tagged (or timestamped), every block is written as tagged lines, so those end
+there. Untagged, an instance's bytes go out as they are: its unfinished line stays open on
+that destination, and poprun adds a line end only where something else must be written there
+first (another instance's or stream's block, poprun's own message: `write_own`), so that it
+never joins that line.
+
 On a terminal, tags are coloured (`tag_colour_system` asks rich whether and how, by its rules):
 each (instance, stream) tag is rendered to ANSI bytes once, reset right after it, and the
 instance's line bytes follow it raw. rich is imported only when a console fd may be a terminal.
@@ -94,6 +101,10 @@ class OutputRouter:
             self._colours = {stream: tag_colour_system(fd, options.colour_environ)
                              for stream, fd in self._fds.items()}
         self._after_cr: set[tuple[int, Stream]] = set()  # last block ended with `\r`
+        # Untagged: per destination (stdout and stderr may be one file: a terminal, 2>&1),
+        # the (instance, stream) whose last block left its line unfinished there.
+        self._dests = {fd: _identity(fd) for fd in (stdout_fd, stderr_fd)}
+        self._open: dict[object, tuple[int, Stream]] = {}
 
     def report_to(self, on_broken_pipe: Callable[[], None],
                   on_write_error: Callable[[str, OSError], None]) -> None:
@@ -151,10 +162,7 @@ class OutputRouter:
         fd = self._fds[stream]
         prefix = self._prefix(key, stream)
         if not prefix:
-            # A block without a line end (a stream's last bytes, a piece of a long line) is
-            # ended here: the next instance's output must not join it.
-            ended = data.endswith((b"\n", b"\r"))
-            self.write(fd, data) if ended else self.write(fd, data, b"\n")
+            self._write_as_is(fd, (key, stream), data)
             return
         # Progress updates are passed on as soon as their `\r` arrives, so a `\r\n` can be
         # split between two blocks: that `\n` ends the tagged line, it does not start one.
@@ -182,6 +190,27 @@ class OutputRouter:
         else:  # the last line of a stream, unterminated: end it, or the next tag joins it
             self.write(fd, prefix, body, b"\n")
         return ended + (len(body) - len(data)) // len(prefix)
+
+    def _write_as_is(self, fd: int, source: tuple[int, Stream], data: bytes) -> None:
+        """An untagged block, its bytes as they are; after a line end only where another
+        source left its line unfinished on this destination."""
+        dest = self._dests[fd]
+        unfinished = self._open.pop(dest, None)
+        if unfinished is not None and unfinished != source:
+            self.write(fd, b"\n", data)
+        else:
+            self.write(fd, data)
+        if not data.endswith((b"\n", b"\r")):
+            self._open[dest] = source
+
+    def write_own(self, fd: int, data: bytes) -> None:
+        """poprun's own message or report to `fd` (one of the console's): on a line of its own,
+        after an instance's line left unfinished there, if any. Raises OSError."""
+        dest = self._dests.get(fd, _identity(fd))
+        if self._open.pop(dest, None) is not None:
+            self.write(fd, b"\n", data)
+        else:
+            self.write(fd, data)
 
     def check_directory(self) -> None:
         """Before anything starts: the `--output-filename` directory is this user's and can
@@ -243,6 +272,15 @@ class OutputRouter:
         if self._one_fd is not None:
             os.close(self._one_fd)
             self._one_fd = None
+
+
+def _identity(fd: int) -> object:
+    """What `fd` writes to: stdout and stderr are one destination when they are one file."""
+    try:
+        found = os.fstat(fd)
+    except OSError:
+        return ("fd", fd)
+    return (found.st_dev, found.st_ino)
 
 
 # --- the --output-filename directory ------------------------------------------------------

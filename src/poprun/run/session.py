@@ -238,6 +238,9 @@ class _Session:
         self.cache = _CacheDir(config, self.mode, self.lifeline, log)
         self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
                        self.stderr_fd, self.loop, events=self.events)
+        # Every attempt's Job shares this router: poprun's messages never join a line an
+        # instance left unfinished (output.OutputRouter.write_own).
+        self.log.write = self.job.router.write_own
         try:  # poprun writes every instance's files, remote ones too: here is the place
             self.job.router.check_directory()
         except OSError as exc:
@@ -542,7 +545,7 @@ class _Session:
         self.dashboard = Dashboard(state, self.stderr_fd, cgroup_of=self._cgroup_of)
         self.panel = state
         self.events.add(PanelFeed(state))
-        self.job.router.write = self.log.write = self.dashboard.emit
+        self.job.router.write = self.dashboard.emit  # the log writes through the router
         self._tick()
 
     def _tick(self) -> None:
@@ -555,7 +558,6 @@ class _Session:
             return
         self._ticker.cancel()
         self.job.router.write = write_all
-        self.log.write = os.write
         dashboard, self.dashboard = self.dashboard, None
         dashboard.close()
 
@@ -693,7 +695,7 @@ class _Session:
         report = render_report(self._result, self.stderr_fd, self.environ, self.config.verbose)
         try:
             if report:  # nothing to say is no write: a quiet success needs no stderr
-                write_all(self.stderr_fd, report)
+                self.job.router.write_own(self.stderr_fd, report)
         except OSError as exc:
             self.log.lost = self.log.lost or exc
         lost = self.log.lost

@@ -616,23 +616,31 @@ def _ppid(pid: int) -> int:
 def test_reap_over_ssh_after_the_launcher_and_a_remote_agent_were_killed(environ, program,
                                                                         hosts):
     """poprun, its lifeline, and h1's agent with its own lifeline all SIGKILLed: instances
-    are left on this host and on h1; reap kills both (over SSH for h1) and removes both
-    hosts' temporary caches."""
-    from spawner.containment import remove_tree
+    are left on this host and on h1, and h1 keeps what its agent made (its error dir, the
+    instances' cgroup tree where cgroups are writable). reap kills both instances (over SSH
+    for h1) and removes every host's leftovers: the record names them (issue 26 point 6)."""
+    from spawner.containment import CGROUP_PREFIX, remove_tree
 
     env = {**hosts.env(), **environ}
     marker = f"reap-ssh-{os.getpid()}"
     job = start_job("--host", "localhost,h1", "--num-instances=2", "--num-replicas=2", PY,
                     "-c", "import time; time.sleep(300)", marker, env=env)
-    remote_dirs = []
+    left: list[str] = []  # h1's agent's error dir and cgroup tree, removed if the test fails
     try:
         job_id = running_job(env, 2)
         record = record_of(env, job_id)
         remote = next(i for i in record["instances"] if i["host"] == "h1")
         environ_there = dict(e.split("=", 1) for e in Path(f"/proc/{remote['pid']}/environ")
                              .read_text().split("\0") if "=" in e)
-        remote_dirs.append(os.path.dirname(environ_there["POPDIST_ERROR_FILE"]))
-        cgroup = Path(f"/proc/{remote['pid']}/cgroup").read_text().strip().partition("::")[2]
+        error_dir = os.path.dirname(environ_there["POPDIST_ERROR_FILE"])
+        cgroup = _cgroup_tree(remote["pid"])
+        left += [error_dir, *([cgroup] if cgroup else [])]
+        (agent_leaves,) = record["agents"]["h1"]
+        assert agent_leaves["error_dir"] == error_dir
+        assert agent_leaves["mark"] == environ_there["POPRUN_LIFELINE"]
+        if cgroup:  # this host gives poprun cgroups: the instance is in the named tree
+            assert agent_leaves["cgroup"] == cgroup and cgroup.rsplit("/", 1)[1] == \
+                CGROUP_PREFIX + agent_leaves["mark"]
         agent = _ppid(remote["pid"])
         launcher = record["launcher"]["pid"]
         os.kill(launcher, signal.SIGSTOP)  # it must not see its agent go
@@ -644,33 +652,48 @@ def test_reap_over_ssh_after_the_launcher_and_a_remote_agent_were_killed(environ
         os.kill(launcher, signal.SIGKILL)
         job.wait(timeout=30)
         assert len(instances_with(marker)) == 2
+        assert all(map(os.path.isdir, left))  # nobody cleaned up on h1
         caches = dict(record["caches"])
         assert set(caches) == {"localhost", "h1"} and all(map(os.path.isdir, caches.values()))
         dry = poprunctl("reap", "--dry-run", "--json", env=env)
         (plan,) = json.loads(dry.stdout)["jobs"]
         by_host = {h["host"]: h for h in plan["hosts"]}
         assert by_host["h1"]["error"] is None
-        assert {e["note"] for e in by_host["h1"]["entries"]} == {
-            "would kill its process group", "would remove it"}
+        notes = {e["note"] for e in by_host["h1"]["entries"]}
+        assert notes == {"would kill its process group", "would remove it",
+                         "would kill 1 process(es) still carrying the job's mark "
+                         "(POPRUN_LIFELINE)"}
+        assert {e["path"] for e in by_host["h1"]["entries"] if e["what"] == "dir"} == {
+            caches["h1"], *left}
+        assert all(map(os.path.isdir, left))
         reaped = poprunctl("reap", env=env)
         assert reaped.returncode == 0, reaped.stderr
         assert f"h1: instance {remote['index']} (pid {remote['pid']}): killed its process " \
                "group" in reaped.stdout
-        assert f"h1: {caches['h1']}: removed" in reaped.stdout
+        for path in (caches["h1"], *left):
+            assert f"h1: {path}: removed" in reaped.stdout
         assert f"localhost: {caches['localhost']}: removed" in reaped.stdout
         wait_until(lambda: not instances_with(marker), "every leftover gone")
-        assert not any(map(os.path.exists, caches.values()))
+        assert not any(map(os.path.exists, [*caches.values(), *left]))
         assert record_of(env, job_id)["state"] == "ended"
     finally:
         kill_leftovers(marker, job)
-        for path in remote_dirs:  # h1's agent's own: nobody recorded it
-            shutil.rmtree(path, ignore_errors=True)
-        from spawner.containment import own_cgroup_dir
+        for path in left:
+            if path.startswith("/sys/fs/cgroup"):
+                remove_tree(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
-        mount = own_cgroup_dir()
-        if mount and "cgroup" in locals() and cgroup.startswith("/"):
-            root = Path(f"/sys/fs/cgroup{cgroup}").parent
-            for candidate in (root, Path(str(root).replace("/sys/fs/cgroup",
-                                                           "/sys/fs/cgroup/unified"))):
-                if candidate.name.startswith("poprun-") and candidate.is_dir():
-                    remove_tree(str(candidate))
+
+def _cgroup_tree(pid: int) -> str | None:
+    """The `poprun-<token>` cgroup tree `pid` is in (its own cgroup's parent), if any."""
+    from spawner.containment import CGROUP_PREFIX, own_cgroup_dir
+
+    relative = Path(f"/proc/{pid}/cgroup").read_text().strip().partition("::")[2]
+    mount = own_cgroup_dir()
+    if not mount or not relative.startswith("/"):
+        return None
+    here = Path("/proc/self/cgroup").read_text().strip().partition("::")[2]
+    root = mount[:len(mount) - len(here)] if here != "/" and mount.endswith(here) else mount
+    tree = os.path.dirname(os.path.join(root, relative.lstrip("/")))
+    return tree if os.path.basename(tree).startswith(CGROUP_PREFIX) else None

@@ -329,7 +329,9 @@ class Agent:
         self._outbox.send(encode(Kind.REPLY, id=request["id"], result=result))
 
     def _hello(self, request: dict[str, Any]) -> None:
-        self._reply(request, hello_reply(request))
+        # What this agent may leave behind, for the job's record: reap must find it if the
+        # agent, its lifeline and the launcher all die (issue 26 point 6).
+        self._reply(request, {**hello_reply(request), "leaves": self._spawner.leaves()})
         interval = request.get("stats")
         if interval:  # the launcher shows a dashboard: sample the instances periodically
             self._sampler = ProcSampler()

@@ -7,16 +7,20 @@ that host's Python (3.10 or later), sent with procid.py's source as one `python 
 
     {"boot_id": the host's boot id when the job ran (None: unknown),
      "instances": [[index, pid, start ticks], ...], "dirs": [path, ...],
+     "marks": [the lifeline tokens its instances carry (containment.MARK), ...],
+     "cgroups": [the cgroup trees of those lifelines, ...],
      "kvsnames": [the MPI worlds poprun served there, ...], "dry_run": bool}
 
 and it prints one JSON list of what it did (or would do), one entry each:
-{"what": "instance" | "dir" | "shm", "index", "pid", "path", "done": bool, "note": str}.
+{"what": "instance" | "marked" | "dir" | "shm", "index", "pid", "pids", "path",
+ "done": bool, "note": str}.
 
 A pid is acted on only when it is still the process that was recorded (same start time): a
 pid the system has given to an unrelated process since is left alone, and a host that has
 rebooted since (another boot id) has nothing of the job left to kill. A directory is removed
 only when it is one of poprun's temporary ones (`poprun-cache-*`, `poprun-errors-*`), a real
-directory (not a link) owned by this user.
+directory (not a link) owned by this user; a cgroup tree only when it is named as poprun names
+them (`poprun-<token>`) and is a cgroup, its processes killed first (`cgroup.kill`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import shutil
 import signal
 import stat
 
+from .containment import CGROUP_PREFIX, kill_marked, marked, remove_tree
 from .procid import boot_id, start_ticks
 
 PREFIXES = ("poprun-cache-", "poprun-errors-")
@@ -62,6 +67,14 @@ def reap_here(job: dict) -> list[dict]:
             entry.update(done=False, note="not allowed to kill it")
             continue
         entry.update(done=True, note=f"killed {what}")
+    if not rebooted:  # a reboot took the marked processes and the cgroups with it
+        for token in job.get("marks") or ():
+            found = marked(token, exclude=os.getpid()) if isinstance(token, str) and token \
+                else []
+            if found:
+                done.append(_kill_marked(token, found, dry))
+        for path in job.get("cgroups") or ():
+            done.append({"what": "dir", "path": path, **_remove_cgroup(path, dry)})
     for path in job.get("dirs") or ():
         entry = {"what": "dir", "path": path}
         done.append(entry)
@@ -116,6 +129,37 @@ def remove_mpich_shm(kvsname: str, dry: bool = False) -> list[dict]:
         except OSError as exc:
             entry["note"] = f"cannot remove it: {exc.strerror}"
     return done
+
+
+def _kill_marked(token: str, found: list[int], dry: bool) -> dict:
+    """The processes still carrying the job's mark (`found`: a helper that left its
+    instance's group, an instance nobody recorded): killed."""
+    if not dry:
+        kill_marked(token)
+    return {"what": "marked", "pids": found, "done": not dry,
+            "note": f"{'would kill' if dry else 'killed'} {len(found)} process(es) still "
+                    f"carrying the job's mark (POPRUN_LIFELINE)"}
+
+
+def _remove_cgroup(path: str, dry: bool) -> dict:
+    """A cgroup tree of the job's (`poprun-<token>`): what is in it killed, then removed."""
+    if not os.path.basename(path.rstrip("/")).startswith(CGROUP_PREFIX):
+        return {"done": False, "note": "not a poprun cgroup: kept"}
+    if not os.path.isdir(path):
+        return {"done": False, "note": "already gone"}
+    if not os.path.exists(os.path.join(path, "cgroup.procs")):
+        return {"done": False, "note": "not a cgroup: kept"}
+    if dry:
+        return {"done": False, "note": "would remove it"}
+    try:
+        with open(os.path.join(path, "cgroup.kill"), "wb", buffering=0) as f:
+            f.write(b"1")
+    except OSError:
+        pass  # emptied meanwhile: nothing left to kill
+    remove_tree(path)
+    if os.path.exists(path):
+        return {"done": False, "note": "could not remove all of it"}
+    return {"done": True, "note": "removed"}
 
 
 def _group_exists(pgid: int) -> bool:

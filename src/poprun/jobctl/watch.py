@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from spawner import procid
+from spawner.containment import cgroup_root
 
 from poprun.events import InstanceRows, JobObserver
 from poprun.jobctl import records
@@ -134,7 +135,7 @@ class JobRecord(JobObserver):
             "stall_timeout": self.config.stall_timeout,
             "stall_action": self.config.stall_action,
             # Where its instances' cgroups are, if this host gives poprun cgroups (reap).
-            "cgroup": _cgroup_root(lifeline.token) if lifeline is not None else None,
+            "cgroup": cgroup_root(lifeline.token) if lifeline is not None else None,
         }
 
     def meta(self) -> dict[str, Any]:
@@ -209,11 +210,3 @@ class JobRecord(JobObserver):
             self._write_scheduled = self.loop.call_at(self._written_at + RECORD_EVERY,
                                                       self.write)
 
-
-def _cgroup_root(token: str) -> str | None:
-    """spawner.containment's cgroup tree for the lifeline `token`, under this process's own
-    cgroup (it exists only where this host gives poprun cgroups)."""
-    from spawner.containment import own_cgroup_dir
-
-    home = own_cgroup_dir()
-    return os.path.join(home, f"poprun-{token}") if home else None

@@ -10,8 +10,10 @@ such job, host by host:
   recycled pid), every process still carrying the job's lifeline mark, its cgroups, its
   temporary directories (`poprun-cache-*`, `poprun-errors-*`);
 - every other recorded host, over SSH (the user's ~/.ssh/config and keys, as a launch):
-  the same for its instances and temporary caches, by spawner/reaphere.py run there on the
-  host's Python (arguments as base64 JSON: nothing is pasted into a shell);
+  the same for what each agent the job had there made (its instances, their mark and cgroups,
+  its error dir: the agent's HELLO named them, `agents` in the record) and the temporary
+  caches, by spawner/reaphere.py run there on the host's Python (arguments as base64 JSON:
+  nothing is pasted into a shell);
 - the V-IPU partition, when poprun created it (and --remove-partition allowed removing it);
 
 then the record is marked ended (`exit_reason` "reaped", with what was done) — but only when
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spawner import containment, procid, reaphere
+from spawner import reaphere
 
 from poprun.jobctl import records as jobs
 
@@ -97,11 +99,20 @@ def parts_to_reap(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def host_parts(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per host label, reaphere's input: its instances, temporary dirs and boot id."""
+    """Per host label, reaphere's input: its instances, temporary dirs, the marks its
+    processes carry, its cgroup trees and boot id. This host's mark and cgroups are the
+    launcher's lifeline's; another host's, those of every agent the job had there."""
     parts: dict[str, dict[str, Any]] = {}
     for host in record.get("hosts") or ():
         parts[host["label"]] = {"boot_id": host.get("boot_id"), "instances": [], "dirs": [],
-                                "local": bool(host.get("local"))}
+                                "marks": [], "cgroups": [], "local": bool(host.get("local"))}
+    token = (record.get("lifeline") or {}).get("token")
+    for part in parts.values():
+        if part["local"]:
+            _add_leaves(part, {"mark": token, "cgroup": record.get("cgroup")})
+    for label, agents in (record.get("agents") or {}).items():
+        for leaves in agents if label in parts and isinstance(agents, list) else ():
+            _add_leaves(parts[label], leaves)
     for inst in record.get("instances") or ():
         label = inst.get("host")
         if label in parts and isinstance(inst.get("pid"), int) and inst.get("state") in (
@@ -117,12 +128,21 @@ def host_parts(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return parts
 
 
+def _add_leaves(part: dict[str, Any], leaves: Any) -> None:
+    """One lifeline's leftovers (spawner.local.LocalSpawner.leaves) into a host's part."""
+    if not isinstance(leaves, dict):
+        return
+    for key, into in (("mark", "marks"), ("cgroup", "cgroups"), ("error_dir", "dirs")):
+        if isinstance(leaves.get(key), str) and leaves[key] and leaves[key] not in part[into]:
+            part[into].append(leaves[key])
+
+
 async def reap(record: Mapping[str, Any], dry_run: bool = False,
                environ: Mapping[str, str] = os.environ) -> JobReport:
     parts = parts_to_reap(record)
     local = {label: part for label, part in parts.items() if part["local"]}
     remote = {label: part for label, part in parts.items() if not part["local"]}
-    reports = [_reap_local(record, label, part, dry_run) for label, part in local.items()]
+    reports = [_reap_local(label, part, dry_run) for label, part in local.items()]
     if remote:
         reports += await _reap_remote(record, remote, dry_run)
     report = JobReport(record["id"], reports, dry_run=dry_run)
@@ -133,47 +153,25 @@ async def reap(record: Mapping[str, Any], dry_run: bool = False,
     return report
 
 
-def _reap_local(record: Mapping[str, Any], label: str, part: dict[str, Any],
-                dry_run: bool) -> HostReport:
-    report = HostReport(label, reaphere.reap_here({**part, "dry_run": dry_run}))
-    lifeline = record.get("lifeline") or {}
-    token = lifeline.get("token")
-    rebooted = part.get("boot_id") and part["boot_id"] != procid.boot_id()
-    if isinstance(token, str) and token and not rebooted:
-        marked = containment.marked(token, exclude=os.getpid())
-        if marked:
-            if not dry_run:
-                containment.kill_marked(token)
-            report.entries.append({"what": "marked", "pids": marked, "done": not dry_run,
-                                   "note": f"{'would kill' if dry_run else 'killed'} "
-                                           f"{len(marked)} process(es) still carrying the "
-                                           f"job's mark ({containment.MARK})"})
-        cgroup = record.get("cgroup")
-        if isinstance(cgroup, str) and os.path.basename(cgroup) == f"poprun-{token}" \
-                and os.path.isdir(cgroup):
-            if not dry_run:
-                try:
-                    with open(os.path.join(cgroup, "cgroup.kill"), "wb", buffering=0) as f:
-                        f.write(b"1")
-                except OSError:
-                    pass
-                containment.remove_tree(cgroup)
-            report.entries.append({"what": "dir", "path": cgroup,
-                                   "done": not dry_run and not os.path.exists(cgroup),
-                                   "note": "would remove it" if dry_run else "removed"})
-    return report
+def _reap_local(label: str, part: dict[str, Any], dry_run: bool) -> HostReport:
+    return HostReport(label, reaphere.reap_here({**part, "dry_run": dry_run}))
+
+
+REMOTE_MODULES = ("procid.py", "containment.py", "reaphere.py")  # standard library only
 
 
 def remote_script() -> str:
-    """spawner/procid.py and spawner/reaphere.py as one `python -c` program for any shell."""
+    """spawner/reaphere.py and the modules it imports as one `python -c` program for any
+    shell: their sources one after the other (their imports of each other dropped), under
+    one `from __future__` line (it must come first; their annotations need it on 3.10)."""
     from spawner.bootstrap import _one_line
 
     here = Path(reaphere.__file__).parent
-    source = []
-    for name in ("procid.py", "reaphere.py"):
+    source = ["from __future__ import annotations"]
+    for name in REMOTE_MODULES:
         source += [line for line in (here / name).read_text().splitlines()
                    if line != "from __future__ import annotations"
-                   and not line.startswith("from .procid import")]
+                   and not line.startswith("from .")]
     source.append("import sys")
     source.append("sys.exit(main(sys.argv[1:]))")
     return _one_line("\n".join(source) + "\n")

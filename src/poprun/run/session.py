@@ -215,6 +215,7 @@ class _Session:
         self.network: dict[str, HostNetwork] | None = None
         self.rendezvous = None  # Horovod's (run/rendezvous.Rendezvous), once hosts are open
         self._own_id: str | None = None  # the job's id when it has no record
+        self._leaves: dict[str, list[dict]] = {}  # per remote host, its agents' (for reap)
 
     async def __aenter__(self) -> _Session:
         config, log = self.config, self.log
@@ -328,7 +329,19 @@ class _Session:
             # /dev/shm on each.
             "mpi_worlds": {label: list(self.mpi_worlds) for label in labels}
             if self.mpi_worlds else {},
+            "agents": self._agents_leaves(agents),
         }
+
+    def _agents_leaves(self, agents: dict) -> dict[str, list[dict]]:
+        """Per remote host, what each of its agents said it may leave there (its HELLO's
+        `leaves`: instances' mark, cgroup root, error dir), for reap. Every agent the job
+        had, a host's earlier ones too (a host lost and connected again)."""
+        for label, info in agents.items():
+            leaves = info.raw.get("leaves")
+            seen = self._leaves.setdefault(label, [])
+            if isinstance(leaves, dict) and leaves not in seen:
+                seen.append(leaves)
+        return {label: list(found) for label, found in self._leaves.items()}
 
     async def run(self) -> None:
         """Start every instance, here and on the remote hosts, and wait for the job's end.

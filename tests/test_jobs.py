@@ -342,3 +342,81 @@ def test_a_dead_launchers_record_is_kept_for_reap_then_expires(environ):
     os.utime(os.path.join(stale_dir, jobs.RECORD), (now - 8 * 86400,) * 2)
     assert jobs.prune(environ, now=now, keep=0) == [stale]
     assert [r["id"] for r in jobs.scan(environ).records] == [fresh]
+
+
+# --- whose state directory (issue 26 point 7) ----------------------------------------------
+
+def _sticky_tmp() -> str:
+    """A directory like /tmp (root's, 1777) of the test's own: another user can make
+    things in it, and nobody can rename what is not theirs."""
+    import tempfile
+
+    # Not named poprun-*: tests of dead hosts remove the /tmp/poprun-* that appear meanwhile.
+    shared = tempfile.mkdtemp(prefix="sticky-state-test-")
+    os.chmod(shared, 0o1777)
+    return shared
+
+
+def _refused(env: dict, marker: str) -> None:
+    """poprun and poprunctl refuse this state directory: one line each, exit 2, nothing run."""
+    from conftest import OFFLINE, assert_usage_error, poprun_env, run_poprun
+
+    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "touch", marker,
+                      env=env)
+    assert_usage_error(proc, "state directory")
+    assert not os.path.exists(marker)
+    ctl = subprocess.run([sys.executable, "-m", "poprun.cli.ctl", "list"], env=poprun_env(env),
+                         capture_output=True, text=True, timeout=60)
+    assert ctl.returncode == 2 and ctl.stdout == "", ctl
+    (line,) = ctl.stderr.splitlines()
+    assert line.startswith("poprunctl: error: ") and "state directory" in line
+
+
+@pytest.mark.timeout(120)
+def test_a_state_directory_another_user_made_is_refused(tmp_path):
+    """XDG_RUNTIME_DIR=/tmp where another user made /tmp/poprun 0777 first: using it would
+    let them read every record and rename the job directories poprunctl acts on. poprun
+    and poprunctl refuse it (as tmux its socket directory); nothing is written there."""
+    import shutil
+
+    from password_sshd import throwaway_user
+
+    shared = _sticky_tmp()
+    try:
+        with throwaway_user() as user:
+            foreign = os.path.join(shared, "poprun")
+            subprocess.run(["mkdir", "-m", "0777", foreign], user=user.name, check=True,
+                           timeout=30)
+            _refused({"XDG_RUNTIME_DIR": shared}, str(tmp_path / "ran"))
+            assert os.listdir(foreign) == []
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_state_directory_open_to_others_or_in_a_changeable_parent_is_refused(tmp_path):
+    """This user's own state directory made 0777, or one whose parent others can write to
+    (not sticky): refused, saying what to do. In a sticky, root-owned parent (/tmp's kind)
+    a new one is made 0700 and used."""
+    import shutil
+    import stat
+
+    from conftest import OFFLINE, run_poprun
+
+    mine = tmp_path / "mine"
+    (mine / "poprun").mkdir(parents=True)
+    (mine / "poprun").chmod(0o777)
+    _refused({"XDG_RUNTIME_DIR": str(mine)}, str(tmp_path / "ran"))
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)
+    _refused({"XDG_RUNTIME_DIR": str(open_parent)}, str(tmp_path / "ran"))
+    shared = _sticky_tmp()
+    try:
+        proc = run_poprun(*OFFLINE, "true", env={"XDG_RUNTIME_DIR": shared})
+        assert proc.returncode == 0, proc.stderr.decode()
+        made = os.lstat(os.path.join(shared, "poprun"))
+        assert made.st_uid == os.getuid() and stat.S_IMODE(made.st_mode) == 0o700
+        assert len(jobs.scan({"XDG_RUNTIME_DIR": shared}).records) == 1
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -12,7 +12,9 @@ state directory (`state_dir()`), so that a bug report can include it; the exit s
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import sys
 import time
 
@@ -32,9 +34,48 @@ def state_dir(environ=os.environ) -> str:
 
 
 def ensure_state_dir(environ=os.environ) -> str:
+    """The state directory, made if needed. Raises OSError, PermissionError where another
+    user could read or steer it (`state_dir_problem`)."""
     path = state_dir(environ)
     os.makedirs(path, mode=0o700, exist_ok=True)
+    problem = state_dir_problem(environ)
+    if problem:
+        raise PermissionError(errno.EACCES, problem, path)
     return path
+
+
+def state_dir_problem(environ=os.environ) -> str | None:
+    """Why the state directory must not be used, or None. It holds every job's command line
+    (`-x SECRET=value` too) and control socket, and `poprunctl reap` acts on what it says:
+    as tmux does for its socket directory, it must be this user's own and open to nobody
+    else; as ssh does for ~/.ssh, its parent must be this user's or root's and
+    writable by nobody else, unless sticky (/tmp), so that nobody can replace it. Where it
+    does not exist yet, poprun makes it so. (Something of this user's that is not a
+    directory is no danger: the launch goes on without a record, as for a full disk.)"""
+    path = state_dir(environ)
+    advice = "set XDG_RUNTIME_DIR to a directory of your own"
+    try:
+        info = os.lstat(path)
+    except OSError:  # not there yet; or unreachable, so unusable: no record, no danger
+        info = None
+    if info is not None:
+        if info.st_uid != os.getuid():  # a link too: lstat names who planted it
+            return (f"the state directory {path} belongs to another user (uid "
+                    f"{info.st_uid}): {advice}, or remove it")
+        if stat.S_ISDIR(info.st_mode) and info.st_mode & 0o077:
+            return (f"the state directory {path} is open to other users (mode "
+                    f"{stat.S_IMODE(info.st_mode):04o}): chmod 700 {path}")
+    parent = os.path.dirname(path)
+    try:
+        above = os.stat(parent)
+    except OSError:
+        return None  # made with the state directory, 0700
+    if above.st_uid not in (0, os.getuid()) or (above.st_mode & 0o022 and not
+                                                 above.st_mode & stat.S_ISVTX):
+        return (f"the state directory's parent {parent} can be changed by other users "
+                f"(owner uid {above.st_uid}, mode {stat.S_IMODE(above.st_mode):04o}): "
+                f"{advice}")
+    return None
 
 
 def write_crash_file(error: BaseException, extra: str = "") -> str | None:

@@ -64,6 +64,11 @@ def _fail(message: str, code: int = 1) -> NoReturn:
 
 
 def _scan(quiet: bool = False) -> jobs.Scan:
+    from poprun.crash import state_dir_problem
+
+    unsafe = state_dir_problem()  # another user could have written what it would act on
+    if unsafe:
+        _fail(unsafe, 2)
     found = jobs.scan()
     if not quiet:
         for path, why in found.problems:

@@ -24,7 +24,7 @@ from spawner.cpulist import format_cpu_list
 from spawner.lifeline import Lifeline
 from spawner.local import resolve_program
 
-from poprun.crash import report_internal_error
+from poprun.crash import report_internal_error, state_dir_problem
 from poprun.errors import LaunchError, PoprunError
 from poprun.events import Observers
 from poprun.fdio import write_all
@@ -232,6 +232,9 @@ class _Session:
             if getattr(config, name) not in (None, False):
                 log.info(f"--{name.replace('_', '-')}: ignored with --offline-mode (no V-IPU "
                          "server is contacted)")
+        unsafe = state_dir_problem(self.environ)  # before anything starts (issue 26 point 7)
+        if unsafe:
+            raise LaunchError(unsafe)
         self.lifeline = Lifeline()
         if containment.is_subreaper():  # the poprun command: every child it starts is its own
             # ... so its helpers (an SSH ProxyCommand, vipu) carry the lifeline's mark too.

@@ -331,16 +331,23 @@ def test_a_subprocess_sees_the_record_written_while_the_job_runs(tmp_path, envir
     assert ended["state"] == "ended" and ended["exit_reason"] == "signal"
 
 
-def test_a_dead_launchers_record_is_kept_for_reap_then_expires(environ):
+def test_a_dead_launchers_record_counts_as_any_other_against_the_bounds(environ):
+    """Its launcher died, its control socket left behind: kept for reap among the `keep`
+    most recent, never beyond (issue 26 point 5: such records once stayed 7 days, uncounted,
+    their rings with them)."""
     now = time.time()
     gone = {"host": socket.gethostname(), "boot_id": procid.boot_id(), "pid": 2 ** 22 + 7,
             "start": 1}
-    fresh, fresh_dir = new(environ, state="running", launcher=gone)
-    stale, stale_dir = new(environ, state="running", launcher=gone)
-    for directory in (fresh_dir, stale_dir):
+    made = [new(environ, state="running", launcher=gone) for _ in range(3)]
+    for age, (_, directory) in zip((8 * 86400, 60, 0), made):
         open(os.path.join(directory, jobs.SOCKET), "w").close()  # what a SIGKILL leaves
-    os.utime(os.path.join(stale_dir, jobs.RECORD), (now - 8 * 86400,) * 2)
-    assert jobs.prune(environ, now=now, keep=0) == [stale]
+        joblog.RingLog(directory, cap=1000).close()
+        os.utime(os.path.join(directory, jobs.RECORD), (now - age,) * 2)
+    (stale, _), (older, older_dir), (fresh, fresh_dir) = made
+    assert sorted(jobs.prune(environ, now=now, keep=2, keep_logs=1)) == [stale]
+    assert os.path.exists(os.path.join(fresh_dir, joblog.LOG))
+    assert not os.path.exists(os.path.join(older_dir, joblog.LOG))
+    assert jobs.prune(environ, now=now, keep=1) == [older]
     assert [r["id"] for r in jobs.scan(environ).records] == [fresh]
 
 

@@ -114,12 +114,15 @@ def kill_leftovers(marker: str, job: subprocess.Popen) -> None:
 
 def running_job(env: dict[str, str], instances: int) -> str:
     """The id of the one job running, once `instances` of its instances run."""
-    def ready():
+    ids: list[str] = []
+
+    def ready():  # the ids it saw: asking again could see the job moved on
         found = json.loads(poprunctl("list", "--json", env=env).stdout)["jobs"]
-        return [j["id"] for j in found if j["state"] == "running"
-                and j["running"] == instances]
+        ids[:] = [j["id"] for j in found if j["state"] == "running"
+                  and j["running"] == instances]
+        return ids
     wait_until(ready, f"a job with {instances} running instances", timeout=60)
-    return ready()[0]
+    return ids[0]
 
 
 def record_of(env: dict[str, str], job_id: str) -> dict:
@@ -553,6 +556,79 @@ def test_reap_after_sigkill_of_poprun_and_its_lifeline(environ, program):
         assert not any(os.path.exists(c) for c in caches)
     finally:
         kill_leftovers(marker, job)
+
+
+def _killed_outright(environ, marker: str, lifeline_too: bool) -> str:
+    """A 3-instance job whose poprun (and, `lifeline_too`, its watchdog) was SIGKILLed; its
+    id. Without the watchdog's kill, it cleans up: the instances are gone on return."""
+    job = start_job("--num-instances=3", "--num-replicas=3", PY, "-c",
+                    "import time; print('up', flush=True); time.sleep(300)", marker,
+                    env=environ)
+    with reaped(job):
+        job_id = running_job(environ, 3)
+        wait_lines(environ, job_id, "up", 3)  # something in its output ring
+        record = record_of(environ, job_id)
+        if lifeline_too:
+            os.kill(record["lifeline"]["pid"], signal.SIGKILL)
+        os.kill(record["launcher"]["pid"], signal.SIGKILL)
+        job.wait(timeout=30)
+    if not lifeline_too:
+        wait_until(lambda: not instances_with(marker), "the watchdog's cleanup")
+    return job_id
+
+
+@pytest.mark.timeout(120)
+def test_a_job_whose_watchdog_cleaned_up_shows_nothing_running(environ):
+    """poprun SIGKILLed, its watchdog killed every instance: the record still says what ran
+    when poprun died, but list and show say what is alive (issue 26 point 5: they showed
+    3/3 and `running`); on another host, what cannot be known from here."""
+    marker = f"watchdog-cleaned-{os.getpid()}"
+    job_id = _killed_outright(environ, marker, lifeline_too=False)
+    assert [i["state"] for i in record_of(environ, job_id)["instances"]] == ["running"] * 3
+    (row,) = json.loads(poprunctl("list", "--json", env=environ).stdout)["jobs"]
+    assert (row["state"], row["running"], row["unknown"]) == ("gone", 0, 0)
+    assert "0/3" in poprunctl("list", env=environ).stdout
+    shown = json.loads(poprunctl("show", job_id, "--json", env=environ).stdout)
+    assert [r["state"] for r in shown["instances"]] == ["gone"] * 3
+    remote = dead_launcher_record(
+        environ, num_instances=2,
+        hosts=[{"label": "localhost", "local": True, "boot_id": procid.boot_id()},
+               {"label": "h9", "local": False}],
+        instances=[{"index": 0, "host": "localhost", "pid": os.getpid(),
+                    "start": procid.start_ticks(os.getpid()), "state": "running"},
+                   {"index": 1, "host": "h9", "pid": 4242, "start": 1, "state": "running"}])
+    rows = {r["id"]: r for r in json.loads(poprunctl("list", "--json", env=environ).stdout)[
+        "jobs"]}
+    assert (rows[remote]["running"], rows[remote]["unknown"]) == (1, 1)
+    assert "1/2 (1?)" in poprunctl("list", env=environ).stdout
+    shown = json.loads(poprunctl("show", remote, "--json", env=environ).stdout)
+    assert [r["state"] for r in shown["instances"]] == ["running", "unknown"]
+
+
+@pytest.mark.timeout(180)
+def test_records_and_rings_stay_bounded_whatever_state_jobs_were_left_in(environ):
+    """Jobs killed outright (poprun and its watchdog) leave their control socket; reaped or
+    not, they count against the bounds like any ended job, and so do their output rings
+    (issue 26 point 5: prune skipped them for 7 days)."""
+    marker = f"bounded-{os.getpid()}"
+    try:
+        reaped_ids = [_killed_outright(environ, marker, lifeline_too=True) for _ in range(2)]
+        assert poprunctl("reap", env=environ).returncode == 0
+        gone_ids = [_killed_outright(environ, marker, lifeline_too=True) for _ in range(2)]
+    finally:
+        for pid in instances_with(marker):
+            os.kill(pid, signal.SIGKILL)
+    directories = {r["id"]: r["_dir"] for r in jobs.scan(environ).records}
+    for job_id in reaped_ids:
+        assert record_of(environ, job_id)["exit_reason"] == "reaped"
+        assert not os.path.exists(os.path.join(directories[job_id], jobs.SOCKET))
+    assert all(os.path.exists(os.path.join(directories[j], jobs.SOCKET)) for j in gone_ids)
+    assert {jobs.state_of(record_of(environ, j)) for j in gone_ids} == {"gone"}
+    assert sorted(jobs.prune(environ, keep=2, keep_logs=1)) == sorted(reaped_ids)
+    rings = [j for j in gone_ids if os.path.exists(os.path.join(directories[j], joblog.LOG))]
+    assert rings == gone_ids[1:]  # the most recent only
+    assert jobs.prune(environ, keep=1) == gone_ids[:1]
+    assert [r["id"] for r in jobs.scan(environ).records] == gone_ids[1:]
 
 
 # --- remote hosts ----------------------------------------------------------------------------

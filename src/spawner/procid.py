@@ -14,13 +14,22 @@ BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 def start_ticks(pid: int, proc: str = "/proc") -> int | None:
     """The start time of `pid` (clock ticks after boot), or None when there is no such
-    process. The command name (field 2) may hold spaces and parentheses: fields are counted
-    from the last `)`."""
+    process."""
+    fields = _stat_fields(pid, proc)
+    try:
+        return int(fields[19]) if fields else None
+    except (ValueError, IndexError):
+        return None
+
+
+def _stat_fields(pid: int, proc: str) -> list[bytes] | None:
+    """`/proc/<pid>/stat` from field 3 (the state) on. The command name (field 2) may hold
+    spaces and parentheses: fields are counted from the last `)`."""
     try:
         with open(f"{proc}/{pid}/stat", "rb") as f:
             stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
+        return stat[stat.rindex(b")") + 2:].split()
+    except (OSError, ValueError):
         return None
 
 
@@ -36,3 +45,15 @@ def is_same(pid: int, ticks: int | None, proc: str = "/proc") -> bool:
     """Whether `pid` is still the process that started at `ticks` (False when `ticks` is
     unknown: never act on a pid that cannot be told apart from its successor)."""
     return ticks is not None and start_ticks(pid, proc) == ticks
+
+
+def is_running(pid: int, ticks: int | None, proc: str = "/proc") -> bool:
+    """Whether `pid` is still the process that started at `ticks` and has not exited: a
+    zombie (dead, its parent has not reaped it yet; an orphan waits for init, which may take
+    its time) keeps its pid and start time but runs nothing."""
+    fields = _stat_fields(pid, proc)
+    try:
+        return ticks is not None and fields is not None and fields[0] not in (b"Z", b"X") \
+            and int(fields[19]) == ticks
+    except (ValueError, IndexError):
+        return False

@@ -156,13 +156,13 @@ def _hosts(record: dict[str, Any]) -> str:
 def summary(record: dict[str, Any], now: float) -> dict[str, Any]:
     """One job as `list` shows it."""
     instances = record.get("instances") or []
-    running = sum(1 for i in instances if i.get("state") in ("running", "starting"))
-    if jobs.state_of(record) in (jobs.ENDED, "gone") and record.get("state") == jobs.ENDED:
-        running = 0
+    states = jobs.instance_states(record) if record.get("state") != jobs.ENDED else []
     return {"id": record["id"], "state": jobs.state_of(record),
             "label": _state_label(record),
             "age": now - float(record.get("start_time") or now),
-            "running": running, "instances": record.get("num_instances") or len(instances),
+            "running": sum(s in ("running", "starting") for s in states),
+            "unknown": states.count("unknown"),  # on other hosts of a gone launcher's job
+            "instances": record.get("num_instances") or len(instances),
             "hosts": [h.get("label") for h in record.get("hosts") or []],
             "program": record.get("program") or [], "exit_code": record.get("exit_code"),
             "exit_reason": record.get("exit_reason"), "cwd": record.get("cwd"),
@@ -197,7 +197,8 @@ def list_jobs(as_json: JsonOpt = False,
               "starting": "yellow", "gone": "bold red"}
     for row in rows:
         table.add_row(row["id"], row["label"], _age(row["age"]),
-                      f"{row['running']}/{row['instances']}",
+                      f"{row['running']}/{row['instances']}"
+                      + (f" ({row['unknown']}?)" if row["unknown"] else ""),
                       cut(",".join(row["hosts"]), 24),
                       _command(row, COMMAND_WIDTH),
                       style=styles.get(row["state"], "dim" if row["state"] == jobs.ENDED
@@ -208,12 +209,15 @@ def list_jobs(as_json: JsonOpt = False,
 # --- show --------------------------------------------------------------------------------
 
 def _ended_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of a job whose launcher does not answer: from its record, each instance's
+    state as far as this host can tell (records.instance_states)."""
     rows = []
-    for inst in record.get("instances") or []:
+    states = jobs.instance_states(record)
+    for inst, state in zip(record.get("instances") or [], states):
         start, end = inst.get("start_time"), inst.get("end_time")
         rows.append({"index": inst.get("index"), "host": inst.get("host"),
                      "pid": inst.get("pid"),
-                     "state": inst.get("outcome") or inst.get("state"),
+                     "state": inst.get("outcome") or state,
                      "uptime": end - start if start and end else None, "cpu_percent": None,
                      "rss": None, "lines": inst.get("lines"), "idle": None, "last_line": ""})
     return rows

@@ -14,10 +14,12 @@ The record has one schema, `result.JOB_SCHEMA`, shared with `--result-json`: an 
 its `LaunchResult.to_json()`; while the job runs the same keys are there, the result's own
 (`exit_code`, `exit_reason`, ...) null. See `LaunchResult.to_json` for the keys.
 
-Ended records are kept, bounded: the `KEEP_ENDED` most recent, none older than `KEEP_SECONDS`;
-the output logs of the `KEEP_LOGS` most recent. The record of a job whose launcher died
-without ending it is kept `KEEP_SECONDS` too, for `poprunctl reap`. A record that cannot be read (damaged, another
-schema, another user's) is reported and skipped by the readers here, never a crash.
+Records are kept, bounded by count and so by bytes whatever state a job was left in: the
+`KEEP_ENDED` most recent of the jobs that do not run (ended, reaped, or gone: its launcher
+died without ending the record, which `poprunctl reap` needs meanwhile), none older than
+`KEEP_SECONDS`; the output logs of the `KEEP_LOGS` most recent. A record that cannot be read
+(damaged, another schema, another user's) is reported and skipped by the readers here, never
+a crash.
 
 Pure helpers and small I/O functions; the launcher's side is poprun/jobctl/watch.py.
 """
@@ -232,7 +234,7 @@ def launcher_status(record: Mapping[str, Any]) -> str:
     if launcher.get("boot_id") and launcher.get("boot_id") != procid.boot_id():
         return "gone"  # this host has rebooted since
     pid, start = launcher.get("pid"), launcher.get("start")
-    if isinstance(pid, int) and procid.is_same(pid, start):
+    if isinstance(pid, int) and procid.is_running(pid, start):  # a zombie has died
         return "alive"
     return "gone"
 
@@ -243,37 +245,54 @@ def state_of(record: Mapping[str, Any]) -> str:
     return "gone" if status == "gone" else str(record.get("state"))
 
 
+def instance_states(record: Mapping[str, Any]) -> list[str]:
+    """Each instance's state, in the record's order, as far as this host can tell. The
+    record's own while its launcher runs (it keeps the record true) or once it has ended;
+    for a job whose launcher is gone, the record says what was running when it died, so
+    it is checked against what is alive: "running" only for an instance on this host whose
+    pid still has its recorded start time, "gone" for any other here (its watchdog or reap
+    killed it, or the host rebooted), "unknown" for one on another host (only `reap` looks
+    there)."""
+    instances = record.get("instances") or []
+    if launcher_status(record) != "gone":
+        return [str(inst.get("state")) for inst in instances]
+    hosts = {h.get("label"): h for h in record.get("hosts") or ()}
+    here = procid.boot_id()
+    states = []
+    for inst in instances:
+        host = hosts.get(inst.get("host")) or {}
+        if inst.get("state") not in ("running", "starting"):
+            states.append(str(inst.get("state")))
+        elif not host.get("local"):
+            states.append("unknown")
+        elif host.get("boot_id") in (None, here) and isinstance(inst.get("pid"), int) \
+                and procid.is_running(inst["pid"], inst.get("start")):
+            states.append("running")
+        else:
+            states.append("gone")
+    return states
+
+
 def prune(environ: Mapping[str, str] = os.environ, now: float | None = None,
           keep: int = KEEP_ENDED, keep_seconds: float = KEEP_SECONDS,
           keep_logs: int = KEEP_LOGS) -> list[str]:
-    """Remove ended jobs beyond the bounds (the `keep` most recent, none older than
-    `keep_seconds`) and the output logs of all but the `keep_logs` most recent; the ids
-    removed. Most recent by the record's last write; only the records beyond a bound are
-    read, at most `PRUNE_READS` of them (every launch runs this, on a thread beside its job:
-    it must stay cheap; the next launch goes on). Jobs that run and damaged records are never
-    removed; a job whose launcher died without ending it is kept `keep_seconds` for
-    `reap`."""
+    """Remove the jobs beyond the bounds (the `keep` most recent, none older than
+    `keep_seconds`) and the output logs of all but the `keep_logs` most recent, whatever
+    state a job was left in: ended, reaped, or gone (its launcher died without ending the
+    record: `reap` has `keep` later jobs' time to clean up after it). Only a job whose
+    launcher runs, or may run (on another host sharing this directory, until
+    `keep_seconds`), is never touched. Returns the ids removed. Most recent by the record's
+    last write; only the records beyond a bound are read, at most `PRUNE_READS` of them
+    (every launch runs this, on a thread beside its job: it must stay cheap; the next
+    launch goes on). Damaged records are never removed."""
     now = time.time() if now is None else now
-    try:
-        entries = [e for e in os.scandir(jobs_dir(environ)) if not e.name.startswith(".")]
-    except OSError:
-        return []
-    dated = []
-    for entry in entries:
-        try:
-            dated.append((os.stat(os.path.join(entry.path, RECORD)).st_mtime, entry.path))
-        except OSError:
-            continue
-    dated.sort(reverse=True)
     removed, reads = [], 0
-    for rank, (mtime, path) in enumerate(dated):
+    for rank, (mtime, path) in enumerate(_by_recency(environ)):
         expired = now - mtime > keep_seconds
         whole = rank >= keep or expired
         logs = [] if whole or rank < keep_logs else _logs_in(path)
         if not whole and not logs:
             continue
-        if not expired and os.path.exists(os.path.join(path, SOCKET)):
-            continue  # its launcher serves it, or died with it (reap's): not to be read
         if reads >= PRUNE_READS:
             break
         reads += 1
@@ -281,7 +300,8 @@ def prune(environ: Mapping[str, str] = os.environ, now: float | None = None,
             record = load(path)
         except (RecordError, OSError):
             continue
-        if record.get("state") in ACTIVE and not (expired and launcher_status(record) == "gone"):
+        status = launcher_status(record)
+        if status == "alive" or status == "elsewhere" and not expired:
             continue
         if whole:
             shutil.rmtree(path, ignore_errors=True)
@@ -292,6 +312,21 @@ def prune(environ: Mapping[str, str] = os.environ, now: float | None = None,
             except OSError:
                 pass
     return removed
+
+
+def _by_recency(environ: Mapping[str, str]) -> list[tuple[float, str]]:
+    """(last write, directory) of every job directory, the most recent first."""
+    try:
+        entries = [e for e in os.scandir(jobs_dir(environ)) if not e.name.startswith(".")]
+    except OSError:
+        return []
+    dated = []
+    for entry in entries:
+        try:
+            dated.append((os.stat(os.path.join(entry.path, RECORD)).st_mtime, entry.path))
+        except OSError:
+            continue
+    return sorted(dated, reverse=True)
 
 
 def _logs_in(path: str) -> list[str]:

@@ -270,6 +270,8 @@ def _write_outcome(record: Mapping[str, Any], report: JobReport) -> None:
         final["last_reap"] = {**report.to_json(), "time": time.time()}
     try:
         jobs.write(record["_dir"], final)
+        if report.complete:  # its launcher died with it bound: nothing serves it
+            os.unlink(os.path.join(record["_dir"], jobs.SOCKET))
     except OSError:
         pass
 

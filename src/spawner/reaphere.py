@@ -2,8 +2,8 @@
 kill the job's leftover instances, remove its leftover temporary directories.
 
 It runs here for this host's part of the job, and on every other recorded host over SSH, on
-that host's Python (3.10 or later), sent with procid.py's source as one `python -c` line
-(poprun/run/reap.py): standard library only. Its input is one JSON object:
+that host's Python (3.10 or later), sent with the sources of procid.py and containment.py as
+one `python -c` line (poprun/run/reap.py): standard library only. Its input is one JSON object:
 
     {"boot_id": the host's boot id when the job ran (None: unknown),
      "instances": [[index, pid, start ticks], ...], "dirs": [path, ...],
@@ -30,7 +30,7 @@ import shutil
 import signal
 import stat
 
-from .containment import CGROUP_PREFIX, kill_marked, marked, remove_tree
+from .containment import CGROUP_PREFIX, MARK, kill_marked, marked, remove_tree
 from .procid import boot_id, start_ticks
 
 PREFIXES = ("poprun-cache-", "poprun-errors-")
@@ -74,7 +74,8 @@ def reap_here(job: dict) -> list[dict]:
             if found:
                 done.append(_kill_marked(token, found, dry))
         for path in job.get("cgroups") or ():
-            done.append({"what": "dir", "path": path, **_remove_cgroup(path, dry)})
+            if os.path.isdir(path):  # named where cgroups might be made: maybe never made
+                done.append({"what": "dir", "path": path, **_remove_cgroup(path, dry)})
     for path in job.get("dirs") or ():
         entry = {"what": "dir", "path": path}
         done.append(entry)
@@ -138,15 +139,13 @@ def _kill_marked(token: str, found: list[int], dry: bool) -> dict:
         kill_marked(token)
     return {"what": "marked", "pids": found, "done": not dry,
             "note": f"{'would kill' if dry else 'killed'} {len(found)} process(es) still "
-                    f"carrying the job's mark (POPRUN_LIFELINE)"}
+                    f"carrying the job's mark ({MARK})"}
 
 
 def _remove_cgroup(path: str, dry: bool) -> dict:
     """A cgroup tree of the job's (`poprun-<token>`): what is in it killed, then removed."""
     if not os.path.basename(path.rstrip("/")).startswith(CGROUP_PREFIX):
         return {"done": False, "note": "not a poprun cgroup: kept"}
-    if not os.path.isdir(path):
-        return {"done": False, "note": "already gone"}
     if not os.path.exists(os.path.join(path, "cgroup.procs")):
         return {"done": False, "note": "not a cgroup: kept"}
     if dry:

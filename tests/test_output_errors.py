@@ -174,6 +174,36 @@ def test_a_stderr_that_cannot_be_written_is_no_error_when_nothing_needs_it(tmp_p
     assert (done.returncode, done.stdout) == (0, b"out\nout\n")
 
 
+def test_a_read_only_terminal_as_stderr_ends_with_74_too():
+    """The terminal opened read-only as stderr (stdout the same terminal, so the dashboard
+    is drawn): rendering the report for the terminal failed as an internal error (70)."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    read_only = os.open(os.ttyname(slave), os.O_RDONLY | os.O_NOCTTY)
+    proc = subprocess.Popen(poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                                        "sh", "-c", "echo out; exit 3"),
+                            env=poprun_env(), stdin=slave, stdout=slave, stderr=read_only)
+    os.close(slave)
+    os.close(read_only)
+    seen = bytearray()
+    try:
+        while select.select([master], [], [], 60)[0]:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer has closed the terminal
+                break
+            if not data:
+                break
+            seen += data
+    finally:
+        os.close(master)
+        code = proc.wait(timeout=60)
+    assert code == OUTPUT_ERROR, bytes(seen)
+    assert b"out" in seen and b"internal error" not in seen
+
+
 def _with_read_only_stderr(tmp_path, *args: str, env: dict[str, str] | None = None):
     readable = tmp_path / "stderr"
     readable.write_text("")

@@ -708,8 +708,9 @@ class _Session:
         result (--result-json, the record) since stderr cannot show it."""
         from poprun.view.render import render_report  # plain text, or rich's on a terminal
 
-        report = render_report(self._result, self.stderr_fd, self.environ, self.config.verbose)
-        try:
+        try:  # rendering too: rich's console writes what it still holds to the terminal
+            report = render_report(self._result, self.stderr_fd, self.environ,
+                                   self.config.verbose)
             if report:  # nothing to say is no write: a quiet success needs no stderr
                 self.job.router.write_own(self.stderr_fd, report)
         except OSError as exc:

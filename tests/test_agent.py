@@ -348,7 +348,10 @@ def test_stdin_eof_kills_instance_groups_and_removes_temp_dirs(agent):
     marker = f"marker-{uuid.uuid4().hex}"
     assert agent.spawn(0, *sleeper_with_grandchild(marker)).kind is Kind.STARTED
     pids = [int(p) for p in agent.read_line(0).split()]
-    assert all(alive(pid) for pid in pids) and len(with_marker(marker)) == 2
+    assert all(alive(pid) for pid in pids)
+    # `$!` is printed once forked, maybe before its exec (a process's cmdline reads empty
+    # in the middle of one): wait for both to show their marker.
+    wait_until(lambda: len(with_marker(marker)) == 2, "the instance and its grandchild", 10)
 
     assert agent.close() == 0
     wait_until(lambda: not any(alive(pid) for pid in pids), "the instance and its grandchild")

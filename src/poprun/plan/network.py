@@ -19,9 +19,7 @@ hosts are reached at, as before).
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 from popdist import env as E
 
@@ -35,22 +33,29 @@ INTERFACE_VARIABLES = (E.GLOO_SOCKET_IFNAME, E.NCCL_SOCKET_IFNAME, E.HOROVOD_GLO
                        E.UCX_NET_DEVICES, E.FI_TCP_IFACE)
 
 
-@dataclass(frozen=True)
+# Plain classes, not dataclasses: every launch imports this module (the config reads the mpi
+# args through it), and making a dataclass costs ~1 ms.
 class Selector:
     """One plane's choice: interfaces (by name or subnet) to use, or to avoid."""
 
-    items: tuple[str, ...]
-    exclude: bool
-    source: str  # the option that said it, for messages
+    __slots__ = ("items", "exclude", "source")
+
+    def __init__(self, items: tuple[str, ...], exclude: bool, source: str) -> None:
+        self.items, self.exclude = items, exclude
+        self.source = source  # the option that said it, for messages
 
     def matches(self, name: str, address: str) -> bool:
         """Whether interface `name` with `address` ("a.b.c.d/prefix") is named."""
+        import ipaddress  # here, as below: every launch reads this module, few choose
+
         ip = ipaddress.ip_interface(address).ip
         return any(item == name or _in_subnet(ip, item) for item in self.items)
 
     def pick(self, interfaces: Mapping[str, Sequence[str]]) -> tuple[str, str] | None:
         """(interface, address) on this host: the first that is named (include), or the
         first that is not, loopback aside (exclude); IPv4 before IPv6, as Open MPI."""
+        import ipaddress
+
         for family in (4, 6):
             for name, addresses in interfaces.items():
                 for address in addresses:
@@ -63,10 +68,13 @@ class Selector:
         return None
 
 
-@dataclass(frozen=True)
 class NetworkChoice:
-    control: Selector | None = None
-    data: Selector | None = None
+    """Each plane's selector; both None without a choice."""
+
+    __slots__ = ("control", "data")
+
+    def __init__(self, control: Selector | None = None, data: Selector | None = None) -> None:
+        self.control, self.data = control, data
 
     @property
     def chosen(self) -> bool:
@@ -74,6 +82,8 @@ class NetworkChoice:
 
 
 def _in_subnet(ip, item: str) -> bool:
+    import ipaddress
+
     if "/" not in item:
         return False
     try:
@@ -83,6 +93,8 @@ def _in_subnet(ip, item: str) -> bool:
 
 
 def _selector(option: str, value: str, exclude: bool) -> Selector:
+    import ipaddress
+
     items = tuple(part.strip() for part in value.split(",") if part.strip())
     if not items:
         raise ConfigError(f"{option}: no interface or subnet given")
@@ -134,12 +146,14 @@ def interface_variables(interface: str, environ: Mapping[str, str],
     return {name: interface for name in INTERFACE_VARIABLES if name not in taken}
 
 
-@dataclass(frozen=True)
 class HostNetwork:
     """One host on the chosen network."""
 
-    address: str  # where it is reached (control plane): MASTER_ADDR when it is the first
-    interface: str  # what its instances' collectives use (data plane)
+    __slots__ = ("address", "interface")
+
+    def __init__(self, address: str, interface: str) -> None:
+        self.address = address  # where it is reached (control plane): MASTER_ADDR if first
+        self.interface = interface  # what its instances' collectives use (data plane)
 
 
 def resolve(choice: NetworkChoice,

@@ -514,10 +514,12 @@ class _Session:
 
         if self.fleet is not None:
             address = self.fleet.reach_back_address()
-        else:  # every instance here: loopback, unless the user chose a network
+        elif self.config.network.chosen:  # every instance here, on the chosen network
             from spawner.netifs import interfaces
 
             address = address_here(self.config.network, interfaces) or LOOPBACK
+        else:
+            address = LOOPBACK
         try:
             self.rendezvous = Rendezvous(address, self.loop)
         except OSError as exc:

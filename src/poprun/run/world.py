@@ -25,11 +25,15 @@ import asyncio
 import socket
 from collections.abc import Callable, Mapping
 
+from typing import TYPE_CHECKING
+
 from popdist import env as E
 from spawner.pmiends import PmiEnds
-from spawner.protocol import Control, Kind
 
 from poprun.plan.planner import InstancePlan, LaunchPlan
+
+if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agents in it
+    from spawner.protocol import Control
 
 
 class MpiWorld:
@@ -94,6 +98,8 @@ class MpiWorld:
     # --- what the agents ask ------------------------------------------------------------
 
     def _from_agent(self, spawner, frame: Control) -> None:
+        from spawner.protocol import Kind
+
         fields = frame.fields
         if fields.get("kvsname") != self.kvsname:
             return  # the world of an attempt that has ended
@@ -117,6 +123,7 @@ class MpiWorld:
 
     async def _barrier(self, spawner, count: int, puts: dict[str, str]) -> None:
         from spawner.pmi import PmiError
+        from spawner.protocol import Kind
 
         try:
             delta = await self.server.group_barrier(count, puts)
@@ -132,7 +139,10 @@ class MpiWorld:
         the world, and remove what MPICH left in /dev/shm here; the paths removed. A world
         nobody spoke to has left nothing."""
         self._ends.close()
-        for host, spawner in self._remote.items():
+        if self._remote:
+            from spawner.protocol import Kind
+
+        for spawner in self._remote.values():
             spawner.tell(Kind.WORLD_END, kvsname=self.kvsname)
             spawner.on_world = None
         for task in list(self._tasks):

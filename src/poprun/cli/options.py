@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from popdist.env import NOT_FORWARDED
 
 from poprun.plan import mpiargs
-from poprun.plan.config import LaunchConfig, field_defaults, load_toml, merged_mpi_args
+from poprun.plan.config import (BOOL_WORDS, LaunchConfig, field_defaults, load_toml,
+                                merged_mpi_args)
 from poprun.plan.hosts import Host, counted_instances, job_hosts_and_source, parse_host_list
 from poprun.errors import ConfigError
 
@@ -112,6 +113,12 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("timestamp-output", S, "Prefix every line with the time it was read, as Open MPI "
         "does: <date><stdout>:line, or <date>[1,<instance>]<stdout>:line with "
         "--tag-output"),
+    Opt("fold-output", S, "Print a line that several instances write identically on the "
+        "same stream once, tagged with their set ([1,0-62]<stdout>: with --tag-output, "
+        "else [0-62] before it), as soon as every running instance has written it or gone "
+        "past it, and within 100 ms; other lines print as they are (held up to 100 ms "
+        "meanwhile). Only the console folds: --output-filename files and poprunctl logs keep "
+        "every instance's lines. Also POPRUN_FOLD_OUTPUT=1"),
     Opt("output-filename", Kind.STR,
         "Also write each instance's output to DIR/1/rank.<i>/stdout and stderr"),
     Opt("merge-stderr-to-stdout", S, "Send the instances' stderr to poprun's stdout"),
@@ -232,8 +239,6 @@ OPTIONS: tuple[Opt, ...] = (
 BY_LONG = {o.long: o for o in OPTIONS}
 _SINGLE = (Kind.INT, Kind.FLOAT, Kind.STR, Kind.BOOL, Kind.SWITCH)  # a repeat is an error
 _BY_SHORT = {o.short: o for o in OPTIONS if o.short}
-BOOL_WORDS = {"yes": True, "true": True, "on": True, "1": True,
-               "no": False, "false": False, "off": False, "0": False}
 
 
 @dataclass

@@ -53,6 +53,9 @@ class LaunchConfig:
     forward_env: str = "default"  # what remote instances inherit: "default" or "all"
     tag_output: bool = False
     timestamp_output: bool = False
+    # A line several instances write identically printed once, with their set (run/folding.py);
+    # not given: POPRUN_FOLD_OUTPUT decides (wants_fold).
+    fold_output: bool = False
     output_filename: str | None = None
     merge_stderr_to_stdout: bool = False
     mpi_global_args: tuple[str, ...] = ()
@@ -326,7 +329,7 @@ class LaunchConfig:
 _STR_TUPLE_FIELDS = ("program", "env", "mpi_global_args", "mpi_local_args",
                      "instance_mpi_local_args", "hosts")
 _BOOL_FIELDS = ("offline_mode", "print_topology", "tag_output", "timestamp_output",
-                "merge_stderr_to_stdout", "distribute_ssh_key", "report_bindings",
+                "fold_output", "merge_stderr_to_stdout", "distribute_ssh_key", "report_bindings",
                 "update_partition", "remove_partition", "allow_run_as_root",
                 "synchronise_python_venv", "synchronise_poplar_sdk", "no_dashboard",
                 "dashboard")
@@ -344,6 +347,26 @@ VIPU_FIELDS = ("vipu_server_host", "vipu_server_port", "vipu_server_timeout", "v
                "vipu_allocation", "vipu_cluster", "update_partition", "reset_partition",
                "sync_type", "ipu_link_routing_type", "gw_link_routing_type",
                "vipu_partition_attempts")
+
+
+# Boolean words, in options (Boost.Program_options' set) and variables.
+BOOL_WORDS = {"yes": True, "true": True, "on": True, "1": True,
+              "no": False, "false": False, "off": False, "0": False}
+FOLD_VARIABLE = "POPRUN_FOLD_OUTPUT"
+
+
+def wants_fold(config: LaunchConfig, environ) -> bool:
+    """--fold-output when given (or set by a Python caller), else POPRUN_FOLD_OUTPUT (a
+    boolean word; empty: unset). Raises ConfigError for another value."""
+    if config.fold_output or (config.given is not None and "fold_output" in config.given):
+        return config.fold_output
+    value = environ.get(FOLD_VARIABLE, "")
+    if value.strip().lower() in BOOL_WORDS:
+        return BOOL_WORDS[value.strip().lower()]
+    if not value.strip():
+        return False
+    raise ConfigError(f"{FOLD_VARIABLE}={value!r} is not a boolean (use 1 or 0, yes or no, "
+                      "true or false, on or off)")
 
 
 def merged_mpi_args(global_args: Iterable[str], local_args: Iterable[str]) -> MpiArgs:

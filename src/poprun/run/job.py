@@ -28,7 +28,7 @@ from poprun.errors import LaunchError
 from poprun.events import Observers
 from poprun.log import Log
 from poprun.plan import planner as planning
-from poprun.plan.config import LaunchConfig
+from poprun.plan.config import LaunchConfig, wants_fold
 from poprun.plan.planner import InstancePlan, LaunchPlan
 from poprun.result import (LOST_HOST_STATUS, InstanceResult, LaunchResult, end_reason,
                            exit_status)
@@ -102,7 +102,8 @@ class Job:
         return OutputRouter(OutputOptions(
             tag=config.effective_tag_output, timestamp=config.effective_timestamp_output,
             only_instance=config.only_output_from_instance, directory=directory,
-            copy_to_console=copy, colour_environ=environ), stdout_fd, stderr_fd)
+            copy_to_console=copy, colour_environ=environ, fold=wants_fold(config, environ)),
+            stdout_fd, stderr_fd)
 
     def set_plan(self, launch_plan: LaunchPlan) -> None:
         self.plan = launch_plan

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from spawner.local import Stream
 
 from poprun.fdio import write_all
+from poprun.text import fold_indices
 from poprun.view.console import tag_colour_system
 
 TAIL_LINES = 20  # stderr lines kept per instance for the failure report
@@ -71,6 +72,7 @@ class OutputOptions:
     # With `tag`: the environment (NO_COLOR, FORCE_COLOR, TERM, ...) from which rich's rules
     # decide, for each console fd on its own, whether tags are coloured; None: never coloured.
     colour_environ: Mapping[str, str] | None = None
+    fold: bool = False  # --fold-output: identical lines of instances once (run/folding.py)
 
 
 class OutputRouter:
@@ -105,6 +107,13 @@ class OutputRouter:
         # the (instance, stream) whose last block left its line unfinished there.
         self._dests = {fd: _identity(fd) for fd in (stdout_fd, stderr_fd)}
         self._open: dict[object, tuple[int, Stream]] = {}
+        # --fold-output: the console path goes through it (an observer the session adds);
+        # moot when one instance or none reaches the console.
+        self.fold = None
+        if options.fold and options.copy_to_console and options.only_instance is None:
+            from poprun.run.folding import ConsoleFold
+
+            self.fold = ConsoleFold(self)
 
     def report_to(self, on_broken_pipe: Callable[[], None],
                   on_write_error: Callable[[str, OSError], None]) -> None:
@@ -121,17 +130,36 @@ class OutputRouter:
         only = self._options.only_instance
         if self._options.copy_to_console and (only is None or only == key) and (
                 stream not in self._closed):
-            try:
-                counted = self._write(key, stream, data)
-            except BrokenPipeError:  # e.g. `poprun ... | head`: stop the job as SIGPIPE would
-                self._closed.add(stream)
-                self._on_broken_pipe()
-            except OSError as exc:  # e.g. a stdout opened read-only, or on a full disk
-                self._closed.add(stream)
-                self._on_write_error(f"poprun's {stream.name.lower()}", exc)
+            if self.fold is None:
+                counted = self.console(key, stream, data)
+            else:  # it writes through console() and write_folded() as it releases lines
+                self.fold.add(key, stream, data)
         # Counting newlines is a scan of its own (~15 % of poprun's CPU on 8 x 200k tagged
         # lines): the tagging replace's growth gives the count for free.
         record.lines += data.count(b"\n") if counted is None else counted
+
+    def console(self, key: int | tuple[int, ...], stream: Stream, data: bytes) -> int | None:
+        """Write a block to the console (the set of instances `key`, for a folded one);
+        returns its number of `\\n` when that came for free."""
+        if stream in self._closed:
+            return None
+        try:
+            return self._write(key, stream, data)
+        except BrokenPipeError:  # e.g. `poprun ... | head`: stop the job as SIGPIPE would
+            self._closed.add(stream)
+            self._on_broken_pipe()
+        except OSError as exc:  # e.g. a stdout opened read-only, or on a full disk
+            self._closed.add(stream)
+            self._on_write_error(f"poprun's {stream.name.lower()}", exc)
+        return None
+
+    def write_folded(self, keys: tuple[int, ...], stream: Stream, data: bytes) -> None:
+        """Whole lines that the instances `keys` (two or more) all wrote: tagged with the
+        set (`[1,0-62]<stdout>:`, render_tag); untagged, `[0-62] ` begins each line."""
+        if not self._options.tag:
+            label = fold_indices(keys).encode() + b" "
+            data = label + data[:-1].replace(b"\n", b"\n" + label) + b"\n"
+        self.console(keys, stream, data)
 
     def _to_file(self, key: int, stream: Stream, data: bytes) -> None:
         try:
@@ -266,6 +294,8 @@ class OutputRouter:
         return handle
 
     def close(self) -> None:
+        if self.fold is not None:  # what it still holds, before poprun's report
+            self.fold.flush()
         for handle in self._files.values():
             handle.close()
         self._files.clear()
@@ -381,21 +411,27 @@ def _open_owned(parent: int, name: str, path: str, flags: int, directory: bool) 
 TAG_PALETTE = ("cyan", "magenta", "green", "yellow", "bright_blue",
                "bright_cyan", "bright_magenta", "bright_green", "bright_yellow")
 STDERR_COLOUR = "red"
+# A folded line's instances: grey, apart from every instance's own colour, legible on dark
+# and light backgrounds alike.
+FOLDED_COLOUR = "bright_black"
 
 
-def render_tag(key: int, stream: Stream, colour_system=None) -> bytes:
+def render_tag(key: int | tuple[int, ...], stream: Stream, colour_system=None) -> bytes:
     """`[1,<key>]<stdout>:` (mpirun's tag), styled for a rich ColorSystem when one is given:
-    ANSI codes, the tag, a reset; the output's own colours after it are left alone."""
+    ANSI codes, the tag, a reset; the output's own colours after it are left alone. A
+    folded line's tag has its set of instances in the same place, `[1,0-62]<stdout>:`."""
     name = "stdout" if stream is Stream.STDOUT else "stderr"
+    label = str(key) if type(key) is int else fold_indices(key)[1:-1]
     if colour_system is None:
-        return b"[1,%d]<%s>:" % (key, name.encode())
+        return b"[1,%s]<%s>:" % (label.encode(), name.encode())
     from rich.style import Style
 
-    colour = Style(color=TAG_PALETTE[key % len(TAG_PALETTE)])
+    colour = Style(color=TAG_PALETTE[key % len(TAG_PALETTE)] if type(key) is int
+                   else FOLDED_COLOUR)
     if stream is Stream.STDOUT:
-        text = colour.render(f"[1,{key}]<stdout>:", color_system=colour_system)
+        text = colour.render(f"[1,{label}]<stdout>:", color_system=colour_system)
     else:
-        text = (colour.render(f"[1,{key}]", color_system=colour_system)
+        text = (colour.render(f"[1,{label}]", color_system=colour_system)
                 + Style(color=STDERR_COLOUR).render("<stderr>:", color_system=colour_system))
     return text.encode()
 

@@ -30,7 +30,8 @@ from poprun.events import Observers
 from poprun.fdio import write_all
 from poprun.log import Log
 from poprun.plan import planner as planning
-from poprun.plan.config import INERT_FIELDS, VIPU_FIELDS, LaunchConfig, missing_program
+from poprun.plan.config import (INERT_FIELDS, VIPU_FIELDS, LaunchConfig, missing_program,
+                                wants_fold)
 from poprun.plan.jobhosts import JobHosts
 from poprun.plan.network import HostNetwork, address_here
 from poprun.plan.network import resolve as resolve_network
@@ -235,6 +236,7 @@ class _Session:
         unsafe = state_dir_problem(self.environ)  # before anything starts (issue 26 point 7)
         if unsafe:
             raise LaunchError(unsafe)
+        wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
         self.lifeline = Lifeline()
         if containment.is_subreaper():  # the poprun command: every child it starts is its own
             # ... so its helpers (an SSH ProxyCommand, vipu) carry the lifeline's mark too.
@@ -245,6 +247,8 @@ class _Session:
         # Every attempt's Job shares this router: poprun's messages never join a line an
         # instance left unfinished (output.OutputRouter.write_own).
         self.log.write = self.job.router.write_own
+        if self.job.router.fold is not None:  # --fold-output learns of plans and exits
+            self.events.add(self.job.router.fold)
         try:  # poprun writes every instance's files, remote ones too: here is the place
             self.job.router.check_directory()
         except OSError as exc:

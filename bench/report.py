@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -300,6 +301,8 @@ def render_markdown(doc: dict) -> str:
         L += launch_section(sc["launch"])
     if "output" in sc:
         L += output_section(sc["output"])
+    if "fold" in sc:
+        L += fold_section(sc["fold"])
     if "ssh" in sc:
         L += ssh_section(sc["ssh"])
     if "teardown" in sc:
@@ -372,6 +375,44 @@ def output_section(block: dict) -> list[str]:
            for c in block.get("cases", []) for s in c["sides"]):
         L += ["† timed anyway, output not as a launcher should write it: mpirun 4.1 tags each chunk it "
               "reads, not each line, so lines are torn and interleaved (bench/README.md).", ""]
+    return L
+
+
+def fold_section(block: dict) -> list[str]:
+    """`--fold-output` against plain tagged output (bench/fold_bench.py)."""
+    L = ["## Folded output (`--fold-output`)", ""]
+    if "error" in block or "skipped" in block:
+        return L + skipped_note(block)
+    n, lines = block.get("n", 8), block.get("lines", 0)
+    L += [f"{n} instances × {lines:,} lines of `{block.get('writer', 'seq')}`, `--tag-output`, "
+          "stdout to a file, without and with `--fold-output`, alternating. Every instance writes "
+          "the same lines, so folding prints each once (`[1,0-7]<stdout>:`); the output is checked "
+          "instance by instance either way.", ""]
+    rows = []
+    for s in block.get("throughput", []):
+        cpu = s.get("cpu_s")
+        shown = sorted(x for x in s.get("console_lines", []) if x is not None)
+        rows.append([f"`{s['name']}`", cell(s),
+                     fmt_s(cpu["median"]) + fmt_range(cpu["min"], cpu["max"]) if cpu else "—",
+                     f"{shown[len(shown) // 2]:,}" if shown else "—"])
+    L += md_table(["side", "wall time", "launcher CPU (own)", "console lines"], rows)
+    lat = block.get("latency", {})
+    L += [f"**Latency**: each instance writes {lat.get('lines_per_instance', 0)} lines, one every "
+          f"{lat.get('period_s', 0) * 1000:g} ms on a shared schedule; a line's latency is its arrival "
+          "on poprun's stdout (a pipe) minus its scheduled time. *common*: every instance writes the "
+          "same line; *distinct*: each its own; *rank 0 only*: the others write nothing on stdout "
+          "(each line then waits the 100 ms bound).", ""]
+    rows = []
+    for mode, sides in lat.get("workloads", {}).items():
+        for name in ("plain", "fold"):
+            st = sides.get(name, {})
+            counts = st.get("lines") or []
+            rows.append([{"rank0": "rank 0 only"}.get(mode, mode),
+                         "with `--fold-output`" if name == "fold" else "without",
+                         *(f"{st[k] * 1000:.1f} ms" if st.get(k) is not None else "—"
+                           for k in ("median", "p90", "p99", "max")),
+                         f"{statistics.median(counts):g}" if counts else "—"])
+    L += md_table(["workload", "", "median", "p90", "p99", "max", "console lines"], rows)
     return L
 
 

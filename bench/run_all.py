@@ -51,7 +51,7 @@ import mpi_bench as mb  # noqa: E402
 import report  # noqa: E402
 
 SIDES = ("poprun", "mpirun", "torchrun", "mpiexec", "none")
-SCENARIOS = ("launch", "output", "ssh", "rss", "teardown", "slurm", "mpi")
+SCENARIOS = ("launch", "output", "fold", "ssh", "rss", "teardown", "slurm", "mpi")
 # launch_bench's name for the no-launcher side
 BASELINE = {"none": "baseline"}
 
@@ -235,6 +235,18 @@ def run_output(tools, sides, plan, tmp) -> dict:
         cases.append({"n": n, "lines": plan.lines, "sides": side_list(res.sides)})
     return {"reps": plan.reps, "lines": plan.lines, "line_bytes": lb.LINE_BYTES,
             "writer": " ".join(lb.writer_cmd(plan.lines)), "cases": cases}
+
+
+def run_fold(tools, sides, plan, tmp) -> dict:
+    """--fold-output against plain tagged output: throughput (8 x the output scenario's
+    lines) and the latency a line gets (bench/fold_bench.py)."""
+    if not sides["poprun"]["available"]:
+        return {"skipped": "poprun is not available"}
+    import fold_bench
+
+    return fold_bench.bench_fold(tools.poprun, plan.reps, plan.lines, tmp, n=8, env=tools.env,
+                                 timeout=plan.poprun_timeout,
+                                 latency_lines=fold_bench.LATENCY_LINES if plan.reps > 1 else 40)
 
 
 def run_ssh(tools, sides, plan, tmp, pycache) -> dict:
@@ -473,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = [
             ("launch", lambda: run_launch(tools, sides, plan, tmp / "launch")),
             ("output", lambda: run_output(tools, sides, plan, tmp / "output")),
+            ("fold", lambda: run_fold(tools, sides, plan, tmp / "fold")),
             ("ssh", lambda: run_ssh(tools, sides, plan, tmp / "ssh", pycache)),
             ("teardown", lambda: run_teardown(tools, sides, plan, tmp / "teardown")),
             ("slurm", lambda: run_slurm(tools, sides, plan, tmp / "slurm")),

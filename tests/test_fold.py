@@ -3,9 +3,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 
-from poprun.fold import BOUND, Folder, fold_records
+import pytest
+
+from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped
+from poprun.fold import BOUND, Folder
+from poprun.jobctl import records as jobs
+from sshd_hosts import wait_until
 
 OUT, ERR = "stdout", "stderr"
 
@@ -180,8 +192,153 @@ def test_random_interleavings_keep_every_line_and_every_order():
             assert mine == expected, (outputs, out)
 
 
-def test_a_log_folded_after_the_fact():
-    records = [(i, OUT, b"warning\nloss %d\n" % i) for i in range(8)]
-    out = fold_records(records, range(8))
-    assert lines_of(out)[0] == (tuple(range(8)), b"warning\n")
-    assert len(lines_of(out)) == 9
+# --- real runs --------------------------------------------------------------------------
+# Each instance says it is ready, waits for a shared lock the test holds, then prints the
+# same warning and its own loss: released together, their warnings come within the bound
+# (instances that start over a second, on a loaded machine or another host, would not).
+
+TRAIN = ('touch "$FOLD_DIR/ready.$RANK"; flock -s "$FOLD_DIR/go" true; '
+         'echo "warning: deprecated"; echo "loss $RANK"')
+N = 64
+
+
+@contextlib.contextmanager
+def held_start(tmp_path: Path, count: int):
+    """The lock the instances wait on, held until `count` of them are ready (then the
+    context's body ends by releasing it: `ready()` waits for that)."""
+    go = tmp_path / "go"
+    go.touch()
+    with open(go) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+
+        def release() -> None:
+            wait_until(lambda: len(list(tmp_path.glob("ready.*"))) >= count,
+                       f"{count} instances ready", timeout=120)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+        yield release
+
+
+def fold_run(tmp_path: Path, *args: str, count: int = N, env: dict | None = None,
+             argv_prefix: tuple = (), popen=None) -> tuple[int, bytes, bytes]:
+    """poprun (`args` before the program) with TRAIN in `count` instances, released together."""
+    env = {**(env or {}), "FOLD_DIR": str(tmp_path)}
+    argv = [*argv_prefix, *poprun_argv(*OFFLINE, f"--num-instances={count}",
+                                       f"--num-replicas={count}", *args, "sh", "-c", TRAIN)]
+    with held_start(tmp_path, count) as release:
+        start = popen or (lambda: subprocess.Popen(argv, env=poprun_env(env), cwd=tmp_path,
+                                                   stdout=subprocess.PIPE,
+                                                   stderr=subprocess.PIPE))
+        with reaped(start()) as proc:
+            release()
+            out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
+@pytest.fixture
+def environ(tmp_path, monkeypatch):
+    """A state directory of the test's own (the job's record and log, for poprunctl)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+    return {"XDG_RUNTIME_DIR": str(run)}
+
+
+def poprunctl(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "poprun.cli.ctl", *args], env=poprun_env(env),
+                          capture_output=True, timeout=60)
+
+
+def expected_console(tagged: bool) -> list[bytes]:
+    if tagged:
+        return [b"[1,0-63]<stdout>:warning: deprecated"] + [
+            b"[1,%d]<stdout>:loss %d" % (i, i) for i in range(N)]
+    return [b"[0-63] warning: deprecated"] + [b"loss %d" % i for i in range(N)]
+
+
+@pytest.mark.timeout(240)
+def test_64_instances_one_warning_and_64_losses_on_the_console_all_128_kept(environ,
+                                                                            tmp_path):
+    code, out, err = fold_run(tmp_path, "--tag-output", "--fold-output",
+                              "--output-filename", "files", env=environ)
+    assert code == 0, err.decode()[-2000:]
+    console = out.splitlines()
+    assert console[0] == expected_console(True)[0]
+    assert sorted(console) == sorted(expected_console(True))  # 1 + 64 lines
+    for i in range(N):  # the files keep each instance's own lines
+        assert (tmp_path / "files" / "1" / f"rank.{i}" / "stdout").read_bytes() == \
+            b"warning: deprecated\nloss %d\n" % i
+
+
+@pytest.mark.timeout(240)
+def test_the_job_log_keeps_every_line_and_logs_fold_folds_it(environ, tmp_path):
+    code, out, err = fold_run(tmp_path, "--fold-output", env=environ)
+    assert code == 0, err.decode()[-2000:]
+    assert sorted(out.splitlines()) == sorted(expected_console(False))
+    (record,) = jobs.scan(environ).records
+    kept = poprunctl("logs", record["id"], env=environ)
+    assert kept.returncode == 0, kept.stderr
+    assert sorted(kept.stdout.splitlines()) == sorted(
+        [b"[1,%d]<stdout>:warning: deprecated" % i for i in range(N)]
+        + [b"[1,%d]<stdout>:loss %d" % (i, i) for i in range(N)])  # all 128
+    folded = poprunctl("logs", record["id"], "--fold", env=environ)
+    assert folded.returncode == 0, folded.stderr
+    assert sorted(folded.stdout.splitlines()) == sorted(expected_console(True))
+    one = poprunctl("logs", record["id"], "--fold", "-i", "3", "-i", "5", "--json", env=environ)
+    first, *losses = [json.loads(line) for line in one.stdout.splitlines()]
+    assert first == {"instances": [3, 5], "stream": "stdout", "line": "warning: deprecated"}
+    assert sorted(losses, key=str) == [{"instance": 3, "stream": "stdout", "line": "loss 3"},
+                                       {"instance": 5, "stream": "stdout", "line": "loss 5"}]
+
+
+def test_the_variable_turns_it_on_and_a_bad_value_is_one_line(poprun, tmp_path):
+    code, out, err = fold_run(tmp_path, count=4, env={"POPRUN_FOLD_OUTPUT": "1"})
+    assert code == 0, err.decode()
+    assert out.splitlines()[0] == b"[0-3] warning: deprecated" and len(out.splitlines()) == 5
+    # The option given on the command line wins over the variable.
+    proc = poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "--fold-output=no",
+                  "echo", "same", env={"POPRUN_FOLD_OUTPUT": "1"})
+    assert proc.stdout == b"same\nsame\n"
+    bad = poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "true",
+                 env={"POPRUN_FOLD_OUTPUT": "maybe"})
+    assert_usage_error(bad, "POPRUN_FOLD_OUTPUT='maybe' is not a boolean")
+
+
+def test_lines_that_differ_print_as_today_and_a_failure_flushes_what_is_held(poprun):
+    program = ("import os, sys\n"
+               "rank = int(os.environ['RANK'])\n"
+               "print('same', flush=True)\n"
+               "print('own', rank, flush=True)\n"
+               "if rank == 1:\n"
+               "    print('bad', file=sys.stderr, flush=True)\n"
+               "    sys.exit(3)\n"
+               "import time; time.sleep(30)\n")
+    proc = poprun(*OFFLINE, "--num-instances=3", "--num-replicas=3", "--tag-output",
+                  "--fold-output", "--kill-timeout=5", sys.executable, "-c", program)
+    assert proc.returncode == 3, proc.stderr.decode()
+    lines = proc.stdout.splitlines()
+    # Every instance's lines are there, in its order, whatever set `same` was printed with.
+    for rank in range(3):
+        mine = [line.partition(b":")[2] for line in lines
+                if rank in instances(line.partition(b"]")[0][3:])]
+        assert mine == [b"same", b"own %d" % rank], proc.stdout
+    assert b"[1,1]<stderr>:bad\n" in proc.stderr
+
+
+def instances(label: bytes) -> list[int]:
+    out = []
+    for part in label.split(b","):
+        first, _, last = part.partition(b"-")
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
+def test_timestamps_and_one_instance_only_keep_working(poprun, tmp_path):
+    code, out, err = fold_run(tmp_path, "--fold-output", "--timestamp-output", "--tag-output",
+                              count=2)
+    assert code == 0, err.decode()
+    date = rb"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}"
+    assert re.fullmatch(date + rb"\[1,0-1\]<stdout>:warning: deprecated\n(" + date
+                        + rb"\[1,[01]\]<stdout>:loss [01]\n){2}", out), out
+    only = poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "--fold-output",
+                  "--only-output-from-instance=1", "sh", "-c", "echo same $RANK")
+    assert only.stdout == b"same 1\n"

@@ -39,6 +39,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Iterable
 
+from poprun.text import fold_indices
+
 BOUND = 0.1  # seconds a line may be held back at most
 _GAP = 1 << 32  # between the order numbers of runs made one after another
 
@@ -63,7 +65,7 @@ class _Lane:
 
     def __init__(self, now: float) -> None:
         self.fifo: deque[_Run] = deque()
-        # line (without its `\n`) -> the run made with it, or a list of such runs, in order
+        # line (without its `\n`) -> the run made with it, or a tuple of such runs, in order
         self.young: dict[bytes, object] = {}
         self.old: dict[bytes, object] = {}
         self.rotated = now
@@ -187,7 +189,7 @@ class Folder:
             found = index.get(line)
             if found is None:
                 continue
-            for root in (found if type(found) is list else (found,)):
+            for root in _runs(found):
                 part = root
                 while part is not None:
                     if not part.done and part.order > after:
@@ -212,8 +214,19 @@ class Folder:
         hits = (known & lane.young.keys()) | (known & lane.old.keys())
         if not hits:  # the usual case for lines that differ: no line-by-line work
             return cut, None, 0
+        # Found by run, not by line (a late instance's lines are those of runs printed
+        # already: searching each run for each line would cost per line).
+        mine = lane.last.get(key)
+        after = mine.order if mine is not None else lane.floor
+        found = set(map(lane.young.get, hits)) | set(map(lane.old.get, hits))
+        found.discard(None)
+        live = {value for value in found
+                if any(_open_after(root, after) for root in _runs(value))}
+        if not live:
+            return cut, None, 0
+        young, old = lane.young.get, lane.old.get
         for line in lines:
-            if line in hits:
+            if young(line) in live or old(line) in live:
                 target, offset = self._find(lane, line, key)
                 if target is not None:
                     return pos, target, offset
@@ -311,15 +324,37 @@ def _blocks(stream: Hashable, runs: list[_Run]) -> list[Release]:
     return out
 
 
+def _runs(found: object) -> tuple:
+    """An index's value as runs."""
+    return () if found is None else found if type(found) is tuple else (found,)
+
+
+def _open_after(root: _Run, after: int) -> bool:
+    """Whether a part of `root` is still queued after order `after`."""
+    return any(not part.done and part.order > after for part in _parts(root))
+
+
 def _register(index: dict, data: bytes, run: _Run) -> None:
-    """Every line of `run` found from now on through `index`, after the runs it holds."""
+    """Every line of `run` found from now on through `index`, after the queued runs that
+    hold it too (the runs already printed that held it are forgotten)."""
     lines = data.split(b"\n")
     lines.pop()
     new = dict.fromkeys(lines, run)
-    for line in new.keys() & index.keys():  # the same line in an earlier run: both kept
-        earlier = index[line]
-        new[line] = earlier + [run] if type(earlier) is list else [earlier, run]
+    again = new.keys() & index.keys()
+    if again:  # by run, not by line: a late instance repeats every line of printed runs
+        held = {value for value in set(map(index.get, again))
+                if any(not part.done for root in _runs(value) for part in _parts(root))}
+        for line in again if held else ():
+            if index[line] in held:
+                new[line] = _runs(index[line]) + (run,)
     index.update(new)
+
+
+def _parts(root: _Run):
+    part = root
+    while part is not None:
+        yield part
+        part = part.next_part
 
 
 def _common_lines(data: bytes, pos: int, cut: int, run: bytes) -> int:
@@ -337,12 +372,6 @@ def _common_lines(data: bytes, pos: int, cut: int, run: bytes) -> int:
     return run.rfind(b"\n", 0, low) + 1
 
 
-def fold_records(records: Iterable[tuple[Hashable, Hashable, bytes]],
-                 instances: Iterable[Hashable]) -> list[Release]:
-    """Fold a log after the fact (`poprunctl logs --fold`): records (instance, stream, bytes)
-    in the order they were kept, every instance counted until the end, no time bound."""
-    folder = Folder(instances, bound=float("inf"))
-    out: list[Release] = []
-    for key, stream, data in records:
-        out += folder.add(key, stream, data, 0.0)
-    return out + folder.flush()
+def tag_label(key: Hashable) -> str:
+    """Who wrote a line, in its tag: `3`, or `0-62` / `0-2,5` for a folded line's set."""
+    return str(key) if type(key) is not tuple else fold_indices(key)[1:-1]

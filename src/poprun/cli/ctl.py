@@ -4,7 +4,7 @@
     poprunctl show JOB                  per-instance rows, live (or as the job ended)
     poprunctl stacks JOB [-i I ...]     every instance's Python stacks, folded
     poprunctl kill JOB [--signal SIG]   as Ctrl-C to that job (or that signal)
-    poprunctl logs JOB [-i I] [-f]      the job's output
+    poprunctl logs JOB [-i I] [-f] [--fold]  the job's output (folded: identical lines once)
     poprunctl reap [--dry-run]          clean up after jobs whose launcher died
 
 A typer application: rich tables on a terminal, `--json` on every command, shell completion
@@ -326,6 +326,10 @@ def logs(job: JobArg,
          follow: Annotated[bool, typer.Option("--follow", "-f",
                                               help="Go on printing as the job writes, "
                                                    "until it ends")] = False,
+         fold: Annotated[bool, typer.Option(
+             "--fold", help="A line that several instances wrote identically on the same "
+                            "stream once, tagged with their set ([1,0-62]<stdout>:), as "
+                            "poprun --fold-output prints it")] = False,
          as_json: JsonOpt = False) -> None:
     """The job's output, each line tagged [1,<instance>]<stdout|stderr>: as --tag-output
     does: what poprun kept of it (the most recent 2 to 4 MiB, or every line when it ran with
@@ -334,31 +338,64 @@ def logs(job: JobArg,
     wanted = set(instance) if instance else None
     out = sys.stdout.buffer
 
-    def emit(key: int, stream: str, data: bytes) -> None:
-        if wanted is not None and key not in wanted:
-            return
+    def show(keys: int | tuple[int, ...], stream: str, data: bytes) -> None:
         if as_json:
+            who = ({"instances": list(keys)} if isinstance(keys, tuple)
+                   else {"instance": keys})
             for line in data.splitlines():
-                out.write(json.dumps({"instance": key, "stream": stream,
+                out.write(json.dumps({**who, "stream": stream,
                                       "line": line.decode("utf-8", "replace")}).encode()
                           + b"\n")
         else:
-            out.write(joblog.tagged(key, stream, data))
+            out.write(joblog.tagged(keys, stream, data))
 
-    if jobs.launcher_status(record) == "alive" and record.get("control"):
-        try:
-            _stream_logs(record, follow, emit)
+    folder = None
+    if fold:  # the same core as the console's; after the fact, no bound but --follow's
+        from poprun.fold import BOUND, Folder
+
+        everyone = range(int(record.get("num_instances") or 0))
+        folder = Folder(wanted if wanted is not None else everyone,
+                        bound=BOUND if follow else float("inf"))
+
+    def emit(key: int, stream: str, data: bytes) -> None:
+        if wanted is not None and key not in wanted:
             return
-        except ControlError:
-            record = _job(job)  # it ended meanwhile: its files have it all
-    for key, stream, data in joblog.records(_kept_output(record)):
-        emit(key, stream, data)
-    out.flush()
+        if folder is None:
+            show(key, stream, data)
+        else:
+            now = time.monotonic()
+            for released in folder.add(key, stream, data, now) + folder.expire(now):
+                show(*released)
+
+    def idle() -> None:  # --follow --fold: nothing came for a while
+        for released in folder.expire(time.monotonic()) if folder is not None else ():
+            show(*released)
+
+    try:
+        if jobs.launcher_status(record) == "alive" and record.get("control"):
+            try:
+                _stream_logs(record, follow, emit, idle if folder is not None else None)
+                return
+            except ControlError:
+                record = _job(job)  # it ended meanwhile: its files have it all
+        for key, stream, data in joblog.records(_kept_output(record)):
+            emit(key, stream, data)
+    finally:
+        for released in folder.flush() if folder is not None else ():
+            show(*released)
+        out.flush()
 
 
-def _stream_logs(record: dict[str, Any], follow: bool, emit) -> None:
+def _stream_logs(record: dict[str, Any], follow: bool, emit, idle=None) -> None:
+    """The job's output from its launcher; `idle` is called when nothing came for
+    fold.BOUND (held folded lines are due)."""
     _, sock, rest = connect(record["control"], {"op": "logs", "follow": follow}, ASK_TIMEOUT)
-    sock.settimeout(None)
+    if idle is not None:
+        from poprun.fold import BOUND
+
+        sock.settimeout(BOUND)
+    else:
+        sock.settimeout(None)
     buffer = bytearray(rest)
     try:
         while True:
@@ -368,7 +405,12 @@ def _stream_logs(record: dict[str, Any], follow: bool, emit) -> None:
                 consumed += len(joblog.encode(key, stream, data))
             del buffer[:consumed]
             sys.stdout.buffer.flush()
-            chunk = sock.recv(1 << 16)
+            try:
+                chunk = sock.recv(1 << 16)
+            except TimeoutError:
+                idle()
+                sys.stdout.buffer.flush()
+                continue
             if not chunk:
                 break
             buffer += chunk

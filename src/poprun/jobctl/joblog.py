@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from spawner.local import Stream
 
 from poprun.events import JobObserver
+from poprun.fold import tag_label
 from poprun.jobctl.records import OUTPUT as LOG
 
 DEFAULT_CAP = 4 << 20
@@ -188,9 +189,10 @@ def from_output_files(directory: str, instances: Iterable[int]) -> bytes:
     return b"".join(out)
 
 
-def tagged(key: int, stream: str, data: bytes) -> bytes:
-    """A record as `poprunctl logs` prints it: each line tagged as mpirun's --tag-output."""
-    tag = b"[1,%d]<%s>:" % (key, stream.encode())
+def tagged(key: int | tuple[int, ...], stream: str, data: bytes) -> bytes:
+    """A record as `poprunctl logs` prints it: each line tagged as mpirun's --tag-output
+    (`key`: a set of instances for a folded line, `[1,0-62]<stdout>:`)."""
+    tag = b"[1,%s]<%s>:" % (tag_label(key).encode(), stream.encode())
     lines = data.splitlines(keepends=True)
     return b"".join(tag + (line if line.endswith((b"\n", b"\r")) else line + b"\n")
                     for line in lines)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from spawner.local import Stream
 
 from poprun.fdio import write_all
-from poprun.text import fold_indices
+from poprun.fold import tag_label
 from poprun.view.console import tag_colour_system
 
 TAIL_LINES = 20  # stderr lines kept per instance for the failure report
@@ -157,7 +157,7 @@ class OutputRouter:
         """Whole lines that the instances `keys` (two or more) all wrote: tagged with the
         set (`[1,0-62]<stdout>:`, render_tag); untagged, `[0-62] ` begins each line."""
         if not self._options.tag:
-            label = fold_indices(keys).encode() + b" "
+            label = b"[%s] " % tag_label(keys).encode()
             data = label + data[:-1].replace(b"\n", b"\n" + label) + b"\n"
         self.console(keys, stream, data)
 
@@ -421,7 +421,7 @@ def render_tag(key: int | tuple[int, ...], stream: Stream, colour_system=None) -
     ANSI codes, the tag, a reset; the output's own colours after it are left alone. A
     folded line's tag has its set of instances in the same place, `[1,0-62]<stdout>:`."""
     name = "stdout" if stream is Stream.STDOUT else "stderr"
-    label = str(key) if type(key) is int else fold_indices(key)[1:-1]
+    label = tag_label(key)
     if colour_system is None:
         return b"[1,%s]<%s>:" % (label.encode(), name.encode())
     from rich.style import Style

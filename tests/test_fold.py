@@ -303,17 +303,23 @@ def test_the_variable_turns_it_on_and_a_bad_value_is_one_line(poprun, tmp_path):
     assert_usage_error(bad, "POPRUN_FOLD_OUTPUT='maybe' is not a boolean")
 
 
-def test_lines_that_differ_print_as_today_and_a_failure_flushes_what_is_held(poprun):
-    program = ("import os, sys\n"
-               "rank = int(os.environ['RANK'])\n"
+def test_lines_that_differ_print_as_today_and_a_failure_flushes_what_is_held(poprun,
+                                                                            tmp_path):
+    program = ("import os, pathlib, sys, time\n"
+               "rank, here = int(os.environ['RANK']), pathlib.Path(sys.argv[1])\n"
+               "if rank == 1:  # fails once the others have written\n"
+               "    while not all((here / f'wrote.{i}').exists() for i in (0, 2)):\n"
+               "        time.sleep(0.01)\n"
                "print('same', flush=True)\n"
                "print('own', rank, flush=True)\n"
+               "(here / f'wrote.{rank}').touch()\n"
                "if rank == 1:\n"
                "    print('bad', file=sys.stderr, flush=True)\n"
                "    sys.exit(3)\n"
-               "import time; time.sleep(30)\n")
+               "time.sleep(30)\n")
     proc = poprun(*OFFLINE, "--num-instances=3", "--num-replicas=3", "--tag-output",
-                  "--fold-output", "--kill-timeout=5", sys.executable, "-c", program)
+                  "--fold-output", "--kill-timeout=5", sys.executable, "-c", program,
+                  str(tmp_path))
     assert proc.returncode == 3, proc.stderr.decode()
     lines = proc.stdout.splitlines()
     # Every instance's lines are there, in its order, whatever set `same` was printed with.

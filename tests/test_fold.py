@@ -10,14 +10,16 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped
+from conftest import SRC, OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped
 from poprun.fold import BOUND, Folder
 from poprun.jobctl import records as jobs
 from sshd_hosts import wait_until
+from terminal import run_on_a_terminal
 
 OUT, ERR = "stdout", "stderr"
 
@@ -211,9 +213,11 @@ def held_start(tmp_path: Path, count: int):
     with open(go) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
 
-        def release() -> None:
-            wait_until(lambda: len(list(tmp_path.glob("ready.*"))) >= count,
-                       f"{count} instances ready", timeout=120)
+        def release(proc=None) -> None:
+            """(Or `proc` ended: it says why.)"""
+            wait_until(lambda: len(list(tmp_path.glob("ready.*"))) >= count or (
+                proc is not None and proc.poll() is not None), f"{count} instances ready",
+                timeout=120)
             fcntl.flock(lock, fcntl.LOCK_UN)
         yield release
 
@@ -229,7 +233,7 @@ def fold_run(tmp_path: Path, *args: str, count: int = N, env: dict | None = None
                                                    stdout=subprocess.PIPE,
                                                    stderr=subprocess.PIPE))
         with reaped(start()) as proc:
-            release()
+            release(proc)
             out, err = proc.communicate(timeout=120)
     return proc.returncode, out, err
 
@@ -348,3 +352,62 @@ def test_timestamps_and_one_instance_only_keep_working(poprun, tmp_path):
     only = poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "--fold-output",
                   "--only-output-from-instance=1", "sh", "-c", "echo same $RANK")
     assert only.stdout == b"same 1\n"
+
+
+@pytest.mark.timeout(180)
+def test_across_two_ssh_hosts(tmp_path):
+    from sshd_hosts import start_ssh_hosts
+
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        code, out, err = fold_run(tmp_path, "--host", "h1,h2", "-x", "FOLD_DIR", "--tag-output",
+                                  "--fold-output", count=8, env={"HOME": hosts.env()["HOME"]})
+    assert code == 0, err.decode()[-2000:]
+    console = out.splitlines()
+    assert console[0] == b"[1,0-7]<stdout>:warning: deprecated"
+    assert sorted(console[1:]) == sorted(b"[1,%d]<stdout>:loss %d" % (i, i) for i in range(8))
+
+
+@pytest.mark.timeout(240)
+def test_under_slurm(slurm_cluster, tmp_path):
+    slurm_cluster.reset()
+    argv = ["salloc", "-N2", "--ntasks-per-node=4", *poprun_argv(
+        *OFFLINE, "--num-replicas=8", "--tag-output", "--fold-output", "sh", "-c", TRAIN)]
+    env = {"PYTHONPATH": SRC, "POPRUN_NO_DASHBOARD": "1", "FOLD_DIR": str(tmp_path)}
+    with held_start(tmp_path, 8) as release:
+        with reaped(slurm_cluster.popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE)) as proc:
+            release(proc)
+            out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    console = out.splitlines()
+    assert console[0] == b"[1,0-7]<stdout>:warning: deprecated", out
+    assert sorted(console[1:]) == sorted(b"[1,%d]<stdout>:loss %d" % (i, i) for i in range(8))
+
+
+ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def test_with_the_dashboard_on_a_terminal(tmp_path):
+    """The panel shows, the folded line passes above it once (its set grey), every loss
+    once; a held line's timer writes through the panel as instance output does."""
+    result = {}
+    argv = (*OFFLINE, "--num-instances=8", "--num-replicas=8", "--tag-output", "--fold-output",
+            "sh", "-c", TRAIN + '; sleep 0.3; echo "late $RANK"')
+    with held_start(tmp_path, 8) as release:
+        worker = threading.Thread(target=lambda: result.update(zip(
+            ("code", "raw"), run_on_a_terminal(*argv, env={"FOLD_DIR": str(tmp_path)},
+                                               timeout=90))))
+        worker.start()
+        try:
+            release()
+        finally:
+            worker.join(120)
+    code, raw = result["code"], result["raw"]
+    assert code == 0, raw[-3000:]
+    assert b"instances: 8" in raw  # the panel was drawn
+    lines = [line.decode() for line in re.split(rb"\r*\n|\r", ANSI.sub(b"", raw))]
+    assert lines.count("[1,0-7]<stdout>:warning: deprecated") == 1
+    for i in range(8):
+        assert lines.count(f"[1,{i}]<stdout>:loss {i}") == 1
+        assert lines.count(f"[1,{i}]<stdout>:late {i}") == 1
+    assert b"\x1b[90m[1,0-7]<stdout>:" in raw  # grey, apart from the instances' colours

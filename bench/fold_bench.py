@@ -22,6 +22,7 @@ run_all.py runs it as its `fold` scenario.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -39,11 +40,18 @@ FOLD = "--fold-output"
 WORKLOADS = ("common", "distinct", "rank0")
 LATENCY_LINES = 200  # per instance and run
 LATENCY_PERIOD = 0.005  # seconds between an instance's lines
-START_MARGIN = 1.5  # seconds from poprun's start to the first scheduled line
+START_MARGIN = 0.2  # seconds from the instances' release to the first scheduled line
+# Each instance says it is ready, waits for the lock the benchmark holds until all are, then
+# reads the schedule's start (so that how long instances take to start is not measured).
 WRITER = r"""
-import os, sys, time
-mode, count, period, t0 = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+import fcntl, os, sys, time
+mode, count, period, where = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 rank, out = int(os.environ["RANK"]), sys.stdout.buffer
+open(os.path.join(where, f"ready.{rank}"), "w").close()
+with open(os.path.join(where, "go")) as go:
+    fcntl.flock(go, fcntl.LOCK_SH)
+with open(os.path.join(where, "t0")) as f:
+    t0 = float(f.read())
 for k in range(count):
     wait = t0 + k * period - time.monotonic()
     if wait > 0:
@@ -97,15 +105,27 @@ def throughput_run(cmd: list[str], n: int, lines: int, fold: bool, timeout: floa
 
 
 def latency_run(poprun: str, n: int, mode: str, fold: bool, timeout: float,
-                env: dict | None, count: int = LATENCY_LINES) -> dict:
+                env: dict | None, scratch: Path, count: int = LATENCY_LINES) -> dict:
     """One run: each console line's latency (s) against its schedule, and the line count."""
-    t0 = time.monotonic() + START_MARGIN
+    scratch.mkdir(parents=True, exist_ok=True)
+    for old in scratch.iterdir():
+        old.unlink()
+    (scratch / "go").touch()
     cmd = [poprun, "--num-instances", str(n), "--num-replicas", str(n), "--offline-mode=1",
            "--tag-output", *([FOLD] if fold else []), sys.executable, "-c", WRITER, mode,
-           str(count), str(LATENCY_PERIOD), repr(t0)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+           str(count), str(LATENCY_PERIOD), str(scratch)]
     latencies, rest = [], b""
     deadline = time.monotonic() + timeout
+    with open(scratch / "go") as go:
+        fcntl.flock(go, fcntl.LOCK_EX)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                env=env)
+        while len(list(scratch.glob("ready.*"))) < n and proc.poll() is None and (
+                time.monotonic() < deadline):
+            time.sleep(0.01)
+        t0 = time.monotonic() + START_MARGIN
+        (scratch / "t0.tmp").write_text(repr(t0))
+        (scratch / "t0.tmp").rename(scratch / "t0")
     try:
         while time.monotonic() < deadline:
             chunk = os.read(proc.stdout.fileno(), 1 << 16)
@@ -158,7 +178,7 @@ def bench_fold(poprun: str, reps: int, lines: int, tmp: Path, n: int = 8,
         for _ in range(reps):
             for fold in (False, True):
                 runs[fold].append(latency_run(poprun, n, mode, fold, timeout, env,
-                                              latency_lines))
+                                              tmp / "latency", latency_lines))
         latency[mode] = {("fold" if fold else "plain"): {
             "lines": [r["lines"] for r in got], "returncodes": [r["returncode"] for r in got],
             **summary([x for r in got for x in r["latencies"]])} for fold, got in runs.items()}

@@ -51,7 +51,7 @@ def test_quick_run_writes_page_and_chart_with_every_side(tmp_path):
 
     assert doc["quick"] is True and "Quick run" in page
     # Every scenario ran to the end (the slurm one may say it is skipped, not fail).
-    for name in ("launch", "output", "ssh", "teardown", "slurm", "mpi"):
+    for name in ("launch", "output", "fold", "ssh", "teardown", "slurm", "mpi"):
         assert name in doc["scenarios"], name
         assert "error" not in doc["scenarios"][name], doc["scenarios"][name].get("traceback")
     # Where mpi4py and the mpich wheel are installed, both launchers formed the world.
@@ -81,6 +81,7 @@ def test_quick_run_writes_page_and_chart_with_every_side(tmp_path):
     for name, here in installed_sides().items():
         assert (name in launch_header) is here, launch_header
     assert "## Targets" in page and "launch ×8" in page
+    assert "## Folded output (`--fold-output`)" in page
     assert (out / "results.png").name in page
 
 

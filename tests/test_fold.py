@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -389,10 +390,11 @@ ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
 
 def test_with_the_dashboard_on_a_terminal(tmp_path):
     """The panel shows, the folded line passes above it once (its set grey), every loss
-    once; a held line's timer writes through the panel as instance output does."""
+    once; a held line's timer writes through the panel as instance output does (the last
+    `late` line: the others, asleep, write nothing after it, so only the bound lets it go)."""
     result = {}
     argv = (*OFFLINE, "--num-instances=8", "--num-replicas=8", "--tag-output", "--fold-output",
-            "sh", "-c", TRAIN + '; sleep 0.3; echo "late $RANK"')
+            "sh", "-c", TRAIN + '; sleep 0.3; echo "late $RANK"; sleep 1')
     with held_start(tmp_path, 8) as release:
         worker = threading.Thread(target=lambda: result.update(zip(
             ("code", "raw"), run_on_a_terminal(*argv, env={"FOLD_DIR": str(tmp_path)},
@@ -411,3 +413,20 @@ def test_with_the_dashboard_on_a_terminal(tmp_path):
         assert lines.count(f"[1,{i}]<stdout>:loss {i}") == 1
         assert lines.count(f"[1,{i}]<stdout>:late {i}") == 1
     assert b"\x1b[90m[1,0-7]<stdout>:" in raw  # grey, apart from the instances' colours
+
+
+def test_a_line_no_other_instance_writes_comes_out_at_the_bound_not_at_the_end(tmp_path):
+    """Instance 0 writes a line, instance 1 nothing: nothing says 1 will not write it too, so
+    the line waits for the bound (the loop's timer), not for the job's end 5 s later."""
+    argv = poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2", "--fold-output",
+                       "sh", "-c", '[ "$RANK" = 0 ] && echo alone && touch wrote; sleep 5')
+    with reaped(subprocess.Popen(argv, env=poprun_env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL)) as proc:
+        wait_until(lambda: (tmp_path / "wrote").exists(), "instance 0's line", timeout=60)
+        written = time.monotonic()
+        line = proc.stdout.readline()
+        waited = time.monotonic() - written
+        assert line == b"alone\n"
+        assert waited < 2.5 and proc.poll() is None, waited  # well before the end
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0

@@ -148,7 +148,7 @@ class Folder:
 
     @property
     def held(self) -> int:
-        """How many runs wait (for tests and the benchmark)."""
+        """How many runs wait."""
         return sum(len(lane.fifo) for lane in self._lanes.values())
 
     # --- joining ------------------------------------------------------------------------

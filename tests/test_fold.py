@@ -19,6 +19,7 @@ import pytest
 from conftest import SRC, OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped
 from poprun.fold import BOUND, Folder
 from poprun.jobctl import records as jobs
+from poprun.run.folding import TEST_BOUND_VARIABLE
 from sshd_hosts import wait_until
 from terminal import run_on_a_terminal
 
@@ -199,10 +200,14 @@ def test_random_interleavings_keep_every_line_and_every_order():
 # Each instance says it is ready, waits for a shared lock the test holds, then prints the
 # same warning and its own loss: released together, their warnings come within the bound
 # (instances that start over a second, on a loaded machine or another host, would not).
+# After the lock only shell builtins run: 64 execs would take longer than the bound here.
 
-TRAIN = ('touch "$FOLD_DIR/ready.$RANK"; flock -s "$FOLD_DIR/go" true; '
+TRAIN = ('exec 9<"$FOLD_DIR/go"; touch "$FOLD_DIR/ready.$RANK"; flock -s 9; '
          'echo "warning: deprecated"; echo "loss $RANK"')
 N = 64
+# The bound, for these tests only: their instances, released together, still write over
+# more than 100 ms on a loaded 2-core machine (the bound's own tests keep 100 ms).
+SLOW_MACHINE = {TEST_BOUND_VARIABLE: "10"}
 
 
 @contextlib.contextmanager
@@ -226,7 +231,7 @@ def held_start(tmp_path: Path, count: int):
 def fold_run(tmp_path: Path, *args: str, count: int = N, env: dict | None = None,
              argv_prefix: tuple = (), popen=None) -> tuple[int, bytes, bytes]:
     """poprun (`args` before the program) with TRAIN in `count` instances, released together."""
-    env = {**(env or {}), "FOLD_DIR": str(tmp_path)}
+    env = {**(env or {}), "FOLD_DIR": str(tmp_path), **SLOW_MACHINE}
     argv = [*argv_prefix, *poprun_argv(*OFFLINE, f"--num-instances={count}",
                                        f"--num-replicas={count}", *args, "sh", "-c", TRAIN)]
     with held_start(tmp_path, count) as release:
@@ -373,7 +378,8 @@ def test_under_slurm(slurm_cluster, tmp_path):
     slurm_cluster.reset()
     argv = ["salloc", "-N2", "--ntasks-per-node=4", *poprun_argv(
         *OFFLINE, "--num-replicas=8", "--tag-output", "--fold-output", "sh", "-c", TRAIN)]
-    env = {"PYTHONPATH": SRC, "POPRUN_NO_DASHBOARD": "1", "FOLD_DIR": str(tmp_path)}
+    env = {"PYTHONPATH": SRC, "POPRUN_NO_DASHBOARD": "1", "FOLD_DIR": str(tmp_path),
+           **SLOW_MACHINE}
     with held_start(tmp_path, 8) as release:
         with reaped(slurm_cluster.popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE)) as proc:
@@ -391,13 +397,15 @@ ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
 def test_with_the_dashboard_on_a_terminal(tmp_path):
     """The panel shows, the folded line passes above it once (its set grey), every loss
     once; a held line's timer writes through the panel as instance output does (the last
-    `late` line: the others, asleep, write nothing after it, so only the bound lets it go)."""
+    `late` line: the others, asleep, write nothing after it, so only the bound lets it go;
+    0.8 s here, for the warnings of 8 instances on a loaded machine)."""
     result = {}
     argv = (*OFFLINE, "--num-instances=8", "--num-replicas=8", "--tag-output", "--fold-output",
-            "sh", "-c", TRAIN + '; sleep 0.3; echo "late $RANK"; sleep 1')
+            "sh", "-c", TRAIN + '; sleep 0.3; echo "late $RANK"; sleep 2')
     with held_start(tmp_path, 8) as release:
         worker = threading.Thread(target=lambda: result.update(zip(
-            ("code", "raw"), run_on_a_terminal(*argv, env={"FOLD_DIR": str(tmp_path)},
+            ("code", "raw"), run_on_a_terminal(*argv, env={"FOLD_DIR": str(tmp_path),
+                                                           TEST_BOUND_VARIABLE: "0.8"},
                                                timeout=90))))
         worker.start()
         try:

@@ -305,6 +305,22 @@ class Job:
         """A remote agent's sample of an instance (sent only while a dashboard shows them)."""
         self.events.usage(key, Usage(cpu_percent, rss))
 
+    def on_progress(self, key: int, step: int, total: int | None) -> None:
+        """A remote agent's sample of an instance's popdist.progress()."""
+        self.events.stepped(key, step, total, self.loop.time())
+
+    def local_progress(self) -> dict[int, tuple[int, int | None]]:
+        """What the local running instances last gave popdist.progress() (the watch samples
+        it; the agents send theirs)."""
+        if self.local is None:
+            return {}
+        found = {key: self.local.progress(key) for key in self.local.running()}
+        return {key: value for key, value in found.items() if value is not None}
+
+    def report_progress(self, report) -> None:
+        """The progress watch's report: every observer hears of it."""
+        self.events.progress(report)
+
     def on_exit(self, key: int, returncode: int) -> None:
         if key not in self.started:  # a remote instance can exit before spawn_all returns
             spawner = self.remote[self.plan.instances[key].host]

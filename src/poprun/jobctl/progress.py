@@ -1,0 +1,164 @@
+"""The progress watch (issue 27): an observer of the job's events (poprun/events.py) that
+measures each instance's progress, about once a second, into the pure `Tracker`
+(poprun/progress.py: the rates, the straggler rule, the ETA) and reports what it finds
+(`report`: the job publishes it to every observer as the `progress` event, so the
+dashboard, the record and `poprunctl` show one and the same report).
+
+Progress is, in this order: the step `--progress-pattern` captures from an instance's lines
+(the pattern is only matched when given: `PatternWatch`); else the step instances give
+`popdist.progress()` once any has (sampled here for local instances, `local()`, and sent by
+the agents for theirs, the `stepped` event); else the lines each writes (counted already by
+the output path: nothing more per line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+
+from poprun.events import JobObserver
+from poprun.progress import DEFAULT_HOLD, Report, Tracker, compile_pattern
+
+EVERY = 1.0  # seconds between samples (a fifth of a shorter --straggler-after)
+
+
+def progress_watch(loop: asyncio.AbstractEventLoop, count: int, *, pattern: str | None,
+                   hold: float, local: Callable[[], Mapping[int, tuple[int, int | None]]],
+                   report: Callable[[Report], None]) -> ProgressWatch:
+    """The watch for this launch: with a pattern, one that matches it."""
+    if pattern is None:
+        return ProgressWatch(loop, count, hold=hold, local=local, report=report)
+    return PatternWatch(loop, count, hold=hold, local=local, report=report,
+                        pattern=compile_pattern(pattern))
+
+
+class ProgressWatch(JobObserver):
+    """Given the loop, the instance count, the hold time (0: no stragglers), `local()` (the
+    local instances' popdist.progress) and `report(Report)`."""
+
+    source = "lines"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, count: int, *, hold: float,
+                 local: Callable[[], Mapping[int, tuple[int, int | None]]],
+                 report: Callable[[Report], None]) -> None:
+        self.loop, self.count, self.hold = loop, count, hold
+        self._local, self._report = local, report
+        self.every = min(EVERY, hold / 5) if hold else EVERY
+        self._new_attempt()
+        self._timer: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    def _new_attempt(self) -> None:
+        self.tracker = Tracker(self.count, self.source, hold=self.hold or DEFAULT_HOLD,
+                               flag=bool(self.hold))
+        self.lines = [0] * self.count
+        self.steps: dict[int, tuple[int, int | None]] = {}  # the counts of `source`
+        self.running: set[int] = set()
+
+    # --- the job's events ---------------------------------------------------------------
+
+    def started(self, key: int, host: str, pid: int, now: float, *, local: bool,
+                start_ticks: int | None) -> None:
+        self.running.add(key)
+        if self._timer is None and not self.closed:
+            self._timer = self.loop.call_later(self.every, self._tick)
+
+    def output(self, key: int, stream, data: bytes, now: float, lines: int) -> None:
+        self.lines[key] += lines
+
+    def stepped(self, key: int, step: int, total: int | None, now: float) -> None:
+        self._popdist(key, step, total)
+
+    def exited(self, key: int, returncode: int, now: float, error) -> None:
+        self._end(key, now)
+
+    def host_lost(self, host: str, keys: Sequence[int], now: float) -> None:
+        for key in keys:
+            self._end(key, now)
+
+    def stopping(self, reason: str, now: float) -> None:
+        """Instances being stopped slow down for that: compare no more (one last report)."""
+        self.close()
+
+    def restarted(self, attempt: int, attempts: int) -> None:
+        self.closed = False
+        self._new_attempt()
+
+    # --- sampling -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._sample()  # the result keeps where each instance got to
+        self.closed = True
+
+    def _end(self, key: int, now: float) -> None:
+        """Its last count is kept, and the job's when it was the last one running."""
+        if key not in self.running:
+            return
+        self._sample_one(key, now)
+        self.running.discard(key)
+        self.tracker.ended(key, now)
+        if not self.running and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._report(self.tracker.report(now))
+
+    def _popdist(self, key: int, step: int, total: int | None) -> None:
+        """A popdist.progress() sample: from then on it is the job's progress."""
+        if self.source == "lines":
+            self.source = "popdist"
+            self.tracker.switch(self.source, self.loop.time())
+        if self.source == "popdist":
+            self.steps[key] = (step, total)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if self.closed:
+            return
+        self._sample()
+        self._timer = self.loop.call_later(self.every, self._tick)
+
+    def _sample(self) -> None:
+        for key, (step, total) in self._local().items():
+            self._popdist(key, step, total)
+        now = self.loop.time()
+        for key in self.running:
+            self._sample_one(key, now)
+        self._report(self.tracker.report(now))
+
+    def _sample_one(self, key: int, now: float) -> None:
+        if self.source == "lines":
+            if self.lines[key]:  # a silent instance shows no progress (only rank 0 logs)
+                self.tracker.sample(key, self.lines[key], None, now)
+        elif key in self.steps:
+            self.tracker.sample(key, *self.steps[key], now)
+
+
+class PatternWatch(ProgressWatch):
+    """`--progress-pattern`: each block's last match gives its instance's step (and total)."""
+
+    source = "pattern"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, count: int, *, hold: float,
+                 local: Callable[[], Mapping[int, tuple[int, int | None]]],
+                 report: Callable[[Report], None], pattern) -> None:
+        self.pattern = pattern
+        super().__init__(loop, count, hold=hold, local=local, report=report)
+
+    def output(self, key: int, stream, data: bytes, now: float, lines: int) -> None:
+        match = None
+        for match in self.pattern.finditer(data):
+            pass
+        if match is None:
+            return
+        try:
+            step = int(match.group(1))
+            total = int(match.group(2)) if self.pattern.groups == 2 else None
+        except (TypeError, ValueError):  # a group that matched no digits: not a step
+            return
+        self.steps[key] = (step, total)
+
+    def _popdist(self, key: int, step: int, total: int | None) -> None:
+        """The pattern asked for wins over popdist.progress()."""

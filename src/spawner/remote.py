@@ -540,6 +540,10 @@ class RemoteSpawner:
             on_usage = getattr(self._sink, "on_usage", None)
             for key, (cpu, rss) in fields["usage"].items() if on_usage else ():
                 on_usage(int(key), cpu, rss)
+            on_progress = getattr(self._sink, "on_progress", None)
+            for key, (step, total) in (fields.get("progress") or {}).items() \
+                    if on_progress else ():
+                on_progress(int(key), step, total)
         elif frame.kind is Kind.SPAWN_FAILED:
             self._resolve(self._spawning.pop(fields["key"], None), (None, fields["error"]))
         elif frame.kind is Kind.REPLY:

@@ -302,7 +302,7 @@ class Job:
         self.events.output(key, stream, data, self.loop.time(), counted.lines - before)
 
     def on_usage(self, key: int, cpu_percent: float | None, rss: int) -> None:
-        """A remote agent's sample of an instance (sent only while a dashboard shows them)."""
+        """A remote agent's sample of an instance's CPU and memory (every STATS_INTERVAL)."""
         self.events.usage(key, Usage(cpu_percent, rss))
 
     def on_progress(self, key: int, step: int, total: int | None) -> None:

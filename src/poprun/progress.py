@@ -22,8 +22,9 @@ The straggler rule, for a hold time S (`--straggler-after`, 10 s by default):
   rule has not held for S seconds in a row. A straggler's entry keeps when it was flagged,
   its rate and the median then, and when it was cleared (null while it is slow).
 
-So an instance that is slow from its start is flagged about 1.5*S after it starts, one that
-slows down later within 2*S.
+So an instance that is slow from its start is flagged about 1.5*S after its first progress
+(2*S at most: the samples come every S/5, or every second for S over 5 s), one that slows
+down later within about 2*S.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class Tracker:
         self.source, self.hold, self.flag = source, hold, flag
         self._instances = {i: _Instance() for i in range(count)}
         self._stragglers: list[dict[str, Any]] = []
+        self._median: float | None = None  # the last median compared with
 
     def switch(self, source: str, now: float) -> None:
         """Progress is measured otherwise from now on (popdist.progress() was called): every
@@ -176,17 +178,24 @@ class Tracker:
         rates = {i: self.rate(i) for i in self._instances}
         compared = {i: r for i, r in rates.items()
                     if r is not None and self._instances[i].running}
+        for index, rate in compared.items():
+            inst = self._instances[index]
+            inst.min_rate = rate if inst.min_rate is None else min(inst.min_rate, rate)
         slow, middle = slow_rule(compared)
-        for index in compared if self.flag else ():
+        # Fewer than two to compare (the others have ended): flags stay as they are, so the
+        # one the job waits for at its end is still shown slow.
+        for index in compared if self.flag and middle is not None else ():
             self._hold(index, index in slow, rates[index], middle, now)
+        if middle is not None:
+            self._median = middle
         return Report(self.source, {i: self._row(i, rates[i], now)
                                     for i in self._instances},
-                      middle, *self._slowest(rates), tuple(dict(s) for s in self._stragglers))
+                      self._median, *self._slowest(rates),
+                      tuple(dict(s) for s in self._stragglers))
 
     def _hold(self, index: int, breaks: bool, rate: float, middle: float, now: float) -> None:
         """The rule must hold (or, once flagged, not hold) for `hold` seconds in a row."""
         inst = self._instances[index]
-        inst.min_rate = rate if inst.min_rate is None else min(inst.min_rate, rate)
         if breaks == (inst.slow is not None):  # as it stands: nothing to wait for
             inst.held_since = None
             return
@@ -214,12 +223,13 @@ class Tracker:
                 "slow": inst.slow is not None}
 
     def _slowest(self, rates: Mapping[int, float | None]) -> tuple[int | None, float | None]:
-        """The running instance furthest behind, and its ETA at its own rate (with a total)."""
-        running = [(inst.step, i) for i, inst in self._instances.items()
-                   if inst.running and inst.step is not None]
-        if not running:
+        """The running instance furthest behind (once none runs, the one that was), and its
+        ETA at its own rate (with a total)."""
+        counted = [(not inst.running, inst.step, i) for i, inst in self._instances.items()
+                   if inst.step is not None]
+        if not counted:
             return None, None
-        step, index = min(running)
+        _, step, index = min(counted)
         total, rate = self._instances[index].total, rates[index]
         eta = (max(0, total - step) / rate if total is not None and rate
                else 0.0 if total is not None and step >= total else None)

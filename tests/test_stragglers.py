@@ -156,7 +156,7 @@ def test_show_and_list_say_slow_and_the_eta_while_it_runs(environ, tmp_path):
         table = poprunctl("show", shown["job"], env=environ).stdout
         assert re.search(r"\bslow\b", table) and "ETA" in table, table
         table = poprunctl("list", env=environ).stdout
-        assert "slow: 1" in table and "ETA" in table, table
+        assert "slow: [1]" in table and "ETA" in table, table
         job.send_signal(signal.SIGINT)
         job.wait(timeout=30)
     data = json.loads(result.read_text())  # the record's last word: the history's summary
@@ -171,7 +171,7 @@ def test_the_dashboard_marks_the_slow_instance_and_shows_the_eta():
     assert code == 0, raw[-2000:]
     text = re.sub(rb"\x1b\[[0-9;?]*[A-Za-z]", b"", raw).decode()
     assert re.search(r"progress: step \d+/1000 \(instance 0\) [\d.]+/s ETA \d+m\d\ds +"
-                     r"slow: 0", text), text[-3000:]
+                     r"slow: \[0\]", text), text[-3000:]
     # instance 0's row: "0  <host>  <pid>  slow ..."
     assert re.search(r"^0 +\S+ +\d+ +slow ", text, re.M), text[-3000:]
 
@@ -180,7 +180,8 @@ def test_popdist_progress_reaches_the_launcher_from_two_ssh_hosts(tmp_path):
     result = tmp_path / "result.json"
     with start_ssh_hosts(2, tmp_path) as hosts:
         proc = subprocess.run(
-            poprun_argv(*OFFLINE, "--host", "h1,h2", "--num-instances=4", "--num-replicas=4",
+            poprun_argv(*OFFLINE, "--host", "h1,h2", "-x", "SLOW", "--num-instances=4",
+                        "--num-replicas=4",
                         f"--straggler-after={HOLD}", f"--result-json={result}", PY, "-c",
                         PROGRAM, "popdist", "6"),
             env=poprun_env({**hosts.env(), "SLOW": "3"}), capture_output=True, timeout=90)

@@ -155,7 +155,9 @@ class Tracker:
         if inst.first is None:
             inst.first = (now, step)
         inst.samples.append((now, step))
-        while inst.samples and inst.samples[0][0] < now - self.hold:
+        # The window: the last `hold` seconds, from the last sample at or before its start
+        # (samples an agent sends come about once a second, not exactly).
+        while len(inst.samples) > 1 and inst.samples[1][0] <= now - self.hold:
             inst.samples.popleft()
 
     def ended(self, index: int, now: float) -> None:

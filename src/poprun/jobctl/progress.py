@@ -52,7 +52,12 @@ class ProgressWatch(JobObserver):
         self.tracker = Tracker(self.count, self.source, hold=self.hold or DEFAULT_HOLD,
                                flag=bool(self.hold))
         self.lines = [0] * self.count
-        self.steps: dict[int, tuple[int, int | None]] = {}  # the counts of `source`
+        # The steps of `source` (step, total, when an agent sent it; None: true until
+        # another comes): an agent's is sampled at the time it came, not at the next tick,
+        # as they come once a second (the ticks' times made rates over a 2 s window swing
+        # by half).
+        self.steps: dict[int, tuple[int, int | None, float | None]] = {}
+        self._sampled: dict[int, float] = {}  # per instance, the last step's time sampled
         self.running: set[int] = set()
 
     # --- the job's events ---------------------------------------------------------------
@@ -67,7 +72,7 @@ class ProgressWatch(JobObserver):
         self.lines[key] += lines
 
     def stepped(self, key: int, step: int, total: int | None, now: float) -> None:
-        self._popdist(key, step, total)
+        self._popdist(key, step, total, now)  # an agent's sample: as of when it came
 
     def exited(self, key: int, returncode: int, now: float, error) -> None:
         self._end(key, now)
@@ -105,13 +110,13 @@ class ProgressWatch(JobObserver):
             self._timer = None
             self._report(self.tracker.report(now))
 
-    def _popdist(self, key: int, step: int, total: int | None) -> None:
+    def _popdist(self, key: int, step: int, total: int | None, now: float | None) -> None:
         """A popdist.progress() sample: from then on it is the job's progress."""
         if self.source == "lines":
             self.source = "popdist"
             self.tracker.switch(self.source, self.loop.time())
         if self.source == "popdist":
-            self.steps[key] = (step, total)
+            self.steps[key] = (step, total, now)
 
     def _tick(self) -> None:
         self._timer = None
@@ -121,8 +126,8 @@ class ProgressWatch(JobObserver):
         self._timer = self.loop.call_later(self.every, self._tick)
 
     def _sample(self) -> None:
-        for key, (step, total) in self._local().items():
-            self._popdist(key, step, total)
+        for key, (step, total) in self._local().items():  # read now: true until the next
+            self._popdist(key, step, total, None)
         now = self.loop.time()
         for key in self.running:
             self._sample_one(key, now)
@@ -133,7 +138,12 @@ class ProgressWatch(JobObserver):
             if self.lines[key]:  # a silent instance shows no progress (only rank 0 logs)
                 self.tracker.sample(key, self.lines[key], None, now)
         elif key in self.steps:
-            self.tracker.sample(key, *self.steps[key], now)
+            step, total, seen = self.steps[key]
+            if seen is None:
+                self.tracker.sample(key, step, total, now)
+            elif seen > self._sampled.get(key, -1.0):
+                self._sampled[key] = seen
+                self.tracker.sample(key, step, total, seen)
 
 
 class PatternWatch(ProgressWatch):
@@ -158,7 +168,7 @@ class PatternWatch(ProgressWatch):
             total = int(match.group(2)) if self.pattern.groups == 2 else None
         except (TypeError, ValueError):  # a group that matched no digits: not a step
             return
-        self.steps[key] = (step, total)
+        self.steps[key] = (step, total, None)
 
-    def _popdist(self, key: int, step: int, total: int | None) -> None:
+    def _popdist(self, key: int, step: int, total: int | None, now: float | None) -> None:
         """The pattern asked for wins over popdist.progress()."""

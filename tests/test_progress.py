@@ -158,7 +158,7 @@ def test_the_pattern_watch_reads_steps_from_lines_and_reports_them():
         loop = asyncio.get_running_loop()
         reports = []
         watch = progress_watch(loop, 2, pattern=r"step (\d+)/(\d+)", hold=0.5,
-                               local=dict, report=reports.append)
+                               local=lambda keys=None: {}, report=reports.append)
         for key in (0, 1):
             watch.started(key, "here", 1, loop.time(), local=True, start_ticks=None)
         for step in range(1, 13):
@@ -183,7 +183,7 @@ def test_popdist_progress_replaces_lines_once_an_instance_calls_it():
         loop = asyncio.get_running_loop()
         reports = []
         watch = progress_watch(loop, 2, pattern=None, hold=0.5,
-                               local=lambda: {0: (7, 50)}, report=reports.append)
+                               local=lambda keys=None: {0: (7, 50)}, report=reports.append)
         watch.started(0, "here", 1, loop.time(), local=True, start_ticks=None)
         watch.started(1, "there", 2, loop.time(), local=False, start_ticks=None)
         watch.stepped(1, 3, 50, loop.time())  # an agent's STATS

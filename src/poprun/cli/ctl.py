@@ -268,7 +268,7 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
     ahead = progress_line(progress["progress"] if isinstance(progress["progress"], dict)
                           else None)
     if ahead:
-        console.print(ahead, markup=False, highlight=False)
+        console.print(f"progress: {ahead}", markup=False, highlight=False)
     table = Table(box=None, pad_edge=False, header_style="bold")
     for name in ("#", "host", "pid", "state", "up", "cpu", "rss", "lines", "idle",
                  "last line"):

@@ -23,7 +23,7 @@ EVERY = 1.0  # seconds between samples (a fifth of a shorter --straggler-after)
 
 
 def progress_watch(loop: asyncio.AbstractEventLoop, count: int, *, pattern: str | None,
-                   hold: float, local: Callable[[], Mapping[int, tuple[int, int | None]]],
+                   hold: float, local: Callable[..., Mapping[int, tuple[int, int | None]]],
                    report: Callable[[Report], None]) -> ProgressWatch:
     """The watch for this launch: with a pattern, one that matches it."""
     if pattern is None:
@@ -33,13 +33,14 @@ def progress_watch(loop: asyncio.AbstractEventLoop, count: int, *, pattern: str 
 
 
 class ProgressWatch(JobObserver):
-    """Given the loop, the instance count, the hold time (0: no stragglers), `local()` (the
-    local instances' popdist.progress) and `report(Report)`."""
+    """Given the loop, the instance count, the hold time (0: no stragglers), `local(keys=
+    None)` (the local running instances' popdist.progress, or these instances', exited or
+    not; none for a remote one) and `report(Report)`."""
 
     source = "lines"
 
     def __init__(self, loop: asyncio.AbstractEventLoop, count: int, *, hold: float,
-                 local: Callable[[], Mapping[int, tuple[int, int | None]]],
+                 local: Callable[..., Mapping[int, tuple[int, int | None]]],
                  report: Callable[[Report], None]) -> None:
         self.loop, self.count, self.hold = loop, count, hold
         self._local, self._report = local, report
@@ -102,6 +103,8 @@ class ProgressWatch(JobObserver):
         """Its last count is kept, and the job's when it was the last one running."""
         if key not in self.running:
             return
+        for step, total in self._local([key]).values():  # its last popdist.progress() here
+            self._popdist(key, step, total, None)
         self._sample_one(key, now)
         self.running.discard(key)
         self.tracker.ended(key, now)
@@ -152,7 +155,7 @@ class PatternWatch(ProgressWatch):
     source = "pattern"
 
     def __init__(self, loop: asyncio.AbstractEventLoop, count: int, *, hold: float,
-                 local: Callable[[], Mapping[int, tuple[int, int | None]]],
+                 local: Callable[..., Mapping[int, tuple[int, int | None]]],
                  report: Callable[[Report], None], pattern) -> None:
         self.pattern = pattern
         super().__init__(loop, count, hold=hold, local=local, report=report)

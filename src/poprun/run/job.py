@@ -309,12 +309,13 @@ class Job:
         """A remote agent's sample of an instance's popdist.progress()."""
         self.events.stepped(key, step, total, self.loop.time())
 
-    def local_progress(self) -> dict[int, tuple[int, int | None]]:
-        """What the local running instances last gave popdist.progress() (the watch samples
-        it; the agents send theirs)."""
+    def local_progress(self, keys=None) -> dict[int, tuple[int, int | None]]:
+        """What the local running instances (or these of them, once exited too) last gave
+        popdist.progress() (the watch samples it; the agents send theirs)."""
         if self.local is None:
             return {}
-        found = {key: self.local.progress(key) for key in self.local.running()}
+        found = {key: self.local.progress(key) for key in (self.local.running() if keys is None
+                                                             else keys)}
         return {key: value for key, value in found.items() if value is not None}
 
     def report_progress(self, report) -> None:

@@ -287,7 +287,7 @@ class _Session:
 
         self.progress = progress_watch(
             self.loop, self.config.num_instances, pattern=self.config.progress_pattern,
-            hold=self.config.straggler_after, local=lambda: self.job.local_progress(),
+            hold=self.config.straggler_after, local=lambda keys=None: self.job.local_progress(keys),
             report=lambda report: self.job.report_progress(report))
         self.events.add(self.progress)
 

@@ -40,6 +40,8 @@ while time.monotonic() < end:
     else:
         print(f"step {i}/1000 loss 0.5", flush=True)
     time.sleep(0.3 if rank == slow else 0.05)
+if how == "popdist":
+    print(f"last {rank} {i}", flush=True)
 """
 
 
@@ -191,6 +193,9 @@ def test_popdist_progress_reaches_the_launcher_from_two_ssh_hosts(tmp_path):
     assert progress["source"] == "popdist"
     steps = {i["index"]: i["step"] for i in progress["instances"]}
     assert all(steps[i] > 40 for i in (0, 1, 2)) and 5 < steps[3] < 30, steps
+    # each one's last step, sent with its exit (the STATS before it may be a second old)
+    said = dict(map(int, line.split()[1:]) for line in proc.stdout.decode().splitlines())
+    assert steps == said
     assert [s["instance"] for s in data["stragglers"]] == [3]
 
 

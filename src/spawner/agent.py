@@ -503,8 +503,10 @@ class Agent:
 
     def on_exit(self, key: int, returncode: int) -> None:
         error = self._spawner.errors.get(key)  # sent only when there is one
+        steps = self._spawner.progress(key)  # its last popdist.progress(), if it called it
         self._outbox.send(encode(Kind.EXIT, key=key, returncode=returncode,
-                                 **({"error": error} if error else {})))
+                                 **({"error": error} if error else {}),
+                                 **({"progress": list(steps)} if steps else {})))
 
     def _on_pressure(self, pressed: bool) -> None:
         if pressed:

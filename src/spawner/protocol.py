@@ -47,8 +47,10 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              start: its start time (spawner/procid.py)
       SPAWN_FAILED {key, error}
       OUTPUT  key, stream, bytes             binary; blocks of whole lines, as LocalSpawner
-      EXIT    {key, returncode, error}       after the last OUTPUT of that instance; error:
-                                             its uncaught exception (popdist/errorfile.py)
+      EXIT    {key, returncode, error, progress}  after the last OUTPUT of that instance;
+                                             error: its uncaught exception (popdist/
+                                             errorfile.py); progress (optional): its last
+                                             popdist.progress() [step, total]
       STATS   {usage: {key: [cpu %, rss]},   every `stats` seconds, when HELLO gave it;
                progress: {key: [step, total]}}  progress (optional): popdist.progress()
       ALIVE   {}                             every `interval` seconds (the agent's heartbeat)

@@ -520,6 +520,9 @@ class RemoteSpawner:
             self._exited[fields["key"]] = fields["returncode"]
             if fields.get("error"):
                 self.errors[fields["key"]] = fields["error"]
+            on_progress = getattr(self._sink, "on_progress", None)
+            if fields.get("progress") and on_progress:  # its last step, for the result
+                on_progress(fields["key"], *fields["progress"])
             self._sink.on_exit(fields["key"], fields["returncode"])
         elif frame.kind is Kind.STARTED:
             self._pids[fields["key"]] = fields["pid"]

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 SOURCES = ("lines", "pattern", "popdist")
@@ -75,30 +74,35 @@ def slow_rule(rates: Mapping[int, float]) -> tuple[set[int], float | None]:
     return {i for i, r in rates.items() if r < bound}, middle
 
 
-@dataclass
+# Plain classes, not dataclasses: every launch imports this module, and making a dataclass
+# costs ~1-3 ms of start-up each (plan/network.py made the same choice).
 class _Instance:
-    samples: deque = field(default_factory=deque)  # (time, count), oldest first
-    step: int | None = None  # its latest count (None: no progress shown yet)
-    total: int | None = None
-    first: tuple[float, int] | None = None  # its first sample with progress: the mean rate
-    min_rate: float | None = None
-    running: bool = True
-    held_since: float | None = None  # the rule has held since (or, flagged, not held since)
-    slow: dict[str, Any] | None = None  # its open straggler entry
+    __slots__ = ("samples", "step", "total", "first", "min_rate", "running", "held_since",
+                 "slow")
+
+    def __init__(self, running: bool = True) -> None:
+        self.samples: deque = deque()  # (time, count), oldest first
+        self.step: int | None = None  # its latest count (None: no progress shown yet)
+        self.total: int | None = None
+        self.first: tuple[float, int] | None = None  # its first sample: the mean rate
+        self.min_rate: float | None = None
+        self.running = running
+        self.held_since: float | None = None  # the rule holds since (flagged: holds not)
+        self.slow: dict[str, Any] | None = None  # its open straggler entry
 
 
-@dataclass(frozen=True)
 class Report:
     """What every view shows: per instance (index -> dict: step, total, rate, mean_rate,
     min_rate, slow), the median rate, the slowest instance (its step, total, rate, ETA: with
-    a total) and every straggler entry so far (times: the loop clock)."""
+    a total) and every straggler entry so far (times: the loop clock). Not to be changed."""
 
-    source: str
-    instances: Mapping[int, Mapping[str, Any]]
-    median: float | None
-    slowest: int | None
-    eta: float | None
-    stragglers: tuple[Mapping[str, Any], ...]
+    __slots__ = ("source", "instances", "median", "slowest", "eta", "stragglers")
+
+    def __init__(self, source: str, instances: Mapping[int, Mapping[str, Any]],
+                 median: float | None, slowest: int | None, eta: float | None,
+                 stragglers: tuple[Mapping[str, Any], ...]) -> None:
+        self.source, self.instances, self.median = source, instances, median
+        self.slowest, self.eta, self.stragglers = slowest, eta, stragglers
 
     @property
     def slow(self) -> list[int]:

@@ -17,17 +17,18 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 
 from poprun.events import JobObserver
-from poprun.progress import DEFAULT_HOLD, Report, Tracker, compile_pattern
 
 EVERY = 1.0  # seconds between samples (a fifth of a shorter --straggler-after)
 
 
 def progress_watch(loop: asyncio.AbstractEventLoop, count: int, *, pattern: str | None,
                    hold: float, local: Callable[..., Mapping[int, tuple[int, int | None]]],
-                   report: Callable[[Report], None]) -> ProgressWatch:
+                   report: Callable[..., None]) -> ProgressWatch:
     """The watch for this launch: with a pattern, one that matches it."""
     if pattern is None:
         return ProgressWatch(loop, count, hold=hold, local=local, report=report)
+    from poprun.progress import compile_pattern
+
     return PatternWatch(loop, count, hold=hold, local=local, report=report,
                         pattern=compile_pattern(pattern))
 
@@ -41,7 +42,7 @@ class ProgressWatch(JobObserver):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, count: int, *, hold: float,
                  local: Callable[..., Mapping[int, tuple[int, int | None]]],
-                 report: Callable[[Report], None]) -> None:
+                 report: Callable[..., None]) -> None:
         self.loop, self.count, self.hold = loop, count, hold
         self._local, self._report = local, report
         self.every = min(EVERY, hold / 5) if hold else EVERY
@@ -50,8 +51,7 @@ class ProgressWatch(JobObserver):
         self.closed = False
 
     def _new_attempt(self) -> None:
-        self.tracker = Tracker(self.count, self.source, hold=self.hold or DEFAULT_HOLD,
-                               flag=bool(self.hold))
+        self._tracker = None  # made when first needed: off a launch's start-up path
         self.lines = [0] * self.count
         # The steps of `source` (step, total, when an agent sent it; None: true until
         # another comes): an agent's is sampled at the time it came, not at the next tick,
@@ -60,6 +60,16 @@ class ProgressWatch(JobObserver):
         self.steps: dict[int, tuple[int, int | None, float | None]] = {}
         self._sampled: dict[int, float] = {}  # per instance, the last step's time sampled
         self.running: set[int] = set()
+
+    @property
+    def tracker(self):
+        """The attempt's poprun.progress.Tracker."""
+        if self._tracker is None:
+            from poprun.progress import DEFAULT_HOLD, Tracker  # ~1 ms: a second after start
+
+            self._tracker = Tracker(self.count, self.source, hold=self.hold or DEFAULT_HOLD,
+                                    flag=bool(self.hold))
+        return self._tracker
 
     # --- the job's events ---------------------------------------------------------------
 
@@ -156,7 +166,7 @@ class PatternWatch(ProgressWatch):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, count: int, *, hold: float,
                  local: Callable[..., Mapping[int, tuple[int, int | None]]],
-                 report: Callable[[Report], None], pattern) -> None:
+                 report: Callable[..., None], pattern) -> None:
         self.pattern = pattern
         super().__init__(loop, count, hold=hold, local=local, report=report)
 

@@ -333,13 +333,15 @@ def test_execute_on_instances_outside_poprun_is_instance_zero():
 
 
 def test_public_api_is_reexported():
-    from popdist import autoreport, errorfile
+    from popdist import _progress, autoreport, errorfile
 
-    assert set(popdist.__all__) == set(popdist_core.__all__) | {"setEngineOptions", "record"}
+    assert set(popdist.__all__) == set(popdist_core.__all__) | {"setEngineOptions", "record",
+                                                                 "progress"}
     for name in popdist_core.__all__:
         assert getattr(popdist, name) is getattr(popdist_core, name)
     assert popdist.setEngineOptions is autoreport.setEngineOptions
     assert popdist.record is errorfile.record
+    assert popdist.progress is _progress.progress
 
 
 def test_real_subprocess_sees_its_identity():

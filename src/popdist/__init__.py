@@ -5,6 +5,7 @@ from popdist.autoreport import apply_to_environment as _apply_autoreport
 from popdist.autoreport import setEngineOptions
 from popdist.errorfile import install as _install_error_hook
 from popdist.errorfile import record
+from popdist._progress import progress
 from popdist.popdist_core import (
     checkNumIpusPerReplica,
     execute_on_instances,
@@ -41,6 +42,7 @@ __all__ = [
     "isBackendInitialized",
     "isPopdistEnvSet",
     "isUniformReplicasPerInstance",
+    "progress",
     "record",
     "setEngineOptions",
 ]

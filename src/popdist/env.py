@@ -29,6 +29,10 @@ ERROR_FILE = "POPDIST_ERROR_FILE"
 # (`SIGRTMIN+7`, `SIGUSR2`) or a number; set it in poprun's environment to choose another
 # (`-x POPDIST_STACKS_SIGNAL` for remote hosts).
 STACKS_FILE = "POPDIST_STACKS_FILE"
+# Where `popdist.progress(step, total)` keeps the instance's step for poprun to sample
+# (popdist/_progress.py: its layout); set by the spawner that starts it (spawner.local), on
+# every host. popdist makes the file on the first call.
+PROGRESS_FILE = "POPDIST_PROGRESS_FILE"
 STACKS_SIGNAL = "POPDIST_STACKS_SIGNAL"
 DEFAULT_STACKS_SIGNAL = "SIGRTMIN+7"  # real-time: no program or library we know uses it
 # The Poplar device spanning every IPU the instance sees (its partition, or its GCD when it

@@ -58,7 +58,7 @@ class InstanceRow:
     """One instance as every view of a running job shows it; updated by InstanceRows."""
 
     __slots__ = ("index", "host", "pid", "local", "state", "returncode", "started", "ended",
-                 "lines", "last_output", "last_line", "usage")
+                 "lines", "last_output", "last_line", "usage", "progress")
 
     def __init__(self, index: int, host: str) -> None:
         self.index, self.host = index, host
@@ -72,6 +72,8 @@ class InstanceRow:
         self.last_output: float | None = None
         self.last_line = b""
         self.usage = None  # spawner.procstat.Usage: sampled here, or reported by an agent
+        # Its entry in the last progress report (poprun.progress.Report): step, total, rate...
+        self.progress: Mapping[str, Any] | None = None
 
     @property
     def done(self) -> bool:
@@ -88,6 +90,11 @@ class InstanceRow:
         if self.state is InstanceState.KILLED:
             return f"killed {signal_name(-self.returncode)}"
         return self.state.value
+
+    @property
+    def slow(self) -> bool:
+        """A running straggler, as the last progress report has it."""
+        return not self.done and self.progress is not None and self.progress["slow"]
 
     def uptime(self, now: float) -> float | None:
         if self.started is None:
@@ -108,6 +115,7 @@ class InstanceRows:
     def __init__(self, hosts: Sequence[str], now: float) -> None:
         self.began = now
         self.instances = {i: InstanceRow(i, host) for i, host in enumerate(hosts)}
+        self.report = None  # the last progress report (poprun.progress.Report), if any
 
     @property
     def all_started(self) -> bool:
@@ -138,6 +146,12 @@ class InstanceRows:
         row.state = (InstanceState.EXITED if returncode == 0 else
                      InstanceState.FAILED if returncode > 0 else InstanceState.KILLED)
 
+    def progressed(self, report) -> None:
+        """A progress report (poprun.progress.Report): each row keeps its entry."""
+        self.report = report
+        for index, entry in report.instances.items():
+            self.instances[index].progress = entry
+
     def host_lost(self, host: str, now: float) -> None:
         """Every instance of `host` that had not ended is lost with it."""
         for row in self.instances.values():
@@ -163,6 +177,14 @@ class JobObserver:
 
     def usage(self, key: int, usage) -> None:
         """An agent's sample of a remote instance's CPU and memory (spawner.procstat.Usage)."""
+
+    def stepped(self, key: int, step: int, total: int | None, now: float) -> None:
+        """An agent's sample of a remote instance's own progress (`popdist.progress`): for
+        the progress watch (poprun/jobctl/progress.py), which samples local ones itself."""
+
+    def progress(self, report) -> None:
+        """The progress watch's report (poprun.progress.Report), about once a second: each
+        instance's step, total, rate and whether it is slow; the slowest one and its ETA."""
 
     def exited(self, key: int, returncode: int, now: float,
                error: Mapping[str, Any] | None) -> None:

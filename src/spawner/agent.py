@@ -359,14 +359,18 @@ class Agent:
 
     def _send_stats(self, interval: float) -> None:
         now = time.monotonic()
-        usage = {}
+        usage, progress = {}, {}
         for key in self._spawner.running():
             sample = self._sampler.sample(self._spawner.pid(key), now,
                                           self._spawner.cgroup_of(key))
             if sample is not None:
                 usage[str(key)] = [sample.cpu_percent, sample.rss]
-        if usage:
-            self._outbox.send(encode(Kind.STATS, usage=usage))
+            steps = self._spawner.progress(key)  # popdist.progress(), if it was called
+            if steps is not None:
+                progress[str(key)] = list(steps)
+        if usage or progress:  # `usage` always there: a launcher before `progress` needs it
+            self._outbox.send(encode(Kind.STATS, usage=usage,
+                                     **({"progress": progress} if progress else {})))
         self._loop.call_later(interval, self._send_stats, interval)
 
     def _mktemp(self, request: dict[str, Any]) -> None:
@@ -499,8 +503,10 @@ class Agent:
 
     def on_exit(self, key: int, returncode: int) -> None:
         error = self._spawner.errors.get(key)  # sent only when there is one
+        steps = self._spawner.progress(key)  # its last popdist.progress(), if it called it
         self._outbox.send(encode(Kind.EXIT, key=key, returncode=returncode,
-                                 **({"error": error} if error else {})))
+                                 **({"error": error} if error else {}),
+                                 **({"progress": list(steps)} if steps else {})))
 
     def _on_pressure(self, pressed: bool) -> None:
         if pressed:

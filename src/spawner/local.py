@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from popdist.env import ERROR_FILE
+from popdist.env import ERROR_FILE, PROGRESS_FILE
 
 from . import containment
 from .binding import bound
@@ -151,6 +151,7 @@ class LocalSpawner:
         if self._lifeline:
             env[containment.MARK] = self._lifeline.token
         env[ERROR_FILE] = self._error_file(spec.key)
+        env[PROGRESS_FILE] = env[ERROR_FILE][:-len("json")] + "progress"  # popdist makes it
         # Imported here: stackdump needs asyncio, which `poprun --version` must not import.
         from . import stackdump
 
@@ -358,6 +359,23 @@ class LocalSpawner:
             raise ValueError(f"key {key} already in use: it still runs")
         self._children.pop(key, None)
         self.errors.pop(key, None)
+        if self._error_dir is not None:  # the next attempt starts from no progress
+            try:
+                os.unlink(self._progress_file(key))
+            except OSError:
+                pass
+
+    def _progress_file(self, key: int) -> str:
+        return os.path.join(self._error_dir or "", f"{key}.progress")
+
+    def progress(self, key: int) -> tuple[int, int | None] | None:
+        """What instance `key` last gave `popdist.progress()` (step, total); None if it never
+        called it (popdist/_progress.py)."""
+        if self._error_dir is None:
+            return None
+        from popdist._progress import read  # only when a watch samples it
+
+        return read(self._progress_file(key))
 
     def pid(self, key: int) -> int:
         return self._children[key].proc.pid

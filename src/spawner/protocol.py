@@ -47,9 +47,12 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              start: its start time (spawner/procid.py)
       SPAWN_FAILED {key, error}
       OUTPUT  key, stream, bytes             binary; blocks of whole lines, as LocalSpawner
-      EXIT    {key, returncode, error}       after the last OUTPUT of that instance; error:
-                                             its uncaught exception (popdist/errorfile.py)
-      STATS   {usage: {key: [cpu %, rss]}}   every `stats` seconds, when HELLO gave it
+      EXIT    {key, returncode, error, progress}  after the last OUTPUT of that instance;
+                                             error: its uncaught exception (popdist/
+                                             errorfile.py); progress (optional): its last
+                                             popdist.progress() [step, total]
+      STATS   {usage: {key: [cpu %, rss]},   every `stats` seconds, when HELLO gave it;
+               progress: {key: [step, total]}}  progress (optional): popdist.progress()
       ALIVE   {}                             every `interval` seconds (the agent's heartbeat)
       BARRIER_IN {kvsname, count, puts}      all `count` instances here entered a PMI barrier
       GET     {kvsname, id, key}             a PMI key this host has not seen
@@ -120,7 +123,8 @@ class Kind(enum.IntEnum):
     EXIT = 21
     """Agent: an instance exited; no OUTPUT for it follows."""
     STATS = 22
-    """Agent: CPU % and RSS of its running instances, every `stats` seconds HELLO asked for."""
+    """Agent: CPU % and RSS of its running instances (and their popdist.progress() steps),
+    every `stats` seconds HELLO asked for."""
     ALIVE = 24
     """Agent: I am here (its heartbeat). A launcher that hears nothing declares it lost."""
     INTERNAL = 23

@@ -520,6 +520,9 @@ class RemoteSpawner:
             self._exited[fields["key"]] = fields["returncode"]
             if fields.get("error"):
                 self.errors[fields["key"]] = fields["error"]
+            on_progress = getattr(self._sink, "on_progress", None)
+            if fields.get("progress") and on_progress:  # its last step, for the result
+                on_progress(fields["key"], *fields["progress"])
             self._sink.on_exit(fields["key"], fields["returncode"])
         elif frame.kind is Kind.STARTED:
             self._pids[fields["key"]] = fields["pid"]
@@ -540,6 +543,10 @@ class RemoteSpawner:
             on_usage = getattr(self._sink, "on_usage", None)
             for key, (cpu, rss) in fields["usage"].items() if on_usage else ():
                 on_usage(int(key), cpu, rss)
+            on_progress = getattr(self._sink, "on_progress", None)
+            for key, (step, total) in (fields.get("progress") or {}).items() \
+                    if on_progress else ():
+                on_progress(int(key), step, total)
         elif frame.kind is Kind.SPAWN_FAILED:
             self._resolve(self._spawning.pop(fields["key"], None), (None, fields["error"]))
         elif frame.kind is Kind.REPLY:

@@ -29,6 +29,7 @@ import typer
 from poprun.jobctl import joblog
 from poprun.jobctl import records as jobs
 from poprun.jobctl.control import ControlError, ask, connect
+from poprun.progress import progress_line
 from poprun.text import cut, duration, fold_indices, percent, size, visible
 
 ASK_TIMEOUT = 10.0  # seconds for a launcher to answer (stacks: its timeout more)
@@ -166,7 +167,17 @@ def summary(record: dict[str, Any], now: float) -> dict[str, Any]:
             "hosts": [h.get("label") for h in record.get("hosts") or []],
             "program": record.get("program") or [], "exit_code": record.get("exit_code"),
             "exit_reason": record.get("exit_reason"), "cwd": record.get("cwd"),
-            "launcher_pid": (record.get("launcher") or {}).get("pid")}
+            "launcher_pid": (record.get("launcher") or {}).get("pid"),
+            # While it runs: its stragglers now, and the slowest instance's step and ETA.
+            "slow": _slow(record) if states else [],
+            "progress": progress_line(record.get("progress")) if states else ""}
+
+
+def _slow(record: dict[str, Any]) -> list[int]:
+    """The instances the record has slow (poprun/progress.py's rule)."""
+    progress = record.get("progress")
+    slow = progress.get("slow") if isinstance(progress, dict) else None
+    return [i for i in slow if isinstance(i, int)] if isinstance(slow, list) else []
 
 
 @app.command("list")
@@ -190,7 +201,7 @@ def list_jobs(as_json: JsonOpt = False,
     from rich.table import Table
 
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for name in ("JOB", "STATE", "AGE", "RUNNING", "HOSTS", "COMMAND"):
+    for name in ("JOB", "STATE", "AGE", "RUNNING", "PROGRESS", "HOSTS", "COMMAND"):
         table.add_column(name, no_wrap=True, justify="right" if name in ("AGE", "RUNNING")
                          else "left")
     styles = {"running": "green", "stalled": "bold magenta", "stopping": "yellow",
@@ -199,6 +210,8 @@ def list_jobs(as_json: JsonOpt = False,
         table.add_row(row["id"], row["label"], _age(row["age"]),
                       f"{row['running']}/{row['instances']}"
                       + (f" ({row['unknown']}?)" if row["unknown"] else ""),
+                      " ".join(filter(None, (row["progress"], row["slow"] and
+                                             f"slow: {fold_indices(row['slow'])}"))),
                       cut(",".join(row["hosts"]), 24),
                       _command(row, COMMAND_WIDTH),
                       style=styles.get(row["state"], "dim" if row["state"] == jobs.ENDED
@@ -213,11 +226,13 @@ def _ended_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
     state as far as this host can tell (records.instance_states)."""
     rows = []
     states = jobs.instance_states(record)
+    slow = _slow(record)
     for inst, state in zip(record.get("instances") or [], states):
         start, end = inst.get("start_time"), inst.get("end_time")
         rows.append({"index": inst.get("index"), "host": inst.get("host"),
                      "pid": inst.get("pid"),
-                     "state": inst.get("outcome") or state,
+                     "state": inst.get("outcome")
+                     or ("slow" if state == "running" and inst.get("index") in slow else state),
                      "uptime": end - start if start and end else None, "cpu_percent": None,
                      "rss": None, "lines": inst.get("lines"), "idle": None, "last_line": ""})
     return rows
@@ -232,12 +247,17 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
         reply = _ask(record, {"op": "show"})
         rows, state = reply["instances"], "stalled" if reply.get("stalled") else reply["state"]
         note = reply.get("stop_reason")
+        for row in rows:
+            if row.get("slow"):
+                row["state"] = "slow"
+        progress = {k: reply.get(k) for k in ("progress", "stragglers")}
     else:
         rows, state, note = _ended_rows(record), _state_label(record), None
+        progress = {k: record.get(k) for k in ("progress", "stragglers")}
     if as_json:
         _print_json({"job": record["id"], "state": state, "stop_reason": note,
                      "program": record.get("program"), "hosts": _hosts(record),
-                     "instances": rows})
+                     "instances": rows, **progress})
         return
     from rich.table import Table
 
@@ -245,6 +265,10 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
     console.print(f"job {record['id']}  {state}" + (f" ({note})" if note else "")
                   + f"   hosts: {_hosts(record)}   command: {_command(record)}",
                   markup=False, highlight=False)
+    ahead = progress_line(progress["progress"] if isinstance(progress["progress"], dict)
+                          else None)
+    if ahead:
+        console.print(f"progress: {ahead}", markup=False, highlight=False)
     table = Table(box=None, pad_edge=False, header_style="bold")
     for name in ("#", "host", "pid", "state", "up", "cpu", "rss", "lines", "idle",
                  "last line"):

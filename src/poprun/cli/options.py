@@ -222,6 +222,17 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("stall-action", Kind.STR, "What a stall does then: report (the default: the job "
         "goes on), or kill: stop the job, the stall named as its root cause (exit status "
         "124)"),
+    Opt("progress-pattern", Kind.STR, "Measure each instance's progress by the step this "
+        "regular expression (Python's syntax) captures from its output lines: one group, "
+        "the step (\\d+), or two, the step and the total ('step (\\d+)/(\\d+)': the "
+        "dashboard and poprunctl then show the slowest instance's step, the total, its rate "
+        "and an ETA). Without it, progress is the step programs give popdist.progress(), or "
+        "else the lines they write"),
+    Opt("straggler-after", Kind.FLOAT, "Mark an instance slow when its rate over the last "
+        "this many seconds has stayed, for as long, below the median rate - 3 MADs and "
+        "below half the median (with two instances: below half the other's); cleared "
+        "after as long back within. Only running instances that have shown progress are "
+        "compared. 0: never (default 10)"),
     Opt("export-config", Kind.STR, "Write the options and program to this TOML file, then launch",
         default=None),
     Opt("import-config", Kind.STR,

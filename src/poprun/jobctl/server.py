@@ -96,11 +96,12 @@ class ControlService:
                 "index": index, "host": row.host, "pid": row.pid, "state": row.status,
                 "uptime": row.uptime(now), "cpu_percent": usage and usage.cpu_percent,
                 "rss": usage and usage.rss, "lines": row.lines, "idle": row.idle(now),
-                "last_line": row.last_line.decode("utf-8", "replace")})
+                "last_line": row.last_line.decode("utf-8", "replace"), "slow": row.slow,
+                **{k: (row.progress or {}).get(k) for k in ("step", "total", "rate")}})
         return {"ok": True, "job": record.id, "state": record.status,
                 "stop_reason": record.stop_reason, "attempt": record.attempt,
                 "uptime": now - record.rows.began, "stalled": self._stalled(),
-                "instances": rows}
+                "instances": rows, **record.progress_json()}
 
     async def _logs(self, writer: asyncio.StreamWriter, follow: bool) -> None:
         """The reply line, what was kept, then (follow) each block as it comes, all from

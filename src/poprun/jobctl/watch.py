@@ -42,6 +42,7 @@ class JobRecord(JobObserver):
                  facts: Callable[[], Mapping[str, Any]], log_path: str | None) -> None:
         self.id, self.dir, self.loop, self.config = job_id, directory, loop, config
         self.start_time = time.time()
+        self.wall = self.start_time - loop.time()  # the loop clock to the epoch
         self.status = "starting"
         self.attempt = 0
         self.ticks: dict[int, int | None] = {}  # per instance of this attempt, its start
@@ -83,6 +84,15 @@ class JobRecord(JobObserver):
     def exited(self, key: int, returncode: int, now: float, error) -> None:
         self.rows.exited(key, returncode, now)
         self._schedule_write()
+
+    def progress(self, report) -> None:
+        """Rewritten when an instance turns slow or recovers, and, with steps of a total,
+        for the ETA; a job counting lines only otherwise waits for its next write."""
+        before = self.rows.report
+        self.rows.progressed(report)
+        if report.source != "lines" or before is None or before.slow != report.slow \
+                or len(before.stragglers) != len(report.stragglers):
+            self._schedule_write()
 
     def host_lost(self, host: str, keys: Sequence[int], now: float) -> None:
         self.rows.host_lost(host, now)
@@ -147,6 +157,7 @@ class JobRecord(JobObserver):
             "attempt": self.attempt,
             "log": self._log_path,
             "stalls": list(self.stalls),
+            **self.progress_json(),
         }
 
     def record(self) -> dict[str, Any]:
@@ -155,6 +166,12 @@ class JobRecord(JobObserver):
             index, row.host or None, row.pid, row.returncode, row.state.value,
             lines=row.lines, start=self.ticks.get(index))
             for index, row in sorted(self.rows.instances.items())])
+
+    def progress_json(self) -> dict[str, Any]:
+        """The record's `progress` and `stragglers` (poprun.progress.Report.to_json)."""
+        report = self.rows.report
+        return (report.to_json(self.wall) if report is not None
+                else {"progress": None, "stragglers": []})
 
     def write(self, **fields: Any) -> None:
         self._cancel_write()  # this write is the scheduled one, or makes it needless

@@ -103,6 +103,10 @@ class LaunchConfig:
     # stall_action "kill", stop the job). None: never (poprun/jobctl/watch.py).
     stall_timeout: float | None = None
     stall_action: str = "report"
+    # Progress (poprun/progress.py): the step (and total) captured from each line, instead of
+    # the lines themselves or popdist.progress(); the stragglers' hold time (0: none).
+    progress_pattern: str | None = None
+    straggler_after: float = 10.0
     # Accepted from later SDKs' scripts; nothing to do without IPUs or MPI (logged at -v).
     host_subnet: str | None = None
     allow_run_as_root: bool = False
@@ -170,6 +174,16 @@ class LaunchConfig:
                               f"got {self.stall_action!r}")
         if self.stall_timeout is not None and self.stall_timeout <= 0:
             raise ConfigError(f"--stall-timeout must be positive, got {self.stall_timeout}")
+        if self.straggler_after < 0:
+            raise ConfigError(f"--straggler-after must not be negative, got "
+                              f"{self.straggler_after}")
+        if self.progress_pattern is not None:
+            from poprun.progress import compile_pattern  # only when one is given
+
+            try:
+                compile_pattern(self.progress_pattern)
+            except ValueError as exc:
+                raise ConfigError(f"--progress-pattern: {exc}") from None
         if self.remote_install not in REMOTE_INSTALL:
             raise ConfigError(f"--remote-install must be one of {', '.join(REMOTE_INSTALL)}, "
                               f"got {self.remote_install!r}")
@@ -234,7 +248,7 @@ class LaunchConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "a non-negative integer")
         for name in ("kill_timeout", "ssh_timeout", "host_timeout", "restart_delay",
-                     "stall_timeout"):
+                     "stall_timeout", "straggler_after"):
             seconds = getattr(self, name)
             if seconds is None and name == "stall_timeout":
                 continue
@@ -338,7 +352,8 @@ _OPTIONAL_STR_FIELDS = (
     "distribute_ssh_key_type", "process_placement", "offline_target", "autoreport_dir",
     "vipu_server_host", "vipu_partition", "vipu_allocation", "vipu_cluster", "sync_type",
     "ipu_link_routing_type", "gw_link_routing_type", "host_subnet", "version_format",
-    "result_json")
+    "result_json",
+    "progress_pattern")
 # Options that parse (later SDKs' scripts pass them) and do nothing here: said at -v.
 INERT_FIELDS = ("allow_run_as_root", "synchronise_python_venv",
                 "synchronise_poplar_sdk", "version_format")

@@ -33,7 +33,7 @@ from poprun.log import Log
 from poprun.plan.topology import Topology, agent_topology
 
 CACHE_PREFIX = "poprun-cache-"
-STATS_INTERVAL = 1.0  # seconds between the agents' CPU/RSS samples for the dashboard
+STATS_INTERVAL = 1.0  # seconds between the agents' samples: CPU/RSS, popdist.progress()
 
 
 class Fleet:
@@ -130,7 +130,7 @@ class Fleet:
         self.spawners.update((s.host, s) for s in spawners)
         self.spawners = {str(h): self.spawners[str(h)] for h in self.hosts
                          if str(h) in self.spawners}  # in host order, as planned
-        stats = STATS_INTERVAL if view is not None else None  # only a dashboard shows them
+        stats = STATS_INTERVAL  # the dashboard shows them; the progress watch needs steps
         # Over SSH, the agent is brought where poprun is missing; a Slurm step runs it as is.
         install = self.config.remote_install if self.transport == "ssh" else None
         return await asyncio.gather(

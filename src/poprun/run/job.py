@@ -303,8 +303,25 @@ class Job:
         self.events.output(key, stream, data, self.loop.time(), counted.lines - before)
 
     def on_usage(self, key: int, cpu_percent: float | None, rss: int) -> None:
-        """A remote agent's sample of an instance (sent only while a dashboard shows them)."""
+        """A remote agent's sample of an instance's CPU and memory (every STATS_INTERVAL)."""
         self.events.usage(key, Usage(cpu_percent, rss))
+
+    def on_progress(self, key: int, step: int, total: int | None) -> None:
+        """A remote agent's sample of an instance's popdist.progress()."""
+        self.events.stepped(key, step, total, self.loop.time())
+
+    def local_progress(self, keys=None) -> dict[int, tuple[int, int | None]]:
+        """What the local running instances (or these of them, once exited too) last gave
+        popdist.progress() (the watch samples it; the agents send theirs)."""
+        if self.local is None:
+            return {}
+        found = {key: self.local.progress(key) for key in (self.local.running() if keys is None
+                                                             else keys)}
+        return {key: value for key, value in found.items() if value is not None}
+
+    def report_progress(self, report) -> None:
+        """The progress watch's report: every observer hears of it."""
+        self.events.progress(report)
 
     def on_exit(self, key: int, returncode: int) -> None:
         if key not in self.started:  # a remote instance can exit before spawn_all returns

@@ -211,6 +211,7 @@ class _Session:
         self._restore_signals = lambda: None
         self._result: LaunchResult | None = None
         self.control = None  # poprunctl's view of the job (run/watching.JobControl)
+        self.progress = None  # the progress watch (jobctl/progress.ProgressWatch)
         self.mpi_worlds: list[str] = []  # the kvsname of every attempt's MPI world
         # Each host on the network the user chose (plan/network.py); None without a choice.
         self.network: dict[str, HostNetwork] | None = None
@@ -262,6 +263,7 @@ class _Session:
             raise LaunchError(f"--output-filename: cannot write to {where} on this host "
                               f"({socket.gethostname()}): {exc.strerror}") from None
         await self._open_job_control()
+        self._open_progress()
         # From here a stop signal is the job's: before any instance runs, it ends the launch.
         self._restore_signals = install_signal_handlers(self.loop, self.on_signal)
         if self.control is not None:
@@ -281,6 +283,17 @@ class _Session:
             on_unstall=lambda: self.job.report_unstall())
         for observer in self.control.observers if self.control is not None else ():
             self.events.add(observer)
+
+    def _open_progress(self) -> None:
+        """The progress watch (issue 27: stragglers, ETA): its reports go to every observer
+        through the job."""
+        from poprun.jobctl.progress import progress_watch
+
+        self.progress = progress_watch(
+            self.loop, self.config.num_instances, pattern=self.config.progress_pattern,
+            hold=self.config.straggler_after, local=lambda keys=None: self.job.local_progress(keys),
+            report=lambda report: self.job.report_progress(report))
+        self.events.add(self.progress)
 
     async def _gather_stacks(self, keys, timeout: float):
         """The running instances' stacks (`keys`: only these), from every host at once."""
@@ -664,7 +677,8 @@ class _Session:
         """Every step runs whatever the others do; the first exception is raised after all
         of them (a bug in one step must not leave processes, caches or a partition)."""
         errors = []
-        for step in (self._close_fleet, self._close_dashboard, self.job.close,
+        for step in (lambda: self.progress and self.progress.close(),
+                     self._close_fleet, self._close_dashboard, self.job.close,
                      self.job.close_world, self._close_rendezvous,
                      self._restore_signals, self.cache.remove, self.lifeline.close,
                      self._release_partition, lambda: errors or self._report(),

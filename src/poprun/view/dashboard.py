@@ -30,6 +30,7 @@ from spawner.procstat import ProcSampler, Usage
 
 from poprun.events import BAD, InstanceRow, InstanceRows, InstanceState, JobObserver
 from poprun.fdio import write_all
+from poprun.progress import progress_line
 from poprun.text import cut, duration, fold_indices, percent, size, visible
 
 REFRESH = 0.25  # seconds between renders: "a few times per second"
@@ -192,6 +193,11 @@ class DashboardState:
         self.rows.host_lost(host, _now(now))
         self.changes += 1
 
+    def set_progress(self, report) -> None:
+        """The progress watch's report (poprun.progress.Report): steps, rates, stragglers."""
+        self.rows.progressed(report)
+        self.changes += 1
+
     def set_stalled(self, stalled: bool) -> None:
         """--stall-timeout: no instance has written a line for that long (or, False, one
         has written again)."""
@@ -279,6 +285,9 @@ class PanelFeed(JobObserver):
     def unstalled(self) -> None:
         self.state.set_stalled(False)
 
+    def progress(self, report) -> None:
+        self.state.set_progress(report)
+
     def restarted(self, attempt: int, attempts: int) -> None:
         self.state.restarted(attempt, attempts)
 
@@ -291,7 +300,7 @@ def _summarise(host: str, insts: list[InstanceRow], now: float) -> HostSummary:
                     key=lambda pair: -pair[1])
     return HostSummary(
         host=host, indices=tuple(i.index for i in insts),
-        statuses=tuple(Counter(i.status for i in insts).most_common()),
+        statuses=tuple(Counter(_status(i) for i in insts).most_common()),
         lines=sum(i.lines for i in insts), cpu_percent=sum(rates) if rates else None,
         rss=sum(u.rss for u in usages) if usages else None,
         uptime=max(uptimes) if uptimes else None, quiet=tuple(silent[:QUIET_LISTED]),
@@ -308,6 +317,7 @@ def _now(now: float | None) -> float:
 
 _COLUMNS = ("#", "host", "pid", "state", "up", "cpu", "rss", "lines", "idle", "last line")
 _LEFT = {"host", "state", "last line"}
+SLOW_STYLE = "bold yellow"
 _STYLE = {
     InstanceState.STARTING: "yellow", InstanceState.RUNNING: "green",
     InstanceState.EXITED: "blue", InstanceState.FAILED: "bold red",
@@ -368,12 +378,28 @@ def _header(state: DashboardState, now: float, width: int) -> list:
                    f"partition: {partition}   "
                    f"cache: {state.cache_dir or 'none'}", width=width)
     lines = [first, second]
+    progress = _progress(state, width)
+    if progress:
+        lines.append(progress)
     if state.stop_reason is not None and job is JobState.STOPPING:
         alive = state.alive()
         lines.append(_text((f"stopping… ({state.stop_reason})", "bold yellow"),
                            f": {len(alive)} still alive {fold_indices(alive)}"
                            f"{_kill_note(state, now)}", width=width))
     return lines
+
+
+def _progress(state: DashboardState, width: int):
+    """The slowest instance's step of the total, its rate and the ETA; the stragglers."""
+    report = state.rows.report
+    if report is None:
+        return None
+    ahead = progress_line(report.to_json()["progress"])
+    slow = [i for i, inst in state.instances.items() if inst.slow]
+    if not ahead and not slow:
+        return None
+    return _text(f"progress: {ahead}   " if ahead else "",
+                 (f"slow: {fold_indices(slow)}", SLOW_STYLE) if slow else "", width=width)
 
 
 def _kill_note(state: DashboardState, now: float) -> str:
@@ -403,13 +429,18 @@ def _phases(state: DashboardState, width: int) -> list:
     return lines
 
 
+def _status(inst: InstanceRow) -> str:
+    """Its status, `slow` for a straggler (poprun/progress.py's rule)."""
+    return "slow" if inst.slow else inst.status
+
+
 def _instance_row(inst: InstanceRow, now: float, width: int) -> tuple:
     usage = inst.usage
     return ((str(inst.index), cut(inst.host, HOST_WIDTH),
-             "" if inst.pid is None else str(inst.pid), inst.status,
+             "" if inst.pid is None else str(inst.pid), _status(inst),
              duration(inst.uptime(now)), percent(usage and usage.cpu_percent),
              size(usage and usage.rss), str(inst.lines), duration(inst.idle(now)),
-             visible(inst.last_line, width)), _STYLE[inst.state])
+             visible(inst.last_line, width)), SLOW_STYLE if inst.slow else _STYLE[inst.state])
 
 
 def _host_row(summary: HostSummary) -> tuple:

@@ -10,7 +10,8 @@ This is the one module that opens connections to hosts: a launch's agents (`Flee
 `poprun --check`'s (`Fleet.open_each`: the same bootstrap, --remote-install and transport),
 and `poprunctl reap`'s SSH connections (`connect`), so all of them connect the same way.
 
-Imports asyncssh (through spawner.remote, ~250 ms): only runs with remote hosts load it.
+Over SSH it imports asyncssh (~250 ms; spawner.ssh and spawner.remote import it when they
+connect); only runs with remote hosts load this module, and a Slurm launch never asyncssh.
 """
 
 from __future__ import annotations

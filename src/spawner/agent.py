@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import islice
-from typing import Any
+from typing import Any, NoReturn
 
 from popdist.env import SSH_CONNECTION_COPY
 from poprun._version import __version__
@@ -570,9 +570,25 @@ def _claim_stdio() -> tuple[int, int]:
     return in_fd, out_fd
 
 
-def main(initial: bytes = b"") -> int:
-    """`initial`: the start of the launcher's stream, already read from stdin by whoever ran
-    the agent (the bootstrap probe, spawner/carried.py)."""
+def main(initial: bytes = b"") -> NoReturn:
+    """Run the agent, then exit with its status. `initial`: the start of the launcher's
+    stream, already read from stdin by whoever ran the agent (the bootstrap probe,
+    spawner/carried.py).
+
+    It exits with `os._exit` once its instances are gone, its temp dirs removed and its
+    watchdog released: the interpreter's teardown (asyncio's modules) took another ~45 ms
+    (EOF to exit ~55 ms, now ~10), and every launch waits for its agents' end before it
+    exits itself (bench/README.md, "Remote launches")."""
+    status = _run(initial)
+    for stream in (sys.stdout, sys.stderr):  # fd 1 is stderr's by now (_claim_stdio)
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+def _run(initial: bytes) -> int:
     mode = os.fstat(0).st_mode
     if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or os.isatty(0)):  # epoll needs one
         _log("stdin must be a pipe or a socket: poprun starts the agent over SSH")
@@ -610,4 +626,4 @@ async def _serve(lifeline: Lifeline, in_fd: int, out_fd: int, initial: bytes = b
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

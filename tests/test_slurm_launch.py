@@ -54,6 +54,18 @@ def test_under_salloc_instances_run_on_both_nodes_as_job_steps(cluster):
     assert len({s["MASTER_ADDR"] for s in seen.values()}) == 1
 
 
+def test_a_slurm_launch_imports_no_asyncssh(cluster):
+    """Agents as job steps need no SSH: asyncssh (~200 ms to import) stays out of the
+    launcher (spawner/remote.py makes its session class only for an SSH connection)."""
+    done = cluster.run(["salloc", "-N2", "--ntasks-per-node=1", PY, "-X", "importtime",
+                        *POPRUN[1:], "--num-replicas=2", "true"], env=env(), timeout=90)
+    assert done.returncode == 0, done.stderr
+    modules = {line.rpartition("|")[2].strip() for line in done.stderr.splitlines()
+               if line.startswith("import time:")}
+    assert "spawner.srun" in modules  # the list is the launch's: the agents went through srun
+    assert not {m for m in modules if m.partition(".")[0] in ("asyncssh", "cryptography")}
+
+
 def test_an_mpi_world_spans_both_nodes(cluster):
     """Each node's agent (a job step) serves its instances' PMI and meets the other's
     through poprun (spawner/agentworld.py), as over SSH."""

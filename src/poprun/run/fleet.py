@@ -20,7 +20,6 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from spawner import bootstrap
 from spawner.local import Sink
 from spawner.remote import RemoteError, RemoteSpawner
 from spawner.ssh import DEFAULT_FANOUT, ConnectResults, HostFailure, close_all, connect_each
@@ -290,7 +289,12 @@ def _connected_to(view):
 
 
 async def _start_agent(spawner: RemoteSpawner, view, install, python, log, **hello):
-    info = await bootstrap.start_agent(spawner, install, python=python, log=log, **hello)
+    if install is None:  # a Slurm step: the agent runs as is (no bootstrap, no zip to build)
+        info = await spawner.start(**hello)
+    else:
+        from spawner import bootstrap
+
+        info = await bootstrap.start_agent(spawner, install, python=python, log=log, **hello)
     if view is not None:
         view.agent_ready(spawner.host)
     return info

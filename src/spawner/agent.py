@@ -48,7 +48,7 @@ from .local import LocalSpawner, ProcessSpec, Stream, resolve_program
 from .procstat import ProcSampler
 from .protocol import (MAGIC, PROTOCOL_VERSION, Control, Frame, FrameDecoder, Kind,
                        ProtocolError, SpawnRequest, encode, output_header)
-from .srun import step_variables
+from .srun import StepAck, step_variables
 from .stopsignals import STOP_SIGNALS
 from .sysfs import read_sysfs
 
@@ -270,6 +270,9 @@ class Agent:
         self._outbox = _Outbox(loop, out_fd, lambda: self.stop("stdout closed"),
                                self._on_pressure)
         self._decoder = FrameDecoder()
+        # As a Slurm job step, what the launcher sends is answered (spawner/srun.py: StepAck).
+        self._ack = StepAck(lambda: self._outbox.send(encode(Kind.ALIVE))) \
+            if "SLURM_STEP_ID" in os.environ else None
         self._temp_dirs: list[str] = []
         self._handlers = {Kind.HELLO: self._hello, Kind.MKTEMP: self._mktemp,
                           Kind.MKDIR: self._mkdir, Kind.HEARTBEAT: lambda fields: None,
@@ -312,6 +315,9 @@ class Agent:
             return
         for frame in frames:
             self._handle(frame)
+        if self._ack is not None and (self._decoder.pending or any(
+                getattr(f, "kind", None) is not Kind.HEARTBEAT for f in frames)):
+            self._ack()
 
     def _handle(self, frame: Frame) -> None:
         kind = frame.kind if isinstance(frame, Control) else Kind.OUTPUT

@@ -55,7 +55,7 @@ from .carried import MIN_PYTHON
 from .local import Sink
 from .protocol import (PROTOCOL_VERSION, Control, FrameDecoder, Kind, Output, ProtocolError,
                        SpawnRequest, encode)
-from .srun import STDERR_DATATYPE, SrunConnection
+from .srun import STDERR_DATATYPE, SrunConnection, StepAck
 from .ssh import SshError
 
 if TYPE_CHECKING:
@@ -277,6 +277,9 @@ class RemoteSpawner:
         self._expect = expect or Versions.here()
         self._chan: asyncssh.SSHClientChannel | None = None
         self._decoder = FrameDecoder(expect_magic=True)
+        # Over a Slurm step, what the agent sends is answered (spawner/srun.py: StepAck).
+        self._ack = StepAck(lambda: self._send_quietly(encode(Kind.HEARTBEAT))) \
+            if isinstance(conn, SrunConnection) else None
         self._ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}
         self._spawning: dict[int, asyncio.Future] = {}
@@ -536,6 +539,10 @@ class RemoteSpawner:
                 sink.on_output(frame.key, frame.stream, frame.data)
             else:
                 self._on_control(frame)
+        if self._ack is not None and (self._decoder.pending or self._replies or self._spawning
+                                      or any(type(f) is Output or f.kind is not Kind.ALIVE
+                                             for f in frames)):
+            self._ack()
 
     def _on_control(self, frame: Control) -> None:
         fields = frame.fields

@@ -233,13 +233,15 @@ class ConnectResults:
 
 async def connect_each(targets: Iterable[T], *, fanout: int = DEFAULT_FANOUT,
                        timeout: float = DEFAULT_TIMEOUT, keep_going: bool = True,
-                       password: str | None = None, progress: Progress | None = None
+                       password: str | None = None, progress: Progress | None = None,
+                       on_open: Callable[[T, asyncssh.SSHClientConnection], None] | None = None
                        ) -> ConnectResults:
     """Try every target, at most `fanout` at once, each within `timeout`; a host's failure is
     data, not an exception. The caller owns the connections returned (if this is cancelled,
     it closes them itself). With a `password`, password and keyboard-interactive auth are
     tried with it; without one they are off, so nothing can prompt. `progress(target,
-    timing, failure_or_None)` is called as each host finishes, e.g. for a live display."""
+    timing, failure_or_None)` is called as each host finishes, e.g. for a live display;
+    `on_open(target, connection)` as each connection opens (to use it before the others)."""
     targets = _unique(targets)
     if fanout < 1 or timeout <= 0:
         raise ValueError(f"fanout must be >= 1 and timeout > 0, got {fanout}, {timeout}")
@@ -260,6 +262,8 @@ async def connect_each(targets: Iterable[T], *, fanout: int = DEFAULT_FANOUT,
                 outcome = HostFailure(target, outcome.kind, outcome.message, timing)
                 failed.set()
             results.outcomes[target] = outcome
+            if on_open is not None and not isinstance(outcome, HostFailure):
+                on_open(target, outcome)
             if progress is not None:
                 progress(target, timing, outcome if isinstance(outcome, HostFailure) else None)
 

@@ -61,21 +61,22 @@ class Fleet:
         (the others still connecting); raises LaunchError (every failing host named, one
         line each) with nothing started; the caller closes what was opened."""
         self._opened_at = time.monotonic()
-        starting: list[asyncio.Task] = []
+        starting: dict[Host, asyncio.Task] = {}
 
         def start(host: Host, conn: object) -> None:
-            starting.append(asyncio.ensure_future(self._start_agents(
-                [host], sink, on_lost, cwd=cwd, program=program, path=path, view=view)))
+            starting[host] = asyncio.ensure_future(self._start_agents(
+                [host], sink, on_lost, cwd=cwd, program=program, path=path, view=view))
 
         try:
             failures = await self._connect(self.hosts, view, keep_going=False, on_open=start)
         except BaseException:
-            _cancel(starting)
+            _cancel(starting.values())
             raise
         if failures:  # at once, as before: agents still starting are closed with the rest
-            _cancel(starting)
+            _cancel(starting.values())
             _raise_failures(failures)
-        outcomes = await asyncio.gather(*starting, return_exceptions=True)
+        outcomes = await asyncio.gather(*(starting[h] for h in self.hosts),  # host order
+                                        return_exceptions=True)
         for outcome in outcomes:  # a bug, or a cancellation, is not a host's problem
             if isinstance(outcome, BaseException) and not isinstance(outcome, LaunchError):
                 raise outcome

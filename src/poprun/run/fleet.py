@@ -292,8 +292,11 @@ async def connect(hosts: Sequence, *, fanout: int = DEFAULT_FANOUT, timeout: flo
 
 
 def _cancel(tasks: Iterable[asyncio.Task]) -> None:
+    """Stop agents still starting. Each one's outcome is taken as it ends: an exception
+    never retrieved would reach the loop's exception handler, which takes it for a bug."""
     for task in tasks:
         task.cancel()
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 def _raise_failures(failures: Sequence[HostFailure]) -> None:

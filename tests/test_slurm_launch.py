@@ -5,6 +5,7 @@ arrives tagged, a failing instance's status propagates, `scancel` leaves no proc
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import pytest
 
 from conftest import SRC
 from slurm_cluster import SlurmCluster
+from spawner.srun import ACK_INTERVAL, StepAck
 from sshd_hosts import instances_with, processes_with, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,6 +54,40 @@ def test_under_salloc_instances_run_on_both_nodes_as_job_steps(cluster):
         [("0", "0"), ("1", "1"), ("2", "0"), ("3", "1")]
     assert all(s["SLURM_JOB_ID"] and s["SLURM_PROCID"] is None for s in seen.values())
     assert len({s["MASTER_ADDR"] for s in seen.values()}) == 1
+
+
+async def test_a_step_ack_goes_at_once_then_at_most_every_interval():
+    """StepAck (the answer that carries the step I/O's ACK): the first call sends at once;
+    calls within ACK_INTERVAL of it make one more send, ACK_INTERVAL after the first."""
+    loop = asyncio.get_running_loop()
+    sent: list[float] = []
+    second = loop.create_future()
+
+    def send() -> None:
+        sent.append(loop.time())
+        if len(sent) == 2:
+            second.set_result(None)
+
+    ack = StepAck(send)
+    ack()
+    assert len(sent) == 1
+    ack()
+    ack()
+    assert len(sent) == 1
+    await asyncio.wait_for(second, 5)
+    assert sent[1] - sent[0] >= ACK_INTERVAL * 0.99  # the loop's clock, as StepAck's
+
+
+def test_a_slurm_launch_imports_no_asyncssh(cluster):
+    """Agents as job steps need no SSH: asyncssh (~200 ms to import) stays out of the
+    launcher (spawner/remote.py makes its session class only for an SSH connection)."""
+    done = cluster.run(["salloc", "-N2", "--ntasks-per-node=1", PY, "-X", "importtime",
+                        *POPRUN[1:], "--num-replicas=2", "true"], env=env(), timeout=90)
+    assert done.returncode == 0, done.stderr
+    modules = {line.rpartition("|")[2].strip() for line in done.stderr.splitlines()
+               if line.startswith("import time:")}
+    assert "spawner.srun" in modules  # the list is the launch's: the agents went through srun
+    assert not {m for m in modules if m.partition(".")[0] in ("asyncssh", "cryptography")}
 
 
 def test_an_mpi_world_spans_both_nodes(cluster):

@@ -462,3 +462,40 @@ def test_importing_does_not_import_asyncssh() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=TIMEOUT)
     assert done.stdout.strip() == "False", done.stderr
+
+
+# -- importing asyncssh ------------------------------------------------------------------------
+
+# Imports asyncssh in a fresh interpreter, `how` being the statement; prints whether
+# ctypes.util.find_library is the same function afterwards.
+_IMPORT = ("import ctypes.util, sys; before = ctypes.util.find_library; {how}; "
+           "print('asyncssh' in sys.modules, ctypes.util.find_library is before)")
+
+
+def _import_counting_gcc(tmp_path: Path, how: str) -> tuple[str, int]:
+    """Run _IMPORT with a `gcc` first on PATH that counts its runs (and then fails, as a
+    compiler that finds no library does): its stdout, and how often gcc ran."""
+    bin_dir, count = tmp_path / "bin", tmp_path / "gcc-runs"
+    bin_dir.mkdir(exist_ok=True)
+    count.write_text("")
+    gcc = bin_dir / "gcc"
+    gcc.write_text(f"#!/bin/sh\necho run >> {count}\nexit 1\n")
+    gcc.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run([sys.executable, "-c", _IMPORT.format(how=how)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip(), len(count.read_text().split())
+
+
+def test_load_asyncssh_runs_no_compiler(tmp_path):
+    """asyncssh looks for optional libraries at import; where ld.so's cache lacks one,
+    find_library runs gcc (~50 ms each): load_asyncssh imports it without, and leaves
+    find_library as it found it."""
+    plain, plain_runs = _import_counting_gcc(tmp_path, "import asyncssh")
+    if plain_runs == 0:  # this machine has every library asyncssh looks for
+        pytest.skip("asyncssh's import runs no gcc here (liboqs is installed)")
+    loaded, runs = _import_counting_gcc(
+        tmp_path, "from spawner.ssh import load_asyncssh; load_asyncssh()")
+    assert (plain, loaded) == ("True True", "True True")
+    assert runs == 0

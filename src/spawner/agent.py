@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import islice
-from typing import Any
+from typing import Any, NoReturn
 
 from popdist.env import SSH_CONNECTION_COPY
 from poprun._version import __version__
@@ -48,7 +48,7 @@ from .local import LocalSpawner, ProcessSpec, Stream, resolve_program
 from .procstat import ProcSampler
 from .protocol import (MAGIC, PROTOCOL_VERSION, Control, Frame, FrameDecoder, Kind,
                        ProtocolError, SpawnRequest, encode, output_header)
-from .srun import step_variables
+from .srun import StepAck, step_variables
 from .stopsignals import STOP_SIGNALS
 from .sysfs import read_sysfs
 
@@ -270,6 +270,9 @@ class Agent:
         self._outbox = _Outbox(loop, out_fd, lambda: self.stop("stdout closed"),
                                self._on_pressure)
         self._decoder = FrameDecoder()
+        # As a Slurm job step, what the launcher sends is answered (spawner/srun.py: StepAck).
+        self._ack = StepAck(lambda: self._outbox.send(encode(Kind.ALIVE))) \
+            if "SLURM_STEP_ID" in os.environ else None
         self._temp_dirs: list[str] = []
         self._handlers = {Kind.HELLO: self._hello, Kind.MKTEMP: self._mktemp,
                           Kind.MKDIR: self._mkdir, Kind.HEARTBEAT: lambda fields: None,
@@ -312,6 +315,9 @@ class Agent:
             return
         for frame in frames:
             self._handle(frame)
+        if self._ack is not None and (self._decoder.pending or any(
+                getattr(f, "kind", None) is not Kind.HEARTBEAT for f in frames)):
+            self._ack()
 
     def _handle(self, frame: Frame) -> None:
         kind = frame.kind if isinstance(frame, Control) else Kind.OUTPUT
@@ -576,9 +582,25 @@ def _claim_stdio() -> tuple[int, int]:
     return in_fd, out_fd
 
 
-def main(initial: bytes = b"") -> int:
-    """`initial`: the start of the launcher's stream, already read from stdin by whoever ran
-    the agent (the bootstrap probe, spawner/carried.py)."""
+def main(initial: bytes = b"") -> NoReturn:
+    """Run the agent, then exit with its status. `initial`: the start of the launcher's
+    stream, already read from stdin by whoever ran the agent (the bootstrap probe,
+    spawner/carried.py).
+
+    It exits with `os._exit` once its instances are gone, its temp dirs removed and its
+    watchdog released: the interpreter's teardown (asyncio's modules) took another ~45 ms
+    (EOF to exit ~55 ms, now ~10), and every launch waits for its agents' end before it
+    exits itself (bench/README.md, "Remote launches")."""
+    status = _run(initial)
+    for stream in (sys.stdout, sys.stderr):  # fd 1 is stderr's by now (_claim_stdio)
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+def _run(initial: bytes) -> int:
     mode = os.fstat(0).st_mode
     if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or os.isatty(0)):  # epoll needs one
         _log("stdin must be a pipe or a socket: poprun starts the agent over SSH")
@@ -616,4 +638,4 @@ async def _serve(lifeline: Lifeline, in_fd: int, out_fd: int, initial: bytes = b
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,5 +1,5 @@
-"""The launcher's end of a per-host agent: `RemoteSpawner`, on asyncio over one asyncssh
-connection.
+"""The launcher's end of a per-host agent: `RemoteSpawner`, on asyncio over one connection
+(SSH's, or a Slurm job step's).
 
     spawner = RemoteSpawner(conn, "h2", sink, on_lost=job.on_host_lost)
     info = await spawner.start(cwd=os.getcwd(), program="python3")  # versions differ: raises
@@ -18,7 +18,9 @@ The agent's stdout is read through an `SSHClientSession` rather than `create_pro
 streams: each SSH data packet is decoded and dispatched in the callback that receives it, with
 no task switch or extra buffer per read on the output path.
 
-This module imports asyncssh (~250 ms): import it only for runs with remote hosts.
+The connection is an asyncssh connection or a Slurm job step (`spawner.srun.SrunConnection`).
+asyncssh (~250 ms to import) is imported only when the connection is SSH's: a launch under
+Slurm never loads it.
 
 Errors (connection failures are spawner.ssh's SshConnectError):
 
@@ -44,9 +46,8 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import asyncssh
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 from poprun._version import __version__
 
@@ -54,7 +55,11 @@ from .carried import MIN_PYTHON
 from .local import Sink
 from .protocol import (PROTOCOL_VERSION, Control, FrameDecoder, Kind, Output, ProtocolError,
                        SpawnRequest, encode)
+from .srun import STDERR_DATATYPE, SrunConnection, StepAck
 from .ssh import SshError
+
+if TYPE_CHECKING:
+    import asyncssh
 
 AGENT_MODULE = "spawner.agent"
 HELLO_TIMEOUT = 30.0  # a cold Python start on a loaded host can take seconds
@@ -213,15 +218,16 @@ def agent_command(python: str) -> str:
 
 # --- the spawner -------------------------------------------------------------------------
 
-class _AgentSession(asyncssh.SSHClientSession):
-    """Hands the channel's bytes and its end to the RemoteSpawner."""
+class _AgentSession:
+    """Hands the channel's bytes and its end to the RemoteSpawner (a Slurm step's channel
+    calls these two; over SSH, `_ssh_session` adds asyncssh's session around them)."""
 
     def __init__(self, owner: RemoteSpawner) -> None:
         self._owner = owner
 
     def data_received(self, data: bytes, datatype: int | None) -> None:
         try:
-            if datatype == asyncssh.EXTENDED_DATA_STDERR:
+            if datatype == STDERR_DATATYPE:
                 self._owner._on_stderr(data)
             else:
                 self._owner._on_data(data)
@@ -236,6 +242,22 @@ class _AgentSession(asyncssh.SSHClientSession):
         self._owner._on_closed(exc)
 
 
+@cache
+def _ssh_session() -> type:
+    """_AgentSession as an asyncssh session (its other callbacks asyncssh's defaults), the
+    class made on first use: asyncssh is imported only for connections that are SSH's."""
+    import asyncssh
+
+    return type("_SshAgentSession", (_AgentSession, asyncssh.SSHClientSession), {})
+
+
+def _channel_errors() -> tuple[type[BaseException], ...]:
+    """What opening or writing to a channel raises: OSError, and asyncssh's errors once
+    asyncssh is loaded (before, no channel can be SSH's)."""
+    asyncssh = sys.modules.get("asyncssh")
+    return (OSError, asyncssh.Error) if asyncssh is not None else (OSError,)
+
+
 class RemoteSpawner:
     """The agent on one host: starts, signals and watches that host's instances.
 
@@ -244,8 +266,8 @@ class RemoteSpawner:
     connection stays the caller's: closing the spawner does not close it.
     """
 
-    def __init__(self, conn: asyncssh.SSHClientConnection, host: str, sink: Sink,
-                 on_lost: Callable[[str, str], None] | None = None, *,
+    def __init__(self, conn: asyncssh.SSHClientConnection | SrunConnection, host: str,
+                 sink: Sink, on_lost: Callable[[str, str], None] | None = None, *,
                  python: str | None = None, expect: Versions | None = None) -> None:
         self.host, self.conn, self._sink, self._on_lost = host, conn, sink, on_lost
         self.command = agent_command(python or sys.executable)
@@ -255,6 +277,9 @@ class RemoteSpawner:
         self._expect = expect or Versions.here()
         self._chan: asyncssh.SSHClientChannel | None = None
         self._decoder = FrameDecoder(expect_magic=True)
+        # Over a Slurm step, what the agent sends is answered (spawner/srun.py: StepAck).
+        self._ack = StepAck(lambda: self._send_quietly(encode(Kind.HEARTBEAT))) \
+            if isinstance(conn, SrunConnection) else None
         self._ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}
         self._spawning: dict[int, asyncio.Future] = {}
@@ -294,10 +319,11 @@ class RemoteSpawner:
         Raises AgentStartError, or AgentVersionError after stopping the agent: then nothing
         was started."""
         self._t0 = time.monotonic()
+        session = _AgentSession if isinstance(self.conn, SrunConnection) else _ssh_session()
         try:
             self._chan, _ = await self.conn.create_session(
-                lambda: _AgentSession(self), self.command, encoding=None)
-        except (asyncssh.Error, OSError) as exc:
+                lambda: session(self), self.command, encoding=None)
+        except _channel_errors() as exc:
             raise AgentStartError(self.host, f"cannot run the poprun agent: {exc}") from None
         self.timings.session = self._elapsed()
         major, minor = self._expect.python
@@ -462,7 +488,7 @@ class RemoteSpawner:
             return
         try:
             self._chan.write_eof()
-        except (OSError, asyncssh.Error):
+        except _channel_errors():
             pass  # the channel is going anyway
         try:
             await asyncio.wait_for(self._closed.wait(), timeout)
@@ -513,6 +539,10 @@ class RemoteSpawner:
                 sink.on_output(frame.key, frame.stream, frame.data)
             else:
                 self._on_control(frame)
+        if self._ack is not None and (self._decoder.pending or self._replies or self._spawning
+                                      or any(type(f) is Output or f.kind is not Kind.ALIVE
+                                             for f in frames)):
+            self._ack()
 
     def _on_control(self, frame: Control) -> None:
         fields = frame.fields

@@ -16,6 +16,16 @@ carry bytes unchanged (NUL, 0xff, 20 MiB echoed intact), and end with EOF on std
 srun cancels the step (its task gone within 0.5 s); a cancelled or timed-out job's steps end
 with slurmstepd's `*** STEP ... CANCELLED ... ***` on stderr, which becomes the lost host's
 reason.
+
+A step's I/O travels between srun and slurmstepd over TCP with Nagle's algorithm on, in
+messages of at most 1 KiB: a message is sent only once the last one is acknowledged, and the
+receiver delays its acknowledgement up to 40 ms unless it has something to send back. So an
+agent's HELLO reply (~6 KiB) came in two parts 40 ms apart, STARTED frames and an EXIT right
+after them the same, and a 1.3 KiB SPAWN likewise. `StepAck` gives the other side something to
+send back: the launcher answers what an agent sends with a HEARTBEAT, the agent what the
+launcher sends with an ALIVE (neither answers those two, so they never answer each other), at
+most one every `ACK_INTERVAL`; the acknowledgement rides on it and the rest follows at once
+(bench/README.md, "Remote launches").
 """
 
 from __future__ import annotations
@@ -33,6 +43,36 @@ STEP_VARIABLES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_TASK_P
                   "SLURM_GTIDS", "SLURM_NPROCS", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE",
                   "SLURM_CPU_BIND", "SLURM_DISTRIBUTION", "SLURM_LAUNCH_NODE_IPADDR",
                   "SLURM_SRUN_COMM_HOST", "SLURM_SRUN_COMM_PORT", "SLURM_UMASK")
+
+
+ACK_INTERVAL = 0.01  # seconds: at most this often a StepAck sends
+
+
+class StepAck:
+    """Over a job step's I/O, `send()` (a frame the other side ignores) when the other side
+    has sent something and more may follow: at once, or once ACK_INTERVAL has passed since
+    the last (see the module docstring)."""
+
+    def __init__(self, send: Callable[[], None]) -> None:
+        self._send = send
+        self._last = float("-inf")
+        self._due = False
+
+    def __call__(self) -> None:
+        if self._due:
+            return
+        loop = asyncio.get_running_loop()
+        delay = self._last + ACK_INTERVAL - loop.time()
+        if delay <= 0:
+            self._fire(loop)
+        else:
+            self._due = True
+            loop.call_later(delay, self._fire, loop)
+
+    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._due = False
+        self._last = loop.time()
+        self._send()
 
 
 # What slurmstepd writes on the step's stderr when Slurm ends it (scancel, a time limit).

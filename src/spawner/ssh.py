@@ -12,7 +12,8 @@ unless a password is given explicitly: no password or keyboard-interactive promp
 prompt (encrypted keys are skipped), stdin is never read.
 
 asyncssh costs ~250 ms to import, so it is imported inside the functions that need it: the
-error and result types here are free to import.
+error and result types here are free to import. A connection loads it with `load_asyncssh()`,
+which spares the import a C compiler's runs (see there).
 
 Errors:
 
@@ -232,13 +233,15 @@ class ConnectResults:
 
 async def connect_each(targets: Iterable[T], *, fanout: int = DEFAULT_FANOUT,
                        timeout: float = DEFAULT_TIMEOUT, keep_going: bool = True,
-                       password: str | None = None, progress: Progress | None = None
+                       password: str | None = None, progress: Progress | None = None,
+                       on_open: Callable[[T, asyncssh.SSHClientConnection], None] | None = None
                        ) -> ConnectResults:
     """Try every target, at most `fanout` at once, each within `timeout`; a host's failure is
     data, not an exception. The caller owns the connections returned (if this is cancelled,
     it closes them itself). With a `password`, password and keyboard-interactive auth are
     tried with it; without one they are off, so nothing can prompt. `progress(target,
-    timing, failure_or_None)` is called as each host finishes, e.g. for a live display."""
+    timing, failure_or_None)` is called as each host finishes, e.g. for a live display;
+    `on_open(target, connection)` as each connection opens (to use it before the others)."""
     targets = _unique(targets)
     if fanout < 1 or timeout <= 0:
         raise ValueError(f"fanout must be >= 1 and timeout > 0, got {fanout}, {timeout}")
@@ -259,6 +262,8 @@ async def connect_each(targets: Iterable[T], *, fanout: int = DEFAULT_FANOUT,
                 outcome = HostFailure(target, outcome.kind, outcome.message, timing)
                 failed.set()
             results.outcomes[target] = outcome
+            if on_open is not None and not isinstance(outcome, HostFailure):
+                on_open(target, outcome)
             if progress is not None:
                 progress(target, timing, outcome if isinstance(outcome, HostFailure) else None)
 
@@ -310,9 +315,35 @@ class _Rejected(NamedTuple):
     key: Any  # asyncssh.SSHKey
 
 
+@functools.cache
+def load_asyncssh() -> Any:
+    """asyncssh, imported with `ctypes.util.find_library` not running gcc. At import asyncssh
+    looks for optional libraries (liboqs, twice; nettle); for each that ld.so's cache lacks,
+    find_library runs gcc, then ld: three gcc and ld runs took ~150 ms of every SSH launch on
+    a machine with a compiler (strace; bench/README.md, "Remote launches"). The cache and
+    `ld -t` (what gcc would link, LD_LIBRARY_PATH too) still answer; elsewhere than Linux, or
+    should CPython's helpers change, the import is left as it is."""
+    import ctypes.util
+
+    found = [getattr(ctypes.util, name, None)
+             for name in ("_findSoname_ldconfig", "_findLib_ld", "_get_soname")]
+    if None in found:
+        import asyncssh
+
+        return asyncssh
+    ldconfig, ld, soname = found
+    full = ctypes.util.find_library
+    ctypes.util.find_library = lambda name: ldconfig(name) or soname(ld(name))
+    try:
+        import asyncssh
+    finally:
+        ctypes.util.find_library = full
+    return asyncssh
+
+
 async def _connect_one(target: SshTarget, timeout: float, password: str | None
                        ) -> asyncssh.SSHClientConnection | _Failed:
-    import asyncssh
+    asyncssh = load_asyncssh()
 
     clients: list[Any] = []
 

@@ -10,7 +10,8 @@ This is the one module that opens connections to hosts: a launch's agents (`Flee
 `poprun --check`'s (`Fleet.open_each`: the same bootstrap, --remote-install and transport),
 and `poprunctl reap`'s SSH connections (`connect`), so all of them connect the same way.
 
-Imports asyncssh (through spawner.remote, ~250 ms): only runs with remote hosts load it.
+Over SSH it imports asyncssh (~250 ms; spawner.ssh and spawner.remote import it when they
+connect); only runs with remote hosts load this module, and a Slurm launch never asyncssh.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from spawner import bootstrap
 from spawner.local import Sink
 from spawner.remote import RemoteError, RemoteSpawner
 from spawner.ssh import DEFAULT_FANOUT, ConnectResults, HostFailure, close_all, connect_each
@@ -46,7 +46,8 @@ class Fleet:
         self.connections: dict[Host, object] = {}
         self.spawners: dict[str, RemoteSpawner] = {}
         self._timings: dict[Host, object] = {}  # per host: how its connection went
-        self._opened_at = self._agents_started_at = 0.0  # time.monotonic(), for phases()
+        self._opened_at = 0.0  # time.monotonic(), for phases()
+        self._agent_started: dict[Host, float] = {}  # ... and when each agent's start began
 
     @classmethod
     def of(cls, hosts: JobHosts, config: LaunchConfig, log: Log) -> Fleet:
@@ -56,13 +57,32 @@ class Fleet:
 
     async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
                    program: str, path: str | None, view=None) -> None:
-        """Connect to every host and start its agent; raises LaunchError (every failing host
-        named, one line each) with nothing started; the caller closes what was opened."""
+        """Connect to every host and start its agent, each as soon as its host is connected
+        (the others still connecting); raises LaunchError (every failing host named, one
+        line each) with nothing started; the caller closes what was opened."""
         self._opened_at = time.monotonic()
-        _raise_failures(await self._connect(self.hosts, view, keep_going=False))
-        self._agents_started_at = time.monotonic()
-        await self._start_agents(self.hosts, sink, on_lost, cwd=cwd, program=program,
-                                 path=path, view=view)
+        starting: dict[Host, asyncio.Task] = {}
+
+        def start(host: Host, conn: object) -> None:
+            starting[host] = asyncio.ensure_future(self._start_agents(
+                [host], sink, on_lost, cwd=cwd, program=program, path=path, view=view))
+
+        try:
+            failures = await self._connect(self.hosts, view, keep_going=False, on_open=start)
+        except BaseException:
+            _cancel(starting.values())
+            raise
+        if failures:  # at once, as before: agents still starting are closed with the rest
+            _cancel(starting.values())
+            _raise_failures(failures)
+        outcomes = await asyncio.gather(*(starting[h] for h in self.hosts),  # host order
+                                        return_exceptions=True)
+        for outcome in outcomes:  # a bug, or a cancellation, is not a host's problem
+            if isinstance(outcome, BaseException) and not isinstance(outcome, LaunchError):
+                raise outcome
+        problems = [str(o) for o in outcomes if isinstance(o, LaunchError)]
+        if problems:
+            raise LaunchError("\n".join(problems))
 
     async def open_each(self, sink: Sink, *, cwd: str, program: str | None,
                         path: str | None) -> dict[str, object]:
@@ -91,16 +111,24 @@ class Fleet:
         await self._start_agents(hosts, sink, on_lost, cwd=cwd, program=program, path=path,
                                  view=None)
 
-    async def _connect(self, hosts: Sequence[Host], view, *,
-                       keep_going: bool) -> list[HostFailure]:
+    async def _connect(self, hosts: Sequence[Host], view, *, keep_going: bool,
+                       on_open: Callable[[Host, object], None] | None = None
+                       ) -> list[HostFailure]:
         """Connections to `hosts` (those opened are kept, for close()); the failures.
-        `keep_going` False: once one host failed, the hosts still queued are not tried."""
+        `keep_going` False: once one host failed, the hosts still queued are not tried.
+        `on_open(host, connection)` as each opens (it is in `connections` by then)."""
+        def opened(host: Host, conn: object) -> None:
+            self.connections[host] = conn
+            if on_open is not None:
+                on_open(host, conn)
+
         if self.transport == "slurm":
-            self.connections.update(_srun_connections(hosts))
+            for host, conn in _srun_connections(hosts).items():
+                opened(host, conn)
             return []
         results = await connect(hosts, fanout=self.config.ssh_fanout,
                                 timeout=self.config.ssh_timeout, keep_going=keep_going,
-                                progress=_connected_to(view))
+                                progress=_connected_to(view), on_open=opened)
         self.connections.update(results.connections)
         self._timings.update(results.timings)
         for host in results.connections:
@@ -127,6 +155,7 @@ class Fleet:
         exception its start raised."""
         spawners = [RemoteSpawner(self.connections[h], str(h), sink, on_lost,
                                   python=self.config.remote_python) for h in hosts]
+        self._agent_started.update((h, time.monotonic()) for h in hosts)
         self.spawners.update((s.host, s) for s in spawners)
         self.spawners = {str(h): self.spawners[str(h)] for h in self.hosts
                          if str(h) in self.spawners}  # in host order, as planned
@@ -176,7 +205,7 @@ class Fleet:
                 connected = opened + timings[host].queued + timings[host].connect - since
                 out[str(host)]["connected"] = round(connected, 6)
             if spawner.timings.ready is not None:
-                ready = self._agents_started_at + spawner.timings.ready - since
+                ready = self._agent_started[host] + spawner.timings.ready - since
                 out[str(host)]["agent_ready"] = round(ready, 6)
         return out
 
@@ -252,14 +281,22 @@ class Fleet:
 
 
 async def connect(hosts: Sequence, *, fanout: int = DEFAULT_FANOUT, timeout: float,
-                  keep_going: bool, progress=None, password: str | None = None
-                  ) -> ConnectResults:
+                  keep_going: bool, progress=None, password: str | None = None,
+                  on_open=None) -> ConnectResults:
     """SSH connections to `hosts`, at most `fanout` opening at once, each within `timeout`,
     never prompting (the user's ~/.ssh/config and keys; `password`: the one the user typed
-    for --distribute-ssh-key); a host's failure is data. The caller closes the connections
-    (spawner.ssh.close_all)."""
+    for --distribute-ssh-key); a host's failure is data; `on_open(host, connection)` as each
+    opens. The caller closes the connections (spawner.ssh.close_all)."""
     return await connect_each(hosts, fanout=fanout, timeout=timeout, keep_going=keep_going,
-                              progress=progress, password=password)
+                              progress=progress, password=password, on_open=on_open)
+
+
+def _cancel(tasks: Iterable[asyncio.Task]) -> None:
+    """Stop agents still starting. Each one's outcome is taken as it ends: an exception
+    never retrieved would reach the loop's exception handler, which takes it for a bug."""
+    for task in tasks:
+        task.cancel()
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 def _raise_failures(failures: Sequence[HostFailure]) -> None:
@@ -289,7 +326,12 @@ def _connected_to(view):
 
 
 async def _start_agent(spawner: RemoteSpawner, view, install, python, log, **hello):
-    info = await bootstrap.start_agent(spawner, install, python=python, log=log, **hello)
+    if install is None:  # a Slurm step: the agent runs as is (no bootstrap, no zip to build)
+        info = await spawner.start(**hello)
+    else:
+        from spawner import bootstrap
+
+        info = await bootstrap.start_agent(spawner, install, python=python, log=log, **hello)
     if view is not None:
         view.agent_ready(spawner.host)
     return info

@@ -219,17 +219,16 @@ if len(sys.argv) > 1:  # a directory: hold the pipes until every instance has it
         assert time.monotonic() < deadline, "not every instance started"
         time.sleep(0.01)
 """
-DEFAULT_PIPE = 65536  # Linux's pipe size (16 pages)
 
 
 def test_instance_pipes_are_grown_within_a_budget(tmp_path: Path) -> None:
     """Each instance's pipes are grown to PIPE_SIZE (fewer wake-ups and reads per byte, issue
     28) until the growth reaches PIPE_GROWTH_BUDGET; the pipes after that keep the default."""
-    from spawner.local import PIPE_GROWTH_BUDGET, PIPE_SIZE
+    from spawner.local import DEFAULT_PIPE_SIZE, PIPE_GROWTH_BUDGET, PIPE_SIZE
 
     if os.geteuid() != 0 and int(Path("/proc/sys/fs/pipe-max-size").read_text()) < PIPE_SIZE:
         pytest.skip("fs.pipe-max-size is below PIPE_SIZE for this unprivileged user")
-    n = PIPE_GROWTH_BUDGET // (PIPE_SIZE - DEFAULT_PIPE) // 2 + 2  # more than it covers
+    n = PIPE_GROWTH_BUDGET // (PIPE_SIZE - DEFAULT_PIPE_SIZE) // 2 + 2  # more than it covers
     prog = script(tmp_path, "sizes.py", PIPE_SIZES)
     started = tmp_path / "started"
     started.mkdir()
@@ -237,8 +236,8 @@ def test_instance_pipes_are_grown_within_a_budget(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     sizes = [int(size) for line in proc.stdout.splitlines() for size in line.split()[1:]]
     assert len(sizes) == 2 * n
-    assert set(sizes) == {PIPE_SIZE, DEFAULT_PIPE}, sizes
-    grown = sum(size - DEFAULT_PIPE for size in sizes)
+    assert set(sizes) == {PIPE_SIZE, DEFAULT_PIPE_SIZE}, sizes
+    grown = sum(size - DEFAULT_PIPE_SIZE for size in sizes)
     assert PIPE_GROWTH_BUDGET - PIPE_SIZE < grown <= PIPE_GROWTH_BUDGET
 
 
@@ -278,12 +277,14 @@ asyncio.run(main())
 def test_a_pipe_the_kernel_will_not_grow_keeps_its_size(tmp_path: Path) -> None:
     """Without CAP_SYS_RESOURCE (an unprivileged user; here root without it), a pipe above
     fs.pipe-max-size is refused: the instance runs with the default pipe, output intact."""
+    from spawner.local import DEFAULT_PIPE_SIZE
+
     prog = script(tmp_path, "refused.py", REFUSED)
     proc = subprocess.run(["setpriv", "--bounding-set", "-sys_resource,-sys_admin", PY, prog,
                            PIPE_SIZES], env=clean_env(), stdin=subprocess.DEVNULL,
                           capture_output=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout == b"0 0 %d %d\n" % (DEFAULT_PIPE, DEFAULT_PIPE)
+    assert proc.stdout == b"0 0 %d %d\n" % (DEFAULT_PIPE_SIZE, DEFAULT_PIPE_SIZE)
 
 
 TWO_STREAMS = r"""

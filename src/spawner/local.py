@@ -45,6 +45,7 @@ PIPE_SIZE = 1 << 20
 # fs.pipe-user-pages-soft (64 MiB by default) leave every new pipe of that user, another
 # program's too, 8 KiB. Past it, pipes keep their default size.
 PIPE_GROWTH_BUDGET = 16 << 20
+DEFAULT_PIPE_SIZE = 65536  # Linux's, for a user within fs.pipe-user-pages-soft
 # One pipe's worth.
 READ_SIZE = PIPE_SIZE
 # An instance's error file (popdist/errorfile.py) is read up to this size.
@@ -196,6 +197,8 @@ class LocalSpawner:
     def _grow(self, child: _Child, fd: int) -> None:
         """Grow a new pipe to PIPE_SIZE, within the budget; where the kernel refuses (above
         fs.pipe-max-size, past the user's pipe pages: unprivileged users only), it stays."""
+        if self._pipe_growth + PIPE_SIZE - DEFAULT_PIPE_SIZE > PIPE_GROWTH_BUDGET:
+            return  # spent (a new pipe is never above the default): no system call
         try:
             before = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
             if self._pipe_growth + PIPE_SIZE - before > PIPE_GROWTH_BUDGET:

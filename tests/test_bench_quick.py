@@ -127,8 +127,10 @@ def test_report_judges_targets_and_renders_a_page_from_a_document():
                 {"n": 256, "sides": [_side("floor", 0.070), _side("poprun", 0.500), _side("mpirun", 0.400)]},
             ]},
             "output": {"lines": 200_000, "cases": [
-                {"n": 8, "lines": 200_000, "sides": [_side("floor", 0.100), _side("poprun", 0.140),
-                                                     _side("mpirun", 3.5)]}]},
+                {"n": 8, "lines": 200_000, "sides": [
+                    _side("floor", 0.100), _side("baseline", 0.090),
+                    _side("poprun", 0.140, cpu_s={"median": 0.19, "min": 0.18, "max": 0.21}),
+                    _side("mpirun", 3.5)]}]},
             "mpi": {"mpiexec": "/venv/bin/mpiexec", "env": {}, "cases": [
                 {"n": 4, "sides": [_side("poprun", 0.700), _side("mpiexec", 0.400)]},
                 {"n": 16, "sides": [_side("poprun", 2.0), _side("mpiexec", 1.6)]}]},
@@ -146,6 +148,7 @@ def test_report_judges_targets_and_renders_a_page_from_a_document():
         "launch-256-mpirun": "fail",  # 500 ms vs 400 ms
         "launch-256-torchrun": "skip",
         "output-8-floor": "pass",  # 1.4x
+        "output-8-none": "fail",  # 1.56x the writers alone
         "output-8-mpirun": "pass",
         "mpi-16-mpiexec": "pass",  # 1.25x; 4 ranks have no target
         "rss": "pass",  # 31 000 KiB < 80 MiB
@@ -157,6 +160,9 @@ def test_report_judges_targets_and_renders_a_page_from_a_document():
     assert "125 ms (120–150 ms)" in page
     assert "— · 1 hung" in page
     assert "+55 ms" in page
+    # poprun's own CPU over 8 x 200k lines, in the output table and in the target's figures.
+    assert "| 190 ms (180–210 ms) | 119 ns |" in page
+    assert "poprun 140 ms = 1.56× no launcher's 90 ms; poprun's own CPU 119 ns a line" in page
     assert "`/venv/bin/mpiexec`" in page and "| 16 | — | — | 2.00 s | 1.60 s | 1.25× |" in page
     assert "Quick run" not in page
     panels = report.chart_groups(doc)

@@ -208,6 +208,85 @@ def test_tagged_output_lines_are_atomic(tmp_path: Path) -> None:
         b"[1,%d]<stderr>:err %d" % (i, i) for i in range(8)]
 
 
+PIPE_SIZES = r"""
+import fcntl, os, sys, time
+i = os.environ["RANK"]
+print(i, fcntl.fcntl(1, fcntl.F_GETPIPE_SZ), fcntl.fcntl(2, fcntl.F_GETPIPE_SZ), flush=True)
+if len(sys.argv) > 1:  # a directory: hold the pipes until every instance has its own
+    open(os.path.join(sys.argv[1], i), "w").close()
+    deadline = time.monotonic() + 30
+    while len(os.listdir(sys.argv[1])) < int(os.environ["WORLD_SIZE"]):
+        assert time.monotonic() < deadline, "not every instance started"
+        time.sleep(0.01)
+"""
+
+
+def test_instance_pipes_are_grown_within_a_budget(tmp_path: Path) -> None:
+    """Each instance's pipes are grown to PIPE_SIZE (fewer wake-ups and reads per byte, issue
+    28) until the growth reaches PIPE_GROWTH_BUDGET; the pipes after that keep the default."""
+    from spawner.local import DEFAULT_PIPE_SIZE, PIPE_GROWTH_BUDGET, PIPE_SIZE
+
+    if os.geteuid() != 0 and int(Path("/proc/sys/fs/pipe-max-size").read_text()) < PIPE_SIZE:
+        pytest.skip("fs.pipe-max-size is below PIPE_SIZE for this unprivileged user")
+    n = PIPE_GROWTH_BUDGET // (PIPE_SIZE - DEFAULT_PIPE_SIZE) // 2 + 2  # more than it covers
+    prog = script(tmp_path, "sizes.py", PIPE_SIZES)
+    started = tmp_path / "started"
+    started.mkdir()
+    proc = run("--num-instances", str(n), "--num-replicas", str(n), OFF, PY, prog, str(started))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sizes = [int(size) for line in proc.stdout.splitlines() for size in line.split()[1:]]
+    assert len(sizes) == 2 * n
+    assert set(sizes) == {PIPE_SIZE, DEFAULT_PIPE_SIZE}, sizes
+    grown = sum(size - DEFAULT_PIPE_SIZE for size in sizes)
+    assert PIPE_GROWTH_BUDGET - PIPE_SIZE < grown <= PIPE_GROWTH_BUDGET
+
+
+REFUSED = r"""
+import asyncio, os, sys
+from spawner import local
+
+# Above fs.pipe-max-size, which only CAP_SYS_RESOURCE may pass: the kernel refuses (EPERM).
+local.PIPE_SIZE = 2 * int(open("/proc/sys/fs/pipe-max-size").read())
+
+
+class Sink:
+    def __init__(self, done):
+        self.done, self.out = done, []
+
+    def on_output(self, key, stream, data):
+        self.out.append(data)
+
+    def on_exit(self, key, returncode):
+        self.done.set_result(returncode)
+
+
+async def main():
+    loop = asyncio.get_running_loop()
+    sink = Sink(loop.create_future())
+    spawner = local.LocalSpawner(sink, loop, cgroups=False)
+    spawner.spawn(local.ProcessSpec(0, (sys.executable, "-c", sys.argv[1]),
+                                    {**os.environ, "RANK": "0"}))
+    returncode = await asyncio.wait_for(sink.done, 30)
+    spawner.close()
+    print(returncode, b"".join(sink.out).decode(), end="")
+
+asyncio.run(main())
+"""
+
+
+def test_a_pipe_the_kernel_will_not_grow_keeps_its_size(tmp_path: Path) -> None:
+    """Without CAP_SYS_RESOURCE (an unprivileged user; here root without it), a pipe above
+    fs.pipe-max-size is refused: the instance runs with the default pipe, output intact."""
+    from spawner.local import DEFAULT_PIPE_SIZE
+
+    prog = script(tmp_path, "refused.py", REFUSED)
+    proc = subprocess.run(["setpriv", "--bounding-set", "-sys_resource,-sys_admin", PY, prog,
+                           PIPE_SIZES], env=clean_env(), stdin=subprocess.DEVNULL,
+                          capture_output=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == b"0 0 %d %d\n" % (DEFAULT_PIPE_SIZE, DEFAULT_PIPE_SIZE)
+
+
 TWO_STREAMS = r"""
 import os, sys
 i = os.environ["RANK"]

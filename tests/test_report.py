@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
@@ -110,3 +111,16 @@ def test_the_report_is_plain_text_unless_rich_would_style_its_fd():
     assert b"\x1b[1;31mpoprun: instance 1 (pid 11 on localhost) failed first" in styled
     assert re.sub(rb"\x1b\[[\d;]*m", b"", styled) == result.failure_report().encode()
     assert b"    [bold]not markup[/bold]\n" in styled
+
+
+# The report's stderr tail splits only a block's end (run/output.py last_lines): the same lines
+# as splitting all of it, whatever the line ends (`\r` progress, `\r\n`, none at the end):
+# every block of up to 7 such pieces.
+def test_last_lines_are_the_block_s_last_lines():
+    from poprun.run.output import last_lines
+
+    pieces = (b"ab", b"\n", b"\r", b"\r\n")
+    for size in range(8):
+        for block in map(b"".join, itertools.product(pieces, repeat=size)):
+            for count in (1, 2, 3):
+                assert last_lines(block, count) == block.splitlines()[-count:], (block, count)

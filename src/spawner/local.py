@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -36,9 +37,17 @@ from .binding import bound
 from .containment import Cgroups
 from .lifeline import Lifeline
 
-# One pipe's worth. Measured with bench/launch_bench.py: 256 KiB or 1 MiB pipes and reads made
-# tagged output 1.5-2x slower than the default 64 KiB (bigger blocks, worse cache use).
-READ_SIZE = 65536
+# Each instance's pipes are grown to this (F_SETPIPE_SZ; the kernel's default is 64 KiB): per
+# byte, a busy writer waits, and poprun wakes and reads, less often
+# (docs/architecture.md, "Output plumbing").
+PIPE_SIZE = 1 << 20
+# ...but poprun adds at most this much pipe memory in all: an unprivileged user's pipes past
+# fs.pipe-user-pages-soft (64 MiB by default) leave every new pipe of that user, another
+# program's too, 8 KiB. Past it, pipes keep their default size.
+PIPE_GROWTH_BUDGET = 16 << 20
+DEFAULT_PIPE_SIZE = 65536  # Linux's, for a user within fs.pipe-user-pages-soft
+# One pipe's worth.
+READ_SIZE = PIPE_SIZE
 # An instance's error file (popdist/errorfile.py) is read up to this size.
 MAX_ERROR_FILE = 256 * 1024
 # The longest line kept whole; a longer one is delivered in pieces of this size (--help says so).
@@ -108,7 +117,8 @@ def resolve_program(name: str, path: str | None, cwd: str) -> str | None:
 
 
 class _Child:
-    __slots__ = ("spec", "proc", "pidfd", "open_fds", "pending", "returncode", "reported")
+    __slots__ = ("spec", "proc", "pidfd", "open_fds", "pending", "grown", "returncode",
+                 "reported")
 
     def __init__(self, spec: ProcessSpec, proc: subprocess.Popen) -> None:
         self.spec = spec
@@ -116,6 +126,7 @@ class _Child:
         self.pidfd = -1
         self.open_fds: dict[int, Stream] = {}
         self.pending: dict[int, bytearray] = {}
+        self.grown: dict[int, int] = {}  # fd -> bytes its pipe was grown by (LocalSpawner._grow)
         self.returncode: int | None = None
         self.reported = False
 
@@ -137,6 +148,8 @@ class LocalSpawner:
         self._error_dir: str | None = None
         wanted = cgroups and os.environ.get(containment.CGROUPS_SWITCH) != "0"
         self._cgroups: Cgroups | bool | None = None if wanted and lifeline else False
+        self._pipe_growth = 0  # bytes the grown pipes hold above the default (PIPE_GROWTH_BUDGET)
+        self._read_buffer = bytearray(READ_SIZE)  # every pipe is read into it (_on_readable)
         # A memory binding was asked for but this host cannot do it (no libnuma): the
         # caller warns once; the CPU binding is in force regardless.
         self.memory_binding_skipped = False
@@ -175,11 +188,27 @@ class LocalSpawner:
                 continue
             fd = pipe.fileno()
             os.set_blocking(fd, False)
+            self._grow(child, fd)
             child.open_fds[fd] = stream
             child.pending[fd] = bytearray()
             self._loop.add_reader(fd, self._on_readable, child, fd)
         self._watch_exit(child)
         return proc.pid
+
+    def _grow(self, child: _Child, fd: int) -> None:
+        """Grow a new pipe to PIPE_SIZE, within the budget; where the kernel refuses (above
+        fs.pipe-max-size, past the user's pipe pages: unprivileged users only), it stays."""
+        if self._pipe_growth + PIPE_SIZE - DEFAULT_PIPE_SIZE > PIPE_GROWTH_BUDGET:
+            return  # spent (a new pipe is never above the default): no system call
+        try:
+            before = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+            if self._pipe_growth + PIPE_SIZE - before > PIPE_GROWTH_BUDGET:
+                return
+            grown = fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE) - before
+        except OSError:
+            return
+        child.grown[fd] = grown
+        self._pipe_growth += grown
 
     def _error_file(self, key: int) -> str:
         return os.path.join(self._make_error_dir(), f"{key}.json")
@@ -261,31 +290,36 @@ class LocalSpawner:
     # --- output -----------------------------------------------------------------------
 
     def _on_readable(self, child: _Child, fd: int) -> None:
+        # Into one buffer, reused: a fresh bytes of READ_SIZE per read would be above malloc's
+        # mmap threshold, a new mapping and its page faults at every read.
+        read = self._read_buffer
         try:
-            data = os.read(fd, READ_SIZE)
+            size = os.readv(fd, (read,))
         except BlockingIOError:
             return
         except OSError:
-            data = b""
-        buf = child.pending[fd]
-        if not data:
+            size = 0
+        if not size:
             self._close_pipe(child, fd)
             return
-        cut = data.rfind(b"\n")
-        cut = max(cut, data.rfind(b"\r", cut + 1))  # a \r after it (progress) ends there
+        buf = child.pending[fd]
+        cut = read.rfind(b"\n", 0, size)
+        cut = max(cut, read.rfind(b"\r", cut + 1, size))  # a \r after it (progress) ends there
+        data = memoryview(read)
         if cut < 0:  # no line end yet: keep collecting, up to LINE_CAP
-            buf += data
+            buf += data[:size]
             while len(buf) >= LINE_CAP:
                 piece = bytes(memoryview(buf)[:LINE_CAP])
                 del buf[:LINE_CAP]
                 self._sink.on_output(child.spec.key, child.open_fds[fd], piece)
             return
+        # The block is copied out once (with the line it ends, if one was pending).
         if buf:
-            block = bytes(buf) + data[:cut + 1]
+            block = b"".join((buf, data[:cut + 1]))
             buf.clear()
         else:
-            block = data[:cut + 1]
-        buf += data[cut + 1:]
+            block = bytes(data[:cut + 1])
+        buf += data[cut + 1:size]
         self._sink.on_output(child.spec.key, child.open_fds[fd], block)
 
     def _close_pipe(self, child: _Child, fd: int) -> None:
@@ -297,6 +331,7 @@ class LocalSpawner:
     def _drop_pipe(self, child: _Child, fd: int) -> tuple[Stream, bytearray]:
         """Stop reading `fd` and close it; returns its stream and the unterminated rest."""
         self._loop.remove_reader(fd)
+        self._pipe_growth -= child.grown.pop(fd, 0)
         stream = child.open_fds.pop(fd)
         rest = child.pending.pop(fd)
         # Close through Popen's file object, which owns the fd: after a bare os.close() it

@@ -438,3 +438,15 @@ def test_a_line_no_other_instance_writes_comes_out_at_the_bound_not_at_the_end(t
         assert waited < 2.5 and proc.poll() is None, waited  # well before the end
         proc.communicate(timeout=60)
     assert proc.returncode == 0
+
+
+def test_a_folded_set_with_gaps_is_braced_so_it_is_never_read_as_one_instance_s_tag():
+    from poprun.fold import tag_label
+    from poprun.run.output import render_tag
+    from spawner.local import Stream
+    assert tag_label(3) == "3"
+    assert tag_label((0, 1, 2)) == "0-2"
+    # `[1,1,3]` reads as three fields, `[1,3]` as instance 3's own tag
+    assert tag_label((1, 3)) == "{1,3}"
+    assert tag_label((0, 1, 2, 5)) == "{0-2,5}"
+    assert render_tag((1, 3), Stream.STDOUT) == b"[1,{1,3}]<stdout>:"

@@ -128,11 +128,44 @@ def test_eta_is_the_slowest_instances_steps_left_at_its_own_rate():
     assert progress["instances"][0]["mean_rate"] == pytest.approx(10, rel=0.1)
 
 
+def test_a_sparse_reporter_reads_at_its_rate_between_reports_and_decays_once_it_stops():
+    # a line every 20 steps: 20 steps every 6 s, the window (3 s) shorter than its interval
+    tracker = Tracker(1, "pattern", hold=3.0)
+    for now in range(0, 31):
+        tracker.sample(0, 20 * (now // 6), 200, float(now))
+    # t=30: its newest change at 30 (step 100), the window's start (27) after the one at 24
+    assert tracker.rate(0, 30.0) == pytest.approx(20 / 6)
+    # between its reports it keeps its last interval's rate, not 0
+    for now in (32.0, 35.0):
+        tracker.sample(0, 100, 200, now)
+        assert tracker.rate(0, now) == pytest.approx(20 / 6)
+    # it stops: after more than its interval without a change the rate falls
+    tracker.sample(0, 100, 200, 42.0)
+    assert tracker.rate(0, 42.0) == pytest.approx(20 / 12)
+
+
+def test_sparse_reporters_alike_raise_no_alarm_and_a_slower_one_is_flagged():
+    # lines every 20 steps, phases apart; instance 3 six times slower (pattern sampled 1/s)
+    tracker = Tracker(4, "pattern", hold=3.0)
+    period = {0: 1, 1: 1, 2: 1, 3: 6}
+    phase = {0: 0.0, 1: 0.3, 2: 0.6, 3: 0.2}
+    flagged_at = {}
+    for tick in range(1, 41):
+        now = float(tick)
+        for i in range(4):
+            tracker.sample(i, 20 * int((now + phase[i]) // period[i]), None, now)
+        report = tracker.report(now)
+        for i in report.slow:
+            flagged_at.setdefault(i, now)
+    assert set(flagged_at) == {3}
+    assert flagged_at[3] <= 2 * 3.0 + 3.0  # its rate known at hold/2, then held for hold
+
+
 def test_a_counter_that_starts_again_starts_its_rate_again():
     tracker = Tracker(1, "pattern", hold=2.0)
     for now, step in ((1, 100), (2, 110), (3, 120), (4, 5)):
         tracker.sample(0, step, None, now)
-    assert tracker.rate(0) is None and tracker.report(4).instances[0]["step"] == 5
+    assert tracker.rate(0, 4) is None and tracker.report(4).instances[0]["step"] == 5
 
 
 def test_the_record_times_are_the_epochs_and_lines_show_no_progress_line():

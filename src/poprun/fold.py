@@ -373,5 +373,10 @@ def _common_lines(data: bytes, pos: int, cut: int, run: bytes) -> int:
 
 
 def tag_label(key: Hashable) -> str:
-    """Who wrote a line, in its tag: `3`, or `0-62` / `0-2,5` for a folded line's set."""
-    return str(key) if type(key) is not tuple else fold_indices(key)[1:-1]
+    """Who wrote a line, in its tag: `3`, or `0-62` / `{1,3}` for a folded line's set. A set
+    with a comma is braced: `[1,{1,3}]` could not be told from three fields, and `[1,1,3]`
+    nor `[1,3]` from instance 3's own tag."""
+    if type(key) is not tuple:
+        return str(key)
+    label = fold_indices(key)[1:-1]
+    return "{%s}" % label if "," in label else label

@@ -11,8 +11,9 @@ that `--progress-pattern` captures from its lines; the step it gives `popdist.pr
 
 The straggler rule, for a hold time S (`--straggler-after`, 10 s by default):
 
-- An instance's rate is its progress over the last S seconds (known once its samples span
-  S/2). Only running instances that have shown progress at all are compared: in a job
+- An instance's rate is its progress over the last S seconds (known S/2 after its first
+  progress); one that reports less often than every S seconds (a line every 20 steps) is
+  read at the rate of its last interval, falling once it is overdue (`Tracker.rate`). Only running instances that have shown progress at all are compared: in a job
   where only rank 0 logs, the silent ranks are not stragglers (the stall watch is for a job
   that goes silent).
 - With three or more compared: slow when its rate is below median - 3*MAD and below half
@@ -77,8 +78,8 @@ def slow_rule(rates: Mapping[int, float]) -> tuple[set[int], float | None]:
 # Plain classes, not dataclasses: every launch imports this module, and making a dataclass
 # costs ~1-3 ms of start-up each (plan/network.py made the same choice).
 class _Instance:
-    __slots__ = ("samples", "step", "total", "first", "min_rate", "running", "held_since",
-                 "slow")
+    __slots__ = ("samples", "step", "total", "first", "min_rate", "running", "ended",
+                 "held_since", "slow")
 
     def __init__(self, running: bool = True) -> None:
         self.samples: deque = deque()  # (time, count), oldest first
@@ -87,6 +88,7 @@ class _Instance:
         self.first: tuple[float, int] | None = None  # its first sample: the mean rate
         self.min_rate: float | None = None
         self.running = running
+        self.ended: float | None = None  # when it stopped running: its rate stays as then
         self.held_since: float | None = None  # the rule holds since (flagged: holds not)
         self.slow: dict[str, Any] | None = None  # its open straggler entry
 
@@ -158,30 +160,53 @@ class Tracker:
         inst.step, inst.total = step, total
         if inst.first is None:
             inst.first = (now, step)
-        inst.samples.append((now, step))
-        # The window: the last `hold` seconds, from the last sample at or before its start
-        # (samples an agent sends come about once a second, not exactly).
-        while len(inst.samples) > 1 and inst.samples[1][0] <= now - self.hold:
+        # Only changes are kept: a program that reports every few seconds (a pattern on a
+        # line every 20 steps) must not read as stopped between its reports (see `rate`).
+        if not inst.samples or step != inst.samples[-1][1]:
+            inst.samples.append((now, step))
+        # The window: from the last change at or before `hold` seconds ago; two changes at
+        # least (the newest may be older than the window).
+        while len(inst.samples) > 2 and inst.samples[1][0] <= now - self.hold:
             inst.samples.popleft()
 
     def ended(self, index: int, now: float) -> None:
         """It exited (or its host was lost): no longer compared; a flag it had is closed."""
         inst = self._instances[index]
         inst.running = False
+        if inst.ended is None:
+            inst.ended = now
         if inst.slow is not None:
             inst.slow["cleared"] = now
             inst.slow = None
 
-    def rate(self, index: int) -> float | None:
-        samples = self._instances[index].samples
-        if len(samples) < 2:
+    def rate(self, index: int, now: float) -> float | None:
+        """Its progress over the last `hold` seconds, from the last change before them to
+        its newest; None until `hold`/2 has passed since its first progress.
+
+        A sparse reporter's newest change may be older than the window: then the rate is
+        that of its last interval (newest change against the one before), until more time
+        than that interval has gone by without a change, after which it decays (divided by
+        the time since the earlier change). So a program logging every 6 s reads at its
+        true rate between its lines, and one that stops reads as slowing down."""
+        inst = self._instances[index]
+        if inst.ended is not None:
+            now = min(now, inst.ended)
+        if inst.first is None or now - inst.first[0] < self.hold / 2:
             return None
-        (t0, c0), (t1, c1) = samples[0], samples[-1]
-        return (c1 - c0) / (t1 - t0) if t1 - t0 >= self.hold / 2 else None
+        samples = inst.samples
+        t1, c1 = samples[-1]
+        if len(samples) < 2:  # one count: how fast it came is unknown, until a whole window
+            return 0.0 if now - t1 >= self.hold else None  # passes without a change
+        ref = 0  # the last change at or before the window's start, else the first
+        for i in range(1, len(samples)):
+            if samples[i][0] <= now - self.hold:
+                ref = i
+        t0, c0 = samples[min(ref, len(samples) - 2)]
+        return (c1 - c0) / max(t1 - t0, now - t1)
 
     def report(self, now: float) -> Report:
         """Apply the rule at `now` (call it after each round of samples)."""
-        rates = {i: self.rate(i) for i in self._instances}
+        rates = {i: self.rate(i, now) for i in self._instances}
         compared = {i: r for i, r in rates.items()
                     if r is not None and self._instances[i].running}
         for index, rate in compared.items():

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import shutil
 import socket
@@ -267,6 +268,31 @@ def bench_fanout(tools: Tools, cases: list[mh.Case], sides: tuple[str, ...], rep
     return out
 
 
+def bench_fanout_rc_hidden(tools: Tools, cases: list[mh.Case], sides: tuple[str, ...], reps: int, tmp: Path,
+                           pycache: Path | None, phase_case: mh.Case | None = None, log=print) -> dict:
+    """bench_fanout with the login shell's rc file hidden from every ssh session: run again in
+    a child in a private mount namespace where ~/.bashrc is /dev/null (multihost_bench's
+    --without-bashrc). Here that rc file runs `pyenv init -`, whose rehash lock serialises the
+    sessions: at 64 hosts pdsh took 43 s and poprun's agents missed its 30 s HELLO timeout, a
+    measure of pyenv, not of the launchers. In-process where it is hidden already or cannot be
+    (not root, no unshare): "rc_file_hidden" says which."""
+    hidden = os.environ.get(mh.NAMESPACE_MARK)
+    if hidden or not mh.can_hide_rc():
+        return {**bench_fanout(tools, cases, sides, reps, tmp, pycache, phase_case, log), "rc_file_hidden": hidden}
+    tmp.mkdir(parents=True, exist_ok=True)
+    out = tmp / "fanout.json"
+    argv = [sys.executable, str(Path(__file__).resolve()), "--cases", *(c.name for c in cases),
+            "--sides", ",".join(sides), "--reps", str(reps), "--tmpdir", str(tmp), "--json", str(out),
+            "--poprun-timeout", str(tools.poprun_timeout), "--mpirun-timeout", str(tools.mpirun_timeout),
+            *(["--phases", phase_case.name] if phase_case else []),
+            *(["--poprun", tools.poprun] if tools.poprun else []), *(["--mpirun", tools.mpirun] if tools.mpirun else [])]
+    cmd, env = mh.without_rc(argv)
+    proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"fanout_bench in a namespace without the rc file exited {proc.returncode}")
+    return json.loads(out.read_text())
+
+
 # ---------------------------------------------------------------------------- alone
 
 
@@ -279,30 +305,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poprun", default=None, help="poprun executable (default: next to sys.executable, else PATH)")
     p.add_argument("--mpirun", default=None, help="Open MPI's mpirun (default: found by what it is, not by name)")
     p.add_argument("--mpirun-timeout", type=float, default=30.0, help="seconds before an mpirun run is a hang")
+    p.add_argument("--poprun-timeout", type=float, default=60.0, help="seconds before a poprun run is a hang")
+    p.add_argument("--phases", type=mh.parse_case, default=None, metavar="HxI",
+                   help="after the cases, one `poprun -v` run of this case for the per-host phases")
     p.add_argument("--tmpdir", default=None, help="where sshd dirs and outputs go")
+    p.add_argument("--with-rc", action="store_true",
+                   help="leave ~/.bashrc as it is for every ssh session (default: hidden where root can)")
+    p.add_argument("--json", default=None, help="write the results (run_all's fanout scenario) to this file")
     args = p.parse_args(argv)
     sides = tuple(s for s in args.sides.split(",") if s)
     if bad := [s for s in sides if s not in SIDES]:
         p.error(f"unknown side(s) {', '.join(bad)}")
     tools = find_tools(args.poprun or lb.default_poprun(), args.mpirun or lb.open_mpi_mpirun(),
-                       mpirun_timeout=args.mpirun_timeout)
+                       poprun_timeout=args.poprun_timeout, mpirun_timeout=args.mpirun_timeout)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="fanout_bench.", dir=args.tmpdir) as tmp_name:
         tmp = Path(tmp_name)
         pycache = tmp / "pycache" if os.environ.get(lb.BYTECODE_VAR) else None
-        res = bench_fanout(tools, args.cases, sides, args.reps, tmp, pycache,
-                           log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(f"{'case':6} {'side':12} {'wall':>9} {'own CPU/host':>13} {'tree CPU/host':>14} "
-          f"{'remote CPU/host':>16} {'peak RSS':>9}  runs")
-    for case in res["cases"]:
-        for s in case["sides"]:
-            per = {k: (s[k]["median"] / case["hosts"] * 1000 if s.get(k) else None)
-                   for k in ("cpu_s", "tree_cpu_s")}
-            remote = [r["extra"]["remote_cpu_s"] for r in s["runs"] if r["status"] == "ok"]
-            remote_ms = sorted(remote)[len(remote) // 2] / case["hosts"] * 1000 if remote else None
-            cells = [f"{v:.1f} ms" if v is not None else "-" for v in (per["cpu_s"], per["tree_cpu_s"], remote_ms)]
-            rss = f"{s['rss_kib']['median'] / 1024:.1f} MiB" if s.get("rss_kib") else "-"
-            print(f"{case['case']:6} {s['name']:12} {lb.ms(s['median_s']):>9} {cells[0]:>13} {cells[1]:>14} "
-                  f"{cells[2]:>16} {rss:>9}  {lb.counts(lb.Side(s['name'], [], [lb.Run(**r) for r in s['runs']]))}")
+        if args.with_rc or os.environ.get(mh.NAMESPACE_MARK):
+            res = {**bench_fanout(tools, args.cases, sides, args.reps, tmp, pycache, args.phases, log),
+                   "rc_file_hidden": os.environ.get(mh.NAMESPACE_MARK)}
+        else:
+            res = bench_fanout_rc_hidden(tools, args.cases, sides, args.reps, tmp, pycache, args.phases, log)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+    else:
+        import report
+        print("\n".join(report.fanout_section(res)))
     return 0
 
 

@@ -455,7 +455,9 @@ def fanout_section(block: dict) -> list[str]:
          "launcher, so wall time here is bounded by the CPU all hosts together need.", ""]
     if block.get("openssh"):
         L += [f"OpenSSH: {block['openssh']}; {block.get('hosts_up_s', 0):.1f} s to start the sshd hosts."
-              + (" ~/.bashrc hidden (`--without-bashrc`)." if block.get("rc_file_hidden")
+              + (f" `{block['rc_file_hidden']}` was /dev/null for every ssh session (a private mount "
+                 "namespace): here it runs `pyenv init -`, whose rehash lock serialises concurrent sessions, "
+                 "so at 64 hosts it measured pyenv rather than the launchers." if block.get("rc_file_hidden")
                  else " Every ssh session ran the login shell's rc file as it is."), ""]
     L += skipped_note(block)
     for case in block.get("cases", []):

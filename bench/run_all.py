@@ -306,10 +306,9 @@ def run_fanout(tools, sides, plan, tmp, pycache) -> dict:
     chosen_sides = tuple(s for s in fb.SIDES if s == "connect" or sides[wanted[s]]["available"])
     cases = [mh.parse_case(c) for c in plan.fanout_cases]
     largest = max((c for c in cases if c.per_host == 1), key=lambda c: c.hosts, default=None)
-    res = fb.bench_fanout(ftools, cases, chosen_sides, plan.fanout_reps, tmp, pycache,
-                          phase_case=largest if plan.ssh_phases else None, log=log)
-    return {**res, "reps": plan.fanout_reps, "not_applicable": not_here,
-            "rc_file_hidden": os.environ.get(mh.NAMESPACE_MARK) or None, "openssh": first_line(["ssh", "-V"])}
+    res = fb.bench_fanout_rc_hidden(ftools, cases, chosen_sides, plan.fanout_reps, tmp, pycache,
+                                    phase_case=largest if plan.ssh_phases else None, log=log)
+    return {**res, "reps": plan.fanout_reps, "not_applicable": not_here, "openssh": first_line(["ssh", "-V"])}
 
 
 def run_teardown(tools, sides, plan, tmp) -> dict:

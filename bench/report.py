@@ -471,6 +471,9 @@ def fanout_section(block: dict) -> list[str]:
         L += [f"**{h} hosts × {case['per_host']}**", ""]
         L += md_table(["side", "wall time", "÷ poprun", "own CPU / host", "tree CPU / host",
                        "remote CPU / host", "peak RSS"], rows)
+        untimed = [(s["name"], s["runs"][0]["detail"]) for s in case["sides"] if s.get("median_s") is None and s.get("runs")]
+        if untimed:  # a warm-up hang leaves only "skipped" in the counts: say what happened
+            L += [f"- {FANOUT_TITLES.get(n, n)}: {why[:200]}" for n, why in untimed] + [""]
     slopes = fanout_slopes(block.get("cases", []))
     if slopes:
         hs = sorted({c["hosts"] for c in block["cases"] if c["per_host"] == 1})
@@ -671,7 +674,9 @@ def chart_groups(doc: dict) -> list[tuple[str, list[str], list[tuple[str, dict[s
             s = side(sides, n)
             out[n] = ratio(key(s), key(pop))
             if out[n] is None:
-                out[n] = ("hung" if s and s.get("hung") else "failed" if s and s.get("failed")
+                hung = s and (s.get("hung") or any(r.get("detail", "").startswith("warm-up hung")
+                                                   for r in s.get("runs", [])))
+                out[n] = ("hung" if hung else "failed" if s and s.get("failed")
                           else "no poprun" if s else None)
         return out
 

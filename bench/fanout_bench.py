@@ -22,6 +22,8 @@ its first host locally: mpirun's `--host h1:I,...` names no local host either):
   connect      not a launcher: poprun's interpreter opening H asyncssh connections at once and
                closing them (no session, no remote command): the launcher's share of connection
                set-up (key exchange, authentication) on its own
+  connect-direct  the same with HostName, Port, user, key and known_hosts passed directly and no
+               ~/.ssh/config read (asyncssh parses it again for every connection)
 
 For I > 1, pdsh and clush run `hostname & ... & wait` (I at once) through their one session
 per host. pdsh and clush are skipped, saying so, where they are not installed (Debian:
@@ -57,8 +59,8 @@ sys.path[:0] = [str(BENCH_DIR), str(BENCH_DIR.parent / "tests")]
 import launch_bench as lb  # noqa: E402
 import multihost_bench as mh  # noqa: E402
 
-SIDES = ("poprun", "mpirun", "mpirun-flat", "pdsh", "clush", "connect")
-LAUNCHERS = SIDES[:-1]  # connect is a reference, not a launcher
+SIDES = ("poprun", "mpirun", "mpirun-flat", "pdsh", "clush", "connect", "connect-direct")
+REFERENCES = ("connect", "connect-direct")  # not launchers
 CASES = ("8x1", "16x1", "32x1", "64x1", "64x4")
 FLAT = ["--mca", "plm_rsh_no_tree_spawn", "1"]
 
@@ -75,6 +77,25 @@ async def main(hosts):
     await asyncio.gather(*(c.wait_closed() for c in conns))
 
 asyncio.run(main(sys.argv[1:]))
+"""
+# The same with everything the config gives passed directly and no config read (config=[]):
+# asyncssh parses ~/.ssh/config again for every connection, which costs more than the key
+# exchange once the config names every host (bench/README.md).
+CONNECT_DIRECT_PROGRAM = """\
+import asyncio, sys
+import asyncssh
+
+async def main(user, key, known_hosts, targets):
+    key, known_hosts = asyncssh.read_private_key(key), asyncssh.read_known_hosts(known_hosts)
+    conns = await asyncio.gather(*(
+        asyncssh.connect(addr, port=int(port), username=user, client_keys=[key], known_hosts=known_hosts,
+                         config=[])
+        for addr, port in (t.rsplit(":", 1) for t in targets)))
+    for c in conns:
+        c.close()
+    await asyncio.gather(*(c.wait_closed() for c in conns))
+
+asyncio.run(main(*sys.argv[1:4], sys.argv[4:]))
 """
 
 
@@ -146,12 +167,16 @@ def command(tools: Tools, side: str, ssh, case: mh.Case) -> tuple[list[str], dic
                  "--nostdin", remote_command(case.per_host)], env)
     if side == "connect":
         return [tools.python, "-c", CONNECT_PROGRAM, *names], env
+    if side == "connect-direct":
+        return ([tools.python, "-c", CONNECT_DIRECT_PROGRAM, ssh.user, str(ssh.user_key), str(ssh.known_hosts),
+                 *(f"{h.addr}:{h.port}" for h in ssh.hosts[:case.hosts])], env)
     raise ValueError(side)
 
 
 def available(tools: Tools, side: str) -> bool:
     path = {"poprun": tools.poprun, "mpirun": tools.mpirun, "mpirun-flat": tools.mpirun,
-            "pdsh": tools.pdsh, "clush": tools.clush, "connect": tools.python}[side]
+            "pdsh": tools.pdsh, "clush": tools.clush, "connect": tools.python,
+            "connect-direct": tools.python}[side]
     return bool(path) and os.access(path, os.X_OK)
 
 
@@ -182,8 +207,8 @@ def verify_prefixed(path: Path, aliases: list[str], per_host: int) -> str:
 def verifier(side: str, aliases: list[str], case: mh.Case):
     if side in ("pdsh", "clush"):
         return lambda path: verify_prefixed(path, aliases, case.per_host)
-    if side == "connect":
-        return lambda path: ""  # it prints nothing; its exit status says all connected
+    if side in REFERENCES:
+        return lambda path: ""  # they print nothing; the exit status says all connected
     return lambda path: mh.verify_hostname_lines(path, case.instances)
 
 
@@ -225,13 +250,13 @@ def bench_case(tools: Tools, ssh, case: mh.Case, sides: tuple[str, ...], reps: i
         if not available(tools, name):
             continue
         cmd, env = command(tools, name, ssh, case)
-        if name in ("poprun", "connect"):
+        if name == "poprun" or name in REFERENCES:
             env = lb.python_env(env, pycache)
         timeout = tools.mpirun_timeout if name.startswith("mpirun") else tools.poprun_timeout
 
         def run(d: Path, name=name, cmd=cmd, env=env, timeout=timeout) -> lb.Run:
             return fanout_run(name, cmd, env, timeout, d, ssh, verifier(name, aliases, case),
-                              strict=name in ("poprun", "connect"))
+                              strict=name == "poprun" or name in REFERENCES)
 
         # mpirun hangs now and then here (bench/README.md): one hang in a case is enough.
         contenders.append(lb.Contender(lb.Side(name, cmd), run, max_hangs=0 if name == "poprun" else 1))

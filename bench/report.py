@@ -401,7 +401,8 @@ def ssh_section(block: dict) -> list[str]:
 
 
 FANOUT_TITLES = {"mpirun": "mpirun (tree spawn, its default)", "mpirun-flat": "mpirun flat (no tree spawn)",
-                 "connect": "connect only (reference)"}
+                 "connect": "connect only (reference)",
+                 "connect-direct": "connect only, no ~/.ssh/config (reference)"}
 
 
 def run_median(s: dict, key: str) -> float | None:
@@ -447,7 +448,9 @@ def fanout_section(block: dict) -> list[str]:
          "spawn: orteds started over ssh start further orteds) and flat (`--mca plm_rsh_no_tree_spawn 1`), "
          "`pdsh -R ssh -f H` and `clush -f H` (one OpenSSH client per host, all at once; for I > 1 they "
          "run `hostname & … & wait`), and *connect only*: poprun's interpreter opening the H asyncssh "
-         "connections and closing them, nothing else. Output checked (H×I lines of this machine's "
+         "connections and closing them, nothing else (*no ~/.ssh/config*: HostName, Port, user, key and "
+         "known_hosts given directly, `config=[]`; asyncssh otherwise parses the config for every "
+         "connection). Output checked (H×I lines of this machine's "
          "name). *Own CPU*: the launcher process's utime+stime; *tree*: with every child it reaped "
          "(the ssh clients of mpirun, pdsh and clush); *remote*: what the sshd listeners reaped "
          "during the run (sshd's session processes, the login shell and its rc file, agents or "
@@ -693,7 +696,8 @@ def chart_groups(doc: dict) -> list[tuple[str, list[str], list[tuple[str, dict[s
         panels.append(("SSH fan-out (hosts × instances)", ["mpirun"],
                        [(c["case"], ratios(c["sides"], ["mpirun"])) for c in sc["ssh"]["cases"]]))
     if sc.get("fanout", {}).get("cases"):
-        names = [s["name"] for s in sc["fanout"]["cases"][0]["sides"] if s["name"] not in ("poprun", "connect")]
+        names = [s["name"] for s in sc["fanout"]["cases"][0]["sides"]
+                 if s["name"] != "poprun" and not s["name"].startswith("connect")]
         panels.append(("SSH fan-out, `hostname` (hosts × instances)", names,
                        [(c["case"], ratios(c["sides"], names)) for c in sc["fanout"]["cases"]]))
     if sc.get("mpi", {}).get("cases"):

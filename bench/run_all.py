@@ -303,7 +303,7 @@ def run_fanout(tools, sides, plan, tmp, pycache) -> dict:
     ftools = fb.find_tools(sides["poprun"].get("path"), sides["mpirun"].get("path"),
                            poprun_timeout=plan.poprun_timeout, mpirun_timeout=plan.mpirun_timeout)
     wanted = {"poprun": "poprun", "mpirun": "mpirun", "mpirun-flat": "mpirun", "pdsh": "pdsh", "clush": "clush"}
-    chosen_sides = tuple(s for s in fb.SIDES if s == "connect" or sides[wanted[s]]["available"])
+    chosen_sides = tuple(s for s in fb.SIDES if s in fb.REFERENCES or sides[wanted[s]]["available"])
     cases = [mh.parse_case(c) for c in plan.fanout_cases]
     largest = max((c for c in cases if c.per_host == 1), key=lambda c: c.hosts, default=None)
     res = fb.bench_fanout_rc_hidden(ftools, cases, chosen_sides, plan.fanout_reps, tmp, pycache,

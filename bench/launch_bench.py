@@ -280,6 +280,7 @@ def run_timed(
     scratch: Path,
     env: dict[str, str] | None = None,
     measure: bool = False,
+    peak_rss: bool = False,
 ) -> Run:
     """Start every command at once, wait for all, and time the whole with perf_counter.
 
@@ -289,12 +290,18 @@ def run_timed(
 
     measure=True (one command: a launcher) also records the launcher's own CPU time, children
     excluded (read from its zombie, see zombie_cpu), and from wait4 its CPU time with every
-    descendant it reaped. Not wait4's ru_maxrss: see reap.
+    descendant it reaped. Not wait4's ru_maxrss: see reap. peak_rss=True also samples the
+    launcher's own peak resident set (VmHWM) every 20 ms while it runs (rss_kib): growth in its
+    last 20 ms could be missed.
     """
     err_paths = [scratch / f"stderr.{i}" for i in range(len(cmds))]
     err_files = [open(p, "wb") for p in err_paths]
     procs: list[subprocess.Popen] = []
     own: dict[int, tuple[float, float]] = {}
+    peak = [0]
+
+    def sample() -> None:
+        peak[0] = max(peak[0], vm_hwm_kib(procs[0].pid) or 0)
 
     def on_exit(proc: subprocess.Popen) -> None:
         if measure and proc is procs[0]:
@@ -314,7 +321,7 @@ def run_timed(
                     env=env,
                 )
             )
-        finished = wait_all(procs, start + timeout, on_exit)
+        finished = wait_all(procs, start + timeout, on_exit, sample if peak_rss else None)
         elapsed = time.perf_counter() - start
         if not finished:
             kill_unfinished(procs)
@@ -334,24 +341,34 @@ def run_timed(
         ru = procs[0].rusage
         run.cpu_s = own.get(procs[0].pid, (None, None))[0]
         run.tree_cpu_s = ru.ru_utime + ru.ru_stime
+    if peak_rss:
+        run.rss_kib = peak[0] or None
     return run
 
 
-def wait_all(procs: list[subprocess.Popen], deadline: float, on_exit=None) -> bool:
+def wait_all(procs: list[subprocess.Popen], deadline: float, on_exit=None, sample=None,
+             every: float = 0.02) -> bool:
     """Reap every process; False if the deadline (perf_counter) passes first.
 
     Not Popen.wait(timeout=...): that polls with sleeps growing to 50 ms, which quantises
     every measurement onto 64, 114, 164, ... ms. A pidfd becomes readable the moment the
     process exits, so select() on it gives an exact wake-up and still bounds the wait.
     `on_exit(proc)`, if given, runs between the exit and the reap, while the process is a
-    zombie whose /proc entry still holds its final CPU times.
+    zombie whose /proc entry still holds its final CPU times. `sample()`, if given, runs
+    every `every` seconds while the first process runs (the exit still wakes at once).
     """
-    for proc in procs:
+    for i, proc in enumerate(procs):
         pidfd = os.pidfd_open(proc.pid)  # fine on an unreaped zombie; Linux >= 5.3
         try:
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0 or not readable(pidfd, remaining):
-                return False
+            while True:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    return False
+                sampling = sample is not None and i == 0
+                if sampling:
+                    sample()
+                if readable(pidfd, min(remaining, every) if sampling else remaining):
+                    break  # (not readable: a sample is due, or the deadline has passed)
         finally:
             os.close(pidfd)
         if on_exit is not None:

@@ -624,16 +624,27 @@ def reexec_without_rc(argv: list[str] | None, script: Path | None = None) -> int
     and nothing outside the namespace (other work on the machine still sees the real one).
     `script`: the script to run again with `argv` (default: this one; run_all.py passes itself)."""
     rc = rc_file()
-    if os.getuid() != 0 or not shutil.which("unshare"):
+    if not can_hide_rc():
         print("multihost_bench: --without-bashrc needs root and unshare(1)", file=sys.stderr)
         return 2
     if not rc.exists():
         print(f"multihost_bench: {rc} does not exist; nothing to hide", file=sys.stderr)
     args = sys.argv[1:] if argv is None else argv
-    cmd = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-           'mount --bind /dev/null "$1" && shift && exec "$@"', "sh", str(rc),
-           sys.executable, str(script or Path(__file__).resolve()), *args]
-    return subprocess.run(cmd, env={**os.environ, NAMESPACE_MARK: str(rc)}).returncode
+    cmd, env = without_rc([sys.executable, str(script or Path(__file__).resolve()), *args])
+    return subprocess.run(cmd, env=env).returncode
+
+
+def without_rc(cmd: list[str]) -> tuple[list[str], dict[str, str]]:
+    """argv and environment that run `cmd` in a private mount namespace where the rc file is
+    /dev/null (root and unshare(1) needed: see can_hide_rc)."""
+    rc = rc_file()
+    return (["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+             'mount --bind /dev/null "$1" && shift && exec "$@"', "sh", str(rc), *cmd],
+            {**os.environ, NAMESPACE_MARK: str(rc)})
+
+
+def can_hide_rc() -> bool:
+    return os.getuid() == 0 and shutil.which("unshare") is not None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,8 @@ NAMES = {"baseline": "no launcher", "none": "no launcher", "floor": "floor",
 FLOOR_NAMES = {"launch": '`python -c "import asyncio"`', "output": "one writer (dd)",
                "mpi": '`python -c "from mpi4py import MPI"`'}
 COLOURS = {"floor": "#999999", "series": "#7f7f7f", "baseline": "#bbbbbb", "poprun": "#1f77b4", "mpirun": "#d62728",
-           "torchrun": "#ff7f0e", "srun": "#2ca02c", "mpiexec": "#9467bd"}
+           "torchrun": "#ff7f0e", "srun": "#2ca02c", "mpiexec": "#9467bd", "mpirun-flat": "#ff9896",
+           "pdsh": "#8c564b", "clush": "#e377c2"}
 QUICK_BANNER = ("**Quick run (`--quick`), machine shared: smoke-test figures, not the published "
                 "ones.** Fewer sizes, one repetition, 20k lines.")
 
@@ -286,7 +287,7 @@ def render_markdown(doc: dict) -> str:
     ])
     L += ["## Sides", ""]
     rows = []
-    for name in ("poprun", "mpirun", "torchrun", "mpiexec", "none"):
+    for name in ("poprun", "mpirun", "torchrun", "mpiexec", "pdsh", "clush", "none"):
         info = sides.get(name)
         if not info:
             continue
@@ -321,6 +322,8 @@ def render_markdown(doc: dict) -> str:
         L += fold_section(sc["fold"])
     if "ssh" in sc:
         L += ssh_section(sc["ssh"])
+    if "fanout" in sc:
+        L += fanout_section(sc["fanout"])
     if "teardown" in sc:
         L += teardown_section(sc["teardown"])
     if "slurm" in sc:
@@ -453,6 +456,106 @@ def ssh_section(block: dict) -> list[str]:
         rows.append([f"{case['hosts']} × {case['per_host']}", cell(pop), cell(mpi), fmt_x(ratio(med(mpi), med(pop)))])
     if rows:
         L += md_table(["hosts × instances", "poprun", "mpirun", "mpirun ÷ poprun"], rows)
+    return L
+
+
+FANOUT_TITLES = {"mpirun": "mpirun (tree spawn, its default)", "mpirun-flat": "mpirun flat (no tree spawn)",
+                 "connect": "connect only (reference)",
+                 "connect-direct": "connect only, no ~/.ssh/config (reference)"}
+
+
+def run_median(s: dict, key: str) -> float | None:
+    """Median of extra[key] over a side's successful runs."""
+    vals = sorted(r["extra"][key] for r in s.get("runs", [])
+                  if r.get("status") == "ok" and key in (r.get("extra") or {}))
+    return vals[len(vals) // 2] if vals else None
+
+
+def fanout_figures(s: dict) -> dict[str, float | None]:
+    """A side's medians in seconds (RSS in KiB): wall, own and tree CPU, remote CPU, peak RSS."""
+    return {"wall": med(s), "own": (s.get("cpu_s") or {}).get("median"),
+            "tree": (s.get("tree_cpu_s") or {}).get("median"), "remote": run_median(s, "remote_cpu_s"),
+            "rss": (s.get("rss_kib") or {}).get("median")}
+
+
+def per_host(seconds: float | None, hosts: int) -> str:
+    return "—" if seconds is None else f"{seconds / hosts * 1000:.1f} ms"
+
+
+def fanout_slopes(cases: list[dict]) -> dict[str, dict[str, tuple[float, float]]]:
+    """{side: {figure: (fixed s, per host s)}}: least squares a + b·H over the one-instance
+    cases (needs two host counts or more): what each side pays once, and per host."""
+    import statistics
+
+    ones = [c for c in cases if c["per_host"] == 1]
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for name in dict.fromkeys(s["name"] for c in ones for s in c["sides"]):
+        for key in ("wall", "own", "tree", "remote"):
+            pts = [(c["hosts"], fanout_figures(s)[key]) for c in ones if (s := side(c["sides"], name))]
+            pts = [(h, v) for h, v in pts if v is not None]
+            if len({h for h, _ in pts}) >= 2:
+                slope, icpt = statistics.linear_regression([h for h, _ in pts], [v for _, v in pts])
+                out.setdefault(name, {})[key] = (icpt, slope)
+    return out
+
+
+def fanout_section(block: dict) -> list[str]:
+    L = ["## SSH fan-out to 64 hosts", "",
+         "`hostname` on H loopback sshd hosts × I instances each (tests/sshd_hosts.py; every host is "
+         "reached over SSH, none runs locally), bench/fanout_bench.py: poprun (`-H`, one asyncssh "
+         "connection and agent per host, all at once), Open MPI's mpirun as it runs by default (tree "
+         "spawn: orteds started over ssh start further orteds) and flat (`--mca plm_rsh_no_tree_spawn 1`), "
+         "`pdsh -R ssh -f H` and `clush -f H` (one OpenSSH client per host, all at once; for I > 1 they "
+         "run `hostname & … & wait`), and *connect only*: poprun's interpreter opening the H asyncssh "
+         "connections and closing them, nothing else (*no ~/.ssh/config*: HostName, Port, user, key and "
+         "known_hosts given directly, `config=[]`; asyncssh otherwise parses the config for every "
+         "connection). Output checked (H×I lines of this machine's "
+         "name). *Own CPU*: the launcher process's utime+stime; *tree*: with every child it reaped "
+         "(the ssh clients of mpirun, pdsh and clush); *remote*: what the sshd listeners reaped "
+         "during the run (sshd's session processes, the login shell and its rc file, agents or "
+         "orteds, instances). All per host. Every host shares this machine's cores with the "
+         "launcher, so wall time here is bounded by the CPU all hosts together need.", ""]
+    if block.get("openssh"):
+        L += [f"OpenSSH: {block['openssh']}; {block.get('hosts_up_s', 0):.1f} s to start the sshd hosts."
+              + (f" `{block['rc_file_hidden']}` was /dev/null for every ssh session (a private mount "
+                 "namespace): here it runs `pyenv init -`, whose rehash lock serialises concurrent sessions, "
+                 "so at 64 hosts it measured pyenv rather than the launchers." if block.get("rc_file_hidden")
+                 else " Every ssh session ran the login shell's rc file as it is."), ""]
+    L += skipped_note(block)
+    for case in block.get("cases", []):
+        h = case["hosts"]
+        pop = side(case["sides"], "poprun")
+        rows = []
+        for s in case["sides"]:
+            f = fanout_figures(s)
+            rows.append([FANOUT_TITLES.get(s["name"], s["name"]), cell(s), fmt_x(ratio(med(s), med(pop))),
+                         per_host(f["own"], h), per_host(f["tree"], h), per_host(f["remote"], h), mib(f["rss"])])
+        L += [f"**{h} hosts × {case['per_host']}**", ""]
+        L += md_table(["side", "wall time", "÷ poprun", "own CPU / host", "tree CPU / host",
+                       "remote CPU / host", "peak RSS"], rows)
+        untimed = [(s["name"], s["runs"][0]["detail"]) for s in case["sides"] if s.get("median_s") is None and s.get("runs")]
+        if untimed:  # a warm-up hang leaves only "skipped" in the counts: say what happened
+            L += [f"- {FANOUT_TITLES.get(n, n)}: {why[:200]}" for n, why in untimed] + [""]
+    slopes = fanout_slopes(block.get("cases", []))
+    if slopes:
+        hs = sorted({c["hosts"] for c in block["cases"] if c["per_host"] == 1})
+        L += [f"Fixed cost and cost per host, least squares `a + b·H` over the one-instance cases "
+              f"(H = {', '.join(map(str, hs))}):", ""]
+        rows = []
+        for name, fits in slopes.items():
+            rows.append([FANOUT_TITLES.get(name, name)] + [
+                (f"{fits[k][0] * 1000:.0f} + {fits[k][1] * 1000:.1f}·H ms" if k in fits else "—")
+                for k in ("wall", "own", "tree", "remote")])
+        L += md_table(["side", "wall", "own CPU", "tree CPU", "remote CPU"], rows)
+    ph = block.get("phases")
+    if ph and ph.get("hosts"):
+        def spread(key: str) -> str:
+            vals = [t[key] for t in ph["hosts"].values() if key in t]
+            return f"{min(vals)}–{max(vals)} ms" if vals else "—"
+        L += [f"One `poprun -v` run at {ph['case']} ({fmt_s(ph.get('seconds'))}): hosts connected "
+              f"{spread('connect')} after poprun's start, each agent ready {spread('agent_ready')} after "
+              "its own start; time line (ms after the launch): "
+              + ", ".join(f"{k} {v:.0f}" for k, v in ph.get("timeline", {}).items()) + ".", ""]
     return L
 
 
@@ -633,7 +736,9 @@ def chart_groups(doc: dict) -> list[tuple[str, list[str], list[tuple[str, dict[s
             s = side(sides, n)
             out[n] = ratio(key(s), key(pop))
             if out[n] is None:
-                out[n] = ("hung" if s and s.get("hung") else "failed" if s and s.get("failed")
+                hung = s and (s.get("hung") or any(r.get("detail", "").startswith("warm-up hung")
+                                                   for r in s.get("runs", [])))
+                out[n] = ("hung" if hung else "failed" if s and s.get("failed")
                           else "no poprun" if s else None)
         return out
 
@@ -649,6 +754,11 @@ def chart_groups(doc: dict) -> list[tuple[str, list[str], list[tuple[str, dict[s
     if sc.get("ssh", {}).get("cases"):
         panels.append(("SSH fan-out (hosts × instances)", ["mpirun"],
                        [(c["case"], ratios(c["sides"], ["mpirun"])) for c in sc["ssh"]["cases"]]))
+    if sc.get("fanout", {}).get("cases"):
+        names = [s["name"] for s in sc["fanout"]["cases"][0]["sides"]
+                 if s["name"] != "poprun" and not s["name"].startswith("connect")]
+        panels.append(("SSH fan-out, `hostname` (hosts × instances)", names,
+                       [(c["case"], ratios(c["sides"], names)) for c in sc["fanout"]["cases"]]))
     if sc.get("mpi", {}).get("cases"):
         names = [s["name"] for s in sc["mpi"]["cases"][0]["sides"] if s["name"] != "poprun"]
         panels.append(("MPI world: mpi4py Init + Barrier", names,

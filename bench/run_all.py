@@ -11,6 +11,9 @@ Scenarios (bench/README.md says how each figure is measured):
   output    tagged output, 8 and 16 instances x 200k lines: wall time and launcher CPU, against
             no launcher and against one writer of the same tagged bytes (the floor)
   ssh       16 loopback sshd hosts x 4 instances of `hostname` (and 4 x 2), poprun vs mpirun
+  fanout    8, 16, 32 and 64 loopback sshd hosts x 1 instance of `hostname`, and 64 x 4: poprun
+            vs mpirun (tree spawn and flat), pdsh and clush; wall time, launcher CPU per host,
+            peak RSS (fanout_bench.py)
   rss       the launcher's peak RSS with 256 local instances (measured in the teardown runs)
   teardown  SIGTERM to the launcher with 256 running instances, until every one has exited
   slurm     srun vs poprun --launcher slurm on a local Slurm (skipped, saying why, without one)
@@ -50,8 +53,8 @@ import launch_bench as lb  # noqa: E402
 import mpi_bench as mb  # noqa: E402
 import report  # noqa: E402
 
-SIDES = ("poprun", "mpirun", "torchrun", "mpiexec", "none")
-SCENARIOS = ("launch", "output", "fold", "ssh", "rss", "teardown", "slurm", "mpi")
+SIDES = ("poprun", "mpirun", "torchrun", "mpiexec", "pdsh", "clush", "none")
+SCENARIOS = ("launch", "output", "fold", "ssh", "fanout", "rss", "teardown", "slurm", "mpi")
 # launch_bench's name for the no-launcher side
 BASELINE = {"none": "baseline"}
 
@@ -72,14 +75,19 @@ class Plan:
     ssh_phases: bool  # one poprun -v run per ssh case, for the per-host phases
     mpi_sizes: tuple[int, ...]
     mpi_reps: int  # more than reps: 16 Python ranks on 2 cores vary by a few hundred ms
+    fanout_cases: tuple[str, ...]  # hosts x instances, fanout scenario
+    fanout_reps: int  # fewer than reps: a 64-host run of every side takes ~20 s on 2 cores
+    fanout_flat_mpirun: bool  # mpirun without tree spawn too (it hangs now and then: not in quick)
 
 
 FULL = Plan(reps=5, launch_sizes=(1, 8, 64, 256, 1024), output_sizes=(8, 16), lines=200_000,
             ssh_cases=("16x4", "4x2"), teardown_n=256, mpirun_timeout=30.0, torchrun_timeout=120.0,
-            poprun_timeout=60.0, ssh_phases=True, mpi_sizes=(4, 16), mpi_reps=15)
+            poprun_timeout=60.0, ssh_phases=True, mpi_sizes=(4, 16), mpi_reps=15,
+            fanout_cases=("8x1", "16x1", "32x1", "64x1", "64x4"), fanout_reps=3, fanout_flat_mpirun=True)
 QUICK = Plan(reps=1, launch_sizes=(1, 8, 64), output_sizes=(8,), lines=20_000, ssh_cases=("4x2",),
              teardown_n=256, mpirun_timeout=10.0, torchrun_timeout=60.0, poprun_timeout=60.0,
-             ssh_phases=False, mpi_sizes=(4,), mpi_reps=1)
+             ssh_phases=False, mpi_sizes=(4,), mpi_reps=1, fanout_cases=("4x1",), fanout_reps=1,
+             fanout_flat_mpirun=False)
 
 
 def log(msg: str) -> None:
@@ -169,6 +177,7 @@ def discover(args) -> dict[str, dict]:
     else:
         sides["torchrun"] = {"available": False, "reason": "torch not installed (pip install '.[torch]')"}
     sides["mpiexec"] = discover_mpiexec()
+    sides.update(discover_fanout())
     sides["none"] = {"available": True, "path": "", "version": "the same programs started directly "
                      f"(seq/dd from {first_line(['seq', '--version'])})"}
     for name in SIDES:
@@ -187,6 +196,15 @@ def discover_mpiexec() -> dict:
     if not version:
         return {"available": False, "reason": why}
     return {"available": True, "path": path, "version": version}
+
+
+def discover_fanout() -> dict[str, dict]:
+    """The sides only the fanout scenario has (pdsh, clush), with their versions."""
+    try:
+        import fanout_bench as fb
+    except ImportError as exc:  # the sshd harness it uses (tests/sshd_hosts.py) needs pytest
+        return {n: {"available": False, "reason": f"bench/fanout_bench.py: {exc}"} for n in ("pdsh", "clush")}
+    return fb.versions(fb.find_tools(None, None))
 
 
 def make_tools(sides: dict, plan: Plan, pycache: Path | None) -> lb.Tools:
@@ -284,6 +302,28 @@ def run_ssh(tools, sides, plan, tmp, pycache) -> dict:
     return {"reps": plan.reps, "cases": out, "not_applicable": not_here,
             "rc_file_hidden": os.environ.get(mh.NAMESPACE_MARK) or None,
             "openssh": first_line(["ssh", "-V"])}
+
+
+def run_fanout(tools, sides, plan, tmp, pycache) -> dict:
+    """H loopback sshd hosts x I instances of `hostname`: poprun, Open MPI's mpirun (tree spawn,
+    its default, and flat), pdsh, clush, and connection set-up alone (fanout_bench)."""
+    import fanout_bench as fb
+    import multihost_bench as mh
+
+    not_here = {"torchrun": "torchrun starts no process on another host",
+                "none": "without a launcher nothing starts on another host"}
+    if not shutil.which("sshd") and not os.access("/usr/sbin/sshd", os.X_OK):
+        return {"skipped": "sshd not installed (apt-get install openssh-server)", "not_applicable": not_here}
+    ftools = fb.find_tools(sides["poprun"].get("path"), sides["mpirun"].get("path"),
+                           poprun_timeout=plan.poprun_timeout, mpirun_timeout=plan.mpirun_timeout)
+    wanted = {"poprun": "poprun", "mpirun": "mpirun", "mpirun-flat": "mpirun", "pdsh": "pdsh", "clush": "clush"}
+    chosen_sides = tuple(s for s in fb.SIDES if (s in fb.REFERENCES or sides[wanted[s]]["available"])
+                         and (s != "mpirun-flat" or plan.fanout_flat_mpirun))
+    cases = [mh.parse_case(c) for c in plan.fanout_cases]
+    largest = max((c for c in cases if c.per_host == 1), key=lambda c: c.hosts, default=None)
+    res = fb.bench_fanout_rc_hidden(ftools, cases, chosen_sides, plan.fanout_reps, tmp, pycache,
+                                    phase_case=largest if plan.ssh_phases else None, log=log)
+    return {**res, "reps": plan.fanout_reps, "not_applicable": not_here, "openssh": first_line(["ssh", "-V"])}
 
 
 def run_teardown(tools, sides, plan, tmp) -> dict:
@@ -391,14 +431,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--quick", action="store_true",
                    help="smoke run (< 2 min): 1 rep, launch N = 1, 8, 64, output 8 x 20k lines, "
-                        "ssh 4 hosts x 2, teardown/RSS at 256, 10 s mpirun timeout")
+                        "ssh 4 hosts x 2, fanout 4 hosts x 1, teardown/RSS at 256, 10 s mpirun timeout")
     p.add_argument("--sides", default=",".join(SIDES),
                    help=f"comma-separated subset of {','.join(SIDES)} (the floors always run)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help=f"comma-separated subset of {','.join(SCENARIOS)}")
     p.add_argument("--out", default=str(BENCH_DIR), help="where results.{md,png,json} and the profile go")
     p.add_argument("--reps", type=int, default=None,
-                   help="repetitions per side (default 5, the mpi scenario 15; 1 with --quick)")
+                   help="repetitions per side (default 5, the mpi scenario 15, fanout 3; 1 with --quick)")
     p.add_argument("--poprun", default=None, help="poprun executable (default: next to sys.executable, else PATH)")
     p.add_argument("--mpirun", default=None,
                    help="mpirun executable (default: the first Open MPI mpirun on PATH, else /usr/bin/mpirun)")
@@ -459,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             return mh.reexec_without_rc(argv, script=Path(__file__).resolve())
     plan = QUICK if args.quick else FULL
     if args.reps:
-        plan = Plan(**{**plan.__dict__, "reps": args.reps, "mpi_reps": args.reps})
+        plan = Plan(**{**plan.__dict__, "reps": args.reps, "mpi_reps": args.reps, "fanout_reps": args.reps})
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     previous = previous_results(out_dir, args.quick) if args.merge else None
@@ -487,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             ("output", lambda: run_output(tools, sides, plan, tmp / "output")),
             ("fold", lambda: run_fold(tools, sides, plan, tmp / "fold")),
             ("ssh", lambda: run_ssh(tools, sides, plan, tmp / "ssh", pycache)),
+            ("fanout", lambda: run_fanout(tools, sides, plan, tmp / "fanout", pycache)),
             ("teardown", lambda: run_teardown(tools, sides, plan, tmp / "teardown")),
             ("slurm", lambda: run_slurm(tools, sides, plan, tmp / "slurm")),
             ("mpi", lambda: run_mpi(tools, sides, plan, tmp / "mpi")),

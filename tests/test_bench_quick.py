@@ -51,7 +51,7 @@ def test_quick_run_writes_page_and_chart_with_every_side(tmp_path):
 
     assert doc["quick"] is True and "Quick run" in page
     # Every scenario ran to the end (the slurm one may say it is skipped, not fail).
-    for name in ("launch", "output", "fold", "ssh", "teardown", "slurm", "mpi"):
+    for name in ("launch", "output", "fold", "ssh", "fanout", "teardown", "slurm", "mpi"):
         assert name in doc["scenarios"], name
         assert "error" not in doc["scenarios"][name], doc["scenarios"][name].get("traceback")
     # Where mpi4py and the mpich wheel are installed, both launchers formed the world.
@@ -198,3 +198,52 @@ def test_merge_keeps_the_scenarios_a_run_left_out():
     # Measured again: the older merge entry gives way.
     assert [m["command"] for m in run_all.merge(merged, doc)["merged"]] == ["--scenarios mpi --merge"]
     assert "merged into this page" in _report().render_markdown(merged)
+
+
+# ---------------------------------------------------------------------------- which mpirun
+
+
+HYDRA_VERSION = "HYDRA build details:\n    Version:                                 4.2.0\n"
+
+
+def _hydra_dirs(tmp_path: Path) -> list[Path]:
+    """Directories whose `mpirun` is MPICH's Hydra: the mpich wheel's (the test extra installs
+    it beside the interpreter), and a stand-in answering --version as Hydra does, so the check
+    runs where the wheel is absent too."""
+    dirs = []
+    wheel = _bench("mpi_bench").wheel_file("mpich", "mpirun")
+    if wheel:
+        dirs.append(Path(wheel).parent)
+    standin = tmp_path / "hydra" / "mpirun"
+    standin.parent.mkdir()
+    standin.write_text(f"#!/bin/sh\nprintf '{HYDRA_VERSION}'\n")
+    standin.chmod(0o755)
+    return dirs + [standin.parent]
+
+
+@pytest.mark.timeout(120)
+def test_the_mpirun_side_is_open_mpi_by_path_with_hydra_first_on_path(tmp_path, monkeypatch):
+    """Issue 28 point 5: with MPICH's wheel installed, `mpirun` on PATH is Hydra; every
+    scenario's mpirun side (run_all's sides, launch_bench's and multihost_bench's defaults)
+    must still be Open MPI's, and the page must name it by path."""
+    lb = _bench("launch_bench")
+    open_mpi = lb.open_mpi_mpirun()
+    if not os.access(open_mpi, os.X_OK):
+        pytest.skip("Open MPI's mpirun is not installed (apt-get install openmpi-bin)")
+    run_all, mh, report = _bench("run_all"), _bench("multihost_bench"), _report()
+    for hydra in _hydra_dirs(tmp_path):
+        monkeypatch.setenv("PATH", f"{hydra}{os.pathsep}{os.environ['PATH']}")
+        first = subprocess.run(["mpirun", "--version"], capture_output=True, text=True, timeout=30).stdout
+        assert "HYDRA" in first, (hydra, first)  # the trap is set: Hydra answers to `mpirun`
+        assert lb.open_mpi_mpirun() == open_mpi
+        version = subprocess.run([open_mpi, "--version"], capture_output=True, text=True, timeout=30).stdout
+        # Debian's /usr/bin/mpirun links to orterun, which says "OpenRTE" and open-mpi.org.
+        assert "open-mpi" in version.lower() and "HYDRA" not in version, (open_mpi, version)
+        assert not Path(open_mpi).is_relative_to(hydra), open_mpi
+        assert lb.parse_args([]).mpirun == open_mpi and mh.parse_args([]).mpirun == open_mpi
+        args = run_all.parse_args(["--sides", "poprun,mpirun"])
+        sides = run_all.discover(args)
+        assert sides["mpirun"]["path"] == open_mpi and "HYDRA" not in sides["mpirun"]["version"]
+        assert run_all.make_tools(sides, run_all.QUICK, None).mpirun == open_mpi
+        page = report.render_markdown({"sides": sides, "scenarios": {}, "machine": {}})
+        assert f"`{open_mpi}`" in page.split("## Sides")[1].split("\n## ")[0]

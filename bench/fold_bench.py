@@ -61,7 +61,8 @@ for k in range(count):
     out.write(b"tick %d\n" % k if mode != "distinct" else b"%d tick %d\n" % (rank, k))
     out.flush()
 """
-FOLDED_LINE = re.compile(rb"^\[1,([0-9,-]+)\]<stdout>:(.*)$", re.M)
+# a set with gaps is braced: [1,{0-5,7}]<stdout>: (poprun/fold.py tag_label)
+FOLDED_LINE = re.compile(rb"^\[1,\{?([0-9,-]+)\}?\]<stdout>:(.*)$", re.M)
 
 
 def instances_of(label: bytes) -> list[int]:

@@ -49,6 +49,23 @@ def run_poprun(*args: str, timeout: float = 60, env: dict[str, str] | None = Non
 OFFLINE = ("--offline-mode=yes",)
 
 
+def run_poprunctl(*args: str, env: dict[str, str], text: bool = False
+                  ) -> subprocess.CompletedProcess:
+    """Run `poprunctl` to completion (this checkout's), stdout/stderr captured."""
+    return subprocess.run([sys.executable, "-m", "poprun.cli.ctl", *args], env=poprun_env(env),
+                          capture_output=True, text=text, timeout=60)
+
+
+@pytest.fixture
+def job_state(tmp_path, monkeypatch):
+    """A state directory of the test's own (jobs' records and logs, for poprunctl): set for
+    this process, and returned as the environment to give the poprun and poprunctl it runs."""
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+    return {"XDG_RUNTIME_DIR": str(run)}
+
+
 def assert_usage_error(proc, *fragments: str, stdout_empty: bool = True) -> str:
     """Exit status 2, exactly one stderr line `poprun: error: ...` containing `fragments`,
     no traceback (and, unless told otherwise, nothing on stdout). Returns the line."""

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SRC, OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped
+from conftest import (SRC, OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped,
+                      run_poprunctl)
 from poprun.fold import BOUND, Folder
 from poprun.jobctl import records as jobs
 from poprun.run.folding import TEST_BOUND_VARIABLE
@@ -244,18 +245,8 @@ def fold_run(tmp_path: Path, *args: str, count: int = N, env: dict | None = None
     return proc.returncode, out, err
 
 
-@pytest.fixture
-def environ(tmp_path, monkeypatch):
-    """A state directory of the test's own (the job's record and log, for poprunctl)."""
-    run = tmp_path / "run"
-    run.mkdir()
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
-    return {"XDG_RUNTIME_DIR": str(run)}
 
 
-def poprunctl(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "poprun.cli.ctl", *args], env=poprun_env(env),
-                          capture_output=True, timeout=60)
 
 
 def expected_console(tagged: bool) -> list[bytes]:
@@ -266,10 +257,10 @@ def expected_console(tagged: bool) -> list[bytes]:
 
 
 @pytest.mark.timeout(240)
-def test_64_instances_one_warning_and_64_losses_on_the_console_all_128_kept(environ,
+def test_64_instances_one_warning_and_64_losses_on_the_console_all_128_kept(job_state,
                                                                             tmp_path):
     code, out, err = fold_run(tmp_path, "--tag-output", "--fold-output",
-                              "--output-filename", "files", env=environ)
+                              "--output-filename", "files", env=job_state)
     assert code == 0, err.decode()[-2000:]
     console = out.splitlines()
     assert console[0] == expected_console(True)[0]
@@ -280,20 +271,21 @@ def test_64_instances_one_warning_and_64_losses_on_the_console_all_128_kept(envi
 
 
 @pytest.mark.timeout(240)
-def test_the_job_log_keeps_every_line_and_logs_fold_folds_it(environ, tmp_path):
-    code, out, err = fold_run(tmp_path, "--fold-output", env=environ)
+def test_the_job_log_keeps_every_line_and_logs_fold_folds_it(job_state, tmp_path):
+    code, out, err = fold_run(tmp_path, "--fold-output", env=job_state)
     assert code == 0, err.decode()[-2000:]
     assert sorted(out.splitlines()) == sorted(expected_console(False))
-    (record,) = jobs.scan(environ).records
-    kept = poprunctl("logs", record["id"], env=environ)
+    (record,) = jobs.scan(job_state).records
+    kept = run_poprunctl("logs", record["id"], env=job_state)
     assert kept.returncode == 0, kept.stderr
     assert sorted(kept.stdout.splitlines()) == sorted(
         [b"[1,%d]<stdout>:warning: deprecated" % i for i in range(N)]
         + [b"[1,%d]<stdout>:loss %d" % (i, i) for i in range(N)])  # all 128
-    folded = poprunctl("logs", record["id"], "--fold", env=environ)
+    folded = run_poprunctl("logs", record["id"], "--fold", env=job_state)
     assert folded.returncode == 0, folded.stderr
     assert sorted(folded.stdout.splitlines()) == sorted(expected_console(True))
-    one = poprunctl("logs", record["id"], "--fold", "-i", "3", "-i", "5", "--json", env=environ)
+    one = run_poprunctl("logs", record["id"], "--fold", "-i", "3", "-i", "5", "--json",
+                        env=job_state)
     first, *losses = [json.loads(line) for line in one.stdout.splitlines()]
     assert first == {"instances": [3, 5], "stream": "stdout", "line": "warning: deprecated"}
     assert sorted(losses, key=str) == [{"instance": 3, "stream": "stdout", "line": "loss 3"},

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped, run_poprun
+from conftest import (OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped, run_poprun,
+                      run_poprunctl)
 from sshd_hosts import start_ssh_hosts, wait_until
 from terminal import run_on_a_terminal
 
@@ -112,35 +113,26 @@ def test_the_default_hold_flags_a_slowed_instance_within_twenty_seconds(tmp_path
     assert entry["when"] - data["instances"][1]["start_time"] <= 20
 
 
-@pytest.fixture
-def environ(tmp_path, monkeypatch):
-    run = tmp_path / "run"
-    run.mkdir()
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
-    return {"XDG_RUNTIME_DIR": str(run)}
 
 
-def poprunctl(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "poprun.cli.ctl", *args], env=poprun_env(env),
-                          capture_output=True, text=True, timeout=60)
 
 
-def test_show_and_list_say_slow_and_the_eta_while_it_runs(environ, tmp_path):
+def test_show_and_list_say_slow_and_the_eta_while_it_runs(job_state, tmp_path):
     result = tmp_path / "result.json"
     argv = poprun_argv(*OFFLINE, "--num-instances=3", "--num-replicas=3",
                        f"--straggler-after={HOLD}", "--progress-pattern", PATTERN,
                        f"--result-json={result}", PY, "-c", PROGRAM, "pattern", "60")
-    with reaped(subprocess.Popen(argv, env=poprun_env({**environ, "SLOW": "1"}),
+    with reaped(subprocess.Popen(argv, env=poprun_env({**job_state, "SLOW": "1"}),
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)) as job:
         shown: dict = {}
 
         def slow_and_eta() -> bool:
-            listed = json.loads(poprunctl("list", "--json", env=environ).stdout)["jobs"]
+            listed = json.loads(run_poprunctl("list", "--json", env=job_state, text=True).stdout)["jobs"]
             running = [j for j in listed if j["state"] == "running"]
             if not running:
                 return False
-            shown.update(json.loads(poprunctl("show", "--json", running[0]["id"],
-                                              env=environ).stdout))
+            shown.update(json.loads(run_poprunctl("show", "--json", running[0]["id"],
+                                                  env=job_state, text=True).stdout))
             shown["listed"] = running[0]
             return bool(shown.get("progress") and shown["progress"]["eta"]
                         and shown["progress"]["slow"] and running[0]["slow"])
@@ -155,9 +147,9 @@ def test_show_and_list_say_slow_and_the_eta_while_it_runs(environ, tmp_path):
         listed = shown["listed"]
         assert listed["slow"] == [1] and re.fullmatch(
             r"step \d+/1000 \(instance 1\) [\d.]+/s ETA \d+m\d\ds", listed["progress"])
-        table = poprunctl("show", shown["job"], env=environ).stdout
+        table = run_poprunctl("show", shown["job"], env=job_state, text=True).stdout
         assert re.search(r"\bslow\b", table) and "ETA" in table, table
-        table = poprunctl("list", env=environ).stdout
+        table = run_poprunctl("list", env=job_state, text=True).stdout
         assert "slow: [1]" in table and "ETA" in table, table
         job.send_signal(signal.SIGINT)
         job.wait(timeout=30)

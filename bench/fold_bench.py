@@ -65,13 +65,11 @@ for k in range(count):
 FOLDED_LINE = re.compile(rb"^\[1,\{?([0-9,-]+)\}?\]<stdout>:(.*)$", re.M)
 
 
-def instances_of(label: bytes) -> list[int]:
-    """`0-2,5` -> [0, 1, 2, 5]."""
-    out = []
-    for part in label.split(b","):
-        first, _, last = part.partition(b"-")
-        out += range(int(first), int(last or first) + 1)
-    return out
+def instances_of(label: bytes) -> tuple[int, ...]:
+    """`0-2,5` -> (0, 1, 2, 5): the CPU-list format (spawner/cpulist.py)."""
+    from spawner.cpulist import parse_cpu_list
+
+    return parse_cpu_list(label.decode())
 
 
 def verify_folded(path: Path, n: int, lines: int) -> str:

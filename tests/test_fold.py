@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from spawner.cpulist import parse_cpu_list
+
 from conftest import (SRC, OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped,
                       run_poprunctl)
 from poprun.fold import BOUND, Folder
@@ -332,12 +334,9 @@ def test_lines_that_differ_print_as_today_and_a_failure_flushes_what_is_held(pop
     assert b"[1,1]<stderr>:bad\n" in proc.stderr
 
 
-def instances(label: bytes) -> list[int]:
-    out = []
-    for part in label.split(b","):
-        first, _, last = part.partition(b"-")
-        out += range(int(first), int(last or first) + 1)
-    return out
+def instances(label: bytes) -> tuple[int, ...]:
+    """A tag's set (`0-2,5`, braced or not) as instance indices: the CPU-list format."""
+    return parse_cpu_list(label.strip(b"{}").decode())
 
 
 def test_timestamps_and_one_instance_only_keep_working(poprun, tmp_path):

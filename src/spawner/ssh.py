@@ -7,7 +7,8 @@ the all-or-nothing rule, for callers that report per host (preflight, key distri
 
 What the user's ssh setup says is honoured because asyncssh reads it itself: `~/.ssh/config`
 (relative to `$HOME`: HostName, Port, User, IdentityFile, ProxyJump, UserKnownHostsFile...),
-the agent at `$SSH_AUTH_SOCK`, the default keys, and known_hosts. Authentication is by key only
+the agent at `$SSH_AUTH_SOCK`, the default keys, and known_hosts. asyncssh evaluates the
+config for each connection; `spawner.sshconfig` spares it splitting the same lines again. Authentication is by key only
 unless a password is given explicitly: no password or keyboard-interactive prompt, no passphrase
 prompt (encrypted keys are skipped), stdin is never read.
 
@@ -317,6 +318,16 @@ class _Rejected(NamedTuple):
 
 @functools.cache
 def load_asyncssh() -> Any:
+    """asyncssh, imported without running a C compiler (see _import_asyncssh), its config
+    file's lines split once rather than for every connection (spawner.sshconfig)."""
+    from spawner import sshconfig
+
+    asyncssh = _import_asyncssh()
+    sshconfig.install(asyncssh)
+    return asyncssh
+
+
+def _import_asyncssh() -> Any:
     """asyncssh, imported with `ctypes.util.find_library` not running gcc. At import asyncssh
     looks for optional libraries (liboqs, twice; nettle); for each that ld.so's cache lacks,
     find_library runs gcc, then ld: three gcc and ld runs took ~150 ms of every SSH launch on

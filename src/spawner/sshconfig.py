@@ -1,0 +1,183 @@
+"""~/.ssh/config split into lines of words once per launch; asyncssh still evaluates it per host.
+
+`asyncssh.connect(config=())` loads `~/.ssh/config` for every connection: `SSHConfig.parse`
+reads the file and runs `shlex.split` on every line of it, for every host, because `Host` and
+`Match` are evaluated while parsing (a block's lines count only where its condition held for
+*that* host). With a config that names each host of a cluster, every connection splits the
+lines of every host's block: ~18 ms per connection for 64 hosts' blocks, a launch's CPU
+growing with the square of its hosts (bench/README.md, "SSH fan-out to 64 hosts").
+
+`install(asyncssh)` puts `_parse` in place of `SSHClientConfig.parse`: the same loop as
+asyncssh's over the same lines, the same handlers evaluating `Host`, `Match` (exec, final,
+canonical...), `Include`, `%` tokens and `${VAR}` for this host, the same errors at the same
+line numbers. Only the host-independent part (the file's lines, stripped, comments dropped,
+split as shlex does, `=` separated, the option's name lower-cased) comes from a cache keyed by
+the file's text: each parse still reads the file, so an edit is seen at once.
+
+The loop is a copy of asyncssh's own (2.19 to 2.24 have the same `parse`): `install` puts it
+in place only where asyncssh's `SSHConfig.parse` is that code, byte for byte; with any other
+asyncssh, connections parse as asyncssh does, slower but the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import linecache
+import shlex
+from pathlib import Path
+from typing import Any, NamedTuple
+
+# sha256 of asyncssh's SSHConfig.parse source (asyncssh 2.19.0 to 2.24.1), the code `_parse`
+# copies. When asyncssh changes it, compare the new code with `_parse` and `_split` before
+# adding its digest here.
+KNOWN_PARSE_SHA256 = frozenset({
+    "8809c434443397c9df04e87dd30d9188e2dde502b7d88c61d65f8f5dd10488cf",
+})
+# Distinct config texts kept (per SSHConfig class): a launch has one or a few (Include).
+MAX_CACHED = 32
+
+
+class _Line(NamedTuple):
+    """One line that is neither blank nor a comment, as asyncssh's parse splits it."""
+
+    number: int  # in the file, counting every line, for the error messages
+    option: str  # the keyword, lower case ('' if the line failed to split)
+    args: tuple[str, ...]
+    error: str | BaseException | None  # what splitting it raised: asyncssh raises it there
+
+
+_cache: dict[tuple[type, str], tuple[_Line, ...]] = {}
+_logger: Any = None  # asyncssh's config logger, set by install
+
+
+def install(asyncssh: Any) -> bool:
+    """Make asyncssh's client config parse use the cache, where its parse is the known one;
+    True if it does (now or already)."""
+    config = asyncssh.config
+    if config.SSHClientConfig.parse is _parse:
+        return True
+    if config.SSHClientConfig.parse is not config.SSHConfig.parse or \
+            _source_sha256(config.SSHConfig.parse) not in KNOWN_PARSE_SHA256:
+        return False
+    global _logger
+    _logger = config.logger
+    config.SSHClientConfig.parse = _parse
+    return True
+
+
+def _source_sha256(function: Any) -> str | None:
+    """The digest of a function's source, from its first line to its last with code (what
+    inspect.getsource gives, at a tenth of its cost); None without the source."""
+    code = function.__code__
+    lines = linecache.getlines(code.co_filename)
+    last = max((line for *_, line in code.co_lines() if line is not None), default=0)
+    if not lines or last < code.co_firstlineno:
+        return None
+    text = "".join(lines[code.co_firstlineno - 1:last])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _lines(cls: type, path: Path) -> tuple[_Line, ...]:
+    """The file's lines split for `cls` (its conditionals and no-split options decide how),
+    from the cache while the file's text is the same."""
+    with open(path) as file:  # asyncssh's own open: its errors, its decoding, its newlines
+        text = file.read()
+    key = (cls, text)
+    lines = _cache.get(key)
+    if lines is None:
+        lines = tuple(_split(cls, text))
+        if len(_cache) >= MAX_CACHED:
+            _cache.clear()
+        _cache[key] = lines
+    return lines
+
+
+def _split(cls: type, text: str) -> Any:
+    """asyncssh's SSHConfig.parse up to the matching check, line by line (its code)."""
+    for line_no, line in enumerate(text.split("\n"), 1):
+        line = line.strip()
+        if not line or line[0] == "#":
+            continue
+        try:
+            split_args = shlex.split(line)
+        except ValueError as exc:
+            yield _Line(line_no, "", (), str(exc))
+            continue
+        args: list[str] = []
+        loption = ""
+        allow_equal = True
+        try:
+            for i, arg in enumerate(split_args, 1):
+                if arg.startswith("="):
+                    if len(arg) > 1:
+                        args.append(arg[1:])
+                elif not allow_equal:
+                    args.extend(split_args[i - 1:])
+                    break
+                elif arg.endswith("="):
+                    args.append(arg[:-1])
+                elif "=" in arg:
+                    arg, val = arg.split("=", 1)
+                    args.append(arg)
+                    args.append(val)
+                else:
+                    args.append(arg)
+
+                if i == 1:
+                    loption = args.pop(0).lower()
+                    allow_equal = loption in cls._conditionals  # type: ignore[attr-defined]
+        except IndexError as exc:  # a line that is only "=": asyncssh's pop fails there
+            yield _Line(line_no, "", (), exc)
+            continue
+        if loption in cls._no_split:  # type: ignore[attr-defined]
+            args = [line.lstrip()[len(loption):].strip()]
+        yield _Line(line_no, loption, tuple(args), None)
+
+
+def _parse(self: Any, path: Path) -> None:
+    """asyncssh's SSHConfig.parse (2.19-2.24), its lines split by `_lines`."""
+    self._path = path
+    self._line_no = 0
+    self._matching = True
+    self._tokens = {"%": "%"}
+
+    _logger.debug1('Reading config from "%s"', path)
+
+    for line in _lines(type(self), path):
+        self._line_no = line.number
+        if isinstance(line.error, str):
+            self._error(line.error)
+        if line.error is not None:
+            raise type(line.error)(*line.error.args)
+
+        if not self._matching and line.option not in self._conditionals:
+            continue
+
+        try:
+            option, handler = self._handlers[line.option]
+        except KeyError:
+            continue
+
+        args = list(line.args)  # the handlers consume it
+        if not args:
+            self._error(f"Missing {option} value")
+
+        handler(self, option, args)
+
+        if args:
+            self._error(f'Extra data at end: {" ".join(args)}')
+
+    self._set_tokens()
+
+    for option in self._percent_expand:
+        try:
+            value = self._options[option]
+        except KeyError:
+            pass
+        else:
+            if isinstance(value, list):
+                value = [self._expand_val(item) for item in value]
+            elif isinstance(value, str):
+                value = self._expand_val(value)
+
+            self._options[option] = value

@@ -9,7 +9,10 @@ a connection is made from.
 
 from __future__ import annotations
 
+import base64
 import getpass
+import hashlib
+import hmac
 import shlex
 import types
 from pathlib import Path
@@ -183,14 +186,19 @@ def test_installed_for_this_asyncssh() -> None:
     assert asyncssh.config.SSHServerConfig.parse is SSHConfig.parse  # servers' parse untouched
 
 
-def test_not_installed_over_a_parse_it_does_not_know() -> None:
+def test_not_installed_over_code_it_does_not_know() -> None:
     def parse(self: Any, path: Path) -> None:
         """Some other asyncssh's parse."""
 
+    def read_known_hosts(filelist: Any) -> None:
+        """Some other asyncssh's read_known_hosts."""
+
     config = types.SimpleNamespace(logger=None, SSHConfig=type("C", (), {"parse": parse}))
     config.SSHClientConfig = type("D", (config.SSHConfig,), {})
-    assert not sshconfig.install(types.SimpleNamespace(config=config))
+    known_hosts = types.SimpleNamespace(read_known_hosts=read_known_hosts)
+    assert not sshconfig.install(types.SimpleNamespace(config=config, known_hosts=known_hosts))
     assert config.SSHClientConfig.parse is parse
+    assert known_hosts.read_known_hosts is read_known_hosts
 
 
 @pytest.mark.parametrize("host", HOSTS)
@@ -281,3 +289,97 @@ def test_the_cache_stays_small(home: Path) -> None:
         config.write_text(f"Host a\n    Port {port + 1}\n")
         assert options("a", sshconfig._parse)["port"] == port + 1
     assert len(sshconfig._cache) <= sshconfig.MAX_CACHED
+
+
+# -- known_hosts ---------------------------------------------------------------------------
+
+KNOWN_HOSTS = asyncssh.known_hosts
+
+
+def matched(files: Any, host: str, addr: str, port: int | None, reader: Any) -> Any:
+    """match_known_hosts as a connection calls it, with `reader` as its read_known_hosts:
+    the keys it returns (by public data), or the error."""
+    saved = KNOWN_HOSTS.read_known_hosts
+    KNOWN_HOSTS.read_known_hosts = reader
+    try:
+        result = KNOWN_HOSTS.match_known_hosts(files, host, addr, port)
+        return [[getattr(k, "public_data", k) for k in part] for part in result]
+    except Exception as exc:
+        return ("raised", type(exc), str(exc))
+    finally:
+        KNOWN_HOSTS.read_known_hosts = saved
+
+
+@pytest.fixture
+def known_hosts(tmp_path: Path) -> list[str]:
+    """Two known_hosts files: exact names, [addr]:port, patterns, a negation, hashed names,
+    a CA and a revoked key."""
+    keys = [asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
+            for _ in range(6)]
+    salt = b"0123456789abcdefghij"  # a hashed name, as ssh-keygen -H writes it
+    digest = hmac.new(salt, b"secret-host", hashlib.sha1).digest()
+    hashed_name = f"|1|{base64.b64encode(salt).decode()}|{base64.b64encode(digest).decode()}"
+    first = tmp_path / "known_hosts"
+    first.write_text(f"# comment\n\nalpha,10.0.0.1 {keys[0]}\n[10.0.0.2]:2222 {keys[1]}\n"
+                     f"*.example.com,!bad.example.com {keys[2]}\n{hashed_name} {keys[3]}\n")
+    second = tmp_path / "known_hosts2"
+    second.write_text(f"@cert-authority *.example.com {keys[4]}\n@revoked alpha {keys[5]}\n"
+                      f"alpha {keys[2]}\n")
+    return [str(first), str(second)]
+
+
+@pytest.mark.parametrize("host, addr, port", [
+    ("alpha", "10.0.0.1", None), ("beta", "10.0.0.2", 2222), ("beta", "10.0.0.2", 22),
+    ("web.example.com", "192.0.2.5", None), ("bad.example.com", "192.0.2.6", None),
+    ("secret-host", "192.0.2.7", None), ("nobody", "192.0.2.8", 2200),
+])
+def test_known_hosts_as_asyncssh_matches_them(known_hosts: list[str], host: str, addr: str,
+                                              port: int | None) -> None:
+    ours = matched(known_hosts, host, addr, port, sshconfig._read_known_hosts)
+    assert ours == matched(known_hosts, host, addr, port, asyncssh.read_known_hosts)
+    assert not raised(ours)
+    assert matched(known_hosts[0], host, addr, port, sshconfig._read_known_hosts) == \
+        matched(known_hosts[0], host, addr, port, asyncssh.read_known_hosts)
+
+
+def test_known_hosts_matches_are_what_the_files_say(known_hosts: list[str]) -> None:
+    alpha = matched(known_hosts, "alpha", "10.0.0.1", None, sshconfig._read_known_hosts)
+    assert [len(part) for part in alpha[:3]] == [3, 0, 1]  # by name, by address; CA; revoked
+    assert len(matched(known_hosts, "web.example.com", "192.0.2.5", None,
+                       sshconfig._read_known_hosts)[1]) == 1
+    assert matched(known_hosts, "bad.example.com", "192.0.2.6", None,
+                   sshconfig._read_known_hosts)[0] == []
+
+
+@pytest.mark.parametrize("broken", ["missing second", "bad entry first", "both", "bad marker"])
+def test_known_hosts_errors_are_asyncssh_s(known_hosts: list[str], broken: str) -> None:
+    first, second = map(Path, known_hosts)
+    if broken in ("bad entry first", "both"):
+        first.write_text(first.read_text() + "lonely-field\n")
+    if broken in ("missing second", "both"):
+        second.unlink()
+    if broken == "bad marker":
+        second.write_text("@nonsense alpha ssh-ed25519 AAAA\n")
+    ours = matched(known_hosts, "alpha", "10.0.0.1", None, sshconfig._read_known_hosts)
+    assert raised(ours)
+    assert ours == matched(known_hosts, "alpha", "10.0.0.1", None, asyncssh.read_known_hosts)
+
+
+def test_known_hosts_edits_are_seen_and_each_text_loaded_once(
+        known_hosts: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    sshconfig._known_hosts_cache.clear()
+    loads: list[str] = []
+    load = KNOWN_HOSTS.SSHKnownHosts.load
+    monkeypatch.setattr(KNOWN_HOSTS.SSHKnownHosts, "load",
+                        lambda self, text: loads.append(text) or load(self, text))
+    for _ in range(5):
+        matched(known_hosts, "alpha", "10.0.0.1", None, sshconfig._read_known_hosts)
+    assert len(loads) == 2  # each file's text once
+    Path(known_hosts[1]).write_text("")
+    assert matched(known_hosts, "alpha", "10.0.0.1", None, sshconfig._read_known_hosts)[2] == []
+    assert len(loads) == 4
+
+
+def test_known_hosts_reader_installed_for_this_asyncssh() -> None:
+    assert sshconfig.install(asyncssh)
+    assert KNOWN_HOSTS.read_known_hosts is sshconfig._read_known_hosts

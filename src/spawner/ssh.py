@@ -8,7 +8,8 @@ the all-or-nothing rule, for callers that report per host (preflight, key distri
 What the user's ssh setup says is honoured because asyncssh reads it itself: `~/.ssh/config`
 (relative to `$HOME`: HostName, Port, User, IdentityFile, ProxyJump, UserKnownHostsFile...),
 the agent at `$SSH_AUTH_SOCK`, the default keys, and known_hosts. asyncssh evaluates the
-config for each connection; `spawner.sshconfig` spares it splitting the same lines again. Authentication is by key only
+config for each connection; `spawner.sshconfig` spares it splitting the same lines, and
+decoding the same known_hosts keys, again. Authentication is by key only
 unless a password is given explicitly: no password or keyboard-interactive prompt, no passphrase
 prompt (encrypted keys are skipped), stdin is never read.
 
@@ -319,7 +320,8 @@ class _Rejected(NamedTuple):
 @functools.cache
 def load_asyncssh() -> Any:
     """asyncssh, imported without running a C compiler (see _import_asyncssh), its config
-    file's lines split once rather than for every connection (spawner.sshconfig)."""
+    file's lines split and known_hosts' keys decoded once rather than for every connection
+    (spawner.sshconfig)."""
     from spawner import sshconfig
 
     asyncssh = _import_asyncssh()

@@ -1,4 +1,5 @@
-"""~/.ssh/config split into lines of words once per launch; asyncssh still evaluates it per host.
+"""~/.ssh/config and known_hosts parsed once per text, not per connection; asyncssh still
+evaluates them for each host.
 
 `asyncssh.connect(config=())` loads `~/.ssh/config` for every connection: `SSHConfig.parse`
 reads the file and runs `shlex.split` on every line of it, for every host, because `Host` and

@@ -19,11 +19,11 @@ its first host locally: mpirun's `--host h1:I,...` names no local host either):
   mpirun-flat  the same with `--mca plm_rsh_no_tree_spawn 1`: mpirun runs every ssh itself
   pdsh         `pdsh -R ssh -f H -w h1,...`, one OpenSSH client per host, all at once
   clush        ClusterShell's `clush -f H -w h1,...`, the same (Python, like poprun)
-  connect      not a launcher: poprun's interpreter opening H asyncssh connections at once and
-               closing them (no session, no remote command): the launcher's share of connection
-               set-up (key exchange, authentication) on its own
-  connect-direct  the same with HostName, Port, user, key and known_hosts passed directly and no
-               ~/.ssh/config read (asyncssh parses it again for every connection)
+  connect      not a launcher: poprun's own connect (spawner.ssh.connect_all) opening H
+               connections at once and closing them (no session, no remote command): the
+               launcher's share of connection set-up (config, key exchange, auth) on its own
+  connect-direct  asyncssh.connect with HostName, Port, user, key and known_hosts passed
+               directly and no ~/.ssh/config read: set-up without any config
 
 For I > 1, pdsh and clush run `hostname & ... & wait` (I at once) through their one session
 per host. pdsh and clush are skipped, saying so, where they are not installed (Debian:
@@ -64,23 +64,20 @@ REFERENCES = ("connect", "connect-direct")  # not launchers
 CASES = ("8x1", "16x1", "32x1", "64x1", "64x4")
 FLAT = ["--mca", "plm_rsh_no_tree_spawn", "1"]
 
-# poprun's interpreter opening every connection and closing it again, nothing else: asyncssh
-# reads HOME's .ssh/config, key and known_hosts as poprun's own connect does.
+# poprun's interpreter opening every connection with poprun's own connect (spawner.ssh:
+# HOME's .ssh/config, key and known_hosts, each file parsed once) and closing it, nothing else.
 CONNECT_PROGRAM = """\
 import asyncio, sys
-import asyncssh
+from spawner.ssh import Target, connect_all
 
 async def main(hosts):
-    conns = await asyncio.gather(*(asyncssh.connect(h) for h in hosts))
-    for c in conns:
-        c.close()
-    await asyncio.gather(*(c.wait_closed() for c in conns))
+    conns = await connect_all([Target(h) for h in hosts])
+    await conns.close()
 
 asyncio.run(main(sys.argv[1:]))
 """
-# The same with everything the config gives passed directly and no config read (config=[]):
-# asyncssh parses ~/.ssh/config again for every connection, which costs more than the key
-# exchange once the config names every host (bench/README.md).
+# asyncssh.connect with everything the config gives passed directly and no config read
+# (config=[]): connection set-up without any config (bench/README.md).
 CONNECT_DIRECT_PROGRAM = """\
 import asyncio, sys
 import asyncssh

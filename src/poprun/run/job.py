@@ -88,6 +88,9 @@ class Job:
         self._signalled: set[int] = set()  # instances poprun has sent a stop signal to
         self.local: LocalSpawner | None = None
         self.remote: Mapping[str, object] = {}
+        # Hosts lost before this attempt started its instances (between attempts: the
+        # session connects them again, as those lost during an attempt).
+        self.lost_before_start: dict[str, str] = {}
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
         self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
         self.world = None  # the instances' MPI world (run/world.MpiWorld), where served
@@ -344,7 +347,11 @@ class Job:
     def on_host_lost(self, host: str, reason: str) -> None:
         """A remote host's agent or connection ended early: its instances are gone with it
         (the agent kills them when it can), so the job stops everywhere."""
-        spawner = self.remote[host]
+        spawner = self.remote.get(host)
+        if spawner is None:  # none started there yet: nothing lost, but the host is gone
+            self.lost_before_start[host] = reason
+            self.log.warning(f"{host}: lost the connection to the host ({reason})")
+            return
         lost = sorted(k for k in spawner.unaccounted() if k not in self.done)
         self.events.host_lost(host, lost, self.loop.time())
         self.log.error(f"{host}: lost the connection to the host ({reason}); "

@@ -93,6 +93,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _quiet_asyncio_reaping_race() -> None:
+    """CPython's asyncio reaps a subprocess in a watcher thread while its transport's close()
+    may reap it too (Popen.poll, then again in Popen.kill: python/cpython#86276): the one that
+    comes second makes asyncio log "Unknown child process pid N, will report returncode
+    255". An SSH ProxyCommand ending as its connection closes loses that race about one run
+    in nine here; the exit status lost is one nobody reads, so the line is only noise on
+    the user's stderr. (For the poprun command only: a library caller's logging is theirs.)"""
+    import logging
+
+    logging.getLogger("asyncio").addFilter(
+        lambda record: not str(record.msg).startswith("Unknown child process pid"))
+
+
 def _explicit_cache(config: LaunchConfig, mode: CacheMode) -> str | None:
     if mode is CacheMode.EXPLICIT and config.executable_cache_path:
         return os.path.abspath(config.executable_cache_path)
@@ -240,8 +253,11 @@ class _Session:
         wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
         self.lifeline = Lifeline()
         if containment.is_subreaper():  # the poprun command: every child it starts is its own
-            # ... so its helpers (an SSH ProxyCommand, vipu) carry the lifeline's mark too.
-            os.environ[containment.MARK] = self.environ[containment.MARK] = self.lifeline.token
+            # ... so its helpers (an SSH ProxyCommand, srun, vipu) carry a mark of the lifeline's
+            # too, one that the sweep after an attempt spares (the instances get the token).
+            os.environ[containment.MARK] = self.environ[containment.MARK] = \
+                containment.helpers_mark(self.lifeline.token)
+            _quiet_asyncio_reaping_race()
         self.cache = _CacheDir(config, self.mode, self.lifeline, log)
         self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
                        self.stderr_fd, self.loop, events=self.events)
@@ -395,7 +411,8 @@ class _Session:
                 result = replace(result, stop_signal=self._pause_signal,
                                  exit_code=128 + self._pause_signal)
                 break
-            lost = sorted({i.host for i in result.instances if i.lost})
+            lost = sorted({i.host for i in result.instances if i.lost}
+                          | set(self.job.lost_before_start))
             if lost:
                 try:
                     caches, master = await self._reopen(lost, caches)
@@ -681,7 +698,8 @@ class _Session:
                      self._close_fleet, self._close_dashboard, self.job.close,
                      self.job.close_world, self._close_rendezvous,
                      self._restore_signals, self.cache.remove, self.lifeline.close,
-                     self._release_partition, lambda: errors or self._report(),
+                     self._release_partition, self._helpers_reaped,
+                     lambda: errors or self._report(),
                      # After the report: the record has what its writing did to the status.
                      lambda: self.control and self.control.close(self._result, exc_info[1])):
             try:
@@ -711,6 +729,10 @@ class _Session:
             if reason:
                 self._result = replace(self._result, scheduler_stop=f"{label}: {reason}")
                 return
+
+    async def _helpers_reaped(self) -> None:
+        if containment.is_subreaper():  # the poprun command: its children are all its own
+            await containment.helpers_reaped(keep=frozenset([self.lifeline.pid]))
 
     async def _close_fleet(self) -> None:
         if self.fleet is not None:

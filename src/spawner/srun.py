@@ -12,7 +12,10 @@ breaks binary frames; addressed messages over a broadcast stdin took 24-39 ms pe
 Steps per node, started in parallel, were all up in 115-130 ms for 2 nodes (310-350 ms for 8),
 carry bytes unchanged (NUL, 0xff, 20 MiB echoed intact), and end with EOF on stdin.
 `--unbuffered` passes partial lines at once (slurmstepd otherwise waits for a newline);
-`--overlap` lets the step share the nodes with the allocation's other steps. SIGKILL of the
+`--overlap` lets the step share the nodes with the allocation's other steps. `--mpi=none`
+whatever the cluster's MpiDefault: the agent is no MPI task, and a PMIx or PMI-2 plugin would
+set up a server for its step (time on every launch) and put its PMIX_*/PMI_* variables in the
+agent's environment, which instances inherit (poprun serves their world itself). SIGKILL of the
 srun cancels the step (its task gone within 0.5 s); a cancelled or timed-out job's steps end
 with slurmstepd's `*** STEP ... CANCELLED ... ***` on stderr, which becomes the lost host's
 reason.
@@ -106,7 +109,8 @@ class SrunConnection:
                              encoding: str | None = None) -> tuple[_Step, Any]:
         session = factory()
         argv = [self._srun, "--nodes=1", "--ntasks=1", f"--nodelist={self.node}", "--overlap",
-                "--unbuffered", "--kill-on-bad-exit=1", "--job-name=poprun-agent",
+                "--unbuffered", "--kill-on-bad-exit=1", "--mpi=none",
+                "--job-name=poprun-agent",
                 "/bin/sh", "-c", command]
         loop = asyncio.get_running_loop()
         _, step = await loop.subprocess_exec(

@@ -99,36 +99,86 @@ def step_variables(environ: Mapping[str, str]) -> list[str]:
 
 
 class SrunConnection:
-    """One node of the allocation, reached by `srun` (see the module docstring)."""
+    """One node of the allocation, reached by `srun` (see the module docstring).
+
+    `start(command)` creates the step before anyone asks for it: the launcher does it as soon
+    as it knows the nodes, so that slurmctld's step creation and the agent's interpreter start
+    overlap what the launcher still has to do (its job record, control socket...: bench/
+    README.md, "Remote launches"). What the step sends meanwhile is kept for the session
+    that `create_session` then gives it, in order."""
 
     def __init__(self, node: str, srun: str = "srun") -> None:
         self.node, self._srun = node, srun
         self._steps: list[_Step] = []
+        self._early: tuple[str, asyncio.Future] | None = None  # start()'s command and step
+
+    def start(self, command: str) -> None:
+        self._early = (command, asyncio.ensure_future(self._run(_Held(), command)))
 
     async def create_session(self, factory: Callable[[], Any], command: str,
                              encoding: str | None = None) -> tuple[_Step, Any]:
         session = factory()
+        early, self._early = self._early, None
+        if early is not None and early[0] == command:
+            step = await early[1]
+            step.attach(session)
+        else:
+            if early is not None:  # another command after all: that step is not wanted
+                _discard(early[1])
+            step = await self._run(session, command)
+        return step, session
+
+    async def _run(self, session: Any, command: str) -> _Step:
         argv = [self._srun, "--nodes=1", "--ntasks=1", f"--nodelist={self.node}", "--overlap",
                 "--unbuffered", "--kill-on-bad-exit=1", "--mpi=none",
-                "--job-name=poprun-agent",
-                "/bin/sh", "-c", command]
+                "--job-name=poprun-agent", "/bin/sh", "-c", command]
         loop = asyncio.get_running_loop()
         _, step = await loop.subprocess_exec(
             lambda: _Step(session), *argv, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True)  # a Ctrl-C reaches poprun, which closes the step itself
         self._steps.append(step)
-        return step, session
+        return step
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default  # no socket: addresses come from the agent (its hostname)
 
     def close(self) -> None:
+        if self._early is not None:  # started, never asked for (the launch stopped first)
+            _discard(self._early[1])
         for step in self._steps:
             step.close()
 
     async def wait_closed(self) -> None:
+        if self._early is not None:  # a step being created when close() came: killed too
+            await asyncio.gather(self._early[1], return_exceptions=True)
+            self._early = None
+            for step in self._steps:
+                step.close()
         await asyncio.gather(*(step.wait_closed() for step in self._steps))
+
+
+def _discard(step: asyncio.Future) -> None:
+    """Cancel a step started ahead: killed once created (asyncio kills a process whose
+    creation is cancelled; a created one by close())."""
+    if step.done():
+        if not step.cancelled() and step.exception() is None:
+            step.result().close()
+    else:
+        step.cancel()
+
+
+class _Held:
+    """A step's session until create_session gives it the real one: what srun sends, kept."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+
+    def data_received(self, data: bytes, datatype: int | None) -> None:
+        self.calls.append(("data_received", (data, datatype)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.calls.append(("connection_lost", (exc,)))
 
 
 class _Step(asyncio.SubprocessProtocol):
@@ -140,6 +190,12 @@ class _Step(asyncio.SubprocessProtocol):
         self._open = {1, 2}  # stdout and stderr until each reaches EOF
         self._exited = False
         self._done = asyncio.get_running_loop().create_future()
+
+    def attach(self, session: Any) -> None:
+        """The session from now on, told first what the step sent before (SrunConnection)."""
+        held, self._session = self._session, session
+        for name, args in held.calls:
+            getattr(session, name)(*args)
 
     # --- as the session's channel -------------------------------------------------------
 

@@ -262,7 +262,7 @@ class _Session:
             where = failed if failed.startswith(given) else f"{given} ({failed})"
             raise LaunchError(f"--output-filename: cannot write to {where} on this host "
                               f"({socket.gethostname()}): {exc.strerror}") from None
-        self._start_steps()
+        await self._start_steps()
         try:
             await self._open_job_control()
             self._open_progress()
@@ -275,7 +275,7 @@ class _Session:
             raise
         return self
 
-    def _start_steps(self) -> None:
+    async def _start_steps(self) -> None:
         """Over Slurm, the agents' job steps are created now, not once the job's record and
         control socket are up: slurmctld's step creation and the agents' start overlap them
         (bench/README.md, "Remote launches")."""
@@ -284,6 +284,9 @@ class _Session:
 
             self.fleet = Fleet.of(self.hosts, self.config, self.log)
             self.fleet.start_steps()
+            # One turn of the loop: each srun is forked now, not at the next wait (after the
+            # job control's synchronous start, ~50 ms later under load).
+            await asyncio.sleep(0)
 
     async def _open_job_control(self) -> None:
         """poprunctl's view of the job (issue 15): its record, log, stall watch and control

@@ -118,11 +118,15 @@ async def test_a_step_started_ahead_hands_its_session_what_it_sent_in_order(fake
     await conn.wait_closed()
 
 
-async def test_a_step_started_ahead_and_never_asked_for_is_ended_by_close(fake_srun, tmp_path):
+@pytest.mark.parametrize("agent", ["cat", "sleep 300"], ids=["ends-at-eof", "does-not"])
+async def test_a_step_started_ahead_and_never_asked_for_is_ended_by_close(fake_srun, tmp_path,
+                                                                          agent):
+    """Its agent is told to end (EOF), as by a launcher that is done; one that does not is
+    cancelled (srun's SIGKILL) after HELD_EOF_GRACE. Either way it is reaped."""
     pid_file = tmp_path / "pid"
     conn = SrunConnection("node1", fake_srun)
-    conn.start(f"echo $$ > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; exec sleep 300")
-    # (the fake srun execs sh, which execs sleep: one pid all along)
+    conn.start(f"echo $$ > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; exec {agent}")
+    # (the fake srun execs sh, which execs the agent: one pid all along)
     await asyncio.wait_for(_until(pid_file.exists), 20)
     pid = int(pid_file.read_text())
     conn.close()

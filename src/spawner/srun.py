@@ -124,7 +124,7 @@ class SrunConnection:
             step.attach(session)
         else:
             if early is not None:  # another command after all: that step is not wanted
-                _discard(early[1])
+                _end_held(early[1])
             step = await self._run(session, command)
         return step, session
 
@@ -144,28 +144,35 @@ class SrunConnection:
         return default  # no socket: addresses come from the agent (its hostname)
 
     def close(self) -> None:
-        if self._early is not None:  # started, never asked for (the launch stopped first)
-            _discard(self._early[1])
+        """Cancel the steps (SIGKILL of srun). A step started ahead that no session took (the
+        launch stopped first) is ended by its agent instead: EOF on its stdin, as a launcher
+        that is done does; cancelled only if still there after HELD_EOF_GRACE."""
+        held = _end_held(self._early[1]) if self._early is not None else None
         for step in self._steps:
-            step.close()
+            if step is not held:
+                step.close()
 
     async def wait_closed(self) -> None:
-        if self._early is not None:  # a step being created when close() came: killed too
+        if self._early is not None:  # its creation, if close() came while it went on
             await asyncio.gather(self._early[1], return_exceptions=True)
             self._early = None
-            for step in self._steps:
-                step.close()
         await asyncio.gather(*(step.wait_closed() for step in self._steps))
 
 
-def _discard(step: asyncio.Future) -> None:
-    """Cancel a step started ahead: killed once created (asyncio kills a process whose
-    creation is cancelled; a created one by close())."""
-    if step.done():
-        if not step.cancelled() and step.exception() is None:
-            step.result().close()
-    else:
-        step.cancel()
+HELD_EOF_GRACE = 2.0  # seconds an unused step's agent has to end at EOF before srun's SIGKILL
+
+
+def _end_held(creating: asyncio.Future) -> _Step | None:
+    """End a step started ahead that no session took; the step, if it was created."""
+    if not creating.done():
+        creating.cancel()  # asyncio kills a process whose creation is cancelled
+        return None
+    if creating.cancelled() or creating.exception() is not None:
+        return None
+    step = creating.result()
+    step.write_eof()
+    asyncio.get_running_loop().call_later(HELD_EOF_GRACE, step.close)
+    return step
 
 
 class _Held:

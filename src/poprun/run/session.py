@@ -278,13 +278,31 @@ class _Session:
             where = failed if failed.startswith(given) else f"{given} ({failed})"
             raise LaunchError(f"--output-filename: cannot write to {where} on this host "
                               f"({socket.gethostname()}): {exc.strerror}") from None
-        await self._open_job_control()
-        self._open_progress()
-        # From here a stop signal is the job's: before any instance runs, it ends the launch.
-        self._restore_signals = install_signal_handlers(self.loop, self.on_signal)
-        if self.control is not None:
-            self.control.start_pruning(self.environ)
+        await self._start_steps()
+        try:
+            await self._open_job_control()
+            self._open_progress()
+            # From here a stop signal is the job's: before any instance runs, it ends the launch.
+            self._restore_signals = install_signal_handlers(self.loop, self.on_signal)
+            if self.control is not None:
+                self.control.start_pruning(self.environ)
+        except BaseException:
+            await self._close_fleet()  # __aexit__ will not run: the steps end here
+            raise
         return self
+
+    async def _start_steps(self) -> None:
+        """Over Slurm, the agents' job steps are created now, not once the job's record and
+        control socket are up: slurmctld's step creation and the agents' start overlap them
+        (bench/README.md, "Remote launches")."""
+        if self.hosts.remote and self.hosts.transport == "slurm":
+            from poprun.run.fleet import Fleet
+
+            self.fleet = Fleet.of(self.hosts, self.config, self.log)
+            self.fleet.start_steps()
+            # One turn of the loop: each srun is forked now, not at the next wait (after the
+            # job control's synchronous start, ~50 ms later under load).
+            await asyncio.sleep(0)
 
     async def _open_job_control(self) -> None:
         """poprunctl's view of the job (issue 15): its record, log, stall watch and control
@@ -503,7 +521,8 @@ class _Session:
     async def _open_fleet(self) -> None:
         from poprun.run.fleet import Fleet  # asyncssh: only runs with remote hosts import it
 
-        self.fleet = Fleet.of(self.hosts, self.config, self.log)
+        if self.fleet is None:  # over Slurm it is there already (_start_steps)
+            self.fleet = Fleet.of(self.hosts, self.config, self.log)
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
                               program=self.program[0], path=self.environ.get("PATH"),
                               view=self.panel)

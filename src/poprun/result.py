@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poprun.text import describe_status, fold_indices, signal_name
-from poprun.rootcause import exception_text
 
 # The one schema of `--result-json` and of the job records poprunctl reads (poprun/jobctl/records.py).
 JOB_SCHEMA = "poprun.job/1"
@@ -284,6 +283,8 @@ def _outcome(inst: InstanceResult) -> str:
     if inst.stopped_by_poprun and inst.returncode < 0:
         return f"terminated by poprun ({signal_name(-inst.returncode)})"
     if inst.error and inst.returncode != 0:
+        from poprun.rootcause import exception_text  # only for a failed instance's report
+
         return exception_text(inst.error)
     return describe_status(inst.returncode)
 

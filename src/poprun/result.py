@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from spawner import uncompiled
+
 from poprun.text import describe_status, fold_indices, signal_name
 
 # The one schema of `--result-json` and of the job records poprunctl reads (poprun/jobctl/records.py).
@@ -75,7 +77,7 @@ class InstanceResult:
         return -self.returncode if self.returncode < 0 else None
 
 
-@dataclass(frozen=True)
+@uncompiled.dataclass(frozen=True)  # one per launch; InstanceResult: compiled, one per instance
 class LaunchResult:
     """The job. `exit_code` is what `poprun` exits with."""
 

@@ -44,9 +44,9 @@ import re
 import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from .cpulist import format_cpu_list, parse_allowed, parse_cpu_list
+from .uncompiled import dataclass  # read back only for --report-bindings: nothing compiled
 
 MPOL_BIND = 2
 _MPOL_MODE = 0xFF  # get_mempolicy's mode without its flags (MPOL_F_STATIC_NODES, ...)

@@ -21,9 +21,7 @@ from spawner.binding import read_binding
 from spawner.cpulist import format_cpu_list
 from spawner.lifeline import Lifeline
 from spawner.local import LocalSpawner, ProcessSpec, Stream
-from spawner.procstat import Usage
 
-from poprun import rootcause
 from poprun.errors import LaunchError
 from poprun.events import Observers
 from poprun.log import Log
@@ -307,6 +305,8 @@ class Job:
 
     def on_usage(self, key: int, cpu_percent: float | None, rss: int) -> None:
         """A remote agent's sample of an instance's CPU and memory (every STATS_INTERVAL)."""
+        from spawner.procstat import Usage  # remote launches only: a local one never samples
+
         self.events.usage(key, Usage(cpu_percent, rss))
 
     def on_progress(self, key: int, step: int, total: int | None) -> None:
@@ -527,7 +527,11 @@ class Job:
                 error=self.spawner_of[i].errors.get(i))
             for i, r in sorted(self.started.items()))
         instances = tuple(self._as_aborted(inst) for inst in instances)
-        root, collateral = rootcause.analyze(instances, self.root_cause)
+        root, collateral = self.root_cause, {}  # what rootcause.analyze says of no failure
+        if self.root_cause is not None:  # one failed: imported then, off a clean run's path
+            from poprun import rootcause
+
+            root, collateral = rootcause.analyze(instances, self.root_cause)
         instances = tuple(replace(inst, collateral=collateral.get(inst.index))
                           for inst in instances)
         reason = end_reason(output_error=self.output_error, stop_signal=self.stop_signal,

@@ -66,10 +66,11 @@ def sleeper_with_grandchild(marker: str) -> tuple[str, ...]:
 class LocalAgent:
     """The agent run here as a subprocess, with the test playing the launcher."""
 
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([PY, "-m", "spawner.agent"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=poprun_env())
+    def __init__(self, argv: tuple[str, ...] = (PY, "-m", "spawner.agent"),
+                 env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE,
+                                     env=poprun_env() if env is None else env)
         self.decoder = FrameDecoder(expect_magic=True)
         self.output: dict[tuple[int, Stream], bytearray] = defaultdict(bytearray)
         self.events: list[Control] = []
@@ -190,6 +191,29 @@ def test_spawn_binds_the_instance_to_the_cpus_asked_for(agent):
     assert started.fields["memory_binding_skipped"] is False  # no memory binding asked for
     assert agent.wait_for(lambda f: f.kind is Kind.EXIT).fields["returncode"] == 0
     assert agent.output[(0, Stream.STDOUT)] == f"[{cpu}]\n".encode()
+
+
+
+def test_the_launchers_own_python_runs_the_agent_without_site(tmp_path):
+    """agent_command(None): `python -S`, the agent found in this launcher's directory with no
+    PYTHONPATH, and what an instance needs from site-packages (py-libnuma for a memory
+    binding) found there when it is needed (spawner.agent._SiteOnDemand)."""
+    from spawner.binding import memory_binding_available
+    from spawner.remote import agent_command
+
+    env = {k: v for k, v in poprun_env().items() if k != "PYTHONPATH"}
+    agent = LocalAgent(("/bin/sh", "-c", agent_command(None)), env)
+    try:
+        hello = agent.request(Kind.HELLO, cwd=str(tmp_path)).fields["result"]
+        assert hello["poprun"] == __version__
+        argv = Path(f"/proc/{hello['pid']}/cmdline").read_bytes().split(b"\0")
+        assert argv[:3] == [PY.encode(), b"-S", b"-c"]
+        started = agent.spawn(0, "true", mems=(0,))
+        assert started.kind is Kind.STARTED
+        assert started.fields["memory_binding_skipped"] is not memory_binding_available()
+        assert agent.close() == 0
+    finally:
+        agent.kill()
 
 
 # Waits (at most 5 s: without cgroups it never moves) until this process is no longer in

@@ -51,6 +51,46 @@ def test_a_start_imports_nothing_heavy(args):
     assert heavy(imported(*args)) == []
 
 
+# poprun's own modules a clean local launch has no use for: the root cause of a failure
+# (imported when an instance fails), a stacks dump's parsers (when stacks are asked for), the
+# usage samples of remote agents.
+NOT_FOR_A_CLEAN_LAUNCH = ("poprun.rootcause", "spawner.stackparse", "spawner.procstat")
+
+
+def test_a_clean_launch_leaves_out_what_only_failures_and_remote_hosts_need():
+    modules = imported("--num-instances=2", "--num-replicas=2", *OFFLINE, "true")
+    assert "poprun.run.job" in modules  # it did launch
+    assert sorted(set(NOT_FOR_A_CLEAN_LAUNCH) & modules) == []
+
+
+def test_a_failed_launch_imports_the_root_cause():  # the check above can see it
+    modules = imported("--num-instances=2", "--num-replicas=2", *OFFLINE, "false")
+    assert "poprun.rootcause" in modules
+
+
+def test_py_libnuma_is_imported_without_running_ldconfig():
+    """py-libnuma's import looks libnuma up with ctypes.util.find_library, which runs
+    `ldconfig -p`; spawner.binding answers it from the loader instead (no process started),
+    and leaves find_library as it was."""
+    script = ("import ctypes.util, subprocess, sys\n"
+              "ran = []\n"
+              "init = subprocess.Popen.__init__\n"
+              "def recording(self, args, *a, **k):\n"
+              "    ran.append(args)\n"
+              "    init(self, args, *a, **k)\n"
+              "subprocess.Popen.__init__ = recording\n"
+              "before = ctypes.util.find_library\n"
+              "from spawner.binding import memory_binding_available\n"
+              "available = memory_binding_available()\n"
+              "print(available, 'numa' in sys.modules, ran, ctypes.util.find_library is before)\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=poprun_env({}),
+                          capture_output=True, text=True, timeout=30)
+    available, numa, ran, same = proc.stdout.split(maxsplit=3)[:4] if proc.stdout else [""] * 4
+    if available != "True":
+        pytest.skip(f"no libnuma or no NUMA support here: {proc.stdout}{proc.stderr}")
+    assert proc.stdout.strip() == "True True [] True", proc.stderr
+
+
 def test_help_does_import_typer():  # the check above can see typer when it is there
     modules = imported("--help")
     assert {"typer", "rich"} <= {m.partition(".")[0] for m in modules}

@@ -95,3 +95,40 @@ def test_check_passes_on_the_proxied_host(hosts, tmp_path):
 def _local_addresses() -> set[str]:
     out = subprocess.run(["hostname", "-I"], capture_output=True, text=True)
     return set(out.stdout.split())
+
+
+# Fails in attempt 0 on this machine (instance 0), succeeds in attempt 1.
+FAILS_ONCE_HERE = ("import os, sys; sys.exit(3 if os.environ['POPDIST_RESTART_COUNT'] == '0' "
+                   "and os.environ['RANK'] == '0' else 0)")
+
+
+def test_a_proxied_host_keeps_its_connection_when_the_job_restarts(hosts, tmp_path):
+    """Was: the sweep after attempt 0 killed the ProxyCommand with the instances' leftovers
+    (it carried their mark), so hp was lost between attempts: `internal error: KeyError:
+    'hp'`. The launcher's helpers carry a mark of their own, which that sweep spares."""
+    result = tmp_path / "result.json"
+    proc = run(hosts, "-H", "localhost,hp", "--num-instances=2", "--num-replicas=2",
+               "--max-restarts=1", "--restart-delay=0", f"--result-json={result}", PY, "-c",
+               FAILS_ONCE_HERE, cwd=tmp_path)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert "lost the connection" not in err and "reconnecting" not in err, err
+    record = json.loads(result.read_text())
+    assert [a["exit_code"] for a in record["attempts"]] == [3]
+
+
+def test_no_stray_line_from_asyncio_about_the_proxy_process(hosts, tmp_path):
+    """The ProxyCommand is asyncio's child, and the command's final sweep reaped it before
+    asyncio's own watcher could: `Unknown child process pid N, will report returncode 255`
+    on stderr (about 1 run in 9, more often with a ProxyCommand that fails). The session
+    now waits for asyncio to reap its helpers before its loop ends."""
+    with open(hosts.ssh_config, "a") as config:
+        config.write("Host hfails\n    HostName 127.0.0.1\n    ProxyCommand false\n"
+                     "    BatchMode yes\n")
+    for args in (["-H", "hp,h1", "--num-instances=2", "--num-replicas=2", "true"],
+                 ["-H", "hfails", "--num-instances=1", "--num-replicas=1", "true"]) * 6:
+        proc = run(hosts, *args, cwd=tmp_path)
+        err = proc.stderr.decode()
+        assert proc.returncode == (2 if "hfails" in args else 0), err
+        assert "Unknown child process" not in err and "Loop " not in err, err
+        assert "Traceback" not in err, err

@@ -195,3 +195,37 @@ def test_a_host_that_stays_down_ends_the_job_with_its_loss(tmp_path):
     assert re.search(r"POPRUN \[E\] cannot restart the job: h2: connection refused", err), err
     result = json.loads(out.read_text())
     assert result["exit_reason"] == "host_lost" and result["attempts"] == []
+
+
+def test_a_host_lost_between_attempts_is_connected_again(tmp_path):
+    """h2's connection goes during the restart delay, before the next attempt started
+    anything there. Was: `internal error: KeyError: 'h2'` (the new attempt's Job heard of a
+    host it had not started on); now the host is connected again like one lost during an
+    attempt."""
+    (tmp_path / "notes").mkdir()
+    fails_first = ("import os, sys; open(sys.argv[1] + '/' + os.environ['RANK'] + '-' + "
+                   "os.environ['POPDIST_RESTART_COUNT'], 'w'); "
+                   "sys.exit(3 if os.environ['POPDIST_RESTART_COUNT'] == '0' else 0)")
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        job = subprocess.Popen(poprun_argv(*OFFLINE, "-H", "h1,h2", "--num-instances=2",
+                                           "--num-replicas=2", "--max-restarts=1",
+                                           "--restart-delay=10", PY, "-c", fails_first,
+                                           str(tmp_path / "notes")),
+                               env=poprun_env(hosts.env()), stderr=subprocess.PIPE)
+        with reaped(job):
+            err = b""
+            while b"starting attempt 2 in 10 s" not in err:  # bounded by the test's timeout
+                line = job.stderr.readline()
+                assert line, err.decode()
+                err += line
+            listener = hosts.hosts[1].proc.pid
+            for pid in hosts.sshd_pids(1):  # h2's sessions end; its sshd stays (it is back)
+                if pid != listener:
+                    os.kill(pid, signal.SIGKILL)
+            err += job.communicate(timeout=60)[1]
+    err = err.decode()
+    assert job.returncode == 0, err
+    assert "h2: lost the connection to the host" in err
+    assert "reconnecting to h2 for the next attempt" in err
+    assert "internal error" not in err
+    assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["0-0", "0-1", "1-0", "1-1"]

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import SRC
 from slurm_cluster import SlurmCluster
-from spawner.srun import ACK_INTERVAL, StepAck
+from spawner.srun import ACK_INTERVAL, SrunConnection, StepAck
 from sshd_hosts import instances_with, processes_with, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,6 +76,76 @@ async def test_a_step_ack_goes_at_once_then_at_most_every_interval():
     assert len(sent) == 1
     await asyncio.wait_for(second, 5)
     assert sent[1] - sent[0] >= ACK_INTERVAL * 0.99  # the loop's clock, as StepAck's
+
+
+
+@pytest.fixture
+def fake_srun(tmp_path) -> str:
+    """An `srun` that runs the step's command here (what follows its options)."""
+    path = tmp_path / "srun"
+    path.write_text('#!/bin/sh\nwhile [ "$1" != /bin/sh ]; do shift; done\nexec "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.received: list[bytes] = []
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes, datatype: int | None) -> None:
+        self.received.append(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost.set_result(exc)
+
+
+async def test_a_step_started_ahead_hands_its_session_what_it_sent_in_order(fake_srun, tmp_path):
+    """SrunConnection.start: the step runs before create_session asks for it; what it wrote
+    meanwhile reaches the session first, then the rest, then its end."""
+    said = tmp_path / "said"
+    conn = SrunConnection("node1", fake_srun)
+    command = f"echo early; touch {said}; read line; echo \"late $line\""
+    conn.start(command)
+    await asyncio.wait_for(_until(said.exists), 20)
+    step, session = await conn.create_session(_Session, command)
+    step.write(b"reply\n")
+    step.write_eof()
+    assert await asyncio.wait_for(session.lost, 20) is None
+    assert b"".join(session.received) == b"early\nlate reply\n"
+    assert step.get_exit_status() == 0
+    conn.close()
+    await conn.wait_closed()
+
+
+@pytest.mark.parametrize("agent", ["cat", "sleep 300"], ids=["ends-at-eof", "does-not"])
+async def test_a_step_started_ahead_and_never_asked_for_is_ended_by_close(fake_srun, tmp_path,
+                                                                          agent):
+    """Its agent is told to end (EOF), as by a launcher that is done; one that does not is
+    cancelled (srun's SIGKILL) after HELD_EOF_GRACE. Either way it is reaped."""
+    pid_file = tmp_path / "pid"
+    conn = SrunConnection("node1", fake_srun)
+    conn.start(f"echo $$ > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; exec {agent}")
+    # (the fake srun execs sh, which execs the agent: one pid all along)
+    await asyncio.wait_for(_until(pid_file.exists), 20)
+    pid = int(pid_file.read_text())
+    conn.close()
+    await asyncio.wait_for(conn.wait_closed(), 20)
+    assert not Path(f"/proc/{pid}").exists()  # reaped: not even a zombie
+
+
+async def test_a_step_started_ahead_is_ended_by_a_close_while_it_is_created(fake_srun):
+    marker = f"poprun-test-{uuid.uuid4().hex}"
+    conn = SrunConnection("node1", fake_srun)
+    conn.start(f"exec {PY} -c 'import time; time.sleep(300)' {marker}")
+    conn.close()  # before the loop ran the step's creation at all
+    await asyncio.wait_for(conn.wait_closed(), 20)
+    assert not processes_with(marker)
+
+
+async def _until(predicate, interval: float = 0.01) -> None:
+    while not predicate():
+        await asyncio.sleep(interval)
 
 
 def test_a_slurm_launch_imports_no_asyncssh(cluster):

@@ -50,7 +50,10 @@ def last_line(data: bytes) -> bytes:
     end = len(data)
     while end and data[end - 1] in b"\r\n":
         end -= 1
-    start = max(data.rfind(b"\n", 0, end), data.rfind(b"\r", 0, end)) + 1
+    # The last `\n` first, then a `\r` only after it: a `\r` searched for from the end of a
+    # block without one scanned all of it (a block is up to 1 MiB: ~2 ns a line).
+    newline = data.rfind(b"\n", 0, end)
+    start = max(newline, data.rfind(b"\r", newline + 1, end)) + 1
     return data[start:min(end, start + LAST_LINE_KEEP)]
 
 

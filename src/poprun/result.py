@@ -6,8 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from spawner import uncompiled
+
 from poprun.text import describe_status, fold_indices, signal_name
-from poprun.rootcause import exception_text
 
 # The one schema of `--result-json` and of the job records poprunctl reads (poprun/jobctl/records.py).
 JOB_SCHEMA = "poprun.job/1"
@@ -76,7 +77,7 @@ class InstanceResult:
         return -self.returncode if self.returncode < 0 else None
 
 
-@dataclass(frozen=True)
+@uncompiled.dataclass(frozen=True)  # one per launch; InstanceResult: compiled, one per instance
 class LaunchResult:
     """The job. `exit_code` is what `poprun` exits with."""
 
@@ -284,6 +285,8 @@ def _outcome(inst: InstanceResult) -> str:
     if inst.stopped_by_poprun and inst.returncode < 0:
         return f"terminated by poprun ({signal_name(-inst.returncode)})"
     if inst.error and inst.returncode != 0:
+        from poprun.rootcause import exception_text  # only for a failed instance's report
+
         return exception_text(inst.error)
     return describe_status(inst.returncode)
 

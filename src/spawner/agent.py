@@ -21,14 +21,42 @@ the launcher is not reading: shutdown never waits for a write.
 
 from __future__ import annotations
 
+import sys
+
 from .asyncio_import import asyncio_without_tls
+
+
+class _SiteOnDemand:
+    """Started with `python -S` (spawner.remote.agent_command), the agent has the standard
+    library and its own packages only. A top-level module not found among them (py-libnuma,
+    for a memory binding) is looked up in the directories `site` would add (user and site
+    packages) and, found, they join sys.path; their .pth files are not run (here they import
+    certifi: most of the ~50 ms saved). What only a .pth file can reach (an editable install)
+    is not found: the agent imports nothing of the sort."""
+
+    @classmethod
+    def find_spec(cls, name: str, path: object = None, target: object = None) -> object:
+        if path is not None or name in sys.stdlib_module_names:
+            return None  # a submodule (its package was found), or another platform's module
+        import site
+        from importlib.machinery import PathFinder
+
+        user = [site.getusersitepackages()] if site.check_enableusersite() else []
+        added = [d for d in (*user, *site.getsitepackages()) if d not in sys.path]
+        spec = PathFinder.find_spec(name, added)
+        if spec is not None:
+            sys.path.extend(added)  # for what it imports in turn
+        return spec
+
+
+if sys.flags.no_site:
+    sys.meta_path.append(_SiteOnDemand)
 
 asyncio = asyncio_without_tls()  # before anything else imports it: an agent never speaks TLS
 import os  # noqa: E402
 import shutil
 import signal
 import stat
-import sys
 import time
 import traceback
 from collections import deque

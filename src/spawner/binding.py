@@ -13,8 +13,9 @@ Who does what:
 - Memory, through py-libnuma (module `numa`): loading libnuma, asking whether the kernel has
   NUMA (`numa.info.numa_available`) and binding (`numa.memory.set_membind_nodes`: libnuma's
   numa_set_membind, MPOL_BIND). py-libnuma is imported on the first binding that needs memory,
-  never by a run without one (its import costs ~7 ms in the launcher here: ctypes, its
-  declarations, and an `ldconfig -p` run to find libnuma). When it cannot be imported (not
+  never by a run without one (its import costs ~4 ms in the launcher here: ctypes and its
+  declarations; not the `ldconfig -p` run its own lookup of libnuma would make: `_import_numa`).
+  When it cannot be imported (not
   installed; or no libnuma.so.1, which makes its own import fail) or the kernel has no NUMA,
   CPU binding still happens and `bound()` says memory binding was skipped.
 - Memory, hand-written, because py-libnuma lacks it (class `_MemPolicy`):
@@ -43,9 +44,9 @@ import re
 import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from .cpulist import format_cpu_list, parse_allowed, parse_cpu_list
+from .uncompiled import dataclass  # read back only for --report-bindings: nothing compiled
 
 MPOL_BIND = 2
 _MPOL_MODE = 0xFF  # get_mempolicy's mode without its flags (MPOL_F_STATIC_NODES, ...)
@@ -62,8 +63,8 @@ def bound(cpus: Collection[int] | None, mems: Collection[int] | None) -> Iterato
     Yields whether a memory binding is in force: False when `mems` was given but py-libnuma,
     libnuma or the kernel's NUMA support is missing (the caller warns). Raises OSError when a
     binding is refused (CPUs or nodes outside the cpuset); the thread is then left as it was."""
-    # Before the CPUs are touched: py-libnuma's import runs `ldconfig -p`, which need not run
-    # bound, and may fail.
+    # Before the CPUs are touched: py-libnuma's import may run `ldconfig -p` (_import_numa),
+    # which need not run bound, and may fail.
     policy = _mempolicy() if mems else None
     saved_cpus = os.sched_getaffinity(0) if cpus else None
     if cpus:
@@ -156,7 +157,7 @@ class _MemPolicy:
 @functools.cache
 def _mempolicy() -> _MemPolicy | None:
     try:
-        import numa  # py-libnuma, once a memory binding is wanted (module docstring)
+        numa = _import_numa()  # py-libnuma, once a memory binding is wanted (module docstring)
     except (ImportError, OSError, AttributeError):
         # ImportError: py-libnuma is not installed. Without libnuma.so.1 its import fails
         # itself: ctypes.util.find_library("numa") finds nothing, CDLL(None) is then the
@@ -166,6 +167,39 @@ def _mempolicy() -> _MemPolicy | None:
     if not numa.info.numa_available():  # the kernel has no NUMA support (no mempolicy calls)
         return None
     return _MemPolicy(numa)
+
+
+# libnuma's soname: what ctypes.util.find_library("numa") answers wherever libnuma is installed.
+LIBNUMA_SONAME = "libnuma.so.1"
+
+
+def _import_numa():
+    """py-libnuma, whose import looks libnuma up with `ctypes.util.find_library("numa")`: that
+    runs `ldconfig -p` (a process, and a parse of its whole listing: ~3 ms of every launch that
+    binds memory, spreadnuma's default included). Here the loader answers instead: where
+    libnuma's soname loads (what find_library would find, from the same ld.so cache), it is
+    the answer; otherwise, or where find_library is not CPython's own (a test's stand-in), the
+    lookup is find_library's as it is."""
+    import ctypes
+    import ctypes.util
+
+    full = ctypes.util.find_library
+
+    def find_library(name: str) -> str | None:
+        if name == "numa" and full.__module__ == "ctypes.util":
+            try:
+                ctypes.CDLL(LIBNUMA_SONAME)
+                return LIBNUMA_SONAME
+            except OSError:
+                pass
+        return full(name)
+
+    ctypes.util.find_library = find_library
+    try:
+        import numa
+    finally:
+        ctypes.util.find_library = full
+    return numa
 
 
 # --- reading back ------------------------------------------------------------------------

@@ -40,9 +40,18 @@ CGROUP_EMPTY_TIMEOUT = 2.0  # seconds to wait for a killed cgroup to empty befor
 
 # --- the environment mark --------------------------------------------------------------------
 
-def marked(token: str, exclude: int | None = None) -> list[int]:
-    """Pids of the processes whose environment carries `MARK=token` (readable ones: ours)."""
-    needle = f"{MARK}={token}".encode()
+def helpers_mark(token: str) -> str:
+    """The mark of the launcher's own helpers (an SSH ProxyCommand, `srun`, the V-IPU CLI):
+    killed with the instances when the launcher dies (lifeline, reap), but not by the sweep
+    after an attempt, which would cut the connections the next attempt runs on."""
+    return f"{token}.launcher"
+
+
+def marked(*tokens: str, exclude: int | None = None) -> list[int]:
+    """Pids of the processes whose environment carries `MARK=<one of tokens>` (readable
+    ones: ours)."""
+    wanted = {f"{MARK}={token}".encode() for token in tokens}
+    prefix = f"{MARK}=".encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == exclude:
@@ -52,14 +61,15 @@ def marked(token: str, exclude: int | None = None) -> list[int]:
                 environ = f.read()
         except OSError:
             continue
-        if needle + b"\0" in environ or environ.endswith(needle):
+        if prefix in environ and not wanted.isdisjoint(environ.split(b"\0")):
             found.append(int(entry))
     return found
 
 
-def kill_marked(token: str) -> int:
-    """SIGKILL every marked process and its process group; how many were found."""
-    pids = marked(token, exclude=os.getpid())
+def kill_marked(*tokens: str) -> int:
+    """SIGKILL every process marked with one of `tokens`, and its process group; how many
+    were found."""
+    pids = marked(*tokens, exclude=os.getpid())
     for pid in pids:
         for kill in (os.killpg, os.kill):
             with contextlib.suppress(OSError):
@@ -106,17 +116,56 @@ def children() -> set[int]:
     return found
 
 
-def reap_children(keep: frozenset[int] = frozenset()) -> int:
+def reap_children(keep: frozenset[int] = frozenset(), spare: str | None = None) -> int:
     """For a subreaper at its end: SIGKILL and reap every child but `keep` (descendants
-    re-parented to us, whatever they did to their environment); how many there were."""
+    re-parented to us, whatever they did to their environment) and, with `spare`, but those
+    marked with it (the launcher's helpers, between attempts); how many there were."""
     count = 0
     for pid in children() - keep:
+        if spare is not None and marked_with(pid, spare):
+            continue
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
         count += 1
     return count
+
+
+HELPERS_REAPED_TIMEOUT = 1.0  # seconds for asyncio to reap a helper, before and after SIGKILL
+
+
+async def helpers_reaped(keep: frozenset[int] = frozenset()) -> None:
+    """For a subreaper whose helpers (an SSH ProxyCommand, srun) asyncio started: wait,
+    bounded, until asyncio has reaped every child but `keep` (helpers already told to end),
+    SIGKILLing what is left after a first bound. asyncio reaps its own children (on Python
+    3.11 with a thread each); the final sweep (`reap_children`, once the loop is closed)
+    reaping one first makes asyncio write "Unknown child process pid N" on stderr."""
+    import asyncio
+    import threading
+
+    def waiting() -> bool:
+        return bool(children() - keep) or any(
+            t.name.startswith("asyncio-waitpid-") for t in threading.enumerate())
+
+    for last in (False, True):
+        deadline = time.monotonic() + HELPERS_REAPED_TIMEOUT
+        while waiting() and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)  # asyncio's reaping sends no event we could await
+        if not waiting() or last:
+            break
+        for pid in children() - keep:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    await asyncio.sleep(0)  # the callbacks asyncio's threads scheduled run before the loop ends
+
+
+def marked_with(pid: int, token: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{MARK}={token}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 # --- cgroup v2 -------------------------------------------------------------------------------

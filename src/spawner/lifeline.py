@@ -34,7 +34,7 @@ import shutil
 import signal
 import time
 
-from .containment import MARK, kill_marked, remove_tree
+from .containment import MARK, helpers_mark, kill_marked, remove_tree
 
 RESWEEP_DELAY = 0.05  # seconds between the watchdog's two sweeps for marked processes
 _OWNER_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
@@ -172,9 +172,9 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
         except OSError:
             pass
     if not closed:  # the owner died: an instance it never registered may still run
-        kill_marked(token)
+        kill_marked(token, helpers_mark(token))
         time.sleep(RESWEEP_DELAY)
-        kill_marked(token)
+        kill_marked(token, helpers_mark(token))
     for path in cgroups:
         remove_tree(os.fsdecode(path))
     for path in dirs:

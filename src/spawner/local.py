@@ -468,9 +468,10 @@ class LocalSpawner:
             self._cgroups = False  # a late move must not make the tree again
         if self._lifeline:  # with cgroups too: an instance whose cgroup could not be made
             containment.kill_marked(self._lifeline.token)
-        if containment.is_subreaper():
-            containment.reap_children(keep=frozenset(
-                [self._lifeline.pid] if self._lifeline else []))
+        if containment.is_subreaper():  # the launcher's helpers serve the next attempt
+            containment.reap_children(
+                keep=frozenset([self._lifeline.pid] if self._lifeline else []),
+                spare=containment.helpers_mark(self._lifeline.token) if self._lifeline else None)
 
 
 def _check_runnable(program: str, path: str, cwd: str | None) -> None:

@@ -30,7 +30,7 @@ import shutil
 import signal
 import stat
 
-from .containment import CGROUP_PREFIX, MARK, kill_marked, marked, remove_tree
+from .containment import CGROUP_PREFIX, MARK, helpers_mark, kill_marked, marked, remove_tree
 from .procid import boot_id, start_ticks
 
 PREFIXES = ("poprun-cache-", "poprun-errors-")
@@ -69,8 +69,8 @@ def reap_here(job: dict) -> list[dict]:
         entry.update(done=True, note=f"killed {what}")
     if not rebooted:  # a reboot took the marked processes and the cgroups with it
         for token in job.get("marks") or ():
-            found = marked(token, exclude=os.getpid()) if isinstance(token, str) and token \
-                else []
+            found = marked(token, helpers_mark(token), exclude=os.getpid()) \
+                if isinstance(token, str) and token else []
             if found:
                 done.append(_kill_marked(token, found, dry))
         for path in job.get("cgroups") or ():
@@ -136,7 +136,7 @@ def _kill_marked(token: str, found: list[int], dry: bool) -> dict:
     """The processes still carrying the job's mark (`found`: a helper that left its
     instance's group, an instance nobody recorded): killed."""
     if not dry:
-        kill_marked(token)
+        kill_marked(token, helpers_mark(token))
     return {"what": "marked", "pids": found, "done": not dry,
             "note": f"{'would kill' if dry else 'killed'} {len(found)} process(es) still "
                     f"carrying the job's mark ({MARK})"}

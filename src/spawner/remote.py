@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import os
 import shlex
 import signal as signals
 import sys
@@ -210,10 +212,29 @@ class AgentTimings:
         return ", ".join(f"{name} {at * 1000:.0f} ms" for name, at in phases if at is not None)
 
 
-def agent_command(python: str) -> str:
+# The agent under `python -S`, from the directory that holds this launcher's `spawner`
+# (agent_command): sys.path[0] ('' under -c) becomes that directory. Where the host has no
+# such directory, `site` runs after all and the agent is imported as `-m` would find it.
+_OWN_AGENT = ('import sys,os.path as p;d={home};sys.path.__setitem__(0,d) if p.isfile('
+              'p.join(d,"spawner","agent.py")) else __import__("site").main();'
+              'from spawner.agent import main;main()')
+
+
+def agent_command(python: str | None) -> str:
     """The remote command line. `exec` makes the agent sshd's direct child (no shell left
-    in between holding its pipes); the interpreter path is quoted for the remote shell."""
-    return "exec " + shlex.join([python, "-m", AGENT_MODULE])
+    in between holding its pipes); the interpreter path is quoted for the remote shell.
+
+    `python` None: the launcher's own interpreter, started with `-S` and told where this
+    launcher's `spawner` is (`_OWN_AGENT`): `site` (its .pth files; ~50 ms per agent on the
+    machine of bench/README.md, "Remote launches") is left out, and loaded by the agent only
+    if an import needs it (spawner.agent: site on demand). An interpreter named by
+    --remote-python runs `-m spawner.agent`, whatever poprun is installed for it."""
+    if python is not None:
+        return "exec " + shlex.join([python, "-m", AGENT_MODULE])
+    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # JSON's quotes are double: no single quote for the shell to escape (csh, fish).
+    return "exec " + shlex.join([sys.executable, "-S", "-c",
+                                 _OWN_AGENT.format(home=json.dumps(home))])
 
 
 # --- the spawner -------------------------------------------------------------------------
@@ -270,7 +291,7 @@ class RemoteSpawner:
                  sink: Sink, on_lost: Callable[[str, str], None] | None = None, *,
                  python: str | None = None, expect: Versions | None = None) -> None:
         self.host, self.conn, self._sink, self._on_lost = host, conn, sink, on_lost
-        self.command = agent_command(python or sys.executable)
+        self.command = agent_command(python)
         self.command_label: str | None = None  # how errors name it (else `command`)
         # Called with each block of the agent's stderr (spawner.bootstrap answers its probe).
         self.on_stderr: Callable[[bytes], None] | None = None

@@ -12,7 +12,10 @@ breaks binary frames; addressed messages over a broadcast stdin took 24-39 ms pe
 Steps per node, started in parallel, were all up in 115-130 ms for 2 nodes (310-350 ms for 8),
 carry bytes unchanged (NUL, 0xff, 20 MiB echoed intact), and end with EOF on stdin.
 `--unbuffered` passes partial lines at once (slurmstepd otherwise waits for a newline);
-`--overlap` lets the step share the nodes with the allocation's other steps. SIGKILL of the
+`--overlap` lets the step share the nodes with the allocation's other steps. `--mpi=none`
+whatever the cluster's MpiDefault: the agent is no MPI task, and a PMIx or PMI-2 plugin would
+set up a server for its step (time on every launch) and put its PMIX_*/PMI_* variables in the
+agent's environment, which instances inherit (poprun serves their world itself). SIGKILL of the
 srun cancels the step (its task gone within 0.5 s); a cancelled or timed-out job's steps end
 with slurmstepd's `*** STEP ... CANCELLED ... ***` on stderr, which becomes the lost host's
 reason.
@@ -96,35 +99,93 @@ def step_variables(environ: Mapping[str, str]) -> list[str]:
 
 
 class SrunConnection:
-    """One node of the allocation, reached by `srun` (see the module docstring)."""
+    """One node of the allocation, reached by `srun` (see the module docstring).
+
+    `start(command)` creates the step before anyone asks for it: the launcher does it as soon
+    as it knows the nodes, so that slurmctld's step creation and the agent's interpreter start
+    overlap what the launcher still has to do (its job record, control socket...: bench/
+    README.md, "Remote launches"). What the step sends meanwhile is kept for the session
+    that `create_session` then gives it, in order."""
 
     def __init__(self, node: str, srun: str = "srun") -> None:
         self.node, self._srun = node, srun
         self._steps: list[_Step] = []
+        self._early: tuple[str, asyncio.Future] | None = None  # start()'s command and step
+
+    def start(self, command: str) -> None:
+        self._early = (command, asyncio.ensure_future(self._run(_Held(), command)))
 
     async def create_session(self, factory: Callable[[], Any], command: str,
                              encoding: str | None = None) -> tuple[_Step, Any]:
         session = factory()
+        early, self._early = self._early, None
+        if early is not None and early[0] == command:
+            step = await early[1]
+            step.attach(session)
+        else:
+            if early is not None:  # another command after all: that step is not wanted
+                _end_held(early[1])
+            step = await self._run(session, command)
+        return step, session
+
+    async def _run(self, session: Any, command: str) -> _Step:
         argv = [self._srun, "--nodes=1", "--ntasks=1", f"--nodelist={self.node}", "--overlap",
-                "--unbuffered", "--kill-on-bad-exit=1", "--job-name=poprun-agent",
-                "/bin/sh", "-c", command]
+                "--unbuffered", "--kill-on-bad-exit=1", "--mpi=none",
+                "--job-name=poprun-agent", "/bin/sh", "-c", command]
         loop = asyncio.get_running_loop()
         _, step = await loop.subprocess_exec(
             lambda: _Step(session), *argv, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True)  # a Ctrl-C reaches poprun, which closes the step itself
         self._steps.append(step)
-        return step, session
+        return step
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default  # no socket: addresses come from the agent (its hostname)
 
     def close(self) -> None:
+        """Cancel the steps (SIGKILL of srun). A step started ahead that no session took (the
+        launch stopped first) is ended by its agent instead: EOF on its stdin, as a launcher
+        that is done does; cancelled only if still there after HELD_EOF_GRACE."""
+        held = _end_held(self._early[1]) if self._early is not None else None
         for step in self._steps:
-            step.close()
+            if step is not held:
+                step.close()
 
     async def wait_closed(self) -> None:
+        if self._early is not None:  # its creation, if close() came while it went on
+            await asyncio.gather(self._early[1], return_exceptions=True)
+            self._early = None
         await asyncio.gather(*(step.wait_closed() for step in self._steps))
+
+
+HELD_EOF_GRACE = 2.0  # seconds an unused step's agent has to end at EOF before srun's SIGKILL
+
+
+def _end_held(creating: asyncio.Future) -> _Step | None:
+    """End a step started ahead that no session took; the step, if it was created."""
+    if not creating.done():
+        creating.cancel()  # asyncio kills a process whose creation is cancelled
+        return None
+    if creating.cancelled() or creating.exception() is not None:
+        return None
+    step = creating.result()
+    step.write_eof()
+    asyncio.get_running_loop().call_later(HELD_EOF_GRACE, step.close)
+    return step
+
+
+class _Held:
+    """A step's session until create_session gives it the real one: what srun sends, kept."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+
+    def data_received(self, data: bytes, datatype: int | None) -> None:
+        self.calls.append(("data_received", (data, datatype)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.calls.append(("connection_lost", (exc,)))
 
 
 class _Step(asyncio.SubprocessProtocol):
@@ -136,6 +197,12 @@ class _Step(asyncio.SubprocessProtocol):
         self._open = {1, 2}  # stdout and stderr until each reaches EOF
         self._exited = False
         self._done = asyncio.get_running_loop().create_future()
+
+    def attach(self, session: Any) -> None:
+        """The session from now on, told first what the step sent before (SrunConnection)."""
+        held, self._session = self._session, session
+        for name, args in held.calls:
+            getattr(session, name)(*args)
 
     # --- as the session's channel -------------------------------------------------------
 

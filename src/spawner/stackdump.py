@@ -29,7 +29,6 @@ from typing import Any
 from popdist._stacks import signal_number
 from popdist.env import DEFAULT_STACKS_SIGNAL, STACKS_FILE, STACKS_SIGNAL
 
-from .stackparse import parse_faulthandler, parse_pyspy, with_source
 
 POLL = 0.01  # seconds between looks at the dump file
 SETTLED = 0.03  # the dump is complete once its size has not changed for this long
@@ -124,6 +123,8 @@ async def _by_signal(pid: int, path: str, number: int, deadline: float) -> dict[
                               "(stopped, or in an uninterruptible wait?)")
         with open(path, "rb") as f:
             text = f.read(MAX_DUMP).decode("utf-8", "replace")
+    from .stackparse import parse_faulthandler, with_source  # only when stacks are asked for
+
     threads = parse_faulthandler(text)
     return result(pid, "popdist", with_source(threads),
                   None if threads else "its stacks dump was empty")
@@ -154,6 +155,8 @@ async def _by_pyspy(pid: int, pyspy: str, deadline: float) -> dict[str, Any]:
         lines = [line for line in err.decode("utf-8", "replace").splitlines()
                  if line.strip() and not line.startswith((" ", "Stack backtrace"))]
         return result(pid, "py-spy", error=f"py-spy: {lines[0] if lines else 'failed'}")
+    from .stackparse import parse_pyspy, with_source
+
     try:
         threads = parse_pyspy(out.decode("utf-8", "replace"))
     except ValueError as exc:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from popdist.env import NOT_FORWARDED
+from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 from poprun.plan import mpiargs
 from poprun.plan.config import (BOOL_WORDS, LaunchConfig, field_defaults, load_toml,

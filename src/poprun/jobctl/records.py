@@ -33,10 +33,10 @@ import socket
 import stat
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from spawner import procid
+from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 from poprun.crash import ensure_state_dir, state_dir
 from poprun.result import JOB_SCHEMA as SCHEMA

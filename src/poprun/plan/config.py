@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
+
+from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 from poprun.plan import mpiargs
 from poprun.errors import ConfigError

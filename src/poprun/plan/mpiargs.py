@@ -9,7 +9,9 @@ naming the token (silently dropping an option would hide a behaviour change).
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import field
+
+from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 from poprun.errors import ConfigError
 from poprun.plan.network import CONTROL_KEYS, DATA_KEYS

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 from popdist import env as E
+from spawner import uncompiled
 
 from poprun.plan.config import LaunchConfig
 from poprun.plan.network import interface_variables
@@ -52,7 +53,7 @@ class InstancePlan:
     mems: tuple[int, ...] | None = None
 
 
-@dataclass(frozen=True)
+@uncompiled.dataclass(frozen=True)  # one per launch; InstancePlan: compiled, one per instance
 class LaunchPlan:
     """The whole job, ready to start."""
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 from poprun.errors import ConfigError
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 from spawner.cpulist import format_cpu_list, parse_allowed, parse_cpu_list
 from spawner.sysfs import CPU_DIR as _CPU
 from spawner.sysfs import NODE_DIR as _NODE
 from spawner.sysfs import SIBLING_FILES as _SIBLING_FILES
 from spawner.sysfs import read_sysfs, sysfs_root
+from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 from poprun.errors import ConfigError
 

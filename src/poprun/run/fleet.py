@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from spawner.local import Sink
-from spawner.remote import RemoteError, RemoteSpawner
+from spawner.remote import RemoteError, RemoteSpawner, agent_command
 from spawner.ssh import DEFAULT_FANOUT, ConnectResults, HostFailure, close_all, connect_each
 
 from poprun.plan.config import LaunchConfig
@@ -54,6 +54,16 @@ class Fleet:
         """The job's hosts that need a connection, over the transport JobHosts chose."""
         return cls([h for h in hosts.hosts if str(h) in hosts.remote], config, log,
                    hosts.transport)
+
+    def start_steps(self) -> None:
+        """Over Slurm, each node's agent step created now (SrunConnection.start), before
+        `open` greets the agents: the launcher's own start-up goes on meanwhile."""
+        if self.transport != "slurm":
+            return
+        command = agent_command(self.config.remote_python)  # as RemoteSpawner will ask
+        for host, conn in _srun_connections(self.hosts).items():
+            conn.start(command)
+            self.connections[host] = conn  # closed by close() however the launch goes
 
     async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
                    program: str, path: str | None, view=None) -> None:
@@ -122,9 +132,10 @@ class Fleet:
             if on_open is not None:
                 on_open(host, conn)
 
-        if self.transport == "slurm":
-            for host, conn in _srun_connections(hosts).items():
-                opened(host, conn)
+        if self.transport == "slurm":  # steps started ahead (start_steps) are taken as they are
+            new = _srun_connections([h for h in hosts if h not in self.connections])
+            for host in hosts:
+                opened(host, self.connections.get(host) or new[host])
             return []
         results = await connect(hosts, fanout=self.config.ssh_fanout,
                                 timeout=self.config.ssh_timeout, keep_going=keep_going,

@@ -21,9 +21,7 @@ from spawner.binding import read_binding
 from spawner.cpulist import format_cpu_list
 from spawner.lifeline import Lifeline
 from spawner.local import LocalSpawner, ProcessSpec, Stream
-from spawner.procstat import Usage
 
-from poprun import rootcause
 from poprun.errors import LaunchError
 from poprun.events import Observers
 from poprun.log import Log
@@ -88,6 +86,9 @@ class Job:
         self._signalled: set[int] = set()  # instances poprun has sent a stop signal to
         self.local: LocalSpawner | None = None
         self.remote: Mapping[str, object] = {}
+        # Hosts lost before this attempt started its instances (between attempts: the
+        # session connects them again, as those lost during an attempt).
+        self.lost_before_start: dict[str, str] = {}
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
         self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
         self.world = None  # the instances' MPI world (run/world.MpiWorld), where served
@@ -304,6 +305,8 @@ class Job:
 
     def on_usage(self, key: int, cpu_percent: float | None, rss: int) -> None:
         """A remote agent's sample of an instance's CPU and memory (every STATS_INTERVAL)."""
+        from spawner.procstat import Usage  # remote launches only: a local one never samples
+
         self.events.usage(key, Usage(cpu_percent, rss))
 
     def on_progress(self, key: int, step: int, total: int | None) -> None:
@@ -344,7 +347,11 @@ class Job:
     def on_host_lost(self, host: str, reason: str) -> None:
         """A remote host's agent or connection ended early: its instances are gone with it
         (the agent kills them when it can), so the job stops everywhere."""
-        spawner = self.remote[host]
+        spawner = self.remote.get(host)
+        if spawner is None:  # none started there yet: nothing lost, but the host is gone
+            self.lost_before_start[host] = reason
+            self.log.warning(f"{host}: lost the connection to the host ({reason})")
+            return
         lost = sorted(k for k in spawner.unaccounted() if k not in self.done)
         self.events.host_lost(host, lost, self.loop.time())
         self.log.error(f"{host}: lost the connection to the host ({reason}); "
@@ -520,7 +527,11 @@ class Job:
                 error=self.spawner_of[i].errors.get(i))
             for i, r in sorted(self.started.items()))
         instances = tuple(self._as_aborted(inst) for inst in instances)
-        root, collateral = rootcause.analyze(instances, self.root_cause)
+        root, collateral = self.root_cause, {}  # what rootcause.analyze says of no failure
+        if self.root_cause is not None:  # one failed: imported then, off a clean run's path
+            from poprun import rootcause
+
+            root, collateral = rootcause.analyze(instances, self.root_cause)
         instances = tuple(replace(inst, collateral=collateral.get(inst.index))
                           for inst in instances)
         reason = end_reason(output_error=self.output_error, stop_signal=self.stop_signal,

@@ -93,6 +93,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _quiet_asyncio_reaping_race() -> None:
+    """CPython's asyncio reaps a subprocess in a watcher thread while its transport's close()
+    may reap it too (Popen.poll, then again in Popen.kill: python/cpython#86276): the one that
+    comes second makes asyncio log "Unknown child process pid N, will report returncode
+    255". An SSH ProxyCommand ending as its connection closes loses that race about one run
+    in nine here; the exit status lost is one nobody reads, so the line is only noise on
+    the user's stderr. (For the poprun command only: a library caller's logging is theirs.)"""
+    import logging
+
+    logging.getLogger("asyncio").addFilter(
+        lambda record: not str(record.msg).startswith("Unknown child process pid"))
+
+
 def _explicit_cache(config: LaunchConfig, mode: CacheMode) -> str | None:
     if mode is CacheMode.EXPLICIT and config.executable_cache_path:
         return os.path.abspath(config.executable_cache_path)
@@ -240,8 +253,11 @@ class _Session:
         wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
         self.lifeline = Lifeline()
         if containment.is_subreaper():  # the poprun command: every child it starts is its own
-            # ... so its helpers (an SSH ProxyCommand, vipu) carry the lifeline's mark too.
-            os.environ[containment.MARK] = self.environ[containment.MARK] = self.lifeline.token
+            # ... so its helpers (an SSH ProxyCommand, srun, vipu) carry a mark of the lifeline's
+            # too, one that the sweep after an attempt spares (the instances get the token).
+            os.environ[containment.MARK] = self.environ[containment.MARK] = \
+                containment.helpers_mark(self.lifeline.token)
+            _quiet_asyncio_reaping_race()
         self.cache = _CacheDir(config, self.mode, self.lifeline, log)
         self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
                        self.stderr_fd, self.loop, events=self.events)
@@ -262,13 +278,31 @@ class _Session:
             where = failed if failed.startswith(given) else f"{given} ({failed})"
             raise LaunchError(f"--output-filename: cannot write to {where} on this host "
                               f"({socket.gethostname()}): {exc.strerror}") from None
-        await self._open_job_control()
-        self._open_progress()
-        # From here a stop signal is the job's: before any instance runs, it ends the launch.
-        self._restore_signals = install_signal_handlers(self.loop, self.on_signal)
-        if self.control is not None:
-            self.control.start_pruning(self.environ)
+        await self._start_steps()
+        try:
+            await self._open_job_control()
+            self._open_progress()
+            # From here a stop signal is the job's: before any instance runs, it ends the launch.
+            self._restore_signals = install_signal_handlers(self.loop, self.on_signal)
+            if self.control is not None:
+                self.control.start_pruning(self.environ)
+        except BaseException:
+            await self._close_fleet()  # __aexit__ will not run: the steps end here
+            raise
         return self
+
+    async def _start_steps(self) -> None:
+        """Over Slurm, the agents' job steps are created now, not once the job's record and
+        control socket are up: slurmctld's step creation and the agents' start overlap them
+        (bench/README.md, "Remote launches")."""
+        if self.hosts.remote and self.hosts.transport == "slurm":
+            from poprun.run.fleet import Fleet
+
+            self.fleet = Fleet.of(self.hosts, self.config, self.log)
+            self.fleet.start_steps()
+            # One turn of the loop: each srun is forked now, not at the next wait (after the
+            # job control's synchronous start, ~50 ms later under load).
+            await asyncio.sleep(0)
 
     async def _open_job_control(self) -> None:
         """poprunctl's view of the job (issue 15): its record, log, stall watch and control
@@ -395,7 +429,8 @@ class _Session:
                 result = replace(result, stop_signal=self._pause_signal,
                                  exit_code=128 + self._pause_signal)
                 break
-            lost = sorted({i.host for i in result.instances if i.lost})
+            lost = sorted({i.host for i in result.instances if i.lost}
+                          | set(self.job.lost_before_start))
             if lost:
                 try:
                     caches, master = await self._reopen(lost, caches)
@@ -486,7 +521,8 @@ class _Session:
     async def _open_fleet(self) -> None:
         from poprun.run.fleet import Fleet  # asyncssh: only runs with remote hosts import it
 
-        self.fleet = Fleet.of(self.hosts, self.config, self.log)
+        if self.fleet is None:  # over Slurm it is there already (_start_steps)
+            self.fleet = Fleet.of(self.hosts, self.config, self.log)
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
                               program=self.program[0], path=self.environ.get("PATH"),
                               view=self.panel)
@@ -681,7 +717,8 @@ class _Session:
                      self._close_fleet, self._close_dashboard, self.job.close,
                      self.job.close_world, self._close_rendezvous,
                      self._restore_signals, self.cache.remove, self.lifeline.close,
-                     self._release_partition, lambda: errors or self._report(),
+                     self._release_partition, self._helpers_reaped,
+                     lambda: errors or self._report(),
                      # After the report: the record has what its writing did to the status.
                      lambda: self.control and self.control.close(self._result, exc_info[1])):
             try:
@@ -711,6 +748,10 @@ class _Session:
             if reason:
                 self._result = replace(self._result, scheduler_stop=f"{label}: {reason}")
                 return
+
+    async def _helpers_reaped(self) -> None:
+        if containment.is_subreaper():  # the poprun command: its children are all its own
+            await containment.helpers_reaped(keep=frozenset([self.lifeline.pid]))
 
     async def _close_fleet(self) -> None:
         if self.fleet is not None:

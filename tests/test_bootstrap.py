@@ -254,7 +254,9 @@ def _pythons() -> dict[tuple[int, int], str]:
 def _too_old_python(tmp_path: Path, bare: str, kind: str) -> tuple[str, str]:
     """(the --remote-python to give, the version its error names): "real", the newest Python
     older than the agent's minimum on this machine (pyenv's 3.9 here; skip without one);
-    "shim", `bare` behind a sitecustomize that makes it report 3.8.18."""
+    "shim", `bare` behind a sitecustomize that makes it report 3.8.18 (the shim drops the
+    agent command's `-S`, which would skip sitecustomize: a real old Python needs no site
+    to be old)."""
     old = {v: p for v, p in _pythons().items() if v < carried.MIN_PYTHON}
     if kind == "real":
         if not old:
@@ -269,8 +271,8 @@ def _too_old_python(tmp_path: Path, bare: str, kind: str) -> tuple[str, str]:
     (shim_dir / "sitecustomize.py").write_text(
         "import sys\nsys.version_info = (3, 8, 18, 'final', 0)\n")
     shim = shim_dir / "python3"
-    shim.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(shim_dir))} exec "
-                    f"{shlex.quote(bare)} \"$@\"\n")
+    shim.write_text(f"#!/bin/sh\n[ \"$1\" = -S ] && shift\n"
+                    f"PYTHONPATH={shlex.quote(str(shim_dir))} exec {shlex.quote(bare)} \"$@\"\n")
     shim.chmod(0o755)
     return str(shim), "3.8.18"
 

@@ -625,3 +625,25 @@ def test_a_stop_signal_once_the_launch_loop_runs_is_remembered_and_acted_on(tmp)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "SIGTERM received: stopping" in proc.stderr and "Traceback" not in proc.stderr
     assert_all_gone(mark, tmp["TMPDIR"])
+
+
+def test_the_session_does_not_wait_for_zombies_no_watcher_reaps(monkeypatch):
+    """At its end the session waits for asyncio to reap the helpers it started (an SSH
+    ProxyCommand), before the final sweep. A zombie nobody waits for (srun forks helpers that
+    come to poprun, the subreaper, when they exit) is the sweep's: waiting for it held every
+    Slurm launch 2 s (the bounds). With bounds of 60 s, the wait must still end at once."""
+    import asyncio
+
+    from spawner import containment
+
+    monkeypatch.setattr(containment, "HELPERS_REAPED_TIMEOUT", 60.0)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        wait_until(lambda: Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+                   == "Z", "the child to be a zombie")
+        asyncio.run(asyncio.wait_for(containment.helpers_reaped(), 30))
+        assert pid in containment.children()  # left to the sweep
+    finally:
+        os.waitpid(pid, 0)

@@ -10,8 +10,10 @@ remote command `agent_command()` builds (a POSIX `sh` line, whatever the login s
 2. The launcher's cache there (`~/.cache/poprun/<version>-<digest>/`, spawner/carried.py) is
    complete: the agent runs from it. No round trip, no transfer: a cached launch costs one
    `test -f` in the shell.
-3. Else a small probe (`STUB`, `python -c`) runs: a Python older than `MIN_PYTHON` is one
-   clear error; a poprun installed for that Python in the launcher's version runs its agent
+3. Else a small probe (`STUB`, `python -S -c`) runs: a Python older than `MIN_PYTHON` is one
+   clear error; the launcher's own installation, where the host has it for that Python in
+   this version, runs its agent without `site` (`OWN_HOME`); else, `site` loaded, a poprun
+   installed for that Python in the launcher's version runs its agent
    (with `--remote-install=never`, in any version: its HELLO then names the difference, as
    before; without one, the error below).
 4. Else the probe reads the launcher's HELLO (sent, as always, without waiting), answers
@@ -92,21 +94,42 @@ if tuple(sys.version_info[:2]) < %(min)r:
     _tell("too-old")
 """ % {"marker": MARKER, "min": MIN_PYTHON}
 
-# argv: mode (auto/never), the launcher's version, the cache's name and content digest.
+# argv: mode (auto/never), the launcher's version, the cache's name and content digest, and
+# `<major>.<minor>:<OWN_HOME>` (the launcher's Python and where its packages are).
 # Needing the agent, it reads the launcher's first frame (HELLO, sent without waiting), says
 # "need" and reads the zip (8-byte length first), then hands both to spawner.carried's
 # install_and_run, run out of the zip.
-STUB = _CHECK + """mode, version, name, digest = sys.argv[1:5]
-try:
-    from poprun._version import __version__ as found
-except Exception:
-    found = None
+STUB = _CHECK + """mode, version, name, digest, own = sys.argv[1:6]
+import os
+python, _, home = own.partition(":")
+def _installed():
+    try:
+        from poprun._version import __version__
+        return __version__
+    except Exception:
+        return None
+# Run with -S: the launcher's own installation, where this host has it for this Python in
+# this version, without `site`; else what `site` finds, as `python` alone would.
+found = None
+if python == "%d.%d" % sys.version_info[:2] and \\
+        os.path.isfile(os.path.join(home, "spawner", "agent.py")):
+    sys.path.insert(0, home)
+    found = _installed()
+    if found != version:
+        del sys.path[0]
+        for module in [m for m in sys.modules if m == "poprun" or m.startswith("poprun.")]:
+            del sys.modules[module]
+        found = None
+if found is None:
+    import site
+    site.main()
+    found = _installed()
 if found == version or (mode == "never" and found is not None):
     from spawner.agent import main
     sys.exit(main())
 if mode == "never":
     _tell("missing")
-import io, os, struct, zipfile
+import io, struct, zipfile
 def _read(size):
     parts = []
     while size:
@@ -136,12 +159,18 @@ sys.exit(main(home, sys.argv[1:]))
 POPRUN_INIT = ('"""poprun\'s version, for the carried agent (spawner/bootstrap.py)."""\n\n'
                "from ._version import __version__  # noqa: F401\n")
 
+# The directory that holds this launcher's `spawner` and `poprun`: the probe runs the agent
+# from there where the host has the same (a shared or identical installation), `site` left
+# out (`-S`: its .pth files cost ~50 ms per agent on the machine of bench/README.md, "Remote
+# launches"; spawner.agent loads site's directories on demand).
+OWN_HOME = str(Path(__file__).resolve().parent.parent)
+
 # $1 python, $2 "1" when given by --remote-python, $3 cache name ("" : never use a cache);
 # the rest is the probe's argv (-c STUB mode version name digest).
 SHELL = ('p=$1 c=; [ -n "$2" ] || [ -x "$p" ] || p=python3; '
          '[ -z "$3" ] || c=${XDG_CACHE_HOME:-$HOME/.cache}/poprun/$3; '
-         'if [ -n "$c" ] && [ -f "$c/__main__.py" ]; then exec "$p" "$c"; fi; '
-         'shift 3; exec "$p" "$@"')
+         'if [ -n "$c" ] && [ -f "$c/__main__.py" ]; then exec "$p" -S "$c"; fi; '
+         'shift 3; exec "$p" -S "$@"')
 
 
 class AgentNotInstalledError(AgentStartError):
@@ -254,7 +283,9 @@ def agent_command(python: str | None, install: str, own: str = sys.executable) -
     cache, digest = (payload().name, payload().digest) if install == "auto" else ("", "")
     return "exec " + shlex.join(["/bin/sh", "-c", SHELL, "poprun-agent", python or own,
                                  "1" if python else "", cache, "-c", _one_line(STUB), install,
-                                 __version__, cache, digest])
+                                 __version__, cache, digest,
+                                 # --remote-python: poprun installed for it, or brought
+                                 "" if python else "%d.%d:%s" % (*sys.version_info[:2], OWN_HOME)])
 
 
 def _answer(stderr: str) -> dict[str, Any] | None:

@@ -137,16 +137,18 @@ HELPERS_REAPED_TIMEOUT = 1.0  # seconds for asyncio to reap a helper, before and
 
 async def helpers_reaped(keep: frozenset[int] = frozenset()) -> None:
     """For a subreaper whose helpers (an SSH ProxyCommand, srun) asyncio started: wait,
-    bounded, until asyncio has reaped every child but `keep` (helpers already told to end),
-    SIGKILLing what is left after a first bound. asyncio reaps its own children (on Python
-    3.11 with a thread each); the final sweep (`reap_children`, once the loop is closed)
-    reaping one first makes asyncio write "Unknown child process pid N" on stderr."""
+    bounded, until asyncio's watcher threads are done and no child but `keep` still runs
+    (helpers already told to end), SIGKILLing what is left after a first bound. asyncio
+    reaps its own children (on Python 3.11 with a thread each); the final sweep
+    (`reap_children`, once the loop is closed) reaping one first makes asyncio write
+    "Unknown child process pid N" on stderr. Zombies no watcher waits for (what srun's
+    forks leave to a subreaper) are the final sweep's: waiting on them cost 2 s a launch."""
     import asyncio
     import threading
 
-    def waiting() -> bool:
-        return bool(children() - keep) or any(
-            t.name.startswith("asyncio-waitpid-") for t in threading.enumerate())
+    def waiting() -> bool:  # a zombie nobody waits for (an orphan of srun's) is the sweep's
+        return any(t.name.startswith("asyncio-waitpid-") for t in threading.enumerate()) or \
+            any(not _zombie(pid) for pid in children() - keep)
 
     for last in (False, True):
         deadline = time.monotonic() + HELPERS_REAPED_TIMEOUT
@@ -158,6 +160,14 @@ async def helpers_reaped(keep: frozenset[int] = frozenset()) -> None:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     await asyncio.sleep(0)  # the callbacks asyncio's threads scheduled run before the loop ends
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] == b"Z"
+    except OSError:
+        return True  # gone: nothing to wait for
 
 
 def marked_with(pid: int, token: str) -> bool:

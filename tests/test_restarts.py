@@ -228,4 +228,5 @@ def test_a_host_lost_between_attempts_is_connected_again(tmp_path):
     assert "h2: lost the connection to the host" in err
     assert "reconnecting to h2 for the next attempt" in err
     assert "internal error" not in err
-    assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["0-0", "0-1", "1-0", "1-1"]
+    # Both ran attempt 1 (attempt 0's first failure may stop the other before its note).
+    assert {"0-1", "1-1"} <= {p.name for p in (tmp_path / "notes").iterdir()}

@@ -66,7 +66,7 @@ from typing import Any
 from poprun._version import __version__
 
 from .carried import LIB, MAIN, MIN_PYTHON, cache_root, clear_caches, content_digest
-from .remote import AgentInfo, AgentStartError, RemoteError, RemoteSpawner
+from .remote import OWN_HOME, AgentInfo, AgentStartError, RemoteError, RemoteSpawner
 
 __all__ = ["INSTALL_MODES", "MIN_PYTHON", "AgentInstallError", "AgentNotInstalledError",
            "AgentPythonError", "Payload", "agent_command", "clear_caches",
@@ -159,11 +159,10 @@ sys.exit(main(home, sys.argv[1:]))
 POPRUN_INIT = ('"""poprun\'s version, for the carried agent (spawner/bootstrap.py)."""\n\n'
                "from ._version import __version__  # noqa: F401\n")
 
-# The directory that holds this launcher's `spawner` and `poprun`: the probe runs the agent
-# from there where the host has the same (a shared or identical installation), `site` left
-# out (`-S`: its .pth files cost ~50 ms per agent on the machine of bench/README.md, "Remote
-# launches"; spawner.agent loads site's directories on demand).
-OWN_HOME = str(Path(__file__).resolve().parent.parent)
+# The probe runs the agent from the launcher's own installation (remote.OWN_HOME) where the
+# host has the same (a shared or identical installation), `site` left out (`-S`: its .pth
+# files cost ~50 ms per agent on the machine of bench/README.md, "Remote launches";
+# spawner.agent loads site's directories on demand).
 
 # $1 python, $2 "1" when given by --remote-python, $3 cache name ("" : never use a cache);
 # the rest is the probe's argv (-c STUB mode version name digest).

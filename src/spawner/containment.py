@@ -51,19 +51,22 @@ def marked(*tokens: str, exclude: int | None = None) -> list[int]:
     """Pids of the processes whose environment carries `MARK=<one of tokens>` (readable
     ones: ours)."""
     wanted = {f"{MARK}={token}".encode() for token in tokens}
-    prefix = f"{MARK}=".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == exclude:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        if prefix in environ and not wanted.isdisjoint(environ.split(b"\0")):
-            found.append(int(entry))
-    return found
+    return [int(entry) for entry in os.listdir("/proc")
+            if entry.isdigit() and int(entry) != exclude and _carries(entry, wanted)]
+
+
+def marked_with(pid: int, token: str) -> bool:
+    return _carries(str(pid), {f"{MARK}={token}".encode()})
+
+
+def _carries(pid: str, wanted: set[bytes]) -> bool:
+    """Whether process `pid`'s environment has one of the `wanted` entries (b"NAME=value")."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:
+        return False
+    return MARK.encode() in environ and not wanted.isdisjoint(environ.split(b"\0"))
 
 
 def kill_marked(*tokens: str) -> int:
@@ -168,14 +171,6 @@ def _zombie(pid: int) -> bool:
             return f.read().rpartition(b")")[2].split()[0] == b"Z"
     except OSError:
         return True  # gone: nothing to wait for
-
-
-def marked_with(pid: int, token: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"{MARK}={token}".encode() in f.read().split(b"\0")
-    except OSError:
-        return False
 
 
 # --- cgroup v2 -------------------------------------------------------------------------------

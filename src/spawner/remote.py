@@ -212,6 +212,9 @@ class AgentTimings:
         return ", ".join(f"{name} {at * 1000:.0f} ms" for name, at in phases if at is not None)
 
 
+# The directory that holds this launcher's `spawner` and `poprun` (its installation).
+OWN_HOME = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # The agent under `python -S`, from the directory that holds this launcher's `spawner`
 # (agent_command): sys.path[0] ('' under -c) becomes that directory. Where the host has no
 # such directory, `site` runs after all and the agent is imported as `-m` would find it.
@@ -231,10 +234,9 @@ def agent_command(python: str | None) -> str:
     --remote-python runs `-m spawner.agent`, whatever poprun is installed for it."""
     if python is not None:
         return "exec " + shlex.join([python, "-m", AGENT_MODULE])
-    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # JSON's quotes are double: no single quote for the shell to escape (csh, fish).
     return "exec " + shlex.join([sys.executable, "-S", "-c",
-                                 _OWN_AGENT.format(home=json.dumps(home))])
+                                 _OWN_AGENT.format(home=json.dumps(OWN_HOME))])
 
 
 # --- the spawner -------------------------------------------------------------------------

@@ -40,21 +40,32 @@ def tmp(tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def hosts(tmp_path: Path):
-    with start_ssh_hosts(2, tmp_path) as h:
+    with start_ssh_hosts(2, tmp_path, setenv=lambda h: {"TMPDIR": str(_remote_tmp(h.dir))}) as h:
         yield h
 
 
-def remote_caches() -> set[Path]:
-    """Agents create their caches in the sshd session's /tmp."""
-    return set(Path("/tmp").glob("poprun-cache-*"))
+def _remote_tmp(host_dir: Path) -> Path:
+    """The hosts' sessions' own TMPDIR (sshd's SetEnv), beside the hosts' directories: other
+    poprun runs on this machine (tests in parallel, benchmarks) make caches in /tmp too, and a
+    before/after count there would see theirs come and go. Made here: tempfile falls back to
+    /tmp where TMPDIR does not exist."""
+    path = host_dir.parent / "remote-tmp"
+    path.mkdir(exist_ok=True)
+    return path
 
 
-def assert_all_gone(mark: str, tmpdir: str | None = None, before: set[Path] | None = None):
+def remote_caches(hosts) -> set[Path]:
+    """The caches agents made in the hosts' sessions' TMPDIR."""
+    return set(_remote_tmp(hosts.hosts[0].dir).glob("poprun-cache-*"))
+
+
+def assert_all_gone(mark: str, tmpdir: str | None = None, before: set[Path] | None = None,
+                    hosts=None):
     wait_until(lambda: not processes_with(mark), f"every process marked {mark} to die", GONE)
     if tmpdir is not None:
         assert not list(Path(tmpdir).glob("poprun-cache-*"))
     if before is not None:
-        wait_until(lambda: not (remote_caches() - before), "the hosts' caches to go", GONE)
+        wait_until(lambda: not (remote_caches(hosts) - before), "the hosts' caches to go", GONE)
 
 
 # --- 1. SIGKILL of poprun at any moment of the start-up ----------------------------------------
@@ -83,11 +94,11 @@ def test_sigkill_during_start_up_leaves_nothing_locally(tmp):
 
 @pytest.mark.timeout(300)
 def test_sigkill_during_start_up_leaves_nothing_on_remote_hosts(hosts, tmp):
-    before = remote_caches()
+    before = remote_caches(hosts)
     for mark in kill_at_random_moments(50, ["-H", "localhost,h1,h2", "--num-instances=6",
                                             "--num-replicas=6"], {**hosts.env(), **tmp},
                                        seed=31):
-        assert_all_gone(mark, tmp["TMPDIR"], before)
+        assert_all_gone(mark, tmp["TMPDIR"], before, hosts)
 
 
 # --- 2. descendants that leave the process group ---------------------------------------------
@@ -154,11 +165,11 @@ def test_escaped_helpers_die_with_a_local_job(ending, cgroups, tmp):
 @pytest.mark.parametrize("ending", list(ENDINGS))
 def test_escaped_helpers_die_with_a_remote_job(ending, hosts, tmp):
     mark = marker()
-    before = remote_caches()
+    before = remote_caches(hosts)
     code = run_escaping_job(["-H", "h1,h2", "--num-instances=2", "--num-replicas=2"], ending,
                             {**hosts.env(), **tmp}, mark)
     assert code == ENDINGS[ending][1]
-    assert_all_gone(mark, before=before)
+    assert_all_gone(mark, before=before, hosts=hosts)
 
 
 def cgroups_here() -> bool:
@@ -354,7 +365,7 @@ def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, t
     its own), and poprun reports h2 lost."""
     mark = marker()
     timeout = 4.0
-    before = remote_caches()
+    before = remote_caches(hosts)
     proc = start_frozen_host_job({**hosts.env(), **tmp}, mark, timeout, 2)
     frozen: list[int] = []
     try:
@@ -369,7 +380,7 @@ def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, t
                    timeout + 2 + 1)
         assert time.monotonic() - stopped_at <= timeout + 2
         # h2's sshd is still frozen: only its agent can have removed its cache.
-        wait_until(lambda: not (remote_caches() - before), "the hosts' caches to go", 5)
+        wait_until(lambda: not (remote_caches(hosts) - before), "the hosts' caches to go", 5)
         _, err = proc.communicate(timeout=30)
     finally:
         for pid in frozen:
@@ -428,7 +439,7 @@ def test_a_frozen_agent_s_instances_and_cache_go_within_the_host_timeout(hosts, 
     reports h2 lost (issue 26: they lived until SIGCONT, the cache stayed)."""
     mark = marker()
     timeout = 4.0
-    before = remote_caches()
+    before = remote_caches(hosts)
     proc = start_frozen_host_job({**hosts.env(), **tmp}, mark, timeout, 4)
     frozen: list[int] = []
     try:
@@ -439,7 +450,7 @@ def test_a_frozen_agent_s_instances_and_cache_go_within_the_host_timeout(hosts, 
         stopped_at = time.monotonic()
         wait_until(lambda: not instances_with(mark), "every instance to be gone", timeout + 5)
         assert time.monotonic() - stopped_at <= timeout + 3
-        wait_until(lambda: not (remote_caches() - before), "the hosts' caches to go", 5)
+        wait_until(lambda: not (remote_caches(hosts) - before), "the hosts' caches to go", 5)
         _, err = proc.communicate(timeout=30)
     finally:
         thaw(frozen)
@@ -458,7 +469,7 @@ def test_reap_ends_what_a_lost_host_kept_when_nothing_there_could(hosts, tmp, tm
     (tmp_path / "run").mkdir()
     env = {**hosts.env(), **tmp, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
     mark = marker()
-    before = remote_caches()
+    before = remote_caches(hosts)
     proc = start_frozen_host_job(env, mark, 3.0, 4)
     frozen: list[int] = []
     try:
@@ -469,12 +480,12 @@ def test_reap_ends_what_a_lost_host_kept_when_nothing_there_could(hosts, tmp, tm
         freeze(frozen)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 255, err.decode()
-        assert len(instances_with(mark)) == 2 and remote_caches() - before  # h2's are left
+        assert len(instances_with(mark)) == 2 and remote_caches(hosts) - before  # h2's are left
         done = ctl("reap", env=env)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "ended having lost h2" in done.stdout, done.stdout
         wait_until(lambda: not instances_with(mark), "reap to end h2's instances", GONE)
-        assert not (remote_caches() - before)
+        assert not (remote_caches(hosts) - before)
         assert ctl("reap", env=env).stdout.startswith("nothing to reap")
     finally:
         thaw(frozen)

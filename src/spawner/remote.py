@@ -47,7 +47,7 @@ import signal as signals
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,7 @@ from .protocol import (PROTOCOL_VERSION, Control, FrameDecoder, Kind, Output, Pr
                        SpawnRequest, encode)
 from .srun import STDERR_DATATYPE, SrunConnection, StepAck
 from .ssh import SshError
+from .uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 if TYPE_CHECKING:
     import asyncssh

@@ -34,9 +34,10 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+
+from .uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 if TYPE_CHECKING:
     import asyncssh

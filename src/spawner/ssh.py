@@ -349,7 +349,8 @@ def _x509_hidden() -> bool:
     no X.509 in asyncssh. True if hidden (the caller unhides it after the import)."""
     import importlib.util
 
-    if "asyncssh" in sys.modules or importlib.util.find_spec("OpenSSL") is not None:
+    if "asyncssh" in sys.modules or "OpenSSL" in sys.modules or \
+            importlib.util.find_spec("OpenSSL") is not None:
         return False
     sys.modules[_X509_MODULE] = None  # type: ignore[assignment]: import -> ImportError
     return True

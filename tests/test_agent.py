@@ -623,12 +623,14 @@ async def test_the_temp_dir_hello_made_is_the_first_one_asked_for(hosts):
     try:
         await spawner.start(cwd=os.getcwd(), temp_dir="poprun-test-")
         made = spawner.info.raw["temp_dir"]
+        other = await spawner.make_temp_dir("poprun-other-")  # another prefix: MKTEMP's
+        assert Path(other).name.startswith("poprun-other-")
         assert await spawner.make_temp_dir("poprun-test-") == made  # no MKTEMP for it
         again = await spawner.make_temp_dir("poprun-test-")  # MKTEMP's, a new one
         assert again != made and Path(made).is_dir() and Path(again).is_dir()
     finally:
         await close_all([spawner])
-    assert not Path(made).exists() and not Path(again).exists()
+    assert not any(Path(p).exists() for p in (made, other, again))
 
 
 @pytest.mark.usefixtures("dead_host_leftovers")

@@ -404,8 +404,9 @@ class RemoteSpawner:
     async def make_temp_dir(self, prefix: str, timeout: float = REQUEST_TIMEOUT) -> str:
         """A new 0700 directory there, removed by the agent however it ends: the one HELLO
         made, for the first call with its prefix (see `start`), else MKTEMP's."""
-        made, self._made_temp_dir = self._made_temp_dir, None
+        made = self._made_temp_dir
         if made is not None and made[0] == prefix:
+            self._made_temp_dir = None
             _, path, error = made
             if path is None:
                 raise AgentRequestError(self.host, error or "no temporary directory made")

@@ -382,6 +382,22 @@ def test_stdin_eof_kills_instance_groups_and_removes_temp_dirs(agent):
     assert not path.exists()
 
 
+def test_hello_makes_the_temp_dir_asked_for_and_the_agent_removes_it(agent):
+    """HELLO's `mktemp` spares the launcher MKTEMP's round trip: the same 0700 dir, in the
+    reply, removed at EOF; one that cannot be made is said in the reply, not as a failure."""
+    hello = dict(protocol=PROTOCOL_VERSION, poprun=__version__, python=[3, 11])
+    result = agent.request(Kind.HELLO, **hello, mktemp="poprun-test-").fields["result"]
+    path = Path(result["temp_dir"])
+    assert path.name.startswith("poprun-test-") and "temp_dir_error" not in result
+    assert path.is_dir() and stat.S_IMODE(path.stat().st_mode) == 0o700
+    failed = agent.request(Kind.HELLO, **hello, mktemp="no/such/dir/x").fields["result"]
+    assert "temp_dir" not in failed
+    assert failed["temp_dir_error"].startswith("cannot create a temporary directory: ")
+    assert "temp_dir" not in agent.request(Kind.HELLO, **hello).fields["result"]
+    assert agent.close() == 0
+    assert not path.exists()
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP])
 def test_killed_agent_leaves_no_instance_and_no_temp_dir(agent, how):
     path = Path(agent.request(Kind.MKTEMP, prefix="poprun-test-").fields["result"]["path"])
@@ -599,6 +615,22 @@ async def test_temp_dir_lives_until_close_and_spawn_failures_name_the_host(hosts
     # Closing kills what still runs, and the agent still reports how it ended.
     assert sink.exits == {0: -signal.SIGKILL} and spawner.unaccounted() == []
     assert sink.lost == []
+
+
+async def test_the_temp_dir_hello_made_is_the_first_one_asked_for(hosts):
+    sink = Recorder()
+    spawner = RemoteSpawner(await connect(hosts, 0), hosts.aliases[0], sink, sink.on_lost)
+    try:
+        await spawner.start(cwd=os.getcwd(), temp_dir="poprun-test-")
+        made = spawner.info.raw["temp_dir"]
+        other = await spawner.make_temp_dir("poprun-other-")  # another prefix: MKTEMP's
+        assert Path(other).name.startswith("poprun-other-")
+        assert await spawner.make_temp_dir("poprun-test-") == made  # no MKTEMP for it
+        again = await spawner.make_temp_dir("poprun-test-")  # MKTEMP's, a new one
+        assert again != made and Path(made).is_dir() and Path(again).is_dir()
+    finally:
+        await close_all([spawner])
+    assert not any(Path(p).exists() for p in (made, other, again))
 
 
 @pytest.mark.usefixtures("dead_host_leftovers")

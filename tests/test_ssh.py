@@ -11,6 +11,7 @@ speaks SSH. No agent: SSH_AUTH_SOCK is removed so a developer's agent cannot cha
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import gc
 import os
 import selectors
@@ -486,6 +487,39 @@ def _import_counting_gcc(tmp_path: Path, how: str) -> tuple[str, int]:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip(), len(count.read_text().split())
+
+
+# Imports asyncssh in a fresh interpreter, `how` being the statement; prints whether its
+# X.509 support is there, and whether cryptography.x509 or a hidden module is left loaded.
+_X509 = ("import sys; {how}; import asyncssh; "
+         "print(hasattr(asyncssh.crypto, 'X509Certificate'), 'cryptography.x509' in sys.modules,"
+         " sys.modules.get('asyncssh.crypto.x509', 0) is None)")
+
+
+@pytest.mark.parametrize("pyopenssl", [False, True], ids=["no-pyopenssl", "pyopenssl"])
+def test_load_asyncssh_leaves_out_x509_only_where_asyncssh_cannot_use_it(tmp_path, pyopenssl):
+    """asyncssh's X.509 support needs pyOpenSSL. Without it, load_asyncssh does not import
+    cryptography.x509 for it (~25-45 ms) and asyncssh has no X.509, as a plain import gives;
+    with it (a stand-in package here), X.509 is loaded as a plain import loads it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if pyopenssl:
+        (tmp_path / "OpenSSL").mkdir()
+        (tmp_path / "OpenSSL" / "__init__.py").write_text("")
+        (tmp_path / "OpenSSL" / "crypto.py").write_text("")
+    elif importlib.util.find_spec("OpenSSL") is not None:
+        pytest.skip("pyOpenSSL is installed here")
+
+    def run(how: str) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", _X509.format(how=how)], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    plain = run("pass")
+    loaded = run("from spawner.ssh import load_asyncssh; load_asyncssh()")
+    assert loaded[0] == plain[0] == str(pyopenssl)
+    assert loaded[1:] == ([str(pyopenssl), "False"])
 
 
 def test_load_asyncssh_runs_no_compiler(tmp_path):

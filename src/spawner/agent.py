@@ -365,7 +365,14 @@ class Agent:
     def _hello(self, request: dict[str, Any]) -> None:
         # What this agent may leave behind, for the job's record: reap must find it if the
         # agent, its lifeline and the launcher all die (issue 26 point 6).
-        self._reply(request, {**hello_reply(request), "leaves": self._spawner.leaves()})
+        reply = {**hello_reply(request), "leaves": self._spawner.leaves()}
+        prefix = request.get("mktemp")
+        if prefix is not None:  # MKTEMP's dir, in the reply: one round trip less per host
+            try:
+                reply["temp_dir"] = self._make_temp_dir(str(prefix))
+            except OSError as exc:
+                reply["temp_dir_error"] = _temp_dir_error(exc)
+        self._reply(request, reply)
         interval = request.get("stats")
         if interval:  # the launcher shows a dashboard: sample the instances periodically
             self._sampler = ProcSampler()
@@ -409,13 +416,17 @@ class Agent:
 
     def _mktemp(self, request: dict[str, Any]) -> None:
         try:
-            path = self._lifeline.make_temp_dir(request["prefix"])  # mode 0700
+            path = self._make_temp_dir(request["prefix"])
         except OSError as exc:
-            self._outbox.send(encode(Kind.FAILED, id=request["id"],
-                                     error=f"cannot create a temporary directory: {exc}"))
+            self._outbox.send(encode(Kind.FAILED, id=request["id"], error=_temp_dir_error(exc)))
             return
-        self._temp_dirs.append(path)
         self._reply(request, {"path": path})
+
+    def _make_temp_dir(self, prefix: str) -> str:
+        """A new 0700 directory, removed when the agent ends (close, or its lifeline)."""
+        path = self._lifeline.make_temp_dir(prefix)
+        self._temp_dirs.append(path)
+        return path
 
     def _mkdir(self, request: dict[str, Any]) -> None:
         try:
@@ -591,6 +602,10 @@ class Agent:
             self._lifeline.discard_dir(path)
         self._temp_dirs.clear()
         self._outbox.flush()
+
+
+def _temp_dir_error(exc: OSError) -> str:
+    return f"cannot create a temporary directory: {exc}"
 
 
 def _log(message: str) -> None:

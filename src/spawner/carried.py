@@ -32,7 +32,6 @@ bytes, so it does not depend on the launcher's zlib.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -56,6 +55,8 @@ def cache_root() -> str:
 
 def content_digest(entries: dict[str, bytes]) -> str:
     """sha256 over the sorted names and contents (hex)."""
+    import hashlib  # here: an agent run from its cache never needs it (~2 ms, libcrypto)
+
     digest = hashlib.sha256()
     for name in sorted(entries):
         data = entries[name]

@@ -16,11 +16,13 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
 
     launcher -> agent
       HELLO   {id, protocol, poprun, python: [major, minor], cwd, program, path, stats,
-               heartbeat: [interval, timeout], interfaces}  both sides beat; silence past
-                                             `timeout` ends it; interfaces: tell them
-                                             (the agent beats its own watchdog too: one
-                                             silent, frozen or stuck, that long is killed
-                                             with its instances; no frame for it)
+               heartbeat: [interval, timeout], interfaces, mktemp}  both sides beat;
+                                             silence past `timeout` ends it; interfaces:
+                                             tell them (the agent beats its own watchdog
+                                             too: one silent, frozen or stuck, that long
+                                             is killed with its instances; no frame for
+                                             it); mktemp: a prefix, MKTEMP's dir made at
+                                             once (the launcher saves a round trip)
       MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
       MKDIR   {id, path}                     a directory (and parents) that is kept
       SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world}
@@ -36,7 +38,9 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              token, read it back (poprun --check)
       (closing the agent's stdin ends it: it kills its instances and removes its temp dirs)
     agent -> launcher
-      REPLY   {id, result}                   result of HELLO: see agent.hello_reply()
+      REPLY   {id, result}                   result of HELLO: see agent.hello_reply(),
+                                             and with mktemp, temp_dir: its path (or
+                                             temp_dir_error: why there is none)
                                              result of MKTEMP, MKDIR: {path}
                                              result of STACKS: {stacks: {key: {pid, how,
                                              threads, error}}} within `within` seconds
@@ -74,7 +78,7 @@ from typing import Any, NamedTuple
 
 from .local import Stream
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: HELLO's mktemp
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)

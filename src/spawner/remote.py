@@ -47,7 +47,7 @@ import signal as signals
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,7 @@ from .protocol import (PROTOCOL_VERSION, Control, FrameDecoder, Kind, Output, Pr
                        SpawnRequest, encode)
 from .srun import STDERR_DATATYPE, SrunConnection, StepAck
 from .ssh import SshError
+from .uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 if TYPE_CHECKING:
     import asyncssh
@@ -313,6 +314,8 @@ class RemoteSpawner:
         self._closed = asyncio.Event()
         self._closing = False
         self._t0 = 0.0
+        # (prefix, path, error) of the temp dir HELLO asked for, until make_temp_dir takes it.
+        self._made_temp_dir: tuple[str, str | None, str | None] | None = None
         self.timings = AgentTimings()
         self.info: AgentInfo | None = None
         # Per instance, its binding as the agent read it at start: {cpus, mems, mempolicy}.
@@ -334,13 +337,15 @@ class RemoteSpawner:
 
     async def start(self, *, cwd: str, program: str | None = None, path: str | None = None,
                     timeout: float = HELLO_TIMEOUT, stats: float | None = None,
-                    host_timeout: float | None = None, interfaces: bool = False) -> AgentInfo:
+                    host_timeout: float | None = None, interfaces: bool = False,
+                    temp_dir: str | None = None) -> AgentInfo:
         """Start the agent and greet it. `program` is resolved there as instances will run
         it (in `cwd`, on `path`: the PATH they will get). With `host_timeout`, both sides
         send heartbeats and each declares the other gone after that long without a word.
         With `interfaces`, the agent lists the host's network interfaces (spawner/netifs.py).
-        Raises AgentStartError, or AgentVersionError after stopping the agent: then nothing
-        was started."""
+        With `temp_dir` (a prefix), the agent makes the first `make_temp_dir(temp_dir)`'s
+        directory as it answers: no round trip of its own. Raises AgentStartError, or
+        AgentVersionError after stopping the agent: then nothing was started."""
         self._t0 = time.monotonic()
         session = _AgentSession if isinstance(self.conn, SrunConnection) else _ssh_session()
         try:
@@ -354,7 +359,7 @@ class RemoteSpawner:
             reply = await self._request(
                 Kind.HELLO, timeout, protocol=self._expect.protocol, poprun=self._expect.poprun,
                 python=[major, minor], cwd=cwd, program=program, path=path, stats=stats,
-                interfaces=interfaces,
+                interfaces=interfaces, mktemp=temp_dir,
                 heartbeat=[host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout]
                 if host_timeout else None)
         except RemoteError as exc:
@@ -364,6 +369,8 @@ class RemoteSpawner:
                                   f"{exc.reason}") from None
         self.timings.ready = self._elapsed()
         self.info = AgentInfo.from_reply(self.host, reply, self._decoder.noise)
+        if temp_dir is not None:
+            self._made_temp_dir = (temp_dir, reply.get("temp_dir"), reply.get("temp_dir_error"))
         try:
             check_versions(self.info, self._expect)
         except AgentVersionError:
@@ -395,7 +402,15 @@ class RemoteSpawner:
             self._chan.close()
 
     async def make_temp_dir(self, prefix: str, timeout: float = REQUEST_TIMEOUT) -> str:
-        """A new 0700 directory there, removed by the agent however it ends."""
+        """A new 0700 directory there, removed by the agent however it ends: the one HELLO
+        made, for the first call with its prefix (see `start`), else MKTEMP's."""
+        made = self._made_temp_dir
+        if made is not None and made[0] == prefix:
+            self._made_temp_dir = None
+            _, path, error = made
+            if path is None:
+                raise AgentRequestError(self.host, error or "no temporary directory made")
+            return path
         return (await self._request(Kind.MKTEMP, timeout, prefix=prefix))["path"]
 
     async def make_dir(self, path: str, timeout: float = REQUEST_TIMEOUT) -> str:

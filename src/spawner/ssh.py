@@ -15,7 +15,7 @@ prompt (encrypted keys are skipped), stdin is never read.
 
 asyncssh costs ~250 ms to import, so it is imported inside the functions that need it: the
 error and result types here are free to import. A connection loads it with `load_asyncssh()`,
-which spares the import a C compiler's runs (see there).
+which spares the import a C compiler's runs and X.509 code it cannot use (see there).
 
 Errors:
 
@@ -31,11 +31,13 @@ import errno
 import functools
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+
+from .uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 if TYPE_CHECKING:
     import asyncssh
@@ -319,14 +321,39 @@ class _Rejected(NamedTuple):
 
 @functools.cache
 def load_asyncssh() -> Any:
-    """asyncssh, imported without running a C compiler (see _import_asyncssh), its config
-    file's lines split and known_hosts' keys decoded once rather than for every connection
-    (spawner.sshconfig)."""
+    """asyncssh, imported without running a C compiler (see _import_asyncssh) nor the X.509
+    code it cannot use (_x509_hidden), its config file's lines split and known_hosts' keys
+    decoded once rather than for every connection (spawner.sshconfig)."""
     from spawner import sshconfig
 
-    asyncssh = _import_asyncssh()
+    hidden = _x509_hidden()
+    try:
+        asyncssh = _import_asyncssh()
+    finally:
+        if hidden and sys.modules.get(_X509_MODULE, False) is None:
+            del sys.modules[_X509_MODULE]
     sshconfig.install(asyncssh)
     return asyncssh
+
+
+# asyncssh's X.509 certificate support (x509v3-* keys: PKIX-SSH's, never OpenSSH's), which
+# needs pyOpenSSL; asyncssh.crypto imports it under `except ImportError`.
+_X509_MODULE = "asyncssh.crypto.x509"
+
+
+def _x509_hidden() -> bool:
+    """Where pyOpenSSL is not installed, asyncssh's X.509 module fails at its `from OpenSSL
+    import crypto`, after importing cryptography.x509 for nothing: 25-45 ms of every SSH
+    launch's start, before its first connection (bench/README.md, "Remote launches").
+    Hidden then, it fails at once instead, with the same ImportError and the same outcome:
+    no X.509 in asyncssh. True if hidden (the caller unhides it after the import)."""
+    import importlib.util
+
+    if "asyncssh" in sys.modules or "OpenSSL" in sys.modules or \
+            importlib.util.find_spec("OpenSSL") is not None:
+        return False
+    sys.modules[_X509_MODULE] = None  # type: ignore[assignment]: import -> ImportError
+    return True
 
 
 def _import_asyncssh() -> Any:

@@ -48,6 +48,8 @@ class Fleet:
         self._timings: dict[Host, object] = {}  # per host: how its connection went
         self._opened_at = 0.0  # time.monotonic(), for phases()
         self._agent_started: dict[Host, float] = {}  # ... and when each agent's start began
+        # Each agent makes temp_dirs()'s directory as it answers HELLO (open(temp_dirs=True)).
+        self._temp_prefix: str | None = None
 
     @classmethod
     def of(cls, hosts: JobHosts, config: LaunchConfig, log: Log) -> Fleet:
@@ -66,11 +68,14 @@ class Fleet:
             self.connections[host] = conn  # closed by close() however the launch goes
 
     async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
-                   program: str, path: str | None, view=None) -> None:
+                   program: str, path: str | None, view=None, temp_dirs: bool = False) -> None:
         """Connect to every host and start its agent, each as soon as its host is connected
         (the others still connecting); raises LaunchError (every failing host named, one
-        line each) with nothing started; the caller closes what was opened."""
+        line each) with nothing started; the caller closes what was opened. `temp_dirs`:
+        the launch will ask for `temp_dirs()` (here and after `reopen`); each agent makes
+        its directory as it answers HELLO, which spares a round trip per host."""
         self._opened_at = time.monotonic()
+        self._temp_prefix = CACHE_PREFIX if temp_dirs else None
         starting: dict[Host, asyncio.Task] = {}
 
         def start(host: Host, conn: object) -> None:
@@ -177,12 +182,13 @@ class Fleet:
             *(_start_agent(s, view, install, self.config.remote_python, self.log.info,
                            cwd=cwd, program=program, path=path, stats=stats,
                            host_timeout=self.config.host_timeout,
-                           interfaces=self.config.network.chosen)
+                           interfaces=self.config.network.chosen, temp_dir=self._temp_prefix)
               for s in spawners), return_exceptions=True)
 
     async def temp_dirs(self, labels: Iterable[str] | None = None) -> dict[str, str]:
         """A unique temporary cache directory on each host (or on those of `labels`),
-        removed by its agent at exit."""
+        removed by its agent at exit: the one its agent made with HELLO where `open` asked
+        for it, else made now."""
         labels = list(self.spawners if labels is None else labels)
         paths = await asyncio.gather(*(self.spawners[h].make_temp_dir(CACHE_PREFIX)
                                        for h in labels), return_exceptions=True)

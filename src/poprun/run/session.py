@@ -525,7 +525,7 @@ class _Session:
             self.fleet = Fleet.of(self.hosts, self.config, self.log)
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
                               program=self.program[0], path=self.environ.get("PATH"),
-                              view=self.panel)
+                              view=self.panel, temp_dirs=self.mode is CacheMode.TEMPORARY)
         self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))
 
     async def _create_caches(self) -> dict[str, str]:

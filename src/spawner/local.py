@@ -26,7 +26,7 @@ import signal
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -238,15 +238,25 @@ class LocalSpawner:
         except (OSError, TypeError, ValueError):  # none written (or a broken one)
             pass
 
+    def reserve(self, keys: Iterable[int]) -> None:
+        """Get ready to spawn the processes `keys` (the caller's batch, before its first
+        spawn): their cgroups are made now, none while an earlier one of them moves itself
+        into its own (Cgroups.make says why that costs)."""
+        if self._has_cgroups():
+            self._cgroups.make(keys)
+
+    def _has_cgroups(self) -> bool:
+        if self._cgroups is None:  # the first time: can this host give us cgroups?
+            self._cgroups = Cgroups.create(self._lifeline.token) or False
+            if self._cgroups:
+                self._lifeline.add_cgroup(self._cgroups.root)
+        return bool(self._cgroups)
+
     def _contained(self, spec: ProcessSpec, env: dict[str, str]) -> list[str] | tuple[str, ...]:
         """The argv that starts `spec` in a cgroup of its own, where this host allows: it
         enters it before its first instruction (containment.entering). A program that
         cannot be run is refused here, as Popen would refuse it, not by the shell later."""
-        if self._cgroups is None:  # the first spawn: can this host give us cgroups?
-            self._cgroups = Cgroups.create(self._lifeline.token) or False
-            if self._cgroups:
-                self._lifeline.add_cgroup(self._cgroups.root)
-        procs = self._cgroups.prepare(spec.key) if self._cgroups else None
+        procs = self._cgroups.prepare(spec.key) if self._has_cgroups() else None
         if procs is None:
             return spec.argv
         _check_runnable(spec.argv[0], env.get("PATH", os.defpath), spec.cwd)

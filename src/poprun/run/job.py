@@ -157,9 +157,9 @@ class Job:
 
     def _spawn_local(self) -> None:
         merge = self.config.effective_merge_stderr
-        for inst in self.plan.instances:
-            if inst.host in self.remote:
-                continue
+        here = [inst for inst in self.plan.instances if inst.host not in self.remote]
+        self.local.reserve(inst.index for inst in here)
+        for inst in here:
             env = planning.instance_environ(self.environ, inst, self.plan)
             pmi_end = None
             if self.world is not None:

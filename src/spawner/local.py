@@ -27,7 +27,6 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from popdist.env import ERROR_FILE, PROGRESS_FILE
@@ -36,6 +35,7 @@ from . import containment
 from .binding import bound
 from .containment import Cgroups
 from .lifeline import Lifeline
+from .uncompiled import dataclass
 
 # Each instance's pipes are grown to this (F_SETPIPE_SZ; the kernel's default is 64 KiB): per
 # byte, a busy writer waits, and poprun wakes and reads, less often
@@ -79,6 +79,12 @@ class ProcessSpec:
     cpus: tuple[int, ...] | None = None  # CPU binding (None: not bound)
     mems: tuple[int, ...] | None = None  # memory node binding (None: not bound)
     pass_fds: tuple[int, ...] = ()  # descriptors it inherits (its PMI socket: spawner/pmi.py)
+
+    def __init__(self, key, argv, env, cwd=None, merge_stderr=False, inherit_stdin=False,
+                 cpus=None, mems=None, pass_fds=()):  # by hand: one per instance (uncompiled)
+        self.__dict__.update(key=key, argv=argv, env=env, cwd=cwd, merge_stderr=merge_stderr,
+                             inherit_stdin=inherit_stdin, cpus=cpus, mems=mems,
+                             pass_fds=pass_fds)
 
 
 class EventLoop(Protocol):

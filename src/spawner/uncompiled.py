@@ -10,9 +10,11 @@ standard decorator still records the fields, with init, repr and eq off). Equali
 repr and frozenness behave as the standard ones do; `__init__` takes the same arguments,
 positional or by name, and calls `__post_init__`. No InitVar fields.
 
-The price is per object made: ~5 us more than a compiled `__init__`. So this is for classes
-made a few times per launch (the config, the plan, the topology, option tables), never for one
-made per instance or per block of output.
+The price is per object made: ~5 us more than a compiled `__init__`. A class made once per
+instance (its plan, spec, result) or more often writes its `__init__` by hand, in its body,
+where it is compiled with the module's bytecode (each field set with `object.__setattr__` in
+a frozen class): the decorator keeps it, after checking that its parameters are the fields
+`__init__` takes, in order, so that a field added later cannot be missed.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def _add_methods(cls: type, own: dict, frozen: bool) -> None:
     made = tuple((f.name, f.default_factory) for f in fields
                  if not f.init and f.default_factory is not MISSING)
     post_init = hasattr(cls, "__post_init__")
+    if "__init__" in own:
+        _check_own_init(cls, own["__init__"], arguments)
 
     def __init__(self, *args, **kwargs):
         if len(args) > len(names):
@@ -123,3 +127,18 @@ def _add_methods(cls: type, own: dict, frozen: bool) -> None:
         if frozen:
             __hash__.__qualname__ = f"{cls.__qualname__}.__hash__"
         cls.__hash__ = __hash__ if frozen else None
+
+
+def _check_own_init(cls: type, init, arguments: tuple) -> None:
+    """A hand-written `__init__` takes the fields, in order, nothing else, and has the same
+    defaults (a field with a default factory: any default, standing for it)."""
+    code = init.__code__
+    given = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
+    optional = [(default, factory) for _, default, factory in arguments
+                if default is not MISSING or factory is not MISSING]
+    defaults = (init.__defaults__ or ()) + tuple((init.__kwdefaults__ or {}).values())
+    if given != tuple(name for name, _, _ in arguments) or len(defaults) != len(optional) or \
+            any(factory is MISSING and value != default
+                for (default, factory), value in zip(optional, defaults)):
+        raise TypeError(f"{cls.__qualname__}.__init__ does not take its fields "
+                        f"({', '.join(given)}) with their defaults")

@@ -26,9 +26,10 @@ import re
 import stat
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from spawner.local import Stream
+from spawner.uncompiled import dataclass
 
 from poprun.fdio import write_all
 from poprun.fold import tag_label
@@ -46,6 +47,11 @@ class InstanceOutput:
     lines: int = 0
     stderr_tail: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+
+    def __init__(self, lines=0, stderr_tail=None):  # by hand: one per instance (uncompiled)
+        self.lines = lines
+        self.stderr_tail = collections.deque(maxlen=TAIL_LINES) if stderr_tail is None \
+            else stderr_tail
 
 
 NOCOPY = ":nocopy"  # mpirun's `--output-filename DIR:nocopy`: files only, no console copy

@@ -225,8 +225,8 @@ class ProcessBinding:
 
 
 # numa_maps names a policy (some names have spaces), then optional =flags, then :nodes.
-_POLICY = re.compile(
-    r"\S+ (prefer \(many\)|weighted interleave|\w+)(?:=\S*?)?(?::([\d,-]+))?(?: |$)")
+# Compiled on first use (re's cache): read back only for --report-bindings and by agents.
+_POLICY = r"\S+ (prefer \(many\)|weighted interleave|\w+)(?:=\S*?)?(?::([\d,-]+))?(?: |$)"
 
 
 def read_binding(pid: int) -> ProcessBinding:
@@ -269,7 +269,7 @@ def parse_binding(status: str, numa_maps_line: str) -> ProcessBinding:
 def parse_mempolicy(numa_maps_line: str) -> tuple[str, tuple[int, ...] | None]:
     """("bind", (0, 1)) from a numa_maps line "7f.. bind:0-1 file=...";
     ("default", None) when the policy names no nodes."""
-    match = _POLICY.match(numa_maps_line)
+    match = re.match(_POLICY, numa_maps_line)
     if not match:
         return "default", None
     return match[1], parse_cpu_list(match[2]) if match[2] else None

@@ -36,8 +36,9 @@ from poprun.fold import tag_label
 from poprun.view.console import tag_colour_system
 
 TAIL_LINES = 20  # stderr lines kept per instance for the failure report
-_LINE_END = re.compile(rb"\r\n|\r|\n")
-_LINE_END_AT_END = re.compile(rb"(?:\r\n|\r|\n)\Z")
+# Compiled on first use (re's cache): only blocks with a `\r` need them.
+_LINE_END = rb"\r\n|\r|\n"
+_LINE_END_AT_END = rb"(?:\r\n|\r|\n)\Z"
 
 
 @dataclass
@@ -212,9 +213,9 @@ class OutputRouter:
                 return ended
         # Every block starts at a line start; a prefix also follows every inner line end.
         if b"\r" in data:  # progress updates: rare, so simple beats fast here
-            last = _LINE_END_AT_END.search(data)
+            last = re.search(_LINE_END_AT_END, data)
             core, end = (data[:last.start()], last.group(0)) if last else (data, b"\n")
-            self.write(fd, prefix, _LINE_END.sub(lambda m: m.group(0) + prefix, core), end)
+            self.write(fd, prefix, re.sub(_LINE_END, lambda m: m.group(0) + prefix, core), end)
             return
         # One C-level replace does the work; the prefix it puts after the final newline is
         # left out of the write rather than sliced off (which would copy the block again).

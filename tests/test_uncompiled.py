@@ -140,3 +140,20 @@ def test_an_init_written_by_hand_that_misses_a_field_is_refused(init):
     with pytest.raises(TypeError):
         uncompiled.dataclass(type("Wrong", (), {"__annotations__": {"name": "str", "count": "int"},
                                                 "count": 2, "__init__": body["__init__"]}))
+
+
+def test_the_fields_are_recorded_as_the_standard_decorator_records_them():
+    standard, ours = both(frozen=True)
+    for theirs, mine in zip(dataclasses.fields(standard), dataclasses.fields(ours)):
+        assert [getattr(theirs, a) for a in theirs.__slots__ if a != "default_factory"] == \
+            [getattr(mine, a) for a in mine.__slots__ if a != "default_factory"]
+    assert ours.__match_args__ == standard.__match_args__
+    assert ours.count == 2 and not hasattr(ours, "items")  # class attributes: the defaults
+
+    @uncompiled.dataclass
+    class Derived(ours):  # a dataclass base: the standard decorator records the fields
+        extra: int = 0
+
+    assert [f.name for f in dataclasses.fields(Derived)][-2:] == ["made", "extra"]
+    with pytest.raises(ValueError):
+        uncompiled.dataclass(type("Mutable", (), {"__annotations__": {"x": "list"}, "x": []}))

@@ -572,6 +572,8 @@ def test_a_batch_s_cgroups_are_made_before_its_first_spawn():
     root = cgroup_root(lifeline.token)
     try:
         spawner = LocalSpawner(sink=None, loop=None, lifeline=lifeline)
+        spawner.reserve([])  # nothing to start here (every instance remote): no tree
+        assert not os.path.exists(root)
         spawner.reserve([0, 1, 2])
         assert sorted(p.name for p in Path(root).iterdir() if p.is_dir()) == ["i0", "i1", "i2"]
         entering = spawner._contained(ProcessSpec(2, ("true",), {}), {"PATH": os.defpath})

@@ -248,7 +248,8 @@ class LocalSpawner:
         """Get ready to spawn the processes `keys` (the caller's batch, before its first
         spawn): their cgroups are made now, none while an earlier one of them moves itself
         into its own (Cgroups.make says why that costs)."""
-        if self._has_cgroups():
+        keys = list(keys)
+        if keys and self._has_cgroups():  # none here (every instance remote): no tree
             self._cgroups.make(keys)
 
     def _has_cgroups(self) -> bool:

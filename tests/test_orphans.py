@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from spawner.local import ProcessSpec
+
 from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun, wait_started
 from sshd_hosts import instances_with, processes_with, start_ssh_hosts, wait_until
 
@@ -564,6 +566,33 @@ def test_an_instance_is_in_its_cgroup_from_its_first_instruction(tmp):
         cgroups = proc.stdout.decode().split()
         assert sorted(line.rsplit("/", 1)[-1] for line in cgroups) == [f"i{i}" for i in range(8)]
         assert all("/poprun-" in line for line in cgroups)
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_s_cgroups_are_made_before_its_first_spawn():
+    """LocalSpawner.reserve makes the cgroups of every key of the batch at once (a cgroup
+    made between two spawns waited out the previous instance's move: Cgroups.make), and a
+    spawn then enters the one made for its key; the lifeline removes them."""
+    if not cgroups_here():
+        pytest.skip("no writable cgroup v2 subtree here")
+    from spawner.containment import cgroup_root
+    from spawner.lifeline import Lifeline
+    from spawner.local import LocalSpawner
+
+    lifeline = Lifeline()
+    root = cgroup_root(lifeline.token)
+    try:
+        spawner = LocalSpawner(sink=None, loop=None, lifeline=lifeline)
+        spawner.reserve([])  # nothing to start here (every instance remote): no tree
+        assert not os.path.exists(root)
+        spawner.reserve([0, 1, 2])
+        assert sorted(p.name for p in Path(root).iterdir() if p.is_dir()) == ["i0", "i1", "i2"]
+        entering = spawner._contained(ProcessSpec(2, ("true",), {}), {"PATH": os.defpath})
+        assert entering[3] == os.path.join(root, "i2", "cgroup.procs")
+        assert spawner.cgroup_of(2) == os.path.join(root, "i2") and spawner.cgroup_of(1) is None
+    finally:
+        lifeline.close()
+    assert not os.path.exists(root)
 
 
 @pytest.mark.timeout(120)

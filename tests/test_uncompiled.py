@@ -109,3 +109,51 @@ def test_nothing_is_compiled(monkeypatch):
     both_made += [Frozen(1), Plain(2)]
     assert [x.value for x in both_made] == [1, 2]
     assert Plain.__doc__ == "Plain(value)"
+
+
+def test_an_init_written_by_hand_is_kept_when_it_takes_the_fields():
+    @uncompiled.dataclass(frozen=True)
+    class Made:
+        name: str
+        count: int = 2
+        items: list = field(default_factory=list)
+
+        def __init__(self, name, count=2, items=None):
+            self.__dict__.update(name=name, count=count, items=[] if items is None else items)
+
+    made = Made("x", items=[1])
+    assert made == Made("x", 2, [1]) and made.count == 2
+    assert dataclasses.replace(made, count=3) == Made("x", 3, [1])
+    with pytest.raises(FrozenInstanceError):
+        made.count = 1
+
+
+@pytest.mark.parametrize("init", [
+    "def __init__(self, name): pass",  # a field left out
+    "def __init__(self, count, name=''): pass",  # another order
+    "def __init__(self, name, count=3): pass",  # another default
+    "def __init__(self, name, count): pass",  # a default missing
+])
+def test_an_init_written_by_hand_that_misses_a_field_is_refused(init):
+    body = {}
+    exec(init, body)  # noqa: S102 - the test's own source
+    with pytest.raises(TypeError):
+        uncompiled.dataclass(type("Wrong", (), {"__annotations__": {"name": "str", "count": "int"},
+                                                "count": 2, "__init__": body["__init__"]}))
+
+
+def test_the_fields_are_recorded_as_the_standard_decorator_records_them():
+    standard, ours = both(frozen=True)
+    for theirs, mine in zip(dataclasses.fields(standard), dataclasses.fields(ours)):
+        assert [getattr(theirs, a) for a in theirs.__slots__ if a != "default_factory"] == \
+            [getattr(mine, a) for a in mine.__slots__ if a != "default_factory"]
+    assert ours.__match_args__ == standard.__match_args__
+    assert ours.count == 2 and not hasattr(ours, "items")  # class attributes: the defaults
+
+    @uncompiled.dataclass
+    class Derived(ours):  # a dataclass base: the standard decorator records the fields
+        extra: int = 0
+
+    assert [f.name for f in dataclasses.fields(Derived)][-2:] == ["made", "extra"]
+    with pytest.raises(ValueError):
+        uncompiled.dataclass(type("Mutable", (), {"__annotations__": {"x": "list"}, "x": []}))

@@ -9,7 +9,6 @@ Names are Graphcore's (real applications read them directly), plus the ones mpir
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 # --- PopDist (Graphcore) ---------------------------------------------------------------
 NUM_TOTAL_REPLICAS = "POPDIST_NUM_TOTAL_REPLICAS"
@@ -138,25 +137,37 @@ def forwarded_by_all(name: str) -> bool:
     return not any(fnmatchcase(name, pattern) for pattern in NOT_FORWARDED)
 
 
-@dataclass(frozen=True)
 class InstanceIdentity:
-    """Who one instance is: the facts poprun hands to it through the environment."""
+    """Who one instance is: the facts poprun hands to it through the environment. A plain
+    class, not a dataclass: the launcher makes one per instance and imports this module on
+    every launch, where a dataclass's methods are compiled at import (spawner/uncompiled.py)."""
 
-    index: int
-    num_instances: int
-    local_index: int
-    local_size: int
-    num_total_replicas: int
-    ipus_per_replica: int
-    master_addr: str
-    master_port: int
-    executable_cache_path: str | None = None
-    autoreport_dir: str | None = None
-    restart_count: int | None = None  # this attempt (from 0) when restarts are enabled
-    host: str = ""  # its host's label
-    cross_rank: int = 0  # its host's index among the hosts that run its local index
-    cross_size: int = 1  # how many hosts run its local index
-    rendezvous: tuple[str, int] | None = None  # Horovod's Gloo rendezvous (address, port)
+    __slots__ = ("index", "num_instances", "local_index", "local_size", "num_total_replicas",
+                 "ipus_per_replica", "master_addr", "master_port", "executable_cache_path",
+                 "autoreport_dir", "restart_count", "host", "cross_rank", "cross_size",
+                 "rendezvous")
+
+    def __init__(self, index: int, num_instances: int, local_index: int, local_size: int,
+                 num_total_replicas: int, ipus_per_replica: int, master_addr: str,
+                 master_port: int, executable_cache_path: str | None = None,
+                 autoreport_dir: str | None = None,
+                 restart_count: int | None = None,  # this attempt (from 0) with restarts
+                 host: str = "",  # its host's label
+                 cross_rank: int = 0,  # its host's index among those running its local index
+                 cross_size: int = 1,  # how many hosts run its local index
+                 rendezvous: tuple[str, int] | None = None,  # Horovod's Gloo (address, port)
+                 ) -> None:
+        self.index, self.num_instances = index, num_instances
+        self.local_index, self.local_size = local_index, local_size
+        self.num_total_replicas, self.ipus_per_replica = num_total_replicas, ipus_per_replica
+        self.master_addr, self.master_port = master_addr, master_port
+        self.executable_cache_path, self.autoreport_dir = executable_cache_path, autoreport_dir
+        self.restart_count, self.host = restart_count, host
+        self.cross_rank, self.cross_size, self.rendezvous = cross_rank, cross_size, rendezvous
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"InstanceIdentity({shown})"
 
     @property
     def num_local_replicas(self) -> int:

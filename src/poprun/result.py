@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from spawner import uncompiled
@@ -46,7 +46,7 @@ def exit_status(reason: str, stop_signal: int | None, root_status: int | None) -
     return root_status if reason == "instance" else 0
 
 
-@dataclass(frozen=True)
+@uncompiled.dataclass(frozen=True)
 class InstanceResult:
     """One instance's life."""
 
@@ -67,6 +67,17 @@ class InstanceResult:
     collateral: str | None = None  # why its failure looks like the root cause's consequence
     start_ticks: int | None = None  # its start in /proc's clock (spawner/procid.py)
 
+    def __init__(self, index, host, pid, returncode, start_time, end_time, lines,
+                 stderr_tail=(), stopped_by_poprun=False, lost=None, first_output_time=None,
+                 error=None, collateral=None, start_ticks=None):
+        # by hand: one per instance (spawner/uncompiled.py)
+        self.__dict__.update(
+            index=index, host=host, pid=pid, returncode=returncode, start_time=start_time,
+            end_time=end_time, lines=lines, stderr_tail=stderr_tail,
+            stopped_by_poprun=stopped_by_poprun, lost=lost,
+            first_output_time=first_output_time, error=error, collateral=collateral,
+            start_ticks=start_ticks)
+
     @property
     def exit_status(self) -> int:
         """The shell's view: 128+N for signal N."""
@@ -77,7 +88,7 @@ class InstanceResult:
         return -self.returncode if self.returncode < 0 else None
 
 
-@uncompiled.dataclass(frozen=True)  # one per launch; InstanceResult: compiled, one per instance
+@uncompiled.dataclass(frozen=True)  # one per launch
 class LaunchResult:
     """The job. `exit_code` is what `poprun` exits with."""
 

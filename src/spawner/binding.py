@@ -113,9 +113,13 @@ class _MemPolicy:
             ctypes.c_long, ctypes.c_int, mask, ctypes.c_ulong, use_errno=True)(
             ("set_mempolicy", lib))
         # The nodes numa_parse_nodestring (under set_membind_nodes) accepts: the cpuset's
-        # Mems_allowed as libnuma read it when loaded.
-        allowed = ctypes.POINTER(numa.bitmask_t).in_dll(lib, "numa_all_nodes_ptr")
-        self._parsable = frozenset(numa.utils.get_bitset_list(allowed))
+        # Mems_allowed as libnuma read it when loaded. Read from the mask's words, as
+        # numa_bitmask_isbitset reads them (py-libnuma's get_bitset_list calls it for each
+        # of the mask's 1024 bits: ~1 ms of the first binding spawn).
+        allowed = ctypes.POINTER(numa.bitmask_t).in_dll(lib, "numa_all_nodes_ptr").contents
+        words = allowed.maskp[:-(-allowed.size // self._word_bits)]
+        self._parsable = frozenset(i * self._word_bits + bit for i, word in enumerate(words)
+                                   for bit in range(self._word_bits) if word >> bit & 1)
 
     def bind(self, mems: Collection[int]) -> tuple[int, object]:
         """Bind the thread's allocations to the nodes `mems`; returns the previous policy for
@@ -221,8 +225,8 @@ class ProcessBinding:
 
 
 # numa_maps names a policy (some names have spaces), then optional =flags, then :nodes.
-_POLICY = re.compile(
-    r"\S+ (prefer \(many\)|weighted interleave|\w+)(?:=\S*?)?(?::([\d,-]+))?(?: |$)")
+# Compiled on first use (re's cache): read back only for --report-bindings and by agents.
+_POLICY = r"\S+ (prefer \(many\)|weighted interleave|\w+)(?:=\S*?)?(?::([\d,-]+))?(?: |$)"
 
 
 def read_binding(pid: int) -> ProcessBinding:
@@ -265,7 +269,7 @@ def parse_binding(status: str, numa_maps_line: str) -> ProcessBinding:
 def parse_mempolicy(numa_maps_line: str) -> tuple[str, tuple[int, ...] | None]:
     """("bind", (0, 1)) from a numa_maps line "7f.. bind:0-1 file=...";
     ("default", None) when the policy names no nodes."""
-    match = _POLICY.match(numa_maps_line)
+    match = re.match(_POLICY, numa_maps_line)
     if not match:
         return "default", None
     return match[1], parse_cpu_list(match[2]) if match[2] else None

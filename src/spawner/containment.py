@@ -28,6 +28,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterable
 
 MARK = "POPRUN_LIFELINE"  # instances' environment: the token of the lifeline watching them
 # POPRUN_CGROUPS=0 in the launcher's (or an agent's) environment: no cgroups, the other two
@@ -248,17 +249,32 @@ class Cgroups:
     def path(self, key: int) -> str:
         return os.path.join(self.root, f"i{key}")
 
+    def make(self, keys: Iterable[int]) -> None:
+        """Make the cgroups of instances about to start, all before the first of them starts:
+        a mkdir waits for the cgroup lock, which an instance moving itself holds through
+        the kernel's RCU grace period (5-30 ms, the first move of a launch), so a cgroup
+        made between two spawns held the launcher up that long."""
+        for key in keys:
+            if key not in self._made:
+                path = self.path(key)
+                with contextlib.suppress(OSError):  # prepare() tries again, and says so
+                    os.makedirs(path, 0o755, exist_ok=True)
+                    self._made[key] = path
+
     def prepare(self, key: int) -> str | None:
-        """Instance `key`'s own cgroup, made before it starts; its `cgroup.procs`, for the
-        instance to enter (`entering`). None when it could not be made (the other
-        mechanisms still hold)."""
-        path = self.path(key)
-        try:
-            os.makedirs(path, 0o755, exist_ok=True)  # exists: the key's earlier process
-        except OSError:
-            self.members.pop(key, None)
-            return None
-        self._made[key] = self.members[key] = path
+        """Instance `key`'s own cgroup, made before it starts (by `make`, or now); its
+        `cgroup.procs`, for the instance to enter (`entering`). None when it could not be
+        made (the other mechanisms still hold)."""
+        path = self._made.get(key)
+        if path is None:  # made once; the key's earlier process leaves it in place
+            path = self.path(key)
+            try:
+                os.makedirs(path, 0o755, exist_ok=True)
+            except OSError:
+                self.members.pop(key, None)
+                return None
+            self._made[key] = path
+        self.members[key] = path
         return os.path.join(path, "cgroup.procs")
 
     def kill(self, key: int) -> None:

@@ -26,8 +26,7 @@ import signal
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from popdist.env import ERROR_FILE, PROGRESS_FILE
@@ -36,6 +35,7 @@ from . import containment
 from .binding import bound
 from .containment import Cgroups
 from .lifeline import Lifeline
+from .uncompiled import dataclass
 
 # Each instance's pipes are grown to this (F_SETPIPE_SZ; the kernel's default is 64 KiB): per
 # byte, a busy writer waits, and poprun wakes and reads, less often
@@ -79,6 +79,12 @@ class ProcessSpec:
     cpus: tuple[int, ...] | None = None  # CPU binding (None: not bound)
     mems: tuple[int, ...] | None = None  # memory node binding (None: not bound)
     pass_fds: tuple[int, ...] = ()  # descriptors it inherits (its PMI socket: spawner/pmi.py)
+
+    def __init__(self, key, argv, env, cwd=None, merge_stderr=False, inherit_stdin=False,
+                 cpus=None, mems=None, pass_fds=()):  # by hand: one per instance (uncompiled)
+        self.__dict__.update(key=key, argv=argv, env=env, cwd=cwd, merge_stderr=merge_stderr,
+                             inherit_stdin=inherit_stdin, cpus=cpus, mems=mems,
+                             pass_fds=pass_fds)
 
 
 class EventLoop(Protocol):
@@ -238,15 +244,26 @@ class LocalSpawner:
         except (OSError, TypeError, ValueError):  # none written (or a broken one)
             pass
 
+    def reserve(self, keys: Iterable[int]) -> None:
+        """Get ready to spawn the processes `keys` (the caller's batch, before its first
+        spawn): their cgroups are made now, none while an earlier one of them moves itself
+        into its own (Cgroups.make says why that costs)."""
+        keys = list(keys)
+        if keys and self._has_cgroups():  # none here (every instance remote): no tree
+            self._cgroups.make(keys)
+
+    def _has_cgroups(self) -> bool:
+        if self._cgroups is None:  # the first time: can this host give us cgroups?
+            self._cgroups = Cgroups.create(self._lifeline.token) or False
+            if self._cgroups:
+                self._lifeline.add_cgroup(self._cgroups.root)
+        return bool(self._cgroups)
+
     def _contained(self, spec: ProcessSpec, env: dict[str, str]) -> list[str] | tuple[str, ...]:
         """The argv that starts `spec` in a cgroup of its own, where this host allows: it
         enters it before its first instruction (containment.entering). A program that
         cannot be run is refused here, as Popen would refuse it, not by the shell later."""
-        if self._cgroups is None:  # the first spawn: can this host give us cgroups?
-            self._cgroups = Cgroups.create(self._lifeline.token) or False
-            if self._cgroups:
-                self._lifeline.add_cgroup(self._cgroups.root)
-        procs = self._cgroups.prepare(spec.key) if self._cgroups else None
+        procs = self._cgroups.prepare(spec.key) if self._has_cgroups() else None
         if procs is None:
             return spec.argv
         _check_runnable(spec.argv[0], env.get("PATH", os.defpath), spec.cwd)

@@ -3,7 +3,6 @@ Here, in the spawner layer, so that a host's agent can send its files to the lau
 
 from __future__ import annotations
 
-import glob
 import os
 
 SYSFS_ROOT_ENV = "POPRUN_SYSFS_ROOT"
@@ -25,15 +24,23 @@ def read_sysfs(root: str | None = None) -> dict[str, str]:
     """The files `parse_topology` reads, keyed by their path under `root` (default
     `sysfs_root()`). Files that do not exist are simply absent."""
     root = root or sysfs_root()
-    patterns = [f"{NODE_DIR}/online", f"{NODE_DIR}/node[0-9]*/cpulist",
-                f"{NODE_DIR}/node[0-9]*/meminfo", f"{CPU_DIR}/online"]
-    patterns += [f"{CPU_DIR}/cpu[0-9]*/topology/{name}" for name in TOPOLOGY_FILES]
+    names = [f"{NODE_DIR}/online", f"{CPU_DIR}/online"]
+    # Each directory listed once, not globbed once per file name (~1.5 ms of a launch).
+    for directory, prefix, leaves in (
+            (NODE_DIR, "node", ("cpulist", "meminfo")),
+            (CPU_DIR, "cpu", tuple(f"topology/{name}" for name in TOPOLOGY_FILES))):
+        try:
+            entries = os.listdir(os.path.join(root, directory))
+        except OSError:  # no NUMA (no node directory)
+            continue
+        names += [f"{directory}/{entry}/{leaf}" for entry in entries
+                  if entry.startswith(prefix) and entry[len(prefix):].isdigit()
+                  for leaf in leaves]
     files: dict[str, str] = {}
-    for pattern in patterns:
-        for path in glob.glob(os.path.join(root, pattern)):
-            try:
-                with open(path) as f:
-                    files[os.path.relpath(path, root)] = f.read()
-            except OSError:  # a CPU going offline while we read: it is not usable anyway
-                continue
+    for name in names:
+        try:
+            with open(os.path.join(root, name)) as f:
+                files[name] = f.read()
+        except OSError:  # absent; or a CPU going offline while we read: not usable anyway
+            continue
     return files

@@ -76,6 +76,11 @@ class Opt:
     default: object = None  # only for options that are not LaunchConfig fields
     step: int = 1  # for COUNT: --vv counts twice
 
+    def __init__(self, long, kind, help, short=None, dest="", default=None, step=1):
+        # by hand: 74 are made at every start (spawner/uncompiled.py)
+        self.__dict__.update(long=long, kind=kind, help=help, short=short, dest=dest,
+                             default=default, step=step)
+
     @property
     def name(self) -> str:
         return self.dest or self.long.replace("-", "_")

@@ -52,7 +52,7 @@ _U64 = struct.Struct("<Q")
 _START_AT, _END_AT = 16, 24  # the header's start and end fields
 _MAGIC = b"poprunR1"
 _RECORD_HEADER_MAX = 48  # "@<instance> o <bytes>\n" is shorter whatever the numbers
-_HEADER = re.compile(rb"@(\d+) ([oe]) (\d+)\n")
+_HEADER = rb"@(\d+) ([oe]) (\d+)\n"  # compiled when read (poprunctl), not at each launch
 _STREAM = {Stream.STDOUT: b"o", Stream.STDERR: b"e"}
 _NAME = {b"o": "stdout", b"e": "stderr"}
 MAX_FOLLOWER_BACKLOG = 8 << 20  # bytes a slow `logs --follow` may lag before it is dropped
@@ -156,8 +156,9 @@ def unwind(ring: bytes) -> bytes:
 def records(data: bytes) -> Iterator[tuple[int, str, bytes]]:
     """(instance, "stdout" | "stderr", bytes) for each whole record in `data`."""
     pos, end = 0, len(data)
+    header = re.compile(_HEADER)
     while pos < end:
-        head = _HEADER.match(data, pos)
+        head = header.match(data, pos)
         if head is None:
             return  # not a record boundary: nothing more can be trusted
         start = head.end()

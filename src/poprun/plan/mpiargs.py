@@ -8,7 +8,6 @@ naming the token (silently dropping an option would hide a behaviour change).
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import field
 
 from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
@@ -95,6 +94,8 @@ class MpiArgs:
 
 def parse_mpi_args(text: str, source: str) -> MpiArgs:
     """Parse one mpi-args string; `source` names the option for error messages."""
+    import shlex  # here: most launches give no mpi-args (its import: ~0.3 ms)
+
     try:
         tokens = shlex.split(text)
     except ValueError as exc:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from itertools import groupby, zip_longest
+
+from spawner import uncompiled
 
 from poprun.errors import ConfigError
 from poprun.plan.topology import Cpu, Topology
@@ -33,12 +34,15 @@ class Strategy(str, enum.Enum):
     """No binding: instances run wherever the OS puts them."""
 
 
-@dataclass(frozen=True)
+@uncompiled.dataclass(frozen=True)
 class Binding:
     """What one instance is bound to."""
 
     cpus: tuple[int, ...]
     mems: tuple[int, ...]  # memory nodes; () leaves the memory policy alone (none to bind to)
+
+    def __init__(self, cpus, mems):  # by hand: one per instance (spawner/uncompiled.py)
+        self.__dict__.update(cpus=cpus, mems=mems)
 
 
 def resolve_strategy(process_placement: str | None, numa_aware: bool | None,

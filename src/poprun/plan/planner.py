@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, field
 
 from popdist import env as E
 from spawner import uncompiled
@@ -38,7 +38,7 @@ class CacheMode(str, enum.Enum):
     """A framework cache variable (e.g. POPTORCH_CACHE_DIR) is set; poprun stays out of it."""
 
 
-@dataclass(frozen=True)
+@uncompiled.dataclass(frozen=True)
 class InstancePlan:
     """One instance: where it runs, what it controls and exactly how it is started."""
 
@@ -52,8 +52,14 @@ class InstancePlan:
     cpus: tuple[int, ...] | None = None
     mems: tuple[int, ...] | None = None
 
+    def __init__(self, index, host, local_index, replicas, ild, env, argv, cpus=None,
+                 mems=None):  # by hand: one per instance (spawner/uncompiled.py)
+        self.__dict__.update(index=index, host=host, local_index=local_index,
+                             replicas=replicas, ild=ild, env=env, argv=argv, cpus=cpus,
+                             mems=mems)
 
-@uncompiled.dataclass(frozen=True)  # one per launch; InstancePlan: compiled, one per instance
+
+@uncompiled.dataclass(frozen=True)  # one per launch
 class LaunchPlan:
     """The whole job, ready to start."""
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from spawner import procid
 from spawner.binding import read_binding
 from spawner.cpulist import format_cpu_list
 from spawner.lifeline import Lifeline
 from spawner.local import LocalSpawner, ProcessSpec, Stream
+from spawner.uncompiled import dataclass
 
 from poprun.errors import LaunchError
 from poprun.events import Observers
@@ -48,6 +49,11 @@ class Started:
     returncode: int | None = None
     signalled: bool = False
     lost: str | None = None  # why its host was lost, if it was
+
+    def __init__(self, pid, start, end=0.0, returncode=None, signalled=False, lost=None):
+        # by hand: one per instance (spawner/uncompiled.py)
+        self.pid, self.start, self.end, self.returncode = pid, start, end, returncode
+        self.signalled, self.lost = signalled, lost
 
 
 class Job:
@@ -157,9 +163,9 @@ class Job:
 
     def _spawn_local(self) -> None:
         merge = self.config.effective_merge_stderr
-        for inst in self.plan.instances:
-            if inst.host in self.remote:
-                continue
+        here = [inst for inst in self.plan.instances if inst.host not in self.remote]
+        self.local.reserve(inst.index for inst in here)
+        for inst in here:
             env = planning.instance_environ(self.environ, inst, self.plan)
             pmi_end = None
             if self.world is not None:

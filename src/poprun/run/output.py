@@ -26,17 +26,19 @@ import re
 import stat
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from spawner.local import Stream
+from spawner.uncompiled import dataclass
 
 from poprun.fdio import write_all
 from poprun.fold import tag_label
 from poprun.view.console import tag_colour_system
 
 TAIL_LINES = 20  # stderr lines kept per instance for the failure report
-_LINE_END = re.compile(rb"\r\n|\r|\n")
-_LINE_END_AT_END = re.compile(rb"(?:\r\n|\r|\n)\Z")
+# Compiled on first use (re's cache): only blocks with a `\r` need them.
+_LINE_END = rb"\r\n|\r|\n"
+_LINE_END_AT_END = rb"(?:\r\n|\r|\n)\Z"
 
 
 @dataclass
@@ -46,6 +48,11 @@ class InstanceOutput:
     lines: int = 0
     stderr_tail: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+
+    def __init__(self, lines=0, stderr_tail=None):  # by hand: one per instance (uncompiled)
+        self.lines = lines
+        self.stderr_tail = collections.deque(maxlen=TAIL_LINES) if stderr_tail is None \
+            else stderr_tail
 
 
 NOCOPY = ":nocopy"  # mpirun's `--output-filename DIR:nocopy`: files only, no console copy
@@ -206,9 +213,9 @@ class OutputRouter:
                 return ended
         # Every block starts at a line start; a prefix also follows every inner line end.
         if b"\r" in data:  # progress updates: rare, so simple beats fast here
-            last = _LINE_END_AT_END.search(data)
+            last = re.search(_LINE_END_AT_END, data)
             core, end = (data[:last.start()], last.group(0)) if last else (data, b"\n")
-            self.write(fd, prefix, _LINE_END.sub(lambda m: m.group(0) + prefix, core), end)
+            self.write(fd, prefix, re.sub(_LINE_END, lambda m: m.group(0) + prefix, core), end)
             return
         # One C-level replace does the work; the prefix it puts after the final newline is
         # left out of the write rather than sliced off (which would copy the block again).

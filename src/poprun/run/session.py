@@ -410,8 +410,8 @@ class _Session:
     async def _run(self) -> None:
         self._open_dashboard()
         await self._acquire_partition()
-        if self.control is not None:  # a partition poprun created is in the record from now
-            self.control.record.write()
+        if self.control is not None and self.partition is not None:
+            self.control.record.write()  # a partition poprun created is in it from now
         if self.hosts.remote:
             await self._open_fleet()
         self._choose_network()

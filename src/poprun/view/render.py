@@ -7,7 +7,6 @@ Pure functions from data to str; the caller decides where the text goes.
 from __future__ import annotations
 
 import collections
-import shlex
 from collections.abc import Mapping
 
 from poprun.plan.planner import LaunchPlan
@@ -67,6 +66,8 @@ def _bordered(lines: list[str], head: int) -> list[str]:
 
 def dry_run_text(launch_plan: LaunchPlan) -> str:
     insts = launch_plan.instances
+    import shlex  # here, for --dry-run: a launch imports this module for its report
+
     lines = [
         f"poprun dry run: {len(insts)} instance(s) on {len(launch_plan.hosts)} host(s), "
         f"{sum(len(i.replicas) for i in insts)} replica(s), "

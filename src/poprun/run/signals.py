@@ -8,7 +8,6 @@ Imported by the command before anything slow: the standard library's `signal`, `
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
 import threading
@@ -89,9 +88,8 @@ def install_signal_handlers(loop, handler):
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    with _valid_signals_once():
-        for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, handler, sig)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, handler, sig)
     # A handler before ours that saw a signal it could not act on (the poprun command's
     # EarlyStop, whose exception Python swallows inside an at-fork hook): act on it now.
     missed = next((old.received for old in previous.values()
@@ -100,23 +98,8 @@ def install_signal_handlers(loop, handler):
         loop.call_soon(handler, missed)
 
     def restore() -> None:
-        with _valid_signals_once():
-            for sig, old in previous.items():
-                loop.remove_signal_handler(sig)
-                signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        for sig, old in previous.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
     return restore
-
-
-@contextlib.contextmanager
-def _valid_signals_once():
-    """asyncio checks each signal it is given against `signal.valid_signals()`, which makes
-    a set of 64 enum members at each call (~0.4 M instructions, ~0.15 ms): inside this
-    block, on the main thread, it is made once."""
-    made = signal.valid_signals
-    valid = made()
-    signal.valid_signals = lambda: valid
-    try:
-        yield
-    finally:
-        signal.valid_signals = made

@@ -30,6 +30,8 @@ import signal
 import time
 from collections.abc import Iterable
 
+from . import procid
+
 MARK = "POPRUN_LIFELINE"  # instances' environment: the token of the lifeline watching them
 # POPRUN_CGROUPS=0 in the launcher's (or an agent's) environment: no cgroups, the other two
 # mechanisms only (e.g. where creating cgroups is allowed but unwanted).
@@ -152,7 +154,7 @@ async def helpers_reaped(keep: frozenset[int] = frozenset()) -> None:
 
     def waiting() -> bool:  # a zombie nobody waits for (an orphan of srun's) is the sweep's
         return any(t.name.startswith("asyncio-waitpid-") for t in threading.enumerate()) or \
-            any(not _zombie(pid) for pid in children() - keep)
+            any(not procid.has_exited(pid) for pid in children() - keep)
 
     for last in (False, True):
         deadline = time.monotonic() + HELPERS_REAPED_TIMEOUT
@@ -164,14 +166,6 @@ async def helpers_reaped(keep: frozenset[int] = frozenset()) -> None:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     await asyncio.sleep(0)  # the callbacks asyncio's threads scheduled run before the loop ends
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] == b"Z"
-    except OSError:
-        return True  # gone: nothing to wait for
 
 
 # --- cgroup v2 -------------------------------------------------------------------------------
@@ -253,29 +247,31 @@ class Cgroups:
         """Make the cgroups of instances about to start, all before the first of them starts:
         a mkdir waits for the cgroup lock, which an instance moving itself holds through
         the kernel's RCU grace period (5-30 ms, the first move of a launch), so a cgroup
-        made between two spawns held the launcher up that long."""
+        made between two spawns held the launcher up that long. One that cannot be made is
+        tried again, and said, by `prepare`."""
         for key in keys:
             if key not in self._made:
-                path = self.path(key)
-                with contextlib.suppress(OSError):  # prepare() tries again, and says so
-                    os.makedirs(path, 0o755, exist_ok=True)
-                    self._made[key] = path
+                self._make(key)
 
     def prepare(self, key: int) -> str | None:
         """Instance `key`'s own cgroup, made before it starts (by `make`, or now); its
         `cgroup.procs`, for the instance to enter (`entering`). None when it could not be
         made (the other mechanisms still hold)."""
-        path = self._made.get(key)
-        if path is None:  # made once; the key's earlier process leaves it in place
-            path = self.path(key)
-            try:
-                os.makedirs(path, 0o755, exist_ok=True)
-            except OSError:
-                self.members.pop(key, None)
-                return None
-            self._made[key] = path
+        path = self._made.get(key) or self._make(key)  # made once: the key's restarts reuse it
+        if path is None:
+            self.members.pop(key, None)
+            return None
         self.members[key] = path
         return os.path.join(path, "cgroup.procs")
+
+    def _make(self, key: int) -> str | None:
+        path = self.path(key)
+        try:
+            os.makedirs(path, 0o755, exist_ok=True)
+        except OSError:
+            return None
+        self._made[key] = path
+        return path
 
     def kill(self, key: int) -> None:
         """SIGKILL everything in instance `key`'s cgroup (cgroup.kill)."""

@@ -47,6 +47,12 @@ def is_same(pid: int, ticks: int | None, proc: str = "/proc") -> bool:
     return ticks is not None and start_ticks(pid, proc) == ticks
 
 
+def has_exited(pid: int, proc: str = "/proc") -> bool:
+    """Whether `pid` runs nothing: gone, or a zombie (dead, not reaped yet)."""
+    fields = _stat_fields(pid, proc)
+    return fields is None or fields[0] in (b"Z", b"X")
+
+
 def is_running(pid: int, ticks: int | None, proc: str = "/proc") -> bool:
     """Whether `pid` is still the process that started at `ticks` and has not exited: a
     zombie (dead, its parent has not reaped it yet; an orphan waits for init, which may take

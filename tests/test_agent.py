@@ -13,6 +13,7 @@ import json
 import os
 import select
 import shlex
+import shutil
 import signal
 import stat
 import subprocess
@@ -211,6 +212,102 @@ def test_the_launchers_own_python_runs_the_agent_without_site(tmp_path):
         started = agent.spawn(0, "true", mems=(0,))
         assert started.kind is Kind.STARTED
         assert started.fields["memory_binding_skipped"] is not memory_binding_available()
+        assert agent.close() == 0
+    finally:
+        agent.kill()
+
+
+def make_venv(base_python: str, where: Path, *, numa: bool) -> str:
+    """A virtual environment of `base_python` (no system site packages, no pip: nothing is
+    downloaded), with py-libnuma's package copied from this Python's when `numa`: a user's
+    venv into which py-libnuma was installed. Returns its interpreter."""
+    import numa as numa_package
+
+    subprocess.run([base_python, "-m", "venv", "--without-pip", str(where)], check=True,
+                   timeout=60)
+    python = where / "bin" / "python"
+    if numa:
+        site_packages = subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            check=True, timeout=30, capture_output=True, text=True).stdout.strip()
+        shutil.copytree(Path(numa_package.__file__).parent, Path(site_packages) / "numa",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return str(python)
+
+
+def agent_with_python(python: str, monkeypatch) -> LocalAgent:
+    """The agent as the launcher starts it with its own interpreter (agent_command(None):
+    `python -S`), had that interpreter been `python`."""
+    from spawner.remote import agent_command
+
+    with monkeypatch.context() as patched:
+        patched.setattr(sys, "executable", python)
+        command = agent_command(None)
+    env = {k: v for k, v in poprun_env().items() if k != "PYTHONPATH"}
+    return LocalAgent(("/bin/sh", "-c", command), env)
+
+
+def spawn_bound(agent: LocalAgent, cwd: Path) -> Control:
+    agent.request(Kind.HELLO, cwd=str(cwd))
+    started = agent.spawn(0, "true", mems=(0,))
+    assert started.kind is Kind.STARTED
+    return started
+
+
+needs_libnuma = pytest.mark.skipif(
+    not __import__("spawner.binding").binding.memory_binding_available(),
+    reason="no libnuma or NUMA support on this host")
+DEBIAN_PYTHON = "/usr/bin/python3"  # Debian's own: a base interpreter without py-libnuma
+
+
+@needs_libnuma
+def test_an_agent_run_by_a_venvs_python_finds_py_libnuma_in_the_venv(tmp_path, monkeypatch):
+    """Under -S a venv's interpreter has the *base* sys.prefix (site's venv() never ran): the
+    agent must find the venv's site-packages itself, not the base installation's."""
+    python = make_venv(sys.executable if sys.prefix == sys.base_prefix else sys._base_executable,
+                       tmp_path / "venv", numa=True)
+    agent = agent_with_python(python, monkeypatch)
+    try:
+        started = spawn_bound(agent, tmp_path)
+        assert started.fields["memory_binding_skipped"] is False, started.fields
+        assert started.fields["memory_binding_reason"] is None
+        assert started.fields["binding"]["mempolicy"] == "bind"
+        assert agent.close() == 0
+    finally:
+        agent.kill()
+
+
+@needs_libnuma
+@pytest.mark.skipif(subprocess.run([DEBIAN_PYTHON, "-c", "import numa"],
+                                   capture_output=True).returncode == 0
+                    if os.path.exists(DEBIAN_PYTHON) else True,
+                    reason=f"no {DEBIAN_PYTHON} without py-libnuma")
+def test_py_libnuma_in_the_venv_only_binds_memory(tmp_path, monkeypatch):
+    """The base interpreter lacks py-libnuma, the venv has it: the binding is in force."""
+    agent = agent_with_python(make_venv(DEBIAN_PYTHON, tmp_path / "venv", numa=True),
+                              monkeypatch)
+    try:
+        started = spawn_bound(agent, tmp_path)
+        assert started.fields["memory_binding_skipped"] is False, started.fields
+        assert started.fields["binding"]["mempolicy"] == "bind"
+        assert agent.close() == 0
+    finally:
+        agent.kill()
+
+
+def test_a_venv_without_py_libnuma_says_which_module_and_where_it_looked(tmp_path, monkeypatch):
+    """The skipped binding's reason names the module and the venv's site-packages, not a
+    libnuma that is in fact installed."""
+    venv = tmp_path / "venv"
+    agent = agent_with_python(make_venv(sys.executable if sys.prefix == sys.base_prefix
+                                        else sys._base_executable, venv, numa=False),
+                              monkeypatch)
+    try:
+        started = spawn_bound(agent, tmp_path)
+        reason = started.fields["memory_binding_reason"]
+        assert started.fields["memory_binding_skipped"] is True
+        assert "'numa'" in reason and f"{venv}/lib/python" in reason, reason
+        assert "libnuma1" not in reason
         assert agent.close() == 0
     finally:
         agent.kill()

@@ -29,24 +29,65 @@ from .asyncio_import import asyncio_without_tls
 class _SiteOnDemand:
     """Started with `python -S` (spawner.remote.agent_command), the agent has the standard
     library and its own packages only. A top-level module not found among them (py-libnuma,
-    for a memory binding) is looked up in the directories `site` would add (user and site
-    packages) and, found, they join sys.path; their .pth files are not run (here they import
-    certifi: most of the ~50 ms saved). What only a .pth file can reach (an editable install)
-    is not found: the agent imports nothing of the sort."""
+    for a memory binding) is looked up in the directories `site` would add (_site_dirs) and,
+    found, they join sys.path; their .pth files are not run (here they import certifi: most
+    of the ~50 ms saved). What only a .pth file can reach (an editable install) is not found:
+    the agent imports nothing of the sort. Not found, the import fails saying where it looked,
+    so that what the agent reports names the module and the directories."""
 
     @classmethod
     def find_spec(cls, name: str, path: object = None, target: object = None) -> object:
         if path is not None or name in sys.stdlib_module_names:
             return None  # a submodule (its package was found), or another platform's module
-        import site
         from importlib.machinery import PathFinder
 
-        user = [site.getusersitepackages()] if site.check_enableusersite() else []
-        added = [d for d in (*user, *site.getsitepackages()) if d not in sys.path]
+        added = [d for d in _site_dirs() if d not in sys.path]
         spec = PathFinder.find_spec(name, added)
-        if spec is not None:
-            sys.path.extend(added)  # for what it imports in turn
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named {name!r} in sys.path nor in "
+                                      f"{', '.join(added) or 'no site directory'}", name=name)
+        sys.path.extend(added)  # for what it imports in turn
         return spec
+
+
+def _site_dirs() -> list[str]:
+    """The site directories `site` would add for this interpreter, without running `site`:
+    under -S, sys.prefix is the *base* installation's even in a virtual environment, since
+    site's venv() is what moves it. So the venv is found here as site.venv() finds it (a
+    pyvenv.cfg beside the executable or one directory up; the prefix is the directory above
+    the executable's), its site-packages first, then the user's and the base's only where
+    the venv includes the system site packages. Order as site.main: venv, user, base. The
+    venv's directories are named as venv lays them out and upstream's getsitepackages names
+    them: a distribution's patched getsitepackages (Debian's dist-packages) answers for its
+    own installation only, and under -S cannot tell it is in a venv."""
+    import os.path
+    import site
+
+    exe_dir = os.path.dirname(os.path.abspath(sys.executable))
+    venv_prefix = os.path.dirname(exe_dir)
+    cfg = next((c for c in (os.path.join(exe_dir, "pyvenv.cfg"),
+                            os.path.join(venv_prefix, "pyvenv.cfg")) if os.path.isfile(c)), None)
+    system_site = cfg is None or _pyvenv_setting(
+        cfg, "include-system-site-packages", "true") == "true"  # site.venv()'s default
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    venv = [] if cfg is None else [os.path.join(venv_prefix, libdir, version, "site-packages")
+                                   for libdir in dict.fromkeys((sys.platlibdir, "lib"))]
+    user = [site.getusersitepackages()] if system_site and site.check_enableusersite() else []
+    base = site.getsitepackages() if system_site else []
+    return list(dict.fromkeys((*venv, *user, *base)))
+
+
+def _pyvenv_setting(cfg: str, key: str, default: str) -> str:
+    """One setting of a pyvenv.cfg, lowercased, read as site.venv() reads it."""
+    try:
+        with open(cfg, encoding="utf-8") as f:
+            for line in f:
+                name, eq, value = line.partition("=")
+                if eq and name.strip().lower() == key:
+                    default = value.strip().lower()
+    except (OSError, UnicodeDecodeError):
+        pass
+    return default
 
 
 if sys.flags.no_site:
@@ -450,7 +491,8 @@ class Agent:
         else:
             self._outbox.send(encode(Kind.STARTED, key=request.key, pid=pid,
                                      start=procid.start_ticks(pid),
-                                     memory_binding_skipped=self._spawner.memory_binding_skipped,
+                                     memory_binding_skipped=bool(self._spawner.memory_binding_skipped),
+                                     memory_binding_reason=self._spawner.memory_binding_skipped,
                                      binding=_binding_of(pid),
                                      containment=self._spawner.containment))
             return

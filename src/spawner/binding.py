@@ -41,6 +41,7 @@ import errno
 import functools
 import os
 import re
+import sys
 import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
@@ -66,6 +67,8 @@ def bound(cpus: Collection[int] | None, mems: Collection[int] | None) -> Iterato
     # Before the CPUs are touched: py-libnuma's import may run `ldconfig -p` (_import_numa),
     # which need not run bound, and may fail.
     policy = _mempolicy() if mems else None
+    if isinstance(policy, str):
+        policy = None  # not possible here: the caller asks memory_binding_unavailable why
     saved_cpus = os.sched_getaffinity(0) if cpus else None
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -79,12 +82,6 @@ def bound(cpus: Collection[int] | None, mems: Collection[int] | None) -> Iterato
     finally:
         if saved_cpus is not None:
             os.sched_setaffinity(0, saved_cpus)
-
-
-def memory_binding_available() -> bool:
-    """Whether `bound()` can bind memory on this host (py-libnuma and libnuma present, kernel
-    with NUMA). Imports py-libnuma."""
-    return _mempolicy() is not None
 
 
 class _MemPolicy:
@@ -158,18 +155,33 @@ class _MemPolicy:
         raise OSError(err, f"{call}: {os.strerror(err)}")
 
 
+def memory_binding_available() -> bool:
+    """Whether `bound()` can bind memory on this host (py-libnuma and libnuma present, kernel
+    with NUMA). Imports py-libnuma."""
+    return not isinstance(_mempolicy(), str)
+
+
+def memory_binding_unavailable() -> str | None:
+    """Why `bound()` cannot bind memory on this host, in a few words for a warning (which
+    piece is missing and, for py-libnuma, where this Python looked); None when it can."""
+    policy = _mempolicy()
+    return policy if isinstance(policy, str) else None
+
+
 @functools.cache
-def _mempolicy() -> _MemPolicy | None:
+def _mempolicy() -> _MemPolicy | str:
+    """The policy handle, or why there is none (memory_binding_unavailable)."""
     try:
         numa = _import_numa()  # py-libnuma, once a memory binding is wanted (module docstring)
-    except (ImportError, OSError, AttributeError):
-        # ImportError: py-libnuma is not installed. Without libnuma.so.1 its import fails
-        # itself: ctypes.util.find_library("numa") finds nothing, CDLL(None) is then the
-        # program, and the first libnuma function it calls is not there (AttributeError).
-        # OSError: a libnuma found but not loadable.
-        return None
+    except ImportError as exc:  # not installed (an agent's finder says where it looked)
+        return f"py-libnuma cannot be imported by {sys.executable} ({exc})"
+    except (OSError, AttributeError):
+        # Without libnuma.so.1 py-libnuma's import fails itself: ctypes.util.find_library("numa")
+        # finds nothing, CDLL(None) is then the program, and the first libnuma function it
+        # calls is not there (AttributeError). OSError: a libnuma found but not loadable.
+        return f"libnuma ({LIBNUMA_SONAME}, package libnuma1) is missing or cannot be loaded"
     if not numa.info.numa_available():  # the kernel has no NUMA support (no mempolicy calls)
-        return None
+        return "the kernel has no NUMA support"
     return _MemPolicy(numa)
 
 

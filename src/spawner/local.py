@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from popdist.env import ERROR_FILE, PROGRESS_FILE
 
 from . import containment
-from .binding import bound
+from .binding import bound, memory_binding_unavailable
 from .containment import Cgroups
 from .lifeline import Lifeline
 from .uncompiled import dataclass
@@ -156,9 +156,10 @@ class LocalSpawner:
         self._cgroups: Cgroups | bool | None = None if wanted and lifeline else False
         self._pipe_growth = 0  # bytes the grown pipes hold above the default (PIPE_GROWTH_BUDGET)
         self._read_buffer = bytearray(READ_SIZE)  # every pipe is read into it (_on_readable)
-        # A memory binding was asked for but this host cannot do it (no libnuma): the
-        # caller warns once; the CPU binding is in force regardless.
-        self.memory_binding_skipped = False
+        # A memory binding was asked for but this host cannot do it: why (binding.py's
+        # memory_binding_unavailable), for the caller's one warning; the CPU binding is in
+        # force regardless. None: nothing skipped.
+        self.memory_binding_skipped: str | None = None
 
     # --- starting ---------------------------------------------------------------------
 
@@ -184,7 +185,7 @@ class LocalSpawner:
                 stderr=subprocess.STDOUT if spec.merge_stderr else subprocess.PIPE,
                 start_new_session=True, close_fds=True, pass_fds=spec.pass_fds, bufsize=0)
         if spec.mems and not memory_bound:
-            self.memory_binding_skipped = True
+            self.memory_binding_skipped = memory_binding_unavailable() or "not possible here"
         if self._lifeline:
             self._lifeline.add_group(proc.pid)
         child = _Child(spec, proc)

@@ -46,8 +46,10 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              threads, error}}} within `within` seconds
                                              result of PROBE: {ok, error, seconds}
       FAILED  {id, error}                    a request failed (id null: a malformed frame)
-      STARTED {key, pid, start, memory_binding_skipped, binding: {cpus, mems, mempolicy},
+      STARTED {key, pid, start, memory_binding_skipped, memory_binding_reason,
+               binding: {cpus, mems, mempolicy},
                containment}                 containment: how escaped descendants are caught;
+                                             memory_binding_reason: why skipped, or null
                                              start: its start time (spawner/procid.py)
       SPAWN_FAILED {key, error}
       OUTPUT  key, stream, bytes             binary; blocks of whole lines, as LocalSpawner

@@ -321,8 +321,9 @@ class RemoteSpawner:
         # Per instance, its binding as the agent read it at start: {cpus, mems, mempolicy}.
         self.bindings: dict[int, dict[str, Any] | None] = {}
         self.lost: str | None = None  # why the agent ended before close(), if it did
-        # A memory binding was asked for but that host cannot do it (no libnuma there).
-        self.memory_binding_skipped = False
+        # A memory binding was asked for but that host cannot do it: why (as
+        # LocalSpawner.memory_binding_skipped), None when nothing was skipped.
+        self.memory_binding_skipped: str | None = None
         self.containment = "unknown"  # how the agent catches escaped descendants (for -v)
         self.errors: dict[int, dict[str, Any]] = {}  # as LocalSpawner.errors, from EXIT
         self.start_ticks: dict[int, int | None] = {}  # per instance, its start (procid.py)
@@ -597,7 +598,10 @@ class RemoteSpawner:
             self.bindings[fields["key"]] = fields.get("binding")
             self.start_ticks[fields["key"]] = fields.get("start")
             self.started_at[fields["key"]] = time.monotonic()
-            self.memory_binding_skipped |= bool(fields.get("memory_binding_skipped"))
+            if fields.get("memory_binding_skipped"):
+                reason = fields.get("memory_binding_reason")  # absent from older agents
+                self.memory_binding_skipped = (reason[:400] if isinstance(reason, str) else
+                                               "py-libnuma, libnuma or NUMA support is missing")
             self.containment = fields.get("containment", self.containment)
             if self.timings.first_started is None:
                 self.timings.first_started = self._elapsed()

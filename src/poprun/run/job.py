@@ -188,8 +188,8 @@ class Job:
         if self.local.running():
             self.log.info(f"containment: {self.local.containment}")
         if self.local.memory_binding_skipped:
-            self.log.warning("memory binding skipped: libnuma (libnuma1) or the kernel's NUMA "
-                             "support is missing on this host; CPU binding is in force")
+            self.log.warning(f"memory binding skipped: {self.local.memory_binding_skipped}; "
+                             "CPU binding is in force")
         if self.config.effective_report_bindings and not self.remote:
             self._report_bindings()
 
@@ -232,8 +232,9 @@ class Job:
             self.log.info(f"{host}: {self.remote[host].timings.describe()}; containment: "
                           f"{self.remote[host].containment}")
             if self.remote[host].memory_binding_skipped:
-                self.log.warning(f"{host}: memory binding skipped: libnuma (libnuma1) or the "
-                                 "kernel's NUMA support is missing there; CPU binding is in force")
+                self.log.warning(f"{host}: memory binding skipped: "
+                                 f"{self.remote[host].memory_binding_skipped}; "
+                                 "CPU binding is in force")
         self._all_started = True
         if self.config.effective_report_bindings:
             self._report_bindings()

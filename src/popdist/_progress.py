@@ -1,4 +1,4 @@
-"""`popdist.progress(step, total=None)`: an instance tells poprun how far it is (issue 27).
+"""`popdist.progress(step, total=None)`: an instance tells poprun how far it is.
 
 poprun compares the instances' rates (stragglers) and shows the slowest one's step, the
 total and an ETA (poprun/progress.py). Cheap enough to call every step: the first call maps

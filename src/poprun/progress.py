@@ -1,4 +1,4 @@
-"""Each instance's progress, its rate, the stragglers and the ETA (issue 27); pure.
+"""Each instance's progress, its rate, the stragglers and the ETA; pure.
 
 The progress watch (poprun/jobctl/progress.py) samples every running instance's count about
 once a second into a `Tracker` and publishes the `Report` it makes (the `progress` event):

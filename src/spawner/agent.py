@@ -405,7 +405,7 @@ class Agent:
 
     def _hello(self, request: dict[str, Any]) -> None:
         # What this agent may leave behind, for the job's record: reap must find it if the
-        # agent, its lifeline and the launcher all die (issue 26 point 6).
+        # agent, its lifeline and the launcher all die.
         reply = {**hello_reply(request), "leaves": self._spawner.leaves()}
         prefix = request.get("mktemp")
         if prefix is not None:  # MKTEMP's dir, in the reply: one round trip less per host
@@ -422,7 +422,7 @@ class Agent:
             interval, timeout = map(float, request["heartbeat"])
             # The launcher declares this host lost after `timeout` without a word from the
             # agent; should the agent be frozen or stuck meanwhile, its watchdog must then
-            # end what it started, as nothing else on this host will (issue 26).
+            # end what it started, as nothing else on this host will.
             self._lifeline.expect_beats(timeout)
             self._loop.call_later(interval, self._beat, interval, timeout)
 

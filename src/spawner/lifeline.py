@@ -18,7 +18,7 @@ than a dead one, and no pipe closes: an owner can ask to be watched for that too
 (`expect_beats(timeout)`, then `beat()` more often than `timeout`). A watchdog that hears
 nothing from it for `timeout` SIGKILLs it and cleans up as after its death. The agent does
 this with its host timeout: poprun declares a silent host lost after that long, and what the
-agent started on its host must not outlive it (issue 26).
+agent started on its host must not outlive it.
 
 Why a fork and not PR_SET_PDEATHSIG: a death signal reaches only the direct child, not the
 dataloader workers it started, and setting it needs code between fork and exec, which forces

@@ -1,4 +1,4 @@
-"""`poprunctl`: see and handle poprun jobs from anywhere on the launching host (issue 15).
+"""`poprunctl`: see and handle poprun jobs from anywhere on the launching host.
 
     poprunctl list                      running and recent jobs
     poprunctl show JOB                  per-instance rows, live (or as the job ended)

@@ -1,4 +1,4 @@
-"""A running job's control socket: how `poprunctl` reaches the launcher (issue 15).
+"""A running job's control socket: how `poprunctl` reaches the launcher.
 
 The launcher listens on a Unix socket in its job directory (poprun/jobctl/records.py: mode 0700, and the
 socket 0600; a peer of another user is refused by its credentials). One request per

@@ -1,4 +1,4 @@
-"""The progress watch (issue 27): an observer of the job's events (poprun/events.py) that
+"""The progress watch: an observer of the job's events (poprun/events.py) that
 measures each instance's progress, about once a second, into the pure `Tracker`
 (poprun/progress.py: the rates, the straggler rule, the ETA) and reports what it finds
 (`report`: the job publishes it to every observer as the `progress` event, so the

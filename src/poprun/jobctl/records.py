@@ -1,4 +1,4 @@
-"""The per-user record of every job (issue 15): what `poprunctl` lists, shows, signals and reaps.
+"""The per-user record of every job: what `poprunctl` lists, shows, signals and reaps.
 
 Each launch (the command and `launch()`) makes a directory `<state>/jobs/<id>/` (`<state>` is
 crash.state_dir(): `$XDG_RUNTIME_DIR/poprun`, else `~/.local/state/poprun`; every directory

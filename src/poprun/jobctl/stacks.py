@@ -1,4 +1,4 @@
-"""Where every instance is: their Python stacks gathered in parallel and *folded* (issue 15).
+"""Where every instance is: their Python stacks gathered in parallel and *folded*.
 
 Folding, as LLNL's STAT does across ranks: every thread of every instance whose stack is the
 same (the same frames, file, line and function, thread ids aside) is printed once, with the set

@@ -1,4 +1,4 @@
-"""The running job's record (issue 15): an observer of the job's events (poprun/events.py)
+"""The running job's record: an observer of the job's events (poprun/events.py)
 that keeps `job.json` (poprun/jobctl/records.py) up to date for `poprunctl`.
 
 It is given what it records when it is built: the job's id and directory, the launch's

@@ -151,7 +151,7 @@ def _mems(topology: Topology, nodes: Iterable[int]) -> tuple[int, ...]:
 # "One core" is one hardware thread (one Linux CPU), but the order fills physical cores first:
 # every core's first thread is taken before any core's second thread. So two instances never
 # share a core while another core is idle, and a host can still take as many instances as it
-# has CPUs (the limit). Binding to the whole core (both threads, as mpirun's
+# has CPUs. Binding to the whole core (both threads, as mpirun's
 # `--bind-to core` does) would halve that limit on SMT machines for single-threaded instances
 # — the only kind these strategies suit (guide §2.5).
 

@@ -37,7 +37,7 @@ from poprun.run.output import OutputOptions, OutputRouter, output_files
 def _forwarded(stop_signal: int) -> int:
     """The signal instances get for the job's stop signal. A broken pipe (`poprun | head`)
     is SIGPIPE to poprun but SIGTERM to them: Python and most runtimes ignore SIGPIPE, so it
-    left them running until --kill-timeout (issue 26)."""
+    once left them running until --kill-timeout."""
     return signal.SIGTERM if stop_signal == signal.SIGPIPE else stop_signal
 
 
@@ -425,7 +425,7 @@ class Job:
         """Every spawner running instances of this job (local, and one per remote host).
         Once spawn requests are out, every remote host's, recorded or not: a stop must reach
         an instance that already runs there (a broken pipe from its first line) while another
-        host is still starting, not wait for spawn_remote (issue 26)."""
+        host is still starting, not wait for spawn_remote."""
         spawners = [*self.spawner_of.values(), *(self.remote.values()
                                                  if self._spawning_remote else ())]
         return list({id(s): s for s in spawners}.values())

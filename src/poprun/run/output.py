@@ -333,8 +333,8 @@ def _identity(fd: int) -> object:
 
 # --- the --output-filename directory ------------------------------------------------------
 # poprun may run as root and write there: it never follows a symbolic link it did not make
-# and writes only in directories and files of its own user (issue 26 point 7: a link
-# planted by another user made it overwrite a root-owned file, fs.protected_symlinks off).
+# and writes only in directories and files of its own user (once, a link planted by
+# another user made it overwrite a root-owned file, fs.protected_symlinks off).
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO planted there must not block the loop at the open (then refused).

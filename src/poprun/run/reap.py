@@ -1,4 +1,4 @@
-"""`poprunctl reap`: clean up after jobs whose launcher died without doing it (issue 15).
+"""`poprunctl reap`: clean up after jobs whose launcher died without doing it.
 
 That is a job whose record still says it runs while its launcher (pid and start time) is gone
 from this host: its host rebooted, poprun and its lifeline were both SIGKILLed, a remote host
@@ -83,7 +83,7 @@ def orphans(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 def lost_hosts(record: Mapping[str, Any]) -> list[str]:
     """The hosts a job that ended here declared lost, until a reap has finished with them.
     What their agents started may still run there: a host frozen whole, a watchdog that
-    could not act (issue 26); their instances are in the record as `lost`, with pid and
+    could not act; their instances are in the record as `lost`, with pid and
     start, and their caches as the others'."""
     if (jobs.launcher_status(record) != "ended" or record.get("reaped")
             or (record.get("launcher") or {}).get("host") != socket.gethostname()):

@@ -1,4 +1,4 @@
-"""Horovod's Gloo rendezvous (issue 24 point 2): what `horovodrun --gloo` serves its
+"""Horovod's Gloo rendezvous: what `horovodrun --gloo` serves its
 processes, served by poprun, so that `hvd.init()` in the instances forms one world on a host
 without MPI. The instances find it through `HOROVOD_GLOO_RENDEZVOUS_ADDR`/`_PORT`
 (popdist/env.py) and speak HTTP to it, one connection per request (horovod 0.28:

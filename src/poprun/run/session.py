@@ -247,7 +247,7 @@ class _Session:
             if getattr(config, name) not in (None, False):
                 log.info(f"--{name.replace('_', '-')}: ignored with --offline-mode (no V-IPU "
                          "server is contacted)")
-        unsafe = state_dir_problem(self.environ)  # before anything starts (issue 26 point 7)
+        unsafe = state_dir_problem(self.environ)  # first: no state dir others can steer
         if unsafe:
             raise LaunchError(unsafe)
         wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
@@ -305,7 +305,7 @@ class _Session:
             await asyncio.sleep(0)
 
     async def _open_job_control(self) -> None:
-        """poprunctl's view of the job (issue 15): its record, log, stall watch and control
+        """poprunctl's view of the job: its record, log, stall watch and control
         socket, given callbacks into this launch, never the launch itself."""
         from poprun.run.watching import JobControl
 
@@ -319,7 +319,7 @@ class _Session:
             self.events.add(observer)
 
     def _open_progress(self) -> None:
-        """The progress watch (issue 27: stragglers, ETA): its reports go to every observer
+        """The progress watch (stragglers, ETA): its reports go to every observer
         through the job."""
         from poprun.jobctl.progress import progress_watch
 

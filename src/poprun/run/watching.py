@@ -1,4 +1,4 @@
-"""poprunctl's view of a launch (issue 15): the job's record, output log, stall watch and
+"""poprunctl's view of a launch: the job's record, output log, stall watch and
 control socket, built for the session and given, as callbacks, the little of the launch
 that they act on. Each is an observer of the job's events (poprun/events.py) or reads one;
 none of them sees the session.

@@ -1,4 +1,4 @@
-"""The instances' MPI world (issue 24): what mpirun gave the instances of Graphcore's PopRun,
+"""The instances' MPI world: what mpirun gave the instances of Graphcore's PopRun,
 poprun serves itself. MPICH-family programs (the `mpich` wheel under mpi4py, Intel MPI,
 MVAPICH) find their world through PMI-1: each instance gets one end of a socket pair from its
 host's spawner (`PMI_FD`, `PMI_RANK`, `PMI_SIZE`, and the variables Hydra adds) and a PMI

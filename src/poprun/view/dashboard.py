@@ -1,4 +1,4 @@
-"""The live terminal dashboard (issue 7): a panel kept at the bottom of stderr while the
+"""The live terminal dashboard: a panel kept at the bottom of stderr while the
 instances' output scrolls above it.
 
 Three layers, so that each can be tested alone:

@@ -510,7 +510,7 @@ def test_killed_agent_leaves_no_instance_and_no_temp_dir(agent, how):
 def test_a_frozen_agent_is_ended_by_its_watchdog_within_the_host_timeout(agent):
     """An agent that stops acting (here SIGSTOP) never closes its watchdog's pipe. Told a
     timeout by HELLO's heartbeat, the watchdog hears no beat for that long, SIGKILLs the agent
-    and cleans up after it: instances and temp dir gone (issue 26). Nothing else would: the
+    and cleans up after it: instances and temp dir gone. Nothing else would: the
     agent's own check of the launcher's silence runs on its loop, frozen with it."""
     timeout = 1.0
     agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__, python=[3, 11],

@@ -1,4 +1,4 @@
-"""The benchmark's one command in quick mode (issue 18): `python bench/run_all.py --quick`
+"""The benchmark's one command in quick mode: `python bench/run_all.py --quick`
 writes results.md and results.png (and results.json) naming every side that is installed and
 saying "skipped" for those that are not. Timings are not judged here: that is the page's job,
 on a quiet machine. Quick mode keeps the SSH fan-out small (4 loopback hosts x 2 instances).
@@ -223,7 +223,7 @@ def _hydra_dirs(tmp_path: Path) -> list[Path]:
 
 @pytest.mark.timeout(120)
 def test_the_mpirun_side_is_open_mpi_by_path_with_hydra_first_on_path(tmp_path, monkeypatch):
-    """Issue 28 point 5: with MPICH's wheel installed, `mpirun` on PATH is Hydra; every
+    """With MPICH's wheel installed, `mpirun` on PATH is Hydra; every
     scenario's mpirun side (run_all's sides, launch_bench's and multihost_bench's defaults)
     must still be Open MPI's, and the page must name it by path."""
     lb = _bench("launch_bench")

@@ -1,4 +1,4 @@
-"""Nothing to install on the other hosts (issue 19): poprun brings its agent and popdist.
+"""Nothing to install on the other hosts: poprun brings its agent and popdist.
 
 The hosts are real sshd servers (tests/sshd_hosts.py) whose sessions use a Python with none of
 the project: a venv made with `--without-pip` from this interpreter, its site-packages empty

@@ -1,4 +1,4 @@
-"""`poprun --check` opens its hosts as a launch does (run/fleet.py, issue 23): over SSH its
+"""`poprun --check` opens its hosts as a launch does (run/fleet.py): over SSH its
 agent is brought where poprun is missing (`--remote-install`), and inside a Slurm allocation
 it is a job step (`--launcher slurm`).
 

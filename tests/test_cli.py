@@ -97,7 +97,8 @@ class TestValues:
                                         "--timestamp-output", "--merge-stderr-to-stdout",
                                         "--report-bindings"])
     def test_our_switches_never_take_the_next_word(self, switch):
-        """Issue 14 point 6: `poprun --dry-run true` said "no program given"."""
+        """A switch never takes the next word: `poprun --dry-run true` once said "no program
+        given"."""
         parsed = parse(switch, "true", "yes")
         assert parsed.values[switch[2:].replace("-", "_")] is True
         assert parsed.program == ["true", "yes"]
@@ -351,7 +352,8 @@ def test_program_without_execute_permission(poprun, tmp_path):
 
 
 class TestMessagesThatSayWhatToDo:
-    """Issue 14 point 8."""
+    """Messages that say what to do: the closest option, where a misplaced option goes, how
+    to run a script, what a default is, which file and key are wrong."""
 
     def test_an_unknown_option_suggests_the_closest(self, poprun):
         proc = poprun("--num-instnaces", "2", PY, timeout=30)

@@ -1,4 +1,4 @@
-"""A command-line fuzzer (issue 14, "How it is checked"): command lines generated from the
+"""A command-line fuzzer: command lines generated from the
 option table that `--help` shows (cli.OPTIONS) — bad values, repeats, empty values, unicode,
 control characters, prefixes, poprun's options after the program, bad files (binary, deeply
 nested TOML, /dev/zero, a FIFO, a directory, /dev/full) — must each exit 0 or 2, never with a

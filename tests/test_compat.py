@@ -67,7 +67,7 @@ ENTRIES = load()
 REFUSED_HERE = {
     "--num-instances=2 --num-ilds=2 --host pod[1-4]":
         "2 instances on 4 hosts: mpirun would leave hosts idle; our hosts each run the same "
-        "number of instances (issue 3), so this is a clear usage error instead",
+        "number of instances, so this is a clear usage error instead",
 }
 
 

@@ -341,7 +341,7 @@ def _words(text: str) -> str:
 
 
 def test_mpirun_arguments_are_one_list_for_parser_help_and_readme():
-    """Issue 14 point 9: the parser, --help and the README each had their own list."""
+    """One list for the parser, --help and the README (each once had its own)."""
     from pathlib import Path
 
     summary = mpiargs.summary()
@@ -506,7 +506,7 @@ class TestTomlCommand:
     ], ids=["program missing", "bad counts", "bad mpi args"])
     def test_nothing_is_written_for_an_invalid_configuration(self, poprun, tmp_path, args,
                                                              fragments):
-        """Issue 14 point 5: the file was written before the program was found missing."""
+        """Nothing is written: the file once was, before the program was found missing."""
         for extra in ((), ("--dry-run",)):
             proc = poprun("--export-config", "train.toml", *OFFLINE, *extra, *args,
                           cwd=tmp_path, timeout=30)
@@ -617,8 +617,9 @@ class TestTomlCommand:
     ], ids=["binary", "5000 brackets", "/dev/zero", "directory", "fifo", "too large"])
     def test_import_file_read_bounded_and_decoded_carefully(self, poprun, tmp_path, make,
                                                             fragments):
-        """Issue 14 point 3: each is one line (was: a UnicodeDecodeError or RecursionError
-        traceback, a hang on /dev/zero and on a FIFO)."""
+        """A bad file (not UTF-8, nested too deeply, not a regular file, too large) is one
+        usage error line (was: a UnicodeDecodeError or RecursionError traceback, a hang on
+        /dev/zero and on a FIFO)."""
         path = make(tmp_path)
         proc = poprun("--import-config", str(path), *OFFLINE, "--dry-run", PY, cwd=tmp_path,
                       timeout=20)
@@ -636,7 +637,7 @@ class TestTomlCommand:
 
 
 def test_the_line_cap_in_help_is_the_spawner_s():
-    """--help states the cap a long line is cut at (issue 14.4): the spawner's LINE_CAP."""
+    """--help states the cap a long line is cut at: the spawner's LINE_CAP."""
     from poprun.cli.options import OPTIONS
     from spawner.local import LINE_CAP
 

@@ -1,4 +1,4 @@
-"""poprun.view.dashboard (issue 7, points 1-2): the state model, the panel's content, and what
+"""poprun.view.dashboard: the state model, the panel's content, and what
 reaches a real pseudo-terminal around raw instance output."""
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def test_many_instances_fold_into_host_rows():
     assert "running (20)" in rows[0]
     assert "running (19), failed 2 (1)" in rows[1]
     assert "quietest: 0 (10s)" in rows[0]
-    # issue 14 point 7: under `pid` a folded row has nothing (a count there read as a pid)
+    # under `pid` a folded row has nothing (a count there once read as a pid)
     heading = next(line for line in text.split("\n") if " pid " in line)
     pid = slice(heading.index("pid"), heading.index("pid") + 3)
     assert [row[pid].strip() for row in rows] == ["", ""], rows
@@ -252,7 +252,8 @@ def test_a_second_stop_replaces_the_reason_and_alive_ones_are_named():
 
 
 def test_stopping_says_when_sigkill_comes_and_what_ctrl_c_does():
-    """Issue 14 point 7."""
+    """While stopping, the panel says when SIGKILL comes (or that it was sent) and what Ctrl-C
+    does."""
     state = started(3, kill_timeout=5.0)
     state.stopping("SIGINT", 1.0)
     assert "stopping… (SIGINT): 3 still alive [0-2]; SIGKILL in 4s (Ctrl-C again: kill now)" \
@@ -650,7 +651,7 @@ def test_wants_dashboard_on_a_terminal(pty, environ, flag, expected):
 
 
 def test_no_dashboard_when_stdout_goes_elsewhere_unless_forced(pty):
-    """Issue 14 point 7: `poprun ... | tee log` with stderr a terminal: tee writes the lines
+    """`poprun ... | tee log` with stderr a terminal: tee writes the lines
     to the screen, where the panel would erase them."""
     read_end, write_end = os.pipe()
     other = Pty()

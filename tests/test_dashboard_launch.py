@@ -57,7 +57,7 @@ def test_no_panel_and_no_escape_codes_when_stderr_is_not_a_terminal():
     assert b"\x1b" not in proc.stdout + proc.stderr
 
 
-# --- issue 14 point 7: the dashboard never hides output ---------------------------------------
+# --- the dashboard never hides output ---------------------------------------------------------
 
 
 def test_no_panel_when_stdout_is_piped_and_stderr_a_terminal():

@@ -1,4 +1,4 @@
-"""Exit statuses a script can tell apart, and `--result-json` saying which (issue 17 point 4):
+"""Exit statuses a script can tell apart, and `--result-json` saying which:
 0 success, the root cause's status, 255 for a lost host, 128+N for a stop by signal N, 74 for
 output that could not be written; 2 for a job that could not start (usage errors in
 test_cli.py) and 70 for an internal error (test_internal_error.py). Real processes and sshd

@@ -1,4 +1,4 @@
-"""Folded output (issue 27 point 1): the pure core (poprun/fold.py) and real runs of
+"""Folded output: the pure core (poprun/fold.py) and real runs of
 `poprun --fold-output` and `poprunctl logs --fold`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Remote environments are not a surprise (issue 14 point 10): PopRun's `-x` semantics, plus
+"""Remote environments are not a surprise: PopRun's `-x` semantics, plus
 glob patterns (`-x 'WANDB_*'`) and `--forward-env all` (every variable but the host- and
 session-specific ones, popdist.env.NOT_FORWARDED); `--check` lists the variables a remote
 instance would lack or see with another value.

@@ -1,4 +1,4 @@
-"""Horovod's Gloo world (issue 24 point 2): the rendezvous poprun serves (run/rendezvous.py) and
+"""Horovod's Gloo world: the rendezvous poprun serves (run/rendezvous.py) and
 the variables `horovodrun --gloo` sets (popdist/env.py). The store and the ranks are pure
 tests; the protocol is checked with a plain-Python HTTP client speaking as horovod's C++
 client does (http_store.cc: a connection per request, 404 polled); real horovod

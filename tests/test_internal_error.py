@@ -239,7 +239,7 @@ def _sh(text: str) -> str:
 
 
 async def test_launch_raises_internal_error_and_leaves_nothing(tmp_path, monkeypatch):
-    """Through the API (the reproduction of the issue: the job used to return exit code 0):
+    """Through the API (the job used to return exit code 0):
     a fault in the output router raises InternalError, a PoprunError, chained to it."""
     from poprun.run import output
 

@@ -333,7 +333,7 @@ def test_a_subprocess_sees_the_record_written_while_the_job_runs(tmp_path, envir
 
 def test_a_dead_launchers_record_counts_as_any_other_against_the_bounds(environ):
     """Its launcher died, its control socket left behind: kept for reap among the `keep`
-    most recent, never beyond (issue 26 point 5: such records once stayed 7 days, uncounted,
+    most recent, never beyond (such records once stayed 7 days, uncounted,
     their rings with them)."""
     now = time.time()
     gone = {"host": socket.gethostname(), "boot_id": procid.boot_id(), "pid": 2 ** 22 + 7,
@@ -351,7 +351,7 @@ def test_a_dead_launchers_record_counts_as_any_other_against_the_bounds(environ)
     assert [r["id"] for r in jobs.scan(environ).records] == [fresh]
 
 
-# --- whose state directory (issue 26 point 7) ----------------------------------------------
+# --- whose state directory -----------------------------------------------------------------
 
 def _sticky_tmp() -> str:
     """A directory like /tmp (root's, 1777) of the test's own: another user can make

@@ -222,8 +222,8 @@ if len(sys.argv) > 1:  # a directory: hold the pipes until every instance has it
 
 
 def test_instance_pipes_are_grown_within_a_budget(tmp_path: Path) -> None:
-    """Each instance's pipes are grown to PIPE_SIZE (fewer wake-ups and reads per byte, issue
-    28) until the growth reaches PIPE_GROWTH_BUDGET; the pipes after that keep the default."""
+    """Each instance's pipes are grown to PIPE_SIZE (fewer wake-ups and reads per byte)
+    until the growth reaches PIPE_GROWTH_BUDGET; the pipes after that keep the default."""
     from spawner.local import DEFAULT_PIPE_SIZE, PIPE_GROWTH_BUDGET, PIPE_SIZE
 
     if os.geteuid() != 0 and int(Path("/proc/sys/fs/pipe-max-size").read_text()) < PIPE_SIZE:
@@ -329,7 +329,7 @@ def test_timestamp_output(tmp_path: Path) -> None:
     assert len(lines) == 2
     for line in lines:  # Open MPI's: <date>[1,0]<stdout>:line
         assert re.fullmatch(_CTIME + rb"\[1,(\d)\]<stdout>:out \1", line), line
-    # without tags, as Open MPI prints it (issue 14 point 9: the date was glued to the line)
+    # without tags, as Open MPI prints it (the date was once glued to the line)
     proc = run("--num-instances", "2", "--num-replicas", "2", OFF, "--timestamp-output",
                PY, prog)
     assert proc.returncode == 0, proc.stderr
@@ -526,8 +526,8 @@ def test_a_20mb_line_without_newline_arrives_in_1mib_tagged_pieces(tmp_path: Pat
 
 
 def test_a_20mb_line_without_newline_goes_out_as_it_is_untagged(tmp_path: Path) -> None:
-    """Untagged, an instance's bytes go out as they are (issue 26 point 8: a line end was
-    added after every 1 MiB piece and after the last one). The other instance's line, when
+    """Untagged, an instance's bytes go out as they are (a line end was once added
+    after every 1 MiB piece and after the last one). The other instance's line, when
     it comes in the middle, goes on a line of its own: poprun ends the unfinished line
     there, the one byte it adds."""
     data = (bytes(range(32, 127)) * 210527)[:20_000_000]

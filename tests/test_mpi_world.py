@@ -1,4 +1,4 @@
-"""The instances' MPI world (issue 24 point 1, this host): real MPICH (the `mpich` wheel) under
+"""The instances' MPI world (this host): real MPICH (the `mpich` wheel) under
 real mpi4py, started by poprun, which serves their PMI-1 itself (run/world.py,
 spawner/pmi.py). Four instances form one world; MPI_Abort ends the job with its code and its
 instance as the root cause; a killed rank ends the job; a restarted job gets a new world;

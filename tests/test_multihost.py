@@ -307,7 +307,7 @@ def test_report_bindings_covers_remote_instances(hosts):
     assert "POPRUN [W]" not in err  # every binding is the planned one
 
 
-# --- a stop that reaches every host at once (issue 26, point 3) ---------------------------------
+# --- a stop that reaches every host at once -----------------------------------------------------
 
 YES = 'while 1: print("y" * 100)'
 

@@ -1,4 +1,4 @@
-"""The network the user chose, on hosts with networks of their own (issue 24 points 4, 5):
+"""The network the user chose, on hosts with networks of their own:
 two hosts in network namespaces (tests/netns_hosts.py), each on networks a and b, reached
 over SSH that uses neither. With network a's links down, a job told `--host-subnet` b (or
 `--mca btl_tcp_if_include eth-b`) completes, its 8 MB collectives crossing b (the interface

@@ -1,4 +1,4 @@
-"""The network the user chose (issue 24 point 4): `--host-subnet` and `--mca
+"""The network the user chose: `--host-subnet` and `--mca
 btl_tcp_if_include/exclude`, `oob_tcp_if_include/exclude` read from the mpi args
 (plan/network.py), resolved on each host's interfaces (spawner/netifs.py) and planned into the
 instances' variables. The pure parts here; real hosts with networks of their own, in network

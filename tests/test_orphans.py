@@ -1,4 +1,4 @@
-"""No orphan at any instant, no escaped descendant, on every host (issue 13).
+"""No orphan at any instant, no escaped descendant, on every host.
 
 Real processes throughout, and real OpenSSH servers for the remote cases (tests/sshd_hosts.py:
 every "host" is this machine, so a survivor anywhere is visible in this /proc). Each process
@@ -438,7 +438,7 @@ def test_a_frozen_agent_s_instances_and_cache_go_within_the_host_timeout(hosts, 
     """h2's agent and its sshd session are frozen (SIGSTOP): nothing there answers, and the
     agent cannot act on the launcher's silence. Its watchdog, beaten by the agent until then,
     kills it and what it started, and removes its cache, within --host-timeout + 3 s; poprun
-    reports h2 lost (issue 26: they lived until SIGCONT, the cache stayed)."""
+    reports h2 lost (they once lived until SIGCONT, the cache stayed)."""
     mark = marker()
     timeout = 4.0
     before = remote_caches(hosts)
@@ -467,7 +467,7 @@ def test_reap_ends_what_a_lost_host_kept_when_nothing_there_could(hosts, tmp, tm
     """h2's agent, its watchdog and its sshd session all frozen: nothing on h2 can end its
     instances. poprun declares h2 lost and ends (255); its record keeps h2's lost instances
     and cache, so `poprunctl reap` (a new SSH session: h2's listener is not frozen) kills them
-    and removes the cache; a second reap has nothing to do (issue 26: "nothing to reap")."""
+    and removes the cache; a second reap has nothing to do ("nothing to reap")."""
     (tmp_path / "run").mkdir()
     env = {**hosts.env(), **tmp, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
     mark = marker()
@@ -597,9 +597,9 @@ def test_a_batch_s_cgroups_are_made_before_its_first_spawn():
 
 @pytest.mark.timeout(120)
 def test_a_helper_that_escapes_at_once_dies_with_a_sigkilled_poprun(tmp):
-    """Issue 26's case: the instance's first act is a helper in a new session with an empty
+    """The instance's first act is a helper in a new session with an empty
     environment (no mark), then poprun is SIGKILLed. Forked before a move made from outside,
-    it stayed in poprun's own cgroup and lived on (7 of 7 in the issue); in its cgroup from
+    it once stayed in poprun's own cgroup and lived on (7 runs of 7); in its cgroup from
     the first instruction, the watchdog's cgroup.kill ends it (10 runs of 8 instances)."""
     if not cgroups_here():
         pytest.skip("no writable cgroup v2 subtree here")

@@ -152,7 +152,7 @@ STDERR_NEEDED = {  # what makes poprun write to its stderr
 
 @pytest.mark.parametrize("case", STDERR_NEEDED)
 def test_a_stderr_that_cannot_be_written_ends_with_74_like_stdout(case, tmp_path):
-    """`poprun ... 2<file` (issue 26 point 4) was an internal error: exit 70, a crash file,
+    """`poprun ... 2<file` was once an internal error: exit 70, a crash file,
     `OSError: [Errno 9]` in _print_report. Whatever needed stderr (an instance's stderr line,
     the failure report, -v's messages): exit 74, no crash file, stdout intact and the reason
     in --result-json, which is still written."""
@@ -215,7 +215,7 @@ def _with_read_only_stderr(tmp_path, *args: str, env: dict[str, str] | None = No
 @pytest.mark.parametrize("target", ["{tmp}/missing/result.json", "{tmp}"])
 def test_a_result_json_that_cannot_be_written_is_refused_before_anything_starts(target,
                                                                                 tmp_path):
-    """It was a warning after the job had run, exit 0 (issue 26 point 4): now a usage error,
+    """It was a warning after the job had run, exit 0: now a usage error,
     as --output-filename's, and nothing runs."""
     target, witness = target.format(tmp=tmp_path), tmp_path / "ran"
     proc = run_poprun(*OFFLINE, f"--result-json={target}", "--num-instances=1",

@@ -83,7 +83,7 @@ class TestInstanceEnvironment:
         assert launch_plan.warnings == ()
 
     def test_ipuof_log_level_is_warn_unless_the_user_set_it(self):
-        """Issue 25 point 7: real PopRun's mpirun lines carry -x IPUOF_LOG_LEVEL=WARN."""
+        """Real PopRun's mpirun lines carry -x IPUOF_LOG_LEVEL=WARN."""
         def level(environ=None, **kw):
             return {i.env["IPUOF_LOG_LEVEL"]
                     for i in do_plan(cfg(num_instances=2, num_replicas=2, **kw), environ,
@@ -234,7 +234,7 @@ class TestCacheMode:
         {"TF_POPLAR_FLAGS": "--max_compilation_threads=4 --executable_cache_path=/x"},
     ])
     def test_a_framework_variable_naming_the_same_directory_is_no_conflict(self, environ):
-        """Issue 25 point 6: balewski/neuron_inverter_benchmark's run-slurm.sh exports
+        """balewski/neuron_inverter_benchmark's run-slurm.sh exports
         POPTORCH_CACHE_DIR=X and passes --executable-cache-path=X."""
         assert cache_mode(cfg(executable_cache_path="/x"), environ) is CacheMode.EXPLICIT
 
@@ -412,7 +412,8 @@ class TestTopologyTable:
     @pytest.mark.parametrize("asked, real", real_tables(),
                              ids=[p["hosts"] + "-" + p["replicas"] for p, _ in real_tables()])
     def test_the_tables_real_poprun_printed(self, asked, real):
-        """Issue 25 point 7: the borders, and the odd space of a centred name on the right."""
+        """As real PopRun prints them: the borders, and the odd space of a centred name on the
+        right."""
         launch_plan = do_plan(cfg(num_instances=int(asked["instances"]),
                                   num_replicas=int(asked["replicas"])),
                               hosts=(asked["hosts"],))

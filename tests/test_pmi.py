@@ -1,4 +1,4 @@
-"""spawner/pmi.py, the PMI-1 server behind the instances' MPI world (issue 24): the pure
+"""spawner/pmi.py, the PMI-1 server behind the instances' MPI world: the pure
 protocol core, then the server against fake clients over real sockets (one session, abort and
 lost connections, an agent's forwarding: one upstream call per host and barrier). The real
 MPICH + mpi4py worlds are tests/test_mpi_world.py's.

@@ -1,4 +1,4 @@
-"""popdist's backend (issue 25 point 4): popdist.init() joins the job's MPI world that poprun
+"""popdist's backend: popdist.init() joins the job's MPI world that poprun
 serves (PMI-1 on the instance's socket, run/world.py), isBackendInitialized() says whether
 this instance is in it, finalizeBackend() leaves it (an exit handler does at the latest).
 Real processes under poprun; with MPICH (mpi4py) on the same socket where installed.

@@ -189,7 +189,7 @@ def test_poptorch_options_outside_poprun(fakes) -> None:
     "Options()",  # vision/swin/pytorch/options.py
 ])
 def test_poptorch_options_as_graphcore_examples_call_it(fakes, instance, call) -> None:
-    """Issue 25 point 1: 45 of 59 real calls pass the IPUs per replica. Instance 2 of 4, 8
+    """45 of 59 real calls pass the IPUs per replica. Instance 2 of 4, 8
     replicas of 2 IPUs on a 16-IPU partition: its device is the quad of its two replicas."""
     instance(index=2, num_instances=4, replicas=8, ipus_per_replica=2, partition_ipus=16)
     namespace = {"Options": importlib.import_module("popdist.poptorch").Options,
@@ -238,7 +238,7 @@ def test_poptorch_options_as_poptorchs_own_popdist_test(fakes) -> None:
 
 
 def test_poptorch_options_keep_poptorchs_attribute_rules(fakes, instance) -> None:
-    """Issue 25 point 2: PopTorch 2.4-3.4 refuse a private attribute added after `_values`
+    """PopTorch 2.4-3.4 refuse a private attribute added after `_values`
     ("Invalid private attribute _popdist_locked" in the old adapter) and public ones that
     are not options. The stand-in keeps those rules, and the adapter adds nothing."""
     instance(index=0, num_instances=2, replicas=2)
@@ -290,7 +290,8 @@ def test_poptorch_options_other_settings_still_work(fakes, instance) -> None:
 
 
 def test_poptorch_cache_dir_the_same_as_poprun_s(fakes, instance, monkeypatch) -> None:
-    """Issue 25 point 6's script: POPTORCH_CACHE_DIR=X and --executable-cache-path=X."""
+    """As balewski/neuron_inverter_benchmark's run-slurm.sh does: POPTORCH_CACHE_DIR=X and
+    --executable-cache-path=X."""
     instance(index=0, num_instances=2, replicas=2, cache="/localdata/ci/exec_cache")
     monkeypatch.setenv("POPTORCH_CACHE_DIR", "/localdata/ci/exec_cache")
     assert options_values(poptorch_options(1))["cachePath"] == "/localdata/ci/exec_cache"
@@ -386,7 +387,7 @@ def test_tensorflow_ipu_config_without_device(fakes, instance) -> None:
     "set_ipu_config(config=config, ipus_per_replica=2, configure_device=True)",  # cnns/tf2
 ])
 def test_tensorflow_ipu_config_selects_the_device(fakes, instance, call) -> None:
-    """Issue 25 point 3: the default configure_device=True works on a partition. Instance
+    """The default configure_device=True works on a partition. Instance
     1 of 2, 4 replicas of 2 IPUs on 8 IPUs: its 4 IPUs start at 4, the second quad, 13."""
     instance(index=1, num_instances=2, replicas=4, ipus_per_replica=2, partition_ipus=8)
     config = ipu_config()

@@ -327,7 +327,7 @@ def test_a_job_with_output_filename_keeps_no_ring_and_logs_read_its_files(enviro
 def test_logs_of_a_nocopy_job_read_its_files_whatever_the_suffix_case(environ, tmp_path, suffix):
     """Open MPI takes `DIR:nocopy` in any case, and so does poprun's output router; the
     record once stripped only `:nocopy`, so `poprunctl logs` of a `DIR:NOCOPY` job read
-    `DIR:NOCOPY/...`, found nothing and printed nothing, exit 0 (issue 23)."""
+    `DIR:NOCOPY/...`, found nothing and printed nothing, exit 0."""
     job = subprocess.run(poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2",
                                      "--output-filename", f"out{suffix}", PY, "-c",
                                      "print('o')"),
@@ -580,7 +580,7 @@ def _killed_outright(environ, marker: str, lifeline_too: bool) -> str:
 @pytest.mark.timeout(120)
 def test_a_job_whose_watchdog_cleaned_up_shows_nothing_running(environ):
     """poprun SIGKILLed, its watchdog killed every instance: the record still says what ran
-    when poprun died, but list and show say what is alive (issue 26 point 5: they showed
+    when poprun died, but list and show say what is alive (they once showed
     3/3 and `running`); on another host, what cannot be known from here."""
     marker = f"watchdog-cleaned-{os.getpid()}"
     job_id = _killed_outright(environ, marker, lifeline_too=False)
@@ -609,7 +609,7 @@ def test_a_job_whose_watchdog_cleaned_up_shows_nothing_running(environ):
 def test_records_and_rings_stay_bounded_whatever_state_jobs_were_left_in(environ):
     """Jobs killed outright (poprun and its watchdog) leave their control socket; reaped or
     not, they count against the bounds like any ended job, and so do their output rings
-    (issue 26 point 5: prune skipped them for 7 days)."""
+    (prune once skipped them for 7 days)."""
     marker = f"bounded-{os.getpid()}"
     try:
         reaped_ids = [_killed_outright(environ, marker, lifeline_too=True) for _ in range(2)]
@@ -694,7 +694,7 @@ def test_reap_over_ssh_after_the_launcher_and_a_remote_agent_were_killed(environ
     """poprun, its lifeline, and h1's agent with its own lifeline all SIGKILLed: instances
     are left on this host and on h1, and h1 keeps what its agent made (its error dir, the
     instances' cgroup tree where cgroups are writable). reap kills both instances (over SSH
-    for h1) and removes every host's leftovers: the record names them (issue 26 point 6)."""
+    for h1) and removes every host's leftovers: the record names them."""
     from spawner.containment import CGROUP_PREFIX, remove_tree
 
     env = {**hosts.env(), **environ}

@@ -1,4 +1,4 @@
-"""Files other users can read or steer (issue 26 point 7): --result-json and --export-config
+"""Files other users can read or steer: --result-json and --export-config
 hold the command line (`-x SECRET=value`) and are created 0600; --output-filename never
 follows a symbolic link poprun did not make and writes only in its own user's directories.
 

@@ -1,4 +1,4 @@
-"""SSH configurations that work with `ssh` work with poprun (issue 14 point 2): a host reached
+"""SSH configurations that work with `ssh` work with poprun: a host reached
 through a `ProxyCommand` (here `ssh -W %h:%p` through another loopback sshd, as a jump host
 would be) has no peer address on the launcher's side. poprun crashed on it
 (`TypeError: 'NoneType' object is not subscriptable`) when it needed this machine's address,

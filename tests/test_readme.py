@@ -1,4 +1,4 @@
-"""The README tells what exists (issue 14 point 11): the dashboard and how to turn it off or
+"""The README tells what exists: the dashboard and how to turn it off or
 force it, --result-json, --kill-timeout, every exit status with its exit_reason, the Python
 versions really required, the variables --forward-env all keeps back, the mpirun arguments
 (tests/test_config.py compares that list)."""

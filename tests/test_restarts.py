@@ -1,4 +1,4 @@
-"""`--max-restarts`: a failed job is stopped, cleaned up and started again (issue 17 point 3).
+"""`--max-restarts`: a failed job is stopped, cleaned up and started again.
 Real processes, locally and over sshd hosts; the V-IPU server is the simulator (none exists
 here, see vipu_harness.py)."""
 

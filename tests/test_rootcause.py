@@ -1,4 +1,4 @@
-"""The real root cause of a failure (issue 17): the exception and its line, not just the exit
+"""The real root cause of a failure: the exception and its line, not just the exit
 status; the cause, not the first victim to exit. Real processes, locally and over sshd hosts,
 and a real torch.distributed (gloo) job; plus the verdict rules on plain records."""
 

@@ -1,4 +1,4 @@
-"""A stop signal while the `poprun` command is still importing itself (issue 26 point 4): one
+"""A stop signal while the `poprun` command is still importing itself: one
 line `poprun: stopped by SIGINT` and exit 130, never a KeyboardInterrupt traceback from an
 import. The command runs as pip's console script runs it (its wrapper, written from
 pyproject.toml's entry point), on a real pseudo-terminal; the signal is real, sent by the

@@ -1,4 +1,4 @@
-"""Host slots, MPI hostfiles and Slurm allocations (issue 16 points 1 and 4): uneven instance
+"""Host slots, MPI hostfiles and Slurm allocations: uneven instance
 counts per host, from `h1:4,h2:2`, `node1 slots=4`, or SLURM_JOB_NODELIST with
 SLURM_TASKS_PER_NODE and SLURM_NTASKS; dry-run plans and real sshd hosts."""
 
@@ -139,7 +139,7 @@ def test_inside_a_slurm_allocation_hosts_and_counts_come_from_it():
            "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_NTASKS": "5"}
     plan = dry_run("--num-replicas=5", "--launcher=ssh", PY, env=env)
     assert [i["host"] for i in plan["instances"]] == ["node1", "node1", "node2", "node2", "node3"]
-    # An explicit count wins over the task counts (issue 25 point 5): an even share...
+    # An explicit count wins over the task counts: an even share...
     plan = dry_run("--num-instances=6", "--num-replicas=6", "--launcher=ssh", PY, env=env)
     assert [i["host"] for i in plan["instances"]] == ["node1", "node1", "node2", "node2",
                                                       "node3", "node3"]
@@ -152,7 +152,7 @@ def test_inside_a_slurm_allocation_hosts_and_counts_come_from_it():
 
 
 # The environment of `srun --ipus=4 poprun --num-instances=2 ...` inside a one-task step, as
-# ALCF's Graphcore user guide runs it (issue 25 point 5).
+# ALCF's Graphcore user guide runs it.
 ONE_TASK_STEP = {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "gc-poplar-02",
                  "SLURM_NTASKS": "1", "SLURM_TASKS_PER_NODE": "1"}
 
@@ -176,7 +176,7 @@ def test_verbose_says_the_given_instance_count_wins_over_the_task_count():
             in proc.stderr.decode())
 
 
-# --- mpirun's --npernode (issue 25 point 6) ----------------------------------------------------
+# --- mpirun's --npernode -----------------------------------------------------------------------
 
 def test_npernode_counts_the_instances_of_every_host():
     hosts = parse_host_list("h1:4,h2")

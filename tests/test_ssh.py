@@ -318,7 +318,8 @@ async def test_silent_server_times_out(hosts: SshHosts) -> None:
 @pytest.mark.parametrize("says", [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n"],
                          ids=["closes at once", "a web server"])
 async def test_a_server_that_closes_before_the_banner_is_not_ssh(says: bytes) -> None:
-    """Issue 14 point 8: was `h: Connection lost`."""
+    """A server that closes before the banner, or speaks HTTP, is "not an SSH server", not
+    `h: Connection lost`."""
     server = socket.create_server(("127.0.77.202", 0))
 
     def serve() -> None:

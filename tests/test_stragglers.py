@@ -1,4 +1,4 @@
-"""Stragglers, progress and ETA in real runs (issue 27 points 2 and 3): real instances, one
+"""Stragglers, progress and ETA in real runs: real instances, one
 told to sleep longer per step, flagged within the stated time (poprun/progress.py: about
 1.5 x --straggler-after after it starts, at most 2x), none flagged in uniform runs (run
 several times); progress from lines, from `--progress-pattern`, from popdist.progress()

@@ -1,7 +1,7 @@
 """poprun.run.vipu against a simulator of the `vipu` CLI (tests/vipu_sim/vipu) first on PATH.
 
-Issue 6's numbered points, each in its own section. Tests assert the exact `vipu` invocations
-(the simulator logs every argv) and the simulator's final state: no partition leaked.
+Each part of poprun's use of `vipu` in its own numbered section. Tests assert the exact `vipu`
+invocations (the simulator logs every argv) and the simulator's final state: no partition leaked.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ flow" and "Module map"). Pure: every module is parsed with `ast`, nothing is imp
   imports inside functions (lazy) are counted too.
 - `spawner` and `popdist` import nothing of poprun but `poprun._version`.
 - Every module file under src/poprun is in the architecture's module map.
+- Nothing under src/ or tests/, nor docs/architecture.md, cites a tracker issue by its number:
+  a reader of the code cannot open it, so the text says the behaviour or the defect instead.
 
 A failure names each offending import as `file:line: statement`.
 """
@@ -381,3 +383,29 @@ def test_module_map_names_only_modules_that_exist():
                    | {f"{h}/" for h in headings if not (SRC / h / "__init__.py").exists()})
     assert not stale, ("docs/architecture.md's 'Module map' names modules that are not in "
                        "src/:\n  " + "\n  ".join(stale))
+
+
+# ------------------------------------------------------------------------- (e) no tracker citations
+
+# "issue" and its number, or "issues" and theirs; spelt in pieces so this file does not match.
+CITATION = re.compile(r"\b" + "iss" + r"ues?\s+#?\d+\b", re.I)
+
+
+def cited_issues() -> list[str]:
+    """`file:line: text` for every citation of a tracker issue where the code is read."""
+    files = [DOC, *(path for top in (SRC, ROOT / "tests") for path in sorted(top.rglob("*"))
+                    if path.is_file() and "__pycache__" not in path.parts
+                    and not any(p.endswith(".egg-info") for p in path.parts))]
+    found = []
+    for path in files:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        for match in CITATION.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(f"{path.relative_to(ROOT)}:{line}: {text.splitlines()[line - 1].strip()}")
+    return found
+
+
+def test_no_file_cites_a_tracker_issue():
+    cited = cited_issues()
+    assert not cited, ("tracker issues cited by number (say the behaviour, or the defect it "
+                       "guards against, instead):\n  " + "\n  ".join(cited))

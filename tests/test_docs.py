@@ -106,8 +106,9 @@ def test_man_poprun_renders_every_option():
     text = _render(ROOT / "man" / "poprun.1")
     for opt in OPTIONS:
         assert f"--{opt.long}" in text, opt.long  # `\-` renders as the `-` one types
-    assert "EXIT STATUS" in text and "74 when output could not be written" in " ".join(
-        text.split())
+    words = " ".join(text.split())
+    assert "EXIT STATUS" in words and "74 when output could not be written" in words
+    assert r"'step (\d+)/(\d+)'" in words  # backslashes survive roff (\e)
 
 
 def test_man_poprunctl_renders_every_command():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import html
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import typer
@@ -32,9 +32,6 @@ NAMES = {
 }
 GUIDE = ("The user's guide: docs/ in poprun's source (its index.md lists a page per task), "
          "or as a site: pip install '.[docs]' && mkdocs serve.")
-# Where each file goes, relative to the repository (or the directory given on the command line).
-FILES = {"man/poprun.1": "poprun_page", "man/poprunctl.1": "poprunctl_page",
-         "docs/options.md": "options_markdown"}
 
 
 # --- roff -----------------------------------------------------------------------------------
@@ -56,7 +53,7 @@ def _paragraphs(text: str) -> str:
 
 
 def _option_term(opt: Opt) -> str:
-    """How an option is written at the head of its entry: `--num-instances=INT`,
+    """How an option is written at the head of its entry: `--num-instances INT`,
     `--env, -x ARG`, `--offline-mode[=BOOL]`, `--dry-run`."""
     names = f"\\fB\\-\\-{_roff(opt.long)}\\fR"
     if opt.short:
@@ -166,13 +163,19 @@ def options_markdown() -> str:
     return "\n".join(out)
 
 
+# Each file, relative to the repository's root, and what writes it.
+FILES: dict[str, Callable[[], str]] = {"man/poprun.1": poprun_page,
+                                       "man/poprunctl.1": poprunctl_page,
+                                       "docs/options.md": options_markdown}
+
+
 def write(root: Path) -> list[Path]:
     """Write every file of FILES under `root`; return their paths."""
     written = []
-    for relative, maker in FILES.items():
+    for relative, make in FILES.items():
         path = root / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(globals()[maker](), encoding="utf-8")
+        path.write_text(make(), encoding="utf-8")
         written.append(path)
     return written
 

@@ -9,8 +9,7 @@
 
 A typer application: rich tables on a terminal, `--json` on every command, shell completion
 (`--install-completion`; job ids complete too). JOB is a job id or an unambiguous prefix of
-one. Exit status: 0 done; 1 it could not be done (no such job, the job has ended, its
-launcher does not answer); 2 a usage error.
+one. Its exit statuses are EXIT_STATUS below (the epilog of `--help`, and man poprunctl's).
 
 It reads the per-user job records (poprun/jobctl/records.py) and talks to a running job's launcher on
 its control socket (poprun/jobctl/control.py).

@@ -345,8 +345,8 @@ def test_mpirun_arguments_are_one_list_for_parser_help_and_readme():
     from pathlib import Path
 
     summary = mpiargs.summary()
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert summary in _words(readme)
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "migrating.md").read_text()
+    assert summary in _words(guide)
     help_of = next(o.help for o in cli.OPTIONS if o.long == "mpi-global-args")
     assert summary in help_of
     with pytest.raises(ConfigError) as info:

@@ -1,6 +1,8 @@
-"""The README tells what exists: the dashboard and how to turn it off or
-force it, --result-json, --kill-timeout, every exit status with its exit_reason, the Python
-versions really required, the variables --forward-env all keeps back, the mpirun arguments
+"""The README is the landing page: what poprun is, the two commands (install and run the
+validation job; install and run the tests, each in a fresh venv), the Python versions really
+required, and a link to every page of the guide. The guide (docs/) tells what exists: the
+dashboard and how to turn it off or force it, --result-json, --kill-timeout, every exit status
+with its exit_reason, the variables --forward-env all keeps back, the mpirun arguments
 (tests/test_config.py compares that list)."""
 
 from __future__ import annotations
@@ -17,13 +19,60 @@ from spawner.carried import MIN_PYTHON
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+
+
+def page(name: str) -> str:
+    return (DOCS / name).read_text()
+
+
+def guide() -> str:
+    """Every page of the guide but the generated option reference (which says every option
+    by construction: tests/test_docs.py) and the design page."""
+    return "\n".join(p.read_text() for p in sorted(DOCS.glob("*.md"))
+                     if p.name not in ("options.md", "architecture.md"))
+
+
+def section(text: str, heading: str) -> str:
+    """The text under `## heading`, up to the next heading of that level."""
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+VALIDATION = ('python3 -m venv venv && . venv/bin/activate && pip install . && '
+              'poprun --num-instances 2 --num-replicas 2 --offline-mode=1 echo "Hello world!"')
+TESTS = ("python3 -m venv venv && . venv/bin/activate && pip install -e '.[test]' && "
+         "python -m pytest")
+
+
+@pytest.mark.parametrize("command", [VALIDATION, TESTS])
+def test_the_readme_gives_the_two_commands_as_code(command):
+    assert f"```sh\n{command}\n```" in README
+
+
+def test_ci_runs_the_test_command():
+    """.ci/run installs into the machine's Python (torch, horovod) rather than a venv, then
+    runs the README's test command."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert TESTS.split(" && ", 2)[2] in ci.strip().splitlines()[-1]
+
+
+def test_the_readme_links_every_page_of_the_guide():
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)\)", README))
+    assert linked == {p.name for p in DOCS.glob("*.md")}, linked
+
+
+def test_the_readme_is_a_landing_page():
+    """The rest is in the guide: the README stays a page one reads whole."""
+    assert len(README.splitlines()) < 120
 
 
 @pytest.mark.parametrize("name", ["--no-dashboard", "--dashboard", "POPRUN_NO_DASHBOARD",
                                   "--result-json", "--kill-timeout", "--forward-env",
                                   "--timestamp-output", "--export-config", "--import-config"])
 def test_options_people_look_for_are_described(name):
-    assert re.search(rf"`{re.escape(name)}[ =`]", README), name
+    assert re.search(rf"`{re.escape(name)}[ =`]", guide()), name
     assert name.lstrip("-") in {o.long for o in cli.OPTIONS} or name.isupper()
 
 
@@ -32,10 +81,11 @@ def test_the_python_versions_are_the_ones_required():
     needed = project["requires-python"].removeprefix(">=")
     assert f"Python ≥ {needed}" in README and f"Python {needed} or later" in README
     assert f"Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]} or later" in README  # remote hosts
+    assert f"Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]} or later" in page("several-hosts.md")
 
 
 def test_every_exit_status_and_reason_is_in_the_table():
-    table = README[README.index("Exit statuses:"):README.index("### The live dashboard")]
+    table = section(page("troubleshooting.md"), "Exit statuses")
     rows = {line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")}
     assert {"0", "1", "2", "70", "74", "255", "128+N", "the root cause's status"} <= rows
     from poprun.result import LaunchResult
@@ -45,4 +95,5 @@ def test_every_exit_status_and_reason_is_in_the_table():
 
 
 def test_the_variables_forward_env_all_keeps_back_are_listed():
-    assert all(f"`{name}`" in README for name in NOT_FORWARDED)
+    text = section(page("several-hosts.md"), "The environment of remote instances")
+    assert all(f"`{name}`" in text for name in NOT_FORWARDED)

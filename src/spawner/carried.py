@@ -24,7 +24,7 @@ depends on nothing else of the package:
 - `clear_caches`: removes the caches of other versions that no agent is using; sent as
   `python -c` (`cli`), or by hand on a host: `python3 ~/.cache/poprun/<any cache>/
   --clear-caches`; from the launcher's machine: `python -m spawner.bootstrap --clear-caches
-  HOST...` (README, "Several hosts").
+  HOST...` (docs/several-hosts.md, "Nothing to install on the other hosts").
 
 The digest is over the zip's content (names and bytes, `content_digest`), not its compressed
 bytes, so it does not depend on the launcher's zlib.

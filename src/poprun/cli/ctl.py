@@ -9,8 +9,7 @@
 
 A typer application: rich tables on a terminal, `--json` on every command, shell completion
 (`--install-completion`; job ids complete too). JOB is a job id or an unambiguous prefix of
-one. Exit status: 0 done; 1 it could not be done (no such job, the job has ended, its
-launcher does not answer); 2 a usage error.
+one. Its exit statuses are EXIT_STATUS below (the epilog of `--help`, and man poprunctl's).
 
 It reads the per-user job records (poprun/jobctl/records.py) and talks to a running job's launcher on
 its control socket (poprun/jobctl/control.py).
@@ -35,7 +34,9 @@ from poprun.text import cut, duration, fold_indices, percent, size, visible
 ASK_TIMEOUT = 10.0  # seconds for a launcher to answer (stacks: its timeout more)
 COMMAND_WIDTH = 48
 
-app = typer.Typer(name="poprunctl", no_args_is_help=True, add_completion=True,
+EXIT_STATUS = ("Exit status: 0 done; 1 it could not be done (no such job, the job has ended, "
+               "its launcher does not answer, reap left something behind); 2 a usage error.")
+app = typer.Typer(name="poprunctl", no_args_is_help=True, add_completion=True, epilog=EXIT_STATUS,
                   rich_markup_mode=None, pretty_exceptions_enable=False,
                   help="See and handle poprun jobs from anywhere on the launching host: list "
                        "them, show their instances, fold their Python stacks, stop them, read "

@@ -32,7 +32,8 @@ from rich.markup import escape
 from typer._completion_classes import BashComplete, FishComplete, ZshComplete
 from typer._completion_shared import _get_shell_name, install
 
-from poprun.cli.options import BOOL_WORDS, SECTIONS, OPTIONS, Kind, Opt, Parsed, resolve_long, short_option
+from poprun.cli.options import (BOOL_WORDS, OPTIONS, Kind, Opt, Parsed, resolve_long, sections,
+                                short_option)
 from poprun.plan.config import FORWARD_ENV_MODES, SSH_KEY_TYPES, STALL_ACTIONS, field_defaults
 from poprun.errors import ConfigError
 
@@ -101,33 +102,43 @@ def _complete_choices(long: str) -> Callable[[str], list[str]]:
     return complete
 
 
-def _parameter(opt: Opt, panel: str, defaults: dict[str, object]) -> inspect.Parameter:
+def shown_default(opt: Opt, defaults: dict[str, object]) -> str | None:
+    """The default `--help` shows for `opt` (man poprun too), as a user writes it; None where
+    it shows none (no default, an empty one, a count)."""
     default = defaults.get(opt.name, opt.default)
-    shown = default not in (None, (), False, 0) and opt.kind is not Kind.COUNT
-    if default is True:
-        default = "yes"  # as a user writes it (typer would show "True")
+    if default in (None, (), False, 0) or opt.kind is Kind.COUNT:
+        return None
+    return "yes" if default is True else str(default)  # typer would show "True"
+
+
+def metavar(opt: Opt) -> str:
+    """How `--help` (and man poprun) shows the option's value: "" for none."""
+    return _ACTION_METAVARS.get(opt.long, opt.kind.metavar)
+
+
+def _parameter(opt: Opt, panel: str, defaults: dict[str, object]) -> inspect.Parameter:
+    shown = shown_default(opt, defaults) is not None
+    default = defaults.get(opt.name, opt.default)
     option = typer.Option(
         f"--{opt.long}", *([f"-{opt.short}"] if opt.short else []),
         help=escape(opt.help),  # help texts are plain text, not rich markup: `[1,<i>]`
         rich_help_panel=panel,
-        metavar=_ACTION_METAVARS.get(opt.long, opt.kind.metavar),  # "": no value
+        metavar=metavar(opt),  # "": no value
         show_default=shown,
         count=opt.kind is Kind.COUNT,
         autocompletion=_complete_choices(opt.long) if opt.long in _CHOICES else None,
     )
     return inspect.Parameter(opt.long.replace("-", "_"), inspect.Parameter.KEYWORD_ONLY,
                              annotation=Annotated[_TYPES[opt.kind], option],
-                             default=default if shown else None)
+                             default=("yes" if default is True else default) if shown else None)
 
 
 def app() -> typer.Typer:
     """The typer app of poprun's options, for help and completion only (its command does
     nothing: options.parse_args parses)."""
     defaults = field_defaults()
-    parameters, panel = [], ""
-    for opt in OPTIONS:
-        panel = SECTIONS.get(opt.long, panel)
-        parameters.append(_parameter(opt, panel, defaults))
+    parameters = [_parameter(opt, panel, defaults)
+                  for panel, opts in sections() for opt in opts]
 
     def poprun(**_: Any) -> None:
         """Never called."""

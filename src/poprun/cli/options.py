@@ -477,3 +477,13 @@ SECTIONS = {
     "no-dashboard": "Progress and results", "export-config": "Stored command lines",
     "dry-run": "Planning only", "verbose": "Messages",
 }
+
+
+def sections() -> list[tuple[str, list[Opt]]]:
+    """The options under their headings, in the table's order (for --help and man poprun)."""
+    grouped: list[tuple[str, list[Opt]]] = []
+    for opt in OPTIONS:
+        if opt.long in SECTIONS:
+            grouped.append((SECTIONS[opt.long], []))
+        grouped[-1][1].append(opt)
+    return grouped

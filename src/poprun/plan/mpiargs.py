@@ -38,9 +38,9 @@ class MpiArg:
 
 
 # The one list of the mpirun arguments poprun reads: the parser below, `--help` (through
-# summary()) and the README (tests/test_config.py compares) all come from it. Honoured: what
-# changes what the user sees; ignored: transport tuning and privileges, which do not exist
-# without MPI. Anything else is an error naming the token.
+# summary()) and the guide (docs/migrating.md; tests/test_config.py compares) all come from
+# it. Honoured: what changes what the user sees; ignored: transport tuning and privileges,
+# which do not exist without MPI. Anything else is an error naming the token.
 ARGS = (
     MpiArg("x", "env", "VAR[=VALUE]"),
     MpiArg("tag-output", "tag_output"),
@@ -68,7 +68,7 @@ _BY_NAME = {a.name: a for a in ARGS}
 
 
 def summary() -> str:
-    """The honoured and the ignored arguments, in words (for --help, errors, the README)."""
+    """The honoured and the ignored arguments, in words (for --help, errors, the guide)."""
     honoured = ", ".join(str(a) for a in ARGS if a.field)
     ignored = ", ".join(str(a) for a in ARGS if not a.field)
     return f"honoured: {honoured}; accepted and ignored: {ignored}"

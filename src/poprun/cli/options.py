@@ -122,9 +122,10 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("fold-output", S, "Print a line that several instances write identically on the "
         "same stream once, tagged with their set ([1,0-62]<stdout>: with --tag-output, "
         "else [0-62] before it), as soon as every running instance has written it or gone "
-        "past it, and within 100 ms; other lines print as they are (held up to 100 ms "
-        "meanwhile). Only the console folds: --output-filename files and poprunctl logs keep "
-        "every instance's lines. Also POPRUN_FOLD_OUTPUT=1"),
+        "past it, and within 100 ms; a line of one instance carries its index ([1,2]<stdout>: "
+        "or [2]) and may be held up to 100 ms meanwhile. Only the console folds: "
+        "--output-filename files and poprunctl logs keep every instance's lines. Also "
+        "POPRUN_FOLD_OUTPUT=1"),
     Opt("output-filename", Kind.STR,
         "Also write each instance's output to DIR/1/rank.<i>/stdout and stderr"),
     Opt("merge-stderr-to-stdout", S, "Send the instances' stderr to poprun's stdout"),

@@ -640,9 +640,7 @@ class _Session:
         from poprun.run import vipu
 
         settings = vipu.VipuSettings.from_config(self.config)
-        ilds = self.config.num_ilds if self.config.num_ilds > 1 else None
-        required = vipu.Requirements.of(self.config.num_replicas, self.config.ipus_per_replica,
-                                        self.config.num_instances, ilds, settings)
+        required = vipu.Requirements.of_config(self.config, settings)
         self.partition = await vipu.acquire(settings, required, self.environ, self.log)
         if self.panel is not None:
             self.panel.set_partition(self.partition.name)

@@ -248,8 +248,9 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("overwrite-config", S,
         "Overwrite an existing --export-config file (otherwise train.toml is kept and the "
         "configuration goes to train-<timestamp>.toml)", default=False),
-    Opt("dry-run", S, "Print the plan (per instance: host, replicas, environment, argv) and "
-        "start nothing", default=False),
+    Opt("dry-run", S, "Print the plan (the V-IPU partition step; per instance: host, "
+        "replicas, environment, argv) and start nothing, asking no host and no V-IPU server: "
+        "what only they can tell shows as <..., known at launch>", default=False),
     Opt("json", S, "With --dry-run: print the plan as one JSON object", default=False),
     Opt("verbose", Kind.COUNT, "Verbose output (-vv: more)", short="v"),
     Opt("vv", Kind.COUNT, "Very verbose output", dest="verbose", step=2),

@@ -9,24 +9,20 @@ partition listed, the partition's size and GCDs) the dry run shows as known at l
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from popdist import devices
 from popdist import env as E
+from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 from poprun.errors import ConfigError
 from poprun.plan.poplar import link_options, merged_target_options, parse_options
+from poprun.text import at_launch
 
 DEFAULT_PORT = 8090
 # Seconds. The 2.2 guide's table says 10; later PopRun passes IPUOF_VIPU_API_TIMEOUT=120 when
 # not told otherwise (seen in its -vv log), and creating a large partition can take a while.
 DEFAULT_TIMEOUT = 120
 DEFAULT_POLL_INTERVAL = 1.0
-
-
-def at_launch(what: str) -> str:
-    """A dry run's stand-in for a value that only the launch learns."""
-    return f"<{what}, known at launch>"
 
 
 # --- settings and requirements ------------------------------------------------------------
@@ -243,7 +239,7 @@ def implied_target_options(size: int, num_ilds: int | None,
 @dataclass(frozen=True)
 class PartitionStep:
     """What a launch will do about its partition, as far as it is known without `vipu`:
-    the values only the server can give are `at_launch()` stand-ins."""
+    the values only the server can give are stand-ins (`text.at_launch`)."""
 
     name: str
     host: str

@@ -577,6 +577,7 @@ def test_a_job_on_a_larger_reconfigurable_partition_gets_the_device_of_its_first
     for index in (0, 15):
         env = partition.environment(index)
         assert env[E.NODE_DEVICE_ID] == "120" and E.VIPU_API_GCD_ID not in env
+    assert "node device 120 (the first 16 of its 64 IPUs) on partition p64" in sim.messages()
 
 
 @pytest.mark.timeout(30)

@@ -51,7 +51,7 @@ class VipuSettings:
         if not self.server_timeout > 0:
             raise ConfigError(f"--vipu-server-timeout must be positive, got {self.server_timeout}")
         if self.server_port is not None:
-            check_port(self.server_port, "--vipu-server-port")
+            _check_port(self.server_port, "--vipu-server-port")
         if self.partition_attempts is not None and self.partition_attempts < 1:
             raise ConfigError("--vipu-partition-attempts must be at least 1, got "
                               f"{self.partition_attempts}")
@@ -155,20 +155,20 @@ def named_server(settings: VipuSettings,
     IPUOF_VIPU_API_HOST, port --vipu-server-port > IPUOF_VIPU_API_PORT; None: the local vipu
     configuration decides (`vipu --server-version`), and 8090 is the port of a host named
     without one."""
-    port = settings.server_port or environ_port(environ)
+    port = settings.server_port or _environ_port(environ)
     host = settings.server_host or environ.get(E.VIPU_API_HOST, "").strip() or None
     if host is not None and port is None:
         port = DEFAULT_PORT
     return host, port
 
 
-def environ_port(environ: Mapping[str, str]) -> int | None:
+def _environ_port(environ: Mapping[str, str]) -> int | None:
     text = environ.get(E.VIPU_API_PORT, "").strip()
     if not text:
         return None
     if not text.isdigit():
         raise ConfigError(f"{E.VIPU_API_PORT}={text!r} is not a port number")
-    return check_port(int(text), E.VIPU_API_PORT)
+    return _check_port(int(text), E.VIPU_API_PORT)
 
 
 def named_partition(settings: VipuSettings, environ: Mapping[str, str]) -> str | None:
@@ -176,7 +176,7 @@ def named_partition(settings: VipuSettings, environ: Mapping[str, str]) -> str |
     return settings.partition or environ.get(E.VIPU_API_PARTITION_ID, "").strip() or None
 
 
-def check_port(port: int, source: str) -> int:
+def _check_port(port: int, source: str) -> int:
     if not 0 < port < 65536:
         raise ConfigError(f"{source}={port} is not a port number (1-65535)")
     return port

@@ -17,6 +17,7 @@ import signal
 import socket
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from popdist.env import EXECUTABLE_CACHE_PATH
 from spawner import containment, procid
@@ -43,6 +44,9 @@ from poprun.run.output import output_files
 from poprun.run.signals import install_signal_handlers
 from poprun.text import at_launch
 from poprun.view.render import topology_table
+
+if TYPE_CHECKING:  # an offline launch never needs the partition's module
+    from poprun.plan.partition import PartitionStep
 
 DRY_RUN_CACHE_DIR = "<temporary directory, created at launch>"
 DASHBOARD_REFRESH = 0.25  # seconds between live panel updates (it redraws only on change)
@@ -80,7 +84,8 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
     return replace(launch_plan, warnings=launch_plan.warnings + tuple(warnings))
 
 
-def dry_run_partition(config: LaunchConfig, environ: Mapping[str, str]):
+def dry_run_partition(config: LaunchConfig,
+                      environ: Mapping[str, str]) -> PartitionStep | None:
     """The partition step as a dry run sees it (plan/partition.py); None offline."""
     if config.offline_mode:
         return None
@@ -100,13 +105,9 @@ def dry_run_network(config: LaunchConfig,
     choice = config.network
     if not choice.chosen:
         return {}, []
-    from spawner.netifs import interfaces
-
-    here = interfaces()
-    local = [label for label in hosts.labels if label not in hosts.remote]
     warnings = []
     try:
-        found = resolve_network(choice, {label: here for label in local})
+        found = resolve_network(choice, local_interfaces(hosts))
     except ConfigError as exc:
         warnings.append(f"{exc}: a launch on this machine stops there")
         found = {}
@@ -115,6 +116,14 @@ def dry_run_network(config: LaunchConfig,
             at_launch(f"{label}'s address matching {choice.control.source}"),
             at_launch(f"{label}'s interface matching {choice.data.source}")))
     return {label: found[label] for label in hosts.labels}, warnings
+
+
+def local_interfaces(hosts: JobHosts) -> dict[str, dict[str, list[str]]]:
+    """This machine's interfaces (spawner/netifs.py) under each of its labels."""
+    from spawner.netifs import interfaces
+
+    here = interfaces()
+    return {label: here for label in hosts.labels if label not in hosts.remote}
 
 
 def local_topologies(config: LaunchConfig, hosts: JobHosts) -> dict[str, Topology]:
@@ -602,10 +611,7 @@ class _Session:
         choice = self.config.network
         if not choice.chosen:
             return
-        from spawner.netifs import interfaces
-
-        here = interfaces()
-        found = {label: here for label in self.hosts.labels if label not in self.hosts.remote}
+        found = local_interfaces(self.hosts)
         if self.fleet is not None:
             found.update(self.fleet.interfaces())
         self.network = resolve_network(choice, found)

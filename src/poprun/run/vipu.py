@@ -448,11 +448,26 @@ async def acquire(settings: VipuSettings, required: Requirements,
     except BaseException:
         await work.undo()
         raise
-    return Partition(name=name, host=host, port=port, timeout=settings.server_timeout,
-                     info=info, created=work.created,
-                     remove_on_release=work.created and settings.remove_partition,
-                     target_options=_target_options(info, required, own_options, log),
-                     executable=executable, job_ipus=required.size)
+    partition = Partition(name=name, host=host, port=port, timeout=settings.server_timeout,
+                          info=info, created=work.created,
+                          remove_on_release=work.created and settings.remove_partition,
+                          target_options=_target_options(info, required, own_options, log),
+                          executable=executable, job_ipus=required.size)
+    _log_node_device(partition, log)
+    return partition
+
+
+def _log_node_device(partition: Partition, log: Log) -> None:
+    """-v: the device the instances are given, as PopRun logs "Attached to device N"; on a
+    partition larger than the job, that it is the first of its size (README: jobs sharing a
+    partition)."""
+    node = node_device(partition.info.size, partition.num_gcds, partition.job_ipus)
+    if node is None:
+        return
+    size = partition.info.size
+    larger = f" (the first {partition.job_ipus} of its {size} IPUs)" if (
+        partition.job_ipus and size and size > partition.job_ipus) else ""
+    log.info(f"node device {node}{larger} on partition {partition.name}")
 
 
 async def release(partition: Partition, log: Log | None = None,

@@ -600,6 +600,17 @@ def test_target_options_match_poprun_logs():
         "gatewayMode": "true", "instanceSize": "4"}
 
 
+@pytest.mark.parametrize("instances, size", [(1, "64"), (2, "32"), (4, "16"), (8, "8"),
+                                             (16, "4")])
+def test_on_a_larger_partition_the_instance_size_is_the_partitions_share(instances, size):
+    """PopRun 3.1.0's "Target options from V-IPU partition" on the reconfigurable 64-IPU p64
+    with 1-16 one-IPU instances (popdist/devices.py's sources): instanceSize is the
+    partition's IPUs per instance."""
+    p64 = PartitionInfo(name="p64", size=64, num_gcds=1, num_ilds=1, reconfigurable=True)
+    options = partition_target_options(p64, Requirements.of(instances, 1, instances))
+    assert (options["ipuLinkDomainSize"], options["instanceSize"]) == ("64", size)
+
+
 # --- 8. failures: each its own message, nothing left behind -----------------------------------
 
 @pytest.mark.timeout(30)

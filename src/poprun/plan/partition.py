@@ -232,8 +232,11 @@ def implied_target_options(size: int, num_ilds: int | None,
                            required: Requirements) -> dict[str, str]:
     """The target options a partition of `size` IPUs implies (values as PopRun logs them,
     run/vipu.py's docstring): gateway mode always (the IPUs are reached through V-IPU), the
-    IPU-Link domain's size and shape, and the IPUs one instance drives."""
-    return link_options(size // (num_ilds or 1), required.ipus_per_instance, gateway=True)
+    IPU-Link domain's size and shape, and the instance size: the partition's IPUs per
+    instance, which on a partition larger than the job is more than the instance's own
+    (PopRun 3.1.0 on a 64-IPU partition: "instanceSize" 64, 32, 16, 8, 4 for 1, 2, 4, 8, 16
+    one-IPU instances; CosmicTagger's logs, popdist/devices.py)."""
+    return link_options(size // (num_ilds or 1), size // required.num_gcds, gateway=True)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,9 @@ Target options: PopRun's `-vv` logs show what it derives from the partition, e.g
 partition `{"ipuLinkDomainSize":"64","ipuLinkConfiguration":"slidingWindow","ipuLinkTopology":
 "torus","gatewayMode":"true","instanceSize":"64"}` and for a 4-IPU one `{"ipuLinkDomainSize":"4",
 "ipuLinkConfiguration":"default","ipuLinkTopology":"mesh","gatewayMode":"true","instanceSize":
-"4"}`; the values already in the environment's `POPLAR_TARGET_OPTIONS` win.
+"4"}`; on a reconfigurable 64-IPU partition with 16 one-IPU instances, `"instanceSize":"4"`
+(the partition's IPUs per instance, not the instance's own). The values already in the
+environment's `POPLAR_TARGET_OPTIONS` win.
 """
 
 from __future__ import annotations

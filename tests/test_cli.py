@@ -649,4 +649,29 @@ def test_remote_instances_get_the_forwarded_variables_local_ones_inherit_them():
     assert remote["PYTHONPATH"] == "/site" and remote["PATH"] == env["PATH"]
     assert remote["POPLAR_ENGINE_OPTIONS"] == '{"a": 1}'
     assert "UNRELATED" not in remote
-    assert remote["MASTER_ADDR"] == local["MASTER_ADDR"] == "localhost"
+    # The launcher's address as far's instance reaches it: only a launch knows it.
+    assert remote["MASTER_ADDR"] == local["MASTER_ADDR"] == (
+        "<localhost's address as the other hosts reach it, known at launch>")
+
+
+def test_dry_run_shows_the_partition_step_and_the_interface_variables(tmp_path):
+    """Without --offline-mode, the plan has the V-IPU step and IPUOF_VIPU_* variables (what
+    only the server knows marked as known at launch); a chosen network gives the instances
+    their interface variables, as a launch does."""
+    args = ("--dry-run", "--vipu-partition=p1", "--num-instances=2", "--num-replicas=2",
+            "--host-subnet=127.0.0.0/8")
+    text = run_poprun(*args, PY, cwd=tmp_path)
+    assert text.returncode == 0, text.stderr.decode()
+    out = text.stdout.decode()
+    assert "V-IPU partition p1 (2 IPUs, 2 GCDs) on the server <" in out
+    assert "  created when missing: vipu create partition p1 --size 2 --num-gcds 2\n" in out
+    assert out.count("  env:  IPUOF_VIPU_API_PARTITION_ID=p1\n") == 2
+    assert out.count("  env:  GLOO_SOCKET_IFNAME=lo\n") == 2
+    plan = json.loads(run_poprun(*args, "--json", PY, cwd=tmp_path).stdout)
+    assert plan["partition"]["name"] == "p1" and plan["partition"]["size"] == 2
+    for index, inst in enumerate(plan["instances"]):
+        env = inst["env"]
+        assert env["IPUOF_VIPU_API_HOST"].endswith(", known at launch>")
+        assert env["IPUOF_VIPU_API_GCD_ID"] == (
+            f"<{index} on a partition of 2 IPUs, 2 GCDs, known at launch>")
+        assert env["NCCL_SOCKET_IFNAME"] == "lo"

@@ -255,7 +255,7 @@ def expected_console(tagged: bool) -> list[bytes]:
     if tagged:
         return [b"[1,0-63]<stdout>:warning: deprecated"] + [
             b"[1,%d]<stdout>:loss %d" % (i, i) for i in range(N)]
-    return [b"[0-63] warning: deprecated"] + [b"loss %d" % i for i in range(N)]
+    return [b"[0-63] warning: deprecated"] + [b"[%d] loss %d" % (i, i) for i in range(N)]
 
 
 @pytest.mark.timeout(240)
@@ -425,7 +425,7 @@ def test_a_line_no_other_instance_writes_comes_out_at_the_bound_not_at_the_end(t
         written = time.monotonic()
         line = proc.stdout.readline()
         waited = time.monotonic() - written
-        assert line == b"alone\n"
+        assert line == b"[0] alone\n"
         assert waited < 2.5 and proc.poll() is None, waited  # well before the end
         proc.communicate(timeout=60)
     assert proc.returncode == 0
@@ -441,3 +441,31 @@ def test_a_folded_set_with_gaps_is_braced_so_it_is_never_read_as_one_instance_s_
     assert tag_label((1, 3)) == "{1,3}"
     assert tag_label((0, 1, 2, 5)) == "{0-2,5}"
     assert render_tag((1, 3), Stream.STDOUT) == b"[1,{1,3}]<stdout>:"
+
+
+SLOW_COPY = """
+[ "$RANK" = 2 ] && while [ ! -e go ]; do sleep 0.01; done
+echo "epoch step 10"
+[ "$RANK" = 2 ] && printf 'progress 50%%\\r' && echo "own end"
+exit 0
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tagged", [False, True])
+def test_every_line_says_who_wrote_it_the_slow_instances_copy_too(tmp_path, tagged):
+    """Instances 0 and 1 write `epoch step 10`, which prints with their set at the bound;
+    instance 2 writes it only once that line is out (the test lets it go when it reads
+    it), so its copy prints on its own: with its instance, never bare. Its unterminated
+    `\\r` piece and the line that ends it carry it too."""
+    tag = "--tag-output" if tagged else "--tag-output=no"
+    argv = poprun_argv(*OFFLINE, "--num-instances=3", "--num-replicas=3", "--fold-output", tag,
+                       "sh", "-c", SLOW_COPY)
+    folded, own = ((b"[1,0-1]<stdout>:", b"[1,2]<stdout>:") if tagged else (b"[0-1] ", b"[2] "))
+    with reaped(subprocess.Popen(argv, env=poprun_env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE)) as proc:
+        assert proc.stdout.readline() == folded + b"epoch step 10\n"
+        (tmp_path / "go").touch()
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    assert out == own + b"epoch step 10\n" + own + b"progress 50%\r" + own + b"own end\n"

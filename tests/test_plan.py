@@ -519,3 +519,128 @@ class TestTextRenderings:
 
     def test_unknown_signal_name(self):
         assert signal_name(250) == "signal 250"
+
+
+class TestDryRunShowsEverything:
+    """A dry run shows every step and variable a launch will give, values only the launch
+    learns (from `vipu`, from the other hosts) as stand-ins marked as known at launch, made
+    by the same definitions the launch uses."""
+
+    def on_partition(self, tmp_path, environ=None, **kw):
+        executable(tmp_path / "prog")
+        kw = {"num_instances": 2, "num_replicas": 4, "program": ("prog",),
+              "offline_mode": False, **kw}
+        return make_plan(cfg(**kw), environ or {}, str(tmp_path))
+
+    def test_the_partition_step_and_its_variables(self, tmp_path):
+        launch_plan = self.on_partition(tmp_path, vipu_partition="p1")
+        step = launch_plan.partition
+        assert (step.name, step.required.size, step.required.num_gcds) == ("p1", 4, 2)
+        text = dry_run_text(launch_plan)
+        assert "V-IPU partition p1 (4 IPUs, 2 GCDs) on the server <the server of the local " \
+               "vipu configuration, known at launch>:" in text
+        assert "  created when missing: vipu create partition p1 --size 4 --num-gcds 2\n" in text
+        assert "  reset before the job: when not reconfigurable\n" in text
+        for inst in launch_plan.instances:
+            env = inst.env
+            assert env["IPUOF_VIPU_API_PARTITION_ID"] == "p1"
+            assert env["IPUOF_VIPU_API_TIMEOUT"] == "120"
+            assert env["IPUOF_VIPU_API_HOST"].endswith("known at launch>")
+            assert env["IPUOF_VIPU_API_GCD_ID"] == (
+                f"<{inst.index} on a partition of 4 IPUs, 2 GCDs, known at launch>")
+            assert env["POPDIST_NODE_DEVICE_ID"] == (
+                "<2 on a partition of 4 IPUs, 2 GCDs, known at launch>")
+            assert f"  env:  IPUOF_VIPU_API_PARTITION_ID=p1\n" in text
+        as_json = json.loads(json.dumps(launch_plan.to_json()))
+        assert as_json["partition"]["create"] == [
+            "vipu", "create", "partition", "p1", "--size", "4", "--num-gcds", "2"]
+        assert as_json["instances"][1]["env"]["IPUOF_VIPU_API_PARTITION_ID"] == "p1"
+
+    def test_what_the_options_and_the_environment_name_is_shown_as_it_is(self, tmp_path):
+        environ = {"IPUOF_VIPU_API_PARTITION_ID": "from-env", "IPUOF_VIPU_API_PORT": "9000"}
+        launch_plan = self.on_partition(
+            tmp_path, environ, vipu_server_host="vh", vipu_allocation="a1",
+            reset_partition=True, remove_partition=False, update_partition=True,
+            num_instances=1, num_replicas=1)
+        step = launch_plan.partition
+        assert (step.name, step.server, step.reset, step.update, step.remove) == (
+            "from-env", "vh:9000", "yes", True, False)
+        assert step.create == ("create", "partition", "from-env", "--allocation", "a1",
+                               "--size", "1", "--num-gcds", "1")
+        (inst,) = launch_plan.instances
+        assert (inst.env["IPUOF_VIPU_API_HOST"], inst.env["IPUOF_VIPU_API_PORT"]) == (
+            "vh", "9000")
+        assert "IPUOF_VIPU_API_GCD_ID" not in inst.env  # one instance, one GCD
+        assert "removed at the end when poprun created it: no" in dry_run_text(launch_plan)
+
+    def test_the_variables_are_those_a_launch_gives_on_the_partition_it_would_create(
+            self, tmp_path):
+        """One definition: the real partition's environment (run/vipu.py) on a partition of
+        the job's shape has the values the dry run shows inside its stand-ins."""
+        from poprun.run.vipu import Partition, PartitionInfo
+        from poprun.text import at_launch
+
+        launch_plan = self.on_partition(tmp_path, vipu_partition="p1", vipu_server_host="vh")
+        step = launch_plan.partition
+        real = Partition(name="p1", host="vh", port=8090, timeout=120,
+                         info=PartitionInfo("p1", size=4, num_gcds=2), created=True,
+                         remove_on_release=True, target_options=step.target_options,
+                         executable="vipu", job_ipus=4)
+        for inst in launch_plan.instances:
+            wanted = real.environment(inst.index)
+            shown = {k: v for k, v in inst.env.items() if k in wanted}
+            assert shown.keys() == wanted.keys()
+            for name, value in wanted.items():
+                assert shown[name] in (value, at_launch(
+                    f"{value} on a partition of 4 IPUs, 2 GCDs")), name
+
+    def test_offline_there_is_no_partition_step(self, tmp_path):
+        launch_plan = self.on_partition(tmp_path, offline_mode=True)
+        assert launch_plan.partition is None and launch_plan.to_json()["partition"] is None
+        assert "V-IPU" not in dry_run_text(launch_plan)
+        assert not any(k.startswith("IPUOF_VIPU") for i in launch_plan.instances
+                       for k in i.env)
+
+    def test_a_bad_server_port_in_the_environment_is_the_launchs_error(self, tmp_path):
+        with pytest.raises(ConfigError, match="IPUOF_VIPU_API_PORT='x' is not a port number"):
+            self.on_partition(tmp_path, {"IPUOF_VIPU_API_PORT": "x"})
+
+    @pytest.mark.parametrize("choice", [{"host_subnet": "127.0.0.0/8"},
+                                        {"mpi_global_args": ("--mca btl_tcp_if_include lo",)}])
+    def test_the_interface_variables_of_a_local_host(self, tmp_path, choice):
+        launch_plan = self.on_partition(tmp_path, offline_mode=True, **choice)
+        for inst in launch_plan.instances:
+            for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE",
+                         "UCX_NET_DEVICES", "FI_TCP_IFACE"):
+                assert inst.env[name] == "lo", name
+            assert inst.env["MASTER_ADDR"] == "127.0.0.1"
+
+    def test_a_remote_hosts_interface_and_address_are_known_at_launch(self, tmp_path):
+        launch_plan = self.on_partition(tmp_path, offline_mode=True, hosts=("h1", "h2"),
+                                        host_subnet="10.9.0.0/16")
+        for inst in launch_plan.instances:
+            assert inst.env["GLOO_SOCKET_IFNAME"] == (
+                f"<{inst.host}'s interface matching --host-subnet 10.9.0.0/16, known at launch>")
+            assert inst.env["MASTER_ADDR"] == (
+                "<h1's address matching --host-subnet 10.9.0.0/16, known at launch>")
+            assert inst.env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == (
+                "<this machine's address as the hosts reach it, known at launch>")
+
+    def test_no_local_interface_on_the_chosen_network_is_the_launchs_error_as_a_warning(self, tmp_path):
+        import ipaddress
+
+        from spawner.netifs import interfaces
+
+        here = [ipaddress.ip_interface(a).ip for addresses in interfaces().values()
+                for a in addresses]
+        # A documentation network this machine is not on (some test machines use one).
+        subnet = next(net for net in ("198.51.100.0/24", "203.0.113.0/24", "192.0.2.0/24")
+                      if not any(ip in ipaddress.ip_network(net) for ip in here))
+        # A command meant for another machine: the dry run says where a launch here stops.
+        launch_plan = self.on_partition(tmp_path, offline_mode=True, host_subnet=subnet)
+        (warning,) = launch_plan.warnings
+        assert warning.startswith(f"localhost: no interface matches --host-subnet {subnet} ")
+        assert warning.endswith(": a launch on this machine stops there")
+        assert f"warning: {warning}" in dry_run_text(launch_plan)
+        assert launch_plan.instances[0].env["GLOO_SOCKET_IFNAME"] == (
+            f"<localhost's interface matching --host-subnet {subnet}, known at launch>")

@@ -179,16 +179,18 @@ def test_get_device_id_where_nothing_says_which_device(inside, where, ipus):
 
 def _on_partition(monkeypatch, ipus: int, instances: int, replicas: int,
                   ipus_per_replica: int, index: int, gcds: bool) -> None:
-    """Instance `index` of a job on a partition of `ipus` IPUs, as poprun and
-    run/vipu.Partition.environment set it: with `gcds`, one GCD per instance."""
+    """Instance `index` of a job on a partition of `ipus` IPUs (as large as the job's, or
+    larger), as poprun and plan/partition.instance_environment set it: with `gcds`, one GCD
+    per instance."""
     who = _identity(index=index, num_instances=instances, local_index=index,
                     local_size=instances, num_total_replicas=replicas,
                     ipus_per_replica=ipus_per_replica)
     for name, value in env.instance_environment(who).items():
         monkeypatch.setenv(name, value)
-    from poprun.run.vipu import node_device
+    from poprun.plan.partition import node_device
 
-    monkeypatch.setenv(env.NODE_DEVICE_ID, str(node_device(ipus, instances if gcds else 1)))
+    node = node_device(ipus, instances if gcds else 1, replicas * ipus_per_replica)
+    monkeypatch.setenv(env.NODE_DEVICE_ID, str(node))
     if gcds:
         monkeypatch.setenv(env.VIPU_API_GCD_ID, str(index))
 
@@ -209,7 +211,29 @@ NUMBERING = [
     ((64, 8, 64, 1, False), list(range(112, 120))),
     ((64, 64, 64, 1, False), list(range(64))),
     ((64, 16, 16, 4, True), [6] * 16),
+    # A reconfigurable 64-IPU partition larger than the job: PopRun 3.1.0 gives every
+    # instance the device of the job's first IPUs, 0, 64, 96, 112, 120 for 1, 2, 4, 8, 16
+    # one-IPU replicas (CosmicTagger's logs, popdist/devices.py), and each instance's replica
+    # is then its own IPU.
+    ((64, 1, 1, 1, False), [0]),
+    ((64, 2, 2, 1, False), [0, 1]),
+    ((64, 4, 4, 1, False), [0, 1, 2, 3]),
+    ((64, 8, 8, 1, False), list(range(8))),
+    ((64, 16, 16, 1, False), list(range(16))),
+    ((64, 1, 16, 1, False), [120]),  # one instance drives all 16: the node device itself
+    ((64, 2, 8, 1, False), [96, 97]),  # the quads of the node device 112
+    ((64, 2, 4, 4, False), [112, 113]),  # 16 IPUs (node 120), 8 per instance
+    ((64, 4, 16, 1, True), [24] * 4),  # 4 GCDs of 16 IPUs, the job's 4 of each: device 24
 ]
+
+
+@pytest.mark.parametrize("replicas, node", [(1, 0), (2, 64), (4, 96), (8, 112), (16, 120),
+                                            (64, 126)])
+def test_the_node_device_on_a_64_ipu_partition_is_what_poprun_3_1_gave(replicas, node):
+    """`POPDIST_NODE_DEVICE_ID` of CosmicTagger's PopRun 3.1.0 runs on p64, one-IPU replicas."""
+    from poprun.plan.partition import node_device
+
+    assert node_device(64, 1, replicas) == node
 
 
 @pytest.mark.parametrize("job, devices", NUMBERING,
@@ -226,7 +250,7 @@ def test_get_device_id_follows_poplars_numbering(monkeypatch, job, devices):
 
 
 @pytest.mark.parametrize("node, message", [
-    ("5", "device 5 does not span every IPU of a partition"),
+    ("5", "device 5 is no device of 4 IPUs"),  # the job's 4 IPUs: 6, 12-13, 24-27, ...
     ("x", "invalid literal"),
 ])
 def test_get_device_id_with_a_node_device_it_cannot_read(inside, monkeypatch, node, message):
@@ -238,7 +262,8 @@ def test_get_device_id_with_a_node_device_it_cannot_read(inside, monkeypatch, no
 
 def test_get_device_id_for_replicas_that_form_no_device(monkeypatch):
     _on_partition(monkeypatch, 8, 1, 3, 1, 0, False)  # 3 IPUs are no Poplar device
-    with pytest.raises(RuntimeError, match="no Poplar device has 3 IPUs among 8"):
+    monkeypatch.setenv(env.NODE_DEVICE_ID, "14")  # so poprun sets none: say so if one is set
+    with pytest.raises(RuntimeError, match="3 IPUs do not form a Poplar device"):
         popdist.getDeviceId()
 
 
@@ -361,3 +386,34 @@ def test_real_subprocess_sees_its_identity():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1 2"
+
+
+@pytest.mark.parametrize("replicas, node", [(1, 0), (2, 64), (4, 96), (8, 112), (16, 120)])
+def test_get_device_id_from_what_real_poprun_gave_on_a_larger_partition(monkeypatch, replicas,
+                                                                        node):
+    """The variables PopRun 3.1.0 gave instance i of `replicas` one-IPU instances on the
+    64-IPU partition p64 (CosmicTagger's logs): each one's device is its own IPU, i."""
+    for index in range(replicas):
+        for name, value in {env.NUM_TOTAL_REPLICAS: replicas, env.NUM_IPUS_PER_REPLICA: 1,
+                            env.NUM_LOCAL_REPLICAS: 1, env.UNIFORM_REPLICAS_PER_INSTANCE: 1,
+                            env.NODE_DEVICE_ID: node, env.REPLICA_INDEX_OFFSET: index,
+                            env.LOCAL_INSTANCE_INDEX: index}.items():
+            monkeypatch.setenv(name, str(value))
+        assert popdist.getDeviceId() == index == popdist.getDeviceId(1)
+
+
+def test_child_device_agrees_with_the_numbering_on_every_partition_size():
+    from popdist.devices import child_device, device_id
+
+    for n in (1, 2, 4, 8, 16, 32, 64, 128):
+        for size in (s for s in (1, 2, 4, 8, 16, 32, 64, 128) if s <= n):
+            for at in range(0, n, size):
+                node = device_id(n, size, at)
+                for part in (s for s in (1, 2, 4, 8) if s <= size):
+                    for offset in range(0, size, part):
+                        assert child_device(node, size, part, offset) == \
+                            device_id(n, part, at + offset), (n, size, at, part, offset)
+    with pytest.raises(ValueError, match="device 64 .2 IPUs. has no device of 4 IPUs"):
+        child_device(64, 2, 4, 0)
+    with pytest.raises(ValueError, match="device 63 is no device of 2 IPUs"):
+        child_device(63, 2, 1, 0)  # the last single IPU of 64, not a pair

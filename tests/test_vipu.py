@@ -552,6 +552,34 @@ def test_the_node_device_is_the_whole_of_what_an_instance_sees(size, gcds, node)
     assert node_device(size, gcds) == node
 
 
+@pytest.mark.parametrize("size, gcds, job, node", [
+    # PopRun 3.1.0 on the reconfigurable 64-IPU partition p64 (popdist/devices.py's sources)
+    (64, 1, 1, 0), (64, 1, 2, 64), (64, 1, 4, 96), (64, 1, 8, 112), (64, 1, 16, 120),
+    (64, 1, 32, 124), (64, 1, 64, 126),
+    (64, 4, 16, 24),  # 4 GCDs of 16 IPUs, 4 of each the job's: the first quad of a GCD
+    (64, 1, 12, None), (64, 1, 128, None),  # no device of 12 IPUs; more than there are
+])
+def test_on_a_partition_larger_than_the_job_the_node_device_spans_the_jobs_ipus(size, gcds,
+                                                                                job, node):
+    from poprun.run.vipu import node_device
+
+    assert node_device(size, gcds, job) == node
+
+
+@pytest.mark.timeout(30)
+def test_a_job_on_a_larger_reconfigurable_partition_gets_the_device_of_its_first_ipus(sim):
+    """16 one-IPU instances on a reconfigurable 64-IPU partition: as PopRun 3.1.0 did, every
+    instance gets device 120 (the first 16 IPUs), not 126 (all 64)."""
+    sim.add("p64", size=64, gcds=1, ilds=1, reconfigurable=True)
+    partition = acquire(replace(SETTINGS, partition="p64"), Requirements.of(16, 1, 16),
+                        log=sim.log)
+    assert "create" not in sim.verbs()
+    for index in (0, 15):
+        env = partition.environment(index)
+        assert env[E.NODE_DEVICE_ID] == "120" and E.VIPU_API_GCD_ID not in env
+    assert "node device 120 (the first 16 of its 64 IPUs) on partition p64" in sim.messages()
+
+
 @pytest.mark.timeout(30)
 def test_bad_environment_target_options_stop_before_anything_is_created(sim, monkeypatch):
     monkeypatch.setenv(E.POPLAR_TARGET_OPTIONS, "gatewayMode=false")
@@ -570,6 +598,17 @@ def test_target_options_match_poprun_logs():
     assert partition_target_options(pod4, Requirements.of(4, 1, 1)) == {
         "ipuLinkDomainSize": "4", "ipuLinkConfiguration": "default", "ipuLinkTopology": "mesh",
         "gatewayMode": "true", "instanceSize": "4"}
+
+
+@pytest.mark.parametrize("instances, size", [(1, "64"), (2, "32"), (4, "16"), (8, "8"),
+                                             (16, "4")])
+def test_on_a_larger_partition_the_instance_size_is_the_partitions_share(instances, size):
+    """PopRun 3.1.0's "Target options from V-IPU partition" on the reconfigurable 64-IPU p64
+    with 1-16 one-IPU instances (popdist/devices.py's sources): instanceSize is the
+    partition's IPUs per instance."""
+    p64 = PartitionInfo(name="p64", size=64, num_gcds=1, num_ilds=1, reconfigurable=True)
+    options = partition_target_options(p64, Requirements.of(instances, 1, instances))
+    assert (options["ipuLinkDomainSize"], options["instanceSize"]) == ("64", size)
 
 
 # --- 8. failures: each its own message, nothing left behind -----------------------------------

@@ -42,6 +42,22 @@ def test_the_job_runs_on_a_partition_poprun_creates_and_removes(sim):
     assert sim.partitions() == {}  # nothing leaked
 
 
+def test_on_a_larger_reconfigurable_partition_each_instance_gets_the_jobs_device(sim):
+    """As PopRun 3.1.0 on a reconfigurable 64-IPU partition: 2 one-IPU instances get node
+    device 64 (the pair of IPUs 0-1), and popdist's device of each is its own IPU."""
+    sim.add("p64", size=64, gcds=1, ilds=1, reconfigurable=True)
+    proc = run_poprun(*SERVER, "--num-instances=2", "--num-replicas=2", "--tag-output",
+                      PY, "-c", SHOW)
+    assert proc.returncode == 0, proc.stderr.decode()
+    envs = [json.loads(line.split("<stdout>:", 1)[1])
+            for line in sorted(proc.stdout.decode().splitlines())]
+    assert [(env["POPDIST_NODE_DEVICE_ID"], env["device"]) for env in envs] == [
+        ("64", 0), ("64", 1)]
+    assert all(env["IPUOF_VIPU_API_PARTITION_ID"] == "p64" and "IPUOF_VIPU_API_GCD_ID" not in env
+               for env in envs)
+    assert "p64" in sim.partitions() and "create" not in sim.verbs()  # not poprun's: kept
+
+
 def test_a_failed_instance_still_removes_the_partition(sim):
     proc = run_poprun(*SERVER, "--vipu-partition=job", "--num-instances=2", "--num-replicas=2",
                       PY, "-c", "import os, sys; sys.exit(int(os.environ['RANK']) + 3)")

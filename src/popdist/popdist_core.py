@@ -125,8 +125,9 @@ def getDeviceId(ipus_per_replica: int | None = None) -> int:
     """The id of the Poplar device this instance's replicas run on: the one spanning its
     replicas' IPUs (local replicas x IPUs per replica), in Poplar's numbering of the IPUs
     it sees (popdist/devices.py). Computed from POPDIST_NODE_DEVICE_ID, which poprun sets
-    when the job runs on a V-IPU partition; raises RuntimeError where nothing says which
-    device (offline mode, outside poprun)."""
+    when the job runs on a V-IPU partition: the device spanning the job's IPUs (its GCD's,
+    with one GCD per instance), the whole partition or, on a larger one, a part of it;
+    raises RuntimeError where nothing says which device (offline mode, outside poprun)."""
     ipus = checked_ipus_per_replica(ipus_per_replica, "getDeviceId")
     node = env.read_str(os.environ, env.NODE_DEVICE_ID)
     if node is None:
@@ -137,12 +138,14 @@ def getDeviceId(ipus_per_replica: int | None = None) -> int:
             "TensorFlow, call popdist.tensorflow.set_ipu_config(config, ipus_per_replica, "
             "configure_device=False)")
     try:
-        seen = devices.ipus_of(int(node))
+        mine = getNumLocalReplicas() * ipus
         offset = getReplicaIndexOffset() * ipus
         gcd = env.read_str(os.environ, env.VIPU_API_GCD_ID)
-        if gcd is not None:  # its own GCD: devices are numbered within it
-            offset -= int(gcd) * seen
-        return devices.device_id(seen, getNumLocalReplicas() * ipus, offset)
+        if gcd is None:  # the node device spans every instance's replicas
+            spanned = getNumTotalReplicas() * ipus
+        else:  # its own GCD, numbered on its own: the node device spans this instance's
+            spanned, offset = mine, offset - int(gcd) * mine
+        return devices.child_device(int(node), spanned, mine, offset)
     except ValueError as error:
         raise RuntimeError(f"popdist.getDeviceId(): {env.NODE_DEVICE_ID}={node}: {error}") \
             from None

@@ -1,6 +1,6 @@
 """Small text renderings shared by the report, the dashboard, poprunctl and the record: index
-sets, exit statuses, signal names, durations and sizes, child bytes made safe to show. Pure;
-a leaf."""
+sets, exit statuses, signal names, durations and sizes, child bytes made safe to show, the
+dry run's stand-ins. Pure; a leaf."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ from spawner.cpulist import format_cpu_list
 def fold_indices(indices: Iterable[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> "[0-2,5,7-8]"."""
     return f"[{format_cpu_list(indices)}]"
+
+
+def at_launch(what: str) -> str:
+    """A dry run's stand-in for a value only the launch learns: `<what, known at launch>`."""
+    return f"<{what}, known at launch>"
 
 
 def describe_status(returncode: int) -> str:

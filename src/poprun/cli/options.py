@@ -122,9 +122,10 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("fold-output", S, "Print a line that several instances write identically on the "
         "same stream once, tagged with their set ([1,0-62]<stdout>: with --tag-output, "
         "else [0-62] before it), as soon as every running instance has written it or gone "
-        "past it, and within 100 ms; other lines print as they are (held up to 100 ms "
-        "meanwhile). Only the console folds: --output-filename files and poprunctl logs keep "
-        "every instance's lines. Also POPRUN_FOLD_OUTPUT=1"),
+        "past it, and within 100 ms; a line of one instance carries its index ([1,2]<stdout>: "
+        "or [2]) and may be held up to 100 ms meanwhile. Only the console folds: "
+        "--output-filename files and poprunctl logs keep every instance's lines. Also "
+        "POPRUN_FOLD_OUTPUT=1"),
     Opt("output-filename", Kind.STR,
         "Also write each instance's output to DIR/1/rank.<i>/stdout and stderr"),
     Opt("merge-stderr-to-stdout", S, "Send the instances' stderr to poprun's stdout"),
@@ -247,8 +248,9 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("overwrite-config", S,
         "Overwrite an existing --export-config file (otherwise train.toml is kept and the "
         "configuration goes to train-<timestamp>.toml)", default=False),
-    Opt("dry-run", S, "Print the plan (per instance: host, replicas, environment, argv) and "
-        "start nothing", default=False),
+    Opt("dry-run", S, "Print the plan (the V-IPU partition step; per instance: host, "
+        "replicas, environment, argv) and start nothing, asking no host and no V-IPU server: "
+        "what only they can tell shows as <..., known at launch>", default=False),
     Opt("json", S, "With --dry-run: print the plan as one JSON object", default=False),
     Opt("verbose", Kind.COUNT, "Verbose output (-vv: more)", short="v"),
     Opt("vv", Kind.COUNT, "Very verbose output", dest="verbose", step=2),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 from dataclasses import asdict, field
 
 from popdist import env as E
@@ -21,6 +22,9 @@ from poprun.errors import ConfigError
 from poprun.plan.placement import Binding, Strategy, place, resolve_strategy, strategy_from_mpi
 from poprun.plan.poplar import check_autoreport, offline_target, target_options
 from poprun.plan.topology import Topology
+
+if TYPE_CHECKING:  # an offline launch never needs the partition's module
+    from poprun.plan.partition import PartitionStep
 
 LOCALHOST = "localhost"
 
@@ -69,6 +73,9 @@ class LaunchPlan:
     cache_mode: CacheMode
     unset_env: tuple[str, ...] = (E.IPUOF_CONFIG_PATH,)
     warnings: tuple[str, ...] = field(default=())
+    # What the launch will do about its V-IPU partition, as a dry run sees it (None: offline,
+    # or a launch's plan, made once the partition is there).
+    partition: PartitionStep | None = None
 
     def on_host(self, host: str) -> list[InstancePlan]:
         return [i for i in self.instances if i.host == host]
@@ -80,6 +87,7 @@ class LaunchPlan:
             "cache_mode": self.cache_mode.value,
             "unset_env": list(self.unset_env),
             "warnings": list(self.warnings),
+            "partition": None if self.partition is None else self.partition.to_json(),
             "instances": [
                 {k: (list(v) if isinstance(v, tuple) else dict(v) if k == "env" else v)
                  for k, v in asdict(inst).items()}
@@ -141,6 +149,7 @@ def plan(
     remote_hosts: frozenset[str] = frozenset(),
     topologies: Mapping[str, Topology] | None = None,
     partition_env: Callable[[int], Mapping[str, str]] | None = None,
+    partition_step: PartitionStep | None = None,
     restart_count: int | None = None,
     counts: tuple[int, ...] | None = None,
     rendezvous: tuple[str, int] | None = None,
@@ -155,7 +164,10 @@ def plan(
     (None: the same on every host); instance indices run in contiguous blocks per host.
     `rendezvous`: the address and port of Horovod's Gloo rendezvous (run/rendezvous.py).
     `interfaces`: per host, its interface on the network the user chose (plan/network.py),
-    named to the collectives' libraries."""
+    named to the collectives' libraries. `partition_step`: a dry run's view of the partition
+    (its variables then come from it, unless `partition_env` gives the real ones)."""
+    if partition_env is None and partition_step is not None:
+        partition_env = partition_step.environment
     mode = cache_mode(config, environ)
     counts = counts or even_counts(config.num_instances, len(hosts))
     if sum(counts) != config.num_instances or len(counts) != len(hosts):
@@ -205,7 +217,8 @@ def plan(
             cpus=binding.cpus if binding else None,
             mems=(binding.mems or None) if binding else None))
     return LaunchPlan(instances=tuple(instances), hosts=hosts, num_ilds=config.num_ilds,
-                      cache_mode=mode, warnings=tuple(dict.fromkeys(warnings)))
+                      cache_mode=mode, warnings=tuple(dict.fromkeys(warnings)),
+                      partition=partition_step)
 
 
 def even_counts(num_instances: int, num_hosts: int) -> tuple[int, ...]:

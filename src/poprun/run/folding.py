@@ -32,8 +32,8 @@ def _bound() -> float:
 
 
 class ConsoleFold(JobObserver):
-    """Between the router's console path (`add`) and its writes (`router.console`,
-    `router.write_folded`)."""
+    """Between the router's console path (`add`) and its writes (`router.console`, which
+    tags a block with the instance or the set that wrote it)."""
 
     def __init__(self, router, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._router = router
@@ -67,10 +67,7 @@ class ConsoleFold(JobObserver):
 
     def _print(self, released: list) -> None:
         for keys, stream, data in released:
-            if type(keys) is tuple:
-                self._router.write_folded(keys, stream, data)
-            else:
-                self._router.console(keys, stream, data)
+            self._router.console(keys, stream, data)
         # One timer, for the oldest held line; it fires at most once a bound or so (the
         # head moves on by itself meanwhile: it then only sets the next one).
         if self._timer is None:

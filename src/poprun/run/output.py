@@ -146,8 +146,9 @@ class OutputRouter:
         record.lines += data.count(b"\n") if counted is None else counted
 
     def console(self, key: int | tuple[int, ...], stream: Stream, data: bytes) -> int | None:
-        """Write a block to the console (the set of instances `key`, for a folded one);
-        returns its number of `\\n` when that came for free."""
+        """Write a block to the console (the set of instances `key`, for a folded one: its
+        tag `[1,0-62]<stdout>:`, or untagged `[0-62] `, _prefix); returns its number of
+        `\\n` when that came for free."""
         if stream in self._closed:
             return None
         try:
@@ -160,14 +161,6 @@ class OutputRouter:
             self._on_write_error(f"poprun's {stream.name.lower()}", exc)
         return None
 
-    def write_folded(self, keys: tuple[int, ...], stream: Stream, data: bytes) -> None:
-        """Whole lines that the instances `keys` (two or more) all wrote: tagged with the
-        set (`[1,0-62]<stdout>:`, render_tag); untagged, `[0-62] ` begins each line."""
-        if not self._options.tag:
-            label = b"[%s] " % tag_label(keys).encode()
-            data = label + data[:-1].replace(b"\n", b"\n" + label) + b"\n"
-        self.console(keys, stream, data)
-
     def _to_file(self, key: int, stream: Stream, data: bytes) -> None:
         try:
             self._file(key, stream).write(data)
@@ -175,21 +168,26 @@ class OutputRouter:
             self._failed_files.add((key, stream))
             self._on_write_error(exc.filename or self._file_path(key, stream), exc)
 
-    def _prefix(self, key: int, stream: Stream) -> bytes:
+    def _prefix(self, key: int | tuple[int, ...], stream: Stream) -> bytes:
         """What goes before each line: Open MPI's `<date>[1,<i>]<stdout>:` with tags and
         timestamps, `[1,<i>]<stdout>:` with tags, `<date><stdout>:` with timestamps (its
-        iof_base_output.c; the date is C's ctime() without its newline)."""
+        iof_base_output.c; the date is C's ctime() without its newline). Folded and
+        untagged, the instance or set that wrote the line follows: `[2] `, `[0-62] `."""
         prefix = b""
         if self._options.timestamp:
             prefix = time.ctime().encode()
             if not self._options.tag:
-                return prefix + (b"<stdout>:" if stream is Stream.STDOUT else b"<stderr>:")
+                prefix += b"<stdout>:" if stream is Stream.STDOUT else b"<stderr>:"
         if self._options.tag:
             tag = self._tags.get((key, stream))
             if tag is None:
                 tag = self._tags[(key, stream)] = render_tag(key, stream,
                                                              self._colours.get(stream))
             prefix += tag
+        elif self.fold is not None:
+            # Folded, every line says who wrote it, one instance's too, as clubak and dshbak
+            # do: else the slow instance's copy of a folded line reads as an anonymous one.
+            prefix += b"[%s] " % tag_label(key).encode()
         return prefix
 
     def _write(self, key: int, stream: Stream, data: bytes) -> int | None:

@@ -17,6 +17,7 @@ import signal
 import socket
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from popdist.env import EXECUTABLE_CACHE_PATH
 from spawner import containment, procid
@@ -25,7 +26,7 @@ from spawner.lifeline import Lifeline
 from spawner.local import resolve_program
 
 from poprun.crash import report_internal_error, state_dir_problem
-from poprun.errors import LaunchError, PoprunError
+from poprun.errors import ConfigError, LaunchError, PoprunError
 from poprun.events import Observers
 from poprun.fdio import write_all
 from poprun.log import Log
@@ -41,7 +42,11 @@ from poprun.result import OUTPUT_ERROR_STATUS, LaunchResult
 from poprun.run.job import Job
 from poprun.run.output import output_files
 from poprun.run.signals import install_signal_handlers
+from poprun.text import at_launch
 from poprun.view.render import topology_table
+
+if TYPE_CHECKING:  # an offline launch never needs the partition's module
+    from poprun.plan.partition import PartitionStep
 
 DRY_RUN_CACHE_DIR = "<temporary directory, created at launch>"
 DASHBOARD_REFRESH = 0.25  # seconds between live panel updates (it redraws only on change)
@@ -49,18 +54,76 @@ LOOPBACK = "127.0.0.1"
 
 
 def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> LaunchPlan:
-    """The plan `--dry-run` shows: a launch's plan, contacting no host. Cache dirs not made
-    yet are placeholders; MASTER_ADDR is the first host's name (a launch uses its address)."""
+    """The plan `--dry-run` shows: a launch's plan, contacting no host and no V-IPU server.
+    What only they can tell is a stand-in marked as known at launch (text.at_launch): cache
+    dirs not made yet, the partition's server, name and shape (plan/partition.py), a remote
+    host's address and interface, the launcher's address as other hosts reach it."""
     hosts = JobHosts.of(config, environ)
     program, mode = preflight(config, environ, cwd, resolve=hosts.any_local)
     cache = _explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
-    master = LOOPBACK if hosts.first_is_local and not hosts.remote else hosts.labels[0]
-    rendezvous = (LOOPBACK if not hosts.remote else socket.gethostname(), free_port())
-    return planning.plan(config, environ, program=program, master_port=free_port(),
-                         hosts=hosts.labels, master_addr=master, remote_hosts=hosts.remote,
-                         cache_paths={label: cache for label in hosts.labels},
-                         topologies=local_topologies(config, hosts), counts=hosts.counts,
-                         rendezvous=rendezvous)
+    network, warnings = dry_run_network(config, hosts)
+    first = hosts.labels[0]
+    if network:  # as _master_address and _open_rendezvous
+        master = network[first].address
+    elif hosts.remote:
+        master = at_launch(f"{first}'s address as the other hosts reach it")
+    else:
+        master = LOOPBACK
+    if hosts.remote:
+        here = at_launch("this machine's address as the hosts reach it")
+    else:
+        here = network[first].address if network else LOOPBACK
+    launch_plan = planning.plan(
+        config, environ, program=program, master_port=free_port(), hosts=hosts.labels,
+        master_addr=master, remote_hosts=hosts.remote,
+        cache_paths={label: cache for label in hosts.labels},
+        topologies=local_topologies(config, hosts), counts=hosts.counts,
+        rendezvous=(here, free_port()),
+        interfaces={label: n.interface for label, n in network.items()} if network else None,
+        partition_step=dry_run_partition(config, environ))
+    return replace(launch_plan, warnings=launch_plan.warnings + tuple(warnings))
+
+
+def dry_run_partition(config: LaunchConfig,
+                      environ: Mapping[str, str]) -> PartitionStep | None:
+    """The partition step as a dry run sees it (plan/partition.py); None offline."""
+    if config.offline_mode:
+        return None
+    from poprun.plan.partition import Requirements, VipuSettings, partition_step
+
+    settings = VipuSettings.from_config(config)
+    return partition_step(settings, Requirements.of_config(config, settings), environ)
+
+
+def dry_run_network(config: LaunchConfig,
+                    hosts: JobHosts) -> tuple[dict[str, HostNetwork], list[str]]:
+    """Each host on the chosen network as a launch finds it (_choose_network), as far as
+    this machine can tell: its own labels resolved on its interfaces, a remote host's
+    address and interface known at launch (its agent lists them); empty without a choice.
+    Where this machine has no interface on it (a command meant for another machine), the
+    launch's error is a warning of the dry run's, and the values are known at launch."""
+    choice = config.network
+    if not choice.chosen:
+        return {}, []
+    warnings = []
+    try:
+        found = resolve_network(choice, local_interfaces(hosts))
+    except ConfigError as exc:
+        warnings.append(f"{exc}: a launch on this machine stops there")
+        found = {}
+    for label in hosts.labels:
+        found.setdefault(label, HostNetwork(
+            at_launch(f"{label}'s address matching {choice.control.source}"),
+            at_launch(f"{label}'s interface matching {choice.data.source}")))
+    return {label: found[label] for label in hosts.labels}, warnings
+
+
+def local_interfaces(hosts: JobHosts) -> dict[str, dict[str, list[str]]]:
+    """This machine's interfaces (spawner/netifs.py) under each of its labels."""
+    from spawner.netifs import interfaces
+
+    here = interfaces()
+    return {label: here for label in hosts.labels if label not in hosts.remote}
 
 
 def local_topologies(config: LaunchConfig, hosts: JobHosts) -> dict[str, Topology]:
@@ -548,10 +611,7 @@ class _Session:
         choice = self.config.network
         if not choice.chosen:
             return
-        from spawner.netifs import interfaces
-
-        here = interfaces()
-        found = {label: here for label in self.hosts.labels if label not in self.hosts.remote}
+        found = local_interfaces(self.hosts)
         if self.fleet is not None:
             found.update(self.fleet.interfaces())
         self.network = resolve_network(choice, found)
@@ -640,9 +700,7 @@ class _Session:
         from poprun.run import vipu
 
         settings = vipu.VipuSettings.from_config(self.config)
-        ilds = self.config.num_ilds if self.config.num_ilds > 1 else None
-        required = vipu.Requirements.of(self.config.num_replicas, self.config.ipus_per_replica,
-                                        self.config.num_instances, ilds, settings)
+        required = vipu.Requirements.of_config(self.config, settings)
         self.partition = await vipu.acquire(settings, required, self.environ, self.log)
         if self.panel is not None:
             self.panel.set_partition(self.partition.name)

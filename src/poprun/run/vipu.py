@@ -4,8 +4,9 @@ update (remove + create under the same name), reset, wait until it is ACTIVE, an
 afterwards when poprun created it.
 
 Layers: pure parsers (`vipu` output text in, frozen dataclasses out) and pure rules
-(`Requirements`, `mismatches`, `create_command`, `partition_target_options`); `VipuRunner`, the
-one place that runs `vipu`; and the lifecycle, `acquire()` and `release()`.
+(`mismatches`, `partition_target_options`; the job's settings, requirements, create command
+and instance variables are plan/partition.py's, which `--dry-run` shows); `VipuRunner`, the one
+place that runs `vipu`; and the lifecycle, `acquire()` and `release()`.
 
 What the real tools print, as far as public sources show (facts, not code, carried over):
 - `vipu --server-version`: `version: 1.18.0` and `host: localhost:8090` lines.
@@ -26,7 +27,9 @@ Target options: PopRun's `-vv` logs show what it derives from the partition, e.g
 partition `{"ipuLinkDomainSize":"64","ipuLinkConfiguration":"slidingWindow","ipuLinkTopology":
 "torus","gatewayMode":"true","instanceSize":"64"}` and for a 4-IPU one `{"ipuLinkDomainSize":"4",
 "ipuLinkConfiguration":"default","ipuLinkTopology":"mesh","gatewayMode":"true","instanceSize":
-"4"}`; the values already in the environment's `POPLAR_TARGET_OPTIONS` win.
+"4"}`; on a reconfigurable 64-IPU partition with 16 one-IPU instances, `"instanceSize":"4"`
+(the partition's IPUs per instance, not the instance's own). The values already in the
+environment's `POPLAR_TARGET_OPTIONS` win.
 """
 
 from __future__ import annotations
@@ -42,18 +45,16 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
-from popdist import devices
 from popdist import env as E
 
 from poprun.errors import ConfigError, LaunchError, PoprunError
 from poprun.log import Log
-from poprun.plan.poplar import link_options, merged_target_options, parse_options
+from poprun.plan.partition import (DEFAULT_PORT, Requirements, VipuSettings, create_command,
+                                   implied_target_options, instance_environment,
+                                   named_partition, named_server, node_device, seconds,
+                                   should_reset)
+from poprun.plan.poplar import merged_target_options, parse_options
 
-DEFAULT_PORT = 8090
-# Seconds. The 2.2 guide's table says 10; later PopRun passes IPUOF_VIPU_API_TIMEOUT=120 when
-# not told otherwise (seen in its -vv log), and creating a large partition can take a while.
-DEFAULT_TIMEOUT = 120
-DEFAULT_POLL_INTERVAL = 1.0
 UNREACHABLE_TEXT = "unable to connect to VIRM/V-IPU Controller"
 # `vipu` honours --server-timeout itself; the extra second lets its own message ("context
 # deadline exceeded") win over our kill, which is only for a client that hangs regardless.
@@ -105,91 +106,6 @@ class PartitionState(str, enum.Enum):
     def parse(cls, text: str) -> PartitionState:
         word = text.strip().upper().removeprefix("PS_")
         return cls.__members__.get(word, cls.UNKNOWN)
-
-
-# --- settings and requirements ------------------------------------------------------------
-
-@dataclass(frozen=True)
-class VipuSettings:
-    """The V-IPU options of one launch (guide §2.8). None means "not given": the lifecycle then
-    falls back to the environment, the local vipu configuration, or the server's own choice."""
-
-    server_host: str | None = None
-    server_port: int | None = None
-    server_timeout: float = DEFAULT_TIMEOUT
-    partition: str | None = None
-    allocation: str | None = None
-    cluster: str | None = None  # the deprecated --vipu-cluster: used when no allocation
-    update_partition: bool = False
-    reset_partition: bool | None = None  # None: reset non-reconfigurable partitions only
-    remove_partition: bool = True
-    sync_type: str | None = None
-    ipu_link_routing_type: str | None = None
-    gw_link_routing_type: str | None = None
-    partition_attempts: int | None = None  # None: poll until the timeout
-    poll_interval: float = DEFAULT_POLL_INTERVAL
-
-    def __post_init__(self) -> None:
-        if not self.server_timeout > 0:
-            raise ConfigError(f"--vipu-server-timeout must be positive, got {self.server_timeout}")
-        if self.server_port is not None:
-            _check_port(self.server_port, "--vipu-server-port")
-        if self.partition_attempts is not None and self.partition_attempts < 1:
-            raise ConfigError("--vipu-partition-attempts must be at least 1, got "
-                              f"{self.partition_attempts}")
-
-    @classmethod
-    def from_config(cls, config: object) -> VipuSettings:
-        """From anything with LaunchConfig's V-IPU field names (vipu_server_host, ...)."""
-        timeout = getattr(config, "vipu_server_timeout", None)
-        return cls(
-            server_host=getattr(config, "vipu_server_host", None),
-            server_port=getattr(config, "vipu_server_port", None),
-            server_timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
-            partition=getattr(config, "vipu_partition", None),
-            allocation=getattr(config, "vipu_allocation", None),
-            cluster=getattr(config, "vipu_cluster", None),
-            update_partition=getattr(config, "update_partition", False),
-            reset_partition=getattr(config, "reset_partition", None),
-            remove_partition=getattr(config, "remove_partition", True),
-            sync_type=getattr(config, "sync_type", None),
-            ipu_link_routing_type=getattr(config, "ipu_link_routing_type", None),
-            gw_link_routing_type=getattr(config, "gw_link_routing_type", None),
-            partition_attempts=getattr(config, "vipu_partition_attempts", None),
-        )
-
-
-@dataclass(frozen=True)
-class Requirements:
-    """What the job needs of its partition. None: not asked for, so neither checked nor
-    passed to `vipu create partition` (the server decides)."""
-
-    size: int
-    num_gcds: int
-    num_ilds: int | None = None
-    sync_type: str | None = None
-    ipu_link_routing_type: str | None = None
-    gw_link_routing_type: str | None = None
-
-    @classmethod
-    def of(cls, num_replicas: int, ipus_per_replica: int, num_instances: int,
-           num_ilds: int | None = None, settings: VipuSettings | None = None) -> Requirements:
-        """Size = replicas x IPUs per replica. One GCD per instance: each instance attaches to
-        a device of its own (guide §2.1 "each instance can run on a separate GCD"; §2.8.3:
-        32 replicas over 2 instances need a 32-IPU partition of 2 GCDs, 16 IPUs each)."""
-        size = num_replicas * ipus_per_replica
-        if num_instances < 1 or size % num_instances:
-            raise ConfigError(f"{size} IPUs cannot be divided evenly among {num_instances} "
-                              "instances (one GCD each)")
-        settings = settings or VipuSettings()
-        return cls(size=size, num_gcds=num_instances, num_ilds=num_ilds,
-                   sync_type=settings.sync_type,
-                   ipu_link_routing_type=settings.ipu_link_routing_type,
-                   gw_link_routing_type=settings.gw_link_routing_type)
-
-    @property
-    def ipus_per_instance(self) -> int:
-        return self.size // self.num_gcds
 
 
 # --- what the server reports ---------------------------------------------------------------
@@ -380,48 +296,9 @@ def _same(have: object, want: object) -> bool:
     return _key(str(have)) == _key(str(want))
 
 
-def should_reset(reset_partition: bool | None, found: PartitionInfo) -> bool:
-    """Guide §2.8.3: unset means non-reconfigurable partitions are reset, reconfigurable ones
-    not. (A partition poprun has just created is never reset; the caller knows that.)"""
-    if reset_partition is not None:
-        return reset_partition
-    return not found.reconfigurable
-
-
-def create_command(name: str, required: Requirements, settings: VipuSettings) -> list[str]:
-    """`vipu create partition ...` for the job, never `--reconfigurable` (guide §2.8.3)."""
-    argv = ["create", "partition", name]
-    if settings.allocation:
-        argv += ["--allocation", settings.allocation]
-    elif settings.cluster:
-        argv += ["--cluster", settings.cluster]
-    argv += ["--size", str(required.size), "--num-gcds", str(required.num_gcds)]
-    optional = (("--num-ilds", required.num_ilds), ("--sync-type", required.sync_type),
-                ("--routing", required.ipu_link_routing_type),
-                ("--gw-routing", required.gw_link_routing_type))
-    for flag, value in optional:
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv
-
-
 def partition_target_options(found: PartitionInfo, required: Requirements) -> dict[str, str]:
-    """The target options a partition implies (values as PopRun logs them, module docstring):
-    gateway mode always (the IPUs are reached through V-IPU), the IPU-Link domain's size and
-    shape, and the IPUs one instance drives."""
-    size = found.size or required.size
-    return link_options(size // (found.num_ilds or 1), required.ipus_per_instance,
-                        gateway=True)
-
-
-def _check_port(port: int, source: str) -> int:
-    if not 0 < port < 65536:
-        raise ConfigError(f"{source}={port} is not a port number (1-65535)")
-    return port
-
-
-def _seconds(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
+    """The target options the partition found implies (plan/partition.py)."""
+    return implied_target_options(found.size or required.size, found.num_ilds, required)
 
 
 # --- running vipu ---------------------------------------------------------------------------
@@ -468,7 +345,7 @@ class VipuRunner:
         return await self._run(list(command), address)
 
     async def _run(self, command: list[str], address: list[str]) -> str:
-        argv = [self.executable, *address, "--server-timeout", _seconds(self.timeout),
+        argv = [self.executable, *address, "--server-timeout", seconds(self.timeout),
                 *command]
         self.log.info(f"running {shlex.join(argv)}")
         try:
@@ -476,7 +353,7 @@ class VipuRunner:
                                                       self.timeout + _KILL_GRACE)
         except TimeoutError:
             raise VipuError(f"{self.where} did not answer `vipu {shlex.join(command)}` within "
-                            f"{_seconds(self.timeout)} s (raise --vipu-server-timeout if it is "
+                            f"{seconds(self.timeout)} s (raise --vipu-server-timeout if it is "
                             "just slow)", Failure.TIMED_OUT, tuple(command)) from None
         except OSError as exc:
             raise VipuError(f"cannot run {self.executable}: {exc.strerror}",
@@ -515,41 +392,19 @@ class Partition:
     remove_on_release: bool
     target_options: str  # the JSON instances get as POPLAR_TARGET_OPTIONS
     executable: str
+    job_ipus: int | None = None  # the IPUs the job uses of it (None: all of them)
 
     @property
     def num_gcds(self) -> int:
         return self.info.num_gcds or 1
 
     def environment(self, instance_index: int) -> dict[str, str]:
-        """The variables one instance gets (guide §2.8.2); on a multi-GCD partition instance
-        i drives GCD i."""
-        env = {
-            E.VIPU_API_HOST: self.host,
-            E.VIPU_API_PORT: str(self.port),
-            E.VIPU_API_PARTITION_ID: self.name,
-            E.VIPU_API_TIMEOUT: _seconds(self.timeout),
-            E.POPLAR_TARGET_OPTIONS: self.target_options,
-        }
-        if self.num_gcds > 1:
-            if not 0 <= instance_index < self.num_gcds:
-                raise ValueError(f"instance {instance_index} has no GCD in partition "
-                                 f"{self.name} ({self.num_gcds} GCDs)")
-            env[E.VIPU_API_GCD_ID] = str(instance_index)
-        node = node_device(self.info.size, self.num_gcds)
-        if node is not None:
-            env[E.NODE_DEVICE_ID] = str(node)
-        return env
-
-
-def node_device(size: int | None, num_gcds: int) -> int | None:
-    """The Poplar device spanning the IPUs an instance sees (the partition's, or its GCD's when
-    each instance has one); None when the partition's size is unknown or not a device."""
-    if not size or size % num_gcds:
-        return None
-    try:
-        return devices.whole_device_id(size // num_gcds)
-    except ValueError:
-        return None
+        """The variables one instance gets (plan/partition.py's instance_environment): its
+        node device spans the job's IPUs, the partition's first ones when it is larger."""
+        return instance_environment(
+            instance_index, host=self.host, port=self.port, name=self.name,
+            timeout=self.timeout, target_options=self.target_options, num_gcds=self.num_gcds,
+            node=node_device(self.info.size, self.num_gcds, self.job_ipus))
 
 
 async def _communicate(argv: list[str], environ: Mapping[str, str],
@@ -595,11 +450,26 @@ async def acquire(settings: VipuSettings, required: Requirements,
     except BaseException:
         await work.undo()
         raise
-    return Partition(name=name, host=host, port=port, timeout=settings.server_timeout,
-                     info=info, created=work.created,
-                     remove_on_release=work.created and settings.remove_partition,
-                     target_options=_target_options(info, required, own_options, log),
-                     executable=executable)
+    partition = Partition(name=name, host=host, port=port, timeout=settings.server_timeout,
+                          info=info, created=work.created,
+                          remove_on_release=work.created and settings.remove_partition,
+                          target_options=_target_options(info, required, own_options, log),
+                          executable=executable, job_ipus=required.size)
+    _log_node_device(partition, log)
+    return partition
+
+
+def _log_node_device(partition: Partition, log: Log) -> None:
+    """-v: the device the instances are given, as PopRun logs "Attached to device N"; on a
+    partition larger than the job, that it is the first of its size (README: jobs sharing a
+    partition)."""
+    node = node_device(partition.info.size, partition.num_gcds, partition.job_ipus)
+    if node is None:
+        return
+    size = partition.info.size
+    larger = f" (the first {partition.job_ipus} of its {size} IPUs)" if (
+        partition.job_ipus and size and size > partition.job_ipus) else ""
+    log.info(f"node device {node}{larger} on partition {partition.name}")
 
 
 async def release(partition: Partition, log: Log | None = None,
@@ -639,8 +509,7 @@ async def resolve_server(settings: VipuSettings, environ: Mapping[str, str], run
     """Host: --vipu-server-host > IPUOF_VIPU_API_HOST > what the local vipu configuration
     names (`vipu --server-version`). Port: --vipu-server-port > IPUOF_VIPU_API_PORT > the
     configuration's port when the host came from there > 8090."""
-    port = settings.server_port or _environ_port(environ)
-    host = settings.server_host or environ.get(E.VIPU_API_HOST, "").strip() or None
+    host, port = named_server(settings, environ)
     if host is None:
         reported = await runner.server_version()
         if not reported.host:
@@ -652,37 +521,24 @@ async def resolve_server(settings: VipuSettings, environ: Mapping[str, str], run
     return host, port or DEFAULT_PORT
 
 
-def _environ_port(environ: Mapping[str, str]) -> int | None:
-    text = environ.get(E.VIPU_API_PORT, "").strip()
-    if not text:
-        return None
-    if not text.isdigit():
-        raise ConfigError(f"{E.VIPU_API_PORT}={text!r} is not a port number")
-    return _check_port(int(text), E.VIPU_API_PORT)
-
-
 def choose_partition(settings: VipuSettings, environ: Mapping[str, str],
                      listed: tuple[PartitionInfo, ...], log: Log) -> str:
     """--vipu-partition > IPUOF_VIPU_API_PARTITION_ID > the only partition listed."""
-    if settings.partition:
-        return settings.partition
-    named = environ.get(E.VIPU_API_PARTITION_ID, "").strip()
+    named = named_partition(settings, environ)
     if named:
-        log.info(f"Using V-IPU partition {named} from {E.VIPU_API_PARTITION_ID}")
+        if not settings.partition:
+            log.info(f"Using V-IPU partition {named} from {E.VIPU_API_PARTITION_ID}")
         return named
     if len(listed) == 1:
         log.info(f"Using V-IPU partition {listed[0].name} as it is the only one available")
         return listed[0].name
-    where = f" in allocation {_allocation(settings)}" if _allocation(settings) else ""
+    allocation = settings.allocation_or_cluster
+    where = f" in allocation {allocation}" if allocation else ""
     if not listed:
         raise ConfigError(f"no V-IPU partition exists{where} and none was named: name one with "
                           "--vipu-partition (poprun creates it when it is missing)")
     raise ConfigError(f"{len(listed)} V-IPU partitions exist{where} "
                       f"({', '.join(p.name for p in listed)}): choose one with --vipu-partition")
-
-
-def _allocation(settings: VipuSettings) -> str | None:
-    return settings.allocation or settings.cluster
 
 
 def _in_allocation(listed: tuple[PartitionInfo, ...],
@@ -727,7 +583,7 @@ class _Preparation:
         problems = mismatches(self.required, found)
         if problems:
             return await self._update(problems)
-        if should_reset(self.settings.reset_partition, found):
+        if should_reset(self.settings.reset_partition, found.reconfigurable):
             await self._command("reset", "partition", self.name)
             return await self._wait_active("reset")
         if found.state is PartitionState.ERROR:
@@ -770,7 +626,7 @@ class _Preparation:
                 self.created = False  # refused, or never reached the server
             if exc.kind is not Failure.FAILED:
                 raise
-            where = _allocation(self.settings)
+            where = self.settings.allocation_or_cluster
             raise VipuError(
                 f"could not create V-IPU partition {self.name} ({self.required.size} IPUs, "
                 f"{self.required.num_gcds} GCDs{', allocation ' + where if where else ''}): "
@@ -807,7 +663,7 @@ class _Preparation:
             if out_of_time or (attempts is not None and polls >= attempts):
                 raise VipuError(
                     f"V-IPU partition {self.name} was not ACTIVE after {after} ({polls} polls "
-                    f"in {_seconds(self.settings.server_timeout)} s, last state "
+                    f"in {seconds(self.settings.server_timeout)} s, last state "
                     f"{found.state_text or 'unknown'}); raise --vipu-server-timeout or "
                     "--vipu-partition-attempts if the server is just slow", Failure.NOT_READY)
             await asyncio.sleep(self.settings.poll_interval)

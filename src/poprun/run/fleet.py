@@ -43,6 +43,7 @@ class Fleet:
     def __init__(self, hosts: Sequence[Host], config: LaunchConfig, log: Log,
                  transport: str = "ssh", counts: Mapping[str, int] | None = None) -> None:
         self.hosts, self.config, self.log = tuple(hosts), config, log
+        self._labels = [str(h) for h in self.hosts]
         self.counts = dict(counts or {})  # instances per host label, when known
         self.transport = transport  # "ssh", or "slurm": agents as job steps (spawner.srun)
         self.connections: dict[Host, object] = {}
@@ -175,8 +176,10 @@ class Fleet:
                                   python=self.config.remote_python) for h in hosts]
         self._agent_started.update((h, time.monotonic()) for h in hosts)
         self.spawners.update((s.host, s) for s in spawners)
-        self.spawners = {str(h): self.spawners[str(h)] for h in self.hosts
-                         if str(h) in self.spawners}  # in host order, as planned
+        # In host order, as planned. Agents start one host at a time as each connects, so
+        # this runs once per host: over labels made once, not a label per host each time.
+        self.spawners = {label: self.spawners[label] for label in self._labels
+                         if label in self.spawners}
         stats = STATS_INTERVAL  # the dashboard shows them; the progress watch needs steps
         # Over SSH, the agent is brought where poprun is missing; a Slurm step runs it as is.
         install = self.config.remote_install if self.transport == "ssh" else None

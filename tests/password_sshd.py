@@ -16,7 +16,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,8 +73,8 @@ def start_password_hosts(n: int, tmp_path: Path) -> Iterator[SshHosts]:
     real_write = sshd_hosts._write_sshd_config
 
     def write_config(host: sshd_hosts.SshHost, authorized_keys: Path,
-                     setenv: Mapping[str, str] | None = None) -> None:
-        real_write(host, authorized_keys, setenv)
+                     setenv: Mapping[str, str] | None = None, extra: Sequence[str] = ()) -> None:
+        real_write(host, authorized_keys, setenv, extra)
         config = host.dir / "sshd_config"
         text = config.read_text()
         changed = text.replace("PasswordAuthentication no", "PasswordAuthentication yes").replace(

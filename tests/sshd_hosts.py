@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -38,6 +38,8 @@ __all__ = ["SshClientFiles", "SshHost", "SshHosts", "make_client_files", "proces
            "wait_until"]
 
 READY_TIMEOUT = 10.0
+# 127.0.77.1-254, then 127.0.78.1-254...: each host an address of its own on lo.
+MAX_HOSTS = 4 * 254
 BIND_ATTEMPTS = 5
 # If pytest is killed outright (no teardown), don't leave servers listening forever.
 # setpriv execs sshd in place, so Popen.pid stays sshd's pid. (The death signal fires when the
@@ -187,26 +189,28 @@ def make_client_files(root: Path, host_keys: list[Path]) -> SshClientFiles:
 
 @contextlib.contextmanager
 def start_ssh_hosts(n: int, tmp_path: Path | str,
-                    setenv: Callable[[SshHost], Mapping[str, str]] | None = None
+                    setenv: Callable[[SshHost], Mapping[str, str]] | None = None,
+                    sshd_lines: Callable[[SshHost], Sequence[str]] | None = None
                     ) -> Iterator[SshHosts]:
-    """Start ``n`` sshd servers (h1..hn on 127.0.77.1..n); stop them and clean up on exit.
-    ``setenv(host)``: variables every session on that host gets (sshd's SetEnv), e.g. an
-    XDG_CACHE_HOME of its own, as separate machines would have."""
-    if not 1 <= n <= 254:
-        raise ValueError(f"n must be in 1..254, got {n}")
+    """Start ``n`` sshd servers (h1..hn on 127.0.77.1..254, then 127.0.78.1...); stop them
+    and clean up on exit. ``setenv(host)``: variables every session on that host gets
+    (sshd's SetEnv), e.g. an XDG_CACHE_HOME of its own, as separate machines would have.
+    ``sshd_lines(host)``: more sshd_config lines for that host (``Ciphers ...``)."""
+    if not 1 <= n <= MAX_HOSTS:
+        raise ValueError(f"n must be in 1..{MAX_HOSTS}, got {n}")
     sshd = require_sshd()
     _ensure_privsep_dir()
     root = Path(tempfile.mkdtemp(prefix="sshd-hosts-", dir=tmp_path))
     hosts: list[SshHost] = []
     try:
         hosts = [
-            SshHost(f"h{k}", f"127.0.77.{k}", 0, root / f"h{k}") for k in range(1, n + 1)
+            SshHost(f"h{k}", host_address(k), 0, root / f"h{k}") for k in range(1, n + 1)
         ]
         for host in hosts:
             host.dir.mkdir()
         client = make_client_files(root, [h.dir / "ssh_host_ed25519_key" for h in hosts])
 
-        _start_all(sshd, hosts, client.authorized_keys, setenv)
+        _start_all(sshd, hosts, client.authorized_keys, setenv, sshd_lines)
 
         client.known_hosts.write_text("".join(
             # Keyed the way OpenSSH looks it up: HostName plus non-default port.
@@ -224,7 +228,8 @@ def start_ssh_hosts(n: int, tmp_path: Path | str,
 
 
 def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path,
-               setenv: Callable[[SshHost], Mapping[str, str]] | None = None) -> None:
+               setenv: Callable[[SshHost], Mapping[str, str]] | None = None,
+               sshd_lines: Callable[[SshHost], Sequence[str]] | None = None) -> None:
     """Start every sshd, then wait for all; restart those that lost their port to a race."""
     pending = list(hosts)
     for _ in range(BIND_ATTEMPTS):
@@ -233,7 +238,8 @@ def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path,
             host.log.clear()
             host._listening = False
             host._started.clear()
-            _write_sshd_config(host, authorized_keys, setenv(host) if setenv else {})
+            _write_sshd_config(host, authorized_keys, setenv(host) if setenv else {},
+                               sshd_lines(host) if sshd_lines else ())
             host.proc = subprocess.Popen(
                 [*_DIE_WITH_US, sshd, "-D", "-e", "-f", str(host.dir / "sshd_config")],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -286,11 +292,13 @@ def _stop(host: SshHost) -> None:
 
 
 def _write_sshd_config(host: SshHost, authorized_keys: Path,
-                       setenv: Mapping[str, str] | None = None) -> None:
+                       setenv: Mapping[str, str] | None = None,
+                       extra: Sequence[str] = ()) -> None:
     lines = [
         f"ListenAddress {host.addr}:{host.port}",
         f"PidFile {host.dir / 'sshd.pid'}",
         *sshd_options(host.dir / "ssh_host_ed25519_key", authorized_keys, setenv),
+        *extra,
     ]
     (host.dir / "sshd_config").write_text("\n".join(lines) + "\n")
 
@@ -338,6 +346,11 @@ def _keygen(paths: list[Path]) -> None:
 def _pubkey(private_key: Path) -> str:
     kind, blob = Path(f"{private_key}.pub").read_text().split()[:2]  # drop the comment
     return f"{kind} {blob}"
+
+
+def host_address(k: int) -> str:
+    """Host k's (1-based) loopback address."""
+    return f"127.0.{77 + (k - 1) // 254}.{(k - 1) % 254 + 1}"
 
 
 def _free_port(addr: str) -> int:

@@ -102,6 +102,45 @@ async def test_one_connection_per_host_through_the_users_ssh_config(hosts: SshHo
         await wait_for(lambda: sessions(host) == 0, f"{host.alias}'s session to end")
 
 
+# -- ciphers --------------------------------------------------------------------------------
+
+GCM = "aes128-gcm@openssh.com"
+CHACHA = "chacha20-poly1305@openssh.com"
+
+
+async def ciphers(targets: list[Target]) -> list[tuple[str, str]]:
+    """The cipher each connection negotiated, each way."""
+    async with await connect_all(targets, timeout=SSH_TIMEOUT) as conns:
+        return [(c.get_extra_info("send_cipher"), c.get_extra_info("recv_cipher"))
+                for c in conns.values()]
+
+
+@pytest.mark.timeout(60)
+async def test_aes_gcm_is_chosen_where_the_host_allows_it(hosts: SshHosts) -> None:
+    # sshd's default ciphers put chacha20-poly1305 first, as asyncssh's do; the client's
+    # order decides.
+    assert await ciphers([Target(a) for a in hosts.aliases]) == [(GCM, GCM)] * len(hosts.hosts)
+
+
+@pytest.mark.timeout(60)
+async def test_a_host_that_refuses_aes_gcm_gets_the_next_cipher(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    no_gcm = lambda host: ["Ciphers chacha20-poly1305@openssh.com,aes256-ctr"]  # noqa: E731
+    with start_ssh_hosts(1, tmp_path, sshd_lines=no_gcm) as one:
+        use_home(monkeypatch, one.home)
+        assert await ciphers([Target("h1")]) == [(CHACHA, CHACHA)]
+
+
+@pytest.mark.timeout(60)
+async def test_a_ciphers_line_in_the_users_config_decides(hosts: SshHosts) -> None:
+    config = hosts.ssh_config.read_text()
+    hosts.ssh_config.write_text(config.replace("Host h2\n", "Host h2\n    Ciphers aes256-ctr\n")
+                                .replace("Host h3\n", f"Host h3\n    Ciphers +{GCM}\n"))
+    # h2 names its own; h3 adds to the default (already in it: the order stays ours).
+    assert await ciphers([Target("h1"), Target("h2"), Target("h3")]) == [
+        (GCM, GCM), ("aes256-ctr", "aes256-ctr"), (GCM, GCM)]
+
+
 @pytest.mark.timeout(60)
 async def test_default_key_and_known_hosts_without_a_config_entry(hosts: SshHosts) -> None:
     h2 = hosts.hosts[1]

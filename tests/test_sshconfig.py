@@ -47,6 +47,9 @@ Host jump
     HostName 192.0.2.1
     User jumper
 
+Host one two,three [four]
+    Port 2204
+
 Host behind-*
     ProxyJump jump
     User=bob
@@ -107,7 +110,8 @@ Host extra
 }
 
 HOSTS = ["web1", "web-bad", "db-1", "db-10", "db-22", "jump", "behind-a", "cmd", "tagged-1",
-         "xhost", "early-3", "late", "extra", "plain", "10.1.0.7", "quoted name"]
+         "xhost", "early-3", "late", "extra", "plain", "10.1.0.7", "quoted name", "one",
+         "three", "[four]", "four", "on"]
 
 
 @pytest.fixture
@@ -183,6 +187,7 @@ def test_installed_for_this_asyncssh() -> None:
     `_parse` is compared with the new code and its digest added."""
     assert sshconfig.install(asyncssh)
     assert SSHClientConfig.parse is sshconfig._parse
+    assert sshconfig._match_host is SSHClientConfig._match_host  # its Host lines: ours too
     assert asyncssh.config.SSHServerConfig.parse is SSHConfig.parse  # servers' parse untouched
 
 
@@ -253,7 +258,9 @@ def test_user_and_port_given_by_the_caller(home: Path, host: str) -> None:
 ])
 def test_errors_are_asyncssh_s(home: Path, line: str, where: str) -> None:
     config = home / ".ssh" / "config"
-    config.write_text(f"Host nomatch\n    Port 1\n\n# a comment\nHost target\n    {line}\n")
+    # Behind a line of its block: a host the block does not apply to skips up to it only.
+    config.write_text(f"Host nomatch\n    Port 1\n\n# a comment\nHost target\n    User u\n"
+                      f"    {line}\n    Port 3\n")
     target = assert_same("target")
     assert raised(target), target
     other = assert_same("other")
@@ -281,6 +288,24 @@ def test_lines_are_split_once_for_all_hosts(home: Path, monkeypatch: pytest.Monk
              for line in path.read_text().splitlines()
              if line.strip() and not line.strip().startswith("#")]
     assert sorted(calls) == sorted(line.strip() for line in lines)
+
+
+def test_host_lines_are_matched_without_a_pattern_per_host(home: Path) -> None:
+    """A config naming every host of a cluster: each host's options as asyncssh derives
+    them, its `Host` lines matched by name, the wildcard ones' patterns made once."""
+    names = [f"n{k}" for k in range(64)]
+    (home / ".ssh" / "config").write_text("".join(
+        f"Host {name} alias-{name}\n    Port {2000 + k}\n    User u{k}\n"
+        for k, name in enumerate(names)) + "Host n1? !n13\n    Compression yes\n"
+        "Host *\n    ConnectTimeout 5\n")
+    sshconfig._host_patterns.cache_clear()
+    for k, name in enumerate(names):
+        got = assert_same(name)
+        assert (got["port"], got["username"]) == (2000 + k, f"u{k}")
+    made = sshconfig._host_patterns.cache_info()
+    assert made.misses == 2  # "n1? !n13" and "*", not one per host and line
+    assert options("n12", sshconfig._parse)["config"][1]["Compression"] is True
+    assert "Compression" not in options("n13", sshconfig._parse)["config"][1]
 
 
 def test_the_cache_stays_small(home: Path) -> None:

@@ -109,7 +109,7 @@ from typing import Any, NoReturn
 from popdist.env import SSH_CONNECTION_COPY
 from poprun._version import __version__
 
-from . import procid, stackdump
+from . import fdlimit, procid, stackdump
 from .binding import read_binding
 from .containment import become_subreaper
 from .lifeline import Lifeline
@@ -160,9 +160,17 @@ def hello_reply(request: dict[str, Any]) -> dict[str, Any]:
         # What instances here inherit before the launcher's additions (poprun --check).
         "environ": instance_environ({}, ()),
         "boot_id": procid.boot_id(),  # with STARTED's start: which process a pid is
+        # The open-file limit instances here are held under (raised to the hard one at the
+        # agent's start): the launcher refuses a host it cannot hold (spawner/fdlimit.py).
+        "open_files": _open_files(),
         # Asked for when the user chose a network (poprun/plan/network.py).
         "interfaces": _interfaces() if request.get("interfaces") else None,
     }
+
+
+def _open_files() -> list[int]:
+    limits = fdlimit.limits()
+    return [limits.soft, limits.hard]
 
 
 def _reached_at(ssh_connection: str) -> str | None:
@@ -691,6 +699,7 @@ def _run(initial: bytes) -> int:
         _log("stdin must be a pipe or a socket: poprun starts the agent over SSH")
         return 2
     in_fd, out_fd = _claim_stdio()
+    fdlimit.raise_soft_limit()  # its hard limit is what the launcher checks (hello_reply)
     become_subreaper()  # what an instance leaves behind comes back to the agent
     lifeline = Lifeline()  # forked first: the watchdog copies the smallest process
     try:

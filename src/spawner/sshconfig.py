@@ -29,6 +29,7 @@ texts (asyncssh's own SSHKnownHosts, only matched against afterwards); again onl
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import linecache
 import shlex
@@ -41,6 +42,11 @@ from typing import Any, NamedTuple
 KNOWN_PARSE_SHA256 = frozenset({
     "8809c434443397c9df04e87dd30d9188e2dde502b7d88c61d65f8f5dd10488cf",
 })
+# sha256 of asyncssh's SSHClientConfig._match_host source (asyncssh 2.19.0 to 2.24.1), which
+# `_parse` does itself for a `Host` line (`_host_matches`).
+KNOWN_MATCH_HOST_SHA256 = frozenset({
+    "8c64d71b506808f371c1f06f2dec92e06be6933a5dac920b16028d4f325e912f",
+})
 # sha256 of asyncssh's read_known_hosts source (asyncssh 2.14.0 to 2.24.1).
 KNOWN_READ_KNOWN_HOSTS_SHA256 = frozenset({
     "bb015e1b0fded2a98fa8e2f73fbe07f270bb246cf09ebb1a59905bcc84c21184",
@@ -48,6 +54,8 @@ KNOWN_READ_KNOWN_HOSTS_SHA256 = frozenset({
 # Distinct texts kept (config files per SSHConfig class; known_hosts file lists): a launch has
 # one or a few (Include, UserKnownHostsFile with several files).
 MAX_CACHED = 32
+# Distinct `Host` patterns kept (a config's wildcard lines: `*`, `*.cluster`, `gpu-??`...).
+MAX_PATTERNS = 4096
 
 
 class _Line(NamedTuple):
@@ -57,10 +65,17 @@ class _Line(NamedTuple):
     option: str  # the keyword, lower case ('' if the line failed to split)
     args: tuple[str, ...]
     error: str | BaseException | None  # what splitting it raised: asyncssh raises it there
+    # Where the next line that must be looked at is (a condition, or an error): the lines
+    # up to it belong to this line's block, which a host it does not apply to skips whole.
+    skip: int = 0
+    # A `Host` line's names when none is a pattern (no `*`, `?`, `!`): those it matches.
+    hosts: frozenset[str] | None = None
 
 
 _cache: dict[tuple[type, str], tuple[_Line, ...]] = {}
 _logger: Any = None  # asyncssh's config logger, set by install
+_match_host: Any = None  # asyncssh's SSHClientConfig._match_host, where it is the known code
+_host_patterns: Any = None  # asyncssh's WildcardPatternList, made once per pattern (install)
 
 
 def install(asyncssh: Any) -> bool:
@@ -76,8 +91,11 @@ def _install_config(asyncssh: Any) -> bool:
     if config.SSHClientConfig.parse is not config.SSHConfig.parse or \
             _source_sha256(config.SSHConfig.parse) not in KNOWN_PARSE_SHA256:
         return False
-    global _logger
+    global _logger, _match_host, _host_patterns
     _logger = config.logger
+    if _source_sha256(config.SSHClientConfig._match_host) in KNOWN_MATCH_HOST_SHA256:
+        _match_host = config.SSHClientConfig._match_host
+        _host_patterns = functools.lru_cache(maxsize=MAX_PATTERNS)(config.WildcardPatternList)
     config.SSHClientConfig.parse = _parse
     return True
 
@@ -102,7 +120,7 @@ def _lines(cls: type, path: Path) -> tuple[_Line, ...]:
     key = (cls, text)
     lines = _cache.get(key)
     if lines is None:
-        lines = tuple(_split(cls, text))
+        lines = _indexed(cls, tuple(_split(cls, text)))
         if len(_cache) >= MAX_CACHED:
             _cache.clear()
         _cache[key] = lines
@@ -151,8 +169,37 @@ def _split(cls: type, text: str) -> Any:
         yield _Line(line_no, loption, tuple(args), None)
 
 
+def _indexed(cls: type, lines: tuple[_Line, ...]) -> tuple[_Line, ...]:
+    """The lines with what spares work per host: where each block ends (`skip`), and the
+    names of each `Host` line without patterns (`hosts`)."""
+    conditionals = cls._conditionals  # type: ignore[attr-defined]
+    out: list[_Line] = []
+    stop = len(lines)
+    for index in range(len(lines) - 1, -1, -1):  # from the end: each line's next stop
+        line = lines[index]
+        hosts = None
+        if line.option == "host" and line.error is None and not any(
+                c in arg for arg in line.args for c in "*?!"):
+            hosts = frozenset(",".join(line.args).split(","))
+        out.append(line._replace(skip=stop, hosts=hosts))
+        if line.option in conditionals or line.error is not None:
+            stop = index
+    return tuple(reversed(out))
+
+
+def _host_matches(self: Any, line: _Line) -> None:
+    """asyncssh's SSHClientConfig._match_host for a `Host` line: names without a pattern
+    match only themselves (fnmatch, once `[` and `]` are escaped as asyncssh does), the
+    others through asyncssh's own pattern list, made once per pattern."""
+    if line.hosts is not None:
+        self._matching = self._orig_host in line.hosts
+    else:
+        self._matching = _host_patterns(",".join(line.args)).matches(self._orig_host)
+
+
 def _parse(self: Any, path: Path) -> None:
-    """asyncssh's SSHConfig.parse (2.19-2.24), its lines split by `_lines`."""
+    """asyncssh's SSHConfig.parse (2.19-2.24), its lines split by `_lines`; a block that
+    does not apply to this host skipped whole, `Host` lines matched by `_host_matches`."""
     self._path = path
     self._line_no = 0
     self._matching = True
@@ -160,7 +207,11 @@ def _parse(self: Any, path: Path) -> None:
 
     _logger.debug1('Reading config from "%s"', path)
 
-    for line in _lines(type(self), path):
+    lines = _lines(type(self), path)
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        index += 1
         self._line_no = line.number
         if isinstance(line.error, str):
             self._error(line.error)
@@ -168,6 +219,7 @@ def _parse(self: Any, path: Path) -> None:
             raise type(line.error)(*line.error.args)
 
         if not self._matching and line.option not in self._conditionals:
+            index = line.skip  # the rest of its block: no condition, no error
             continue
 
         try:
@@ -178,6 +230,10 @@ def _parse(self: Any, path: Path) -> None:
         args = list(line.args)  # the handlers consume it
         if not args:
             self._error(f"Missing {option} value")
+
+        if handler is _match_host and _match_host is not None:
+            _host_matches(self, line)
+            continue
 
         handler(self, option, args)
 

@@ -18,6 +18,7 @@ from poprun.cli.options import (BY_LONG, Parsed, build_config, listed_hosts, npe
 from poprun.crash import INTERNAL_ERROR_STATUS, report_internal_error
 from poprun.errors import ConfigError, InternalError, PoprunError
 from poprun.plan.config import LaunchConfig
+from spawner import fdlimit
 
 
 def export_config(config: LaunchConfig, path: str, overwrite: bool) -> str:
@@ -122,6 +123,9 @@ def _main(argv: list[str]) -> int:
 
         return action(parsed)
     values = parsed.values
+    # Each host and instance holds descriptors here: the soft limit (often 1,024) must not
+    # be what stops a large job when the hard one can hold it (spawner/fdlimit.py).
+    fdlimit.raise_soft_limit()
     for name in ("export_config", "import_config", "host_file", "result_json"):
         if values.get(name) == "":
             raise ConfigError(f"--{name.replace('_', '-')} needs a file name, got \"\"")

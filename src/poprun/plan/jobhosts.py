@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 
+from spawner import fdlimit
 from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 from poprun.errors import ConfigError
@@ -56,6 +57,17 @@ class JobHosts:
         listed = ", ".join(f"{label} ({n})" for label, n in zip(self.labels, self.counts))
         over = f", over {self.transport}" if self.remote else ""
         return f"{listed} from {self.source}{over}"
+
+    def open_files_here(self, output_files: bool) -> int:
+        """Descriptors the launcher holds at once for this job (spawner/fdlimit.py): a
+        connection per remote host, each local instance's, with `output_files` every
+        instance's files."""
+        return fdlimit.launcher_need(len(self.remote), self.local_instances,
+                                     sum(self.counts) if output_files else 0)
+
+    @property
+    def local_instances(self) -> int:
+        return sum(n for label, n in zip(self.labels, self.counts) if label not in self.remote)
 
     @property
     def any_local(self) -> bool:

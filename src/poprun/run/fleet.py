@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from spawner import fdlimit
 from spawner.local import Sink
 from spawner.remote import RemoteError, RemoteSpawner, agent_command
 from spawner.ssh import DEFAULT_FANOUT, ConnectResults, HostFailure, close_all, connect_each
@@ -40,8 +41,10 @@ class Fleet:
     """Connections and agents, by host label (`str(host)`)."""
 
     def __init__(self, hosts: Sequence[Host], config: LaunchConfig, log: Log,
-                 transport: str = "ssh") -> None:
+                 transport: str = "ssh", counts: Mapping[str, int] | None = None) -> None:
         self.hosts, self.config, self.log = tuple(hosts), config, log
+        self._labels = [str(h) for h in self.hosts]
+        self.counts = dict(counts or {})  # instances per host label, when known
         self.transport = transport  # "ssh", or "slurm": agents as job steps (spawner.srun)
         self.connections: dict[Host, object] = {}
         self.spawners: dict[str, RemoteSpawner] = {}
@@ -55,7 +58,7 @@ class Fleet:
     def of(cls, hosts: JobHosts, config: LaunchConfig, log: Log) -> Fleet:
         """The job's hosts that need a connection, over the transport JobHosts chose."""
         return cls([h for h in hosts.hosts if str(h) in hosts.remote], config, log,
-                   hosts.transport)
+                   hosts.transport, dict(zip(hosts.labels, hosts.counts)))
 
     def start_steps(self) -> None:
         """Over Slurm, each node's agent step created now (SrunConnection.start), before
@@ -157,7 +160,7 @@ class Fleet:
         outcomes = await self._agents(hosts, sink, on_lost, cwd=cwd, program=program,
                                       path=path, view=view)
         spawners = [self.spawners[str(h)] for h in hosts]
-        problems = [_problem(spawner, outcome, cwd, program)
+        problems = [_problem(spawner, outcome, cwd, program, self.counts.get(spawner.host, 0))
                     for spawner, outcome in zip(spawners, outcomes)]
         if any(problems):
             raise LaunchError("\n".join(p for p in problems if p))
@@ -173,8 +176,10 @@ class Fleet:
                                   python=self.config.remote_python) for h in hosts]
         self._agent_started.update((h, time.monotonic()) for h in hosts)
         self.spawners.update((s.host, s) for s in spawners)
-        self.spawners = {str(h): self.spawners[str(h)] for h in self.hosts
-                         if str(h) in self.spawners}  # in host order, as planned
+        # In host order, as planned. Agents start one host at a time as each connects, so
+        # this runs once per host: over labels made once, not a label per host each time.
+        self.spawners = {label: self.spawners[label] for label in self._labels
+                         if label in self.spawners}
         stats = STATS_INTERVAL  # the dashboard shows them; the progress watch needs steps
         # Over SSH, the agent is brought where poprun is missing; a Slurm step runs it as is.
         install = self.config.remote_install if self.transport == "ssh" else None
@@ -354,7 +359,8 @@ async def _start_agent(spawner: RemoteSpawner, view, install, python, log, **hel
     return info
 
 
-def _problem(spawner: RemoteSpawner, outcome: object, cwd: str, program: str) -> str | None:
+def _problem(spawner: RemoteSpawner, outcome: object, cwd: str, program: str,
+             instances: int) -> str | None:
     if isinstance(outcome, RemoteError):
         return str(outcome)
     if isinstance(outcome, BaseException):
@@ -365,4 +371,19 @@ def _problem(spawner: RemoteSpawner, outcome: object, cwd: str, program: str) ->
     if info.program is None:
         return (f"{spawner.host}: program {program!r} not found or not executable there "
                 f"(looked in PATH and in {cwd})")
-    return None
+    return _open_files_problem(spawner.host, info.raw.get("open_files"), instances)
+
+
+def _open_files_problem(host: str, reported: object, instances: int) -> str | None:
+    """The agent's open-file limit (HELLO's `open_files`: soft, hard, the soft one raised
+    already) against what its instances need; an agent that did not say is not checked."""
+    if not (isinstance(reported, list) and len(reported) == 2
+            and all(type(n) is int for n in reported)):
+        return None
+    need, (soft, hard) = fdlimit.agent_need(instances), reported
+    if not fdlimit.shortfall(need, soft):
+        return None
+    return (f"{host}: its {instances} instances need at least {need} open files in the "
+            f"poprun agent there ({fdlimit.PER_INSTANCE} each), but its open-file limit "
+            f"(ulimit -n) is {fdlimit.Limits(soft, hard).describe()}: raise the hard limit "
+            f"there (limits.conf nofile, or sshd's), or run fewer instances per host")

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from popdist.env import EXECUTABLE_CACHE_PATH
-from spawner import containment, procid
+from spawner import containment, fdlimit, procid
 from spawner.cpulist import format_cpu_list
 from spawner.lifeline import Lifeline
 from spawner.local import resolve_program
@@ -198,6 +198,26 @@ async def launch(config: LaunchConfig, *, stdout_fd: int = 1, stderr_fd: int = 2
     return session.result()
 
 
+def _check_open_files(hosts: JobHosts, config: LaunchConfig) -> None:
+    """Refuse, before the first connection, a job whose descriptors this process's open-file
+    limit cannot hold (the poprun command raised its soft limit to the hard one already)."""
+    output_files = config.effective_output_filename is not None
+    need = hosts.open_files_here(output_files)
+    limit = fdlimit.limits()
+    if not fdlimit.shortfall(need, limit.soft):
+        return
+    parts = [f"{n} {what}: {each} each" for n, what, each in (
+        (len(hosts.remote), "remote hosts", fdlimit.PER_CONNECTION),
+        (hosts.local_instances, "local instances", fdlimit.PER_INSTANCE),
+        (sum(hosts.counts) if output_files else 0, "instances' output files",
+         fdlimit.PER_OUTPUT_FILES)) if n]
+    raise LaunchError(
+        f"this job needs at least {need} open files in poprun ({'; '.join(parts)}), but its "
+        f"open-file limit (ulimit -n) is {limit.describe()}: raise the hard limit "
+        f"(limits.conf nofile, systemd LimitNOFILE=), or run fewer hosts or instances per "
+        f"launch")
+
+
 class _Guard:
     """Makes every unexpected exception of a launch stop it. The loop's exception handler
     (where asyncio sends what a callback raises: a pipe reader, a timer, a signal handler)
@@ -300,6 +320,7 @@ class _Session:
         self.hosts = JobHosts.of(config, self.environ)
         self.program, self.mode = preflight(config, self.environ, self.cwd,
                                             resolve=self.hosts.any_local)
+        _check_open_files(self.hosts, config)
         for ignored in config.mpi.ignored:
             log.info(f"ignoring mpirun argument {ignored!r}: poprun does not use MPI")
         for name in INERT_FIELDS:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import enum
 import errno
 import fcntl
-import json
 import os
 import shutil
 import signal
@@ -35,6 +34,7 @@ from . import containment
 from .binding import bound
 from .containment import Cgroups
 from .lifeline import Lifeline
+from .untrusted import read_regular
 from .uncompiled import dataclass
 
 # Each instance's pipes are grown to this (F_SETPIPE_SZ; the kernel's default is 64 KiB): per
@@ -236,13 +236,14 @@ class LocalSpawner:
                 if token and self._cgroups is not False else None}
 
     def _read_error(self, key: int) -> None:
-        path = os.path.join(self._error_dir, f"{key}.json") if self._error_dir else None
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_ERROR_FILE)
-            self.errors[key] = json.loads(data)
-        except (OSError, TypeError, ValueError):  # none written (or a broken one)
-            pass
+        if self._error_dir is None:
+            return
+        from popdist.errorfile import parse  # only for an instance that failed
+
+        data = read_regular(os.path.join(self._error_dir, f"{key}.json"), MAX_ERROR_FILE)
+        error = parse(data) if data is not None else None
+        if error is not None:  # else none written (or a broken one)
+            self.errors[key] = error
 
     def reserve(self, keys: Iterable[int]) -> None:
         """Get ready to spawn the processes `keys` (the caller's batch, before its first
@@ -425,9 +426,9 @@ class LocalSpawner:
         called it (popdist/_progress.py)."""
         if self._error_dir is None:
             return None
-        from popdist._progress import read  # only when a watch samples it
+        from popdist._progress import LAYOUT, unpack  # only when a watch samples it
 
-        return read(self._progress_file(key))
+        return unpack(read_regular(self._progress_file(key), LAYOUT.size) or b"")
 
     def pid(self, key: int) -> int:
         return self._children[key].proc.pid

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun
+from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, run_poprun_peak
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,6 +94,44 @@ def test_idle_connections_cannot_use_up_the_launchers_descriptors():
     err = proc.stderr.decode(errors="replace")
     assert proc.returncode == 0, err[-2000:]
     assert b"answer: HTTP/1.1 404" in proc.stdout, proc.stdout[-500:]
+
+
+# Ten PUTs of 60 MB (refused before their bodies are read), then 64 KiB values under new keys
+# until the store is full: poprun's memory stays what it was, give or take the store.
+FLOOD = """
+import os, socket
+address = (os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"],
+           int(os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"]))
+
+def put(key, size, body=True):
+    s = socket.create_connection(address, timeout=30)
+    s.sendall(b"PUT /flood/%d HTTP/1.1\\r\\nContent-Length: %d\\r\\n\\r\\n" % (key, size))
+    try:
+        if body:
+            s.sendall(b"x" * size)
+    except OSError:  # refused and closed before the body was read
+        pass
+    reply = s.recv(100)
+    s.close()
+    return reply.split(b" ")[1] if reply else b""
+
+refused = [put(i, 60_000_000, body=False) for i in range(10)]
+stored = 0
+while put(1000 + stored, 65536) == b"200":
+    stored += 1
+print("refused:", b",".join(sorted(set(refused))).decode(), "stored:", stored, flush=True)
+"""
+
+
+def test_what_the_rendezvous_stores_is_bounded():
+    proc, peak = run_poprun_peak(*n(2), sys.executable, "-c",
+                                 f"import os\nif os.environ['PMI_RANK'] == '0':\n"
+                                 f"    exec({FLOOD!r})", timeout=90)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
+    flood = proc.stdout.decode().split()
+    assert flood[:2] == ["refused:", "413"], flood
+    assert 100 < int(flood[3]) <= (16 << 20) // 65536, flood  # MAX_STORE's worth at most
+    assert peak < 100 * 1024, f"poprun's peak RSS {peak} KiB"  # ~24 MiB idle, 16 MiB stored
 
 
 # --- MPI_Abort ----------------------------------------------------------------------------------

@@ -621,6 +621,32 @@ def test_a_helper_that_escapes_at_once_dies_with_a_sigkilled_poprun(tmp):
         wait_until(lambda: not processes_with(mark), "the helpers to die with the job", 20)
 
 
+@pytest.mark.timeout(120)
+def test_without_cgroups_a_helper_that_left_group_and_mark_dies_with_a_sigkilled_poprun(tmp):
+    """No cgroup (POPRUN_CGROUPS=0, as for a user without a delegated subtree): a helper in a
+    new session with an empty environment carries neither the group nor the mark, and once
+    poprun is SIGKILLed its ancestry is gone too. The watchdog learnt it while poprun lived
+    (every TRACK_EVERY seconds) and kills it (it lived on in 4 of 4 runs before)."""
+    from spawner.lifeline import TRACK_EVERY
+
+    for _ in range(3):
+        mark = marker()
+        helper = f"{shlex.join(['env', '-i', PY, '-c', SLEEPER])} {mark}-hel''per"
+        script = f"( setsid {helper} & ); exec {shlex.join([PY, '-c', SLEEPER, mark])}"
+        job = subprocess.Popen(poprun_argv(*OFFLINE, "--num-instances=4", "--num-replicas=4",
+                                           "sh", "-c", script),
+                               env=poprun_env({**tmp, "POPRUN_CGROUPS": "0"}),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_until(lambda: len(processes_with(f"{mark}-helper")) == 4, "the helpers", 30)
+            # The documented window: a helper younger than one walk of the tree may escape.
+            time.sleep(3 * TRACK_EVERY)
+        finally:
+            job.kill()
+            job.wait()
+        wait_until(lambda: not processes_with(mark), "the helpers to die with the job", 20)
+
+
 def test_a_stop_signal_inside_a_finalizer_is_acted_on_not_printed():
     """A stop signal whose Stopped lands where Python can only print it (here a weakref
     callback, as the import system's module-lock cleanup is: seen once as "Exception ignored
@@ -675,7 +701,7 @@ def test_the_session_does_not_wait_for_zombies_no_watcher_reaps():
     process of its own: this one's other children (fixtures') are not the point."""
     program = """
 import asyncio, os, time
-from spawner import containment
+from spawner import containment, procid
 containment.HELPERS_REAPED_TIMEOUT = 60.0
 pid = os.fork()
 if pid == 0:
@@ -683,7 +709,7 @@ if pid == 0:
 while open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
     time.sleep(0.01)  # bounded by the test's timeout
 asyncio.run(asyncio.wait_for(containment.helpers_reaped(), 30))
-print(pid in containment.children())
+print(pid in procid.children())
 """
     proc = subprocess.run([PY, "-c", program], capture_output=True, text=True, timeout=60,
                           env=poprun_env())

@@ -20,6 +20,16 @@ nothing from it for `timeout` SIGKILLs it and cleans up as after its death. The 
 this with its host timeout: poprun declares a silent host lost after that long, and what the
 agent started on its host must not outlive it (issue 26).
 
+Without a cgroup, a helper that left the process group *and* dropped the mark (`setsid env
+-i ...`) can be found only through its ancestry, and only while the owner (the subreaper)
+lives: once the owner is gone it is re-parented away. An owner without cgroups therefore asks
+the watchdog to learn its descendants (`track_descendants`): every `TRACK_EVERY` seconds the
+watchdog walks the owner's process tree and keeps each process with its start time; if the
+owner dies it freezes those still running (SIGSTOP, checked by start time through a pidfd, so
+a reused pid is never touched), adds what they started meanwhile, and kills them all. A helper
+started less than `TRACK_EVERY` before the owner's death, whose parent died with the owner's
+instances, is the one that can still escape.
+
 Why a fork and not PR_SET_PDEATHSIG: a death signal reaches only the direct child, not the
 dataloader workers it started, and setting it needs code between fork and exec, which forces
 the slow spawn path (docs/architecture.md, "Measured reasons"). One watchdog per launcher
@@ -35,8 +45,12 @@ import signal
 import time
 
 from .containment import MARK, helpers_mark, kill_marked, remove_tree
+from .procid import descendants, start_ticks
 
 RESWEEP_DELAY = 0.05  # seconds between the watchdog's two sweeps for marked processes
+# Seconds between the watchdog's walks of its owner's tree, when asked to (no cgroups): a walk
+# reads two small /proc files per process below the owner (~0.1 ms for a job of 8 here).
+TRACK_EVERY = 0.1
 _OWNER_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
@@ -116,6 +130,11 @@ class Lifeline:
     def discard_mpi_world(self, kvsname: str) -> None:
         self._send(b"x" + os.fsencode(kvsname) + b"\0")
 
+    def track_descendants(self) -> None:
+        """From now on the watchdog learns the owner's descendants, to kill those still
+        running if the owner dies (for an owner whose instances have no cgroup)."""
+        self._send(b"a\n")
+
     def expect_beats(self, timeout: float) -> None:
         """From now on, an owner silent for `timeout` seconds is stuck: the watchdog kills it
         and cleans up. Any message counts; `beat()` when there is nothing else to say."""
@@ -152,14 +171,28 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
     worlds: set[bytes] = set()
     closed: list[bool] = []  # the owner said goodbye: it has cleaned up after itself
     beats: list[float] = []  # the owner's beat timeout, once it asked to be watched
+    tracking: list[bool] = []  # the owner asked for its descendants to be learnt
+    known: dict[int, int] = {}  # its descendants so far: pid -> start time
     pending = b""
-    while (chunk := _read(read_fd, beats[-1] if beats else None)) is not None:
+    heard = walked = time.monotonic()
+    while True:
+        now = time.monotonic()
+        if beats and now - heard >= beats[-1]:  # silent past its timeout: frozen or stuck
+            _kill_owner(owner)
+            break
+        if tracking and now - walked >= TRACK_EVERY:
+            _learn(owner, known)
+            walked = now
+        chunk = _read(read_fd, _wait(now, heard, beats, walked if tracking else None))
+        if chunk is None:
+            continue
         if not chunk:  # EOF: the owner is gone
             break
+        heard = time.monotonic()
         pending += chunk
-        pending = _apply(pending, groups, dirs, cgroups, closed, worlds, beats)
-    else:  # silent past its timeout: frozen or stuck; no one else will stop it
-        _kill_owner(owner)
+        pending = _apply(pending, groups, dirs, cgroups, closed, worlds, beats, tracking)
+    if known and not closed:  # before the groups: their members' helpers keep their parents
+        _kill_known(known)
     for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)
@@ -186,6 +219,66 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
             remove_mpich_shm(os.fsdecode(kvsname))
 
 
+def _wait(now: float, heard: float, beats: list[float], walked: float | None) -> float | None:
+    """How long the watchdog may wait for its owner's next bytes: until the owner's beat is
+    overdue, or the next walk of its tree is (None: for ever)."""
+    until = [at for at in (heard + beats[-1] if beats else None,
+                           walked + TRACK_EVERY if walked is not None else None)
+             if at is not None]
+    return max(0.0, min(until) - now) if until else None
+
+
+def _learn(owner: int, known: dict[int, int]) -> None:
+    """Add the owner's descendants now to `known`, and forget those that ended."""
+    found = descendants([owner])
+    found.pop(os.getpid(), None)  # the watchdog is the owner's child too
+    for pid, ticks in list(known.items()):
+        if pid not in found and start_ticks(pid) != ticks:
+            del known[pid]
+    known.update(found)
+
+
+def _kill_known(known: dict[int, int]) -> None:
+    """SIGKILL what the owner's tree held: each process first frozen (SIGSTOP) where it is
+    still the one that started at its recorded time, then what the frozen ones started meanwhile,
+    until nothing new appears; then all of them at once. Through pidfds: a pid reused since
+    is never signalled."""
+    frozen: dict[int, int] = {}
+    new = dict(known)
+    for _ in range(8):  # a fork bomb must not hold the watchdog: what it froze still dies
+        for pid, ticks in new.items():
+            fd = _pidfd(pid, ticks)
+            if fd is not None:
+                _send(fd, signal.SIGSTOP)
+                frozen[pid] = fd
+        new = {pid: ticks for pid, ticks in descendants(frozen).items() if pid not in frozen}
+        if not new:
+            break
+    for fd in frozen.values():
+        _send(fd, signal.SIGKILL)
+        os.close(fd)
+
+
+def _pidfd(pid: int, ticks: int) -> int | None:
+    """A pidfd of `pid` if it is still the process that started at `ticks` (checked after
+    the pidfd is open: from then on the pidfd names that one process)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    if start_ticks(pid) == ticks:
+        return fd
+    os.close(fd)
+    return None
+
+
+def _send(pidfd: int, signum: int) -> None:
+    try:
+        signal.pidfd_send_signal(pidfd, signum)
+    except OSError:
+        pass
+
+
 def _read(fd: int, timeout: float | None) -> bytes | None:
     """The owner's next bytes (b"": EOF), or None when it said nothing for `timeout` s."""
     if timeout is not None:
@@ -208,11 +301,12 @@ def _kill_owner(owner: int) -> None:
 
 
 def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],
-           closed: list[bool], worlds: set[bytes], beats: list[float]) -> bytes:
+           closed: list[bool], worlds: set[bytes], beats: list[float],
+           tracking: list[bool]) -> bytes:
     """Apply every complete message in `buf`; return the incomplete rest."""
     while buf:
         kind = buf[:1]
-        end = buf.find(b"\n" if kind in b"+-qtb" else b"\0")
+        end = buf.find(b"\n" if kind in b"+-qtba" else b"\0")
         if end < 0:
             return buf
         body, buf = buf[1:end], buf[end + 1:]
@@ -234,5 +328,7 @@ def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],
             closed.append(True)
         elif kind == b"t":
             beats.append(float(body))
+        elif kind == b"a":
+            tracking.append(True)
         # b"b", a beat: its arrival is the news
     return buf

@@ -154,6 +154,7 @@ class LocalSpawner:
         self._error_dir: str | None = None
         wanted = cgroups and os.environ.get(containment.CGROUPS_SWITCH) != "0"
         self._cgroups: Cgroups | bool | None = None if wanted and lifeline else False
+        self._tracking = False  # the lifeline learns the instances' descendants (no cgroups)
         self._pipe_growth = 0  # bytes the grown pipes hold above the default (PIPE_GROWTH_BUDGET)
         self._read_buffer = bytearray(READ_SIZE)  # every pipe is read into it (_on_readable)
         # A memory binding was asked for but this host cannot do it (no libnuma): the
@@ -176,6 +177,9 @@ class LocalSpawner:
 
         env.update(stackdump.instance_env(env[ERROR_FILE], env))  # popdist/_stacks.py
         argv = self._contained(spec, env)
+        if self._lifeline and not self._tracking and not self._has_cgroups():
+            self._lifeline.track_descendants()  # its helpers are found by ancestry only
+            self._tracking = True
         with bound(spec.cpus, spec.mems) as memory_bound:
             proc = subprocess.Popen(
                 argv, env=env, cwd=spec.cwd,

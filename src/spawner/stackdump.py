@@ -30,6 +30,7 @@ from typing import Any
 from popdist._stacks import signal_number
 from popdist.env import DEFAULT_STACKS_SIGNAL, STACKS_FILE, STACKS_SIGNAL
 
+from .procid import children
 from .untrusted import open_regular, read_regular
 
 
@@ -188,7 +189,7 @@ def _python_process(pid: int) -> int | None:
         for candidate in level:
             if _is_python(candidate):
                 return candidate
-        level = [child for parent in level for child in _children(parent)]
+        level = [child for parent in level for child in sorted(children(parent))]
         if not level:
             break
     return None
@@ -200,17 +201,6 @@ def _is_python(pid: int) -> bool:
     except OSError:
         return False
     return exe.startswith(("python", "pypy"))
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return found
 
 
 def _environ(pid: int) -> dict[str, str]:

@@ -45,13 +45,18 @@ def hexed(data: bytes) -> str:
     return data.hex()
 
 
+def wire(words: list[bytes]):
+    """Byte strings made of random bytes and the protocol's own words, in any order."""
+    return st.lists(st.one_of(st.binary(max_size=40), st.sampled_from(words)),
+                    max_size=30).map(b"".join)
+
+
 # --- the PMI-1 wire ---------------------------------------------------------------------------
 
 PMI_WORDS = [b"cmd=", b"init", b"pmi_version=1", b"pmi_subversion=1", b"put", b"get",
              b"barrier_in", b"finalize", b"abort", b"exitcode=", b"message=", b"key=",
              b"value=", b"kvsname=", b" ", b"\\", b"=", b"\n", b"\r", b"\x00", b"\xff"]
-pmi_lines = st.lists(st.one_of(st.binary(max_size=40), st.sampled_from(PMI_WORDS)),
-                     max_size=30).map(b"".join)
+pmi_lines = wire(PMI_WORDS)
 
 
 @FAST
@@ -130,8 +135,7 @@ HTTP_WORDS = [b"GET", b"PUT", b"DELETE", b"POST", b" ", b"/", b"/global/0", b"HT
               b"HTTP/1.0", b"\r\n", b"\r\n\r\n", b"Content-Length:", b"Transfer-Encoding:",
               b"-5", b"0", b"136", b"65537", b"99999999999999999999", b"abc", b"\xb2",
               b"\x00", b"\xff", b":"]
-requests = st.lists(st.one_of(st.binary(max_size=30), st.sampled_from(HTTP_WORDS)),
-                    max_size=30).map(b"".join)
+requests = wire(HTTP_WORDS)
 
 
 @FAST

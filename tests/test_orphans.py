@@ -604,21 +604,28 @@ def test_a_helper_that_escapes_at_once_dies_with_a_sigkilled_poprun(tmp):
     if not cgroups_here():
         pytest.skip("no writable cgroup v2 subtree here")
     for _ in range(10):
-        mark = marker()
-        # `-hel''per`: the shell makes the helper's marker, which poprun's own command line
-        # (holding this script) then does not carry.
-        helper = f"{shlex.join(['env', '-i', PY, '-c', SLEEPER])} {mark}-hel''per"
-        script = f"( setsid {helper} & ); exec {shlex.join([PY, '-c', SLEEPER, mark])}"
-        job = subprocess.Popen(poprun_argv(*OFFLINE, "--num-instances=8", "--num-replicas=8",
-                                           "sh", "-c", script),
-                               env=poprun_env(tmp), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-        try:
-            wait_until(lambda: len(processes_with(f"{mark}-helper")) == 8, "the helpers", 30)
-        finally:
-            job.kill()
-            job.wait()
-        wait_until(lambda: not processes_with(mark), "the helpers to die with the job", 20)
+        sigkill_with_escaped_helpers(8, tmp)
+
+
+def sigkill_with_escaped_helpers(count: int, env: dict[str, str], age: float = 0.0) -> None:
+    """`count` instances whose first act is a `setsid env -i` helper; poprun SIGKILLed once
+    every helper has run for `age` seconds; every helper must then die."""
+    mark = marker()
+    # `-hel''per`: the shell makes the helper's marker, which poprun's own command line
+    # (holding this script) then does not carry.
+    helper = f"{shlex.join(['env', '-i', PY, '-c', SLEEPER])} {mark}-hel''per"
+    script = f"( setsid {helper} & ); exec {shlex.join([PY, '-c', SLEEPER, mark])}"
+    job = subprocess.Popen(poprun_argv(*OFFLINE, f"--num-instances={count}",
+                                       f"--num-replicas={count}", "sh", "-c", script),
+                           env=poprun_env(env), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: len(processes_with(f"{mark}-helper")) == count, "the helpers", 30)
+        time.sleep(age)
+    finally:
+        job.kill()
+        job.wait()
+    wait_until(lambda: not processes_with(mark), "the helpers to die with the job", 20)
 
 
 @pytest.mark.timeout(120)
@@ -630,21 +637,8 @@ def test_without_cgroups_a_helper_that_left_group_and_mark_dies_with_a_sigkilled
     from spawner.lifeline import TRACK_EVERY
 
     for _ in range(3):
-        mark = marker()
-        helper = f"{shlex.join(['env', '-i', PY, '-c', SLEEPER])} {mark}-hel''per"
-        script = f"( setsid {helper} & ); exec {shlex.join([PY, '-c', SLEEPER, mark])}"
-        job = subprocess.Popen(poprun_argv(*OFFLINE, "--num-instances=4", "--num-replicas=4",
-                                           "sh", "-c", script),
-                               env=poprun_env({**tmp, "POPRUN_CGROUPS": "0"}),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_until(lambda: len(processes_with(f"{mark}-helper")) == 4, "the helpers", 30)
-            # The documented window: a helper younger than one walk of the tree may escape.
-            time.sleep(3 * TRACK_EVERY)
-        finally:
-            job.kill()
-            job.wait()
-        wait_until(lambda: not processes_with(mark), "the helpers to die with the job", 20)
+        # The documented window: a helper younger than one walk of the tree may escape.
+        sigkill_with_escaped_helpers(4, {**tmp, "POPRUN_CGROUPS": "0"}, age=3 * TRACK_EVERY)
 
 
 def test_a_stop_signal_inside_a_finalizer_is_acted_on_not_printed():

@@ -48,8 +48,8 @@ from .containment import MARK, helpers_mark, kill_marked, remove_tree
 from .procid import descendants, start_ticks
 
 RESWEEP_DELAY = 0.05  # seconds between the watchdog's two sweeps for marked processes
-# Seconds between the watchdog's walks of its owner's tree, when asked to (no cgroups): a walk
-# reads two small /proc files per process below the owner (~0.1 ms for a job of 8 here).
+# Seconds between the watchdog's walks of its owner's tree, when asked to (no cgroups), at
+# least: a walk reads two or three small /proc files per process below the owner.
 TRACK_EVERY = 0.1
 _OWNER_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
@@ -174,16 +174,18 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
     tracking: list[bool] = []  # the owner asked for its descendants to be learnt
     known: dict[int, int] = {}  # its descendants so far: pid -> start time
     pending = b""
-    heard = walked = time.monotonic()
+    heard = time.monotonic()
+    walk_at = heard + TRACK_EVERY  # the next walk of the owner's tree, when tracking
     while True:
         now = time.monotonic()
         if beats and now - heard >= beats[-1]:  # silent past its timeout: frozen or stuck
             _kill_owner(owner)
             break
-        if tracking and now - walked >= TRACK_EVERY:
+        if tracking and now >= walk_at:
             _learn(owner, known)
-            walked = now
-        chunk = _read(read_fd, _wait(now, heard, beats, walked if tracking else None))
+            # A big tree takes longer to walk: the watchdog spends at most a tenth of a core.
+            walk_at = now + max(TRACK_EVERY, 10 * (time.monotonic() - now))
+        chunk = _read(read_fd, _wait(now, heard, beats, walk_at if tracking else None))
         if chunk is None:
             continue
         if not chunk:  # EOF: the owner is gone
@@ -219,12 +221,11 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
             remove_mpich_shm(os.fsdecode(kvsname))
 
 
-def _wait(now: float, heard: float, beats: list[float], walked: float | None) -> float | None:
+def _wait(now: float, heard: float, beats: list[float], walk_at: float | None
+          ) -> float | None:
     """How long the watchdog may wait for its owner's next bytes: until the owner's beat is
-    overdue, or the next walk of its tree is (None: for ever)."""
-    until = [at for at in (heard + beats[-1] if beats else None,
-                           walked + TRACK_EVERY if walked is not None else None)
-             if at is not None]
+    overdue, or the next walk of its tree is due (None: for ever)."""
+    until = [at for at in (heard + beats[-1] if beats else None, walk_at) if at is not None]
     return max(0.0, min(until) - now) if until else None
 
 

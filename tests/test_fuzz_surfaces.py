@@ -13,7 +13,7 @@ import json
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from conftest import OFFLINE, run_poprun_peak
@@ -22,7 +22,10 @@ pytestmark = pytest.mark.timeout(300)
 
 FAST = settings(max_examples=300, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
+# A launch takes seconds: a few examples, and no shrinking (a failure's example is shown as
+# generated), so that a failing run is as bounded as a passing one.
 LAUNCHES = settings(max_examples=4, deadline=None, database=None,
+                    phases=[Phase.explicit, Phase.generate],
                     suppress_health_check=list(HealthCheck))
 MAX_PEAK_KIB = 120 * 1024  # ~24 MiB idle here; a leak of what is sent would show
 INTERNAL_ERROR = 70

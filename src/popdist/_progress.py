@@ -25,7 +25,8 @@ _pack = LAYOUT.pack_into
 
 
 def progress(step: int, total: int | None = None) -> None:
-    """This instance has done `step` steps (of `total`, when known). A no-op outside poprun."""
+    """This instance has done `step` steps (of `total`, when known). A no-op outside poprun,
+    and for a step or total beyond a signed 64-bit count (what poprun's tracker holds)."""
     target = _map
     if target is None:
         if _off:

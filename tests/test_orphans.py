@@ -641,6 +641,52 @@ def test_without_cgroups_a_helper_that_left_group_and_mark_dies_with_a_sigkilled
         sigkill_with_escaped_helpers(4, {**tmp, "POPRUN_CGROUPS": "0"}, age=3 * TRACK_EVERY)
 
 
+# An owner that is no subreaper (a program that called launch()): one "instance" (a group it
+# registers) whose helper leaves group and environment (but keeps its parent: without a
+# subreaper an orphan is init's at once, found by no one), and a child of its own that is not
+# the job's. The owner then dies by SIGKILL.
+NOT_A_SUBREAPER = """
+import os, shlex, subprocess, sys, time
+from spawner.lifeline import Lifeline, TRACK_EVERY
+mark, sleeper = sys.argv[1], sys.argv[2]
+python, code = shlex.quote(sys.executable), shlex.quote(sleeper)
+lifeline = Lifeline()
+own = subprocess.Popen([sys.executable, "-c", sleeper, mark + "-own"])
+instance = subprocess.Popen(
+    ["sh", "-c", f"setsid env -i {python} -c {code} {mark}-hel''per & "
+                 f"exec {python} -c {code} {mark}-inst''ance"],
+    start_new_session=True)
+lifeline.add_group(instance.pid)
+lifeline.track_descendants(whole_tree=False)
+print(own.pid, flush=True)
+sys.stdin.readline()  # the helper runs: the test says so
+time.sleep(3 * TRACK_EVERY)  # the documented window: one walk of the tree
+os.kill(os.getpid(), 9)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_watchdog_whose_owner_is_no_subreaper_kills_the_instances_helpers_only():
+    mark = marker()
+    owner = subprocess.Popen([PY, "-c", NOT_A_SUBREAPER, mark, SLEEPER], env=poprun_env(),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    own = None
+    try:
+        own = int(owner.stdout.readline())
+        wait_until(lambda: processes_with(f"{mark}-helper"), "the helper", 30)
+        owner.stdin.write(b"go\n")
+        owner.stdin.flush()
+        assert owner.wait(timeout=30) == -9
+        wait_until(lambda: not processes_with(f"{mark}-helper")
+                   and not processes_with(f"{mark}-instance"), "the job's processes to die", 20)
+        assert processes_with(f"{mark}-own") == [own]  # the owner's own child is not the job's
+    finally:
+        owner.kill()
+        owner.wait()
+        if own is not None and processes_with(f"{mark}-own"):
+            os.kill(own, signal.SIGKILL)
+
+
 def test_a_stop_signal_inside_a_finalizer_is_acted_on_not_printed():
     """A stop signal whose Stopped lands where Python can only print it (here a weakref
     callback, as the import system's module-lock cleanup is: seen once as "Exception ignored

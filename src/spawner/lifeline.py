@@ -23,12 +23,15 @@ agent started on its host must not outlive it (issue 26).
 Without a cgroup, a helper that left the process group *and* dropped the mark (`setsid env
 -i ...`) can be found only through its ancestry, and only while the owner (the subreaper)
 lives: once the owner is gone it is re-parented away. An owner without cgroups therefore asks
-the watchdog to learn its descendants (`track_descendants`): every `TRACK_EVERY` seconds the
-watchdog walks the owner's process tree and keeps each process with its start time; if the
-owner dies it freezes those still running (SIGSTOP, checked by start time through a pidfd, so
-a reused pid is never touched), adds what they started meanwhile, and kills them all. A helper
-started less than `TRACK_EVERY` before the owner's death, whose parent died with the owner's
-instances, is the one that can still escape.
+the watchdog to learn its descendants (`track_descendants`): every `TRACK_EVERY` seconds (less
+often for a tree that takes longer to walk: at most a tenth of a core) the watchdog walks the
+owner's process tree, or only the trees below its instances where the owner is not a
+subreaper (a program that called launch(), whose other children are not the job's), and keeps
+each process with its start time. If the owner dies it freezes those still running (SIGSTOP,
+checked by start time through a pidfd, so a reused pid is never touched), adds what they
+started meanwhile, and kills them all. A helper started less than `TRACK_EVERY` before the
+owner's death, whose parent died with the owner's instances, is the one that can still
+escape.
 
 Why a fork and not PR_SET_PDEATHSIG: a death signal reaches only the direct child, not the
 dataloader workers it started, and setting it needs code between fork and exec, which forces
@@ -130,10 +133,12 @@ class Lifeline:
     def discard_mpi_world(self, kvsname: str) -> None:
         self._send(b"x" + os.fsencode(kvsname) + b"\0")
 
-    def track_descendants(self) -> None:
+    def track_descendants(self, whole_tree: bool) -> None:
         """From now on the watchdog learns the owner's descendants, to kill those still
-        running if the owner dies (for an owner whose instances have no cgroup)."""
-        self._send(b"a\n")
+        running if the owner dies (for an owner whose instances have no cgroup): all of them
+        for a subreaper, which owns every child it has (the poprun command, the agent), else
+        (a program that called launch()) only those below its registered groups."""
+        self._send(b"a%d\n" % whole_tree)
 
     def expect_beats(self, timeout: float) -> None:
         """From now on, an owner silent for `timeout` seconds is stuck: the watchdog kills it
@@ -171,7 +176,8 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
     worlds: set[bytes] = set()
     closed: list[bool] = []  # the owner said goodbye: it has cleaned up after itself
     beats: list[float] = []  # the owner's beat timeout, once it asked to be watched
-    tracking: list[bool] = []  # the owner asked for its descendants to be learnt
+    tracking: list[bool] = []  # the owner asked for its descendants to be learnt: its whole
+    # tree (True), or below its groups (False)
     known: dict[int, int] = {}  # its descendants so far: pid -> start time
     pending = b""
     heard = time.monotonic()
@@ -182,7 +188,7 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
             _kill_owner(owner)
             break
         if tracking and now >= walk_at:
-            _learn(owner, known)
+            _learn([owner] if tracking[-1] else list(groups), known)
             # A big tree takes longer to walk: the watchdog spends at most a tenth of a core.
             walk_at = now + max(TRACK_EVERY, 10 * (time.monotonic() - now))
         chunk = _read(read_fd, _wait(now, heard, beats, walk_at if tracking else None))
@@ -229,9 +235,9 @@ def _wait(now: float, heard: float, beats: list[float], walk_at: float | None
     return max(0.0, min(until) - now) if until else None
 
 
-def _learn(owner: int, known: dict[int, int]) -> None:
-    """Add the owner's descendants now to `known`, and forget those that ended."""
-    found = descendants([owner])
+def _learn(roots: list[int], known: dict[int, int]) -> None:
+    """Add the descendants of `roots` now to `known`, and forget those that ended."""
+    found = descendants(roots)
     found.pop(os.getpid(), None)  # the watchdog is the owner's child too
     for pid, ticks in list(known.items()):
         if pid not in found and start_ticks(pid) != ticks:
@@ -330,6 +336,6 @@ def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],
         elif kind == b"t":
             beats.append(float(body))
         elif kind == b"a":
-            tracking.append(True)
+            tracking.append(body == b"1")
         # b"b", a beat: its arrival is the news
     return buf

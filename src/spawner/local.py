@@ -178,7 +178,8 @@ class LocalSpawner:
         env.update(stackdump.instance_env(env[ERROR_FILE], env))  # popdist/_stacks.py
         argv = self._contained(spec, env)
         if self._lifeline and not self._tracking and not self._has_cgroups():
-            self._lifeline.track_descendants()  # its helpers are found by ancestry only
+            # its helpers are found by their ancestry only
+            self._lifeline.track_descendants(containment.is_subreaper())
             self._tracking = True
         with bound(spec.cpus, spec.mems) as memory_bound:
             proc = subprocess.Popen(

@@ -247,41 +247,48 @@ def _learn(roots: list[int], known: dict[int, int]) -> None:
 
 def _kill_known(known: dict[int, int]) -> None:
     """SIGKILL what the owner's tree held: each process first frozen (SIGSTOP) where it is
-    still the one that started at its recorded time, then what the frozen ones started meanwhile,
-    until nothing new appears; then all of them at once. Through pidfds: a pid reused since
-    is never signalled."""
-    frozen: dict[int, int] = {}
+    still the one that started at its recorded time, then what the frozen ones started
+    meanwhile, until nothing new appears; then all of them at once."""
+    frozen: dict[int, tuple[int | None, int]] = {}  # pid -> (its pidfd, its start time)
     new = dict(known)
     for _ in range(8):  # a fork bomb must not hold the watchdog: what it froze still dies
         for pid, ticks in new.items():
-            fd = _pidfd(pid, ticks)
-            if fd is not None:
-                _send(fd, signal.SIGSTOP)
-                frozen[pid] = fd
+            held, fd = _hold(pid, ticks)
+            if held:
+                _signal(pid, fd, ticks, signal.SIGSTOP)
+                frozen[pid] = (fd, ticks)
         new = {pid: ticks for pid, ticks in descendants(frozen).items() if pid not in frozen}
         if not new:
             break
-    for fd in frozen.values():
-        _send(fd, signal.SIGKILL)
-        os.close(fd)
+    for pid, (fd, ticks) in frozen.items():
+        _signal(pid, fd, ticks, signal.SIGKILL)
+        if fd is not None:
+            os.close(fd)
 
 
-def _pidfd(pid: int, ticks: int) -> int | None:
-    """A pidfd of `pid` if it is still the process that started at `ticks` (checked after
-    the pidfd is open: from then on the pidfd names that one process)."""
+def _hold(pid: int, ticks: int) -> tuple[bool, int | None]:
+    """Whether `pid` is still the process that started at `ticks`, and a pidfd of it (checked
+    after the pidfd is open: from then on it names that one process, and a reused pid is never
+    signalled). No pidfd where none can be had (out of descriptors): the pid, checked again at
+    each signal."""
     try:
         fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False, None
     except OSError:
-        return None
+        return start_ticks(pid) == ticks, None
     if start_ticks(pid) == ticks:
-        return fd
+        return True, fd
     os.close(fd)
-    return None
+    return False, None
 
 
-def _send(pidfd: int, signum: int) -> None:
+def _signal(pid: int, pidfd: int | None, ticks: int, signum: int) -> None:
     try:
-        signal.pidfd_send_signal(pidfd, signum)
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, signum)
+        elif start_ticks(pid) == ticks:
+            os.kill(pid, signum)
     except OSError:
         pass
 

@@ -34,8 +34,8 @@ from . import containment
 from .binding import bound
 from .containment import Cgroups
 from .lifeline import Lifeline
-from .untrusted import read_regular
 from .uncompiled import dataclass
+from .untrusted import read_regular
 
 # Each instance's pipes are grown to this (F_SETPIPE_SZ; the kernel's default is 64 KiB): per
 # byte, a busy writer waits, and poprun wakes and reads, less often

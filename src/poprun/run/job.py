@@ -555,8 +555,9 @@ class Job:
     def _as_aborted(self, inst: InstanceResult) -> InstanceResult:
         """An instance that called MPI_Abort ends with the abort's code and says so (its own
         end was poprun's SIGTERM): its status is the code's low 8 bits, as the MPI launchers
-        make it (-3 is 253, never a signal), its report the code as given; one whose exit 0 without MPI_Finalize stopped the job ends
-        with status 1 (a job that could not complete never exits 0)."""
+        make it (-3 is 253, never a signal), its report the code as given. One whose exit 0
+        without MPI_Finalize stopped the job ends with status 1 (a job that could not
+        complete never exits 0)."""
         if inst.index == self._no_finalize and inst.returncode == 0:
             return replace(inst, returncode=1, error=inst.error or {
                 "type": "MPI", "message": "exited with status 0 before MPI_Finalize"})

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, run_poprun_peak
+from sshd_hosts import start_ssh_hosts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -159,6 +160,16 @@ def test_an_abort_message_that_is_not_utf8_is_shown_escaped(tmp_path):
     record = json.loads((tmp_path / "r.json").read_text())
     root = record["instances"][record["root_cause"]]
     assert root["outcome"] == "MPI_Abort: exit code 5: bad \\xff\\xfe bytes", root
+
+
+def test_an_abort_message_from_a_remote_host_is_shown_escaped(tmp_path):
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        proc = run_poprun(*n(2), "-H", "h1,h2", sys.executable, "-c", ABORT,
+                          "cmd=abort exitcode=5 message=far \\xff bytes", env=hosts.env(),
+                          timeout=100)
+    err = proc.stderr.decode(errors="replace")
+    assert proc.returncode == 5, err[-2000:]
+    assert "MPI_Abort: exit code 5: far \\xff bytes" in err, err[-2000:]
 
 
 @pytest.mark.parametrize("code, status", [("-3", 253), ("99999999999999999999", 255),

@@ -197,6 +197,21 @@ sys.exit(3)  # a failure: poprun reads the error file
 """
 
 
+def test_a_file_an_instance_can_replace_is_read_only_if_regular_and_small(tmp_path):
+    from spawner.untrusted import read_regular
+
+    (tmp_path / "file").write_bytes(b"x" * 100)
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink(tmp_path / "file", tmp_path / "link")
+    os.mkdir(tmp_path / "dir")
+    assert read_regular(str(tmp_path / "file"), 100) == b"x" * 100
+    assert read_regular(str(tmp_path / "file"), 99) is None  # larger than expected
+    assert read_regular(str(tmp_path / "file"), 99, cut=True) == b"x" * 99
+    for name in ("fifo", "link", "dir", "absent"):  # the FIFO's open() does not block
+        assert read_regular(str(tmp_path / name), 100) is None, name
+    assert read_regular("/dev/zero", 100) is None
+
+
 @pytest.mark.parametrize("variable", ["POPDIST_PROGRESS_FILE", "POPDIST_ERROR_FILE"])
 def test_a_fifo_for_popdists_file_never_blocks_the_launcher(variable):
     proc = run_poprun(*n(2), sys.executable, "-c", FIFO, variable, "3", timeout=40)

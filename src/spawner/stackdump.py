@@ -137,7 +137,7 @@ async def _by_signal(pid: int, path: str, number: int, deadline: float) -> dict[
                     raise ProcessLookupError(pid)
                 return result(pid, "popdist", error="no answer to its stacks signal in time "
                               "(stopped, or in an uninterruptible wait?)")
-        text = (read_regular(path, MAX_DUMP) or b"").decode("utf-8", "replace")
+        text = (read_regular(path, MAX_DUMP, cut=True) or b"").decode("utf-8", "replace")
     from .stackparse import parse_faulthandler, with_source  # only when stacks are asked for
 
     threads = parse_faulthandler(text)

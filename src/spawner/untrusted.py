@@ -30,11 +30,12 @@ def open_regular(path: str, flags: int = os.O_RDONLY, limit: int | None = None) 
     return fd
 
 
-def read_regular(path: str, limit: int) -> bytes | None:
+def read_regular(path: str, limit: int, *, cut: bool = False) -> bytes | None:
     """The bytes of `path` (at most `limit`), or None where it is not there or is not a
-    regular file of at most `limit` bytes."""
+    regular file of at most `limit` bytes (with `cut`, a larger one gives its first
+    `limit`)."""
     try:
-        fd = open_regular(path, limit=limit)
+        fd = open_regular(path, limit=None if cut else limit)
     except OSError:
         return None
     try:

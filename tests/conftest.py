@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,31 @@ def wait_started(launcher_pid: int, count: int, timeout: float = 30,
         return 0
 
     wait_until(lambda: running() >= count, f"poprun to see {count} instance(s) run", timeout)
+
+
+def run_poprun_peak(*args: str, timeout: float = 60, env: dict[str, str] | None = None
+                    ) -> tuple[subprocess.CompletedProcess, int]:
+    """Run poprun to completion as `run_poprun` does; also its peak resident memory (KiB,
+    /proc's VmHWM, read until it exits: the last reading is within 50 ms of its end)."""
+    import threading
+
+    proc = subprocess.Popen(poprun_argv(*args), env=poprun_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    peak = [0]
+
+    def watch() -> None:
+        while proc.returncode is None:
+            try:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    peak[0] = max(peak[0], next(int(line.split()[1]) for line in f
+                                                if line.startswith("VmHWM:")))
+            except (OSError, StopIteration):
+                return
+            time.sleep(0.05)  # a sampling period, not a wait for an event
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with reaped(proc):
+        out, err = proc.communicate(timeout=timeout)
+    watcher.join(timeout=5)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), peak[0]

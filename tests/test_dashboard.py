@@ -207,12 +207,12 @@ def test_child_text_is_never_markup_nor_escape_codes():
     assert "[bold]x[/bold] [red]y" in coloured and "␛[31mred␛[0m" in coloured
 
 
-def test_last_line_is_cut_to_the_width_and_invalid_utf8_is_shown():
+def test_last_line_is_cut_to_the_width_and_invalid_utf8_is_shown_escaped():
     state = started(1)
     state.output(0, b"\xff\xfe " + b"z" * 500 + b"\n", 1.0)
     lines = plain(state, 2.0, width=60).split("\n")
     row = next(line for line in lines if line.startswith("0 "))
-    assert cell_len(row) <= 60 and row.endswith("…") and "\ufffd\ufffd zzz" in row
+    assert cell_len(row) <= 60 and row.endswith("…") and "\\xff\\xfe zzz" in row
 
 
 def test_many_instances_fold_into_host_rows():

@@ -20,7 +20,8 @@ from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun
 from popdist import env as E
 from poprun.plan.config import LaunchConfig
 from poprun.plan.planner import plan
-from poprun.run.rendezvous import Rendezvous, Store, scope_sizes
+from poprun.run.rendezvous import (ENTRY_COST, MAX_VALUE, BadRequest, Rendezvous, Store,
+                                   parse_head, scope_sizes)
 from sshd_hosts import start_ssh_hosts
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,6 +70,36 @@ def test_the_store_empties_a_scope_of_known_size_once_every_rank_is_done():
     assert "global_process_set_hash_7d" not in store.values
 
 
+def test_the_store_holds_a_bounded_number_of_bytes_and_frees_what_goes():
+    store = Store({"global": 2}, limit=10 * ENTRY_COST)
+    assert store.put("global", "0", b"x" * 100)
+    while store.put("p", str(len(store.values.get("p", {}))), b""):
+        pass
+    assert store.used <= store.limit and len(store.values["p"]) < 10
+    assert not store.put("q", "k", b"")  # full: refused, nothing changed
+    assert store.put("global", "0", b"")  # a smaller value in place of a larger one fits
+    store.delete("global", "0")
+    store.delete("global", "1")  # every rank done: the scope's bytes are free again
+    for key in list(store.values["p"]):
+        store.delete("p", key)
+    assert store.used == 0 and store.values == {}
+
+
+def test_the_request_head_is_parsed_strictly():
+    assert parse_head(b"PUT /global/3 HTTP/1.1\r\nContent-Length: 136") == ("PUT", "global",
+                                                                            "3", 136)
+    assert parse_head(b"GET /global/3 HTTP/1.0") == ("GET", "global", "3", 0)
+    for bad, status in ((b"PUT /a/b HTTP/1.1\r\nContent-Length: %d" % (MAX_VALUE + 1), 413),
+                        (b"PUT /a/b HTTP/1.1\r\nContent-Length: -5", 400),
+                        (b"PUT /a/b HTTP/1.1\r\nContent-Length: 1e3", 400),
+                        (b"PUT /a/b HTTP/1.1\r\nno colon", 400),
+                        (b"GET /a/b/c HTTP/1.1", 400), (b"GET /a/ HTTP/1.1", 400),
+                        (b"get /a/b HTTP/1.1", 400), (b"GET /a/b HTTP/2", 400)):
+        with pytest.raises(BadRequest) as refused:
+            parse_head(bad)
+        assert refused.value.status == status, bad
+
+
 def test_the_protocol_as_horovods_client_speaks_it():
     async def main():
         rendezvous = Rendezvous("127.0.0.1", asyncio.get_running_loop())
@@ -92,6 +123,7 @@ def test_the_protocol_as_horovods_client_speaks_it():
             assert request("DELETE", "/global/1")[0] == 200
             assert request("GET", "/global/1")[0] == 404  # both done: emptied
             assert request("GET", "/too/many/parts")[0] == 400
+            assert request("PUT", "/global/2", b"x" * (MAX_VALUE + 1))[0] == 413
             return True
 
         assert await asyncio.to_thread(session)

@@ -604,21 +604,87 @@ def test_a_helper_that_escapes_at_once_dies_with_a_sigkilled_poprun(tmp):
     if not cgroups_here():
         pytest.skip("no writable cgroup v2 subtree here")
     for _ in range(10):
-        mark = marker()
-        # `-hel''per`: the shell makes the helper's marker, which poprun's own command line
-        # (holding this script) then does not carry.
-        helper = f"{shlex.join(['env', '-i', PY, '-c', SLEEPER])} {mark}-hel''per"
-        script = f"( setsid {helper} & ); exec {shlex.join([PY, '-c', SLEEPER, mark])}"
-        job = subprocess.Popen(poprun_argv(*OFFLINE, "--num-instances=8", "--num-replicas=8",
-                                           "sh", "-c", script),
-                               env=poprun_env(tmp), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-        try:
-            wait_until(lambda: len(processes_with(f"{mark}-helper")) == 8, "the helpers", 30)
-        finally:
-            job.kill()
-            job.wait()
-        wait_until(lambda: not processes_with(mark), "the helpers to die with the job", 20)
+        sigkill_with_escaped_helpers(8, tmp)
+
+
+def sigkill_with_escaped_helpers(count: int, env: dict[str, str], age: float = 0.0) -> None:
+    """`count` instances whose first act is a `setsid env -i` helper; poprun SIGKILLed once
+    every helper has run for `age` seconds; every helper must then die."""
+    mark = marker()
+    # `-hel''per`: the shell makes the helper's marker, which poprun's own command line
+    # (holding this script) then does not carry.
+    helper = f"{shlex.join(['env', '-i', PY, '-c', SLEEPER])} {mark}-hel''per"
+    script = f"( setsid {helper} & ); exec {shlex.join([PY, '-c', SLEEPER, mark])}"
+    job = subprocess.Popen(poprun_argv(*OFFLINE, f"--num-instances={count}",
+                                       f"--num-replicas={count}", "sh", "-c", script),
+                           env=poprun_env(env), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: len(processes_with(f"{mark}-helper")) == count, "the helpers", 30)
+        time.sleep(age)
+    finally:
+        job.kill()
+        job.wait()
+    wait_until(lambda: not processes_with(mark), "the helpers to die with the job", 20)
+
+
+@pytest.mark.timeout(120)
+def test_without_cgroups_a_helper_that_left_group_and_mark_dies_with_a_sigkilled_poprun(tmp):
+    """No cgroup (POPRUN_CGROUPS=0, as for a user without a delegated subtree): a helper in a
+    new session with an empty environment carries neither the group nor the mark, and once
+    poprun is SIGKILLed its ancestry is gone too. The watchdog learnt it while poprun lived
+    (every TRACK_EVERY seconds) and kills it (it lived on in 4 of 4 runs before)."""
+    from spawner.lifeline import TRACK_EVERY
+
+    for _ in range(3):
+        # The documented window: a helper younger than one walk of the tree may escape.
+        sigkill_with_escaped_helpers(4, {**tmp, "POPRUN_CGROUPS": "0"}, age=3 * TRACK_EVERY)
+
+
+# An owner that is no subreaper (a program that called launch()): one "instance" (a group it
+# registers) whose helper leaves group and environment (but keeps its parent: without a
+# subreaper an orphan is init's at once, found by no one), and a child of its own that is not
+# the job's. The owner then dies by SIGKILL.
+NOT_A_SUBREAPER = """
+import os, shlex, subprocess, sys, time
+from spawner.lifeline import Lifeline, TRACK_EVERY
+mark, sleeper = sys.argv[1], sys.argv[2]
+python, code = shlex.quote(sys.executable), shlex.quote(sleeper)
+lifeline = Lifeline()
+own = subprocess.Popen([sys.executable, "-c", sleeper, mark + "-own"])
+instance = subprocess.Popen(
+    ["sh", "-c", f"setsid env -i {python} -c {code} {mark}-hel''per & "
+                 f"exec {python} -c {code} {mark}-inst''ance"],
+    start_new_session=True)
+lifeline.add_group(instance.pid)
+lifeline.track_descendants(whole_tree=False)
+print(own.pid, flush=True)
+sys.stdin.readline()  # the helper runs: the test says so
+time.sleep(3 * TRACK_EVERY)  # the documented window: one walk of the tree
+os.kill(os.getpid(), 9)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_watchdog_whose_owner_is_no_subreaper_kills_the_instances_helpers_only():
+    mark = marker()
+    owner = subprocess.Popen([PY, "-c", NOT_A_SUBREAPER, mark, SLEEPER], env=poprun_env(),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    own = None
+    try:
+        own = int(owner.stdout.readline())
+        wait_until(lambda: processes_with(f"{mark}-helper"), "the helper", 30)
+        owner.stdin.write(b"go\n")
+        owner.stdin.flush()
+        assert owner.wait(timeout=30) == -9
+        wait_until(lambda: not processes_with(f"{mark}-helper")
+                   and not processes_with(f"{mark}-instance"), "the job's processes to die", 20)
+        assert processes_with(f"{mark}-own") == [own]  # the owner's own child is not the job's
+    finally:
+        owner.kill()
+        owner.wait()
+        if own is not None and processes_with(f"{mark}-own"):
+            os.kill(own, signal.SIGKILL)
 
 
 def test_a_stop_signal_inside_a_finalizer_is_acted_on_not_printed():
@@ -675,7 +741,7 @@ def test_the_session_does_not_wait_for_zombies_no_watcher_reaps():
     process of its own: this one's other children (fixtures') are not the point."""
     program = """
 import asyncio, os, time
-from spawner import containment
+from spawner import containment, procid
 containment.HELPERS_REAPED_TIMEOUT = 60.0
 pid = os.fork()
 if pid == 0:
@@ -683,7 +749,7 @@ if pid == 0:
 while open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
     time.sleep(0.01)  # bounded by the test's timeout
 asyncio.run(asyncio.wait_for(containment.helpers_reaped(), 30))
-print(pid in containment.children())
+print(pid in procid.children())
 """
     proc = subprocess.run([PY, "-c", program], capture_output=True, text=True, timeout=60,
                           env=poprun_env())

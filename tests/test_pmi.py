@@ -135,6 +135,26 @@ def test_kvs():
 
 
 @T(5)
+def test_a_world_holds_a_bounded_number_of_keys():
+    """An instance that puts key after key is refused past KEYS_PER_RANK a rank; a key it
+    already holds can still change."""
+    async def main():
+        srv = pmi.PmiServer("poprun-t9-0", 1)
+        client = await Client.over(srv.attach(0))
+        await client.ask("cmd=init pmi_version=1 pmi_subversion=1")
+        for i in range(pmi.KEYS_PER_RANK):
+            assert await client.ask(f"cmd=put kvsname=poprun-t9-0 key=k{i} value=v") == \
+                "cmd=put_result rc=0"
+        assert await client.ask("cmd=put kvsname=poprun-t9-0 key=more value=v") == \
+            "cmd=put_result rc=1 msg=too_many_keys"
+        assert await client.ask("cmd=put kvsname=poprun-t9-0 key=k0 value=w") == \
+            "cmd=put_result rc=0"
+        client.close()
+        await srv.close()
+    run(main())
+
+
+@T(5)
 def test_barrier_counts_groups_and_deltas():
     b = pmi.Barrier(5)
     assert b.enter(1, {"r0": "a"}) is None

@@ -248,7 +248,11 @@ def test_popdist_progress_outside_poprun_does_nothing(tmp_path):
 
 
 def test_popdist_progress_writes_where_poprun_reads(tmp_path):
-    from popdist._progress import read
+    from popdist._progress import LAYOUT, unpack
+    from spawner.untrusted import read_regular
+
+    def read(path: str):  # as the spawner reads it (spawner/local.py)
+        return unpack(read_regular(path, LAYOUT.size) or b"")
 
     path = tmp_path / "0.progress"
     assert read(str(path)) is None  # never called: nothing to read

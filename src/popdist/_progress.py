@@ -25,7 +25,8 @@ _pack = LAYOUT.pack_into
 
 
 def progress(step: int, total: int | None = None) -> None:
-    """This instance has done `step` steps (of `total`, when known). A no-op outside poprun."""
+    """This instance has done `step` steps (of `total`, when known). A no-op outside poprun,
+    and for a step or total beyond a signed 64-bit count (what poprun's tracker holds)."""
     target = _map
     if target is None:
         if _off:
@@ -33,7 +34,10 @@ def progress(step: int, total: int | None = None) -> None:
         target = _open()
         if target is None:
             return
-    _pack(target, 0, int(step), NO_TOTAL if total is None else int(total))
+    try:
+        _pack(target, 0, int(step), NO_TOTAL if total is None else int(total))
+    except struct.error:  # past a signed 64-bit count: poprun could not hold it either
+        pass
 
 
 def _open():
@@ -56,18 +60,10 @@ def _open():
     return _map
 
 
-def read(path: str) -> tuple[int, int | None] | None:
-    """What an instance last gave `progress()` (step, total), from poprun's side; None if it
-    never called it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        data = os.pread(fd, LAYOUT.size, 0)
-    finally:
-        os.close(fd)
-    if len(data) < LAYOUT.size:
+def unpack(data: bytes) -> tuple[int, int | None] | None:
+    """What an instance last gave `progress()` (step, total), from the file's bytes as poprun
+    read them (spawner/untrusted.py); None if it never called it."""
+    if len(data) != LAYOUT.size:
         return None
     step, total = LAYOUT.unpack(data)
     return step, None if total == NO_TOTAL else total

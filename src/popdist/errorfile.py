@@ -21,6 +21,10 @@ import time
 from popdist import env
 
 MAX_TRACEBACK = 32 * 1024  # characters of traceback kept: the head is the interesting part
+# What poprun keeps of a file (`parse`): these fields only, text cut to these lengths.
+_TEXT = {"type": 256, "module": 256, "message": 4096, "file": 4096, "function": 256,
+         "traceback": MAX_TRACEBACK}
+_NUMBERS = {"line": int, "pid": int, "time": float}
 
 
 def install() -> None:
@@ -71,6 +75,33 @@ def write(error: BaseException) -> None:
         os.replace(temporary, path)
     except Exception:  # noqa: BLE001 - best effort, see above
         pass
+
+
+def parse(data: bytes) -> dict | None:
+    """The error file's bytes as poprun keeps them, or None for one that is not what `write`
+    writes. The instance wrote it, so it is checked as hostile input: a JSON object, its
+    known fields only, text of bounded length that can always be encoded again (a JSON
+    `\\ud800` made `\\ud800`), numbers finite and of the right kind."""
+    import json
+    import math
+
+    try:
+        fields = json.loads(data)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested past the stack
+        return None
+    if not isinstance(fields, dict):
+        return None
+    kept: dict = {}
+    for name, limit in _TEXT.items():
+        value = fields.get(name)
+        if isinstance(value, str):
+            kept[name] = value[:limit].encode("utf-8", "backslashreplace").decode("utf-8")
+    for name, kind in _NUMBERS.items():
+        value = fields.get(name)
+        if (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value) and abs(value) < 2 ** 63):
+            kept[name] = kind(value)
+    return kept or None
 
 
 def describe(error: BaseException) -> dict:

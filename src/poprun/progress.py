@@ -36,8 +36,16 @@ from typing import Any
 
 SOURCES = ("lines", "pattern", "popdist")
 DEFAULT_HOLD = 10.0  # --straggler-after's default: seconds a rule must hold
+# The largest step or total held: popdist's file holds signed 64-bit counts, and a rate or an
+# ETA of a larger one would not fit a float. A pattern that captures more is not a step.
+MAX_STEP = 2 ** 63 - 1
 MAD_FACTOR = 3.0
 SLOW_FRACTION = 0.5  # and below half the median
+
+
+def holds(step: int, total: int | None) -> bool:
+    """Whether the tracker can hold this step and total (both within MAX_STEP)."""
+    return abs(step) <= MAX_STEP and (total is None or abs(total) <= MAX_STEP)
 
 
 def compile_pattern(text: str):
@@ -152,7 +160,7 @@ class Tracker:
     def sample(self, index: int, step: int | None, total: int | None, now: float) -> None:
         """Instance `index`'s count now (None: none shown yet)."""
         inst = self._instances[index]
-        if step is None:
+        if step is None or not holds(step, total):
             return
         if inst.step is not None and step < inst.step:  # its counter started again
             inst.samples.clear()

@@ -8,7 +8,7 @@ from typing import Any
 
 from spawner import uncompiled
 
-from poprun.text import describe_status, fold_indices, signal_name
+from poprun.text import describe_status, fold_indices, shown, signal_name
 
 # The one schema of `--result-json` and of the job records poprunctl reads (poprun/jobctl/records.py).
 JOB_SCHEMA = "poprun.job/1"
@@ -172,7 +172,7 @@ class LaunchResult:
             if first.stderr_tail:
                 lines.append(("text", f"poprun: last {len(first.stderr_tail)} line(s) of its "
                                       "stderr:"))
-                lines += [("tail", "    " + raw.decode("utf-8", "replace"))
+                lines += [("tail", "    " + shown(raw))
                           for raw in first.stderr_tail]
         by_outcome: dict[str, list[InstanceResult]] = {}
         for inst in self.instances:

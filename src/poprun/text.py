@@ -1,6 +1,6 @@
 """Small text renderings shared by the report, the dashboard, poprunctl and the record: index
-sets, exit statuses, signal names, durations and sizes, child bytes made safe to show, the
-dry run's stand-ins. Pure; a leaf."""
+sets, exit statuses, signal names, durations and sizes, child bytes and text made safe to show
+(undecodable bytes escaped, controls visible), the dry run's stand-ins. Pure; a leaf."""
 
 from __future__ import annotations
 
@@ -41,9 +41,25 @@ _VISIBLE.update({0x7F: 0x2421, 0x09: 0x20, **{c: 0xFFFD for c in range(0x80, 0xA
 
 
 def visible(raw: bytes, limit: int) -> str:
-    """Child bytes as display text: decoded leniently, controls made visible, at most
+    """Child bytes as display text: decoded as `shown` does, controls made visible, at most
     `limit` characters (a row never shows more)."""
-    return raw[:limit * 4].decode("utf-8", "replace")[:limit].translate(_VISIBLE)
+    return shown(raw[:limit * 4])[:limit].translate(_VISIBLE)
+
+
+def shown(raw: bytes) -> str:
+    """An instance's bytes as text: UTF-8, each byte that is not shown as `\\xNN` (nothing
+    lost, nothing that cannot be written again)."""
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def shown_text(text: str) -> str:
+    """Text an instance gave that may hold surrogates (PMI's bytes decoded with
+    surrogateescape, a JSON `\\ud800`) as `shown` would show its bytes: it can always be
+    encoded."""
+    try:
+        return shown(text.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:  # a surrogate that stands for no byte
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def duration(seconds: float | None) -> str:

@@ -106,28 +106,12 @@ def is_subreaper() -> bool:
     return _subreaper
 
 
-def children() -> set[int]:
-    """This process's children (every thread's), from /proc/self/task/*/children."""
-    found: set[int] = set()
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return found
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                found.update(int(pid) for pid in f.read().split())
-        except OSError:
-            continue
-    return found
-
-
 def reap_children(keep: frozenset[int] = frozenset(), spare: str | None = None) -> int:
     """For a subreaper at its end: SIGKILL and reap every child but `keep` (descendants
     re-parented to us, whatever they did to their environment) and, with `spare`, but those
     marked with it (the launcher's helpers, between attempts); how many there were."""
     count = 0
-    for pid in children() - keep:
+    for pid in procid.children() - keep:
         if spare is not None and marked_with(pid, spare):
             continue
         with contextlib.suppress(OSError):
@@ -154,7 +138,7 @@ async def helpers_reaped(keep: frozenset[int] = frozenset()) -> None:
 
     def waiting() -> bool:  # a zombie nobody waits for (an orphan of srun's) is the sweep's
         return any(t.name.startswith("asyncio-waitpid-") for t in threading.enumerate()) or \
-            any(not procid.has_exited(pid) for pid in children() - keep)
+            any(not procid.has_exited(pid) for pid in procid.children() - keep)
 
     for last in (False, True):
         deadline = time.monotonic() + HELPERS_REAPED_TIMEOUT
@@ -162,7 +146,7 @@ async def helpers_reaped(keep: frozenset[int] = frozenset()) -> None:
             await asyncio.sleep(0.002)  # asyncio's reaping sends no event we could await
         if not waiting() or last:
             break
-        for pid in children() - keep:
+        for pid in procid.children() - keep:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     await asyncio.sleep(0)  # the callbacks asyncio's threads scheduled run before the loop ends

@@ -20,6 +20,19 @@ nothing from it for `timeout` SIGKILLs it and cleans up as after its death. The 
 this with its host timeout: poprun declares a silent host lost after that long, and what the
 agent started on its host must not outlive it.
 
+Without a cgroup, a helper that left the process group *and* dropped the mark (`setsid env
+-i ...`) can be found only through its ancestry, and only while the owner (the subreaper)
+lives: once the owner is gone it is re-parented away. An owner without cgroups therefore asks
+the watchdog to learn its descendants (`track_descendants`): every `TRACK_EVERY` seconds (less
+often for a tree that takes longer to walk: at most a tenth of a core) the watchdog walks the
+owner's process tree, or only the trees below its instances where the owner is not a
+subreaper (a program that called launch(), whose other children are not the job's), and keeps
+each process with its start time. If the owner dies it freezes those still running (SIGSTOP,
+checked by start time through a pidfd, so a reused pid is never touched), adds what they
+started meanwhile, and kills them all. A helper started less than `TRACK_EVERY` before the
+owner's death, whose parent died with the owner's instances, is the one that can still
+escape.
+
 Why a fork and not PR_SET_PDEATHSIG: a death signal reaches only the direct child, not the
 dataloader workers it started, and setting it needs code between fork and exec, which forces
 the slow spawn path (docs/architecture.md, "Measured reasons"). One watchdog per launcher
@@ -35,8 +48,12 @@ import signal
 import time
 
 from .containment import MARK, helpers_mark, kill_marked, remove_tree
+from .procid import descendants, start_ticks
 
 RESWEEP_DELAY = 0.05  # seconds between the watchdog's two sweeps for marked processes
+# Seconds between the watchdog's walks of its owner's tree, when asked to (no cgroups), at
+# least: a walk reads two or three small /proc files per process below the owner.
+TRACK_EVERY = 0.1
 _OWNER_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
@@ -116,6 +133,13 @@ class Lifeline:
     def discard_mpi_world(self, kvsname: str) -> None:
         self._send(b"x" + os.fsencode(kvsname) + b"\0")
 
+    def track_descendants(self, whole_tree: bool) -> None:
+        """From now on the watchdog learns the owner's descendants, to kill those still
+        running if the owner dies (for an owner whose instances have no cgroup): all of them
+        for a subreaper, which owns every child it has (the poprun command, the agent), else
+        (a program that called launch()) only those below its registered groups."""
+        self._send(b"a%d\n" % whole_tree)
+
     def expect_beats(self, timeout: float) -> None:
         """From now on, an owner silent for `timeout` seconds is stuck: the watchdog kills it
         and cleans up. Any message counts; `beat()` when there is nothing else to say."""
@@ -152,14 +176,31 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
     worlds: set[bytes] = set()
     closed: list[bool] = []  # the owner said goodbye: it has cleaned up after itself
     beats: list[float] = []  # the owner's beat timeout, once it asked to be watched
+    tracking: list[bool] = []  # the owner asked for its descendants to be learnt: its whole
+    # tree (True), or below its groups (False)
+    known: dict[int, int] = {}  # its descendants so far: pid -> start time
     pending = b""
-    while (chunk := _read(read_fd, beats[-1] if beats else None)) is not None:
+    heard = time.monotonic()
+    walk_at = heard + TRACK_EVERY  # the next walk of the owner's tree, when tracking
+    while True:
+        now = time.monotonic()
+        if beats and now - heard >= beats[-1]:  # silent past its timeout: frozen or stuck
+            _kill_owner(owner)
+            break
+        if tracking and now >= walk_at:
+            _learn([owner] if tracking[-1] else list(groups), known)
+            # A big tree takes longer to walk: the watchdog spends at most a tenth of a core.
+            walk_at = now + max(TRACK_EVERY, 10 * (time.monotonic() - now))
+        chunk = _read(read_fd, _wait(now, heard, beats, walk_at if tracking else None))
+        if chunk is None:
+            continue
         if not chunk:  # EOF: the owner is gone
             break
+        heard = time.monotonic()
         pending += chunk
-        pending = _apply(pending, groups, dirs, cgroups, closed, worlds, beats)
-    else:  # silent past its timeout: frozen or stuck; no one else will stop it
-        _kill_owner(owner)
+        pending = _apply(pending, groups, dirs, cgroups, closed, worlds, beats, tracking)
+    if known and not closed:  # before the groups: their members' helpers keep their parents
+        _kill_known(known)
     for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)
@@ -186,6 +227,72 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
             remove_mpich_shm(os.fsdecode(kvsname))
 
 
+def _wait(now: float, heard: float, beats: list[float], walk_at: float | None
+          ) -> float | None:
+    """How long the watchdog may wait for its owner's next bytes: until the owner's beat is
+    overdue, or the next walk of its tree is due (None: for ever)."""
+    until = [at for at in (heard + beats[-1] if beats else None, walk_at) if at is not None]
+    return max(0.0, min(until) - now) if until else None
+
+
+def _learn(roots: list[int], known: dict[int, int]) -> None:
+    """Add the descendants of `roots` now to `known`, and forget those that ended."""
+    found = descendants(roots)
+    found.pop(os.getpid(), None)  # the watchdog is the owner's child too
+    for pid, ticks in list(known.items()):
+        if pid not in found and start_ticks(pid) != ticks:
+            del known[pid]
+    known.update(found)
+
+
+def _kill_known(known: dict[int, int]) -> None:
+    """SIGKILL what the owner's tree held: each process first frozen (SIGSTOP) where it is
+    still the one that started at its recorded time, then what the frozen ones started
+    meanwhile, until nothing new appears; then all of them at once."""
+    frozen: dict[int, tuple[int | None, int]] = {}  # pid -> (its pidfd, its start time)
+    new = dict(known)
+    for _ in range(8):  # a fork bomb must not hold the watchdog: what it froze still dies
+        for pid, ticks in new.items():
+            held, fd = _hold(pid, ticks)
+            if held:
+                _signal(pid, fd, ticks, signal.SIGSTOP)
+                frozen[pid] = (fd, ticks)
+        new = {pid: ticks for pid, ticks in descendants(frozen).items() if pid not in frozen}
+        if not new:
+            break
+    for pid, (fd, ticks) in frozen.items():
+        _signal(pid, fd, ticks, signal.SIGKILL)
+        if fd is not None:
+            os.close(fd)
+
+
+def _hold(pid: int, ticks: int) -> tuple[bool, int | None]:
+    """Whether `pid` is still the process that started at `ticks`, and a pidfd of it (checked
+    after the pidfd is open: from then on it names that one process, and a reused pid is never
+    signalled). No pidfd where none can be had (out of descriptors): the pid, checked again at
+    each signal."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False, None
+    except OSError:
+        return start_ticks(pid) == ticks, None
+    if start_ticks(pid) == ticks:
+        return True, fd
+    os.close(fd)
+    return False, None
+
+
+def _signal(pid: int, pidfd: int | None, ticks: int, signum: int) -> None:
+    try:
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, signum)
+        elif start_ticks(pid) == ticks:
+            os.kill(pid, signum)
+    except OSError:
+        pass
+
+
 def _read(fd: int, timeout: float | None) -> bytes | None:
     """The owner's next bytes (b"": EOF), or None when it said nothing for `timeout` s."""
     if timeout is not None:
@@ -208,11 +315,12 @@ def _kill_owner(owner: int) -> None:
 
 
 def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],
-           closed: list[bool], worlds: set[bytes], beats: list[float]) -> bytes:
+           closed: list[bool], worlds: set[bytes], beats: list[float],
+           tracking: list[bool]) -> bytes:
     """Apply every complete message in `buf`; return the incomplete rest."""
     while buf:
         kind = buf[:1]
-        end = buf.find(b"\n" if kind in b"+-qtb" else b"\0")
+        end = buf.find(b"\n" if kind in b"+-qtba" else b"\0")
         if end < 0:
             return buf
         body, buf = buf[1:end], buf[end + 1:]
@@ -234,5 +342,7 @@ def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],
             closed.append(True)
         elif kind == b"t":
             beats.append(float(body))
+        elif kind == b"a":
+            tracking.append(body == b"1")
         # b"b", a beat: its arrival is the news
     return buf

@@ -19,7 +19,6 @@ from __future__ import annotations
 import enum
 import errno
 import fcntl
-import json
 import os
 import shutil
 import signal
@@ -36,6 +35,7 @@ from .binding import bound, memory_binding_unavailable
 from .containment import Cgroups
 from .lifeline import Lifeline
 from .uncompiled import dataclass
+from .untrusted import read_regular
 
 # Each instance's pipes are grown to this (F_SETPIPE_SZ; the kernel's default is 64 KiB): per
 # byte, a busy writer waits, and poprun wakes and reads, less often
@@ -154,6 +154,7 @@ class LocalSpawner:
         self._error_dir: str | None = None
         wanted = cgroups and os.environ.get(containment.CGROUPS_SWITCH) != "0"
         self._cgroups: Cgroups | bool | None = None if wanted and lifeline else False
+        self._tracking = False  # the lifeline learns the instances' descendants (no cgroups)
         self._pipe_growth = 0  # bytes the grown pipes hold above the default (PIPE_GROWTH_BUDGET)
         self._read_buffer = bytearray(READ_SIZE)  # every pipe is read into it (_on_readable)
         # A memory binding was asked for but this host cannot do it: why (binding.py's
@@ -177,6 +178,10 @@ class LocalSpawner:
 
         env.update(stackdump.instance_env(env[ERROR_FILE], env))  # popdist/_stacks.py
         argv = self._contained(spec, env)
+        if self._lifeline and not self._tracking and not self._has_cgroups():
+            # its helpers are found by their ancestry only
+            self._lifeline.track_descendants(containment.is_subreaper())
+            self._tracking = True
         with bound(spec.cpus, spec.mems) as memory_bound:
             proc = subprocess.Popen(
                 argv, env=env, cwd=spec.cwd,
@@ -237,13 +242,14 @@ class LocalSpawner:
                 if token and self._cgroups is not False else None}
 
     def _read_error(self, key: int) -> None:
-        path = os.path.join(self._error_dir, f"{key}.json") if self._error_dir else None
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_ERROR_FILE)
-            self.errors[key] = json.loads(data)
-        except (OSError, TypeError, ValueError):  # none written (or a broken one)
-            pass
+        if self._error_dir is None:
+            return
+        from popdist.errorfile import parse  # only for an instance that failed
+
+        data = read_regular(os.path.join(self._error_dir, f"{key}.json"), MAX_ERROR_FILE)
+        error = parse(data) if data is not None else None
+        if error is not None:  # else none written (or a broken one)
+            self.errors[key] = error
 
     def reserve(self, keys: Iterable[int]) -> None:
         """Get ready to spawn the processes `keys` (the caller's batch, before its first
@@ -426,9 +432,9 @@ class LocalSpawner:
         called it (popdist/_progress.py)."""
         if self._error_dir is None:
             return None
-        from popdist._progress import read  # only when a watch samples it
+        from popdist._progress import LAYOUT, unpack  # only when a watch samples it
 
-        return read(self._progress_file(key))
+        return unpack(read_regular(self._progress_file(key), LAYOUT.size) or b"")
 
     def pid(self, key: int) -> int:
         return self._children[key].proc.pid

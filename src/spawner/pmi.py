@@ -109,7 +109,7 @@ __all__ = [
     "process_mapping", "process_mapping_for_ranks",
     "KeyValueSpace", "Barrier", "BarrierRelease",
     "PmiServer", "Upstream", "LocalUpstream",
-    "KVSNAME_MAX", "KEYLEN_MAX", "VALLEN_MAX",
+    "KVSNAME_MAX", "KEYLEN_MAX", "VALLEN_MAX", "KEYS_PER_RANK",
 ]
 
 # Limits announced in ``maxes`` (the values Hydra uses: lib/pmiserv_common.h).
@@ -118,6 +118,9 @@ __all__ = [
 KVSNAME_MAX = 256
 KEYLEN_MAX = 64
 VALLEN_MAX = 1024
+# Keys a world may hold, per rank (MPICH puts a handful: its business card, in segments of
+# vallen_max): an instance that puts key after key is refused (rc=1) past it, not stored.
+KEYS_PER_RANK = 256
 
 # Commands whose last field may contain spaces: that field runs to the end
 # of the line.  (MPICH sends ``put kvsname= key= value=`` and
@@ -300,11 +303,13 @@ class KeyValueSpace:
     """
 
     def __init__(self, attrs: Optional[Dict[str, str]] = None,
-                 keylen_max: int = KEYLEN_MAX, vallen_max: int = VALLEN_MAX):
+                 keylen_max: int = KEYLEN_MAX, vallen_max: int = VALLEN_MAX,
+                 keys_max: Optional[int] = None):
         self.attrs: Dict[str, str] = dict(attrs or {})
         self._kv: Dict[str, str] = {}
         self.keylen_max = keylen_max
         self.vallen_max = vallen_max
+        self.keys_max = keys_max  # None: no bound
 
     def check(self, key: str, value: str) -> Optional[str]:
         """Return an error message if ``put(key, value)`` is not allowed."""
@@ -316,6 +321,9 @@ class KeyValueSpace:
             return "key_too_long"
         if len(value) > self.vallen_max:
             return "value_too_long"
+        if (self.keys_max is not None and len(self._kv) >= self.keys_max
+                and key not in self._kv):
+            return "too_many_keys"
         return None
 
     def put(self, key: str, value: str) -> None:
@@ -475,7 +483,7 @@ class PmiServer:
         attrs = dict(attrs or {})
         attrs["PMI_process_mapping"] = process_mapping or attrs.get(
             "PMI_process_mapping") or process_mapping_for_ranks([0] * size)
-        self.kvs = KeyValueSpace(attrs)
+        self.kvs = KeyValueSpace(attrs, keys_max=KEYS_PER_RANK * size)
         self.upstream = upstream
         ranks = list(range(size)) if local_ranks is None else sorted(set(local_ranks))
         for r in ranks:

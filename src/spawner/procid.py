@@ -5,9 +5,16 @@ A process is named by (boot id, pid, start time): the start time is field 22 of
 `/proc/<pid>/stat`, in clock ticks since boot, fixed for the life of the process; the boot id
 (`/proc/sys/kernel/random/boot_id`) changes at every boot, when every recorded pid is stale.
 Standard library only: the agent (Python 3.10) and `poprunctl reap`'s remote script use it.
+
+And whose a process is, while its ancestry holds: `children` (every thread's, as
+/proc/<pid>/task/*/children lists them) and `descendants` (the whole subtree, each with its
+start time).
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterable
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
@@ -63,3 +70,39 @@ def is_running(pid: int, ticks: int | None, proc: str = "/proc") -> bool:
             and int(fields[19]) == ticks
     except (ValueError, IndexError):
         return False
+
+
+def children(pid: int | str = "self", proc: str = "/proc") -> set[int]:
+    """`pid`'s children, every thread's (a child belongs to the thread that forked it or, once
+    orphaned, to the subreaper's thread that took it)."""
+    found: set[int] = set()
+    try:
+        tasks = os.listdir(f"{proc}/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"{proc}/{pid}/task/{tid}/children", "rb") as f:
+                found.update(int(child) for child in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def descendants(roots: Iterable[int], proc: str = "/proc") -> dict[int, int]:
+    """Every process below `roots` (not the roots), each with its start time; one that ended
+    while it was read is left out."""
+    found: dict[int, int] = {}
+    level = set(roots)
+    while level:
+        below = set()
+        for pid in level:
+            below |= children(pid, proc)
+        below -= found.keys()
+        level = set()
+        for pid in below:
+            ticks = start_ticks(pid, proc)
+            if ticks is not None:
+                found[pid] = ticks
+                level.add(pid)
+    return found

@@ -22,12 +22,16 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 from popdist._stacks import signal_number
 from popdist.env import DEFAULT_STACKS_SIGNAL, STACKS_FILE, STACKS_SIGNAL
+
+from .procid import children
+from .untrusted import open_regular, read_regular
 
 
 POLL = 0.01  # seconds between looks at the dump file
@@ -79,6 +83,15 @@ async def collect(pid: int, timeout: float, pyspy: str | None = None) -> dict[st
         return result(pid, error=f"cannot read its stacks: {type(exc).__name__}: {exc}")
 
 
+def _size(path: str) -> int:
+    """The dump's size so far (0: none, or not a file the instance may have made)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return 0
+    return info.st_size if stat.S_ISREG(info.st_mode) else 0
+
+
 def find_pyspy() -> str | None:
     beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
     if os.access(beside, os.X_OK):
@@ -102,14 +115,17 @@ async def _by_signal(pid: int, path: str, number: int, deadline: float) -> dict[
     loop = asyncio.get_running_loop()
     lock = _locks.setdefault(path, asyncio.Lock())
     async with lock:
-        with open(path, "r+b") as f:
-            f.truncate(0)  # popdist appends (O_APPEND): the dump starts at 0
+        try:  # the instance's to replace: never a FIFO's open or a link's target
+            fd = open_regular(path, os.O_WRONLY | os.O_TRUNC)
+        except OSError as exc:
+            return result(pid, "popdist", error=f"its stacks file: {exc.strerror}")
+        os.close(fd)  # truncated: popdist appends (O_APPEND), the dump starts at 0
         os.kill(pid, number)
         size, since = 0, loop.time()
         while True:
             await asyncio.sleep(POLL)
             now = loop.time()
-            current = os.path.getsize(path)
+            current = _size(path)
             if current != size:
                 size, since = current, now
             elif size and now - since >= SETTLED:
@@ -121,8 +137,7 @@ async def _by_signal(pid: int, path: str, number: int, deadline: float) -> dict[
                     raise ProcessLookupError(pid)
                 return result(pid, "popdist", error="no answer to its stacks signal in time "
                               "(stopped, or in an uninterruptible wait?)")
-        with open(path, "rb") as f:
-            text = f.read(MAX_DUMP).decode("utf-8", "replace")
+        text = (read_regular(path, MAX_DUMP, cut=True) or b"").decode("utf-8", "replace")
     from .stackparse import parse_faulthandler, with_source  # only when stacks are asked for
 
     threads = parse_faulthandler(text)
@@ -174,7 +189,7 @@ def _python_process(pid: int) -> int | None:
         for candidate in level:
             if _is_python(candidate):
                 return candidate
-        level = [child for parent in level for child in _children(parent)]
+        level = [child for parent in level for child in sorted(children(parent))]
         if not level:
             break
     return None
@@ -186,17 +201,6 @@ def _is_python(pid: int) -> bool:
     except OSError:
         return False
     return exe.startswith(("python", "pypy"))
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return found
 
 
 def _environ(pid: int) -> dict[str, str]:

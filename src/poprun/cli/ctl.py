@@ -29,7 +29,7 @@ from poprun.jobctl import joblog
 from poprun.jobctl import records as jobs
 from poprun.jobctl.control import ControlError, ask, connect
 from poprun.progress import progress_line
-from poprun.text import cut, duration, fold_indices, percent, size, visible
+from poprun.text import cut, duration, fold_indices, percent, shown, size, visible
 
 ASK_TIMEOUT = 10.0  # seconds for a launcher to answer (stacks: its timeout more)
 COMMAND_WIDTH = 48
@@ -369,7 +369,7 @@ def logs(job: JobArg,
                    else {"instance": keys})
             for line in data.splitlines():
                 out.write(json.dumps({**who, "stream": stream,
-                                      "line": line.decode("utf-8", "replace")}).encode()
+                                      "line": shown(line)}).encode()
                           + b"\n")
         else:
             out.write(joblog.tagged(keys, stream, data))

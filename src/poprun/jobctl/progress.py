@@ -23,14 +23,16 @@ EVERY = 1.0  # seconds between samples (a fifth of a shorter --straggler-after)
 
 def progress_watch(loop: asyncio.AbstractEventLoop, count: int, *, pattern: str | None,
                    hold: float, local: Callable[..., Mapping[int, tuple[int, int | None]]],
-                   report: Callable[..., None]) -> ProgressWatch:
-    """The watch for this launch: with a pattern, one that matches it."""
+                   report: Callable[..., None],
+                   note: Callable[[str], None] = lambda text: None) -> ProgressWatch:
+    """The watch for this launch: with a pattern, one that matches it (`note`: what it says
+    at -v)."""
     if pattern is None:
         return ProgressWatch(loop, count, hold=hold, local=local, report=report)
     from poprun.progress import compile_pattern
 
     return PatternWatch(loop, count, hold=hold, local=local, report=report,
-                        pattern=compile_pattern(pattern))
+                        pattern=compile_pattern(pattern), note=note)
 
 
 class ProgressWatch(JobObserver):
@@ -166,8 +168,12 @@ class PatternWatch(ProgressWatch):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, count: int, *, hold: float,
                  local: Callable[..., Mapping[int, tuple[int, int | None]]],
-                 report: Callable[..., None], pattern) -> None:
-        self.pattern = pattern
+                 report: Callable[..., None], pattern,
+                 note: Callable[[str], None] = lambda text: None) -> None:
+        from poprun.progress import holds  # imported already: the pattern was compiled there
+
+        self.pattern, self._note, self._holds = pattern, note, holds
+        self._noted = False
         super().__init__(loop, count, hold=hold, local=local, report=report)
 
     def output(self, key: int, stream, data: bytes, now: float, lines: int) -> None:
@@ -181,7 +187,18 @@ class PatternWatch(ProgressWatch):
             total = int(match.group(2)) if self.pattern.groups == 2 else None
         except (TypeError, ValueError):  # a group that matched no digits: not a step
             return
+        if not self._holds(step, total):
+            self._too_large(key)
+            return
         self.steps[key] = (step, total, None)
+
+    def _too_large(self, key: int) -> None:
+        from poprun.progress import MAX_STEP
+
+        if not self._noted:  # once: a program that prints such numbers prints them often
+            self._noted = True
+            self._note(f"--progress-pattern: instance {key} printed a step or total beyond "
+                       f"{MAX_STEP}: ignored (as every such number from now on)")
 
     def _popdist(self, key: int, step: int, total: int | None, now: float | None) -> None:
         """The pattern asked for wins over popdist.progress()."""

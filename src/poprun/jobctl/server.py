@@ -20,6 +20,7 @@ from popdist._stacks import signal_number
 from poprun.jobctl.control import ControlServer
 from poprun.jobctl.joblog import JobLog
 from poprun.jobctl.watch import JobRecord
+from poprun.text import shown
 
 SHOW_SAMPLE = 0.2  # seconds between the two CPU samples of `show`
 _SIGNALS = {int(s) for s in signal.Signals}
@@ -96,7 +97,7 @@ class ControlService:
                 "index": index, "host": row.host, "pid": row.pid, "state": row.status,
                 "uptime": row.uptime(now), "cpu_percent": usage and usage.cpu_percent,
                 "rss": usage and usage.rss, "lines": row.lines, "idle": row.idle(now),
-                "last_line": row.last_line.decode("utf-8", "replace"), "slow": row.slow,
+                "last_line": shown(row.last_line), "slow": row.slow,
                 **{k: (row.progress or {}).get(k) for k in ("step", "total", "rate")}})
         return {"ok": True, "job": record.id, "state": record.status,
                 "stop_reason": record.stop_reason, "attempt": record.attempt,

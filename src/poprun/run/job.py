@@ -32,6 +32,9 @@ from poprun.plan.planner import InstancePlan, LaunchPlan
 from poprun.result import (LOST_HOST_STATUS, InstanceResult, LaunchResult, end_reason,
                            exit_status)
 from poprun.run.output import OutputOptions, OutputRouter, output_files
+from poprun.text import cut, shown_text
+
+MAX_ABORT_MESSAGE = 1000  # characters of an MPI_Abort's message kept (MPICH's says "abort")
 
 
 def _forwarded(stop_signal: int) -> int:
@@ -379,7 +382,7 @@ class Job:
         """MPI_Abort: the job ends with this instance as its root cause and the abort's exit
         code. MPICH sends the abort and returns (ch4's MPID_Abort): the aborting instance is
         stopped with the others."""
-        self.mpi_aborts.setdefault(key, (code, message))
+        self.mpi_aborts.setdefault(key, (code, cut(shown_text(message), MAX_ABORT_MESSAGE)))
         self.log.error(f"instance {key} called MPI_Abort (exit code {code})")
         if self.stop_reason == "success":
             self.root_cause = key
@@ -552,15 +555,17 @@ class Job:
 
     def _as_aborted(self, inst: InstanceResult) -> InstanceResult:
         """An instance that called MPI_Abort ends with the abort's code and says so (its own
-        end was poprun's SIGTERM); one whose exit 0 without MPI_Finalize stopped the job ends
-        with status 1 (a job that could not complete never exits 0)."""
+        end was poprun's SIGTERM): its status is the code's low 8 bits, as the MPI launchers
+        make it (-3 is 253, never a signal), its report the code as given. One whose exit 0
+        without MPI_Finalize stopped the job ends with status 1 (a job that could not
+        complete never exits 0)."""
         if inst.index == self._no_finalize and inst.returncode == 0:
             return replace(inst, returncode=1, error=inst.error or {
                 "type": "MPI", "message": "exited with status 0 before MPI_Finalize"})
         if inst.index not in self.mpi_aborts:
             return inst
         code, message = self.mpi_aborts[inst.index]
-        return replace(inst, returncode=code, error=inst.error or {
+        return replace(inst, returncode=code & 0xFF, error=inst.error or {
             "type": "MPI_Abort", "message": f"exit code {code}" + (
                 f": {message}" if message and message != "abort" else "")})
 

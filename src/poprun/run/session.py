@@ -410,7 +410,7 @@ class _Session:
         self.progress = progress_watch(
             self.loop, self.config.num_instances, pattern=self.config.progress_pattern,
             hold=self.config.straggler_after, local=lambda keys=None: self.job.local_progress(keys),
-            report=lambda report: self.job.report_progress(report))
+            report=lambda report: self.job.report_progress(report), note=self.log.info)
         self.events.add(self.progress)
 
     async def _gather_stacks(self, keys, timeout: float):

@@ -103,14 +103,20 @@ def render_report(result: LaunchResult, fd: int, environ: Mapping[str, str],
 
     console = rich_console(fd, environ)
     if console is None:
-        return (result.failure_report() if not result.ok else result.summary()).encode()
+        return _encoded(result.failure_report() if not result.ok else result.summary())
     lines = result.failure_lines() if not result.ok else result.summary_lines()
     from rich.text import Text
 
     with console.capture() as capture:
         for part, line in lines:
             console.print(Text(line, style=_STYLES[part]), soft_wrap=True)
-    return capture.get().encode()
+    return _encoded(capture.get())
+
+
+def _encoded(text: str) -> bytes:
+    # An instance's text is escaped where it comes in (text.shown); this keeps a surrogate
+    # that slipped by from ending the launch as an internal error.
+    return text.encode("utf-8", "backslashreplace")
 
 
 # The report's parts, as rich styles on a terminal: the root cause stands out, the instance's

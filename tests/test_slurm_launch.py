@@ -269,9 +269,9 @@ def _steps(cluster: SlurmCluster) -> list[tuple[str, str, str]]:
     return [tuple(line.split()) for line in out.splitlines() if line.strip()]
 
 
-def _agents() -> dict[str, int]:
-    """node -> pid of each running poprun agent started by a job step (SLURMD_NODENAME in
-    its environment), not its watchdog (a fork of it)."""
+def _agents(cluster: SlurmCluster) -> dict[str, int]:
+    """node -> pid of each running poprun agent started by a step of `cluster` (its
+    SLURM_CONF, and SLURMD_NODENAME, in its environment), not its watchdog (a fork)."""
     found = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -279,7 +279,8 @@ def _agents() -> dict[str, int]:
                 continue
             env = dict(v.split(b"=", 1) for v in
                        Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if b"=" in v)
-            if env.get(b"SLURMD_NODENAME"):
+            ours = env.get(b"SLURM_CONF") == str(cluster.conf).encode()
+            if ours and env.get(b"SLURMD_NODENAME"):
                 found[int(entry)] = env[b"SLURMD_NODENAME"].decode()
         except OSError:
             pass
@@ -316,6 +317,9 @@ def test_one_step_and_one_srun_start_every_nodes_agent(four_nodes, tmp_path, nod
         sruns = _sruns_of(launcher)
         secrets = [p for p in instances_with(str(go)) if SECRET_VARIABLE.encode() in
                    Path(f"/proc/{p}/environ").read_bytes()]
+        job = _job_of(str(go))  # poprunctl reaches the instances through the agents
+        stacks = _poprunctl("stacks", job, "--json")
+        logs = _poprunctl("logs", job)
         go.write_text("")
         out, err = _finish(proc)
     finally:
@@ -326,6 +330,23 @@ def test_one_step_and_one_srun_start_every_nodes_agent(four_nodes, tmp_path, nod
     assert sorted(line.split()[1] for line in out.splitlines()) == \
         [f"node{k}" for k in range(1, nodes + 1)]
     assert not secrets
+    assert sorted(json.loads(stacks.stdout)["instances"]) == list(range(nodes)), stacks
+    assert sorted(line.split()[1] for line in logs.stdout.splitlines()) == \
+        [f"node{k}" for k in range(1, nodes + 1)], logs
+
+
+def _job_of(marker: str) -> str:
+    """The id of the running job whose command line holds `marker`."""
+    from poprun.jobctl import records as jobs
+
+    return next(r["id"] for r in jobs.scan().records if marker in (r.get("argv") or []))
+
+
+def _poprunctl(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([PY, "-m", "poprun.cli.ctl", *args], env={**os.environ, **env()},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done
 
 
 def _kill_node(cluster: SlurmCluster, node: str) -> None:
@@ -372,13 +393,13 @@ def test_a_restart_reconnects_the_lost_node_with_a_step_of_its_own(four_nodes, t
     proc = _start(four_nodes, 3, go, "--max-restarts=1")
     try:
         wait_until(lambda: len(instances_with(str(go))) >= 3, "every instance to run", 60)
-        before = _agents()
+        before = _agents(four_nodes)
         assert sorted(before) == ["node1", "node2", "node3"]
         os.kill(before["node2"], signal.SIGKILL)
         wait_until(lambda: len(_steps(four_nodes)) == 2, "node2's own step", 60)
         wait_until(lambda: len(instances_with(str(go))) >= 3, "the next attempt's instances", 60)
         steps = _steps(four_nodes)
-        after = _agents()
+        after = _agents(four_nodes)
         go.write_text("")
         out, err = _finish(proc)
     finally:
@@ -444,3 +465,20 @@ def test_a_call_without_the_secret_is_refused_and_runs_nothing(cluster, tmp_path
     assert proc.returncode == 0, err
     assert sorted(line.split()[1] for line in out.splitlines()) == ["node1", "node2"]
     assert not touched.exists()
+
+
+def test_sigkill_of_the_launcher_leaves_nothing(four_nodes, tmp_path):
+    """Killed outright, poprun closes nothing itself: its connections' end tells every
+    agent, which stops its instances and exits, and the step ends with its tasks."""
+    four_nodes.reset()
+    go = tmp_path / "go"
+    proc = _start(four_nodes, 3, go)
+    try:
+        wait_until(lambda: len(instances_with(str(go))) >= 3, "every instance to run", 60)
+        os.kill(_launcher(str(go)), signal.SIGKILL)
+        wait_until(lambda: not instances_with(str(go)), "every instance gone", 30)
+        wait_until(lambda: not _agents(four_nodes), "every agent gone", 30)
+        wait_until(lambda: not _steps(four_nodes), "the step gone", 30)
+    finally:
+        go.write_text("")
+        _finish(proc)

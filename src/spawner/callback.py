@@ -9,8 +9,8 @@ line, where `ps` shows it to every user of the node). From then on the connectio
 the agent protocol (spawner/protocol.py), as an SSH channel does.
 
     agent    -> launcher   MAGIC (8 bytes), the agent's nonce (32)
-    launcher -> agent      the launcher's nonce (32), HMAC-SHA256(secret, "launcher", nonces)
-    agent    -> launcher   HMAC-SHA256(secret, "agent", nonces, identity) (32),
+    launcher -> agent      the launcher's nonce (32), MAC(secret, "launcher", nonces) (32)
+    agent    -> launcher   MAC(secret, "agent", nonces, identity) (32),
                            the identity's length (1), the identity (JSON: node, step, task)
 
 The secret itself never travels, and each proof covers fresh nonces of both sides: a proof
@@ -38,7 +38,7 @@ STEP_VARIABLE = "POPRUN_AGENT_STEP"  # which of the launcher's steps started the
 LAUNCH_NODE_VARIABLE = "SLURM_LAUNCH_NODE_IPADDR"
 MAGIC = b"POPRUNCB"
 NONCE = 32
-PROOF = 32  # SHA-256
+PROOF = 32  # bytes of a MAC (`proof`)
 MAX_IDENTITY = 255
 CONNECT_TIMEOUT = 30.0  # seconds: an agent's connection to the launcher, and its handshake
 HANDSHAKE_TIMEOUT = 30.0  # seconds the launcher gives a connection to prove the secret
@@ -51,17 +51,24 @@ class CallbackError(Exception):
 
 def proof(secret: bytes, who: bytes, agent_nonce: bytes, launcher_nonce: bytes,
           identity: bytes = b"") -> bytes:
-    import hashlib  # here: an agent over SSH reads this module's names only (~1.6 ms)
-    import hmac
-
-    return hmac.new(secret, b"\0".join((who, agent_nonce, launcher_nonce, identity)),
-                    hashlib.sha256).digest()
+    """BLAKE2b keyed with the secret: a MAC by design (RFC 7693), and the standard library's
+    own. Not hashlib's HMAC: importing hashlib loads OpenSSL's libcrypto, 3.7 MB more of the
+    launcher's RSS (bench/README.md, "One step for every node")."""
+    try:
+        from _blake2 import blake2b
+    except ImportError:  # not CPython
+        from hashlib import blake2b
+    return blake2b(b"\0".join((who, agent_nonce, launcher_nonce, identity)), key=secret,
+                   digest_size=PROOF).digest()
 
 
 def same(shown: bytes, expected: bytes) -> bool:
-    import hmac
-
-    return hmac.compare_digest(shown, expected)
+    """Compared in a time that does not tell how much matched (hmac.compare_digest's)."""
+    try:
+        from _operator import _compare_digest
+    except ImportError:  # not CPython
+        from hmac import compare_digest as _compare_digest
+    return _compare_digest(shown, expected)
 
 
 def new_secret() -> bytes:

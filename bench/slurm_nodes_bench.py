@@ -3,8 +3,10 @@
 For each node count, one local Slurm (tests/slurm_cluster.py) and one allocation of all its
 nodes; inside it, interleaved, `srun -n 16 true` and `poprun --launcher slurm --num-instances
 16 true` for each poprun tree given (`--tree name=src_dir`: PYTHONPATH=src_dir), so every side
-meets the same machine load. Per run: wall time; for poprun, its peak RSS (VmHWM, read until
-it exits) and the most `srun` processes it had at once (its own children). One more run per
+meets the same machine load. Per run: wall time and the CPU time of the launch node's side
+(the process and the children it reaped: srun, poprun's watchdog; not the nodes' agents and
+instances); for poprun, its peak RSS (VmHWM, read until it exits) and the most `srun`
+processes it had at once (its own children). One more run per
 tree, untimed, polls `squeue -s` for the job steps it creates.
 
     python bench/slurm_nodes_bench.py --tree before=/work/main/src --tree after=src \
@@ -30,14 +32,16 @@ INSTANCES = 16
 POLL = 0.005  # seconds between samples of a running poprun
 
 
-def _children_named(pid: int, name: str) -> int:
+def _sruns_of(pid: int) -> int:
+    """The sruns `pid` started: its children named srun that lead a session of their own
+    (poprun starts each so). Not what an srun forked and left to poprun, a subreaper."""
     count = 0
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if Path(f"/proc/{entry}/comm").read_text().strip() != name:
+            if Path(f"/proc/{entry}/comm").read_text().strip() != "srun":
                 continue
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and int(fields[3]) == int(entry):
                 count += 1
         except (OSError, IndexError, ValueError):
             pass
@@ -55,20 +59,25 @@ def _hwm_kib(pid: int) -> int | None:
 
 
 def timed(argv: list[str], env: dict[str, str], watch: bool) -> dict:
-    """One run: wall seconds; with `watch`, the peak RSS and the most sruns at once."""
+    """One run: wall seconds and the CPU seconds of the launch node's side (the process and
+    every child it reaped: srun, poprun's watchdog); with `watch`, the peak RSS and the most
+    sruns at once."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     hwm, sruns = 0, 0
-    if watch:
-        while proc.poll() is None:
-            hwm = max(hwm, _hwm_kib(proc.pid) or 0)
-            sruns = max(sruns, _children_named(proc.pid, "srun"))
-            time.sleep(POLL)
-    _, err = proc.communicate(timeout=300)
+    while watch:
+        hwm = max(hwm, _hwm_kib(proc.pid) or 0)
+        sruns = max(sruns, _sruns_of(proc.pid))
+        if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            break  # exited, not reaped yet: its rusage comes with wait4
+        time.sleep(POLL)
+    _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise RuntimeError(f"{argv[:3]} exited {proc.returncode}: {err.decode()[-2000:]}")
-    return {"wall": wall, "rss_kib": hwm, "sruns": sruns}
+        raise RuntimeError(f"{argv[:3]} exited {proc.returncode}")
+    return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss_kib": hwm,
+            "sruns": sruns}
 
 
 def steps_of_one_run(argv: list[str], env: dict[str, str], squeue_env: dict[str, str]) -> int:
@@ -118,6 +127,7 @@ def inside_allocation(args: argparse.Namespace) -> None:
         walls = sorted(r["wall"] for r in got)
         summary[name] = {"wall_median": statistics.median(walls), "wall_min": walls[0],
                          "wall_max": walls[-1],
+                         "cpu_median": statistics.median(r["cpu"] for r in got),
                          "rss_mib_median": statistics.median(r["rss_kib"] for r in got) / 1024,
                          "sruns_max": max(r["sruns"] for r in got),
                          "steps": steps.get(name, 1)}
@@ -153,6 +163,7 @@ def main() -> None:
             for name, s in result["sides"].items():
                 print(f"{n:>3} nodes  {name:<14} wall median {s['wall_median'] * 1000:6.0f} ms "
                       f"(min {s['wall_min'] * 1000:.0f}, max {s['wall_max'] * 1000:.0f})  "
+                      f"CPU {s['cpu_median'] * 1000:5.0f} ms  "
                       f"RSS {s['rss_mib_median']:5.1f} MiB  sruns {s['sruns_max']:>2}  "
                       f"steps {s['steps']}", flush=True)
     if args.json:

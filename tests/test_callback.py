@@ -39,7 +39,7 @@ class _Receiver:
         self.lost.set_result(exc)
 
 
-async def _listener(secret: bytes, **kwargs):
+async def _listener(secret: bytes):
     calls, refused = [], []
     receiver = _Receiver()
 

@@ -482,3 +482,18 @@ def test_sigkill_of_the_launcher_leaves_nothing(four_nodes, tmp_path):
     finally:
         go.write_text("")
         _finish(proc)
+
+
+def test_an_agent_that_cannot_start_is_named_with_its_nodes_own_words(cluster):
+    """The step's command fails on every node (no such interpreter): srun's word on each
+    task's end, and what that node's shell said (the step's labelled output, told apart by
+    node), make each node's line; nothing waits for a call that will not come."""
+    done = cluster.run(["salloc", "-N2", "--ntasks-per-node=1", *POPRUN,
+                        "--remote-python=/nonexistent/python", "--num-replicas=2", "true"],
+                       env=env(), timeout=90)
+    assert done.returncode != 0
+    for node in ("node1", "node2"):
+        line = next((x for x in done.stderr.splitlines() if f" {node}: " in x), "")
+        assert "its task of the job step ended" in line and "exit code 127" in line, \
+            done.stderr
+        assert "/nonexistent/python" in line, done.stderr

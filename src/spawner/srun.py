@@ -321,8 +321,9 @@ class _Step(asyncio.SubprocessProtocol):
         node = ended[1].decode(errors="replace") if ended else None
         if node in self.links:
             self.learn(ended[2].decode(), node)
-            self.links[node].stderr(line)
+            # The reason ends with what the node said last (its shell, its agent), not this.
             self.links[node].fail(f"its task of the job step ended ({ended[3].decode().strip()})")
+            self.links[node].stderr(line)
             return
         self._last = line.decode(errors="replace").strip()
         self._note(self._last)

@@ -245,8 +245,9 @@ def _parent(pid: int) -> int:
 
 def _launcher(marker: str) -> int:
     """poprun's own pid (not its watchdog's, nor salloc's)."""
+    command = PY.encode() + b"\0-m\0poprun"
     found = [p for p in processes_with(marker)
-             if Path(f"/proc/{p}/cmdline").read_bytes().startswith(PY.encode() + b"\0-m\0poprun")]
+             if Path(f"/proc/{p}/cmdline").read_bytes().startswith(command)]
     return next(p for p in found if _parent(p) not in found)
 
 
@@ -272,7 +273,7 @@ def _steps(cluster: SlurmCluster) -> list[tuple[str, str, str]]:
 def _agents(cluster: SlurmCluster) -> dict[str, int]:
     """node -> pid of each running poprun agent started by a step of `cluster` (its
     SLURM_CONF, and SLURMD_NODENAME, in its environment), not its watchdog (a fork)."""
-    found = {}
+    found: dict[int, tuple[str, int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             if b"spawner.agent" not in Path(f"/proc/{entry}/cmdline").read_bytes():
@@ -281,10 +282,10 @@ def _agents(cluster: SlurmCluster) -> dict[str, int]:
                        Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if b"=" in v)
             ours = env.get(b"SLURM_CONF") == str(cluster.conf).encode()
             if ours and env.get(b"SLURMD_NODENAME"):
-                found[int(entry)] = env[b"SLURMD_NODENAME"].decode()
-        except OSError:
+                found[int(entry)] = (env[b"SLURMD_NODENAME"].decode(), _parent(int(entry)))
+        except OSError:  # gone meanwhile
             pass
-    return {node: pid for pid, node in found.items() if _parent(pid) not in found}
+    return {node: pid for pid, (node, parent) in found.items() if parent not in found}
 
 
 def _start(cluster: SlurmCluster, nodes: int, go: Path, *extra: str) -> subprocess.Popen:
@@ -497,3 +498,21 @@ def test_an_agent_that_cannot_start_is_named_with_its_nodes_own_words(cluster):
         assert "its task of the job step ended" in line and "exit code 127" in line, \
             done.stderr
         assert "/nonexistent/python" in line, done.stderr
+
+
+def test_the_agents_call_back_on_the_network_the_user_chose(cluster, tmp_path):
+    """--host-subnet=lo: poprun listens on its address there and tells the agents so (with
+    no choice they take SLURM_LAUNCH_NODE_IPADDR: the other tests)."""
+    go = tmp_path / "go"
+    proc = _start(cluster, 2, go, "--host-subnet=lo")
+    try:
+        wait_until(lambda: len(instances_with(str(go))) >= 2, "both instances to run", 60)
+        srun = _sruns_of(_launcher(str(go)))[0]
+        told = dict(v.split(b"=", 1) for v in Path(f"/proc/{srun}/environ").read_bytes()
+                    .split(b"\0") if b"=" in v)[CALLBACK_VARIABLE.encode()].decode()
+        go.write_text("")
+        _, err = _finish(proc)
+    finally:
+        go.write_text("")
+    assert proc.returncode == 0, err
+    assert told.startswith("127.0.0.1:"), told

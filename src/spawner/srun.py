@@ -57,6 +57,7 @@ SRUN_OPTIONS = ("--overlap", "--label", "--kill-on-bad-exit=0", "--wait=0", "--n
 CALLBACK_TIMEOUT = 60.0  # seconds from a step's start to its agent's call (a cold Python)
 STEP_EXIT_GRACE = 2.0  # seconds srun has to end once its agents are told to
 STEP_KILL_WAIT = 5.0  # ... and to be gone after SIGKILL
+TASK_END_GRACE = 0.5  # seconds a node's last words may follow srun's word on its task's end
 MAX_LINE = 4096  # bytes of one line of the step's output kept (the rest is cut)
 HELD_STDERR = 4096  # bytes of a node's output kept before its agent's session takes it
 
@@ -151,6 +152,7 @@ class NodeLink:
         self._session: Any = None
         self._held: list[tuple[str, tuple]] = []  # for the session, until it is there
         self._held_stderr = bytearray()  # the node's output, kept for a failure's reason
+        self.end_reason: str | None = None  # srun said the node's task ended
         self._closed = loop.create_future()
 
     # --- as the step's ---------------------------------------------------------------
@@ -164,12 +166,21 @@ class NodeLink:
         return True
 
     def fail(self, reason: str) -> None:
-        """No call will come (the step or the node's task ended first)."""
+        """No call will come (the step or the node's task ended first): the reason, and
+        the last line the node said itself (not srun about it)."""
         if not self._called.done():
-            last = self._held_stderr.decode(errors="replace").strip().splitlines()[-1:]
+            said = self._held_stderr.decode(errors="replace").strip().splitlines()
+            last = [line for line in said if not line.startswith("srun: ")][-1:]
             self._called.set_exception(ConnectionError(
                 f"{reason}: {last[0]}" if last else reason))
             self._finish()
+
+    def ended(self, reason: str) -> None:
+        """srun says the node's task ended, so no call will come. The node's last words
+        may reach the step's output after srun's: they are waited for (TASK_END_GRACE, or
+        srun's end, whichever comes first) to make the reason."""
+        self.end_reason = reason
+        asyncio.get_running_loop().call_later(TASK_END_GRACE, self.fail, reason)
 
     def stderr(self, data: bytes) -> None:
         """A line of the node's output, as the step carried it."""
@@ -321,9 +332,9 @@ class _Step(asyncio.SubprocessProtocol):
         node = ended[1].decode(errors="replace") if ended else None
         if node in self.links:
             self.learn(ended[2].decode(), node)
-            # The reason ends with what the node said last (its shell, its agent), not this.
-            self.links[node].fail(f"its task of the job step ended ({ended[3].decode().strip()})")
             self.links[node].stderr(line)
+            self.links[node].ended(f"its task of the job step ended "
+                                   f"({ended[3].decode().strip()})")
             return
         self._last = line.decode(errors="replace").strip()
         self._note(self._last)
@@ -353,7 +364,7 @@ class _Step(asyncio.SubprocessProtocol):
 
     def _fail_all(self, reason: str) -> None:
         for link in self.links.values():
-            link.fail(reason)
+            link.fail(link.end_reason or reason)
 
     async def end(self) -> None:
         """srun gone: within STEP_EXIT_GRACE of its own, else SIGKILLed (the step is

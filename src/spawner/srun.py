@@ -9,8 +9,8 @@ for all `nodes` (as Open MPI's mpirun starts its daemons under Slurm), and gives
 `NodeLink` per node: it stands where an asyncssh connection stands for RemoteSpawner. Each
 agent connects back to the launcher over TCP and proves it holds the job's secret
 (spawner/callback.py), then speaks the agent protocol on that connection. So a job on N nodes
-is one step creation at slurmctld and one `srun` on the launch node, whatever N; one per
-node before cost N of each (bench/README.md, "One step for every node").
+is one step creation at slurmctld and one `srun` on the launch node, whatever N (a step per
+node cost N of each: bench/README.md, "One step for every node").
 
 Why the options (checked on the real Slurm 22.05 of tests/slurm_cluster.py and srun(1)):
 `--kill-on-bad-exit=0` and `--wait=0`: one agent's exit (its node lost, an agent killed)

@@ -1,11 +1,12 @@
 """`poprun --launcher slurm` on a real Slurm cluster (tests/slurm_cluster.py: munged,
-slurmctld and two slurmd on this machine): poprun runs under `salloc` and `sbatch`, its agents
-start as one job step per node, instances run on both nodes with the right environment, output
-arrives tagged, a failing instance's status propagates, `scancel` leaves no process behind."""
+slurmctld and two slurmd on this machine; three or four where a test says so): poprun runs
+under `salloc` and `sbatch`, one job step starts every node's agent and each calls back,
+instances run on every node with the right environment, output arrives tagged, a failing
+instance's status propagates, a lost node is noticed and restarted with a step of its own,
+`scancel` leaves no process behind."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -18,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from conftest import SRC
-from slurm_cluster import SlurmCluster
-from spawner.srun import ACK_INTERVAL, SrunConnection, StepAck
-from sshd_hosts import instances_with, processes_with, wait_until
+from slurm_cluster import SlurmCluster, require_slurm, start_slurm_cluster
+from spawner.callback import CALLBACK_VARIABLE, MAGIC, NONCE, PROOF, SECRET_VARIABLE
+from sshd_hosts import instances_with, kill_trees, processes_with, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 PY = sys.executable  # the nodes are this machine
@@ -54,98 +55,6 @@ def test_under_salloc_instances_run_on_both_nodes_as_job_steps(cluster):
         [("0", "0"), ("1", "1"), ("2", "0"), ("3", "1")]
     assert all(s["SLURM_JOB_ID"] and s["SLURM_PROCID"] is None for s in seen.values())
     assert len({s["MASTER_ADDR"] for s in seen.values()}) == 1
-
-
-async def test_a_step_ack_goes_at_once_then_at_most_every_interval():
-    """StepAck (the answer that carries the step I/O's ACK): the first call sends at once;
-    calls within ACK_INTERVAL of it make one more send, ACK_INTERVAL after the first."""
-    loop = asyncio.get_running_loop()
-    sent: list[float] = []
-    second = loop.create_future()
-
-    def send() -> None:
-        sent.append(loop.time())
-        if len(sent) == 2:
-            second.set_result(None)
-
-    ack = StepAck(send)
-    ack()
-    assert len(sent) == 1
-    ack()
-    ack()
-    assert len(sent) == 1
-    await asyncio.wait_for(second, 5)
-    assert sent[1] - sent[0] >= ACK_INTERVAL * 0.99  # the loop's clock, as StepAck's
-
-
-
-@pytest.fixture
-def fake_srun(tmp_path) -> str:
-    """An `srun` that runs the step's command here (what follows its options)."""
-    path = tmp_path / "srun"
-    path.write_text('#!/bin/sh\nwhile [ "$1" != /bin/sh ]; do shift; done\nexec "$@"\n')
-    path.chmod(0o755)
-    return str(path)
-
-
-class _Session:
-    def __init__(self) -> None:
-        self.received: list[bytes] = []
-        self.lost = asyncio.get_running_loop().create_future()
-
-    def data_received(self, data: bytes, datatype: int | None) -> None:
-        self.received.append(data)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost.set_result(exc)
-
-
-async def test_a_step_started_ahead_hands_its_session_what_it_sent_in_order(fake_srun, tmp_path):
-    """SrunConnection.start: the step runs before create_session asks for it; what it wrote
-    meanwhile reaches the session first, then the rest, then its end."""
-    said = tmp_path / "said"
-    conn = SrunConnection("node1", fake_srun)
-    command = f"echo early; touch {said}; read line; echo \"late $line\""
-    conn.start(command)
-    await asyncio.wait_for(_until(said.exists), 20)
-    step, session = await conn.create_session(_Session, command)
-    step.write(b"reply\n")
-    step.write_eof()
-    assert await asyncio.wait_for(session.lost, 20) is None
-    assert b"".join(session.received) == b"early\nlate reply\n"
-    assert step.get_exit_status() == 0
-    conn.close()
-    await conn.wait_closed()
-
-
-@pytest.mark.parametrize("agent", ["cat", "sleep 300"], ids=["ends-at-eof", "does-not"])
-async def test_a_step_started_ahead_and_never_asked_for_is_ended_by_close(fake_srun, tmp_path,
-                                                                          agent):
-    """Its agent is told to end (EOF), as by a launcher that is done; one that does not is
-    cancelled (srun's SIGKILL) after HELD_EOF_GRACE. Either way it is reaped."""
-    pid_file = tmp_path / "pid"
-    conn = SrunConnection("node1", fake_srun)
-    conn.start(f"echo $$ > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; exec {agent}")
-    # (the fake srun execs sh, which execs the agent: one pid all along)
-    await asyncio.wait_for(_until(pid_file.exists), 20)
-    pid = int(pid_file.read_text())
-    conn.close()
-    await asyncio.wait_for(conn.wait_closed(), 20)
-    assert not Path(f"/proc/{pid}").exists()  # reaped: not even a zombie
-
-
-async def test_a_step_started_ahead_is_ended_by_a_close_while_it_is_created(fake_srun):
-    marker = f"poprun-test-{uuid.uuid4().hex}"
-    conn = SrunConnection("node1", fake_srun)
-    conn.start(f"exec {PY} -c 'import time; time.sleep(300)' {marker}")
-    conn.close()  # before the loop ran the step's creation at all
-    await asyncio.wait_for(conn.wait_closed(), 20)
-    assert not processes_with(marker)
-
-
-async def _until(predicate, interval: float = 0.01) -> None:
-    while not predicate():
-        await asyncio.sleep(interval)
 
 
 def test_a_slurm_launch_imports_no_asyncssh(cluster):
@@ -311,3 +220,299 @@ def test_ctrl_c_reaches_every_instance_and_leaves_nothing(cluster):
     assert "SIGINT received: stopping 2 running instance(s)" in err, err
     wait_until(lambda: not processes_with(marker), "every process of the job to be gone", 30)
 
+
+
+# --- one step for every node, and what it must keep ------------------------------------------
+
+# Waits for a file to exist (argv[1]), then exits 0; with a second argument, each instance
+# prints its node first.
+WAIT_FOR = ("import os, sys, time\n"
+            "print('up', os.environ['SLURMD_NODENAME'], os.environ['RANK'], flush=True)\n"
+            "while not os.path.exists(sys.argv[1]): time.sleep(0.02)")
+
+
+@pytest.fixture(scope="module")
+def four_nodes():
+    """A cluster of its own with four node daemons (the session's has two)."""
+    require_slurm()
+    with start_slurm_cluster(4) as cluster:
+        yield cluster
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _launcher(marker: str) -> int:
+    """poprun's own pid (not its watchdog's, nor salloc's)."""
+    command = PY.encode() + b"\0-m\0poprun"
+    found = [p for p in processes_with(marker)
+             if Path(f"/proc/{p}/cmdline").read_bytes().startswith(command)]
+    return next(p for p in found if _parent(p) not in found)
+
+
+def _sruns_of(pid: int) -> list[int]:
+    """The `srun` processes `pid` started itself."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{entry}/comm").read_text().strip() == "srun" and \
+                    _parent(int(entry)) == pid:
+                found.append(int(entry))
+        except (OSError, IndexError):
+            pass
+    return found
+
+
+def _steps(cluster: SlurmCluster) -> list[tuple[str, str, str]]:
+    """(step id, name, node list) of every job step squeue lists."""
+    out = cluster.run(["squeue", "-s", "-h", "-o", "%i %j %N"], timeout=20, check=True).stdout
+    return [tuple(line.split()) for line in out.splitlines() if line.strip()]
+
+
+def _agents(cluster: SlurmCluster) -> dict[str, int]:
+    """node -> pid of each running poprun agent started by a step of `cluster` (its
+    SLURM_CONF, and SLURMD_NODENAME, in its environment), not its watchdog (a fork)."""
+    found: dict[int, tuple[str, int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if b"spawner.agent" not in Path(f"/proc/{entry}/cmdline").read_bytes():
+                continue
+            env = dict(v.split(b"=", 1) for v in
+                       Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if b"=" in v)
+            ours = env.get(b"SLURM_CONF") == str(cluster.conf).encode()
+            if ours and env.get(b"SLURMD_NODENAME"):
+                found[int(entry)] = (env[b"SLURMD_NODENAME"].decode(), _parent(int(entry)))
+        except OSError:  # gone meanwhile
+            pass
+    return {node: pid for pid, (node, parent) in found.items() if parent not in found}
+
+
+def _start(cluster: SlurmCluster, nodes: int, go: Path, *extra: str) -> subprocess.Popen:
+    return cluster.popen(["salloc", f"-N{nodes}", "--ntasks-per-node=1", *POPRUN, "-v",
+                          *extra, f"--num-replicas={nodes}", PY, "-c", WAIT_FOR, str(go)],
+                         env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return out.decode(), err.decode()
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_one_step_and_one_srun_start_every_nodes_agent(four_nodes, tmp_path, nodes):
+    """Whatever the node count: one job step (squeue -s) and one srun of poprun's own;
+    every node's instance runs, and the secret reaches no instance."""
+    four_nodes.reset()
+    go = tmp_path / "go"
+    proc = _start(four_nodes, nodes, go)
+    try:
+        wait_until(lambda: len(instances_with(str(go))) >= nodes, "every instance to run", 60)
+        steps = _steps(four_nodes)
+        launcher = _launcher(str(go))
+        sruns = _sruns_of(launcher)
+        secrets = [p for p in instances_with(str(go)) if SECRET_VARIABLE.encode() in
+                   Path(f"/proc/{p}/environ").read_bytes()]
+        job = _job_of(str(go))  # poprunctl reaches the instances through the agents
+        stacks = _poprunctl("stacks", job, "--json")
+        logs = _poprunctl("logs", job)
+        go.write_text("")
+        out, err = _finish(proc)
+    finally:
+        go.write_text("")
+    assert proc.returncode == 0, err
+    assert [name for _, name, _ in steps] == ["poprun-agent"], steps
+    assert len(sruns) == 1, sruns
+    assert sorted(line.split()[1] for line in out.splitlines()) == \
+        [f"node{k}" for k in range(1, nodes + 1)]
+    assert not secrets
+    assert sorted(json.loads(stacks.stdout)["instances"]) == list(range(nodes)), stacks
+    assert sorted(line.split()[1] for line in logs.stdout.splitlines()) == \
+        [f"node{k}" for k in range(1, nodes + 1)], logs
+
+
+def _job_of(marker: str) -> str:
+    """The id of the running job whose command line holds `marker`."""
+    from poprun.jobctl import records as jobs
+
+    return next(r["id"] for r in jobs.scan().records if marker in (r.get("argv") or []))
+
+
+def _poprunctl(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([PY, "-m", "poprun.cli.ctl", *args], env={**os.environ, **env()},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def _kill_node(cluster: SlurmCluster, node: str) -> None:
+    """The node fails: its slurmd, its slurmstepds and everything under them SIGKILLed."""
+    log = f"{cluster.dir}/log/slurmd-{node}.log"
+
+    def roots() -> list[int]:
+        found = [cluster.daemons[f"slurmd-{node}"].pid]
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if Path(f"/proc/{entry}/comm").read_text().startswith("slurmstepd") and any(
+                        os.readlink(f"/proc/{entry}/fd/{fd}") == log
+                        for fd in os.listdir(f"/proc/{entry}/fd")):
+                    found.append(int(entry))
+            except OSError:
+                pass
+        return found
+    kill_trees(roots)
+
+
+def test_a_node_that_fails_mid_job_is_noticed_and_nothing_is_left(tmp_path):
+    """node2's slurmd and slurmstepd killed under a running job (its agent and instance
+    with them): poprun names the lost node, stops the others' instances, ends (its srun,
+    still waiting for node2's task, SIGKILLed) and leaves no process of the job."""
+    with start_slurm_cluster(3) as cluster:
+        go = tmp_path / "go"
+        proc = _start(cluster, 3, go, "--kill-timeout=2")
+        try:
+            wait_until(lambda: len(instances_with(str(go))) >= 3, "every instance to run", 60)
+            _kill_node(cluster, "node2")
+            out, err = _finish(proc)
+        finally:
+            go.write_text("")
+        assert proc.returncode != 0
+        assert re.search(r"node2: .*lost", err), err
+        wait_until(lambda: not processes_with(str(go)), "every process of the job gone", 30)
+
+
+def test_a_restart_reconnects_the_lost_node_with_a_step_of_its_own(four_nodes, tmp_path):
+    """node2's agent killed: the attempt fails, node2 gets a step of its own for the next,
+    and the other nodes' agents (the first step's) are the same processes throughout."""
+    four_nodes.reset()
+    go = tmp_path / "go"
+    proc = _start(four_nodes, 3, go, "--max-restarts=1")
+    try:
+        wait_until(lambda: len(instances_with(str(go))) >= 3, "every instance to run", 60)
+        before = _agents(four_nodes)
+        assert sorted(before) == ["node1", "node2", "node3"]
+        os.kill(before["node2"], signal.SIGKILL)
+        wait_until(lambda: len(_steps(four_nodes)) == 2, "node2's own step", 60)
+        wait_until(lambda: len(instances_with(str(go))) >= 3, "the next attempt's instances", 60)
+        steps = _steps(four_nodes)
+        after = _agents(four_nodes)
+        go.write_text("")
+        out, err = _finish(proc)
+    finally:
+        go.write_text("")
+    assert proc.returncode == 0, err
+    assert sorted(nodes for _, _, nodes in steps) == ["node2", "node[1-3]"], steps
+    assert after["node1"] == before["node1"] and after["node3"] == before["node3"]
+    assert after["node2"] != before["node2"]
+    assert "node2: lost the connection to the host" in err, err
+    assert "reconnecting to node2 for the next attempt" in err, err
+
+
+def _callback_target(launcher: int) -> tuple[str, int]:
+    """Where poprun's agents call it back (its srun's environment, as the step's)."""
+    srun = _sruns_of(launcher)[0]
+    env = dict(v.split(b"=", 1) for v in
+               Path(f"/proc/{srun}/environ").read_bytes().split(b"\0") if b"=" in v)
+    host, _, port = env[CALLBACK_VARIABLE.encode()].decode().rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def test_a_call_without_the_secret_is_refused_and_runs_nothing(cluster, tmp_path):
+    """While a job runs, (1) a real agent with another secret calls poprun back: it finds
+    poprun's proof wrong and exits, running nothing; (2) a caller that fakes its proof is
+    refused by poprun (-v names it) and what it sends after is never read: no instance
+    beyond the job's runs, and the job ends as it would have."""
+    import socket
+
+    go = tmp_path / "go"
+    touched = tmp_path / "touched"
+    proc = _start(cluster, 2, go)
+    try:
+        wait_until(lambda: len(instances_with(str(go))) >= 2, "both instances to run", 60)
+        host, port = _callback_target(_launcher(str(go)))
+        agent = subprocess.run(
+            [PY, "-m", "spawner.agent"], env={**os.environ, "PYTHONPATH": SRC,
+                                              CALLBACK_VARIABLE: f"{host}:{port}",
+                                              SECRET_VARIABLE: "00" * 32,
+                                              "SLURMD_NODENAME": "node1"},
+            capture_output=True, timeout=30)
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(MAGIC + os.urandom(NONCE))
+            answer = b""
+            while len(answer) < NONCE + PROOF:
+                answer += sock.recv(NONCE + PROOF - len(answer))
+            identity = json.dumps({"node": "node1", "step": "0", "task": "0"}).encode()
+            sock.sendall(os.urandom(PROOF) + bytes([len(identity)]) + identity
+                         + f"touch {touched}\n".encode())
+            sock.settimeout(10)
+            try:
+                closed = sock.recv(1) == b""
+            except ConnectionResetError:
+                closed = True
+        go.write_text("")
+        out, err = _finish(proc)
+    finally:
+        go.write_text("")
+    assert agent.returncode == 2
+    assert b"does not hold this job's secret" in agent.stderr, agent.stderr
+    assert closed
+    assert re.search(r"refused a connection from \S+: it does not hold this job's secret",
+                     err), err
+    assert proc.returncode == 0, err
+    assert sorted(line.split()[1] for line in out.splitlines()) == ["node1", "node2"]
+    assert not touched.exists()
+
+
+def test_sigkill_of_the_launcher_leaves_nothing(four_nodes, tmp_path):
+    """Killed outright, poprun closes nothing itself: its connections' end tells every
+    agent, which stops its instances and exits, and the step ends with its tasks."""
+    four_nodes.reset()
+    go = tmp_path / "go"
+    proc = _start(four_nodes, 3, go)
+    try:
+        wait_until(lambda: len(instances_with(str(go))) >= 3, "every instance to run", 60)
+        os.kill(_launcher(str(go)), signal.SIGKILL)
+        wait_until(lambda: not instances_with(str(go)), "every instance gone", 30)
+        wait_until(lambda: not _agents(four_nodes), "every agent gone", 30)
+        wait_until(lambda: not _steps(four_nodes), "the step gone", 30)
+    finally:
+        go.write_text("")
+        _finish(proc)
+
+
+def test_an_agent_that_cannot_start_is_named_with_its_nodes_own_words(cluster):
+    """The step's command fails on every node (no such interpreter): srun's word on each
+    task's end, and what that node's shell said (the step's labelled output, told apart by
+    node), make each node's line; nothing waits for a call that will not come."""
+    done = cluster.run(["salloc", "-N2", "--ntasks-per-node=1", *POPRUN,
+                        "--remote-python=/nonexistent/python", "--num-replicas=2", "true"],
+                       env=env(), timeout=90)
+    assert done.returncode != 0
+    for node in ("node1", "node2"):
+        line = next((x for x in done.stderr.splitlines() if f" {node}: " in x), "")
+        assert "its task of the job step ended" in line and "exit code 127" in line, \
+            done.stderr
+        assert "/nonexistent/python" in line, done.stderr
+
+
+def test_the_agents_call_back_on_the_network_the_user_chose(cluster, tmp_path):
+    """--host-subnet=lo: poprun listens on its address there and tells the agents so (with
+    no choice they take SLURM_LAUNCH_NODE_IPADDR: the other tests)."""
+    go = tmp_path / "go"
+    proc = _start(cluster, 2, go, "--host-subnet=lo")
+    try:
+        wait_until(lambda: len(instances_with(str(go))) >= 2, "both instances to run", 60)
+        srun = _sruns_of(_launcher(str(go)))[0]
+        told = dict(v.split(b"=", 1) for v in Path(f"/proc/{srun}/environ").read_bytes()
+                    .split(b"\0") if b"=" in v)[CALLBACK_VARIABLE.encode()].decode()
+        go.write_text("")
+        _, err = _finish(proc)
+    finally:
+        go.write_text("")
+    assert proc.returncode == 0, err
+    assert told.startswith("127.0.0.1:"), told

@@ -117,7 +117,7 @@ from .local import LocalSpawner, ProcessSpec, Stream, resolve_program
 from .procstat import ProcSampler
 from .protocol import (MAGIC, PROTOCOL_VERSION, Control, Frame, FrameDecoder, Kind,
                        ProtocolError, SpawnRequest, encode, output_header)
-from .srun import StepAck, step_variables
+from .srun import step_variables
 from .stopsignals import STOP_SIGNALS
 from .sysfs import read_sysfs
 
@@ -347,9 +347,6 @@ class Agent:
         self._outbox = _Outbox(loop, out_fd, lambda: self.stop("stdout closed"),
                                self._on_pressure)
         self._decoder = FrameDecoder()
-        # As a Slurm job step, what the launcher sends is answered (spawner/srun.py: StepAck).
-        self._ack = StepAck(lambda: self._outbox.send(encode(Kind.ALIVE))) \
-            if "SLURM_STEP_ID" in os.environ else None
         self._temp_dirs: list[str] = []
         self._handlers = {Kind.HELLO: self._hello, Kind.MKTEMP: self._mktemp,
                           Kind.MKDIR: self._mkdir, Kind.HEARTBEAT: lambda fields: None,
@@ -392,9 +389,6 @@ class Agent:
             return
         for frame in frames:
             self._handle(frame)
-        if self._ack is not None and (self._decoder.pending or any(
-                getattr(f, "kind", None) is not Kind.HEARTBEAT for f in frames)):
-            self._ack()
 
     def _handle(self, frame: Frame) -> None:
         kind = frame.kind if isinstance(frame, Control) else Kind.OUTPUT
@@ -662,10 +656,11 @@ def _log(message: str) -> None:
     os.write(2, f"poprun agent on {os.uname().nodename}: {message}\n".encode(errors="replace"))
 
 
-def _claim_stdio() -> tuple[int, int]:
-    """Private, non-blocking copies of stdin/stdout for the protocol; fds 0 and 1 become
-    /dev/null and stderr, so a stray print() can never corrupt the frame stream."""
-    in_fd, out_fd = os.dup(0), os.dup(1)  # dup'ed fds are close-on-exec
+def _claim(in_src: int, out_src: int) -> tuple[int, int]:
+    """Private, non-blocking copies of the launcher's stream (stdin and stdout, or the
+    connection it was called back on); fds 0 and 1 become /dev/null and stderr, so a stray
+    print() can never corrupt the frame stream."""
+    in_fd, out_fd = os.dup(in_src), os.dup(out_src)  # dup'ed fds are close-on-exec
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(2, 1)
@@ -673,6 +668,29 @@ def _claim_stdio() -> tuple[int, int]:
     os.set_blocking(in_fd, False)
     os.set_blocking(out_fd, False)
     return in_fd, out_fd
+
+
+def _launcher_stream() -> tuple[int, int] | None:
+    """The launcher's stream: stdin/stdout over SSH; under Slurm, where the step's
+    environment says so, the connection the agent makes to the launcher (spawner/
+    callback.py: the secret proven both ways). None, said on stderr, if there is none."""
+    from .callback import CALLBACK_VARIABLE
+
+    if CALLBACK_VARIABLE in os.environ:
+        from .callback import CallbackError, connect_back
+
+        try:
+            sock = connect_back(os.environ)
+        except (OSError, CallbackError) as exc:
+            _log(f"cannot reach the launcher: {exc}")
+            return None
+        with sock:
+            return _claim(sock.fileno(), sock.fileno())
+    mode = os.fstat(0).st_mode
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or os.isatty(0)):  # epoll needs one
+        _log("stdin must be a pipe or a socket: poprun starts the agent over SSH")
+        return None
+    return _claim(0, 1)
 
 
 def main(initial: bytes = b"") -> NoReturn:
@@ -685,7 +703,7 @@ def main(initial: bytes = b"") -> NoReturn:
     (EOF to exit ~55 ms, now ~10), and every launch waits for its agents' end before it
     exits itself (bench/README.md, "Remote launches")."""
     status = _run(initial)
-    for stream in (sys.stdout, sys.stderr):  # fd 1 is stderr's by now (_claim_stdio)
+    for stream in (sys.stdout, sys.stderr):  # fd 1 is stderr's by now (_claim)
         try:
             stream.flush()
         except (OSError, ValueError):
@@ -694,11 +712,10 @@ def main(initial: bytes = b"") -> NoReturn:
 
 
 def _run(initial: bytes) -> int:
-    mode = os.fstat(0).st_mode
-    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or os.isatty(0)):  # epoll needs one
-        _log("stdin must be a pipe or a socket: poprun starts the agent over SSH")
+    stream = _launcher_stream()
+    if stream is None:
         return 2
-    in_fd, out_fd = _claim_stdio()
+    in_fd, out_fd = stream
     fdlimit.raise_soft_limit()  # its hard limit is what the launcher checks (hello_reply)
     become_subreaper()  # what an instance leaves behind comes back to the agent
     lifeline = Lifeline()  # forked first: the watchdog copies the smallest process

@@ -1,5 +1,5 @@
 """The launcher's end of a per-host agent: `RemoteSpawner`, on asyncio over one connection
-(SSH's, or a Slurm job step's).
+(SSH's, or the one a Slurm job step's agent made back to the launcher).
 
     spawner = RemoteSpawner(conn, "h2", sink, on_lost=job.on_host_lost)
     info = await spawner.start(cwd=os.getcwd(), program="python3")  # versions differ: raises
@@ -18,7 +18,7 @@ The agent's stdout is read through an `SSHClientSession` rather than `create_pro
 streams: each SSH data packet is decoded and dispatched in the callback that receives it, with
 no task switch or extra buffer per read on the output path.
 
-The connection is an asyncssh connection or a Slurm job step (`spawner.srun.SrunConnection`).
+The connection is an asyncssh connection or a Slurm node's (`spawner.srun.NodeLink`).
 asyncssh (~250 ms to import) is imported only when the connection is SSH's: a launch under
 Slurm never loads it.
 
@@ -57,7 +57,7 @@ from .carried import MIN_PYTHON
 from .local import Sink
 from .protocol import (PROTOCOL_VERSION, Control, FrameDecoder, Kind, Output, ProtocolError,
                        SpawnRequest, encode)
-from .srun import STDERR_DATATYPE, SrunConnection, StepAck
+from .srun import STDERR_DATATYPE, NodeLink
 from .ssh import SshError
 from .uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
@@ -243,7 +243,7 @@ def agent_command(python: str | None) -> str:
 # --- the spawner -------------------------------------------------------------------------
 
 class _AgentSession:
-    """Hands the channel's bytes and its end to the RemoteSpawner (a Slurm step's channel
+    """Hands the channel's bytes and its end to the RemoteSpawner (a Slurm node's link
     calls these two; over SSH, `_ssh_session` adds asyncssh's session around them)."""
 
     def __init__(self, owner: RemoteSpawner) -> None:
@@ -290,7 +290,7 @@ class RemoteSpawner:
     connection stays the caller's: closing the spawner does not close it.
     """
 
-    def __init__(self, conn: asyncssh.SSHClientConnection | SrunConnection, host: str,
+    def __init__(self, conn: asyncssh.SSHClientConnection | NodeLink, host: str,
                  sink: Sink, on_lost: Callable[[str, str], None] | None = None, *,
                  python: str | None = None, expect: Versions | None = None) -> None:
         self.host, self.conn, self._sink, self._on_lost = host, conn, sink, on_lost
@@ -301,9 +301,6 @@ class RemoteSpawner:
         self._expect = expect or Versions.here()
         self._chan: asyncssh.SSHClientChannel | None = None
         self._decoder = FrameDecoder(expect_magic=True)
-        # Over a Slurm step, what the agent sends is answered (spawner/srun.py: StepAck).
-        self._ack = StepAck(lambda: self._send_quietly(encode(Kind.HEARTBEAT))) \
-            if isinstance(conn, SrunConnection) else None
         self._ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}
         self._spawning: dict[int, asyncio.Future] = {}
@@ -348,7 +345,7 @@ class RemoteSpawner:
         directory as it answers: no round trip of its own. Raises AgentStartError, or
         AgentVersionError after stopping the agent: then nothing was started."""
         self._t0 = time.monotonic()
-        session = _AgentSession if isinstance(self.conn, SrunConnection) else _ssh_session()
+        session = _AgentSession if isinstance(self.conn, NodeLink) else _ssh_session()
         try:
             self._chan, _ = await self.conn.create_session(
                 lambda: session(self), self.command, encoding=None)
@@ -578,10 +575,6 @@ class RemoteSpawner:
                 sink.on_output(frame.key, frame.stream, frame.data)
             else:
                 self._on_control(frame)
-        if self._ack is not None and (self._decoder.pending or self._replies or self._spawning
-                                      or any(type(f) is Output or f.kind is not Kind.ALIVE
-                                             for f in frames)):
-            self._ack()
 
     def _on_control(self, frame: Control) -> None:
         fields = frame.fields
@@ -682,6 +675,6 @@ class RemoteSpawner:
         name, *_ = self._chan.get_exit_signal() or (None,)
         reason = (f"the agent was killed by SIG{name}" if name
                   else f"the agent exited with status {status}" if status is not None
-                  else "the channel closed")
+                  else "the agent's connection closed")
         last = self.stderr_tail.strip().splitlines()[-1:] if self._stderr else []
         return f"{reason}: {last[0]}" if last else reason

@@ -1,34 +1,36 @@
-"""Slurm as the transport: each node's agent runs as a job step of the allocation.
+"""Slurm as the transport: one job step starts every node's agent, and each agent calls back.
 
-`SrunConnection(node)` stands where an asyncssh connection stands for RemoteSpawner: its
-`create_session()` runs the agent command as `srun --nodes=1 --ntasks=1 --nodelist=<node>
---overlap --unbuffered ...` and hands the step's stdin/stdout/stderr to the session, so the
-agent protocol, and everything built on it, is the same as over SSH.
+`SlurmAgents.start(nodes, command)` runs one
 
-Why one step per node rather than one step for all (measured on a real Slurm 22.05, tests/
-slurm_cluster.py): one srun for every node cannot give each agent its own stdin (`--input`
-feeds one task or all of them the same bytes) and `--label` prefixes output line by line, which
-breaks binary frames; addressed messages over a broadcast stdin took 24-39 ms per round trip.
-Steps per node, started in parallel, were all up in 115-130 ms for 2 nodes (310-350 ms for 8),
-carry bytes unchanged (NUL, 0xff, 20 MiB echoed intact), and end with EOF on stdin.
-`--unbuffered` passes partial lines at once (slurmstepd otherwise waits for a newline);
-`--overlap` lets the step share the nodes with the allocation's other steps. `--mpi=none`
-whatever the cluster's MpiDefault: the agent is no MPI task, and a PMIx or PMI-2 plugin would
-set up a server for its step (time on every launch) and put its PMIX_*/PMI_* variables in the
-agent's environment, which instances inherit (poprun serves their world itself). SIGKILL of the
-srun cancels the step (its task gone within 0.5 s); a cancelled or timed-out job's steps end
-with slurmstepd's `*** STEP ... CANCELLED ... ***` on stderr, which becomes the lost host's
-reason.
+    srun --nodes=N --ntasks=N --ntasks-per-node=1 --nodelist=<nodes> --overlap --label
+         --kill-on-bad-exit=0 --wait=0 --no-kill ... /bin/sh -c <agent>
 
-A step's I/O travels between srun and slurmstepd over TCP with Nagle's algorithm on, in
-messages of at most 1 KiB: a message is sent only once the last one is acknowledged, and the
-receiver delays its acknowledgement up to 40 ms unless it has something to send back. So an
-agent's HELLO reply (~6 KiB) came in two parts 40 ms apart, STARTED frames and an EXIT right
-after them the same, and a 1.3 KiB SPAWN likewise. `StepAck` gives the other side something to
-send back: the launcher answers what an agent sends with a HEARTBEAT, the agent what the
-launcher sends with an ALIVE (neither answers those two, so they never answer each other), at
-most one every `ACK_INTERVAL`; the acknowledgement rides on it and the rest follows at once
-(bench/README.md, "Remote launches").
+for all `nodes` (as Open MPI's mpirun starts its daemons under Slurm), and gives one
+`NodeLink` per node: it stands where an asyncssh connection stands for RemoteSpawner. Each
+agent connects back to the launcher over TCP and proves it holds the job's secret
+(spawner/callback.py), then speaks the agent protocol on that connection. So a job on N nodes
+is one step creation at slurmctld and one `srun` on the launch node, whatever N (a step per
+node cost N of each: bench/README.md, "One step for every node").
+
+Why the options (checked on the real Slurm 22.05 of tests/slurm_cluster.py and srun(1)):
+`--kill-on-bad-exit=0` and `--wait=0`: one agent's exit (its node lost, an agent killed)
+ends neither the step nor the other nodes' agents: poprun decides. `--no-kill`: a node
+Slurm declares failed does not end the job with it either. `--label`: the step's output
+(what the agents write on stderr, and slurmstepd's `*** STEP ... CANCELLED ***`, which
+names a scancel or a time limit in the report) comes one line at a time prefixed with the
+task's number, which says whose it is (the protocol never goes through it, so splitting
+lines costs nothing). `--input=none`: the agents read nothing from srun. `--export=ALL`:
+the agents have the launcher's environment whatever SLURM_EXPORT_ENV says, the secret among
+it, never on the command line. `--mpi=none` whatever the cluster's MpiDefault: the agent is
+no MPI task, and a PMIx or PMI-2 plugin would set up a server for the step and put
+PMIX_*/PMI_* variables in the agents' environment, which instances inherit. `--overlap`:
+the step shares the nodes with the allocation's other steps.
+
+A node whose slurmd and slurmstepd die leaves srun waiting for its task: srun stays until
+the job ends. So closing waits `STEP_EXIT_GRACE` for srun to end once the agents are told
+to, then SIGKILLs it, which cancels the step (its tasks gone within 0.5 s). A restart gives
+the lost nodes a step of their own (`start` again), their agents calling back to the same
+listener.
 """
 
 from __future__ import annotations
@@ -37,54 +39,38 @@ import asyncio
 import os
 import re
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .callback import (CALLBACK_VARIABLE, SECRET_VARIABLE, STEP_VARIABLE, Caller,
+                       CallbackListener, new_secret)
+
 STDERR_DATATYPE = 1  # asyncssh.EXTENDED_DATA_STDERR: how the session tells stderr apart
-# Variables a job step sets that describe the agent's one-task step, not the instances.
+# Variables a job step sets that describe the agent's task of its step, not the instances.
 STEP_VARIABLES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_TASK_PID",
                   "SLURM_GTIDS", "SLURM_NPROCS", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE",
                   "SLURM_CPU_BIND", "SLURM_DISTRIBUTION", "SLURM_LAUNCH_NODE_IPADDR",
-                  "SLURM_SRUN_COMM_HOST", "SLURM_SRUN_COMM_PORT", "SLURM_UMASK")
-
-
-ACK_INTERVAL = 0.01  # seconds: at most this often a StepAck sends
-
-
-class StepAck:
-    """Over a job step's I/O, `send()` (a frame the other side ignores) when the other side
-    has sent something and more may follow: at once, or once ACK_INTERVAL has passed since
-    the last (see the module docstring)."""
-
-    def __init__(self, send: Callable[[], None]) -> None:
-        self._send = send
-        self._last = float("-inf")
-        self._due = False
-
-    def __call__(self) -> None:
-        if self._due:
-            return
-        loop = asyncio.get_running_loop()
-        delay = self._last + ACK_INTERVAL - loop.time()
-        if delay <= 0:
-            self._fire(loop)
-        else:
-            self._due = True
-            loop.call_later(delay, self._fire, loop)
-
-    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._due = False
-        self._last = loop.time()
-        self._send()
+                  "SLURM_SRUN_COMM_HOST", "SLURM_SRUN_COMM_PORT", "SLURM_UMASK",
+                  "SLURM_LABELIO", "SLURM_NNODES", "SLURM_NODELIST")
+SRUN_OPTIONS = ("--overlap", "--label", "--kill-on-bad-exit=0", "--wait=0", "--no-kill",
+                "--input=none", "--export=ALL", "--mpi=none", "--job-name=poprun-agent")
+CALLBACK_TIMEOUT = 60.0  # seconds from a step's start to its agent's call (a cold Python)
+STEP_EXIT_GRACE = 2.0  # seconds srun has to end once its agents are told to
+STEP_KILL_WAIT = 5.0  # ... and to be gone after SIGKILL
+TASK_END_GRACE = 0.5  # seconds a node's last words may follow srun's word on its task's end
+MAX_LINE = 4096  # bytes of one line of the step's output kept (the rest is cut)
+HELD_STDERR = 4096  # bytes of a node's output kept before its agent's session takes it
 
 
 # What slurmstepd writes on the step's stderr when Slurm ends it (scancel, a time limit).
 _CANCELLED = re.compile(r"\*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED AT [^*]*\*\*\*")
+_LABELLED = re.compile(rb"\s*(\d+): ?(.*)", re.S)  # --label's "<task>: ", padded
+_TASK_ENDED = re.compile(rb"srun: error: (\S+): tasks? (\d+): (.*)", re.S)
 
 
 def cancellation(stderr: str) -> str | None:
     """slurmstepd's `*** STEP 12.0 ON node1 CANCELLED AT ... DUE TO TIME LIMIT ***` in an
-    agent step's stderr: Slurm ended the job (scancel, its time limit); None otherwise."""
+    agent's stderr: Slurm ended the job (scancel, its time limit); None otherwise."""
     found = _CANCELLED.findall(stderr)
     return found[-1].strip() if found else None
 
@@ -98,154 +84,271 @@ def step_variables(environ: Mapping[str, str]) -> list[str]:
             if name.startswith("SLURM_STEP") or name in STEP_VARIABLES]
 
 
-class SrunConnection:
-    """One node of the allocation, reached by `srun` (see the module docstring).
+def srun_argv(srun: str, nodes: Sequence[str], command: str) -> list[str]:
+    """One task on each of `nodes`, running `command` (see the module docstring)."""
+    count = len(nodes)
+    return [srun, f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
+            f"--nodelist={','.join(nodes)}", *SRUN_OPTIONS, "/bin/sh", "-c", command]
 
-    `start(command)` creates the step before anyone asks for it: the launcher does it as soon
-    as it knows the nodes, so that slurmctld's step creation and the agent's interpreter start
-    overlap what the launcher still has to do (its job record, control socket...: bench/
-    README.md, "Remote launches"). What the step sends meanwhile is kept for the session
-    that `create_session` then gives it, in order."""
 
-    def __init__(self, node: str, srun: str = "srun") -> None:
-        self.node, self._srun = node, srun
+class SlurmAgents:
+    """The job's steps and the listener their agents call back to (one per launch).
+    `note(line)`: what srun says about the steps and every refused connection (for -v)."""
+
+    def __init__(self, srun: str, address: str | None, note: Callable[[str], None]) -> None:
+        self._srun, self._note = srun, note
+        self._secret = new_secret()
+        self._listener = CallbackListener(self._secret, self._on_agent,
+                                          lambda why: note(f"refused a connection from {why}"))
+        self._listener.bind(address)  # the port, before any agent needs it
+        self._serving = asyncio.ensure_future(self._listener.serve())
         self._steps: list[_Step] = []
-        self._early: tuple[str, asyncio.Future] | None = None  # start()'s command and step
 
-    def start(self, command: str) -> None:
-        self._early = (command, asyncio.ensure_future(self._run(_Held(), command)))
-
-    async def create_session(self, factory: Callable[[], Any], command: str,
-                             encoding: str | None = None) -> tuple[_Step, Any]:
-        session = factory()
-        early, self._early = self._early, None
-        if early is not None and early[0] == command:
-            step = await early[1]
-            step.attach(session)
-        else:
-            if early is not None:  # another command after all: that step is not wanted
-                _end_held(early[1])
-            step = await self._run(session, command)
-        return step, session
-
-    async def _run(self, session: Any, command: str) -> _Step:
-        argv = [self._srun, "--nodes=1", "--ntasks=1", f"--nodelist={self.node}", "--overlap",
-                "--unbuffered", "--kill-on-bad-exit=1", "--mpi=none",
-                "--job-name=poprun-agent", "/bin/sh", "-c", command]
-        loop = asyncio.get_running_loop()
-        _, step = await loop.subprocess_exec(
-            lambda: _Step(session), *argv, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True)  # a Ctrl-C reaches poprun, which closes the step itself
+    def start(self, nodes: Sequence[str], command: str) -> dict[str, NodeLink]:
+        """One step running `command` on every node of `nodes`; its link per node."""
+        step = _Step(len(self._steps), nodes, command, self._note)
         self._steps.append(step)
-        return step
+        env = {**os.environ, CALLBACK_VARIABLE: self._listener.target(),
+               SECRET_VARIABLE: self._secret.hex(), STEP_VARIABLE: str(step.number)}
+        step.run(srun_argv(self._srun, nodes, command), env)
+        return dict(step.links)
 
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default  # no socket: addresses come from the agent (its hostname)
+    def _on_agent(self, identity: dict[str, Any], caller: Caller) -> NodeLink | None:
+        """A proven call: the link it belongs to, if that one still waits for it."""
+        steps = {str(step.number): step for step in self._steps}
+        step = steps.get(str(identity.get("step")))
+        link = step.links.get(identity["node"]) if step is not None else None
+        if link is None or not link.take(caller):
+            self._note(f"an agent on {identity['node']} called back for no node waiting "
+                       "for it: closed")
+            return None
+        step.learn(identity.get("task"), identity["node"])
+        return link
 
-    def close(self) -> None:
-        """Cancel the steps (SIGKILL of srun). A step started ahead that no session took (the
-        launch stopped first) is ended by its agent instead: EOF on its stdin, as a launcher
-        that is done does; cancelled only if still there after HELD_EOF_GRACE."""
-        held = _end_held(self._early[1]) if self._early is not None else None
+    async def close(self) -> None:
+        """No more calls; every link closed (its agent, if still there, sees the end of
+        its connection and exits); every srun gone, SIGKILLed if still there after
+        STEP_EXIT_GRACE."""
+        self._listener.close()
+        if not self._serving.done():
+            self._serving.cancel()
+        await asyncio.gather(self._serving, return_exceptions=True)
         for step in self._steps:
-            if step is not held:
-                step.close()
-
-    async def wait_closed(self) -> None:
-        if self._early is not None:  # its creation, if close() came while it went on
-            await asyncio.gather(self._early[1], return_exceptions=True)
-            self._early = None
-        await asyncio.gather(*(step.wait_closed() for step in self._steps))
+            for link in step.links.values():
+                link.close()
+        await asyncio.gather(*(step.end() for step in self._steps))
 
 
-HELD_EOF_GRACE = 2.0  # seconds an unused step's agent has to end at EOF before srun's SIGKILL
+class NodeLink:
+    """One node's agent, reached through its call back: the connection RemoteSpawner
+    asks for a session (`create_session`), and the channel it then writes to."""
 
+    def __init__(self, node: str, command: str) -> None:
+        self.node, self._command = node, command
+        loop = asyncio.get_running_loop()
+        self._called = loop.create_future()  # the agent's call, or why none will come
+        self._called.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._caller: Caller | None = None
+        self._session: Any = None
+        self._held: list[tuple[str, tuple]] = []  # for the session, until it is there
+        self._held_stderr = bytearray()  # the node's output, kept for a failure's reason
+        self.end_reason: str | None = None  # srun said the node's task ended
+        self._closed = loop.create_future()
 
-def _end_held(creating: asyncio.Future) -> _Step | None:
-    """End a step started ahead that no session took; the step, if it was created."""
-    if not creating.done():
-        creating.cancel()  # asyncio kills a process whose creation is cancelled
-        return None
-    if creating.cancelled() or creating.exception() is not None:
-        return None
-    step = creating.result()
-    step.write_eof()
-    asyncio.get_running_loop().call_later(HELD_EOF_GRACE, step.close)
-    return step
+    # --- as the step's ---------------------------------------------------------------
 
+    def take(self, caller: Caller) -> bool:
+        """The agent's call, proven: False if the link no longer waits for one."""
+        if self._called.done():
+            return False
+        self._caller = caller
+        self._called.set_result(None)
+        return True
 
-class _Held:
-    """A step's session until create_session gives it the real one: what srun sends, kept."""
+    def fail(self, reason: str) -> None:
+        """No call will come (the step or the node's task ended first): the reason, and
+        the last line the node said itself (not srun about it)."""
+        if not self._called.done():
+            said = self._held_stderr.decode(errors="replace").strip().splitlines()
+            last = [line for line in said if not line.startswith("srun: ")][-1:]
+            self._called.set_exception(ConnectionError(
+                f"{reason}: {last[0]}" if last else reason))
+            self._finish()
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple]] = []
+    def ended(self, reason: str) -> None:
+        """srun says the node's task ended, so no call will come. The node's last words
+        may reach the step's output after srun's: they are waited for (TASK_END_GRACE, or
+        srun's end, whichever comes first) to make the reason."""
+        self.end_reason = reason
+        asyncio.get_running_loop().call_later(TASK_END_GRACE, self.fail, reason)
 
-    def data_received(self, data: bytes, datatype: int | None) -> None:
-        self.calls.append(("data_received", (data, datatype)))
+    def stderr(self, data: bytes) -> None:
+        """A line of the node's output, as the step carried it."""
+        self._held_stderr += data
+        del self._held_stderr[:-HELD_STDERR]
+        self._pass("data_received", data, STDERR_DATATYPE)
+
+    # --- as the connection's receiver (spawner.callback.Caller) ---------------------
+
+    def data_received(self, data: bytes) -> None:
+        self._pass("data_received", data, None)
+
+    def eof_received(self) -> None:
+        pass  # the agent has ended: the connection closes next
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.calls.append(("connection_lost", (exc,)))
+        self._finish()
+        self._pass("connection_lost", exc)
+
+    def _pass(self, name: str, *args: Any) -> None:
+        if self._session is not None:
+            getattr(self._session, name)(*args)
+        elif name != "data_received" or args[1] is None:  # output is in _held_stderr
+            self._held.append((name, args))
+
+    def _finish(self) -> None:
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    # --- as the connection (RemoteSpawner's) --------------------------------------
+
+    async def create_session(self, factory: Callable[[], Any], command: str,
+                             encoding: str | None = None) -> tuple[NodeLink, Any]:
+        if command != self._command:
+            raise ValueError(f"the step runs {self._command!r}, not {command!r}")
+        session = factory()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._called), CALLBACK_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise ConnectionError(f"its agent did not call back within "
+                                  f"{CALLBACK_TIMEOUT:g} s") from None
+        self._session = session
+        if self._held_stderr:
+            session.data_received(bytes(self._held_stderr), STDERR_DATATYPE)
+        held, self._held = self._held, []
+        for name, args in held:
+            getattr(session, name)(*args)
+        return self, session
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        """`sockname`: the launcher's address as the agent reached it. Not `peername`: a
+        Slurm node's address for the others is its name (Fleet.address_of)."""
+        if name == "sockname" and self._caller is not None:
+            found = self._caller.transport.get_extra_info("sockname")
+            if found:  # an IPv4 peer of the dual-stack listener: its IPv4 address
+                return (found[0].removeprefix("::ffff:") if "." in found[0] else found[0],
+                        *found[1:])
+        return default
+
+    def close(self) -> None:
+        """Close the connection at once (the agent sees it end, and exits); no call is
+        awaited any more."""
+        self.fail("closed")
+        if self._caller is not None:
+            self._caller.transport.abort()
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._closed)
+
+    # --- as the channel ---------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        self._caller.transport.write(data)
+
+    def write_eof(self) -> None:
+        """The end of what the launcher says: it ends the agent."""
+        transport = self._caller.transport
+        if not transport.is_closing():
+            transport.write_eof()
+
+    def get_exit_status(self) -> int | None:
+        return None  # srun tells it on the step's output: "task N: Exited with ..."
+
+    def get_exit_signal(self) -> tuple[str, bool, str, str] | None:
+        return None
 
 
 class _Step(asyncio.SubprocessProtocol):
-    """A running `srun`, as the channel RemoteSpawner writes to and reads from."""
+    """One `srun`: its links, and its output told apart by node (`--label`)."""
 
-    def __init__(self, session: Any) -> None:
-        self._session = session
+    def __init__(self, number: int, nodes: Sequence[str], command: str,
+                 note: Callable[[str], None]) -> None:
+        self.number, self._note = number, note
+        self.links = {node: NodeLink(node, command) for node in nodes}
+        # Which node each task runs on: learnt from its agent's call or srun's word on its
+        # end; a one-node step's only task is known.
+        self._tasks: dict[int, str] = {0: nodes[0]} if len(nodes) == 1 else {}
+        self._unplaced: dict[int, list[bytes]] = {}  # lines of tasks not placed yet
+        self._partial = bytearray()
+        self._last = ""  # srun's last line of its own
         self._transport: asyncio.SubprocessTransport | None = None
-        self._open = {1, 2}  # stdout and stderr until each reaches EOF
-        self._exited = False
+        self._creating: asyncio.Future | None = None
+        self._exited = self._read = False
         self._done = asyncio.get_running_loop().create_future()
 
-    def attach(self, session: Any) -> None:
-        """The session from now on, told first what the step sent before (SrunConnection)."""
-        held, self._session = self._session, session
-        for name, args in held.calls:
-            getattr(session, name)(*args)
+    def run(self, argv: list[str], env: dict[str, str]) -> None:
+        self._creating = asyncio.ensure_future(self._create(argv, env))
 
-    # --- as the session's channel -------------------------------------------------------
+    async def _create(self, argv: list[str], env: dict[str, str]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.subprocess_exec(
+                lambda: self, *argv, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+                start_new_session=True)  # a Ctrl-C reaches poprun, which ends the step itself
+        except OSError as exc:
+            self._fail_all(f"cannot run srun: {exc}")
+            self._done.set_result(None)
 
-    def write(self, data: bytes) -> None:
-        self._transport.get_pipe_transport(0).write(data)
+    def learn(self, task: object, node: str) -> None:
+        try:
+            task = int(task)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return
+        self._tasks[task] = node
+        for line in self._unplaced.pop(task, ()):
+            self.links[node].stderr(line)
 
-    def write_eof(self) -> None:
-        """EOF on the agent's stdin, through the step: it ends the agent."""
-        stdin = self._transport.get_pipe_transport(0)
-        if stdin is not None:
-            stdin.close()
+    # --- its output -------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Cancel the step: SIGKILL of srun, which slurmstepd answers by killing the task."""
-        if self._transport is not None and self._transport.get_returncode() is None:
-            try:
-                os.killpg(self._transport.get_pid(), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        self._partial += data
+        *lines, rest = self._partial.split(b"\n")
+        self._partial = bytearray(rest[:MAX_LINE])
+        for line in lines:
+            self._line(bytes(line[:MAX_LINE]) + b"\n")
 
-    def get_exit_status(self) -> int | None:
-        code = self._transport.get_returncode() if self._transport else None
-        return code if code is None or code >= 0 else None
+    def _line(self, line: bytes) -> None:
+        labelled = _LABELLED.fullmatch(line)
+        if labelled:
+            task, text = int(labelled[1]), labelled[2]
+            node = self._tasks.get(task)
+            if node in self.links:
+                self.links[node].stderr(text)
+            elif len(self._unplaced.setdefault(task, [])) < HELD_STDERR // 64:
+                self._unplaced[task].append(text)
+            return
+        ended = _TASK_ENDED.fullmatch(line)
+        node = ended[1].decode(errors="replace") if ended else None
+        if node in self.links:
+            self.learn(ended[2].decode(), node)
+            self.links[node].stderr(line)
+            self.links[node].ended(f"its task of the job step ended "
+                                   f"({ended[3].decode().strip()})")
+            return
+        self._last = line.decode(errors="replace").strip()
+        self._note(self._last)
 
-    def get_exit_signal(self) -> tuple[str, bool, str, str] | None:
-        code = self._transport.get_returncode() if self._transport else None
-        if code is None or code >= 0:
-            return None
-        return signal.Signals(-code).name.removeprefix("SIG"), False, "", ""
-
-    async def wait_closed(self) -> None:
-        await asyncio.shield(self._done)
-
-    # --- as asyncio's subprocess protocol ---------------------------------------------------
+    # --- its end ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
 
-    def pipe_data_received(self, fd: int, data: bytes) -> None:
-        self._session.data_received(data, STDERR_DATATYPE if fd == 2 else None)
-
     def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
-        self._open.discard(fd)
+        if self._partial:
+            self._line(bytes(self._partial) + b"\n")
+            self._partial.clear()
+        self._read = True
         self._maybe_done()
 
     def process_exited(self) -> None:
@@ -253,7 +356,32 @@ class _Step(asyncio.SubprocessProtocol):
         self._maybe_done()
 
     def _maybe_done(self) -> None:
-        """The session hears of the end once srun has exited and its output is all read."""
-        if self._exited and not self._open and not self._done.done():
+        if self._exited and self._read and not self._done.done():
+            code = self._transport.get_returncode()
+            self._fail_all(f"srun ended (status {code}) before its agent called back"
+                           + (f": {self._last}" if self._last else ""))
             self._done.set_result(None)
-            self._session.connection_lost(None)
+
+    def _fail_all(self, reason: str) -> None:
+        for link in self.links.values():
+            link.fail(link.end_reason or reason)
+
+    async def end(self) -> None:
+        """srun gone: within STEP_EXIT_GRACE of its own, else SIGKILLed (the step is
+        cancelled with it)."""
+        if self._creating is not None and not self._creating.done():
+            self._creating.cancel()  # asyncio kills a process whose creation is cancelled
+            await asyncio.gather(self._creating, return_exceptions=True)
+        if self._transport is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._done), STEP_EXIT_GRACE)
+            return
+        except asyncio.TimeoutError:
+            pass
+        if self._transport.get_returncode() is None:
+            try:
+                os.killpg(self._transport.get_pid(), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        await asyncio.wait([asyncio.shield(self._done)], timeout=STEP_KILL_WAIT)

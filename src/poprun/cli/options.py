@@ -142,8 +142,8 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("host-file", Kind.STR, "Read the hosts from this file: one per line, # comments "
         "(instead of --host)", default=None),
     Opt("launcher", Kind.STR, "How poprun's agents reach the hosts: ssh, or slurm (inside a "
-        "Slurm allocation, where it is the default when no --host is given: each node's agent "
-        "runs as a job step with srun)"),
+        "Slurm allocation, where it is the default when no --host is given: one srun job step "
+        "starts every node's agent, which calls poprun back)"),
     Opt("ssh-fanout", Kind.INT, "Open at most this many SSH connections at a time"),
     Opt("ssh-timeout", Kind.FLOAT, "Give up connecting to a host after this many seconds"),
     Opt("host-timeout", Kind.FLOAT, "A remote host silent for this many seconds is lost: "

@@ -47,6 +47,7 @@ class Fleet:
         self.counts = dict(counts or {})  # instances per host label, when known
         self.transport = transport  # "ssh", or "slurm": agents as job steps (spawner.srun)
         self.connections: dict[Host, object] = {}
+        self._slurm = None  # over Slurm: spawner.srun.SlurmAgents, the steps and listener
         self.spawners: dict[str, RemoteSpawner] = {}
         self._timings: dict[Host, object] = {}  # per host: how its connection went
         self._opened_at = 0.0  # time.monotonic(), for phases()
@@ -61,14 +62,11 @@ class Fleet:
                    hosts.transport, dict(zip(hosts.labels, hosts.counts)))
 
     def start_steps(self) -> None:
-        """Over Slurm, each node's agent step created now (SrunConnection.start), before
+        """Over Slurm, the job step that starts every node's agent created now, before
         `open` greets the agents: the launcher's own start-up goes on meanwhile."""
         if self.transport != "slurm":
             return
-        command = agent_command(self.config.remote_python)  # as RemoteSpawner will ask
-        for host, conn in _srun_connections(self.hosts).items():
-            conn.start(command)
-            self.connections[host] = conn  # closed by close() however the launch goes
+        self.connections.update(self._node_links(self.hosts))  # closed by close() whatever
 
     async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
                    program: str, path: str | None, view=None, temp_dirs: bool = False) -> None:
@@ -140,8 +138,8 @@ class Fleet:
             if on_open is not None:
                 on_open(host, conn)
 
-        if self.transport == "slurm":  # steps started ahead (start_steps) are taken as they are
-            new = _srun_connections([h for h in hosts if h not in self.connections])
+        if self.transport == "slurm":  # a step started ahead (start_steps) is taken as it is
+            new = self._node_links([h for h in hosts if h not in self.connections])
             for host in hosts:
                 opened(host, self.connections.get(host) or new[host])
             return []
@@ -290,16 +288,34 @@ class Fleet:
         """Where the hosts reach this machine for the job's endpoints (Horovod's
         rendezvous): on the network the user chose where it has an interface there, else
         `own_address()`."""
+        return self.reach_back_choice() or self.own_address()
+
+    def _node_links(self, hosts: Sequence[Host]) -> dict[Host, object]:
+        """One job step for all `hosts` (nodes), their agents calling back: a link per
+        node, standing where an SSH connection stands (spawner.srun)."""
+        if not hosts:
+            return {}
+        if self._slurm is None:
+            self._slurm = _slurm_agents(self.reach_back_choice(), self.log.info)
+        command = agent_command(self.config.remote_python)  # as RemoteSpawner will ask
+        links = self._slurm.start([h.name for h in hosts], command)
+        return {host: links[host.name] for host in hosts}
+
+    def reach_back_choice(self) -> str | None:
+        """This machine's address on the network the user chose, if any: where agents
+        called back to reach it (none: the address Slurm gives them for the launch node)."""
         from spawner.netifs import interfaces
 
-        return address_here(self.config.network, interfaces) or self.own_address()
+        return address_here(self.config.network, interfaces)
 
     async def close(self) -> None:
         """Close every agent (each kills what it still runs and removes its temp dirs),
-        then the connections (over Slurm: cancel any step still there)."""
+        then the connections (over Slurm: then the steps, cancelled if still there)."""
         await asyncio.gather(*(s.close() for s in self.spawners.values()),
                              return_exceptions=True)
         await close_all(self.connections.values())
+        if self._slurm is not None:
+            await self._slurm.close()
 
 
 async def connect(hosts: Sequence, *, fanout: int = DEFAULT_FANOUT, timeout: float,
@@ -327,17 +343,22 @@ def _raise_failures(failures: Sequence[HostFailure]) -> None:
         raise LaunchError("\n".join(f.message for f in failures))
 
 
-def _srun_connections(hosts: Sequence[Host]) -> dict[Host, object]:
-    """One SrunConnection per node: agents start as job steps of the allocation."""
+def _slurm_agents(address: str | None, note: Callable[[str], None]):
+    """The launch's Slurm steps and the listener their agents call back to."""
     import shutil
 
-    from spawner.srun import SrunConnection
+    from spawner.srun import SlurmAgents
 
     srun = shutil.which("srun")
     if srun is None:
         raise LaunchError("--launcher slurm: `srun` is not on PATH (is the Slurm client "
                           "installed here?)")
-    return {host: SrunConnection(host.name, srun) for host in hosts}
+    try:
+        return SlurmAgents(srun, address, note)
+    except OSError as exc:
+        where = address or "this machine's addresses"
+        raise LaunchError(f"--launcher slurm: cannot listen on {where} for the agents' "
+                          f"calls: {exc.strerror or exc}") from None
 
 
 def _connected_to(view):

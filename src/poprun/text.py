@@ -4,6 +4,7 @@ a leaf."""
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Iterable
 
@@ -13,6 +14,21 @@ from spawner.cpulist import format_cpu_list
 def fold_indices(indices: Iterable[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> "[0-2,5,7-8]"."""
     return f"[{format_cpu_list(indices)}]"
+
+
+def fold_hosts(names: list[str]) -> str:
+    """["h3", "h7", "h8", "h9", "x"] -> "h[3,7-9],x": names sharing a prefix and ending in
+    numbers without leading zeros fold into one range list."""
+    groups: dict[str, list[int]] = {}
+    rest = []
+    for name in names:
+        match = re.fullmatch(r"(.*?)([1-9]\d*|0)", name)
+        if match:
+            groups.setdefault(match[1], []).append(int(match[2]))
+        else:
+            rest.append(name)
+    parts = [f"{p}{n[0]}" if len(n) == 1 else f"{p}{fold_indices(n)}" for p, n in groups.items()]
+    return ",".join(parts + rest)
 
 
 def describe_status(returncode: int) -> str:

@@ -68,7 +68,7 @@ from typing import Any, NoReturn
 from popdist.env import SSH_CONNECTION_COPY
 from poprun._version import __version__
 
-from . import procid, stackdump
+from . import hostfacts, procid, stackdump
 from .binding import read_binding
 from .containment import become_subreaper
 from .lifeline import Lifeline
@@ -121,6 +121,8 @@ def hello_reply(request: dict[str, Any]) -> dict[str, Any]:
         "boot_id": procid.boot_id(),  # with STARTED's start: which process a pid is
         # Asked for when the user chose a network (poprun/plan/network.py).
         "interfaces": _interfaces() if request.get("interfaces") else None,
+        # What the job depends on here, for comparing the hosts (poprun/plan/alike.py).
+        "facts": hostfacts.answer(request.get("facts"), instance_environ, cwd),
     }
 
 

@@ -162,9 +162,11 @@ class AgentInfo:
     program: str | None  # the program as instances will run it there; None: not found
     raw: Mapping[str, Any] = field(repr=False)
     noise: bytes = b""
+    received: float | None = None  # time.time() when the reply came: the host's clock offset
 
     @classmethod
-    def from_reply(cls, host: str, reply: Mapping[str, Any], noise: bytes) -> AgentInfo:
+    def from_reply(cls, host: str, reply: Mapping[str, Any], noise: bytes,
+                   received: float | None = None) -> AgentInfo:
         python = reply.get("python") or {}
         return cls(host=host, protocol=reply.get("protocol", -1),
                    poprun=str(reply.get("poprun")),
@@ -172,7 +174,8 @@ class AgentInfo:
                    python_executable=str(python.get("executable")),
                    hostname=str(reply.get("hostname")), pid=int(reply.get("pid", 0)),
                    cwd=str(reply.get("cwd")), cwd_exists=bool(reply.get("cwd_exists")),
-                   program=reply.get("program"), raw=dict(reply), noise=noise)
+                   program=reply.get("program"), raw=dict(reply), noise=noise,
+                   received=received)
 
     def versions(self) -> Versions:
         return Versions(self.protocol, self.poprun, self.python[:2])
@@ -338,13 +341,15 @@ class RemoteSpawner:
     async def start(self, *, cwd: str, program: str | None = None, path: str | None = None,
                     timeout: float = HELLO_TIMEOUT, stats: float | None = None,
                     host_timeout: float | None = None, interfaces: bool = False,
-                    temp_dir: str | None = None) -> AgentInfo:
+                    temp_dir: str | None = None, facts: dict | None = None) -> AgentInfo:
         """Start the agent and greet it. `program` is resolved there as instances will run
         it (in `cwd`, on `path`: the PATH they will get). With `host_timeout`, both sides
         send heartbeats and each declares the other gone after that long without a word.
         With `interfaces`, the agent lists the host's network interfaces (spawner/netifs.py).
         With `temp_dir` (a prefix), the agent makes the first `make_temp_dir(temp_dir)`'s
-        directory as it answers: no round trip of its own. Raises AgentStartError, or
+        directory as it answers: no round trip of its own. With `facts` (the job's argv,
+        the variables poprun sets there, an explicit cache), the agent reports what the job
+        depends on there (spawner/hostfacts.py). Raises AgentStartError, or
         AgentVersionError after stopping the agent: then nothing was started."""
         self._t0 = time.monotonic()
         session = _AgentSession if isinstance(self.conn, SrunConnection) else _ssh_session()
@@ -359,7 +364,7 @@ class RemoteSpawner:
             reply = await self._request(
                 Kind.HELLO, timeout, protocol=self._expect.protocol, poprun=self._expect.poprun,
                 python=[major, minor], cwd=cwd, program=program, path=path, stats=stats,
-                interfaces=interfaces, mktemp=temp_dir,
+                interfaces=interfaces, mktemp=temp_dir, facts=facts,
                 heartbeat=[host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout]
                 if host_timeout else None)
         except RemoteError as exc:
@@ -368,7 +373,8 @@ class RemoteSpawner:
             raise AgentStartError(self.host, f"the poprun agent ({shown}) did not start: "
                                   f"{exc.reason}") from None
         self.timings.ready = self._elapsed()
-        self.info = AgentInfo.from_reply(self.host, reply, self._decoder.noise)
+        self.info = AgentInfo.from_reply(self.host, reply, self._decoder.noise,
+                                         received=time.time())
         if temp_dir is not None:
             self._made_temp_dir = (temp_dir, reply.get("temp_dir"), reply.get("temp_dir_error"))
         try:

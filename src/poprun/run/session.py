@@ -53,7 +53,7 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
     yet are placeholders; MASTER_ADDR is the first host's name (a launch uses its address)."""
     hosts = JobHosts.of(config, environ)
     program, mode = preflight(config, environ, cwd, resolve=hosts.any_local)
-    cache = _explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
+    cache = planning.explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
     master = LOOPBACK if hosts.first_is_local and not hosts.remote else hosts.labels[0]
     rendezvous = (LOOPBACK if not hosts.remote else socket.gethostname(), free_port())
     return planning.plan(config, environ, program=program, master_port=free_port(),
@@ -104,12 +104,6 @@ def _quiet_asyncio_reaping_race() -> None:
 
     logging.getLogger("asyncio").addFilter(
         lambda record: not str(record.msg).startswith("Unknown child process pid"))
-
-
-def _explicit_cache(config: LaunchConfig, mode: CacheMode) -> str | None:
-    if mode is CacheMode.EXPLICIT and config.executable_cache_path:
-        return os.path.abspath(config.executable_cache_path)
-    return None
 
 
 async def launch(config: LaunchConfig, *, stdout_fd: int = 1, stderr_fd: int = 2,
@@ -231,6 +225,7 @@ class _Session:
         self.rendezvous = None  # Horovod's (run/rendezvous.Rendezvous), once hosts are open
         self._own_id: str | None = None  # the job's id when it has no record
         self._leaves: dict[str, list[dict]] = {}  # per remote host, its agents' (for reap)
+        self.host_differences: tuple = ()  # plan/alike.py's Differences among the hosts
 
     async def __aenter__(self) -> _Session:
         config, log = self.config, self.log
@@ -384,6 +379,8 @@ class _Session:
             "mpi_worlds": {label: list(self.mpi_worlds) for label in labels}
             if self.mpi_worlds else {},
             "agents": self._agents_leaves(agents),
+            # What differs among the hosts (--compare-hosts), as it was reported.
+            "host_differences": [d.to_json() for d in self.host_differences],
         }
 
     def _agents_leaves(self, agents: dict) -> dict[str, list[dict]]:
@@ -452,7 +449,7 @@ class _Session:
         caches = dict(caches)
         if self.mode is CacheMode.TEMPORARY:
             caches.update(await self.fleet.temp_dirs(lost))
-        elif (explicit := _explicit_cache(self.config, self.mode)) is not None:
+        elif (explicit := planning.explicit_cache(self.config, self.mode)) is not None:
             await self.fleet.make_dirs(explicit, lost)
         return caches, await self._master_address()
 
@@ -519,20 +516,54 @@ class _Session:
         self.job.on_signal(sig)
 
     async def _open_fleet(self) -> None:
+        from poprun.run import hostcheck
         from poprun.run.fleet import Fleet  # asyncssh: only runs with remote hosts import it
 
         if self.fleet is None:  # over Slurm it is there already (_start_steps)
             self.fleet = Fleet.of(self.hosts, self.config, self.log)
-        await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
-                              program=self.program[0], path=self.environ.get("PATH"),
-                              view=self.panel, temp_dirs=self.mode is CacheMode.TEMPORARY)
+        ask = here = None
+        if hostcheck.wanted(self.config, self.hosts):  # each agent reports in its HELLO
+            cache = planning.explicit_cache(self.config, self.mode)
+            ask = hostcheck.ask(self.config, self.environ, self.config.program, cache)
+            if self.hosts.any_local:  # read here while the agents start
+                here = self.loop.run_in_executor(None, hostcheck.gather_here, self.config,
+                                                 self.environ, self.config.program,
+                                                 self.cwd, cache)
+        try:
+            await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
+                                  program=self.program[0], path=self.environ.get("PATH"),
+                                  view=self.panel, temp_dirs=self.mode is CacheMode.TEMPORARY,
+                                  facts=ask)
+        except BaseException:
+            if here is not None:  # its outcome taken, so the loop never reports it
+                here.add_done_callback(lambda done: done.cancelled() or done.exception())
+            raise
         self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))
+        if ask is not None:
+            self._compare_hosts(await here if here is not None else None)
+
+    def _compare_hosts(self, here: dict | None) -> None:
+        """The hosts' differences, before anything starts: warned about (and kept in the
+        record), or with --compare-hosts=error, the launch refused (LaunchError: exit 2)."""
+        from poprun.run import hostcheck
+
+        infos = {label: s.info for label, s in self.fleet.spawners.items()}
+        local = [label for label in self.hosts.labels if label not in self.hosts.remote]
+        self.host_differences = hostcheck.compare(self.config, self.environ,
+                                                  self.hosts.labels, local, here, infos)
+        if not self.host_differences:
+            return
+        lines = hostcheck.report_lines(self.host_differences, self.config.compare_hosts)
+        if self.config.compare_hosts == "error":
+            raise LaunchError("\n".join(lines))
+        for line in lines:
+            self.log.warning(line)
 
     async def _create_caches(self) -> dict[str, str]:
         """The executable cache of every host: a temporary dir on each (removed at the end),
         or the explicit path, created where missing; none when caching is off."""
         local_cache = self.cache.create() if self.hosts.any_local else None
-        explicit = _explicit_cache(self.config, self.mode)
+        explicit = planning.explicit_cache(self.config, self.mode)
         caches = {}
         if local_cache or explicit:  # an explicit path: the same on every host
             caches = {h: local_cache or explicit for h in self.hosts.labels}
@@ -794,7 +825,7 @@ class _CacheDir:
 
     def create(self) -> str | None:
         if self._mode is CacheMode.EXPLICIT:
-            self.path = _explicit_cache(self._config, self._mode)
+            self.path = planning.explicit_cache(self._config, self._mode)
             try:
                 os.makedirs(self.path, exist_ok=True)
             except OSError as exc:

@@ -29,7 +29,7 @@ from poprun.text import cut, fold_hosts, size
 MIN_FREE = 1 << 30  # bytes: less free where the cache or temp files go is worth a warning
 MAX_SKEW = 1.0  # seconds between a host's clock and the launcher's worth a warning
 SHOWN = 12  # differences printed before "... and N more" (--check and the record keep all)
-VALUE_CHARS = 60  # a value longer than this is cut in the table
+VALUE_CHARS = 100  # a value longer than this is cut in the table
 MAX_TEXT = 4096  # characters of any string taken from a host
 MAX_ITEMS = 10_000  # entries of any mapping taken from a host
 # Variables that differ by design from host to host or session to session, besides

@@ -301,7 +301,8 @@ def render(checks: list[HostCheck], differences: tuple[alike.Difference, ...] = 
                          [[str(getattr(c, col)) for col in _COLUMNS] for c in checks])
     lines += [line for _, line in _footer(checks)]
     lines += ["", *_plain_table(list(_JOB_COLUMNS), [_job_row(c) for c in checks])]
-    lines += [line for _, line in _differences(differences)]
+    lines += [line for _, line in _differences(checks, differences)]
+    lines.append(_count(checks)[1])
     return "\n".join(lines) + "\n"
 
 
@@ -338,7 +339,7 @@ def render_rich(checks: list[HostCheck], differences: tuple[alike.Difference, ..
         for kind, line in _footer(checks):
             console.print(Text(line, style=_FOOTER_STYLES[kind]), soft_wrap=True)
         console.print(job)
-        for kind, line in _differences(differences):
+        for kind, line in [*_differences(checks, differences), _count(checks)]:
             console.print(Text(line, style=_FOOTER_STYLES[kind]), soft_wrap=True)
     return capture.get()
 
@@ -363,11 +364,13 @@ def _job_row(check: HostCheck) -> list[str]:
             "-" if check.clock is None else f"{check.clock * 1000:+.0f} ms"]
 
 
-def _differences(differences: tuple[alike.Difference, ...]) -> list[tuple[str, str]]:
+def _differences(checks: list[HostCheck], differences: tuple[alike.Difference, ...]
+                 ) -> list[tuple[str, str]]:
     """Under the second table: what differs among the hosts (every difference), or that
-    they are alike."""
+    they are alike (said of two hosts or more)."""
     if not differences:
-        return [("ready", "the hosts are alike in what the job depends on")]
+        return [("ready", "the hosts are alike in what the job depends on")] \
+            if len(checks) > 1 else []
     return [("env", f"{len(differences)} difference(s) among the hosts:"),
             *(("env", f"  {line}") for line in alike.render(differences, len(differences)))]
 
@@ -413,7 +416,11 @@ def _footer(checks: list[HostCheck]) -> list[tuple[str, str]]:
     lines += [("env", line) for line in _env_lines(checks)]
     lines += [("problem", f"{problem}: {fold_hosts(names)}")
               for problem, names in by_problem.items()]
-    ready = len(checks) - sum(map(len, by_problem.values()))
-    lines.append(("ready" if ready == len(checks) else "not ready",
-                  f"{ready} of {len(checks)} host(s) ready"))
     return lines
+
+
+def _count(checks: list[HostCheck]) -> tuple[str, str]:
+    """The report's last line: how many hosts are ready."""
+    ready = sum(c.problem is None for c in checks)
+    return ("ready" if ready == len(checks) else "not ready",
+            f"{ready} of {len(checks)} host(s) ready")

@@ -28,7 +28,8 @@ from poprun.text import cut, fold_hosts, size
 
 MIN_FREE = 1 << 30  # bytes: less free where the cache or temp files go is worth a warning
 MAX_SKEW = 1.0  # seconds between a host's clock and the launcher's worth a warning
-SHOWN = 12  # differences printed before "... and N more" (--check and the record keep all)
+SHOWN = 12  # differences a launch prints before "... and N more" (--check prints them all)
+RECORDED = 100  # differences the job's record keeps
 VALUE_CHARS = 100  # a value longer than this is cut in the table
 MAX_TEXT = 4096  # characters of any string taken from a host
 MAX_ITEMS = 10_000  # entries of any mapping taken from a host
@@ -131,6 +132,17 @@ def compare(facts: Mapping[str, HostFacts], offsets: Mapping[str, float] | None 
     out += _space(facts, hosts)
     out += _clock(offsets or {}, hosts)
     return tuple(out)
+
+
+def recorded(differences: Collection[Difference]) -> list[dict[str, Any]]:
+    """The differences as the job's record keeps them (rewritten as the job goes): RECORDED
+    at most, then one entry saying how many more."""
+    kept = [d.to_json() for d in list(differences)[:RECORDED]]
+    if len(differences) > RECORDED:
+        more = len(differences) - RECORDED
+        kept.append({"kind": "more", "name": "", "sides": [],
+                     "text": f"... and {more} more (poprun --check shows them all)"})
+    return kept
 
 
 def render(differences: Collection[Difference], limit: int = SHOWN) -> list[str]:

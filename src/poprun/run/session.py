@@ -380,7 +380,7 @@ class _Session:
             if self.mpi_worlds else {},
             "agents": self._agents_leaves(agents),
             # What differs among the hosts (--compare-hosts), as it was reported.
-            "host_differences": [d.to_json() for d in self.host_differences],
+            "host_differences": _recorded(self.host_differences),
         }
 
     def _agents_leaves(self, agents: dict) -> dict[str, list[dict]]:
@@ -812,6 +812,15 @@ class _Session:
             self._result = replace(self._result, exit_code=OUTPUT_ERROR_STATUS,
                                    output_error=f"cannot write poprun's stderr: "
                                                 f"{lost.strerror or lost}")
+
+
+def _recorded(differences: tuple) -> list[dict]:
+    """The hosts' differences as the record keeps them (imported only when there are)."""
+    if not differences:
+        return []
+    from poprun.plan.alike import recorded
+
+    return recorded(differences)
 
 
 class _CacheDir:

@@ -121,8 +121,6 @@ def hello_reply(request: dict[str, Any]) -> dict[str, Any]:
         "boot_id": procid.boot_id(),  # with STARTED's start: which process a pid is
         # Asked for when the user chose a network (poprun/plan/network.py).
         "interfaces": _interfaces() if request.get("interfaces") else None,
-        # What the job depends on here, for comparing the hosts (poprun/plan/alike.py).
-        "facts": hostfacts.answer(request.get("facts"), instance_environ, cwd),
     }
 
 
@@ -311,7 +309,7 @@ class Agent:
                           Kind.WORLD_END: self._end_world,
                           Kind.BARRIER_OUT: partial(self._to_world, Kind.BARRIER_OUT),
                           Kind.VALUE: partial(self._to_world, Kind.VALUE),
-                          Kind.PROBE: self._probe}
+                          Kind.PROBE: self._probe, Kind.FACTS: self._facts}
         self._worlds: dict[str, Any] = {}  # kvsname -> spawner.agentworld.AgentWorld
         self._last_heard = time.monotonic()
         self.done, self.status = False, 0
@@ -473,6 +471,11 @@ class Agent:
         finally:
             if pmi_end is not None:
                 pmi_end.close()  # the instance has its copy
+
+    def _facts(self, request: dict[str, Any]) -> None:
+        """FACTS: what the job depends on here (spawner/hostfacts.py), for comparing the
+        hosts; the launcher goes on starting while this host reads its files."""
+        self._reply(request, hostfacts.answer(request, instance_environ))
 
     def _probe(self, request: dict[str, Any]) -> None:
         """PROBE: whether this host reaches the launcher back at an address (poprun --check)."""

@@ -1,5 +1,5 @@
-"""What a job depends on, on one host: read by its agent for the HELLO reply (and by the
-launcher for its own host), so that poprun can compare the hosts before anything starts
+"""What a job depends on, on one host: read by its agent when asked (FACTS, sent as its HELLO
+answer comes; and by the launcher for its own host), so that poprun can compare the hosts before anything starts
 (poprun/plan/alike.py compares; docs/architecture.md, "Hosts that differ").
 
 Cheap by design, since it rides on every multi-host launch: files are read, nothing is run or
@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .local import resolve_program
+
 MAX_DIGEST_BYTES = 64 << 20  # a bigger file is compared by size (and shown by mtime) only
 MAX_ARGS = 64  # of the job's argv: the script or module is among the first words
 MAX_DISTRIBUTIONS = 10_000  # per host: beyond any real environment, bounds the reply
@@ -45,18 +47,16 @@ _VALUED_FLAGS = frozenset("cmWX")
 _VALUED_LONG = frozenset({"--check-hash-based-pycs"})
 
 
-def answer(ask: object, environ_of: Callable[[Mapping[str, str], tuple], dict[str, str]],
-           cwd: str) -> dict[str, Any] | None:
-    """The agent's answer to HELLO's `facts` (None: not asked): {argv, env, cache}, the
-    job's argv, the variables poprun sets on instances here, an explicit cache path.
+def answer(request: Mapping[str, Any],
+           environ_of: Callable[[Mapping[str, str], tuple], dict[str, str]]) -> dict[str, Any]:
+    """The agent's answer to FACTS {argv, env, cache, cwd}: the job's argv, the variables
+    poprun sets on instances here, an explicit cache path, the working directory.
     `environ_of(env_set, env_unset)`: the environment instances get here."""
-    if not isinstance(ask, dict):
-        return None
-    argv = [str(a) for a in ask.get("argv") or ()][:MAX_ARGS]
-    env = ask.get("env") if isinstance(ask.get("env"), dict) else {}
-    cache = ask.get("cache")
-    return gather(argv, environ_of({str(k): str(v) for k, v in env.items()}, ()), cwd,
-                  str(cache) if cache else None)
+    argv = [str(a) for a in request.get("argv") or ()][:MAX_ARGS]
+    env = request.get("env") if isinstance(request.get("env"), dict) else {}
+    cache, cwd = request.get("cache"), request.get("cwd")
+    return gather(argv, environ_of({str(k): str(v) for k, v in env.items()}, ()),
+                  str(cwd) if cwd else os.getcwd(), str(cache) if cache else None)
 
 
 def gather(argv: Sequence[str], env: Mapping[str, str], cwd: str,
@@ -88,15 +88,11 @@ def gather(argv: Sequence[str], env: Mapping[str, str], cwd: str,
 
 
 def _which(name: str, path: str, cwd: str) -> str | None:
-    """The absolute path `name` runs as (as spawner.local.resolve_program finds it)."""
-    if os.sep in name:
-        full = os.path.normpath(os.path.join(cwd, name))
-        return full if os.path.isfile(full) else None
-    found = shutil.which(name, path=path)
-    if found:
-        return os.path.normpath(os.path.join(cwd, found))
-    local = os.path.join(cwd, name)
-    return local if os.path.isfile(local) and os.access(local, os.X_OK) else None
+    """The absolute path `name` runs as (where spawner.local.resolve_program finds it)."""
+    found = resolve_program(name, path, cwd)
+    if found is not None and os.sep not in found:  # found on PATH: where
+        found = shutil.which(found, path=path)
+    return None if found is None else os.path.normpath(os.path.join(cwd, found))
 
 
 def _interpreter(program: str | None, argv: Sequence[str], path: str, cwd: str
@@ -277,24 +273,31 @@ def _distributions(paths: Sequence[str]) -> dict[str, str]:
 
 
 def _metadata_head(path: str) -> tuple[str, str] | None:
-    """(Name, Version) from a METADATA/PKG-INFO file's headers."""
+    """(Name, Version) from a METADATA/PKG-INFO file's headers. Raw reads and byte searches:
+    a host has hundreds of these, and `open()` with `splitlines()` cost twice as much."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(METADATA_HEAD)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-    name = version = None
-    for line in head.decode("utf-8", "replace").splitlines():
-        if not line:
-            break  # the headers end; the description follows
-        key, _, value = line.partition(":")
-        if key == "Name":
-            name = value.strip()
-        elif key == "Version":
-            version = value.strip()
-        if name and version:
-            return name, version
-    return None
+    try:
+        head = b"\n" + os.read(fd, METADATA_HEAD)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    end = head.find(b"\n\n", 1)  # the headers end there; the description follows
+    if end > 0:
+        head = head[:end + 1]
+    name, version = _header(head, b"\nName:"), _header(head, b"\nVersion:")
+    return (name, version) if name and version else None
+
+
+def _header(head: bytes, key: bytes) -> str | None:
+    start = head.find(key)
+    if start < 0:
+        return None
+    start += len(key)
+    return head[start:head.find(b"\n", start)].decode("utf-8", "replace").strip()
 
 
 def _normalize(name: str) -> str:

@@ -36,6 +36,9 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       VALUE   {kvsname, id, value}           answers GET (value null: absent)
       PROBE   {id, address, port, token, within}  connect to the launcher there, send the
                                              token, read it back (poprun --check)
+      FACTS   {id, argv, env, cache, cwd}    what the job depends on here; sent as HELLO's
+                                             answer comes, answered while the launcher goes
+                                             on starting (spawner/hostfacts.py)
       (closing the agent's stdin ends it: it kills its instances and removes its temp dirs)
     agent -> launcher
       REPLY   {id, result}                   result of HELLO: see agent.hello_reply(),
@@ -45,6 +48,7 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              result of STACKS: {stacks: {key: {pid, how,
                                              threads, error}}} within `within` seconds
                                              result of PROBE: {ok, error, seconds}
+                                             result of FACTS: hostfacts.gather()
       FAILED  {id, error}                    a request failed (id null: a malformed frame)
       STARTED {key, pid, start, memory_binding_skipped, binding: {cpus, mems, mempolicy},
                containment}                 containment: how escaped descendants are caught;
@@ -114,6 +118,9 @@ class Kind(enum.IntEnum):
     """Launcher: the value of a key an agent asked for (GET)."""
     PROBE = 12
     """Launcher: can this host reach me back there? Agent answers with REPLY {ok, error}."""
+    FACTS = 13
+    """Launcher: what does the job depend on here? Sent as HELLO's answer comes; the agent
+    answers with REPLY (spawner/hostfacts.py)."""
     REPLY = 16
     """Agent: the result of the request with the same id."""
     FAILED = 17

@@ -162,11 +162,9 @@ class AgentInfo:
     program: str | None  # the program as instances will run it there; None: not found
     raw: Mapping[str, Any] = field(repr=False)
     noise: bytes = b""
-    received: float | None = None  # time.time() when the reply came: the host's clock offset
 
     @classmethod
-    def from_reply(cls, host: str, reply: Mapping[str, Any], noise: bytes,
-                   received: float | None = None) -> AgentInfo:
+    def from_reply(cls, host: str, reply: Mapping[str, Any], noise: bytes) -> AgentInfo:
         python = reply.get("python") or {}
         return cls(host=host, protocol=reply.get("protocol", -1),
                    poprun=str(reply.get("poprun")),
@@ -174,8 +172,7 @@ class AgentInfo:
                    python_executable=str(python.get("executable")),
                    hostname=str(reply.get("hostname")), pid=int(reply.get("pid", 0)),
                    cwd=str(reply.get("cwd")), cwd_exists=bool(reply.get("cwd_exists")),
-                   program=reply.get("program"), raw=dict(reply), noise=noise,
-                   received=received)
+                   program=reply.get("program"), raw=dict(reply), noise=noise)
 
     def versions(self) -> Versions:
         return Versions(self.protocol, self.poprun, self.python[:2])
@@ -309,6 +306,8 @@ class RemoteSpawner:
             if isinstance(conn, SrunConnection) else None
         self._ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}
+        self._facts: asyncio.Future | None = None  # FACTS' answer (start(facts=...))
+        self._facts_received = 0.0
         self._spawning: dict[int, asyncio.Future] = {}
         self._pids: dict[int, int] = {}
         self._exited: dict[int, int] = {}
@@ -347,9 +346,9 @@ class RemoteSpawner:
         send heartbeats and each declares the other gone after that long without a word.
         With `interfaces`, the agent lists the host's network interfaces (spawner/netifs.py).
         With `temp_dir` (a prefix), the agent makes the first `make_temp_dir(temp_dir)`'s
-        directory as it answers: no round trip of its own. With `facts` (the job's argv,
-        the variables poprun sets there, an explicit cache), the agent reports what the job
-        depends on there (spawner/hostfacts.py). Raises AgentStartError, or
+        directory as it answers: no round trip of its own. With `facts` (FACTS' fields but
+        its id), FACTS is sent as HELLO's answer comes: `job_facts()` awaits its answer, which
+        the caller goes on without meanwhile. Raises AgentStartError, or
         AgentVersionError after stopping the agent: then nothing was started."""
         self._t0 = time.monotonic()
         session = _AgentSession if isinstance(self.conn, SrunConnection) else _ssh_session()
@@ -364,7 +363,7 @@ class RemoteSpawner:
             reply = await self._request(
                 Kind.HELLO, timeout, protocol=self._expect.protocol, poprun=self._expect.poprun,
                 python=[major, minor], cwd=cwd, program=program, path=path, stats=stats,
-                interfaces=interfaces, mktemp=temp_dir, facts=facts,
+                interfaces=interfaces, mktemp=temp_dir,
                 heartbeat=[host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout]
                 if host_timeout else None)
         except RemoteError as exc:
@@ -373,8 +372,7 @@ class RemoteSpawner:
             raise AgentStartError(self.host, f"the poprun agent ({shown}) did not start: "
                                   f"{exc.reason}") from None
         self.timings.ready = self._elapsed()
-        self.info = AgentInfo.from_reply(self.host, reply, self._decoder.noise,
-                                         received=time.time())
+        self.info = AgentInfo.from_reply(self.host, reply, self._decoder.noise)
         if temp_dir is not None:
             self._made_temp_dir = (temp_dir, reply.get("temp_dir"), reply.get("temp_dir_error"))
         try:
@@ -382,6 +380,9 @@ class RemoteSpawner:
         except AgentVersionError:
             await self.close()
             raise
+        if facts is not None:  # not with HELLO: a host without poprun reads HELLO alone first
+            self._facts = self._ask(Kind.FACTS, **facts)
+            self._facts.add_done_callback(self._facts_came)
         if host_timeout:
             self._beat(host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout)
         return self.info
@@ -558,10 +559,30 @@ class RemoteSpawner:
             self._chan.write(frame)
 
     async def _request(self, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:
+        return await self._wait(self._ask(kind, **fields), timeout, kind.name)
+
+    def _ask(self, kind: Kind, **fields: Any) -> asyncio.Future:
+        """Send a request; the future of its answer."""
         request_id = next(self._ids)
         future = self._replies[request_id] = self._new_future()
         self._send(encode(kind, id=request_id, **fields))
-        return await self._wait(future, timeout, kind.name)
+        return future
+
+    def _facts_came(self, future: asyncio.Future) -> None:
+        """When FACTS' answer came (for the host's clock offset); its error taken, so that
+        one nobody awaits (the launch failed meanwhile) is never reported as a bug."""
+        self._facts_received = time.time()
+        if not future.cancelled():
+            future.exception()
+
+    async def job_facts(self, timeout: float = REQUEST_TIMEOUT
+                        ) -> tuple[dict[str, Any], float] | None:
+        """The answer to the FACTS sent with HELLO (None: none was) and when it came
+        (time.time()). Raises AgentLostError."""
+        if self._facts is None:
+            return None
+        facts = await self._wait(asyncio.shield(self._facts), timeout, Kind.FACTS.name)
+        return facts, self._facts_received
 
     async def _wait(self, awaitable: Any, timeout: float, what: str) -> Any:
         try:

@@ -79,14 +79,14 @@ async def check_hosts(config: LaunchConfig, environ: Mapping[str, str], cwd: str
     cache = explicit_cache(config, cache_mode(config, environ))
     here = hostcheck.gather_here(config, environ, argv, cwd, cache) if local else None
     checks = [_check_here(label, config, cwd, program, environ) for label in local]
-    infos: dict[str, object] = {}
+    answers: dict[str, hostcheck.Answer] = {}
     if hosts.remote:
-        ask = hostcheck.ask(config, environ, argv, cache)
-        remote, infos = await _check_remote(hosts, config, cwd, program, environ, ask)
+        ask = hostcheck.ask(config, environ, argv, cwd, cache)
+        remote, answers = await _check_remote(hosts, config, cwd, program, environ, ask)
         checks += remote
     order = {label: i for i, label in enumerate(hosts.labels)}
     checks.sort(key=lambda c: order[c.host])
-    facts, offsets = hostcheck.read_all(config, environ, hosts.labels, local, here, infos)
+    facts, offsets = hostcheck.read_all(config, environ, hosts.labels, local, here, answers)
     for check in checks:
         check.facts, check.clock = facts.get(check.host), offsets.get(check.host)
     differences = () if config.compare_hosts == "off" else \
@@ -134,10 +134,10 @@ def _check_network(check: HostCheck, config: LaunchConfig, interfaces) -> None:
 
 async def _check_remote(hosts: JobHosts, config: LaunchConfig, cwd: str, program: str | None,
                         environ: Mapping[str, str], facts: dict
-                        ) -> tuple[list[HostCheck], dict[str, object]]:
+                        ) -> tuple[list[HostCheck], dict[str, hostcheck.Answer]]:
     """Each remote host opened as a launch opens it (run/fleet.py: the same transport, agent
-    bootstrap and --remote-install), one row each whatever the others do; and the AgentInfo
-    of each host whose agent answered (`facts`: what it is asked to report)."""
+    bootstrap and --remote-install), one row each whatever the others do; and the facts of
+    each host whose agent started (`facts`: FACTS' fields)."""
     from poprun.log import Log
     from poprun.run.fleet import Fleet
 
@@ -149,11 +149,12 @@ async def _check_remote(hosts: JobHosts, config: LaunchConfig, cwd: str, program
         checks = [_check_outcome(label, outcome, reached, config, program, environ)
                   for label, outcome in outcomes.items()]
         await _check_reach_back(fleet, config, checks)
+        started = {label: fleet.spawners[label] for label, o in outcomes.items()
+                   if not isinstance(o, (HostFailure, BaseException))}
+        answers = await hostcheck.answers(started)
     finally:
         await fleet.close()
-    infos = {label: o for label, o in outcomes.items()
-             if not isinstance(o, (HostFailure, BaseException))}
-    return checks, infos
+    return checks, answers
 
 
 async def _check_reach_back(fleet, config: LaunchConfig, checks: list[HostCheck]) -> None:
@@ -367,10 +368,11 @@ def _job_row(check: HostCheck) -> list[str]:
 def _differences(checks: list[HostCheck], differences: tuple[alike.Difference, ...]
                  ) -> list[tuple[str, str]]:
     """Under the second table: what differs among the hosts (every difference), or that
-    they are alike (said of two hosts or more)."""
+    they are alike (said of two hosts or more that told)."""
     if not differences:
+        told = sum(c.facts is not None for c in checks)
         return [("ready", "the hosts are alike in what the job depends on")] \
-            if len(checks) > 1 else []
+            if told > 1 else []
     return [("env", f"{len(differences)} difference(s) among the hosts:"),
             *(("env", f"  {line}") for line in alike.render(differences, len(differences)))]
 

@@ -226,6 +226,8 @@ class _Session:
         self._own_id: str | None = None  # the job's id when it has no record
         self._leaves: dict[str, list[dict]] = {}  # per remote host, its agents' (for reap)
         self.host_differences: tuple = ()  # plan/alike.py's Differences among the hosts
+        self._compare = False  # the hosts are to be compared before anything starts
+        self._facts_here: asyncio.Future | None = None  # this host's facts, read on a thread
 
     async def __aenter__(self) -> _Session:
         config, log = self.config, self.log
@@ -415,6 +417,7 @@ class _Session:
         caches = await self._create_caches()
         master = await self._master_address()
         self._open_rendezvous()
+        await self._compare_hosts()
         earlier: list[LaunchResult] = []
         while True:
             self._plan(caches, master, attempt=len(earlier))
@@ -521,36 +524,41 @@ class _Session:
 
         if self.fleet is None:  # over Slurm it is there already (_start_steps)
             self.fleet = Fleet.of(self.hosts, self.config, self.log)
-        ask = here = None
-        if hostcheck.wanted(self.config, self.hosts):  # each agent reports in its HELLO
-            cache = planning.explicit_cache(self.config, self.mode)
-            ask = hostcheck.ask(self.config, self.environ, self.config.program, cache)
+        ask = None
+        if hostcheck.wanted(self.config, self.hosts):  # each agent asked with its HELLO
+            program, cache = self.config.program, planning.explicit_cache(self.config, self.mode)
+            ask = hostcheck.ask(self.config, self.environ, program, self.cwd, cache)
+            self._compare = True
             if self.hosts.any_local:  # read here while the agents start
-                here = self.loop.run_in_executor(None, hostcheck.gather_here, self.config,
-                                                 self.environ, self.config.program,
-                                                 self.cwd, cache)
-        try:
-            await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
-                                  program=self.program[0], path=self.environ.get("PATH"),
-                                  view=self.panel, temp_dirs=self.mode is CacheMode.TEMPORARY,
-                                  facts=ask)
-        except BaseException:
-            if here is not None:  # its outcome taken, so the loop never reports it
+                here = self._facts_here = self.loop.run_in_executor(
+                    None, hostcheck.gather_here, self.config, self.environ, program, self.cwd,
+                    cache)
+                # Its error taken even if the launch ends before it is read.
                 here.add_done_callback(lambda done: done.cancelled() or done.exception())
-            raise
+        await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
+                              program=self.program[0], path=self.environ.get("PATH"),
+                              view=self.panel, temp_dirs=self.mode is CacheMode.TEMPORARY,
+                              facts=ask)
         self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))
-        if ask is not None:
-            self._compare_hosts(await here if here is not None else None)
 
-    def _compare_hosts(self, here: dict | None) -> None:
-        """The hosts' differences, before anything starts: warned about (and kept in the
-        record), or with --compare-hosts=error, the launch refused (LaunchError: exit 2)."""
+    async def _compare_hosts(self) -> None:
+        """The hosts' differences, before anything is planned or started (their facts came
+        while the launch went on): warned about (and kept in the record), or with
+        --compare-hosts=error, the launch refused (LaunchError: exit 2)."""
+        if not self._compare:
+            return
         from poprun.run import hostcheck
 
-        infos = {label: s.info for label, s in self.fleet.spawners.items()}
+        began = self.loop.time()
+        facts_here = await self._facts_here if self._facts_here is not None else None
+        remote = await hostcheck.answers(self.fleet.spawners)
+        waited = self.loop.time() - began
         local = [label for label in self.hosts.labels if label not in self.hosts.remote]
         self.host_differences = hostcheck.compare(self.config, self.environ,
-                                                  self.hosts.labels, local, here, infos)
+                                                  self.hosts.labels, local, facts_here, remote)
+        self.log.debug(f"hosts compared ({len(self.host_differences)} difference(s)): waited "
+                       f"{waited * 1000:.1f} ms for their facts, "
+                       f"{(self.loop.time() - began - waited) * 1000:.1f} ms comparing")
         if not self.host_differences:
             return
         lines = hostcheck.report_lines(self.host_differences, self.config.compare_hosts)

@@ -311,6 +311,7 @@ class Agent:
                           Kind.VALUE: partial(self._to_world, Kind.VALUE),
                           Kind.PROBE: self._probe, Kind.FACTS: self._facts}
         self._worlds: dict[str, Any] = {}  # kvsname -> spawner.agentworld.AgentWorld
+        self._facts_read: hostfacts.Reading | None = None  # what HELLO's `facts` asked
         self._last_heard = time.monotonic()
         self.done, self.status = False, 0
         self.finished = loop.create_future()  # set by stop()
@@ -373,6 +374,8 @@ class Agent:
             except OSError as exc:
                 reply["temp_dir_error"] = _temp_dir_error(exc)
         self._reply(request, reply)
+        if request.get("facts"):  # read once the reply is out, for FACTS to collect
+            self._facts_read = hostfacts.Reading(self._loop, request["facts"], instance_environ)
         interval = request.get("stats")
         if interval:  # the launcher shows a dashboard: sample the instances periodically
             self._sampler = ProcSampler()
@@ -473,9 +476,13 @@ class Agent:
                 pmi_end.close()  # the instance has its copy
 
     def _facts(self, request: dict[str, Any]) -> None:
-        """FACTS: what the job depends on here (spawner/hostfacts.py), for comparing the
-        hosts; the launcher goes on starting while this host reads its files."""
-        self._reply(request, hostfacts.answer(request, instance_environ))
+        """FACTS: what HELLO asked this host to read of the job's dependencies (for comparing
+        the hosts), as soon as it is read."""
+        if self._facts_read is None:
+            self._outbox.send(encode(Kind.FAILED, id=request["id"],
+                                     error="FACTS without HELLO's facts"))
+            return
+        self._facts_read.then(lambda facts: self._reply(request, facts))
 
     def _probe(self, request: dict[str, Any]) -> None:
         """PROBE: whether this host reaches the launcher back at an address (poprun --check)."""

@@ -1,5 +1,5 @@
-"""What a job depends on, on one host: read by its agent when asked (FACTS, sent as its HELLO
-answer comes; and by the launcher for its own host), so that poprun can compare the hosts before anything starts
+"""What a job depends on, on one host: read by its agent when its HELLO asks (`facts`), as
+soon as its reply is out, and collected by FACTS (and read by the launcher for its own host), so that poprun can compare the hosts before anything starts
 (poprun/plan/alike.py compares; docs/architecture.md, "Hosts that differ").
 
 Cheap by design, since it rides on every multi-host launch: files are read, nothing is run or
@@ -47,10 +47,35 @@ _VALUED_FLAGS = frozenset("cmWX")
 _VALUED_LONG = frozenset({"--check-hash-based-pycs"})
 
 
+class Reading:
+    """The facts HELLO's `facts` asked for, read by the agent on its loop's next turn (once
+    HELLO's reply, queued before, is out: the launcher goes on starting meanwhile), for FACTS
+    to collect (`then`): the reading starts one round trip before FACTS comes."""
+
+    def __init__(self, loop: Any, ask: object,
+                 environ_of: Callable[[Mapping[str, str], tuple], dict[str, str]]) -> None:
+        self.facts: dict[str, Any] | None = None
+        self._then: list[Callable[[dict[str, Any]], None]] = []
+        loop.call_soon(self._read, ask if isinstance(ask, dict) else {}, environ_of)
+
+    def _read(self, ask: dict, environ_of: Callable) -> None:
+        self.facts = answer(ask, environ_of)
+        for callback in self._then:
+            callback(self.facts)
+        self._then.clear()
+
+    def then(self, callback: Callable[[dict[str, Any]], None]) -> None:
+        """`callback(facts)` once they are read (at once if they are)."""
+        if self.facts is None:
+            self._then.append(callback)
+        else:
+            callback(self.facts)
+
+
 def answer(request: Mapping[str, Any],
            environ_of: Callable[[Mapping[str, str], tuple], dict[str, str]]) -> dict[str, Any]:
-    """The agent's answer to FACTS {argv, env, cache, cwd}: the job's argv, the variables
-    poprun sets on instances here, an explicit cache path, the working directory.
+    """The facts HELLO's `facts` {argv, env, cache, cwd} asks for: the job's argv, the
+    variables poprun sets on instances here, an explicit cache path, the working directory.
     `environ_of(env_set, env_unset)`: the environment instances get here."""
     argv = [str(a) for a in request.get("argv") or ()][:MAX_ARGS]
     env = request.get("env") if isinstance(request.get("env"), dict) else {}

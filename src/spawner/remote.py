@@ -346,9 +346,10 @@ class RemoteSpawner:
         send heartbeats and each declares the other gone after that long without a word.
         With `interfaces`, the agent lists the host's network interfaces (spawner/netifs.py).
         With `temp_dir` (a prefix), the agent makes the first `make_temp_dir(temp_dir)`'s
-        directory as it answers: no round trip of its own. With `facts` (FACTS' fields but
-        its id), FACTS is sent as HELLO's answer comes: `job_facts()` awaits its answer, which
-        the caller goes on without meanwhile. Raises AgentStartError, or
+        directory as it answers: no round trip of its own. With `facts` ({argv, env, cache,
+        cwd}: spawner/hostfacts.py), the agent reads what the job depends on there once its
+        answer is out, and FACTS, sent as that answer comes, collects it: `job_facts()` awaits
+        it, the caller going on meanwhile. Raises AgentStartError, or
         AgentVersionError after stopping the agent: then nothing was started."""
         self._t0 = time.monotonic()
         session = _AgentSession if isinstance(self.conn, SrunConnection) else _ssh_session()
@@ -363,7 +364,7 @@ class RemoteSpawner:
             reply = await self._request(
                 Kind.HELLO, timeout, protocol=self._expect.protocol, poprun=self._expect.poprun,
                 python=[major, minor], cwd=cwd, program=program, path=path, stats=stats,
-                interfaces=interfaces, mktemp=temp_dir,
+                interfaces=interfaces, mktemp=temp_dir, facts=facts,
                 heartbeat=[host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout]
                 if host_timeout else None)
         except RemoteError as exc:
@@ -380,8 +381,8 @@ class RemoteSpawner:
         except AgentVersionError:
             await self.close()
             raise
-        if facts is not None:  # not with HELLO: a host without poprun reads HELLO alone first
-            self._facts = self._ask(Kind.FACTS, **facts)
+        if facts is not None:  # read there since HELLO's reply went out: collect them
+            self._facts = self._ask(Kind.FACTS)
             self._facts.add_done_callback(self._facts_came)
         if host_timeout:
             self._beat(host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout)

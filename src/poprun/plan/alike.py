@@ -17,8 +17,10 @@ what poprun itself sets on every instance (it is the same everywhere).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
-from fnmatch import fnmatchcase
+import re
+from collections.abc import Callable, Collection, Mapping
+from fnmatch import translate
+from functools import cache
 from typing import Any
 
 from popdist.env import NOT_FORWARDED
@@ -110,8 +112,15 @@ def host_variables(environ: Mapping[str, str], set_by_poprun: Collection[str]
     """What a host's instances get from the host rather than from poprun: `environ` (what
     they inherit there) less the names poprun sets on every instance and the per-host
     ones (PER_HOST)."""
+    per_host = _per_host()
     return {k: v for k, v in environ.items() if k not in set_by_poprun
-            and not any(fnmatchcase(k, p) for p in PER_HOST)}
+            and not per_host(k)}
+
+
+@cache
+def _per_host() -> Callable[[str], object]:
+    """PER_HOST's patterns as one expression: a name is matched once, not per pattern."""
+    return re.compile("|".join(translate(p) for p in PER_HOST)).match
 
 
 def compare(facts: Mapping[str, HostFacts], offsets: Mapping[str, float] | None = None,
@@ -161,9 +170,9 @@ def _by_value(kind: str, name: str, values: Mapping[str, str], label: str | None
               ) -> list[Difference]:
     """`name` (shown as `label`) with each value and its hosts, when there is more than one
     value."""
-    sides = _sides(values)
-    if len(sides) < 2:
+    if len(set(values.values())) < 2:  # the common case, hundreds of times: alike
         return []
+    sides = _sides(values)
     return [Difference(kind, name, sides, f"{label or name} " + ", ".join(
         f"{_short(value)} on {fold_hosts(list(group))}" for value, group in sides))]
 

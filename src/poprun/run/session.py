@@ -417,10 +417,9 @@ class _Session:
         caches = await self._create_caches()
         master = await self._master_address()
         self._open_rendezvous()
-        await self._compare_hosts()
         earlier: list[LaunchResult] = []
         while True:
-            self._plan(caches, master, attempt=len(earlier))
+            await self._plan(caches, master, attempt=len(earlier))
             result = await self._run_attempt(len(earlier))
             if not self._restarts(result, len(earlier)):
                 break
@@ -542,13 +541,14 @@ class _Session:
         self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))
 
     async def _compare_hosts(self) -> None:
-        """The hosts' differences, before anything is planned or started (their facts came
-        while the launch went on): warned about (and kept in the record), or with
-        --compare-hosts=error, the launch refused (LaunchError: exit 2)."""
+        """The hosts' differences, before anything starts (their facts came while the launch
+        went on, up to its first plan): warned about (and kept in the record), or with
+        --compare-hosts=error, the launch refused (LaunchError: exit 2). Once."""
         if not self._compare:
             return
         from poprun.run import hostcheck
 
+        self._compare = False
         began = self.loop.time()
         facts_here = await self._facts_here if self._facts_here is not None else None
         remote = await hostcheck.answers(self.fleet.spawners)
@@ -686,7 +686,8 @@ class _Session:
         if self.panel is not None:
             self.panel.set_partition(self.partition.name)
 
-    def _plan(self, cache_paths: Mapping[str, str], master_addr: str, attempt: int = 0) -> None:
+    async def _plan(self, cache_paths: Mapping[str, str], master_addr: str,
+                    attempt: int = 0) -> None:
         topologies = local_topologies(self.config, self.hosts)
         if self.fleet is not None and any(planning.needs_topology(self.config, n)
                                           for n in self.hosts.counts):
@@ -701,6 +702,8 @@ class _Session:
             rendezvous=self.rendezvous.address if self.rendezvous else None,
             interfaces={label: n.interface for label, n in self.network.items()}
             if self.network else None)
+        # Planned, nothing said or used yet: the hosts' facts, read meanwhile, compared.
+        await self._compare_hosts()
         if self.rendezvous is not None:  # each attempt's hvd.init() starts afresh
             self.rendezvous.new_world([inst.env for inst in launch_plan.instances])
         if self.config.warns_single_instance:

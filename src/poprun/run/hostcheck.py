@@ -1,8 +1,8 @@
 """The job's hosts compared before anything starts (a launch) or for `--check`: what each
-agent is asked with its HELLO (FACTS, answered after HELLO's reply: spawner/hostfacts.py),
-this host's own facts read the same way, and the comparison (plan/alike.py, pure) made of
-them. Only a job on more than one host,
-one of them remote, compares: a single-host launch pays nothing."""
+agent's HELLO asks it to read (`facts`) and FACTS collects (spawner/hostfacts.py), this
+host's own facts read the same way, and the comparison (plan/alike.py, pure) made of them.
+Only a job on more than one host, one of them remote, compares: a single-host launch pays
+nothing (docs/architecture.md, "Hosts that differ")."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def wanted(config: LaunchConfig, hosts: JobHosts) -> bool:
 
 def ask(config: LaunchConfig, environ: Mapping[str, str], argv: Sequence[str], cwd: str,
         cache: str | None) -> dict[str, Any]:
-    """FACTS' fields (spawner/protocol.py): the job's argv (none: --check without a
+    """HELLO's `facts` (spawner/protocol.py): the job's argv (none: --check without a
     program), what poprun sets on every remote instance from this environment (PATH,
     PYTHONPATH, -x...), the explicit cache path, if any, and the working directory."""
     return {"argv": list(argv), "env": remote_env(config, environ), "cache": cache,
@@ -51,8 +51,8 @@ class Answer:
 
 
 async def answers(spawners: Mapping[str, Any]) -> dict[str, Answer]:
-    """Each agent's answer to the FACTS sent with its HELLO (spawner.remote.RemoteSpawner
-    by label). An agent lost meanwhile has none: its loss is the launch's to report."""
+    """Each agent's answer to FACTS (spawner.remote.RemoteSpawner by label; started with
+    `facts`). An agent lost meanwhile has none: its loss is the launch's to report."""
     import asyncio
 
     from spawner.remote import RemoteError

@@ -226,3 +226,13 @@ def test_check_exits_20_for_a_host_it_cannot_reach(tmp_path):
                    cwd=tmp_path)
     assert proc.returncode == 20, proc.stdout + proc.stderr
     assert "connection refused: h2" in proc.stdout, proc.stdout
+
+
+def test_the_launchers_own_host_is_compared_too(hosts, world):
+    """localhost's facts are read by the launcher itself (on a thread while the agents
+    start): its script is the one h2 lacks."""
+    proc = run(hosts, "-H", "localhost,h2", "--num-instances=2", "--num-replicas=2", PY,
+               "changed.py", cwd=world.scripts)
+    assert proc.returncode == 0, proc.stderr
+    found = differences(proc.stderr)
+    assert len(found) == 1 and found[0].startswith("changed.py differs on h2 (modified "), found

@@ -61,7 +61,7 @@ class Reading:
     def _read(self, ask: dict, environ_of: Callable) -> None:
         self.facts = answer(ask, environ_of)
         for callback in self._then:
-            callback(self.facts)
+            self._hand(callback)
         self._then.clear()
 
     def then(self, callback: Callable[[dict[str, Any]], None]) -> None:
@@ -69,7 +69,12 @@ class Reading:
         if self.facts is None:
             self._then.append(callback)
         else:
-            callback(self.facts)
+            self._hand(callback)
+
+    def _hand(self, callback: Callable[[dict[str, Any]], None]) -> None:
+        # The clock read as they are handed over (sent), not as they were read: the
+        # launcher takes the time they arrive for the same moment (the clock's offset).
+        callback({**self.facts, "time": time.time()})
 
 
 def answer(request: Mapping[str, Any],

@@ -10,6 +10,13 @@ and writes a HOME-like directory holding a user key, ``authorized_keys``, ``know
         hosts.kill_host(0)          # h1 "dies": its sshd and every session on it are killed
 
 ``SSH_CONNECTION`` inside a session names the server address, so it tells which host ran it.
+
+The hosts share this machine's files. A host can have files of its own at the same paths, as
+separate machines would: ``mounts(host)`` gives ``mount`` argument lists (``["--bind", src,
+dst]``, ``["-t", "tmpfs", "-o", "size=1m", "tmpfs", dir]``) made in a mount namespace of that
+host's own (``unshare --mount --propagation private``) before its sshd starts there; every
+session, and so every process poprun starts on that host, inherits it. This needs root (or
+CAP_SYS_ADMIN): without it those tests skip (CI: fail).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import contextlib
 import os
 import pwd
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -34,8 +42,8 @@ from typing import NoReturn
 import pytest
 
 __all__ = ["SshClientFiles", "SshHost", "SshHosts", "make_client_files", "processes_with",
-           "require_sshd", "require_tool", "skip_or_fail", "sshd_options", "start_ssh_hosts",
-           "wait_until"]
+           "require_mount_namespaces", "require_sshd", "require_tool", "skip_or_fail",
+           "sshd_options", "start_ssh_hosts", "wait_until"]
 
 READY_TIMEOUT = 10.0
 # 127.0.77.1-254, then 127.0.78.1-254...: each host an address of its own on lo.
@@ -64,6 +72,25 @@ def skip_or_fail(reason: str, variable: str = "POPRUN_REQUIRE_SSHD") -> NoReturn
     if os.environ.get(variable) == "1":
         pytest.fail(f"{reason}; {variable}=1 forbids skipping", pytrace=False)
     pytest.skip(reason)
+
+
+@cache
+def _mount_namespaces() -> str | None:
+    """Why a host cannot have a mount namespace of its own here, or None."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return "unshare not found (util-linux)"
+    done = subprocess.run([unshare, "--mount", "--propagation", "private", "true"],
+                          capture_output=True, text=True, timeout=10)
+    return None if done.returncode == 0 else \
+        f"cannot make a mount namespace: {done.stderr.strip() or done.returncode}"
+
+
+def require_mount_namespaces() -> None:
+    """Skip (CI: fail) where hosts cannot have files of their own (``mounts``)."""
+    why = _mount_namespaces()
+    if why:
+        skip_or_fail(why)
 
 
 def require_sshd() -> str:
@@ -190,12 +217,15 @@ def make_client_files(root: Path, host_keys: list[Path]) -> SshClientFiles:
 @contextlib.contextmanager
 def start_ssh_hosts(n: int, tmp_path: Path | str,
                     setenv: Callable[[SshHost], Mapping[str, str]] | None = None,
-                    sshd_lines: Callable[[SshHost], Sequence[str]] | None = None
+                    sshd_lines: Callable[[SshHost], Sequence[str]] | None = None,
+                    mounts: Callable[[SshHost], Sequence[Sequence[str]]] | None = None
                     ) -> Iterator[SshHosts]:
     """Start ``n`` sshd servers (h1..hn on 127.0.77.1..254, then 127.0.78.1...); stop them
     and clean up on exit. ``setenv(host)``: variables every session on that host gets
     (sshd's SetEnv), e.g. an XDG_CACHE_HOME of its own, as separate machines would have.
-    ``sshd_lines(host)``: more sshd_config lines for that host (``Ciphers ...``)."""
+    ``sshd_lines(host)``: more sshd_config lines for that host (``Ciphers ...``).
+    ``mounts(host)``: the ``mount`` argument lists that give that host files of its own (see
+    the module's doc)."""
     if not 1 <= n <= MAX_HOSTS:
         raise ValueError(f"n must be in 1..{MAX_HOSTS}, got {n}")
     sshd = require_sshd()
@@ -210,7 +240,9 @@ def start_ssh_hosts(n: int, tmp_path: Path | str,
             host.dir.mkdir()
         client = make_client_files(root, [h.dir / "ssh_host_ed25519_key" for h in hosts])
 
-        _start_all(sshd, hosts, client.authorized_keys, setenv, sshd_lines)
+        if mounts is not None:
+            require_mount_namespaces()
+        _start_all(sshd, hosts, client.authorized_keys, setenv, sshd_lines, mounts)
 
         client.known_hosts.write_text("".join(
             # Keyed the way OpenSSH looks it up: HostName plus non-default port.
@@ -229,7 +261,8 @@ def start_ssh_hosts(n: int, tmp_path: Path | str,
 
 def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path,
                setenv: Callable[[SshHost], Mapping[str, str]] | None = None,
-               sshd_lines: Callable[[SshHost], Sequence[str]] | None = None) -> None:
+               sshd_lines: Callable[[SshHost], Sequence[str]] | None = None,
+               mounts: Callable[[SshHost], Sequence[Sequence[str]]] | None = None) -> None:
     """Start every sshd, then wait for all; restart those that lost their port to a race."""
     pending = list(hosts)
     for _ in range(BIND_ATTEMPTS):
@@ -241,7 +274,8 @@ def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path,
             _write_sshd_config(host, authorized_keys, setenv(host) if setenv else {},
                                sshd_lines(host) if sshd_lines else ())
             host.proc = subprocess.Popen(
-                [*_DIE_WITH_US, sshd, "-D", "-e", "-f", str(host.dir / "sshd_config")],
+                [*_DIE_WITH_US, *_in_namespace(mounts(host) if mounts else ()),
+                 sshd, "-D", "-e", "-f", str(host.dir / "sshd_config")],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 start_new_session=True,  # a Ctrl-C aimed at pytest must not hit it first
             )
@@ -271,6 +305,17 @@ def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path,
             return
         pending = retry
     raise RuntimeError(f"sshd could not bind a port after {BIND_ATTEMPTS} attempts")
+
+
+def _in_namespace(mounts: Sequence[Sequence[str]]) -> list[str]:
+    """The words before sshd's that start it in a mount namespace of its own with `mounts`
+    made there (each exec'd in place: sshd keeps the pid Popen gave, which the death signal
+    and _stop act on). A mount that fails fails the start, its error in sshd's log."""
+    if not mounts:
+        return []
+    script = "".join(f"mount {shlex.join(m)} || exit 1\n" for m in mounts) + 'exec "$@"\n'
+    return ["unshare", "--mount", "--propagation", "private", "--",
+            "/bin/sh", "-c", script, "sh"]
 
 
 def _pump(host: SshHost) -> None:

@@ -70,7 +70,8 @@ def test_the_readme_is_a_landing_page():
 
 @pytest.mark.parametrize("name", ["--no-dashboard", "--dashboard", "POPRUN_NO_DASHBOARD",
                                   "--result-json", "--kill-timeout", "--forward-env",
-                                  "--timestamp-output", "--export-config", "--import-config"])
+                                  "--timestamp-output", "--export-config", "--import-config",
+                                  "--compare-hosts"])
 def test_options_people_look_for_are_described(name):
     assert re.search(rf"`{re.escape(name)}[ =`]", guide()), name
     assert name.lstrip("-") in {o.long for o in cli.OPTIONS} or name.isupper()
@@ -87,7 +88,8 @@ def test_the_python_versions_are_the_ones_required():
 def test_every_exit_status_and_reason_is_in_the_table():
     table = section(page("troubleshooting.md"), "Exit statuses")
     rows = {line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")}
-    assert {"0", "1", "2", "70", "74", "255", "128+N", "the root cause's status"} <= rows
+    assert {"0", "2", "10", "20", "30", "70", "74", "255", "128+N",
+            "the root cause's status"} <= rows
     from poprun.result import LaunchResult
 
     reasons = re.findall(r'"(\w+)"', LaunchResult.exit_reason.fget.__doc__)

@@ -4,6 +4,7 @@ sets, exit statuses, signal names, durations and sizes, child bytes and text mad
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Iterable
 
@@ -18,6 +19,21 @@ def fold_indices(indices: Iterable[int]) -> str:
 def at_launch(what: str) -> str:
     """A dry run's stand-in for a value only the launch learns: `<what, known at launch>`."""
     return f"<{what}, known at launch>"
+
+
+def fold_hosts(names: list[str]) -> str:
+    """["h3", "h7", "h8", "h9", "x"] -> "h[3,7-9],x": names sharing a prefix and ending in
+    numbers without leading zeros fold into one range list."""
+    groups: dict[str, list[int]] = {}
+    rest = []
+    for name in names:
+        match = re.fullmatch(r"(.*?)([1-9]\d*|0)", name)
+        if match:
+            groups.setdefault(match[1], []).append(int(match[2]))
+        else:
+            rest.append(name)
+    parts = [f"{p}{n[0]}" if len(n) == 1 else f"{p}{fold_indices(n)}" for p, n in groups.items()]
+    return ",".join(parts + rest)
 
 
 def describe_status(returncode: int) -> str:

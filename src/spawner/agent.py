@@ -109,7 +109,7 @@ from typing import Any, NoReturn
 from popdist.env import SSH_CONNECTION_COPY
 from poprun._version import __version__
 
-from . import fdlimit, procid, stackdump
+from . import fdlimit, hostfacts, procid, stackdump
 from .binding import read_binding
 from .containment import become_subreaper
 from .lifeline import Lifeline
@@ -355,8 +355,9 @@ class Agent:
                           Kind.WORLD_END: self._end_world,
                           Kind.BARRIER_OUT: partial(self._to_world, Kind.BARRIER_OUT),
                           Kind.VALUE: partial(self._to_world, Kind.VALUE),
-                          Kind.PROBE: self._probe}
+                          Kind.PROBE: self._probe, Kind.FACTS: self._facts}
         self._worlds: dict[str, Any] = {}  # kvsname -> spawner.agentworld.AgentWorld
+        self._facts_read: hostfacts.Reading | None = None  # what HELLO's `facts` asked
         self._last_heard = time.monotonic()
         self.done, self.status = False, 0
         self.finished = loop.create_future()  # set by stop()
@@ -416,6 +417,8 @@ class Agent:
             except OSError as exc:
                 reply["temp_dir_error"] = _temp_dir_error(exc)
         self._reply(request, reply)
+        if request.get("facts"):  # read once the reply is out, for FACTS to collect
+            self._facts_read = hostfacts.Reading(self._loop, request["facts"], instance_environ)
         interval = request.get("stats")
         if interval:  # the launcher shows a dashboard: sample the instances periodically
             self._sampler = ProcSampler()
@@ -515,6 +518,15 @@ class Agent:
         finally:
             if pmi_end is not None:
                 pmi_end.close()  # the instance has its copy
+
+    def _facts(self, request: dict[str, Any]) -> None:
+        """FACTS: what HELLO asked this host to read of the job's dependencies (for comparing
+        the hosts), as soon as it is read."""
+        if self._facts_read is None:
+            self._outbox.send(encode(Kind.FAILED, id=request["id"],
+                                     error="FACTS without HELLO's facts"))
+            return
+        self._facts_read.then(lambda facts: self._reply(request, facts))
 
     def _probe(self, request: dict[str, Any]) -> None:
         """PROBE: whether this host reaches the launcher back at an address (poprun --check)."""

@@ -16,13 +16,14 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
 
     launcher -> agent
       HELLO   {id, protocol, poprun, python: [major, minor], cwd, program, path, stats,
-               heartbeat: [interval, timeout], interfaces, mktemp}  both sides beat;
+               heartbeat: [interval, timeout], interfaces, mktemp, facts}  both sides beat;
                                              silence past `timeout` ends it; interfaces:
                                              tell them (the agent beats its own watchdog
                                              too: one silent, frozen or stuck, that long
                                              is killed with its instances; no frame for
                                              it); mktemp: a prefix, MKTEMP's dir made at
-                                             once (the launcher saves a round trip)
+                                             once (the launcher saves a round trip); facts:
+                                             {argv, env, cache, cwd} to read (see FACTS)
       MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
       MKDIR   {id, path}                     a directory (and parents) that is kept
       SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world}
@@ -36,6 +37,9 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       VALUE   {kvsname, id, value}           answers GET (value null: absent)
       PROBE   {id, address, port, token, within}  connect to the launcher there, send the
                                              token, read it back (poprun --check)
+      FACTS   {id}                           what HELLO's `facts` asked to read: sent as
+                                             HELLO's answer comes (the agent reads once that
+                                             answer is out, the launcher goes on meanwhile)
       (closing the agent's stdin ends it: it kills its instances and removes its temp dirs)
     agent -> launcher
       REPLY   {id, result}                   result of HELLO: see agent.hello_reply(),
@@ -45,6 +49,7 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              result of STACKS: {stacks: {key: {pid, how,
                                              threads, error}}} within `within` seconds
                                              result of PROBE: {ok, error, seconds}
+                                             result of FACTS: hostfacts.gather()
       FAILED  {id, error}                    a request failed (id null: a malformed frame)
       STARTED {key, pid, start, memory_binding_skipped, memory_binding_reason,
                binding: {cpus, mems, mempolicy},
@@ -116,6 +121,9 @@ class Kind(enum.IntEnum):
     """Launcher: the value of a key an agent asked for (GET)."""
     PROBE = 12
     """Launcher: can this host reach me back there? Agent answers with REPLY {ok, error}."""
+    FACTS = 13
+    """Launcher: what HELLO's `facts` asked you to read (the job's dependencies here)? Agent
+    answers with REPLY once it is read (spawner/hostfacts.py)."""
     REPLY = 16
     """Agent: the result of the request with the same id."""
     FAILED = 17

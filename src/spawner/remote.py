@@ -303,6 +303,8 @@ class RemoteSpawner:
         self._decoder = FrameDecoder(expect_magic=True)
         self._ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future] = {}
+        self._facts: asyncio.Future | None = None  # FACTS' answer (start(facts=...))
+        self._facts_received = 0.0
         self._spawning: dict[int, asyncio.Future] = {}
         self._pids: dict[int, int] = {}
         self._exited: dict[int, int] = {}
@@ -336,13 +338,16 @@ class RemoteSpawner:
     async def start(self, *, cwd: str, program: str | None = None, path: str | None = None,
                     timeout: float = HELLO_TIMEOUT, stats: float | None = None,
                     host_timeout: float | None = None, interfaces: bool = False,
-                    temp_dir: str | None = None) -> AgentInfo:
+                    temp_dir: str | None = None, facts: dict | None = None) -> AgentInfo:
         """Start the agent and greet it. `program` is resolved there as instances will run
         it (in `cwd`, on `path`: the PATH they will get). With `host_timeout`, both sides
         send heartbeats and each declares the other gone after that long without a word.
         With `interfaces`, the agent lists the host's network interfaces (spawner/netifs.py).
         With `temp_dir` (a prefix), the agent makes the first `make_temp_dir(temp_dir)`'s
-        directory as it answers: no round trip of its own. Raises AgentStartError, or
+        directory as it answers: no round trip of its own. With `facts` ({argv, env, cache,
+        cwd}: spawner/hostfacts.py), the agent reads what the job depends on there once its
+        answer is out, and FACTS, sent as that answer comes, collects it: `job_facts()` awaits
+        it, the caller going on meanwhile. Raises AgentStartError, or
         AgentVersionError after stopping the agent: then nothing was started."""
         self._t0 = time.monotonic()
         session = _AgentSession if isinstance(self.conn, NodeLink) else _ssh_session()
@@ -357,7 +362,7 @@ class RemoteSpawner:
             reply = await self._request(
                 Kind.HELLO, timeout, protocol=self._expect.protocol, poprun=self._expect.poprun,
                 python=[major, minor], cwd=cwd, program=program, path=path, stats=stats,
-                interfaces=interfaces, mktemp=temp_dir,
+                interfaces=interfaces, mktemp=temp_dir, facts=facts,
                 heartbeat=[host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout]
                 if host_timeout else None)
         except RemoteError as exc:
@@ -374,6 +379,9 @@ class RemoteSpawner:
         except AgentVersionError:
             await self.close()
             raise
+        if facts is not None:  # read there since HELLO's reply went out: collect them
+            self._facts = self._ask(Kind.FACTS)
+            self._facts.add_done_callback(self._facts_came)
         if host_timeout:
             self._beat(host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout)
         return self.info
@@ -550,10 +558,30 @@ class RemoteSpawner:
             self._chan.write(frame)
 
     async def _request(self, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:
+        return await self._wait(self._ask(kind, **fields), timeout, kind.name)
+
+    def _ask(self, kind: Kind, **fields: Any) -> asyncio.Future:
+        """Send a request; the future of its answer."""
         request_id = next(self._ids)
         future = self._replies[request_id] = self._new_future()
         self._send(encode(kind, id=request_id, **fields))
-        return await self._wait(future, timeout, kind.name)
+        return future
+
+    def _facts_came(self, future: asyncio.Future) -> None:
+        """When FACTS' answer came (for the host's clock offset); its error taken, so that
+        one nobody awaits (the launch failed meanwhile) is never reported as a bug."""
+        self._facts_received = time.time()
+        if not future.cancelled():
+            future.exception()
+
+    async def job_facts(self, timeout: float = REQUEST_TIMEOUT
+                        ) -> tuple[dict[str, Any], float] | None:
+        """The answer to the FACTS sent with HELLO (None: none was) and when it came
+        (time.time()). Raises AgentLostError."""
+        if self._facts is None:
+            return None
+        facts = await self._wait(asyncio.shield(self._facts), timeout, Kind.FACTS.name)
+        return facts, self._facts_received
 
     async def _wait(self, awaitable: Any, timeout: float, what: str) -> Any:
         try:

@@ -255,10 +255,11 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
     else:
         rows, state, note = _ended_rows(record), _state_label(record), None
         progress = {k: record.get(k) for k in ("progress", "stragglers")}
+    differences = _host_differences(record)
     if as_json:
         _print_json({"job": record["id"], "state": state, "stop_reason": note,
                      "program": record.get("program"), "hosts": _hosts(record),
-                     "instances": rows, **progress})
+                     "host_differences": differences, "instances": rows, **progress})
         return
     from rich.table import Table
 
@@ -270,6 +271,9 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
                           else None)
     if ahead:
         console.print(f"progress: {ahead}", markup=False, highlight=False)
+    for difference in differences:  # as the launch warned of them (--compare-hosts)
+        console.print(f"hosts differ: {_printable(difference)}", markup=False,
+                      highlight=False)
     table = Table(box=None, pad_edge=False, header_style="bold")
     for name in ("#", "host", "pid", "state", "up", "cpu", "rss", "lines", "idle",
                  "last line"):
@@ -283,6 +287,12 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
                       else str(row["lines"]), duration(row.get("idle")),
                       _printable(row.get("last_line") or ""))
     console.print(table)
+
+
+def _host_differences(record: dict[str, Any]) -> list[str]:
+    """The differences among the job's hosts that its launch reported, each one line."""
+    found = record.get("host_differences") or []
+    return [d["text"] for d in found if isinstance(d, dict) and isinstance(d.get("text"), str)]
 
 
 def _printable(text: str) -> str:

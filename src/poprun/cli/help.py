@@ -34,7 +34,8 @@ from typer._completion_shared import _get_shell_name, install
 
 from poprun.cli.options import (BOOL_WORDS, OPTIONS, Kind, Opt, Parsed, resolve_long, sections,
                                 short_option)
-from poprun.plan.config import FORWARD_ENV_MODES, SSH_KEY_TYPES, STALL_ACTIONS, field_defaults
+from poprun.plan.config import (COMPARE_HOSTS, FORWARD_ENV_MODES, SSH_KEY_TYPES, STALL_ACTIONS,
+                                field_defaults)
 from poprun.errors import ConfigError
 
 PROG = "poprun"
@@ -55,7 +56,8 @@ EPILOG = (
     "when poprun is stopped by signal N, 74 when output could not be written (a full disk), "
     "124 when --stall-action kill ended a stalled job, 2 "
     "for a usage error or a job that could not start, 70 for an internal error (a bug: see "
-    "the crash file named), 1 for --check with a host that failed a check. With "
+    "the crash file named). --check: 0 ready and alike, 10 different, 20 unreachable, 30 "
+    "cannot run the job. With "
     "--max-restarts, the last attempt's. --result-json says which (exit_reason).")
 
 
@@ -78,6 +80,7 @@ _CHOICES: dict[str, Callable[[], list[str]]] = {
     "distribute-ssh-key-type": lambda: list(SSH_KEY_TYPES),
     "forward-env": lambda: list(FORWARD_ENV_MODES),
     "stall-action": lambda: list(STALL_ACTIONS),
+    "compare-hosts": lambda: list(COMPARE_HOSTS),
     "show-completion": lambda: list(SHELLS),
     "install-completion": lambda: list(SHELLS),
 }

@@ -281,10 +281,10 @@ def _check(parsed: Parsed) -> int:
     defaults = {n: instances for n in ("num_instances", "num_replicas")
                 if n not in parsed.given}
     config = build_config(_with(parsed, program=program or ("true",), **defaults))
-    report, ok = asyncio.run(check_hosts(config, os.environ, os.getcwd(),
-                                         program[0] if program else None))
+    report, status = asyncio.run(check_hosts(config, os.environ, os.getcwd(),
+                                             program[0] if program else None))
     sys.stdout.write(report.for_console(sys.stdout, os.environ))
-    return 0 if ok else 1
+    return status
 
 
 def _with(parsed: Parsed, program: tuple[str, ...], **values: object) -> Parsed:

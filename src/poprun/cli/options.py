@@ -160,9 +160,22 @@ OPTIONS: tuple[Opt, ...] = (
         "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, HOROVOD_GLOO_IFACE, UCX_NET_DEVICES, "
         "FI_TCP_IFACE, unless set); also --mca btl_tcp_if_include/exclude, "
         "oob_tcp_if_include/exclude in the mpi args"),
+    Opt("compare-hosts", Kind.STR, "Before anything starts, compare what the job depends "
+        "on across its hosts (with more than one): the instances' Python (path, version) and "
+        "its installed distributions, the script or -m module the program runs (digest), "
+        "the program's path, the working directory, the Poplar SDK enabled (*_SDK_ENABLED), "
+        "the variables the hosts' sessions give the instances; and on each host, free space "
+        "for the executable cache and temporary files (under 1 GiB) and its clock (over 1 s "
+        "off). Not compared: what differs by design (HOSTNAME, HOME, USER, SSH_*, XDG_*, "
+        "SLURM_*...) and what poprun sets. warn: print one line per difference naming the "
+        "hosts on each side, and go on; error: refuse to start (exit status 2); off: do "
+        "not compare"),
     Opt("check", S, "Check every host (reachable, authenticated, same Python and poprun, "
-        "working directory, NUMA, and that it reaches this machine back on the job's "
-        "network) and start nothing", default=False),
+        "working directory, NUMA, that it reaches this machine back on the job's network, "
+        "and what --compare-hosts compares) and start nothing. Exit status: 0 every host "
+        "ready and alike; 10 ready but different; 20 a host unreachable or timed out (may "
+        "pass on retry); 30 a host that cannot run the job (no such Python, program or "
+        "directory, refused login or host key, another poprun)", default=False),
     Opt("distribute-ssh-key", B, "Append your public key to ~/.ssh/authorized_keys on every "
         "host that lacks it (asks the password once), then launch"),
     Opt("distribute-ssh-key-path", Kind.STR,

@@ -34,6 +34,7 @@ MAX_COUNT = 1 << 20  # replicas, IPUs per replica, ILDs, SSH fan-out: beyond any
 MAX_INSTANCES = 1 << 16  # instances (a dry run plans 65,536 in ~6 s here)
 FORWARD_ENV_MODES = ("default", "all")  # --forward-env (popdist.env.NOT_FORWARDED for all)
 STALL_ACTIONS = ("report", "kill")  # --stall-action (poprun/jobctl/watch.py)
+COMPARE_HOSTS = ("warn", "error", "off")  # --compare-hosts (poprun/plan/alike.py)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ class LaunchConfig:
     restart_delay: float = DEFAULT_RESTART_DELAY
     remote_python: str | None = None  # None: the launcher's own interpreter path
     remote_install: str = "auto"  # bring the agent where poprun is missing (spawner.bootstrap)
+    # Hosts that differ in what the job depends on (poprun/plan/alike.py): warn and go on,
+    # refuse to start (an error), or do not compare them.
+    compare_hosts: str = "warn"
     distribute_ssh_key: bool = False
     distribute_ssh_key_path: str | None = None  # the key's folder; None: ~/.ssh
     distribute_ssh_key_type: str | None = None  # set: generate a key of this type first
@@ -170,6 +174,9 @@ class LaunchConfig:
         if self.forward_env not in FORWARD_ENV_MODES:
             raise ConfigError(f"--forward-env must be one of {', '.join(FORWARD_ENV_MODES)}, "
                               f"got {self.forward_env!r}")
+        if self.compare_hosts not in COMPARE_HOSTS:
+            raise ConfigError(f"--compare-hosts must be one of {', '.join(COMPARE_HOSTS)}, "
+                              f"got {self.compare_hosts!r}")
         if self.stall_action not in STALL_ACTIONS:
             raise ConfigError(f"--stall-action must be one of {', '.join(STALL_ACTIONS)}, "
                               f"got {self.stall_action!r}")

@@ -96,6 +96,13 @@ class LaunchPlan:
         }
 
 
+def explicit_cache(config: LaunchConfig, mode: CacheMode) -> str | None:
+    """The explicit executable cache's absolute path (the same on every host), if any."""
+    if mode is CacheMode.EXPLICIT and config.executable_cache_path:
+        return os.path.abspath(config.executable_cache_path)
+    return None
+
+
 def cache_mode(config: LaunchConfig, environ: Mapping[str, str]) -> CacheMode:
     """Decide the executable cache; an explicit path next to a framework variable is an error."""
     framework = framework_cache_setting(environ)
@@ -298,18 +305,23 @@ def _user_env(entries: tuple[str, ...], environ: Mapping[str, str],
     return out
 
 
+def remote_env(config: LaunchConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """What poprun gives a remote instance from the launcher's environment: what it
+    forwards (`forwarded()`) and what `-x` sets or forwards (as for instance 0)."""
+    return {**forwarded(environ, config.forward_env),
+            **_user_env(config.env_entries(0), environ, [])}
+
+
 def remote_differences(config: LaunchConfig, environ: Mapping[str, str],
                        there: Mapping[str, str]) -> tuple[list[str], list[str]]:
     """For `--check`: the launcher's variables that a remote instance would not see as the
     launcher has them: (missing there, other value there). `there` is what instances on that
     host inherit (its agent's HELLO); what poprun forwards (`forwarded()`, `-x`) is added.
     Names that are host-specific anyway (NOT_FORWARDED) and those poprun sets are left out."""
-    seen = dict(there)
-    seen.update(forwarded(environ, config.forward_env))
-    seen.update(_user_env(config.env_entries(0), environ, []))
+    seen = {**there, **remote_env(config, environ)}
     missing, different = [], []
     for name in sorted(environ):
-        if not E.forwarded_by_all(name) or name in _SET_BY_POPRUN:
+        if not E.forwarded_by_all(name) or name in SET_BY_POPRUN:
             continue
         if name not in seen:
             missing.append(name)
@@ -318,7 +330,8 @@ def remote_differences(config: LaunchConfig, environ: Mapping[str, str],
     return missing, different
 
 
-_SET_BY_POPRUN = frozenset(E.instance_environment(E.InstanceIdentity(
+# The names poprun sets on every instance (their values are its own, the same on every host).
+SET_BY_POPRUN = frozenset(E.instance_environment(E.InstanceIdentity(
     0, 1, 0, 1, 1, 1, "", 0, "", "", 0, rendezvous=("", 0)))) | {E.IPUOF_LOG_LEVEL}
 
 

@@ -1,17 +1,21 @@
-"""`poprun --check`: every host checked in parallel, nothing started, one table.
+"""`poprun --check`: every host checked in parallel, nothing started, two tables.
 
 For each host, opened as a launch opens it (run/fleet.py: over SSH or as a Slurm job step, its
 agent brought where poprun is missing): reachable and authenticated (host key known), the
 agent started, its Python and poprun versions against the launcher's, the working directory
 present, the program found (when one is given), its NUMA nodes and CPUs. Failures are folded by
 kind under the table ("permission denied: h[3,7-9]") so a 64-host pod's problems read in a few
-lines.
+lines. The second table is what the job depends on there (run/hostcheck.py: the instances'
+Python, its distributions, the file the job runs, the SDK, free space, the clock), and under
+it what differs among the hosts (plan/alike.py), as a launch would warn of it.
+
+The exit status tells a script what to do next (`check_status`): READY, DIFFERENT,
+UNREACHABLE (may pass on a retry) or CANNOT_RUN (a host must be fixed first).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,18 +23,30 @@ from dataclasses import dataclass
 from spawner.bootstrap import AgentNotInstalledError
 from spawner.local import resolve_program
 from spawner.remote import AgentVersionError, RemoteError
-from spawner.ssh import HostFailure
+from spawner.ssh import FailureKind, HostFailure
 
 from poprun._version import __version__
 from poprun.plan.config import LaunchConfig
 from poprun.errors import ConfigError, LaunchError
+from poprun.plan import alike
 from poprun.plan.jobhosts import JobHosts
 from poprun.plan.network import pick_or_fail
-from poprun.text import fold_indices
+from poprun.plan.planner import cache_mode, explicit_cache
+from poprun.run import hostcheck
+from poprun.text import fold_hosts, size
 from poprun.plan.topology import Topology, agent_topology, local_topology
 
 OK = "ok"
 REACH_TIMEOUT = 5.0  # seconds a host has to connect back and read the token
+# --check's exit statuses, the worst found (a script retries, or fixes a host first).
+READY = 0  # every host ready, and alike
+DIFFERENT = 10  # every host ready, but they differ in what the job depends on
+UNREACHABLE = 20  # a host unreachable, or timed out: may pass on a retry
+CANNOT_RUN = 30  # a host that cannot run the job: no such Python, program or directory...
+# Connection failures that may pass on a retry; the others (keys, login) need a fix.
+_TRANSIENT = frozenset({FailureKind.TIMEOUT, FailureKind.CONNECTION_REFUSED,
+                        FailureKind.CONNECTION_CLOSED, FailureKind.NAME_NOT_RESOLVED,
+                        FailureKind.OTHER})
 
 
 @dataclass
@@ -48,19 +64,45 @@ class HostCheck:
     # The launcher's variables a remote instance would lack or see with another value (not
     # a failure: said under the table so that a missing variable is no surprise).
     env_differences: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    retry: bool = False  # its problem may pass on a retry (UNREACHABLE), else CANNOT_RUN
+    facts: alike.HostFacts | None = None  # what the job depends on there
+    clock: float | None = None  # seconds its clock is ahead of this machine's
 
 
 async def check_hosts(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
-                      program: str | None) -> tuple[CheckReport, bool]:
-    """The report and whether every host passed."""
+                      program: str | None) -> tuple[CheckReport, int]:
+    """The report and the exit status (`check_status`). `program`: the program's name,
+    None when none was given (config.program is then a stand-in)."""
     hosts = JobHosts.of(config, environ)
-    checks = [_check_here(label, config, cwd, program, environ)
-              for label in hosts.labels if label not in hosts.remote]
+    local = [label for label in hosts.labels if label not in hosts.remote]
+    argv = config.program if program else ()
+    cache = explicit_cache(config, cache_mode(config, environ))
+    here = hostcheck.gather_here(config, environ, argv, cwd, cache) if local else None
+    checks = [_check_here(label, config, cwd, program, environ) for label in local]
+    answers: dict[str, hostcheck.Answer] = {}
     if hosts.remote:
-        checks += await _check_remote(hosts, config, cwd, program, environ)
+        ask = hostcheck.ask(config, environ, argv, cwd, cache)
+        remote, answers = await _check_remote(hosts, config, cwd, program, environ, ask)
+        checks += remote
     order = {label: i for i, label in enumerate(hosts.labels)}
     checks.sort(key=lambda c: order[c.host])
-    return CheckReport(tuple(checks)), all(c.problem is None for c in checks)
+    facts, offsets = hostcheck.read_all(config, environ, hosts.labels, local, here, answers)
+    for check in checks:
+        check.facts, check.clock = facts.get(check.host), offsets.get(check.host)
+    differences = () if config.compare_hosts == "off" else \
+        alike.compare(facts, offsets, local)
+    report = CheckReport(tuple(checks), differences)
+    return report, check_status(report)
+
+
+def check_status(report: CheckReport) -> int:
+    """The worst of: a host that cannot run the job, one unreachable, hosts that differ."""
+    problems = [c for c in report.checks if c.problem]
+    if any(not c.retry for c in problems):
+        return CANNOT_RUN
+    if problems:
+        return UNREACHABLE
+    return DIFFERENT if report.differences else READY
 
 
 def _check_here(label: str, config: LaunchConfig, cwd: str, program: str | None,
@@ -91,23 +133,28 @@ def _check_network(check: HostCheck, config: LaunchConfig, interfaces) -> None:
 
 
 async def _check_remote(hosts: JobHosts, config: LaunchConfig, cwd: str, program: str | None,
-                        environ: Mapping[str, str]) -> list[HostCheck]:
+                        environ: Mapping[str, str], facts: dict
+                        ) -> tuple[list[HostCheck], dict[str, hostcheck.Answer]]:
     """Each remote host opened as a launch opens it (run/fleet.py: the same transport, agent
-    bootstrap and --remote-install), one row each whatever the others do."""
+    bootstrap and --remote-install), one row each whatever the others do; and the facts of
+    each host whose agent started (`facts`: FACTS' fields)."""
     from poprun.log import Log
     from poprun.run.fleet import Fleet
 
     fleet = Fleet.of(hosts, config, Log(config.verbose))
     try:
         outcomes = await fleet.open_each(_NoEvents(), cwd=cwd, program=program,
-                                         path=environ.get("PATH"))
+                                         path=environ.get("PATH"), facts=facts)
         reached = OK if fleet.transport == "ssh" else "srun"  # a Slurm job step, not SSH
         checks = [_check_outcome(label, outcome, reached, config, program, environ)
                   for label, outcome in outcomes.items()]
         await _check_reach_back(fleet, config, checks)
+        started = {label: fleet.spawners[label] for label, o in outcomes.items()
+                   if not isinstance(o, (HostFailure, BaseException))}
+        answers = await hostcheck.answers(started)
     finally:
         await fleet.close()
-    return checks
+    return checks, answers
 
 
 async def _check_reach_back(fleet, config: LaunchConfig, checks: list[HostCheck]) -> None:
@@ -155,11 +202,12 @@ def _check_outcome(label: str, outcome: object, reached: str, config: LaunchConf
     """One remote host's row from what opening it gave: its agent's answer, or why none."""
     if isinstance(outcome, HostFailure):
         return HostCheck(label, ssh=outcome.kind.value,
-                         problem=outcome.kind.value.replace("_", " "), detail=outcome.message)
+                         problem=outcome.kind.value.replace("_", " "), detail=outcome.message,
+                         retry=outcome.kind in _TRANSIENT)
     check = HostCheck(label, ssh=reached)
-    for kind, problem in _AGENT_PROBLEMS:
+    for kind, problem, retry in _AGENT_PROBLEMS:
         if isinstance(outcome, kind):
-            check.problem, check.detail = problem, str(outcome)
+            check.problem, check.detail, check.retry = problem, str(outcome), retry
             return check
     if isinstance(outcome, BaseException):
         raise outcome  # not a host's problem: a bug, reported as one
@@ -180,10 +228,11 @@ def _check_outcome(label: str, outcome: object, reached: str, config: LaunchConf
     return check
 
 
-# An agent that did not start, by why (the first class that matches), for the folded summary.
-_AGENT_PROBLEMS = ((AgentVersionError, "different Python or poprun"),
-                   (AgentNotInstalledError, "poprun not installed"),
-                   (RemoteError, "agent did not start"))
+# An agent that did not start, by why (the first class that matches), for the folded summary,
+# and whether a retry may pass (an agent that did not answer in time, or was lost).
+_AGENT_PROBLEMS = ((AgentVersionError, "different Python or poprun", False),
+                   (AgentNotInstalledError, "poprun not installed", False),
+                   (RemoteError, "agent did not start", True))
 
 
 def _remote_topology(raw: Mapping) -> Topology | None:
@@ -229,9 +278,10 @@ class CheckReport:
     terminal (`for_console`)."""
 
     checks: tuple[HostCheck, ...]
+    differences: tuple[alike.Difference, ...] = ()
 
     def __str__(self) -> str:
-        return render(list(self.checks))
+        return render(list(self.checks), self.differences)
 
     def for_console(self, stream, environ: Mapping[str, str]) -> str:
         """The report for the text stream `stream` (poprun's stdout): a rich table where rich
@@ -243,20 +293,29 @@ class CheckReport:
         except (AttributeError, OSError, ValueError):  # not a file (a test's StringIO)
             return str(self)
         console = rich_console(fd, environ)
-        return str(self) if console is None else render_rich(list(self.checks), console)
+        return str(self) if console is None else render_rich(list(self.checks),
+                                                             self.differences, console)
 
 
-def render(checks: list[HostCheck]) -> str:
-    rows = [[h.upper() for h in _COLUMNS]]
-    rows += [[str(getattr(c, col)) for col in _COLUMNS] for c in checks]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+def render(checks: list[HostCheck], differences: tuple[alike.Difference, ...] = ()) -> str:
+    lines = _plain_table([h.upper() for h in _COLUMNS],
+                         [[str(getattr(c, col)) for col in _COLUMNS] for c in checks])
     lines += [line for _, line in _footer(checks)]
+    lines += ["", *_plain_table(list(_JOB_COLUMNS), [_job_row(c) for c in checks])]
+    lines += [line for _, line in _differences(checks, differences)]
+    lines.append(_count(checks)[1])
     return "\n".join(lines) + "\n"
 
 
-def render_rich(checks: list[HostCheck], console) -> str:
-    """The same report as a rich Table rendered for `console`: passes green, failures red.
+def _plain_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    rows = [header, *rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def render_rich(checks: list[HostCheck], differences: tuple[alike.Difference, ...],
+                console) -> str:
+    """The same report as rich Tables rendered for `console`: passes green, failures red.
     Every cell and line is rich Text (host names and remote messages are never markup)."""
     from rich import box
     from rich.table import Table
@@ -271,11 +330,51 @@ def render_rich(checks: list[HostCheck], console) -> str:
         table.add_row(Text(cells[0], style=style),
                       *(Text(cell, style=_cell_style(col, cell))
                         for col, cell in zip(_COLUMNS[1:], cells[1:])))
+    job = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+    for column in _JOB_COLUMNS:
+        job.add_column(column, no_wrap=column == "HOST")
+    for c in checks:
+        job.add_row(*(Text(cell) for cell in _job_row(c)))
     with console.capture() as capture:
         console.print(table)
         for kind, line in _footer(checks):
             console.print(Text(line, style=_FOOTER_STYLES[kind]), soft_wrap=True)
+        console.print(job)
+        for kind, line in [*_differences(checks, differences), _count(checks)]:
+            console.print(Text(line, style=_FOOTER_STYLES[kind]), soft_wrap=True)
     return capture.get()
+
+
+# What the job depends on, per host (run/hostcheck.py): the instances' Python, how many
+# distributions it has, the file the job runs (its digest's start), the Poplar SDK, the
+# least free space of the cache's and temp files' places, the clock's offset.
+_JOB_COLUMNS = ("HOST", "INSTANCES' PYTHON", "DISTRIBUTIONS", "RUNS", "SDK", "FREE", "CLOCK")
+
+
+def _job_row(check: HostCheck) -> list[str]:
+    f = check.facts
+    if f is None:
+        return [check.host, *["-"] * (len(_JOB_COLUMNS) - 1)]
+    entry = f.entry
+    runs = "-" if entry is None else f"{entry.name} " + (
+        "missing" if entry.path is None else (entry.sha256 or "")[:12] or f"{entry.size} B")
+    free = min((free for _, free in f.space), default=None)
+    return [check.host, f.python or "none",
+            "-" if f.distributions is None else str(len(f.distributions)), runs, f.sdk,
+            "-" if free is None else size(free),
+            "-" if check.clock is None else f"{check.clock * 1000:+.0f} ms"]
+
+
+def _differences(checks: list[HostCheck], differences: tuple[alike.Difference, ...]
+                 ) -> list[tuple[str, str]]:
+    """Under the second table: what differs among the hosts (every difference), or that
+    they are alike (said of two hosts or more that told)."""
+    if not differences:
+        told = sum(c.facts is not None for c in checks)
+        return [("ready", "the hosts are alike in what the job depends on")] \
+            if told > 1 else []
+    return [("env", f"{len(differences)} difference(s) among the hosts:"),
+            *(("env", f"  {line}") for line in alike.render(differences, len(differences)))]
 
 
 def _cell_style(column: str, cell: str) -> str:
@@ -319,22 +418,11 @@ def _footer(checks: list[HostCheck]) -> list[tuple[str, str]]:
     lines += [("env", line) for line in _env_lines(checks)]
     lines += [("problem", f"{problem}: {fold_hosts(names)}")
               for problem, names in by_problem.items()]
-    ready = len(checks) - sum(map(len, by_problem.values()))
-    lines.append(("ready" if ready == len(checks) else "not ready",
-                  f"{ready} of {len(checks)} host(s) ready"))
     return lines
 
 
-def fold_hosts(names: list[str]) -> str:
-    """["h3", "h7", "h8", "h9", "x"] -> "h[3,7-9],x": names sharing a prefix and ending in
-    numbers without leading zeros fold into one range list."""
-    groups: dict[str, list[int]] = {}
-    rest = []
-    for name in names:
-        match = re.fullmatch(r"(.*?)([1-9]\d*|0)", name)
-        if match:
-            groups.setdefault(match[1], []).append(int(match[2]))
-        else:
-            rest.append(name)
-    parts = [f"{p}{n[0]}" if len(n) == 1 else f"{p}{fold_indices(n)}" for p, n in groups.items()]
-    return ",".join(parts + rest)
+def _count(checks: list[HostCheck]) -> tuple[str, str]:
+    """The report's last line: how many hosts are ready."""
+    ready = sum(c.problem is None for c in checks)
+    return ("ready" if ready == len(checks) else "not ready",
+            f"{ready} of {len(checks)} host(s) ready")

@@ -69,19 +69,22 @@ class Fleet:
         self.connections.update(self._node_links(self.hosts))  # closed by close() whatever
 
     async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
-                   program: str, path: str | None, view=None, temp_dirs: bool = False) -> None:
+                   program: str, path: str | None, view=None, temp_dirs: bool = False,
+                   facts: dict | None = None) -> None:
         """Connect to every host and start its agent, each as soon as its host is connected
         (the others still connecting); raises LaunchError (every failing host named, one
         line each) with nothing started; the caller closes what was opened. `temp_dirs`:
         the launch will ask for `temp_dirs()` (here and after `reopen`); each agent makes
-        its directory as it answers HELLO, which spares a round trip per host."""
+        its directory as it answers HELLO, which spares a round trip per host. `facts`: what
+        each agent is asked to report of the job's dependencies (run/hostcheck.py)."""
         self._opened_at = time.monotonic()
         self._temp_prefix = CACHE_PREFIX if temp_dirs else None
         starting: dict[Host, asyncio.Task] = {}
 
         def start(host: Host, conn: object) -> None:
             starting[host] = asyncio.ensure_future(self._start_agents(
-                [host], sink, on_lost, cwd=cwd, program=program, path=path, view=view))
+                [host], sink, on_lost, cwd=cwd, program=program, path=path, view=view,
+                facts=facts))
 
         try:
             failures = await self._connect(self.hosts, view, keep_going=False, on_open=start)
@@ -101,7 +104,7 @@ class Fleet:
             raise LaunchError("\n".join(problems))
 
     async def open_each(self, sink: Sink, *, cwd: str, program: str | None,
-                        path: str | None) -> dict[str, object]:
+                        path: str | None, facts: dict | None = None) -> dict[str, object]:
         """Every host connected and given its agent as `open` does, none failing the others
         (`poprun --check` reports them all). Per host label, in host order: the agent's
         AgentInfo, or why there is none (the connection's HostFailure, or the exception
@@ -110,7 +113,7 @@ class Fleet:
                                                                  keep_going=True)}
         connected = [h for h in self.hosts if h in self.connections]
         started = await self._agents(connected, sink, None, cwd=cwd, program=program,
-                                     path=path, view=None)
+                                     path=path, view=None, facts=facts)
         outcomes = {**failed, **{str(h): o for h, o in zip(connected, started)}}
         return {str(h): outcomes[str(h)] for h in self.hosts}
 
@@ -154,9 +157,9 @@ class Fleet:
 
     async def _start_agents(self, hosts: Sequence[Host], sink: Sink,
                             on_lost: Callable[[str, str], None], *, cwd: str, program: str,
-                            path: str | None, view) -> None:
+                            path: str | None, view, facts: dict | None = None) -> None:
         outcomes = await self._agents(hosts, sink, on_lost, cwd=cwd, program=program,
-                                      path=path, view=view)
+                                      path=path, view=view, facts=facts)
         spawners = [self.spawners[str(h)] for h in hosts]
         problems = [_problem(spawner, outcome, cwd, program, self.counts.get(spawner.host, 0))
                     for spawner, outcome in zip(spawners, outcomes)]
@@ -167,7 +170,8 @@ class Fleet:
 
     async def _agents(self, hosts: Sequence[Host], sink: Sink,
                       on_lost: Callable[[str, str], None] | None, *, cwd: str,
-                      program: str | None, path: str | None, view) -> list[object]:
+                      program: str | None, path: str | None, view,
+                      facts: dict | None = None) -> list[object]:
         """An agent started on each of `hosts` (connected); per host, its AgentInfo or the
         exception its start raised."""
         spawners = [RemoteSpawner(self.connections[h], str(h), sink, on_lost,
@@ -185,7 +189,8 @@ class Fleet:
             *(_start_agent(s, view, install, self.config.remote_python, self.log.info,
                            cwd=cwd, program=program, path=path, stats=stats,
                            host_timeout=self.config.host_timeout,
-                           interfaces=self.config.network.chosen, temp_dir=self._temp_prefix)
+                           interfaces=self.config.network.chosen, temp_dir=self._temp_prefix,
+                           facts=facts)
               for s in spawners), return_exceptions=True)
 
     async def temp_dirs(self, labels: Iterable[str] | None = None) -> dict[str, str]:

@@ -60,7 +60,7 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
     host's address and interface, the launcher's address as other hosts reach it."""
     hosts = JobHosts.of(config, environ)
     program, mode = preflight(config, environ, cwd, resolve=hosts.any_local)
-    cache = _explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
+    cache = planning.explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
     network, warnings = dry_run_network(config, hosts)
     first = hosts.labels[0]
     if network:  # as _master_address and _open_rendezvous
@@ -167,12 +167,6 @@ def _quiet_asyncio_reaping_race() -> None:
 
     logging.getLogger("asyncio").addFilter(
         lambda record: not str(record.msg).startswith("Unknown child process pid"))
-
-
-def _explicit_cache(config: LaunchConfig, mode: CacheMode) -> str | None:
-    if mode is CacheMode.EXPLICIT and config.executable_cache_path:
-        return os.path.abspath(config.executable_cache_path)
-    return None
 
 
 async def launch(config: LaunchConfig, *, stdout_fd: int = 1, stderr_fd: int = 2,
@@ -314,6 +308,9 @@ class _Session:
         self.rendezvous = None  # Horovod's (run/rendezvous.Rendezvous), once hosts are open
         self._own_id: str | None = None  # the job's id when it has no record
         self._leaves: dict[str, list[dict]] = {}  # per remote host, its agents' (for reap)
+        self.host_differences: tuple = ()  # plan/alike.py's Differences among the hosts
+        self._compare = False  # the hosts are to be compared before anything starts
+        self._facts_here: asyncio.Future | None = None  # this host's facts, read on a thread
 
     async def __aenter__(self) -> _Session:
         config, log = self.config, self.log
@@ -468,6 +465,8 @@ class _Session:
             "mpi_worlds": {label: list(self.mpi_worlds) for label in labels}
             if self.mpi_worlds else {},
             "agents": self._agents_leaves(agents),
+            # What differs among the hosts (--compare-hosts), as it was reported.
+            "host_differences": _recorded(self.host_differences),
         }
 
     def _agents_leaves(self, agents: dict) -> dict[str, list[dict]]:
@@ -504,7 +503,7 @@ class _Session:
         self._open_rendezvous()
         earlier: list[LaunchResult] = []
         while True:
-            self._plan(caches, master, attempt=len(earlier))
+            await self._plan(caches, master, attempt=len(earlier))
             result = await self._run_attempt(len(earlier))
             if not self._restarts(result, len(earlier)):
                 break
@@ -536,7 +535,7 @@ class _Session:
         caches = dict(caches)
         if self.mode is CacheMode.TEMPORARY:
             caches.update(await self.fleet.temp_dirs(lost))
-        elif (explicit := _explicit_cache(self.config, self.mode)) is not None:
+        elif (explicit := planning.explicit_cache(self.config, self.mode)) is not None:
             await self.fleet.make_dirs(explicit, lost)
         return caches, await self._master_address()
 
@@ -603,20 +602,60 @@ class _Session:
         self.job.on_signal(sig)
 
     async def _open_fleet(self) -> None:
+        from poprun.run import hostcheck
         from poprun.run.fleet import Fleet  # asyncssh: only runs with remote hosts import it
 
         if self.fleet is None:  # over Slurm it is there already (_start_steps)
             self.fleet = Fleet.of(self.hosts, self.config, self.log)
+        ask = None
+        if hostcheck.wanted(self.config, self.hosts):  # each agent asked with its HELLO
+            program, cache = self.config.program, planning.explicit_cache(self.config, self.mode)
+            ask = hostcheck.ask(self.config, self.environ, program, self.cwd, cache)
+            self._compare = True
+            if self.hosts.any_local:  # read here while the agents start
+                here = self._facts_here = self.loop.run_in_executor(
+                    None, hostcheck.gather_here, self.config, self.environ, program, self.cwd,
+                    cache)
+                # Its error taken even if the launch ends before it is read.
+                here.add_done_callback(lambda done: done.cancelled() or done.exception())
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
                               program=self.program[0], path=self.environ.get("PATH"),
-                              view=self.panel, temp_dirs=self.mode is CacheMode.TEMPORARY)
+                              view=self.panel, temp_dirs=self.mode is CacheMode.TEMPORARY,
+                              facts=ask)
         self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))
+
+    async def _compare_hosts(self) -> None:
+        """The hosts' differences, before anything starts (their facts came while the launch
+        went on, up to its first plan): warned about (and kept in the record), or with
+        --compare-hosts=error, the launch refused (LaunchError: exit 2). Once."""
+        if not self._compare:
+            return
+        from poprun.run import hostcheck
+
+        self._compare = False
+        began = self.loop.time()
+        facts_here = await self._facts_here if self._facts_here is not None else None
+        remote = await hostcheck.answers(self.fleet.spawners)
+        waited = self.loop.time() - began
+        local = [label for label in self.hosts.labels if label not in self.hosts.remote]
+        self.host_differences = hostcheck.compare(self.config, self.environ,
+                                                  self.hosts.labels, local, facts_here, remote)
+        self.log.debug(f"hosts compared ({len(self.host_differences)} difference(s)): waited "
+                       f"{waited * 1000:.1f} ms for their facts, "
+                       f"{(self.loop.time() - began - waited) * 1000:.1f} ms comparing")
+        if not self.host_differences:
+            return
+        lines = hostcheck.report_lines(self.host_differences, self.config.compare_hosts)
+        if self.config.compare_hosts == "error":
+            raise LaunchError("\n".join(lines))
+        for line in lines:
+            self.log.warning(line)
 
     async def _create_caches(self) -> dict[str, str]:
         """The executable cache of every host: a temporary dir on each (removed at the end),
         or the explicit path, created where missing; none when caching is off."""
         local_cache = self.cache.create() if self.hosts.any_local else None
-        explicit = _explicit_cache(self.config, self.mode)
+        explicit = planning.explicit_cache(self.config, self.mode)
         caches = {}
         if local_cache or explicit:  # an explicit path: the same on every host
             caches = {h: local_cache or explicit for h in self.hosts.labels}
@@ -726,7 +765,8 @@ class _Session:
         if self.panel is not None:
             self.panel.set_partition(self.partition.name)
 
-    def _plan(self, cache_paths: Mapping[str, str], master_addr: str, attempt: int = 0) -> None:
+    async def _plan(self, cache_paths: Mapping[str, str], master_addr: str,
+                    attempt: int = 0) -> None:
         topologies = local_topologies(self.config, self.hosts)
         if self.fleet is not None and any(planning.needs_topology(self.config, n)
                                           for n in self.hosts.counts):
@@ -741,6 +781,8 @@ class _Session:
             rendezvous=self.rendezvous.address if self.rendezvous else None,
             interfaces={label: n.interface for label, n in self.network.items()}
             if self.network else None)
+        # Planned, nothing said or used yet: the hosts' facts, read meanwhile, compared.
+        await self._compare_hosts()
         if self.rendezvous is not None:  # each attempt's hvd.init() starts afresh
             self.rendezvous.new_world([inst.env for inst in launch_plan.instances])
         if self.config.warns_single_instance:
@@ -862,6 +904,15 @@ class _Session:
                                                 f"{lost.strerror or lost}")
 
 
+def _recorded(differences: tuple) -> list[dict]:
+    """The hosts' differences as the record keeps them (imported only when there are)."""
+    if not differences:
+        return []
+    from poprun.plan.alike import recorded
+
+    return recorded(differences)
+
+
 class _CacheDir:
     """The executable cache directory of this host, for the job's lifetime."""
 
@@ -873,7 +924,7 @@ class _CacheDir:
 
     def create(self) -> str | None:
         if self._mode is CacheMode.EXPLICIT:
-            self.path = _explicit_cache(self._config, self._mode)
+            self.path = planning.explicit_cache(self._config, self._mode)
             try:
                 os.makedirs(self.path, exist_ok=True)
             except OSError as exc:

@@ -1,0 +1,145 @@
+"""What a PMIx server tells libpmix about one world, pure: no ctypes, no I/O
+(docs/architecture.md, "The instances' worlds").
+
+Open MPI wires up only through a PMIx server (spawner/pmixserver.py drives libpmix's public
+server API). Before an instance starts, the server registers its world's *namespace* with the
+job-level keys below (`PMIx_server_register_nspace`), then the instance itself
+(`register_client`, `setup_fork`). The keys are those Open MPI 4.1 and 5 read at MPI_Init
+(OpenPMIx include/pmix_common.h names each key and its type); the node map and the proc map
+are libpmix's own regular expressions, made from `regex_input` and `ppn_input` by
+`PMIx_generate_regex` / `PMIx_generate_ppn` on the host that registers them.
+
+Ranks are instance indices; nodes are the world's hosts in the order their first instance
+appears, named by the plan's host names (each server is told its own with PMIX_HOSTNAME, so
+pretend hosts on one machine are different nodes to Open MPI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+# OpenPMIx include/pmix_common.h: data types of the values we register.
+PMIX_BOOL, PMIX_STRING, PMIX_UINT32, PMIX_PROC_RANK = 1, 3, 14, 40
+
+# Job-level keys (pmix_common.h) and the two maps libpmix encodes itself.
+NODE_MAP, PROC_MAP = "pmix.nmap", "pmix.pmap"
+
+NSPACE_MAX = 255  # PMIX_MAX_NSLEN: a namespace is a char[256]
+
+
+class Key(NamedTuple):
+    key: str
+    type: int
+    value: object  # int or str
+
+
+class World(NamedTuple):
+    """One world as a host's PMIx server sees it: `nodes[r]` is rank r's node index,
+    `names[i]` node i's host name, `here` this host's node index."""
+
+    nspace: str
+    nodes: Sequence[int]
+    names: Sequence[str]
+    here: int
+
+    @property
+    def size(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def local_ranks(self) -> list[int]:
+        return [rank for rank, node in enumerate(self.nodes) if node == self.here]
+
+
+def world(nspace: str, hosts: Sequence[str], here: str) -> World:
+    """The world of ranks whose hosts are `hosts` (rank order), seen from host `here`."""
+    if not nspace or len(nspace.encode()) > NSPACE_MAX:
+        raise ValueError(f"bad PMIx namespace {nspace!r}")
+    names = list(dict.fromkeys(hosts))
+    if here not in names:
+        raise ValueError(f"no rank of the world runs on {here!r}")
+    return World(nspace, [names.index(h) for h in hosts], names, names.index(here))
+
+
+def regex_input(w: World) -> str:
+    """`PMIx_generate_regex`'s input: the node names, comma-separated."""
+    return ",".join(w.names)
+
+
+def ppn_input(w: World) -> str:
+    """`PMIx_generate_ppn`'s input: per node, its ranks comma-separated; nodes separated by
+    semicolons, in node order."""
+    per_node: list[list[int]] = [[] for _ in w.names]
+    for rank, node in enumerate(w.nodes):
+        per_node[node].append(rank)
+    return ";".join(",".join(map(str, ranks)) for ranks in per_node)
+
+
+def job_keys(w: World, node_map: str, proc_map: str, tmpdir: str) -> list[Key]:
+    """The namespace's job-level keys for this host's server, given libpmix's encodings of
+    the node and proc maps. `tmpdir`: the server's private directory, where Open MPI 4.1
+    then makes its session directory (else /tmp/ompi.<host>.<uid>, left behind)."""
+    local = w.local_ranks
+    return [
+        Key("pmix.tmpdir", PMIX_STRING, tmpdir),
+        Key("pmix.nsdir", PMIX_STRING, f"{tmpdir}/{w.nspace}"),
+        Key(NODE_MAP, PMIX_STRING, node_map),
+        Key(PROC_MAP, PMIX_STRING, proc_map),
+        Key("pmix.job.size", PMIX_UINT32, w.size),
+        Key("pmix.univ.size", PMIX_UINT32, w.size),
+        Key("pmix.max.size", PMIX_UINT32, w.size),
+        Key("pmix.job.napps", PMIX_UINT32, 1),
+        Key("pmix.num.nodes", PMIX_UINT32, len(w.names)),
+        Key("pmix.jobid", PMIX_STRING, w.nspace),
+        Key("pmix.local.size", PMIX_UINT32, len(local)),
+        Key("pmix.nodeid", PMIX_UINT32, w.here),
+        Key("pmix.lpeers", PMIX_STRING, ",".join(map(str, local))),
+        Key("pmix.lldr", PMIX_PROC_RANK, local[0]),
+    ]
+
+
+class FenceId(NamedTuple):
+    """A fence, as hosts agree on it: the ranks taking part and how many fences over that
+    same set this host has entered before (PMIx allows concurrent fences on different sets,
+    never two on one set at once)."""
+
+    ranks: tuple[int, ...]
+    seq: int
+
+
+class FenceCounter:
+    """Numbers each host's fences per participant set, so every host names the n-th fence
+    on a set the same way."""
+
+    def __init__(self) -> None:
+        self._next: dict[tuple[int, ...], int] = {}
+
+    def next(self, ranks: tuple[int, ...]) -> FenceId:
+        seq = self._next.get(ranks, 0)
+        self._next[ranks] = seq + 1
+        return FenceId(ranks, seq)
+
+
+WILDCARD = 0xFFFFFFFE  # PMIX_RANK_WILDCARD: every rank of the namespace
+
+
+def fence_ranks(procs: Sequence[tuple[str, int]], w: World) -> tuple[int, ...] | None:
+    """The ranks of this world a fence's procs name (a wildcard: all), or None where a proc
+    is of another namespace or outside the world (not ours to serve)."""
+    ranks: set[int] = set()
+    for nspace, rank in procs:
+        if nspace != w.nspace:
+            return None
+        if rank == WILDCARD:
+            ranks.update(range(w.size))
+        elif 0 <= rank < w.size:
+            ranks.add(rank)
+        else:
+            return None
+    return tuple(sorted(ranks)) if ranks else None
+
+
+def hosts_of(ranks: Sequence[int], w: World) -> set[int]:
+    """The nodes that hold any of `ranks`: the hosts whose contributions a fence needs."""
+    return {w.nodes[rank] for rank in ranks}

@@ -143,3 +143,19 @@ def fence_ranks(procs: Sequence[tuple[str, int]], w: World) -> tuple[int, ...] |
 def hosts_of(ranks: Sequence[int], w: World) -> set[int]:
     """The nodes that hold any of `ranks`: the hosts whose contributions a fence needs."""
     return {w.nodes[rank] for rank in ranks}
+
+
+# Open MPI's shared-memory transports put their segments here (default /dev/shm): a private
+# per-world directory instead is removed whole when the world ends, however its ranks ended.
+SHM_DIR_VARS = ("OMPI_MCA_btl_sm_backing_directory",  # Open MPI 5
+                "OMPI_MCA_btl_vader_backing_directory")  # Open MPI 4.1
+
+
+def instance_variables(environ: dict[str, str] | None, shm_dir: str) -> dict[str, str]:
+    """What an instance gets beside setup_fork's PMIX_* variables (what the user set wins):
+    Open MPI 4.1 declares itself a singleton under PMIx unless its ORTE schizo is off;
+    MPICH aborts on seeing both PMI_SIZE and PMIX_NAMESPACE unless told to use PMI-1."""
+    environ = environ or {}
+    wanted = {"OMPI_MCA_schizo": "^orte", "MPIR_CVAR_PMI_VERSION": "1",
+              **{var: shm_dir for var in SHM_DIR_VARS}}
+    return {key: value for key, value in wanted.items() if key not in environ}

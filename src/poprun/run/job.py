@@ -124,11 +124,12 @@ class Job:
                           stall=self.stall, root_cause=self.root_cause)
 
     def start(self, lifeline: Lifeline, on_finished=None, remote=None,
-              kvsname: str | None = None) -> None:
+              kvsname: str | None = None, pmix=None) -> None:
         """Start this host's instances; with `remote` spawners (by host), `spawn_remote()`
         starts theirs. `on_finished` is called once every instance has exited (or was lost)
         and its output has been delivered. `kvsname`: the name of the instances' MPI world
-        (run/world.py)."""
+        (run/world.py); `pmix`: this host's PMIx service (spawner.pmixhost), where Open MPI's
+        world is served too."""
         self.on_finished, self.remote = on_finished, remote or {}
         self.local = LocalSpawner(self, self.loop, lifeline)
         if kvsname:
@@ -136,10 +137,11 @@ class Job:
 
             self.world = MpiWorld(kvsname, self.plan, self.loop, lifeline=lifeline,
                                   remote=self.remote, on_abort=self.on_mpi_abort,
-                                  on_lost=self.on_mpi_lost)
+                                  on_lost=self.on_mpi_lost, pmix=pmix)
             count = len({inst.host for inst in self.plan.instances})
             hosts = f" on {count} hosts" if count > 1 else ""
-            self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s)"
+            served = "PMI-1" + (f" and PMIx ({pmix.version}, {pmix.path})" if pmix else "")
+            self.log.info(f"MPI world: {served} for {len(self.plan.instances)} instance(s)"
                           f"{hosts}, kvsname {kvsname}")
         self._spawn_local()
         self._all_started = not self.remote
@@ -169,7 +171,7 @@ class Job:
             env = planning.instance_environ(self.environ, inst, self.plan)
             pmi_end = None
             if self.world is not None:
-                world_env, pmi_end = self.world.attach(inst)
+                world_env, pmi_end = self.world.attach(inst, env)
                 env.update(world_env)
             spec = ProcessSpec(
                 key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge, env=env,
@@ -342,6 +344,8 @@ class Job:
         self.events.exited(key, returncode, self.loop.time(),
                            self.spawner_of[key].errors.get(key))
         self.log.info(f"instance {key} (pid {record.pid}) exited with {returncode}")
+        if self.world is not None and self.spawner_of[key] is self.local:
+            self.world.exited(key)
         if returncode != 0 and self.stop_reason == "success":
             self.root_cause = key
             self._stopping(f"instance {key} failed")

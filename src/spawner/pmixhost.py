@@ -1,0 +1,81 @@
+"""This host's PMIx service for one job, on the launcher and on an agent alike
+(docs/architecture.md, "The instances' worlds"): the server (spawner/pmixserver.py), started
+at the first world that needs it, in a private 0700 directory; per world, a namespace and a
+private directory in /dev/shm for Open MPI's segments. Both directories are registered with
+the lifeline before they exist, so a SIGKILLed owner leaves neither; the server's libpmix
+threads start after the lifeline's fork (it forks at its creation, long before).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Mapping
+
+from . import pmixplan
+
+SHM = "/dev/shm"
+
+
+class PmixHost:
+    def __init__(self, path: str, lifeline, hostname: str,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.path, self.hostname, self.loop = path, hostname, loop
+        self._lifeline = lifeline
+        self.server = None  # spawner.pmixserver.PmixServer, once a world needs it
+        self._tmpdir: str | None = None
+        self._shm: dict[str, str] = {}  # nspace -> its segments' directory
+
+    @property
+    def version(self) -> str:
+        return self.server.version if self.server is not None else ""
+
+    def _start(self) -> None:
+        from .pmixserver import PmixServer
+
+        self._tmpdir = self._make_dir("poprun-pmix-")
+        self.server = PmixServer(self.path, self._tmpdir, self.hostname, self.loop)
+        self.server.start()
+
+    def _make_dir(self, prefix: str, parent: str | None = None) -> str:
+        if self._lifeline is not None:
+            return self._lifeline.make_temp_dir(prefix, parent)
+        import tempfile
+
+        return tempfile.mkdtemp(prefix=prefix, dir=parent)
+
+    def open(self, world: pmixplan.World, handler):
+        """`world`'s namespace here (a spawner.pmixserver.Namespace)."""
+        if self.server is None:
+            self._start()
+        self._shm[world.nspace] = self._make_dir(f"poprun-{world.nspace}-", SHM)
+        return self.server.open(world, handler)
+
+    def instance_env(self, ns, rank: int, environ: Mapping[str, str] | None) -> dict[str, str]:
+        """Every variable that leads `rank` to this server."""
+        return {**ns.client_env(rank),
+                **pmixplan.instance_variables(dict(environ or {}), self._shm[ns.world.nspace])}
+
+    def close_world(self, ns) -> None:
+        """The world's instances are gone: its namespace and segments go."""
+        ns.close()
+        path = self._shm.pop(ns.world.nspace, None)
+        if path is not None:
+            self._remove(path)
+
+    def _remove(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        if self._lifeline is not None:
+            self._lifeline.discard_dir(path)
+
+    def close(self) -> None:
+        """The job ends: the server stops and its directory goes."""
+        for path in list(self._shm.values()):
+            self._remove(path)
+        self._shm.clear()
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self._tmpdir is not None:
+            self._remove(self._tmpdir)
+            self._tmpdir = None

@@ -140,9 +140,11 @@ class Job:
                                   on_lost=self.on_mpi_lost, pmix=pmix)
             count = len({inst.host for inst in self.plan.instances})
             hosts = f" on {count} hosts" if count > 1 else ""
-            served = "PMI-1" + (f" and PMIx ({pmix.version}, {pmix.path})" if pmix else "")
-            self.log.info(f"MPI world: {served} for {len(self.plan.instances)} instance(s)"
+            self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s)"
                           f"{hosts}, kvsname {kvsname}")
+            if pmix is not None:
+                self.log.info(f"MPI world: PMIx for Open MPI, namespace {kvsname}, served "
+                              f"by {pmix.version or 'libpmix'} ({pmix.path})")
         self._spawn_local()
         self._all_started = not self.remote
         self._maybe_finish()

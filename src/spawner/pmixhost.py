@@ -19,8 +19,9 @@ SHM = "/dev/shm"
 
 class PmixHost:
     def __init__(self, path: str, lifeline, hostname: str,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, given: str | None = None) -> None:
         self.path, self.hostname, self.loop = path, hostname, loop
+        self.given = given  # the libpmix the user named (--libpmix), for the agents too
         self._lifeline = lifeline
         self.server = None  # spawner.pmixserver.PmixServer, once a world needs it
         self._tmpdir: str | None = None

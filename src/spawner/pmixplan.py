@@ -159,3 +159,48 @@ def instance_variables(environ: dict[str, str] | None, shm_dir: str) -> dict[str
     wanted = {"OMPI_MCA_schizo": "^orte", "MPIR_CVAR_PMI_VERSION": "1",
               **{var: shm_dir for var in SHM_DIR_VARS}}
     return {key: value for key, value in wanted.items() if key not in environ}
+
+
+MAX_FENCE_DATA = 64 << 20  # bytes one host may contribute to one fence
+MAX_OPEN_FENCES = 1024  # fences begun and not complete, in one world
+
+
+class FenceError(ValueError):
+    """A host's fence contribution that cannot be one (hostile or broken)."""
+
+
+class FenceTable:
+    """The launcher's view of a world's fences across hosts: each host that holds a
+    participant contributes once (its instances' data, as its server gave it); the fence is
+    complete when every such host has, and its data is theirs concatenated in node order
+    (what libpmix unpacks, one host's blob after another)."""
+
+    def __init__(self, w: World) -> None:
+        self.world = w
+        self._open: dict[FenceId, dict[int, bytes]] = {}
+
+    def contribute(self, fence: FenceId, node: int, data: bytes
+                   ) -> tuple[list[int], bytes] | None:
+        """Record `node`'s part; when the fence is complete, (the nodes to answer, the data)."""
+        ranks = fence.ranks
+        if (not ranks or len(ranks) > self.world.size or list(ranks) != sorted(set(ranks))
+                or ranks[0] < 0 or ranks[-1] >= self.world.size or fence.seq < 0):
+            raise FenceError(f"a fence over ranks that are not this world's: {ranks[:8]}")
+        needed = hosts_of(ranks, self.world)
+        if node not in needed:
+            raise FenceError(f"node {node} holds no rank of that fence")
+        if len(data) > MAX_FENCE_DATA:
+            raise FenceError(f"{len(data)} bytes for one fence")
+        parts = self._open.get(fence)
+        if parts is None:
+            if len(self._open) >= MAX_OPEN_FENCES:
+                raise FenceError(f"more than {MAX_OPEN_FENCES} fences open")
+            parts = self._open[fence] = {}
+        if node in parts:
+            raise FenceError(f"node {node} entered fence {fence.seq} twice")
+        parts[node] = data
+        if set(parts) != needed:
+            return None
+        del self._open[fence]
+        nodes = sorted(parts)
+        return nodes, b"".join(parts[n] for n in nodes)

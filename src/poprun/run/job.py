@@ -137,7 +137,7 @@ class Job:
 
             self.world = MpiWorld(kvsname, self.plan, self.loop, lifeline=lifeline,
                                   remote=self.remote, on_abort=self.on_mpi_abort,
-                                  on_lost=self.on_mpi_lost, pmix=pmix)
+                                  on_lost=self.on_mpi_lost, pmix=pmix, log=self.log)
             count = len({inst.host for inst in self.plan.instances})
             hosts = f" on {count} hosts" if count > 1 else ""
             self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s)"

@@ -474,11 +474,13 @@ class _Session:
         self.mpi_worlds.append(kvsname)
         remote = self.fleet.spawners if self.fleet else {}
         local = [inst.host for inst in self.job.plan.instances if inst.host not in remote]
-        if self.libpmix is not None and self.pmix is None and local:
+        if self.libpmix is not None and self.pmix is None:
             from spawner.pmixhost import PmixHost
 
             # Named as the plan names this host: Open MPI finds itself in the node map so.
-            self.pmix = PmixHost(self.libpmix, self.lifeline, local[0], self.loop)
+            self.pmix = PmixHost(self.libpmix, self.lifeline,
+                                 local[0] if local else socket.gethostname(), self.loop,
+                                 given=self.config.libpmix)
         self.job.start(self.lifeline, lambda: finished.done() or finished.set_result(None),
                        remote=self.fleet.spawners if self.fleet else None,
                        kvsname=kvsname if self.config.mpi_worlds != "none" else None,

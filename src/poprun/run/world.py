@@ -64,7 +64,7 @@ class MpiWorld:
     def __init__(self, kvsname: str, launch_plan: LaunchPlan, loop: asyncio.AbstractEventLoop,
                  *, lifeline, remote: Mapping[str, object] | None = None,
                  on_abort: Callable[[int, int, str], None],
-                 on_lost: Callable[[int, bool], None], pmix=None) -> None:
+                 on_lost: Callable[[int, bool], None], pmix=None, log=None) -> None:
         self.kvsname, self.loop, self._lifeline = kvsname, loop, lifeline
         self._plan, self._remote = launch_plan, dict(remote or {})
         self._on_abort, self._on_lost = on_abort, on_lost
@@ -76,13 +76,11 @@ class MpiWorld:
         self._tasks: set[asyncio.Task] = set()
         self.server = None  # spawner.pmi.PmiServer, once an instance or an agent has spoken
         self._cleans_here = False  # MPICH may leave segments on this host (local instances)
-        self._pmix = pmix  # spawner.pmixhost.PmixHost: Open MPI's world too, where served
-        self.pmix_ns = None  # this attempt's namespace on it (spawner.pmixserver.Namespace)
-        local = [inst.host for inst in launch_plan.instances if inst.host not in self._remote]
-        if pmix is not None and local:  # before the instances start: they need its variables
-            from spawner import pmixplan
+        self.pmix = None  # Open MPI's world (run/pmixworld.PmixWorld), where PMIx is served
+        if pmix is not None:  # before the instances start: they need its variables
+            from poprun.run.pmixworld import PmixWorld
 
-            self.pmix_ns = pmix.open(pmixplan.world(kvsname, hosts, local[0]), _PmixHandler(self))
+            self.pmix = PmixWorld(kvsname, hosts, self._remote, pmix, on_abort, log)
 
     def variables(self, inst: InstancePlan) -> dict[str, str]:
         """What every instance is told, on any host (its host's spawner adds `PMI_FD` and
@@ -98,25 +96,25 @@ class MpiWorld:
         `environ`, the instance's own, sets wins)."""
         theirs = (self.server.attach(inst.index) if self.server is not None
                   else self._ends.attach(inst.index))
-        pmix = (self._pmix.instance_env(self.pmix_ns, inst.index, environ)
-                if self.pmix_ns is not None else {})
+        pmix = (self.pmix.instance_env(inst.index, environ)
+                if self.pmix is not None and self.pmix.ns is not None else {})
         return {**self.variables(inst), E.PMI_FD: str(theirs.fileno()),
                 E.PMI_HOSTNAME: socket.gethostname(), **pmix}, theirs
 
     def exited(self, rank: int) -> None:
         """A local instance exited: one that joined Open MPI's world here and never left it
         properly (no MPI_Finalize) is lost to its peers."""
-        if self.pmix_ns is not None and self.pmix_ns.unfinalized(rank):
-            self.pmix_ns.finalized.add(rank)  # reported once
+        if self.pmix is not None and self.pmix.unfinalized(rank):
             self._on_lost(rank, True)
 
     def open_remote(self) -> None:
         """Tell each agent which of the world's ranks run there (before their SPAWNs)."""
         size = len(self._plan.instances)
+        pmix = self.pmix.world_fields(self._plan.instances[0].argv) if self.pmix else None
         for host, spawner in self._remote.items():
             spawner.open_world(self._from_agent, kvsname=self.kvsname, size=size,
                                ranks=[inst.index for inst in self._plan.on_host(host)],
-                               nodes=self._nodes)
+                               nodes=self._nodes, pmix=pmix)
 
     def _start_server(self) -> None:
         from spawner import pmi
@@ -149,6 +147,10 @@ class MpiWorld:
         if frame.kind is Kind.MPI_LOST:
             self._on_lost(int(fields["key"]), bool(fields["initialized"]))
             return
+        if frame.kind in (Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED):
+            if self.pmix is not None:
+                self.pmix.from_agent(spawner, frame.kind.name, fields)
+            return
         if self.server is None:
             self._start_server()
         if frame.kind is Kind.GET:
@@ -178,9 +180,8 @@ class MpiWorld:
         the world, and remove what MPICH left in /dev/shm here; the paths removed. A world
         nobody spoke to has left nothing."""
         self._ends.close()
-        if self.pmix_ns is not None:
-            self._pmix.close_world(self.pmix_ns)
-            self.pmix_ns = None
+        if self.pmix is not None:
+            self.pmix.close()
         if self._remote:
             from spawner.protocol import Kind
 
@@ -201,18 +202,3 @@ class MpiWorld:
             self._lifeline.discard_mpi_world(self.kvsname)
         return removed
 
-
-class _PmixHandler:
-    """What this host's PMIx server asks of the world (spawner.pmixserver.Handler)."""
-
-    def __init__(self, world: MpiWorld) -> None:
-        self._world = world
-
-    def abort(self, rank: int, status: int, message: str) -> None:
-        self._world._on_abort(rank, status, message)
-
-    def fence(self, fence, data: bytes, done) -> None:
-        done(-1, b"")  # across hosts: not served yet
-
-    def direct_modex(self, rank: int, done) -> None:
-        done(-46, b"")

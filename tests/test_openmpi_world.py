@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -234,3 +235,81 @@ def test_open_mpi_without_a_libpmix_is_said_before_anything_starts(monkeypatch):
     (line,) = said
     assert "Open MPI is here (/opt/ompi/lib/libmpi.so.40) but no libpmix" in line
     assert "/usr/lib/x86_64-linux-gnu/libpmix.so.2" in line and "apt-get install libpmix2" in line
+
+
+# --- across hosts: each agent serves PMIx for its instances (spawner/agentworld.py) ----------
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    from sshd_hosts import start_ssh_hosts
+
+    with start_ssh_hosts(2, tmp_path_factory.mktemp("hosts")) as hosts:
+        yield hosts
+
+
+ACROSS = """
+from array import array
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+mine = array("d", [rank + 1.0]) * (1 << 20)  # 8 MB (no numpy: Debian's python3 lacks it)
+total = array("d", [0.0]) * (1 << 20)
+comm.Allreduce(mine, total)
+word = comm.bcast(f"from {rank}" if rank == 1 else None, root=1)
+comm.Barrier()
+print(f"world rank={rank} size={size} sum={min(total):g}-{max(total):g} bcast={word}",
+      flush=True)
+"""
+# Pretend hosts on one machine are different nodes to Open MPI: its shared-memory transport
+# is not theirs, and its hierarchical collectives take seconds over them.
+PRETEND_NODES = ("OMPI_MCA_btl=self,tcp", "OMPI_MCA_pml=ob1", "OMPI_MCA_coll=^han")
+# Open MPI 4.1 asks for a rank's data when it needs it, not at MPI_Init (direct modex).
+DIRECT_MODEX = ("OMPI_MCA_pmix_base_async_modex=1", "OMPI_MCA_pmix_base_collect_data=0")
+
+
+def run_across(hosts, tmp_path, ompi, host_list: str, program: str, *env: str,
+               verbose: str = "-v"):
+    python, ompi_env = ompi
+    out = tmp_path / "r.json"
+    options = [f"--env={var}" for var in (*PRETEND_NODES, *env,
+                                          *(f"{k}={v}" for k, v in ompi_env.items()))]
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, verbose, "-H", host_list, "--num-instances=4", "--num-replicas=4",
+                    *options, f"--result-json={out}", *python, "-c", program),
+        env=poprun_env(hosts.env()), capture_output=True, timeout=150)
+    result = json.loads(out.read_text()) if out.exists() else None
+    return proc, result
+
+
+@pytest.mark.parametrize("host_list", ["h1,h2", "localhost,h2"])
+def test_two_hosts_of_two_form_one_world_with_an_8_mb_allreduce(two_hosts, tmp_path, ompi,
+                                                                 clean, host_list):
+    proc, result = run_across(two_hosts, tmp_path, ompi, host_list, ACROSS)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("world"))
+    assert lines == [f"world rank={r} size=4 sum=10-10 bcast=from 1" for r in range(4)]
+    assert "MPI world: PMIx for Open MPI" in err
+
+
+def test_direct_modex_across_hosts(two_hosts, tmp_path, ompi, clean):
+    """A rank's data fetched when needed: through poprun to the agent whose host has it."""
+    proc, _ = run_across(two_hosts, tmp_path, ompi, "h1,h2", ACROSS, *DIRECT_MODEX,
+                         verbose="-vv")
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    assert re.search(r"PMIx: h[12] asks for rank \d's data \(h[12] has it\)", err), err[-3000:]
+    lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("world"))
+    assert lines == [f"world rank={r} size=4 sum=10-10 bcast=from 1" for r in range(4)]
+
+
+def test_mpi_abort_on_another_host_ends_the_job_with_its_code(two_hosts, tmp_path, ompi,
+                                                              clean):
+    proc, result = run_across(two_hosts, tmp_path, ompi, "localhost,h2",
+                              "import time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+                              "c.Barrier()\nif c.Get_rank() == 3:\n    c.Abort(7)\n"
+                              "time.sleep(60)\n")
+    err = proc.stderr.decode()
+    assert proc.returncode == 7, err[-3000:]
+    assert "instance 3 called MPI_Abort (exit code 7)" in err
+    assert result["root_cause"] == 3

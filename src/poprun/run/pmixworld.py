@@ -146,6 +146,7 @@ class PmixWorld:
         if not 0 <= rank < self.world.size:
             raise ValueError(f"rank {rank}")
         owner = self._hosts[rank]
+        self._log.debug(f"PMIx: {spawner.host} asks for rank {rank}'s data ({owner} has it)")
 
         def answer(status: int, data: bytes) -> None:
             spawner.tell(_kind("MODEX_DATA"), kvsname=self.kvsname, id=their_id,

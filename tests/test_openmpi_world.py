@@ -24,7 +24,7 @@ import tempfile
 
 import pytest
 
-from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
+from conftest import SRC, OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
 from sshd_hosts import wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -313,3 +313,20 @@ def test_mpi_abort_on_another_host_ends_the_job_with_its_code(two_hosts, tmp_pat
     assert proc.returncode == 7, err[-3000:]
     assert "instance 3 called MPI_Abort (exit code 7)" in err
     assert result["root_cause"] == 3
+
+
+def test_under_slurm_two_nodes_agents_serve_pmix(slurm_cluster, ompi, clean):
+    """Each node's agent (a job step) serves its instances' PMIx and meets the other's
+    through poprun, as over SSH (under munge: the server's security mode is native)."""
+    python, ompi_env = ompi
+    slurm_cluster.reset()
+    options = [f"--env={var}" for var in (*PRETEND_NODES,
+                                          *(f"{k}={v}" for k, v in ompi_env.items()))]
+    done = slurm_cluster.run(["salloc", "-N2", "--ntasks-per-node=2", sys.executable, "-m",
+                              "poprun", *OFFLINE, "-v", "--num-replicas=4", *options, *python,
+                              "-c", ACROSS],
+                             env={"PYTHONPATH": SRC, "POPRUN_NO_DASHBOARD": "1"}, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("world"))
+    assert lines == [f"world rank={r} size=4 sum=10-10 bcast=from 1" for r in range(4)]
+    assert "MPI world: PMIx for Open MPI" in done.stderr

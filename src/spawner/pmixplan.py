@@ -153,10 +153,11 @@ SHM_DIR_VARS = ("OMPI_MCA_btl_sm_backing_directory",  # Open MPI 5
 
 def instance_variables(environ: dict[str, str] | None, shm_dir: str) -> dict[str, str]:
     """What an instance gets beside setup_fork's PMIX_* variables (what the user set wins):
-    Open MPI 4.1 declares itself a singleton under PMIx unless its ORTE schizo is off;
+    Open MPI 4.1 declares itself a singleton under PMIx unless its ORTE schizo is off, and in
+    a Slurm allocation outside a job step unless its Slurm schizo is off too;
     MPICH aborts on seeing both PMI_SIZE and PMIX_NAMESPACE unless told to use PMI-1."""
     environ = environ or {}
-    wanted = {"OMPI_MCA_schizo": "^orte", "MPIR_CVAR_PMI_VERSION": "1",
+    wanted = {"OMPI_MCA_schizo": "^orte,slurm", "MPIR_CVAR_PMI_VERSION": "1",
               **{var: shm_dir for var in SHM_DIR_VARS}}
     return {key: value for key, value in wanted.items() if key not in environ}
 

@@ -293,12 +293,15 @@ def test_two_hosts_of_two_form_one_world_with_an_8_mb_allreduce(two_hosts, tmp_p
 
 
 def test_direct_modex_across_hosts(two_hosts, tmp_path, ompi, clean):
-    """A rank's data fetched when needed: through poprun to the agent whose host has it."""
+    """A rank's data fetched when needed: through poprun to the agent whose host has it
+    (asked for by Open MPI 4.1 always with these parameters; by 5 where its fence did not
+    bring the data already, which varies run to run)."""
     proc, _ = run_across(two_hosts, tmp_path, ompi, "h1,h2", ACROSS, *DIRECT_MODEX,
                          verbose="-vv")
     err = proc.stderr.decode()
     assert proc.returncode == 0, err[-3000:]
-    assert re.search(r"PMIx: h[12] asks for rank \d's data \(h[12] has it\)", err), err[-3000:]
+    asked = re.search(r"PMIx: h[12] asks for rank \d's data \(h[12] has it\)", err)
+    assert asked or ompi is not OPEN_MPIS["4.1"], err[-3000:]
     lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("world"))
     assert lines == [f"world rank={r} size=4 sum=10-10 bcast=from 1" for r in range(4)]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 from collections.abc import Mapping
 
 from . import pmixplan
@@ -24,6 +25,8 @@ class PmixHost:
         self.given = given  # the libpmix the user named (--libpmix), for the agents too
         self._lifeline = lifeline
         self.server = None  # spawner.pmixserver.PmixServer, once a world needs it
+        self._starting: threading.Thread | None = None
+        self._start_error: BaseException | None = None
         self._tmpdir: str | None = None
         self._shm: dict[str, str] = {}  # nspace -> its segments' directory
 
@@ -31,12 +34,31 @@ class PmixHost:
     def version(self) -> str:
         return self.server.version if self.server is not None else ""
 
-    def _start(self) -> None:
+    def prestart(self) -> None:
+        """Start the server in a thread now, while the launch prepares the rest: its start
+        (~30-60 ms here, libpmix's own initialisation) is then off the launch's path. The
+        first `open()` waits for it."""
         from .pmixserver import PmixServer
 
         self._tmpdir = self._make_dir("poprun-pmix-")
         self.server = PmixServer(self.path, self._tmpdir, self.hostname, self.loop)
-        self.server.start()
+        self._starting = threading.Thread(target=self._start_in_thread,
+                                          name="poprun-pmix-start", daemon=True)
+        self._starting.start()
+
+    def _start_in_thread(self) -> None:
+        try:
+            self.server.start()
+        except BaseException as exc:  # noqa: BLE001 - raised by open(), in the loop's thread
+            self._start_error = exc
+
+    def _started(self) -> None:
+        if self._starting is None:
+            self.prestart()
+        if self._starting.is_alive():
+            self._starting.join()
+        if self._start_error is not None:
+            raise self._start_error
 
     def _make_dir(self, prefix: str, parent: str | None = None) -> str:
         if self._lifeline is not None:
@@ -47,8 +69,7 @@ class PmixHost:
 
     def open(self, world: pmixplan.World, handler):
         """`world`'s namespace here (a spawner.pmixserver.Namespace)."""
-        if self.server is None:
-            self._start()
+        self._started()
         self._shm[world.nspace] = self._make_dir(f"poprun-{world.nspace}-", SHM)
         return self.server.open(world, handler)
 
@@ -74,6 +95,8 @@ class PmixHost:
         for path in list(self._shm.values()):
             self._remove(path)
         self._shm.clear()
+        if self._starting is not None:
+            self._starting.join()
         if self.server is not None:
             self.server.close()
             self.server = None

@@ -255,6 +255,8 @@ class _Session:
         wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
         self.libpmix = self._find_libpmix()
         self.lifeline = Lifeline()
+        if self.libpmix is not None:
+            self._start_pmix()
         if containment.is_subreaper():  # the poprun command: every child it starts is its own
             # ... so its helpers (an SSH ProxyCommand, srun, vipu) carry a mark of the lifeline's
             # too, one that the sweep after an attempt spares (the instances get the token).
@@ -302,6 +304,19 @@ class _Session:
         from poprun.run.world import find_libpmix
 
         return find_libpmix(self.config, self.environ, self.program, self.log)
+
+    def _start_pmix(self) -> None:
+        """This host's PMIx service, its server starting in a thread while the launch goes on
+        (after the lifeline's fork: spawner/pmixhost.py)."""
+        from spawner.pmixhost import PmixHost
+
+        local = [label for label in self.hosts.labels if label not in self.hosts.remote]
+        # Named as the plan names this host: Open MPI finds itself in the node map so.
+        self.pmix = PmixHost(self.libpmix, self.lifeline,
+                             local[0] if local else socket.gethostname(), self.loop,
+                             given=self.config.libpmix)
+        if local:
+            self.pmix.prestart()
 
     async def _start_steps(self) -> None:
         """Over Slurm, the agents' job steps are created now, not once the job's record and
@@ -472,15 +487,6 @@ class _Session:
         finished = self.loop.create_future()
         kvsname = f"poprun-{self._job_id}-{attempt}"  # MPICH's shared memory is named by it
         self.mpi_worlds.append(kvsname)
-        remote = self.fleet.spawners if self.fleet else {}
-        local = [inst.host for inst in self.job.plan.instances if inst.host not in remote]
-        if self.libpmix is not None and self.pmix is None:
-            from spawner.pmixhost import PmixHost
-
-            # Named as the plan names this host: Open MPI finds itself in the node map so.
-            self.pmix = PmixHost(self.libpmix, self.lifeline,
-                                 local[0] if local else socket.gethostname(), self.loop,
-                                 given=self.config.libpmix)
         self.job.start(self.lifeline, lambda: finished.done() or finished.set_result(None),
                        remote=self.fleet.spawners if self.fleet else None,
                        kvsname=kvsname if self.config.mpi_worlds != "none" else None,

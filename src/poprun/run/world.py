@@ -40,16 +40,21 @@ if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agen
 
 def find_libpmix(config, environ: Mapping[str, str], program, log) -> str | None:
     """The libpmix to serve Open MPI's world with here (spawner/pmixfind.py), where the job
-    may use one: several instances and --mpi-worlds auto. A --libpmix that is no file is
-    bad input; Open MPI without any libpmix, a warning before anything starts."""
+    may use one: several instances, --mpi-worlds auto, and an Open MPI there for them (or a
+    --libpmix given): the server's start costs every launch that has one (docs/architecture.md,
+    "The instances' worlds"). A --libpmix that is no file is bad input; Open MPI without any
+    libpmix, a warning before anything starts."""
     from spawner import pmixfind
 
     if config.libpmix and not os.path.isfile(config.libpmix):
         raise ConfigError(f"--libpmix: {config.libpmix}: no such file")
     if config.mpi_worlds != "auto" or (config.num_instances or 1) < 2:
         return None
+    ompi = pmixfind.open_mpi_here(environ, program)
+    if ompi is None and not config.libpmix:  # no Open MPI for them: no PMIx server to start
+        return None
     found = pmixfind.find(environ, program, config.libpmix)
-    if found is None and (ompi := pmixfind.open_mpi_here(environ, program)):
+    if found is None:
         log.warning(f"Open MPI is here ({ompi}) but no libpmix: its instances would each be "
                     "a world of one. Looked for " + ", ".join(pmixfind.candidates(
                         environ, program)) + "; install libpmix2 (apt-get install libpmix2) "

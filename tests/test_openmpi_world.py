@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,9 @@ import pytest
 
 from conftest import SRC, OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
 from sshd_hosts import wait_until
+from spawner.reaphere import pmix_leftovers, pmix_prefixes, reap_here
+from test_mpi_world import aborting, assert_aborted, kvsnames
+from test_mpi_world import two_hosts  # noqa: F401 - the same two loopback sshd hosts
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,22 +80,29 @@ print(f"world rank={rank} size={size} sum={total} bcast={word}", flush=True)
 """
 
 
-def leftovers() -> set[str]:
-    """What a PMIx world of poprun's could leave: the server's directory, the worlds'
-    segment directories, Open MPI's own session directory and segments under our host name."""
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "poprun-pmix-*"))
-               + glob.glob("/dev/shm/poprun-poprun-*")
-               + glob.glob(os.path.join(tempfile.gettempdir(), "ompi.localhost.*"))
+def open_mpi_leftovers() -> set[str]:
+    """What Open MPI itself would leave under our node name were it not told where to put it:
+    4.1's session directory in /tmp, 5's and 4.1's shared-memory segments in /dev/shm."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "ompi.localhost.*"))
                + glob.glob("/dev/shm/sm_segment.localhost.*")
                + glob.glob("/dev/shm/vader_segment.localhost.*"))
 
 
+def world_leftovers(result: dict | None) -> list[str]:
+    """What the job's PMIx worlds left: their servers' directories and segment directories
+    (the hosts of these tests are all this machine)."""
+    names = [name for names in ((result or {}).get("mpi_worlds") or {}).values()
+             for name in names]
+    assert names, "the job recorded no world"
+    return [path for name in names for path in pmix_leftovers(name)]
+
+
 @pytest.fixture
 def clean():
-    """The test leaves nothing of its worlds behind (compared with before it)."""
-    before = leftovers()
+    """The test leaves nothing of Open MPI's behind (compared with before it)."""
+    before = open_mpi_leftovers()
     yield
-    assert leftovers() - before == set()
+    assert open_mpi_leftovers() - before == set()
 
 
 def run_world(tmp_path, ompi, instances: int, program: str, *options: str):
@@ -101,6 +112,7 @@ def run_world(tmp_path, ompi, instances: int, program: str, *options: str):
                       f"--num-replicas={instances}", *options, f"--result-json={out}",
                       *python, "-c", program, timeout=120, env=poprun_env(env))
     result = json.loads(out.read_text()) if out.exists() else None
+    assert world_leftovers(result) == []  # however the job ended
     return proc, result
 
 
@@ -115,13 +127,8 @@ def test_four_instances_form_one_world_with_ranks_their_indices(tmp_path, ompi, 
 
 def test_mpi_abort_ends_the_job_with_its_code_and_its_instance_as_root_cause(tmp_path, ompi,
                                                                             clean):
-    proc, result = run_world(tmp_path, ompi, 4, "import time\nfrom mpi4py import MPI\n"
-                             "c = MPI.COMM_WORLD\nc.Barrier()\nif c.Get_rank() == 1:\n"
-                             "    c.Abort(3)\ntime.sleep(60)\n")
-    err = proc.stderr.decode()
-    assert proc.returncode == 3, err[-3000:]
-    assert "instance 1 called MPI_Abort (exit code 3)" in err
-    assert result["root_cause"] == 1 and result["exit_reason"] == "instance"
+    proc, result = run_world(tmp_path, ompi, 4, aborting(1, 3))
+    assert_aborted(proc, result, 1, 3)
 
 
 def test_a_rank_killed_mid_allreduce_ends_the_job(tmp_path, ompi, clean):
@@ -164,7 +171,6 @@ def test_a_killed_poprun_leaves_nothing(tmp_path, ompi):
     """SIGKILL of poprun while its instances hold their world: the lifeline's watchdog kills
     them, then removes the server's directory and the world's segments."""
     python, env = ompi
-    before = leftovers()
     program = ("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
                "print('in', flush=True)\ntime.sleep(60)\n")
     with reaped(subprocess.Popen(
@@ -174,10 +180,26 @@ def test_a_killed_poprun_leaves_nothing(tmp_path, ompi):
             stderr=subprocess.PIPE)) as job:
         wait_started(job.pid, 2)
         assert job.stdout.readline() == b"in\n"  # the world is up
-        assert leftovers() - before  # the server's directory and the segments' are there
+        (name,) = [n for n in kvsnames(os.environ) if pmix_leftovers(n)]
+        assert len(pmix_leftovers(name)) == 2  # the server's directory, the segments'
         job.kill()
         job.wait(30)
-    wait_until(lambda: not leftovers() - before, "the watchdog to remove the world's files")
+    wait_until(lambda: not pmix_leftovers(name), "the watchdog to remove the world's files")
+
+
+def test_reap_removes_a_recorded_pmix_world_s_directories():
+    """`poprunctl reap` on a host whose watchdog could not run: the record's mpi_worlds name
+    the PMIx directories too (reaphere.pmix_leftovers)."""
+    name = f"poprun-reaptest{os.getpid()}-0"
+    made = [tempfile.mkdtemp(prefix=os.path.basename(prefix), dir=os.path.dirname(prefix))
+            for prefix in pmix_prefixes(name)]
+    try:
+        entries = [e for e in reap_here({"kvsnames": [name]}) if e["what"] == "dir"]
+        assert sorted(e["path"] for e in entries) == sorted(made)
+        assert all(e["done"] for e in entries) and not any(map(os.path.exists, made))
+    finally:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def test_an_mpich_instance_runs_beside_pmix_variables(tmp_path, clean):
@@ -239,14 +261,6 @@ def test_open_mpi_without_a_libpmix_is_said_before_anything_starts(monkeypatch):
 
 # --- across hosts: each agent serves PMIx for its instances (spawner/agentworld.py) ----------
 
-@pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory):
-    from sshd_hosts import start_ssh_hosts
-
-    with start_ssh_hosts(2, tmp_path_factory.mktemp("hosts")) as hosts:
-        yield hosts
-
-
 ACROSS = """
 from array import array
 from mpi4py import MPI
@@ -278,6 +292,7 @@ def run_across(hosts, tmp_path, ompi, host_list: str, program: str, *env: str,
                     *options, f"--result-json={out}", *python, "-c", program),
         env=poprun_env(hosts.env()), capture_output=True, timeout=150)
     result = json.loads(out.read_text()) if out.exists() else None
+    assert world_leftovers(result) == []  # every host's (all of them this machine)
     return proc, result
 
 
@@ -308,14 +323,8 @@ def test_direct_modex_across_hosts(two_hosts, tmp_path, ompi, clean):
 
 def test_mpi_abort_on_another_host_ends_the_job_with_its_code(two_hosts, tmp_path, ompi,
                                                               clean):
-    proc, result = run_across(two_hosts, tmp_path, ompi, "localhost,h2",
-                              "import time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
-                              "c.Barrier()\nif c.Get_rank() == 3:\n    c.Abort(7)\n"
-                              "time.sleep(60)\n")
-    err = proc.stderr.decode()
-    assert proc.returncode == 7, err[-3000:]
-    assert "instance 3 called MPI_Abort (exit code 7)" in err
-    assert result["root_cause"] == 3
+    proc, result = run_across(two_hosts, tmp_path, ompi, "localhost,h2", aborting(3, 7))
+    assert_aborted(proc, result, 3, 7)
 
 
 def test_under_slurm_two_nodes_agents_serve_pmix(slurm_cluster, ompi, clean):

@@ -9,20 +9,19 @@ threads start after the lifeline's fork (it forks at its creation, long before).
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import threading
 from collections.abc import Mapping
 
 from . import pmixplan
 
-SHM = "/dev/shm"
-
-
 class PmixHost:
     def __init__(self, path: str, lifeline, hostname: str,
                  loop: asyncio.AbstractEventLoop, given: str | None = None) -> None:
+        """`given`: the libpmix the user named (--libpmix), for the agents too."""
         self.path, self.hostname, self.loop = path, hostname, loop
-        self.given = given  # the libpmix the user named (--libpmix), for the agents too
+        self.given = given
         self._lifeline = lifeline
         self.server = None  # spawner.pmixserver.PmixServer, once a world needs it
         self._starting: threading.Thread | None = None
@@ -34,13 +33,16 @@ class PmixHost:
     def version(self) -> str:
         return self.server.version if self.server is not None else ""
 
-    def prestart(self) -> None:
+    def prestart(self, kvsname: str) -> None:
         """Start the server in a thread now, while the launch prepares the rest: its start
         (~30-60 ms here, libpmix's own initialisation) is then off the launch's path. The
-        first `open()` waits for it."""
+        first `open()` waits for it. `kvsname`: any of the job's (its directory is named
+        after the job, for `poprunctl reap`: spawner/reaphere.pmix_prefixes)."""
         from .pmixserver import PmixServer
+        from .reaphere import pmix_prefixes
 
-        self._tmpdir = self._make_dir("poprun-pmix-")
+        tmp, _ = pmix_prefixes(kvsname)
+        self._tmpdir = self._make_dir(os.path.basename(tmp), os.path.dirname(tmp))
         self.server = PmixServer(self.path, self._tmpdir, self.hostname, self.loop)
         self._starting = threading.Thread(target=self._start_in_thread,
                                           name="poprun-pmix-start", daemon=True)
@@ -52,9 +54,9 @@ class PmixHost:
         except BaseException as exc:  # noqa: BLE001 - raised by open(), in the loop's thread
             self._start_error = exc
 
-    def _started(self) -> None:
+    def _started(self, kvsname: str) -> None:
         if self._starting is None:
-            self.prestart()
+            self.prestart(kvsname)
         if self._starting.is_alive():
             self._starting.join()
         if self._start_error is not None:
@@ -69,8 +71,11 @@ class PmixHost:
 
     def open(self, world: pmixplan.World, handler):
         """`world`'s namespace here (a spawner.pmixserver.Namespace)."""
-        self._started()
-        self._shm[world.nspace] = self._make_dir(f"poprun-{world.nspace}-", SHM)
+        from .reaphere import pmix_prefixes
+
+        self._started(world.nspace)
+        _, shm = pmix_prefixes(world.nspace)
+        self._shm[world.nspace] = self._make_dir(os.path.basename(shm), os.path.dirname(shm))
         return self.server.open(world, handler)
 
     def instance_env(self, ns, rank: int, environ: Mapping[str, str] | None) -> dict[str, str]:

@@ -255,8 +255,6 @@ class _Session:
         wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
         self.libpmix = self._find_libpmix()
         self.lifeline = Lifeline()
-        if self.libpmix is not None:
-            self._start_pmix()
         if containment.is_subreaper():  # the poprun command: every child it starts is its own
             # ... so its helpers (an SSH ProxyCommand, srun, vipu) carry a mark of the lifeline's
             # too, one that the sweep after an attempt spares (the instances get the token).
@@ -286,6 +284,8 @@ class _Session:
         await self._start_steps()
         try:
             await self._open_job_control()
+            if self.libpmix is not None:  # after the lifeline's fork; named by the job's id
+                self._start_pmix()
             self._open_progress()
             # From here a stop signal is the job's: before any instance runs, it ends the launch.
             self._restore_signals = install_signal_handlers(self.loop, self.on_signal)
@@ -316,7 +316,7 @@ class _Session:
                              local[0] if local else socket.gethostname(), self.loop,
                              given=self.config.libpmix)
         if local:
-            self.pmix.prestart()
+            self.pmix.prestart(self._kvsname(0))
 
     async def _start_steps(self) -> None:
         """Over Slurm, the agents' job steps are created now, not once the job's record and
@@ -370,6 +370,11 @@ class _Session:
         if self._own_id is None:
             self._own_id = os.urandom(6).hex()
         return self._own_id
+
+    def _kvsname(self, attempt: int) -> str:
+        """The name of an attempt's MPI world: MPICH's shared memory and PMIx's directories
+        are named by it (spawner/reaphere.py)."""
+        return f"poprun-{self._job_id}-{attempt}"
 
     def _cgroup_of(self, key: int) -> str | None:
         """A local instance's own cgroup, where it has one: its CPU and memory are then the
@@ -485,7 +490,7 @@ class _Session:
 
     async def _run_attempt(self, attempt: int) -> LaunchResult:
         finished = self.loop.create_future()
-        kvsname = f"poprun-{self._job_id}-{attempt}"  # MPICH's shared memory is named by it
+        kvsname = self._kvsname(attempt)
         self.mpi_worlds.append(kvsname)
         self.job.start(self.lifeline, lambda: finished.done() or finished.set_result(None),
                        remote=self.fleet.spawners if self.fleet else None,

@@ -226,7 +226,7 @@ class PmixServer:
             self._to_loop(self._event, "finalized", proc[0].nspace.decode(), proc[0].rank)
             return OPERATION_SUCCEEDED
 
-        def abort(proc, _obj, status, msg, _procs, _nprocs, cb, cbdata):
+        def abort(proc, _obj, status, msg, _targets, _ntargets, _cb, _cbdata):
             self._to_loop(self._event, "abort", proc[0].nspace.decode(), proc[0].rank,
                           int(status), (msg or b"")[:4096].decode("utf-8", "replace"))
             return OPERATION_SUCCEEDED  # the client is released; Open MPI then exits

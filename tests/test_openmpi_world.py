@@ -250,6 +250,7 @@ def test_open_mpi_without_a_libpmix_is_said_before_anything_starts(monkeypatch):
 
     class Log:
         warning = said.append
+        info = said.append
 
     config = LaunchConfig(program=("python3",), num_instances=4, num_replicas=4,
                           offline_mode=True)
@@ -342,3 +343,18 @@ def test_under_slurm_two_nodes_agents_serve_pmix(slurm_cluster, ompi, clean):
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("world"))
     assert lines == [f"world rank={r} size=4 sum=10-10 bcast=from 1" for r in range(4)]
     assert "MPI world: PMIx for Open MPI" in done.stderr
+
+
+def test_a_program_that_cannot_start_open_mpi_pays_no_pmix_server():
+    """`true` links no MPI library and starts nothing: no server is started for it (its start
+    would cost every such launch); a shell could start anything, so it gets one."""
+    from spawner.pmixfind import may_use_open_mpi
+
+    assert not may_use_open_mpi(["true"], os.environ)
+    assert may_use_open_mpi(["sh", "-c", "python3 train.py"], os.environ)
+    quiet = run_poprun(*OFFLINE, "-v", "--num-instances=2", "--num-replicas=2", "true")
+    assert quiet.returncode == 0 and b"PMIx" not in quiet.stderr, quiet.stderr.decode()[-2000:]
+    shell = run_poprun(*OFFLINE, "-v", "--num-instances=2", "--num-replicas=2", "sh", "-c",
+                       "test -n \"$PMIX_NAMESPACE\"")
+    assert shell.returncode == 0, shell.stderr.decode()[-2000:]
+    assert b"MPI world: PMIx for Open MPI" in shell.stderr

@@ -92,3 +92,39 @@ def open_mpi_here(environ: Mapping[str, str], argv: Sequence[str] = ()) -> str |
         if os.path.isfile(path):
             return path
     return None
+
+
+# Native programs that start the program that does the work (a shell's -c, a wrapper's argv).
+_STARTERS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "csh", "tcsh", "fish",
+                       "busybox", "env", "nice", "nohup", "numactl", "taskset", "timeout",
+                       "stdbuf", "setsid", "chrt", "ionice", "time", "xargs", "sudo", "su",
+                       "runuser", "perl", "ruby", "node", "singularity", "apptainer",
+                       "docker", "podman"})
+
+
+def may_use_open_mpi(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
+    """Whether the program could start Open MPI at all, told by a look at its file (the PMIx
+    server's start costs every launch that has one, docs/architecture.md "The instances'
+    worlds"): a native program only where it links an MPI library (`true`, `hostname` do
+    not), or that starts others (a shell, `env`, `numactl`, ...); poprun's own Python only
+    where mpi4py is installed for it; any other Python or script, yes."""
+    if not argv:
+        return False
+    path = shutil.which(argv[0], path=environ.get("PATH")) or argv[0]
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)  # the dynamic section's strings are near the start
+    except OSError:
+        return True
+    if head[:4] != b"\x7fELF":
+        return True
+    real = os.path.realpath(path)
+    if os.path.basename(real) in _STARTERS or os.path.basename(path) in _STARTERS:
+        return True
+    if os.path.basename(real).startswith("python"):
+        if real == os.path.realpath(sys.executable):
+            import importlib.util
+
+            return importlib.util.find_spec("mpi4py") is not None
+        return True
+    return b"libmpi" in head

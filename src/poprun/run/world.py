@@ -40,8 +40,8 @@ if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agen
 
 def find_libpmix(config, environ: Mapping[str, str], program, log) -> str | None:
     """The libpmix to serve Open MPI's world with here (spawner/pmixfind.py), where the job
-    may use one: several instances, --mpi-worlds auto, and an Open MPI there for them (or a
-    --libpmix given): the server's start costs every launch that has one (docs/architecture.md,
+    may use one: several instances, --mpi-worlds auto, a program that may start Open MPI and
+    an Open MPI there for it (or a --libpmix given): the server's start costs every launch that has one (docs/architecture.md,
     "The instances' worlds"). A --libpmix that is no file is bad input; Open MPI without any
     libpmix, a warning before anything starts."""
     from spawner import pmixfind
@@ -50,8 +50,13 @@ def find_libpmix(config, environ: Mapping[str, str], program, log) -> str | None
         raise ConfigError(f"--libpmix: {config.libpmix}: no such file")
     if config.mpi_worlds != "auto" or (config.num_instances or 1) < 2:
         return None
+    if not config.libpmix and not pmixfind.may_use_open_mpi(program, environ):
+        return None  # `true`, `hostname`: nothing that could start Open MPI
     ompi = pmixfind.open_mpi_here(environ, program)
     if ompi is None and not config.libpmix:  # no Open MPI for them: no PMIx server to start
+        log.info("MPI world: no PMIx for Open MPI: no Open MPI here for the instances "
+                 "(no libmpi.so.40 in the system's or their Python's lib directories, no "
+                 "OPAL_PREFIX)")
         return None
     found = pmixfind.find(environ, program, config.libpmix)
     if found is None:

@@ -298,12 +298,12 @@ class _Session:
 
     def _find_libpmix(self) -> str | None:
         """The libpmix that serves Open MPI's world on this host, where the job may use one
-        (several instances; --mpi-worlds auto): PMIx must be up before they start, so it
-        starts only then. Where Open MPI is there and no libpmix, say so now, not after a
-        wrong result."""
+        (run/world.find_libpmix): its server must be up before the instances start. Where
+        Open MPI is there and no libpmix, said now, not after a wrong result."""
         from poprun.run.world import find_libpmix
 
-        return find_libpmix(self.config, self.environ, self.program, self.log)
+        return find_libpmix(self.config, self.environ, self.program, sum(self.hosts.counts),
+                            self.log)
 
     def _start_pmix(self) -> None:
         """This host's PMIx service, its server starting in a thread while the launch goes on

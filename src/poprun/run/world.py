@@ -38,17 +38,18 @@ if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agen
     from spawner.protocol import Control
 
 
-def find_libpmix(config, environ: Mapping[str, str], program, log) -> str | None:
+def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
+                 log) -> str | None:
     """The libpmix to serve Open MPI's world with here (spawner/pmixfind.py), where the job
-    may use one: several instances, --mpi-worlds auto, a program that may start Open MPI and
-    an Open MPI there for it (or a --libpmix given): the server's start costs every launch that has one (docs/architecture.md,
-    "The instances' worlds"). A --libpmix that is no file is bad input; Open MPI without any
-    libpmix, a warning before anything starts."""
+    may use one: several `instances`, --mpi-worlds auto, a program that may start Open MPI
+    and an Open MPI there for it (or a --libpmix given): the server's start costs every
+    launch that has one (docs/architecture.md, "The instances' worlds"). A --libpmix that is
+    no file is bad input; Open MPI without any libpmix, a warning before anything starts."""
     from spawner import pmixfind
 
     if config.libpmix and not os.path.isfile(config.libpmix):
         raise ConfigError(f"--libpmix: {config.libpmix}: no such file")
-    if config.mpi_worlds != "auto" or (config.num_instances or 1) < 2:
+    if config.mpi_worlds != "auto" or instances < 2:
         return None
     if not config.libpmix and not pmixfind.may_use_open_mpi(program, environ):
         return None  # `true`, `hostname`: nothing that could start Open MPI

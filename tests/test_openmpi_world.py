@@ -358,3 +358,16 @@ def test_a_program_that_cannot_start_open_mpi_pays_no_pmix_server():
                        "test -n \"$PMIX_NAMESPACE\"")
     assert shell.returncode == 0, shell.stderr.decode()[-2000:]
     assert b"MPI world: PMIx for Open MPI" in shell.stderr
+
+
+def test_an_instance_on_another_host_that_exits_0_without_finalize_ends_the_job(
+        two_hosts, tmp_path, ompi, clean):
+    """Its agent sees it exit having joined the world and never left it (MPI_LOST)."""
+    proc, result = run_across(two_hosts, tmp_path, ompi, "localhost,h2",
+                              "import os\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+                              "c.Barrier()\nif c.Get_rank() == 3:\n    os._exit(0)\n"
+                              "c.Barrier()\n")
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err[-3000:]
+    assert "instance 3 exited with status 0 without MPI_Finalize" in err
+    assert result["root_cause"] == 3

@@ -362,11 +362,13 @@ def test_a_program_that_cannot_start_open_mpi_pays_no_pmix_server():
 
 def test_an_instance_on_another_host_that_exits_0_without_finalize_ends_the_job(
         two_hosts, tmp_path, ompi, clean):
-    """Its agent sees it exit having joined the world and never left it (MPI_LOST)."""
+    """Its agent sees it exit having joined the world and never left it (MPI_LOST). The
+    others sleep before their next collective: Open MPI 5 over TCP would otherwise notice the
+    closed connection itself and fail first, as it may."""
     proc, result = run_across(two_hosts, tmp_path, ompi, "localhost,h2",
-                              "import os\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+                              "import os, time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
                               "c.Barrier()\nif c.Get_rank() == 3:\n    os._exit(0)\n"
-                              "c.Barrier()\n")
+                              "time.sleep(60)\nc.Barrier()\n")
     err = proc.stderr.decode()
     assert proc.returncode == 1, err[-3000:]
     assert "instance 3 exited with status 0 without MPI_Finalize" in err

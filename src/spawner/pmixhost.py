@@ -26,6 +26,7 @@ class PmixHost:
         self.server = None  # spawner.pmixserver.PmixServer, once a world needs it
         self._starting: threading.Thread | None = None
         self._start_error: BaseException | None = None
+        self._saved_env: dict[str, str | None] = {}
         self._tmpdir: str | None = None
         self._shm: dict[str, str] = {}  # nspace -> its segments' directory
 
@@ -38,12 +39,16 @@ class PmixHost:
         (~30-60 ms here, libpmix's own initialisation) is then off the launch's path. The
         first `open()` waits for it. `kvsname`: any of the job's (its directory is named
         after the job, for `poprunctl reap`: spawner/reaphere.pmix_prefixes)."""
-        from .pmixserver import PmixServer
+        from .pmixserver import SERVER_MCA, PmixServer
         from .reaphere import pmix_prefixes
 
         tmp, _ = pmix_prefixes(kvsname)
         self._tmpdir = self._make_dir(os.path.basename(tmp), os.path.dirname(tmp))
         self.server = PmixServer(self.path, self._tmpdir, self.hostname, self.loop)
+        # Set here, in the loop's thread, not by the starting one: os.environ is changed in
+        # one thread only. The instances' environments are built from copies made earlier.
+        self._saved_env = {key: os.environ.get(key) for key in SERVER_MCA}
+        os.environ.update(SERVER_MCA)
         self._starting = threading.Thread(target=self._start_in_thread,
                                           name="poprun-pmix-start", daemon=True)
         self._starting.start()
@@ -57,10 +62,20 @@ class PmixHost:
     def _started(self, kvsname: str) -> None:
         if self._starting is None:
             self.prestart(kvsname)
-        if self._starting.is_alive():
-            self._starting.join()
+        self._join()
         if self._start_error is not None:
             raise self._start_error
+
+    def _join(self) -> None:
+        """Wait for the server's start, then take its parameters out of the environment."""
+        if self._starting is not None:
+            self._starting.join()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env = {}
 
     def _make_dir(self, prefix: str, parent: str | None = None) -> str:
         if self._lifeline is not None:
@@ -100,8 +115,7 @@ class PmixHost:
         for path in list(self._shm.values()):
             self._remove(path)
         self._shm.clear()
-        if self._starting is not None:
-            self._starting.join()
+        self._join()
         if self.server is not None:
             self.server.close()
             self.server = None

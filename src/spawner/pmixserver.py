@@ -163,24 +163,13 @@ class PmixServer:
 
     def start(self) -> None:
         """Load libpmix and start its server (its progress thread: the process must not
-        fork Python after this, spawner/lifeline.py forks earlier)."""
+        fork Python after this, spawner/lifeline.py forks earlier). SERVER_MCA must be in
+        the environment meanwhile: libpmix reads its parameters there."""
         lib = _Lib(self.path)
-        # The server's own security mode: "native" (uid checks on the Unix socket); under
-        # munge libpmix would otherwise offer a mode the wheel's client complains about.
-        saved = {k: os.environ.get(k) for k in _SERVER_MCA}
-        os.environ.update(_SERVER_MCA)
-        try:
-            infos = _infos([pmixplan.Key("pmix.srvr.tmpdir", pmixplan.PMIX_STRING, self.tmpdir),
-                            pmixplan.Key("pmix.sys.tmpdir", pmixplan.PMIX_STRING, self.tmpdir),
-                            pmixplan.Key("pmix.hname", pmixplan.PMIX_STRING, self.hostname)],
-                           lib)
-            rc = lib.PMIx_server_init(ctypes.cast(self._module, c_void_p), infos, len(infos))
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        infos = _infos([pmixplan.Key("pmix.srvr.tmpdir", pmixplan.PMIX_STRING, self.tmpdir),
+                        pmixplan.Key("pmix.sys.tmpdir", pmixplan.PMIX_STRING, self.tmpdir),
+                        pmixplan.Key("pmix.hname", pmixplan.PMIX_STRING, self.hostname)], lib)
+        rc = lib.PMIx_server_init(ctypes.cast(self._module, c_void_p), infos, len(infos))
         if rc != SUCCESS:
             raise PmixError(f"PMIx_server_init: status {rc}")
         self._lib = lib
@@ -310,8 +299,10 @@ class PmixServer:
             done(rc, b"")
 
 
-# Set for the server's libpmix only while it starts (it reads its MCA parameters then).
-_SERVER_MCA = {"PMIX_MCA_psec": "native"}
+# The server's own security mode: "native" (uid checks on its socket); under munge libpmix
+# would otherwise offer a mode the wheel's client complains about. In the environment only
+# while the server starts (libpmix reads its MCA parameters then): spawner/pmixhost.py.
+SERVER_MCA = {"PMIX_MCA_psec": "native"}
 
 
 class Namespace:

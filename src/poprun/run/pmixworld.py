@@ -24,6 +24,7 @@ from spawner import pmixplan
 
 SUCCESS, ERROR, ERR_NOT_FOUND = 0, -1, -46  # spawner/pmixserver.py's statuses
 MAX_MODEX = 64 << 20  # bytes of one rank's data from an agent
+MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in one world
 
 
 def _b64(data: bytes) -> str:
@@ -157,6 +158,9 @@ class PmixWorld:
                 answer(ERR_NOT_FOUND, b"")
             else:
                 self._pmix.server.dmodex_request(self.kvsname, rank, answer)
+            return
+        if len(self._asks) >= MAX_ASKS:  # an owner that never answers: refuse, not grow
+            answer(ERROR, b"")
             return
         ask = next(self._ids)
         self._asks[ask] = (answer,)

@@ -252,3 +252,28 @@ def test_popdist_progress_of_a_huge_step_does_not_raise(tmp_path):
     proc = subprocess.run([sys.executable, "-c", program], capture_output=True, timeout=60,
                           env=poprun_env({"POPDIST_PROGRESS_FILE": str(tmp_path / "p")}))
     assert proc.stdout == b"ok\n", proc.stderr.decode()[-2000:]
+
+
+# --- the worlds a user does not use, turned off -----------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("worlds", ["auto", "none"])
+def test_mpi_worlds_none_serves_no_rendezvous_and_no_world(worlds):
+    """`--mpi-worlds none` turns every world off, Horovod's rendezvous (the one port poprun
+    listens on) included: the instances get neither its address nor a PMI socket, and poprun
+    says so at -v. `auto` serves both."""
+    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "-v",
+                      f"--mpi-worlds={worlds}", sys.executable, "-c",
+                      "import os; print(os.environ.get('HOROVOD_GLOO_RENDEZVOUS_ADDR'), "
+                      "os.environ.get('PMI_FD'), flush=True)")
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, err
+    lines = [line.split() for line in out.splitlines() if line.strip()]
+    assert len(lines) == 2, out
+    if worlds == "none":
+        assert all(words == ["None", "None"] for words in lines), out
+        assert "no Horovod rendezvous: --mpi-worlds none" in err
+    else:
+        assert all(words[0] != "None" and words[1] != "None" for words in lines), out
+        assert "Horovod's Gloo rendezvous:" in err

@@ -71,6 +71,21 @@ def run_world(tmp_path, instances: int, program: str, *options: str):
     return proc, result
 
 
+def aborting(rank: int, code: int) -> str:
+    """A program whose instance `rank` calls MPI_Abort(`code`) once the world is up; the others
+    would sleep a minute."""
+    return ("import time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\nc.Barrier()\n"
+            f"if c.Get_rank() == {rank}:\n    c.Abort({code})\ntime.sleep(60)\n")
+
+
+def assert_aborted(proc, result, rank: int, code: int) -> None:
+    """The job ended with `rank`'s MPI_Abort: its code, and that instance the root cause."""
+    err = proc.stderr.decode()
+    assert proc.returncode == code, err[-3000:]
+    assert f"instance {rank} called MPI_Abort (exit code {code})" in err
+    assert result["root_cause"] == rank and result["exit_reason"] == "instance"
+
+
 def test_four_instances_form_one_world_with_ranks_their_indices():
     proc = run_poprun(*OFFLINE, "-v", "--num-instances=4", "--num-replicas=4", sys.executable,
                       "-c", WORLD, timeout=90)
@@ -233,14 +248,8 @@ def test_two_hosts_of_two_form_one_world_with_an_8_mb_allreduce(two_hosts, tmp_p
 
 
 def test_mpi_abort_on_another_host_ends_the_job_with_its_code(two_hosts, tmp_path):
-    proc, result = run_across(two_hosts, tmp_path, "h1,h2",
-                              "import time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
-                              "c.Barrier()\nif c.Get_rank() == 3:\n    c.Abort(7)\n"
-                              "time.sleep(60)\n")
-    err = proc.stderr.decode()
-    assert proc.returncode == 7, err[-3000:]
-    assert "instance 3 called MPI_Abort (exit code 7)" in err
-    assert result["root_cause"] == 3 and result["exit_reason"] == "instance"
+    proc, result = run_across(two_hosts, tmp_path, "h1,h2", aborting(3, 7))
+    assert_aborted(proc, result, 3, 7)
 
 
 def test_a_killed_rank_on_another_host_ends_the_job(two_hosts, tmp_path):

@@ -605,6 +605,18 @@ def test_a_job_whose_watchdog_cleaned_up_shows_nothing_running(environ):
     assert [r["state"] for r in shown["instances"]] == ["running", "unknown"]
 
 
+def _remove_pmix_leftovers(environ) -> None:
+    """What the PMIx worlds of the recorded jobs left (a Python with mpi4py gets one)."""
+    import shutil
+
+    from spawner.reaphere import pmix_leftovers
+
+    for record in jobs.scan(environ).records:
+        for names in (record.get("mpi_worlds") or {}).values():
+            for path in (p for name in names for p in pmix_leftovers(name)):
+                shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.timeout(180)
 def test_records_and_rings_stay_bounded_whatever_state_jobs_were_left_in(environ):
     """Jobs killed outright (poprun and its watchdog) leave their control socket; reaped or
@@ -618,6 +630,7 @@ def test_records_and_rings_stay_bounded_whatever_state_jobs_were_left_in(environ
     finally:
         for pid in instances_with(marker):
             os.kill(pid, signal.SIGKILL)
+        _remove_pmix_leftovers(environ)  # of the jobs left "gone" on purpose
     directories = {r["id"]: r["_dir"] for r in jobs.scan(environ).records}
     for job_id in reaped_ids:
         assert record_of(environ, job_id)["exit_reason"] == "reaped"
@@ -696,6 +709,7 @@ def test_reap_over_ssh_after_the_launcher_and_a_remote_agent_were_killed(environ
     instances' cgroup tree where cgroups are writable). reap kills both instances (over SSH
     for h1) and removes every host's leftovers: the record names them."""
     from spawner.containment import CGROUP_PREFIX, remove_tree
+    from spawner.reaphere import pmix_leftovers
 
     env = {**hosts.env(), **environ}
     marker = f"reap-ssh-{os.getpid()}"
@@ -739,7 +753,11 @@ def test_reap_over_ssh_after_the_launcher_and_a_remote_agent_were_killed(environ
         assert notes == {"would kill its process group", "would remove it",
                          "would kill 1 process(es) still carrying the job's mark "
                          "(POPRUN_LIFELINE)"}
-        assert {e["path"] for e in by_host["h1"]["entries"] if e["what"] == "dir"} == {
+        # The job's PMIx directories are named by its worlds (reaphere.pmix_leftovers): both
+        # hosts being this machine, each host's reap finds every host's.
+        pmix = {path for names in record["mpi_worlds"].values() for name in names
+                for path in pmix_leftovers(name)}
+        assert {e["path"] for e in by_host["h1"]["entries"] if e["what"] == "dir"} - pmix == {
             caches["h1"], *left}
         assert all(map(os.path.isdir, left))
         reaped = poprunctl("reap", env=env)

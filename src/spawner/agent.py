@@ -355,8 +355,12 @@ class Agent:
                           Kind.WORLD_END: self._end_world,
                           Kind.BARRIER_OUT: partial(self._to_world, Kind.BARRIER_OUT),
                           Kind.VALUE: partial(self._to_world, Kind.VALUE),
+                          Kind.FENCE_OUT: partial(self._to_world, Kind.FENCE_OUT),
+                          Kind.MODEX_ASK: partial(self._to_world, Kind.MODEX_ASK),
+                          Kind.MODEX_DATA: partial(self._to_world, Kind.MODEX_DATA),
                           Kind.PROBE: self._probe, Kind.FACTS: self._facts}
         self._worlds: dict[str, Any] = {}  # kvsname -> spawner.agentworld.AgentWorld
+        self._pmix = None  # this host's PMIx service (spawner.pmixhost), once a world needs it
         self._facts_read: hostfacts.Reading | None = None  # what HELLO's `facts` asked
         self._last_heard = time.monotonic()
         self.done, self.status = False, 0
@@ -508,7 +512,7 @@ class Agent:
         env = instance_environ(request.env_set, request.env_unset)
         pmi_end = None
         if request.world is not None:
-            world_env, pmi_end = self._worlds[request.world].attach(request.key)
+            world_env, pmi_end = self._worlds[request.world].attach(request.key, env)
             env.update(world_env)
         try:
             return self._spawner.spawn(ProcessSpec(
@@ -560,8 +564,26 @@ class Agent:
     def _open_world(self, fields: dict[str, Any]) -> None:
         from .agentworld import AgentWorld
 
-        world = AgentWorld(self._loop, fields, self._outbox.send, self._lifeline)
+        world = AgentWorld(self._loop, fields, self._outbox.send, self._lifeline,
+                           self._pmix_host)
         self._worlds[world.kvsname] = world
+
+    def _pmix_host(self, pmix: dict[str, Any], hostname: str):
+        """This host's PMIx service (one per process: libpmix allows one server), with the
+        libpmix the launcher's user named, else the one found here (spawner/pmixfind.py).
+        Raises LookupError where there is none."""
+        if self._pmix is None:
+            from . import pmixfind
+            from .pmixhost import PmixHost
+
+            argv = [str(a) for a in pmix.get("argv") or []]
+            given = pmix.get("libpmix")
+            path = pmixfind.find(os.environ, argv, given)
+            if path is None:
+                raise LookupError("no libpmix: looked for " + ", ".join(
+                    pmixfind.candidates(os.environ, argv, given)))
+            self._pmix = PmixHost(path, self._lifeline, hostname, self._loop)
+        return self._pmix
 
     def _end_world(self, fields: dict[str, Any]) -> None:
         world = self._worlds.pop(fields["kvsname"], None)
@@ -603,6 +625,8 @@ class Agent:
         self._outbox.send(output_header(key, stream, len(data)), data)
 
     def on_exit(self, key: int, returncode: int) -> None:
+        for world in self._worlds.values():  # left Open MPI's world without MPI_Finalize?
+            world.exited(key)
         error = self._spawner.errors.get(key)  # sent only when there is one
         steps = self._spawner.progress(key)  # its last popdist.progress(), if it called it
         self._outbox.send(encode(Kind.EXIT, key=key, returncode=returncode,
@@ -653,6 +677,8 @@ class Agent:
         for world in self._worlds.values():  # its instances are dead now
             world.remove_leftovers()
         self._worlds.clear()
+        if self._pmix is not None:
+            self._pmix.close()
         for path in self._temp_dirs:
             shutil.rmtree(path, ignore_errors=True)
             self._lifeline.discard_dir(path)

@@ -9,11 +9,19 @@ BARRIER_OUT with every put of that epoch; a GET for a key this host has not seen
 instance's MPI_ABORT or a connection closed before MPI_Finalize (MPI_LOST), for the job to act
 on. What MPICH leaves in /dev/shm is removed when the launcher ends the world (WORLD_END), when
 the agent ends, and by its lifeline's watchdog when the agent is killed outright.
+
+Where the WORLD frame asks for it, Open MPI's world is served here too: this host's PMIx
+server (spawner/pmixhost.py) registers the world's namespace before the SPAWNs, each instance
+gets its PMIX_* variables, and what crosses hosts goes to the launcher (run/pmixworld.py):
+ONE FENCE_IN per fence for this host's instances (answered by FENCE_OUT with every host's
+data), MODEX_WANT for a rank on another host (answered by MODEX_DATA), MODEX_GOT answering the
+launcher's MODEX_ASK for a rank here. Where no libpmix is found, PMIX_UNSERVED says why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import os
 import socket
@@ -30,7 +38,7 @@ class AgentWorld:
     """The world named in a WORLD frame, for the instances of it that run here."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fields: dict[str, Any],
-                 send: Callable[[bytes], None], lifeline) -> None:
+                 send: Callable[[bytes], None], lifeline, pmix_host=None) -> None:
         self.kvsname = str(fields["kvsname"])
         self.size = int(fields["size"])
         self._nodes = [int(n) for n in fields["nodes"]]  # each rank's host, in host order
@@ -43,12 +51,36 @@ class AgentWorld:
         self._barrier: asyncio.Future | None = None
         self._gets: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
+        self._pmix = None  # this host's PMIx service, where Open MPI's world is served too
+        self.pmix_ns = None  # the world's namespace on it (spawner.pmixserver.Namespace)
+        self._fences: dict[Any, Callable[[int, bytes], None]] = {}
+        self._wants: dict[int, Callable[[int, bytes], None]] = {}
+        if fields.get("pmix") and self.ranks and pmix_host is not None:
+            self._open_pmix(dict(fields["pmix"]), pmix_host)
 
-    def attach(self, rank: int) -> tuple[dict[str, str], socket.socket]:
+    def _open_pmix(self, pmix: dict[str, Any], pmix_host) -> None:
+        from . import pmixplan
+
+        names = [str(n) for n in pmix["names"]]
+        hosts = [names[n] for n in self._nodes]
+        here = hosts[self.ranks[0]]
+        try:
+            self._pmix = pmix_host(pmix, here)
+            self.pmix_ns = self._pmix.open(pmixplan.world(self.kvsname, hosts, here), self)
+        except (LookupError, OSError, RuntimeError) as exc:
+            self._pmix = None
+            self._send(encode(Kind.PMIX_UNSERVED, kvsname=self.kvsname, error=str(exc)))
+
+    def attach(self, rank: int, environ: dict[str, str] | None = None
+               ) -> tuple[dict[str, str], socket.socket]:
         """The instance's end of its PMI socket (to inherit, then close here) and the
-        variables the launcher could not give it (the descriptor, this host's name)."""
+        variables the launcher could not give it (the descriptor, this host's name, PMIx's
+        where served; what `environ`, the instance's own, sets wins)."""
         theirs = self.server.attach(rank) if self.server else self._ends.attach(rank)
-        return {PMI_FD: str(theirs.fileno()), PMI_HOSTNAME: os.uname().nodename}, theirs
+        pmix = (self._pmix.instance_env(self.pmix_ns, rank, environ)
+                if self.pmix_ns is not None else {})
+        return {PMI_FD: str(theirs.fileno()), PMI_HOSTNAME: os.uname().nodename,
+                **pmix}, theirs
 
     def _start(self) -> None:
         from .pmi import PmiServer, process_mapping_for_ranks
@@ -74,10 +106,54 @@ class AgentWorld:
         self._send(encode(Kind.GET, kvsname=self.kvsname, id=ask, key=key))
         return await future
 
+    # --- this host's PMIx server (spawner.pmixserver.Handler) ---------------------------
+
+    def fence(self, fence, data: bytes, done: Callable[[int, bytes], None]) -> None:
+        self._fences[(tuple(fence.ranks), fence.seq)] = done
+        self._send(encode(Kind.FENCE_IN, kvsname=self.kvsname, ranks=list(fence.ranks),
+                          seq=fence.seq, data=base64.b64encode(data).decode()))
+
+    def direct_modex(self, rank: int, done: Callable[[int, bytes], None]) -> None:
+        want = next(self._ids)
+        self._wants[want] = done
+        self._send(encode(Kind.MODEX_WANT, kvsname=self.kvsname, id=want, rank=rank))
+
+    def abort(self, rank: int, status: int, message: str) -> None:
+        self._aborted(rank, status, message)
+
+    def exited(self, rank: int) -> None:
+        """An instance here exited: had it joined Open MPI's world and not left it properly?"""
+        if self.pmix_ns is not None and self.pmix_ns.unfinalized(rank):
+            self.pmix_ns.finalized.add(rank)  # said once
+            self._lost(rank, True)
+
+    def _pmix_answered(self, kind: Kind, fields: dict[str, Any]) -> None:
+        """FENCE_OUT, MODEX_DATA, MODEX_ASK from the launcher."""
+        data = base64.b64decode(fields.get("data") or "")
+        if kind is Kind.FENCE_OUT:
+            done = self._fences.pop((tuple(int(r) for r in fields["ranks"]),
+                                     int(fields["seq"])), None)
+            if done is not None:
+                done(-1 if fields.get("error") else 0, data)
+        elif kind is Kind.MODEX_DATA:
+            done = self._wants.pop(int(fields["id"]), None)
+            if done is not None:
+                done(int(fields["status"]), data)
+        elif self._pmix is not None and self._pmix.server is not None:  # MODEX_ASK
+            ask = fields["id"]
+            self._pmix.server.dmodex_request(
+                self.kvsname, int(fields["rank"]),
+                lambda status, blob: self._send(encode(
+                    Kind.MODEX_GOT, kvsname=self.kvsname, id=ask, status=status,
+                    data=base64.b64encode(blob).decode())))
+
     def answered(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """BARRIER_OUT or VALUE from the launcher."""
+        """BARRIER_OUT or VALUE from the launcher (or PMIx's answers)."""
         from .pmi import PmiError
 
+        if kind in (Kind.FENCE_OUT, Kind.MODEX_DATA, Kind.MODEX_ASK):
+            self._pmix_answered(kind, fields)
+            return
         if kind is Kind.BARRIER_OUT:
             future, self._barrier = self._barrier, None
             if future is None or future.done():
@@ -102,13 +178,25 @@ class AgentWorld:
     # --- ending -------------------------------------------------------------------------
 
     async def close(self) -> None:
-        """The world ends (its instances are gone): stop serving, remove MPICH's leftovers."""
+        """The world ends (its instances are gone): stop serving, remove MPICH's leftovers
+        and the namespace (with Open MPI's segments)."""
         self._ends.close()
+        self._close_pmix()
         if self.server is not None:
             await self.server.close()
         self.remove_leftovers()
 
+    def _close_pmix(self) -> None:
+        for done in [*self._fences.values(), *self._wants.values()]:
+            done(-1, b"")  # nobody is left to complete them
+        self._fences.clear()
+        self._wants.clear()
+        if self.pmix_ns is not None:
+            self._pmix.close_world(self.pmix_ns)
+            self.pmix_ns = None
+
     def remove_leftovers(self) -> None:
+        self._close_pmix()
         if self.server is None:  # nobody spoke: MPICH made nothing
             return
         from .reaphere import remove_mpich_shm

@@ -95,13 +95,15 @@ class Lifeline:
     def add_dir(self, path: str) -> None:
         self._send(b"d" + os.fsencode(path) + b"\0")
 
-    def make_temp_dir(self, prefix: str) -> str:
-        """A new private (0700) temporary directory the watchdog removes if its owner dies.
-        Registered *before* it exists: with mkdtemp-then-register, an owner SIGKILLed in
-        between left the directory behind (1 run in ~150 of the start-up SIGKILL test)."""
-        import tempfile
+    def make_temp_dir(self, prefix: str, parent: str | None = None) -> str:
+        """A new private (0700) temporary directory (in `parent`, else the temp dir) the
+        watchdog removes if its owner dies. Registered *before* it exists: with
+        mkdtemp-then-register, an owner SIGKILLed in between left the directory behind (1
+        run in ~150 of the start-up SIGKILL test)."""
+        if parent is None:
+            import tempfile
 
-        parent = tempfile.gettempdir()
+            parent = tempfile.gettempdir()
         for _ in range(100):
             path = os.path.join(parent, prefix + os.urandom(6).hex())
             if os.path.lexists(path):

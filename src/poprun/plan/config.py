@@ -29,7 +29,11 @@ DEFAULT_HOST_TIMEOUT = 15.0
 DEFAULT_RESTART_DELAY = 1.0  # seconds between a failed attempt's cleanup and the next start
 SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
 LAUNCHERS = ("ssh", "slurm")  # how agents reach remote hosts (--launcher)
-REMOTE_INSTALL = ("auto", "never")  # --remote-install: spawner.bootstrap.INSTALL_MODES
+REMOTE_INSTALL = ("auto", "never")
+# --mpi-worlds: auto serves PMI-1 (MPICH) always and PMIx (Open MPI) where a libpmix is found
+# (run/world.py); pmi1: PMI-1 only; none: no world (each MPI instance is a world of one) and
+# no Horovod rendezvous (run/session.py).
+MPI_WORLDS = ("auto", "pmi1", "none")
 MAX_COUNT = 1 << 20  # replicas, IPUs per replica, ILDs, SSH fan-out: beyond any IPU system
 MAX_INSTANCES = 1 << 16  # instances (a dry run plans 65,536 in ~6 s here)
 FORWARD_ENV_MODES = ("default", "all")  # --forward-env (popdist.env.NOT_FORWARDED for all)
@@ -79,6 +83,8 @@ class LaunchConfig:
     # Hosts that differ in what the job depends on (poprun/plan/alike.py): warn and go on,
     # refuse to start (an error), or do not compare them.
     compare_hosts: str = "warn"
+    mpi_worlds: str = "auto"  # MPI_WORLDS: which worlds the instances are served
+    libpmix: str | None = None  # the libpmix to serve PMIx with; None: found (spawner.pmixfind)
     distribute_ssh_key: bool = False
     distribute_ssh_key_path: str | None = None  # the key's folder; None: ~/.ssh
     distribute_ssh_key_type: str | None = None  # set: generate a key of this type first
@@ -192,6 +198,9 @@ class LaunchConfig:
                 compile_pattern(self.progress_pattern)
             except ValueError as exc:
                 raise ConfigError(f"--progress-pattern: {exc}") from None
+        if self.mpi_worlds not in MPI_WORLDS:
+            raise ConfigError(f"--mpi-worlds must be one of {', '.join(MPI_WORLDS)}, "
+                              f"got {self.mpi_worlds!r}")
         if self.remote_install not in REMOTE_INSTALL:
             raise ConfigError(f"--remote-install must be one of {', '.join(REMOTE_INSTALL)}, "
                               f"got {self.remote_install!r}")
@@ -361,7 +370,7 @@ _OPTIONAL_STR_FIELDS = (
     "vipu_server_host", "vipu_partition", "vipu_allocation", "vipu_cluster", "sync_type",
     "ipu_link_routing_type", "gw_link_routing_type", "host_subnet", "version_format",
     "result_json",
-    "progress_pattern")
+    "progress_pattern", "libpmix")
 # Options that parse (later SDKs' scripts pass them) and do nothing here: said at -v.
 INERT_FIELDS = ("allow_run_as_root", "synchronise_python_venv",
                 "synchronise_poplar_sdk", "version_format")

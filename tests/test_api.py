@@ -173,6 +173,27 @@ async def test_consecutive_launches_in_one_process(tmp_path: Path, capture: Capt
     assert sorted(out.splitlines()) == [b"done 0", b"done 1"]
 
 
+async def test_launches_after_the_first_pmix_one_in_a_process_get_pmi1_only(
+        capture: Capture) -> None:
+    """libpmix serves once per process (a second PMIx_server_init aborts the process): a
+    later launch() in the same process runs, says that Open MPI's world is not served to it,
+    and serves PMI-1 as before."""
+    program = config(PY, "-c", "import os; print('PMI_FD' in os.environ, "
+                     "'PMIX_NAMESPACE' in os.environ, flush=True)")
+    first = await asyncio.wait_for(launch(program, **capture.fds), TIMEOUT)
+    server = sys.modules.get("spawner.pmixserver")
+    if server is None or not server.started_in_this_process():
+        reason = "no PMIx server was started here (no Open MPI or libpmix)"
+        if os.environ.get("POPRUN_REQUIRE_OPENMPI") == "1":
+            pytest.fail(f"{reason}; POPRUN_REQUIRE_OPENMPI=1 forbids skipping", pytrace=False)
+        pytest.skip(reason)
+    second = await asyncio.wait_for(launch(program, **capture.fds), TIMEOUT)
+    assert first.ok and second.ok
+    out, err = capture.read()
+    assert out.splitlines()[-2:] == [b"True False"] * 2, out
+    assert b"libpmix serves one job per process" in err, err[-2000:]
+
+
 @pytest.mark.parametrize("options", [
     {"num_instances": 2, "num_replicas": 3},
     {"num_instances": 0},

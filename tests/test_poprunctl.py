@@ -44,13 +44,19 @@ def wait_for_peer(conn):
     return conn.recv(1)  # BLOCKED IN RECV
 
 def deadlock(rank):
-    base = int(os.environ["MASTER_PORT"]) + 100
-    server = socket.create_server(("", base + rank))
+    # Each listens on a port the kernel chose and tells the other through a file beside
+    # this script (a fixed offset from MASTER_PORT could be taken by another process).
+    here = os.path.dirname(os.path.abspath(__file__))
+    server = socket.create_server(("127.0.0.1", 0))
+    with open(os.path.join(here, f"port{rank}.tmp"), "w") as f:
+        f.write(str(server.getsockname()[1]))
+    os.replace(os.path.join(here, f"port{rank}.tmp"), os.path.join(here, f"port{rank}"))
     while True:
         try:
-            out = socket.create_connection(("127.0.0.1", base + 1 - rank))
+            with open(os.path.join(here, f"port{1 - rank}")) as f:
+                out = socket.create_connection(("127.0.0.1", int(f.read())))
             break
-        except ConnectionRefusedError:
+        except (FileNotFoundError, ConnectionRefusedError):
             time.sleep(0.02)
     conn, _ = server.accept()
     print(f"rank {rank} connected", flush=True)

@@ -223,12 +223,26 @@ def test_an_mpich_instance_runs_beside_pmix_variables(tmp_path, clean):
     assert lines == [f"world rank={r} size=4 sum=10 bcast=from 1" for r in range(4)]
 
 
-def test_mpi_worlds_none_gives_open_mpi_no_world_and_popdist_agrees(tmp_path, ompi):
-    proc, _ = run_world(tmp_path, ompi, 2, "import popdist\nfrom mpi4py import MPI\n"
-                        "popdist.init()\nprint('size', MPI.COMM_WORLD.Get_size(), "
-                        "popdist.isBackendInitialized(), flush=True)\n", "--mpi-worlds=none")
+@pytest.mark.parametrize("worlds, expected", [("auto", "size 2 True"), ("pmi1", "size 1 False"),
+                                              ("none", "size 1 False")])
+@pytest.mark.parametrize("first", ["popdist", "mpi4py"])
+def test_popdist_agrees_with_the_world_open_mpi_has(tmp_path, ompi, worlds, expected, first,
+                                                    request):
+    """popdist's backend is initialised only where Open MPI has the job's world: under
+    `--mpi-worlds pmi1` Open MPI is a world of one, and popdist says so whether it was
+    initialised before Open MPI's library was loaded or after."""
+    if (worlds, first, request.node.callspec.params["ompi"]) == ("pmi1", "popdist", "5"):
+        # Seen here: Open MPI 5's MPI_Init, after popdist joined the PMI-1 world, refuses to
+        # start as a singleton ("no-pmix-but") and exits from C: a failed job, not a world.
+        pytest.skip("Open MPI 5 refuses a singleton start after a PMI-1 join")
+    steps = {"popdist": "import popdist\npopdist.init()\n",
+             "mpi4py": "from mpi4py import MPI\n"}
+    program = (steps[first] + steps["mpi4py" if first == "popdist" else "popdist"]
+               + "print('size', MPI.COMM_WORLD.Get_size(), popdist.isBackendInitialized(), "
+               "flush=True)\n")
+    proc, _ = run_world(tmp_path, ompi, 2, program, f"--mpi-worlds={worlds}")
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
-    assert proc.stdout.decode().split("\n")[:2] == ["size 1 False"] * 2
+    assert proc.stdout.decode().split("\n")[:2] == [expected] * 2
 
 
 def test_a_given_libpmix_that_is_no_file_is_a_usage_error():

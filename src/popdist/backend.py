@@ -16,6 +16,13 @@ MPI_Init in the same process speaks on the same one, before or after. No barrier
 would make `popdist.init()` wait for every instance, and would put the barriers of an MPI
 library sharing the socket out of step where not every instance calls it.
 
+Open MPI joins no PMI-1 world: it wires up only through PMIx, which poprun serves apart
+(`PMIX_NAMESPACE` and the other PMIX_* variables). Where Open MPI's library is loaded in this
+process and poprun served it no PMIx world (`--mpi-worlds pmi1`, or no libpmix found), its
+MPI_Init makes a world of one whatever the PMI-1 world holds: popdist then claims no world
+either (`initialize()` returns False, `initialized()` is False, also when Open MPI is loaded
+after `popdist.init()`), so that the backend agrees with the world the frameworks' MPI has.
+
 Without a world (outside poprun; a job whose instances get none, see run/world.py; a
 process poprun did not start itself, which lacks the socket) there is nothing to join:
 `initialize()` returns False and the backend stays uninitialised.
@@ -33,6 +40,7 @@ from popdist import env
 __all__ = ["initialize", "initialized", "finalize"]
 
 REPLY_TIMEOUT = 60.0  # seconds: poprun answers at once; silence means it is gone
+OPEN_MPI_LIBRARY = b"/libmpi.so.40"  # Open MPI 4 and 5's soname (MPICH's is libmpi.so.12)
 _MAX_REPLY = 4096
 
 
@@ -49,13 +57,16 @@ _joined: _Membership | None = None
 
 
 def initialized() -> bool:
-    """Whether this process has joined its job's world and not left it."""
-    return _mine() is not None and not _joined.finalized
+    """Whether this process has joined its job's world and not left it (and that world is
+    the one its MPI has: _open_mpi_alone)."""
+    return _mine() is not None and not _joined.finalized and not _open_mpi_alone()
 
 
 def initialize() -> bool:
     """Join the job's world (once; again is a no-op). False where there is none to join."""
     global _joined
+    if _open_mpi_alone():
+        return False
     if _mine() is not None:
         if _joined.finalized:
             raise RuntimeError("popdist.init(): the backend was finalised in this process; "
@@ -85,6 +96,18 @@ def _finalize_at_exit() -> None:
         finalize()
     except (OSError, RuntimeError):
         pass  # poprun is gone: nobody is left to tell
+
+
+def _open_mpi_alone() -> bool:
+    """Open MPI's library is loaded in this process and poprun served it no PMIx world: its
+    world is this process alone (module docstring)."""
+    if env.PMIX_NAMESPACE in os.environ:
+        return False
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return any(OPEN_MPI_LIBRARY in line for line in maps)
+    except OSError:
+        return False
 
 
 def _mine() -> _Membership | None:

@@ -72,6 +72,8 @@ OMPI_LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
 # --- An MPI world over PMI-1 (spawner/pmi.py), as MPICH's Hydra sets it ------------------
 PMI_FD = "PMI_FD"  # the instance's end of a socket to poprun's PMI server
 PMI_RANK = "PMI_RANK"
+# Set (with the other PMIX_* variables) where poprun serves the instance Open MPI's world.
+PMIX_NAMESPACE = "PMIX_NAMESPACE"
 PMI_SIZE = "PMI_SIZE"
 PMI_HOSTNAME = "PMI_HOSTNAME"  # MPICH's ofi netmod picks its network card by it
 MPI_LOCALRANKID = "MPI_LOCALRANKID"

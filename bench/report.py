@@ -203,6 +203,12 @@ def targets(doc: dict) -> list[dict]:
                 f"mpi-{case['n']}-mpiexec", f"MPI world ×{case['n']}: poprun within {MPI_MPIEXEC_MAX_X:g}× "
                 "MPICH's mpiexec", side(case["sides"], "poprun"), side(case["sides"], "mpiexec"), "mpiexec",
                 lambda x: x <= MPI_MPIEXEC_MAX_X))
+    for case in sc.get("ompi", {}).get("cases", []):
+        if case["n"] == MPI_TARGET_N:
+            out.append(competitor_target(
+                f"ompi-{case['n']}-mpirun", f"Open MPI world ×{case['n']}: poprun within "
+                f"{MPI_MPIEXEC_MAX_X:g}× Open MPI's mpirun", side(case["sides"], "poprun"),
+                side(case["sides"], "mpirun"), "mpirun", lambda x: x <= MPI_MPIEXEC_MAX_X))
     td = sc.get("teardown", {})
     if td.get("sides"):
         pop = side(td["sides"], "poprun")
@@ -330,6 +336,8 @@ def render_markdown(doc: dict) -> str:
         L += slurm_section(sc["slurm"])
     if "mpi" in sc:
         L += mpi_section(sc["mpi"])
+    if "ompi" in sc:
+        L += ompi_section(sc["ompi"])
     if "profile" in doc:
         L += profile_section(doc["profile"])
     L += methods()
@@ -642,6 +650,26 @@ def mpi_section(block: dict) -> list[str]:
     if rows:
         L += md_table(["N", side_title("floor", "mpi"), "no launcher (N singletons)", "poprun", "mpiexec",
                        "poprun ÷ mpiexec", "poprun CPU (own)", "mpiexec CPU (own)"], rows)
+    return L
+
+
+def ompi_section(block: dict) -> list[str]:
+    """Open MPI's world: poprun serving PMIx against Open MPI's own mpirun (run_all.run_ompi)."""
+    L = ["## Open MPI world wire-up", "",
+         f"The same program as above (`python -c \"{block.get('program', '')}\"`), N local ranks of "
+         f"`{block.get('python', 'python3')}` with Debian's python3-mpi4py over Debian's Open MPI 4.1: "
+         "poprun serving the world itself (its PMIx server over the system's libpmix) against Open "
+         f"MPI's own `{block.get('mpirun', 'mpirun')}` (`--oversubscribe`; found by path, so the "
+         "test extra's wheels cannot stand in for it). Rank 0 prints the world's size, which must "
+         "be N. *Floor*: one singleton of the same program.", ""]
+    L += skipped_note(block)
+    rows = []
+    for case in block.get("cases", []):
+        s = {n: side(case["sides"], n) for n in ("floor", "poprun", "mpirun")}
+        rows.append([str(case["n"])] + [cell(s[n]) for n in s]
+                    + [fmt_x(ratio(med(s["poprun"]), med(s["mpirun"])))])
+    if rows:
+        L += md_table(["N", side_title("floor", "mpi"), "poprun", "mpirun", "poprun ÷ mpirun"], rows)
     return L
 
 

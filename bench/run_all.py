@@ -51,10 +51,12 @@ sys.path[:0] = [str(BENCH_DIR), str(REPO / "tests")]
 
 import launch_bench as lb  # noqa: E402
 import mpi_bench as mb  # noqa: E402
+import ompi_bench as ob  # noqa: E402
 import report  # noqa: E402
 
 SIDES = ("poprun", "mpirun", "torchrun", "mpiexec", "pdsh", "clush", "none")
-SCENARIOS = ("launch", "output", "fold", "ssh", "fanout", "rss", "teardown", "slurm", "mpi")
+SCENARIOS = ("launch", "output", "fold", "ssh", "fanout", "rss", "teardown", "slurm", "mpi",
+             "ompi")
 # launch_bench's name for the no-launcher side
 BASELINE = {"none": "baseline"}
 
@@ -390,6 +392,24 @@ def run_mpi(tools, sides, plan, tmp) -> dict:
             "cases": [{"n": r.instances, "sides": side_list(r.sides)} for r in res]}
 
 
+def run_ompi(tools, sides, plan, tmp) -> dict:
+    """Open MPI's world of N local ranks: poprun serving its PMIx against Open MPI's own
+    `mpirun`, the same program and Open MPI (Debian's 4.1: ompi_bench)."""
+    if not sides["poprun"]["available"]:
+        return {"skipped": "poprun is not available"}
+    missing = [p for p in (ob.MPIRUN, ob.PYTHON) if not os.access(p, os.X_OK)]
+    if missing:
+        return {"skipped": f"no {', '.join(missing)} (apt-get install openmpi-bin python3-mpi4py)"}
+    cases = []
+    for k, n in enumerate(plan.mpi_sizes):
+        group = ob.contenders(tools.poprun, n, dict(tools.env or os.environ))
+        lb.interleave(group, plan.mpi_reps, tmp / f"n{n}", f"ompi n={n}", warmup=(k == 0))
+        cases.append({"n": n, "sides": side_list([c.side for c in group])})
+    return {"sizes": list(plan.mpi_sizes), "reps": plan.mpi_reps, "program": mb.PROGRAM,
+            "floor_program": mb.FLOOR_PROGRAM, "mpirun": ob.MPIRUN, "python": ob.PYTHON,
+            "cases": cases}
+
+
 # ---------------------------------------------------------------------------- profile
 
 
@@ -531,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             ("teardown", lambda: run_teardown(tools, sides, plan, tmp / "teardown")),
             ("slurm", lambda: run_slurm(tools, sides, plan, tmp / "slurm")),
             ("mpi", lambda: run_mpi(tools, sides, plan, tmp / "mpi")),
+            ("ompi", lambda: run_ompi(tools, sides, plan, tmp / "ompi")),
         ]
         for name, step in steps:
             wanted = name in args.scenarios or (name == "teardown" and "rss" in args.scenarios)

@@ -51,7 +51,7 @@ def test_quick_run_writes_page_and_chart_with_every_side(tmp_path):
 
     assert doc["quick"] is True and "Quick run" in page
     # Every scenario ran to the end (the slurm one may say it is skipped, not fail).
-    for name in ("launch", "output", "fold", "ssh", "fanout", "teardown", "slurm", "mpi"):
+    for name in ("launch", "output", "fold", "ssh", "fanout", "teardown", "slurm", "mpi", "ompi"):
         assert name in doc["scenarios"], name
         assert "error" not in doc["scenarios"][name], doc["scenarios"][name].get("traceback")
     # Where mpi4py and the mpich wheel are installed, both launchers formed the world.
@@ -59,6 +59,13 @@ def test_quick_run_writes_page_and_chart_with_every_side(tmp_path):
         mpi_sides = doc["scenarios"]["mpi"]["cases"][0]["sides"]
         assert {s["name"] for s in mpi_sides if s["ok"]} >= {"poprun", "mpiexec"}, mpi_sides
         assert "## MPI world wire-up" in page
+    # Where Debian's Open MPI and its mpi4py are, poprun's PMIx and Open MPI's mpirun formed it.
+    if "skipped" not in doc["scenarios"]["ompi"]:
+        ompi_sides = doc["scenarios"]["ompi"]["cases"][0]["sides"]
+        assert {s["name"] for s in ompi_sides if s["ok"]} >= {"poprun", "mpirun"}, ompi_sides
+        assert "## Open MPI world wire-up" in page
+    elif os.environ.get("POPRUN_REQUIRE_OPENMPI") == "1":
+        pytest.fail(f"ompi: {doc['scenarios']['ompi']['skipped']}", pytrace=False)
 
     rows = {line.split("|")[1].strip(): line for line in page.splitlines()
             if line.startswith("| ") and line.count("|") == 4}

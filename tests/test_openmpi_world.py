@@ -226,15 +226,10 @@ def test_an_mpich_instance_runs_beside_pmix_variables(tmp_path, clean):
 @pytest.mark.parametrize("worlds, expected", [("auto", "size 2 True"), ("pmi1", "size 1 False"),
                                               ("none", "size 1 False")])
 @pytest.mark.parametrize("first", ["popdist", "mpi4py"])
-def test_popdist_agrees_with_the_world_open_mpi_has(tmp_path, ompi, worlds, expected, first,
-                                                    request):
+def test_popdist_agrees_with_the_world_open_mpi_has(tmp_path, ompi, worlds, expected, first):
     """popdist's backend is initialised only where Open MPI has the job's world: under
-    `--mpi-worlds pmi1` Open MPI is a world of one, and popdist says so whether it was
+    `--mpi-worlds pmi1` Open MPI is a world of one, and popdist says so, whether it was
     initialised before Open MPI's library was loaded or after."""
-    if (worlds, first, request.node.callspec.params["ompi"]) == ("pmi1", "popdist", "5"):
-        # Seen here: Open MPI 5's MPI_Init, after popdist joined the PMI-1 world, refuses to
-        # start as a singleton ("no-pmix-but") and exits from C: a failed job, not a world.
-        pytest.skip("Open MPI 5 refuses a singleton start after a PMI-1 join")
     steps = {"popdist": "import popdist\npopdist.init()\n",
              "mpi4py": "from mpi4py import MPI\n"}
     program = (steps[first] + steps["mpi4py" if first == "popdist" else "popdist"]
@@ -243,6 +238,18 @@ def test_popdist_agrees_with_the_world_open_mpi_has(tmp_path, ompi, worlds, expe
     proc, _ = run_world(tmp_path, ompi, 2, program, f"--mpi-worlds={worlds}")
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     assert proc.stdout.decode().split("\n")[:2] == [expected] * 2
+
+
+def test_popdist_stops_claiming_a_world_once_open_mpi_is_loaded_without_pmix(tmp_path, ompi):
+    """Under pmi1, popdist joins the PMI-1 world; once Open MPI's library is loaded into the
+    process (here without MPI_Init) its world is the process alone, and isBackendInitialized()
+    says so."""
+    program = ("import ctypes, popdist\npopdist.init()\nbefore = popdist.isBackendInitialized()\n"
+               "ctypes.CDLL('libmpi.so.40')\n"
+               "print('initialized', before, popdist.isBackendInitialized(), flush=True)\n")
+    proc, _ = run_world(tmp_path, ompi, 2, program, "--mpi-worlds=pmi1")
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert proc.stdout.decode().split("\n")[:2] == ["initialized True False"] * 2
 
 
 def test_a_given_libpmix_that_is_no_file_is_a_usage_error():

@@ -83,8 +83,10 @@ def initialize() -> bool:
 
 
 def finalize() -> None:
-    """Leave the world (a no-op when not in it). The socket stays open for MPICH."""
-    if not initialized():
+    """Leave the world (a no-op when not in it). The socket stays open for MPICH. A member
+    leaves whatever MPI was loaded since (not `initialized()`, which also asks that): the
+    PMI-1 world would otherwise see it exit unfinalized and end the job."""
+    if _mine() is None or _joined.finalized:
         return
     _joined.finalized = True
     if _identity(_joined.fd) == _joined.identity:  # MPICH's MPI_Finalize closes it

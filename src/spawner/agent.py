@@ -500,7 +500,6 @@ class Agent:
         else:
             self._outbox.send(encode(Kind.STARTED, key=request.key, pid=pid,
                                      start=procid.start_ticks(pid),
-                                     memory_binding_skipped=bool(self._spawner.memory_binding_skipped),
                                      memory_binding_reason=self._spawner.memory_binding_skipped,
                                      binding=_binding_of(pid),
                                      containment=self._spawner.containment))

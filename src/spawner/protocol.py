@@ -58,10 +58,11 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              result of PROBE: {ok, error, seconds}
                                              result of FACTS: hostfacts.gather()
       FAILED  {id, error}                    a request failed (id null: a malformed frame)
-      STARTED {key, pid, start, memory_binding_skipped, memory_binding_reason,
+      STARTED {key, pid, start, memory_binding_reason,
                binding: {cpus, mems, mempolicy},
                containment}                 containment: how escaped descendants are caught;
-                                             memory_binding_reason: why skipped, or null
+                                             memory_binding_reason: why the memory binding
+                                             asked for was skipped, null when none was
                                              start: its start time (spawner/procid.py)
       SPAWN_FAILED {key, error}
       OUTPUT  key, stream, bytes             binary; blocks of whole lines, as LocalSpawner

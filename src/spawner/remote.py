@@ -620,8 +620,8 @@ class RemoteSpawner:
             self.bindings[fields["key"]] = fields.get("binding")
             self.start_ticks[fields["key"]] = fields.get("start")
             self.started_at[fields["key"]] = time.monotonic()
-            if fields.get("memory_binding_skipped"):
-                reason = fields.get("memory_binding_reason")  # absent from older agents
+            reason = fields.get("memory_binding_reason")  # another host's words: bounded
+            if reason is not None:
                 self.memory_binding_skipped = (reason[:400] if isinstance(reason, str) else
                                                "py-libnuma, libnuma or NUMA support is missing")
             self.containment = fields.get("containment", self.containment)

@@ -254,18 +254,8 @@ def spawn_bound(agent: LocalAgent, cwd: Path) -> Control:
     return started
 
 
-needs_libnuma = pytest.mark.skipif(
-    not __import__("spawner.binding").binding.memory_binding_available(),
-    reason="no libnuma or NUMA support on this host")
-DEBIAN_PYTHON = "/usr/bin/python3"  # Debian's own: a base interpreter without py-libnuma
-
-
-@needs_libnuma
-def test_an_agent_run_by_a_venvs_python_finds_py_libnuma_in_the_venv(tmp_path, monkeypatch):
-    """Under -S a venv's interpreter has the *base* sys.prefix (site's venv() never ran): the
-    agent must find the venv's site-packages itself, not the base installation's."""
-    python = make_venv(sys.executable if sys.prefix == sys.base_prefix else sys._base_executable,
-                       tmp_path / "venv", numa=True)
+def assert_binds_memory(python: str, tmp_path, monkeypatch) -> None:
+    """An agent run by `python` starts an instance with its memory bound, nothing skipped."""
     agent = agent_with_python(python, monkeypatch)
     try:
         started = spawn_bound(agent, tmp_path)
@@ -276,6 +266,21 @@ def test_an_agent_run_by_a_venvs_python_finds_py_libnuma_in_the_venv(tmp_path, m
         agent.kill()
 
 
+needs_libnuma = pytest.mark.skipif(
+    not __import__("spawner.binding").binding.memory_binding_available(),
+    reason="no libnuma or NUMA support on this host")
+DEBIAN_PYTHON = "/usr/bin/python3"  # Debian's own: a base interpreter without py-libnuma
+
+
+@needs_libnuma
+def test_an_agent_run_by_a_venvs_python_finds_py_libnuma_in_the_venv(tmp_path, monkeypatch):
+    """Under -S a venv's interpreter has the *base* sys.prefix (site's venv() never ran): the
+    agent must find the venv's site-packages itself, not the base installation's."""
+    assert_binds_memory(make_venv(sys.executable if sys.prefix == sys.base_prefix
+                                  else sys._base_executable, tmp_path / "venv", numa=True),
+                        tmp_path, monkeypatch)
+
+
 @needs_libnuma
 @pytest.mark.skipif(subprocess.run([DEBIAN_PYTHON, "-c", "import numa"],
                                    capture_output=True).returncode == 0
@@ -283,15 +288,8 @@ def test_an_agent_run_by_a_venvs_python_finds_py_libnuma_in_the_venv(tmp_path, m
                     reason=f"no {DEBIAN_PYTHON} without py-libnuma")
 def test_py_libnuma_in_the_venv_only_binds_memory(tmp_path, monkeypatch):
     """The base interpreter lacks py-libnuma, the venv has it: the binding is in force."""
-    agent = agent_with_python(make_venv(DEBIAN_PYTHON, tmp_path / "venv", numa=True),
-                              monkeypatch)
-    try:
-        started = spawn_bound(agent, tmp_path)
-        assert started.fields["memory_binding_reason"] is None, started.fields
-        assert started.fields["binding"]["mempolicy"] == "bind"
-        assert agent.close() == 0
-    finally:
-        agent.kill()
+    assert_binds_memory(make_venv(DEBIAN_PYTHON, tmp_path / "venv", numa=True), tmp_path,
+                        monkeypatch)
 
 
 def test_a_venv_without_py_libnuma_says_which_module_and_where_it_looked(tmp_path, monkeypatch):

@@ -144,14 +144,19 @@ def test_a_rank_killed_mid_allreduce_ends_the_job(tmp_path, ompi, clean):
     assert result["root_cause"] == 2
 
 
+def assert_ended_by_no_finalize(proc, result, rank: int) -> None:
+    """The job ended (status 1) because `rank` exited 0 without MPI_Finalize, its root cause."""
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err[-3000:]
+    assert f"instance {rank} exited with status 0 without MPI_Finalize" in err
+    assert result["root_cause"] == rank
+
+
 def test_an_instance_that_exits_0_without_finalize_ends_the_job(tmp_path, ompi, clean):
     proc, result = run_world(tmp_path, ompi, 3, "import os\nfrom mpi4py import MPI\n"
                              "c = MPI.COMM_WORLD\nc.Barrier()\nif c.Get_rank() == 1:\n"
                              "    os._exit(0)\nc.Barrier()\n")
-    err = proc.stderr.decode()
-    assert proc.returncode == 1, err[-3000:]
-    assert "instance 1 exited with status 0 without MPI_Finalize" in err
-    assert result["root_cause"] == 1
+    assert_ended_by_no_finalize(proc, result, 1)
 
 
 def test_each_attempt_gets_a_namespace_of_its_own(tmp_path, ompi, clean):
@@ -401,8 +406,5 @@ def test_an_instance_on_another_host_that_exits_0_without_finalize_ends_the_job(
                               "import os, time\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
                               "c.Barrier()\nif c.Get_rank() == 3:\n    os._exit(0)\n"
                               "time.sleep(60)\nc.Barrier()\n")
-    err = proc.stderr.decode()
-    assert proc.returncode == 1, err[-3000:]
-    assert "instance 3 exited with status 0 without MPI_Finalize" in err
-    assert result["root_cause"] == 3
+    assert_ended_by_no_finalize(proc, result, 3)
 

@@ -12,11 +12,13 @@ import sys
 
 import pytest
 
-from conftest import SRC
+from conftest import SRC, reaped
 from spawner import callback
 from spawner.callback import (CALLBACK_VARIABLE, MAGIC, NONCE, PROOF, SECRET_VARIABLE,
                               STEP_VARIABLE, CallbackListener, new_secret)
 from spawner.protocol import MAGIC as PROTOCOL_MAGIC
+from spawner.protocol import Kind, SpawnRequest, encode
+from sshd_hosts import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,22 +110,26 @@ async def test_an_agent_with_another_secret_runs_nothing_and_is_not_taken():
 
 def test_an_agent_that_reaches_something_else_runs_nothing(tmp_path):
     """Whatever answers where the launcher was (another user's process on its port) cannot
-    prove the secret: the agent exits without running what it is then sent."""
+    prove the secret: the agent exits without running what it is then sent, a real SPAWN
+    frame that an agent taking the answer for its launcher's would run at once."""
     touched = tmp_path / "touched"
+    spawn = SpawnRequest(key=0, argv=(sys.executable, "-c", f"open({str(touched)!r}, 'w')"))
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "spawner.agent"], stderr=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": SRC, CALLBACK_VARIABLE: f"127.0.0.1:{port}",
-                 SECRET_VARIABLE: new_secret().hex()})
-        conn, _ = server.accept()
-        with conn:
-            conn.settimeout(30)
-            assert conn.recv(len(MAGIC) + NONCE).startswith(MAGIC)
-            conn.sendall(os.urandom(NONCE + PROOF) + f"touch {touched}\n".encode())
-            _, err = agent.communicate(timeout=30)
+        with reaped(subprocess.Popen(
+                [sys.executable, "-m", "spawner.agent"], stderr=subprocess.PIPE,
+                env={**os.environ, "PYTHONPATH": SRC, CALLBACK_VARIABLE: f"127.0.0.1:{port}",
+                     SECRET_VARIABLE: new_secret().hex()})) as agent:
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(30)
+                assert conn.recv(len(MAGIC) + NONCE).startswith(MAGIC)
+                conn.sendall(os.urandom(NONCE + PROOF) + encode(Kind.SPAWN, **spawn.to_fields()))
+                wait_until(lambda: agent.poll() is not None or touched.exists(),
+                           "the agent to exit (or run the SPAWN)", 30)
+                assert not touched.exists()
+                _, err = agent.communicate(timeout=30)
     assert agent.returncode == 2 and b"does not hold this job's secret" in err, err
-    assert not touched.exists()
 
 
 @pytest.mark.parametrize("sent", [b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64, "fake proof", b""],

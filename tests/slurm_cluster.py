@@ -60,6 +60,7 @@ from pathlib import Path
 
 import pytest
 
+from requires import skip_or_fail
 from sshd_hosts import kill_trees
 
 __all__ = ["SlurmCluster", "SlurmClusterError", "require_slurm", "slurm_cluster",
@@ -112,9 +113,7 @@ def require_slurm() -> dict[str, str]:
 
 
 def _skip_or_fail(reason: str) -> None:
-    if os.environ.get("POPRUN_REQUIRE_SLURM") == "1":
-        pytest.fail(f"{reason}\nPOPRUN_REQUIRE_SLURM=1 forbids skipping", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(reason, "POPRUN_REQUIRE_SLURM")
 
 
 @dataclass

@@ -37,9 +37,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
+
+from requires import skip_or_fail
 
 __all__ = ["SshClientFiles", "SshHost", "SshHosts", "make_client_files", "processes_with",
            "require_mount_namespaces", "require_sshd", "require_tool", "skip_or_fail",
@@ -63,15 +64,8 @@ def require_tool(name: str, *candidates: str) -> str:
     for path in (*candidates, shutil.which(name)):
         if path and os.access(path, os.X_OK):
             return os.path.abspath(path)  # sshd re-execs itself, so it refuses relative paths
-    skip_or_fail(f"{name} not found (install openssh-server / openssh-client)")
-
-
-def skip_or_fail(reason: str, variable: str = "POPRUN_REQUIRE_SSHD") -> NoReturn:
-    """Skip the test for ``reason``; fail it instead where CI set ``variable``=1, so that
-    what CI must test cannot silently turn into skips."""
-    if os.environ.get(variable) == "1":
-        pytest.fail(f"{reason}; {variable}=1 forbids skipping", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(f"{name} not found (install openssh-server / openssh-client)",
+                 "POPRUN_REQUIRE_SSHD")
 
 
 @cache
@@ -90,7 +84,7 @@ def require_mount_namespaces() -> None:
     """Skip (CI: fail) where hosts cannot have files of their own (``mounts``)."""
     why = _mount_namespaces()
     if why:
-        skip_or_fail(why)
+        skip_or_fail(why, "POPRUN_REQUIRE_SSHD")
 
 
 def require_sshd() -> str:

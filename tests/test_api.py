@@ -19,6 +19,7 @@ import pytest
 
 import poprun
 from poprun import ConfigError, LaunchConfig, launch
+from requires import skip_or_fail
 
 PY = sys.executable
 TIMEOUT = 30
@@ -183,10 +184,8 @@ async def test_launches_after_the_first_pmix_one_in_a_process_get_pmi1_only(
     first = await asyncio.wait_for(launch(program, **capture.fds), TIMEOUT)
     server = sys.modules.get("spawner.pmixserver")
     if server is None or not server.started_in_this_process():
-        reason = "no PMIx server was started here (no Open MPI or libpmix)"
-        if os.environ.get("POPRUN_REQUIRE_OPENMPI") == "1":
-            pytest.fail(f"{reason}; POPRUN_REQUIRE_OPENMPI=1 forbids skipping", pytrace=False)
-        pytest.skip(reason)
+        skip_or_fail("no PMIx server was started here (no Open MPI or libpmix)",
+                     "POPRUN_REQUIRE_OPENMPI")
     second = await asyncio.wait_for(launch(program, **capture.fds), TIMEOUT)
     assert first.ok and second.ok
     out, err = capture.read()

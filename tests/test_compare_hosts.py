@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env, run_poprunctl
+from requires import skip_or_fail
 from sshd_hosts import SshHosts, start_ssh_hosts
 
 pytestmark = pytest.mark.timeout(180)
@@ -189,7 +190,7 @@ def test_the_comparison_can_be_turned_off(hosts, world):
 
 def test_a_different_python_is_named_and_check_exits_10(hosts, world):
     if world.other_venv is None:
-        pytest.skip(f"no Python {OTHER_PYTHON} here for h2's venv")
+        skip_or_fail(f"no Python {OTHER_PYTHON} here for h2's venv", "POPRUN_REQUIRE_PYTHONS")
     python = str(world.py_venv / "bin" / "python")
     proc = run(hosts, "--check", "-H", "h1,h2", python, "same.py", cwd=world.scripts)
     assert proc.returncode == 10, proc.stdout + proc.stderr

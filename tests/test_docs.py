@@ -19,15 +19,14 @@ import pytest
 
 from poprun.cli import manpage
 from poprun.cli.options import OPTIONS
+from requires import skip_or_fail
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRE = "POPRUN_REQUIRE_DOCS"
 
 
 def _missing(what: str) -> None:
-    if os.environ.get(REQUIRE) == "1":
-        pytest.fail(f"{what}; {REQUIRE}=1 forbids skipping", pytrace=False)
-    pytest.skip(what)
+    skip_or_fail(what, REQUIRE)
 
 
 def _mkdocs() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import os
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ from poprun.plan.config import LaunchConfig
 from poprun.plan.planner import plan
 from poprun.run.rendezvous import (ENTRY_COST, MAX_VALUE, BadRequest, Rendezvous, Store,
                                    parse_head, scope_sizes)
+from requires import skip_or_fail
 from sshd_hosts import start_ssh_hosts
 
 pytestmark = pytest.mark.timeout(120)
@@ -136,10 +136,8 @@ def horovod():
     probe = subprocess.run([sys.executable, "-c", "import horovod.torch"],
                            capture_output=True, text=True, timeout=60)
     if probe.returncode != 0:
-        reason = f"horovod with PyTorch is not installed ({probe.stderr.strip()[-200:]})"
-        if os.environ.get("POPRUN_REQUIRE_HOROVOD") == "1":
-            pytest.fail(f"{reason}; POPRUN_REQUIRE_HOROVOD=1 forbids skipping", pytrace=False)
-        pytest.skip(reason)
+        skip_or_fail(f"horovod with PyTorch is not installed ({probe.stderr.strip()[-200:]})",
+                     "POPRUN_REQUIRE_HOROVOD")
 
 
 # The PopDist guide's Listing 4.2, with an allreduce: the sum of rank+1 over the world.

@@ -22,6 +22,7 @@ import pytest
 from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env
 from poprun import LaunchConfig, __version__, launch
 from poprun.errors import LaunchError
+from requires import require_module
 from sshd_hosts import SshHosts, processes_with, start_ssh_hosts, wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -202,6 +203,7 @@ def test_a_remote_python_that_does_not_exist_is_a_clear_error(hosts):
     assert "Traceback" not in err
 
 
+# no switch: the machine's CPUs
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_remote_instances_are_bound_from_the_hosts_own_topology(hosts):
     """The agent reports its host's sysfs and cpuset; the plan binds from them and the agent
@@ -258,7 +260,7 @@ def test_distribute_ssh_key_without_a_terminal_is_a_clear_error(hosts, tmp_path)
 def test_torch_ddp_example_trains_across_two_hosts(hosts):
     """examples/torch_ddp.py, one instance per host: gloo meets at MASTER_ADDR (h1's address)
     and both instances end with the same parameters only if every all-reduce crossed hosts."""
-    pytest.importorskip("torch", reason="torch not installed (pip install torch==2.13.0)")
+    require_module("torch", "POPRUN_REQUIRE_TOOLS", "pip install torch==2.13.0")
     example = Path(__file__).resolve().parent.parent / "examples" / "torch_ddp.py"
     proc = run(hosts, "--host", "h1,h2", "--num-instances=2", "--num-replicas=2",
                "--tag-output", PY, str(example), "--epochs", "2", "--samples", "512",
@@ -291,6 +293,7 @@ def test_result_json_has_each_hosts_launch_phases(hosts, tmp_path):
         assert 0 < p["connected"] <= p["agent_ready"] <= p["first_started"] <= p["first_output"]
 
 
+# no switch: the machine's CPUs
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_report_bindings_covers_remote_instances(hosts):
     """The agent reads each instance's binding from /proc on its host when it starts it."""

@@ -10,7 +10,6 @@ Real MPICH (mpi4py) and real horovod; they skip without them where the other tes
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env
 from netns_hosts import start_netns_hosts
+from requires import skip_or_fail
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -61,10 +61,8 @@ def poprun_in_h1(hosts, *args: str, timeout: float = 150) -> subprocess.Complete
 def requires(module: str) -> None:
     found = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True)
     if found.returncode != 0:
-        variable = "POPRUN_REQUIRE_MPI" if "mpi" in module else "POPRUN_REQUIRE_HOROVOD"
-        if os.environ.get(variable) == "1":
-            pytest.fail(f"{module} is missing; {variable}=1 forbids skipping", pytrace=False)
-        pytest.skip(f"{module} is not installed")
+        skip_or_fail(f"{module} is not installed",
+                     "POPRUN_REQUIRE_MPI" if "mpi" in module else "POPRUN_REQUIRE_HOROVOD")
 
 
 @pytest.mark.parametrize("kind", ["mpi", "hvd"])

@@ -230,6 +230,7 @@ def test_an_instance_s_memory_counts_its_escaped_helpers_where_it_has_a_cgroup(t
     """`poprunctl show` (and the dashboard, which samples the same way) gives an instance's
     whole memory from its cgroup: a helper in a session of its own counts."""
     if not cgroups_here():
+        # no switch: cgroup v2 delegation, the machine's
         pytest.skip("no writable cgroup v2 subtree here: usage is the leader process's")
     env = {**tmp, "XDG_RUNTIME_DIR": str(tmp_path)}
     mark = marker()
@@ -557,6 +558,7 @@ def test_an_instance_is_in_its_cgroup_from_its_first_instruction(tmp):
     fork, no interpreter start-up), where a move made from outside after the spawn had most
     of 8 still in poprun's cgroup (containment.entering)."""
     if not cgroups_here():
+        # no switch: cgroup v2 delegation, the machine's
         pytest.skip("no writable cgroup v2 subtree here")
     for _ in range(3):
         proc = run_poprun(*OFFLINE, "--num-instances=8", "--num-replicas=8", "sh", "-c",
@@ -574,6 +576,7 @@ def test_a_batch_s_cgroups_are_made_before_its_first_spawn():
     made between two spawns waited out the previous instance's move: Cgroups.make), and a
     spawn then enters the one made for its key; the lifeline removes them."""
     if not cgroups_here():
+        # no switch: cgroup v2 delegation, the machine's
         pytest.skip("no writable cgroup v2 subtree here")
     from spawner.containment import cgroup_root
     from spawner.lifeline import Lifeline
@@ -602,6 +605,7 @@ def test_a_helper_that_escapes_at_once_dies_with_a_sigkilled_poprun(tmp):
     it once stayed in poprun's own cgroup and lived on (7 runs of 7); in its cgroup from
     the first instruction, the watchdog's cgroup.kill ends it (10 runs of 8 instances)."""
     if not cgroups_here():
+        # no switch: cgroup v2 delegation, the machine's
         pytest.skip("no writable cgroup v2 subtree here")
     for _ in range(10):
         sigkill_with_escaped_helpers(8, tmp)

@@ -518,6 +518,7 @@ def test_reap_leaves_alone_a_process_that_reuses_a_recorded_pid(environ, tmp_pat
                            "start": procid.start_ticks(unrelated.pid) - 1,
                            "state": "running"}]})
         if os.uname().nodename != __import__("socket").gethostname():
+            # no switch: the machine's names
             pytest.skip("uname and gethostname differ here")
         listed = poprunctl("list", "--json", env=environ)
         assert json.loads(listed.stdout)["jobs"][0]["state"] == "gone"

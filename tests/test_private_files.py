@@ -24,6 +24,7 @@ import pytest
 from conftest import OFFLINE, assert_usage_error, run_poprun
 
 pytestmark = [pytest.mark.timeout(90),
+              # no switch: root, a property of the run
               pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("useradd"),
                                  reason="needs root and useradd: a second user")]
 PY = sys.executable

@@ -310,6 +310,7 @@ def test_killing_srun_ends_its_tasks(cluster: SlurmCluster, sig: signal.Signals)
             step.wait()
 
 
+# no switch: slow, run on request (POPRUN_SLURM_SLOW=1)
 @pytest.mark.skipif(os.environ.get("POPRUN_SLURM_SLOW") != "1",
                     reason="Slurm time limits are whole minutes, checked every 30 s: a "
                            "--time=1 job ends after 60-90 s (set POPRUN_SLURM_SLOW=1)")

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SRC
+from requires import require_module
 from slurm_cluster import SlurmCluster, required_slurm_cluster
 from spawner.callback import CALLBACK_VARIABLE, MAGIC, NONCE, PROOF, SECRET_VARIABLE
 from sshd_hosts import instances_with, kill_trees, processes_with, wait_until
@@ -72,8 +73,7 @@ def test_a_slurm_launch_imports_no_asyncssh(cluster):
 def test_an_mpi_world_spans_both_nodes(cluster):
     """Each node's agent (a job step) serves its instances' PMI and meets the other's
     through poprun (spawner/agentworld.py), as over SSH."""
-    if os.environ.get("POPRUN_REQUIRE_MPI") != "1":  # CI: its absence fails the test
-        pytest.importorskip("mpi4py")
+    require_module("mpi4py", "POPRUN_REQUIRE_MPI")
     program = ("from mpi4py import MPI; c = MPI.COMM_WORLD; "
                "print('world', c.Get_rank(), c.Get_size(), c.allreduce(c.Get_rank() + 1), "
                "MPI.Get_processor_name(), flush=True)")
@@ -182,6 +182,7 @@ def test_launcher_slurm_outside_an_allocation_is_one_clear_line(cluster):
 
 
 @pytest.mark.timeout(240)
+# no switch: slow, run on request (POPRUN_SLURM_SLOW=1) and in CI
 @pytest.mark.skipif(not (os.environ.get("POPRUN_SLURM_SLOW") or os.environ.get("CI")),
                     reason="Slurm time limits are whole minutes, checked every 30 s: a run "
                            "takes 66-89 s (CI runs it; POPRUN_SLURM_SLOW=1 here)")

@@ -17,6 +17,7 @@ from pathlib import Path
 import asyncssh
 import pytest
 
+from requires import skip_or_fail
 import sshd_hosts
 from sshd_hosts import (SshHosts, processes_with, require_sshd, require_tool, start_ssh_hosts,
                         wait_until)
@@ -202,7 +203,7 @@ def test_servers_die_with_a_killed_test_process(tmp_path: Path) -> None:
     # pytest SIGKILLed (no teardown) must not leave sshd listening.
     require_sshd()
     if not sshd_hosts._DIE_WITH_US:
-        pytest.skip("setpriv (util-linux) not found")
+        skip_or_fail("setpriv (util-linux) not found", "POPRUN_REQUIRE_TOOLS")
     code = (
         "import sys, time\n"
         "from sshd_hosts import start_ssh_hosts\n"

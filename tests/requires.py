@@ -74,3 +74,14 @@ def needs(variable: str, reason: str, missing: bool):
             skip_or_fail(reason, variable)
         return skipping
     return decorate
+
+
+def assert_skips_or_fails(call, variable: str, reason: str, monkeypatch) -> None:
+    """`call()` skips for `reason` (a regular expression) while `variable` is unset, and
+    fails saying the switch forbids skipping where it is 1."""
+    monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(pytest.skip.Exception, match=reason):
+        call()
+    monkeypatch.setenv(variable, "1")
+    with pytest.raises(pytest.fail.Exception, match=f"{variable}=1 forbids skipping"):
+        call()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import requires
-from requires import needs, skip_or_fail
+from requires import assert_skips_or_fails, needs, skip_or_fail
 
 TESTS = Path(__file__).resolve().parent
 SKIPS = re.compile(r"\bpytest\.skip\(|\.skipif\(|\bimportorskip\(|\bpytest\.mark\.skip\b")
@@ -42,13 +42,8 @@ def test_every_switch_the_tests_name_is_one():
 
 
 def test_a_missing_dependency_skips_or_fails_as_its_switch_says(monkeypatch):
-    monkeypatch.delenv("POPRUN_REQUIRE_TOOLS", raising=False)
-    with pytest.raises(pytest.skip.Exception, match="^no frobnicator$"):
-        skip_or_fail("no frobnicator", "POPRUN_REQUIRE_TOOLS")
-    monkeypatch.setenv("POPRUN_REQUIRE_TOOLS", "1")
-    with pytest.raises(pytest.fail.Exception,
-                       match="^no frobnicator; POPRUN_REQUIRE_TOOLS=1 forbids skipping$"):
-        skip_or_fail("no frobnicator", "POPRUN_REQUIRE_TOOLS")
+    assert_skips_or_fails(lambda: skip_or_fail("no frobnicator", "POPRUN_REQUIRE_TOOLS"),
+                          "POPRUN_REQUIRE_TOOLS", "^no frobnicator$", monkeypatch)
     with pytest.raises(ValueError, match="POPRUN_REQUIRE_FROBNICATOR is no test switch"):
         skip_or_fail("no frobnicator", "POPRUN_REQUIRE_FROBNICATOR")
     with pytest.raises(pytest.fail.Exception, match="no_such_module_here is not installed"):
@@ -64,10 +59,6 @@ def test_needs_runs_the_test_unless_its_dependency_is_missing(monkeypatch):
 
     assert needs("POPRUN_REQUIRE_TOOLS", "no frobnicator", False)(test) is test
     missing = needs("POPRUN_REQUIRE_TOOLS", "no frobnicator", True)(test)
-    monkeypatch.delenv("POPRUN_REQUIRE_TOOLS", raising=False)
-    with pytest.raises(pytest.skip.Exception, match="^no frobnicator$"):
-        missing("here")
-    monkeypatch.setenv("POPRUN_REQUIRE_TOOLS", "1")
-    with pytest.raises(pytest.fail.Exception, match="POPRUN_REQUIRE_TOOLS=1 forbids"):
-        missing("here")
+    assert_skips_or_fails(lambda: missing("here"), "POPRUN_REQUIRE_TOOLS", "^no frobnicator$",
+                          monkeypatch)
     assert ran == [] and missing.__wrapped__ is test  # pytest sees its fixtures

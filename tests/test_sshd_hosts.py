@@ -17,7 +17,7 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from requires import skip_or_fail
+from requires import assert_skips_or_fails, skip_or_fail
 import sshd_hosts
 from sshd_hosts import (SshHosts, processes_with, require_sshd, require_tool, start_ssh_hosts,
                         wait_until)
@@ -191,12 +191,8 @@ def test_retries_when_port_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_missing_tool_skips_or_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("POPRUN_REQUIRE_SSHD", raising=False)
-    with pytest.raises(pytest.skip.Exception, match="no-such-sshd not found"):
-        require_tool("no-such-sshd")
-    monkeypatch.setenv("POPRUN_REQUIRE_SSHD", "1")
-    with pytest.raises(pytest.fail.Exception, match="POPRUN_REQUIRE_SSHD=1"):
-        require_tool("no-such-sshd")
+    assert_skips_or_fails(lambda: require_tool("no-such-sshd"), "POPRUN_REQUIRE_SSHD",
+                          "no-such-sshd not found", monkeypatch)
 
 
 def test_servers_die_with_a_killed_test_process(tmp_path: Path) -> None:

@@ -18,8 +18,9 @@ from typing import NoReturn
 import pytest
 
 SWITCHES = {
-    "POPRUN_REQUIRE_SSHD": "OpenSSH's sshd and client, and user namespaces for the hosts "
-                           "(tests/sshd_hosts.py, tests/password_sshd.py)",
+    "POPRUN_REQUIRE_SSHD": "OpenSSH's sshd and client, mount namespaces for hosts with files "
+                           "of their own (tests/sshd_hosts.py), root for a throwaway user "
+                           "(tests/password_sshd.py)",
     "POPRUN_REQUIRE_SLURM": "Slurm and MUNGE, and a cluster of them that starts "
                             "(tests/slurm_cluster.py)",
     "POPRUN_REQUIRE_MPI": "mpi4py over MPICH (the test extra)",

@@ -22,7 +22,8 @@ import pytest
 from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env
 from poprun import LaunchConfig, __version__, launch
 from poprun.errors import LaunchError
-from sshd_hosts import SshHosts, processes_with, start_ssh_hosts, wait_until
+from sshd_hosts import (SshHosts, instances_with, kill_marked, processes_with, start_ssh_hosts,
+                        wait_until)
 
 pytestmark = pytest.mark.timeout(90)
 PY = sys.executable
@@ -99,16 +100,6 @@ def test_first_failure_anywhere_stops_every_host(hosts):
     assert not processes_with(marker)
 
 
-def instances_with(marker: str) -> list[int]:
-    """The instances' pids: poprun's own command line (and its lifeline's) holds the marker too."""
-    def is_poprun(pid: int) -> bool:
-        try:
-            return b"\0poprun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            return False
-    return [pid for pid in processes_with(marker) if not is_poprun(pid)]
-
-
 def wait_for_instances(marker: str, count: int) -> list[int]:
     wait_until(lambda: len(instances_with(marker)) >= count, f"{count} instances running")
     return instances_with(marker)
@@ -126,6 +117,7 @@ def test_sigkill_of_poprun_leaves_no_instance_on_any_host(hosts):
         wait_until(lambda: not processes_with(marker), "the instances to die", timeout=15)
     finally:
         proc.kill()
+        kill_marked(marker)  # what poprun's watchdog left, if the test failed
 
 
 def test_ctrl_c_reaches_every_remote_instance(hosts):
@@ -140,6 +132,7 @@ def test_ctrl_c_reaches_every_remote_instance(hosts):
         assert not processes_with(marker)
     finally:
         proc.kill()
+        kill_marked(marker)
 
 
 @pytest.mark.usefixtures("dead_host_leftovers")

@@ -650,6 +650,19 @@ def test_the_topology_gcd_and_node_device_are_the_partitions_own(sim, fields, to
     assert f'"ipuLinkTopology":"{topology}"' in sim.messages()  # "from V-IPU partition"
 
 
+def test_a_partition_that_does_not_say_its_gcds_gets_the_node_device():
+    """Not reconfigurable, but how many GCDs is not reported: naming a GCD per instance
+    could name one that is not there; the node device needs none."""
+    from poprun.run.vipu import Partition
+
+    partition = Partition(name="p", host="h", port=8090, timeout=5,
+                          info=PartitionInfo("p", size=4, reconfigurable=False), created=False,
+                          remove_on_release=False, target_options="{}", executable="vipu",
+                          job_ipus=4)
+    assert [(e.get(E.VIPU_API_GCD_ID), e[E.NODE_DEVICE_ID])
+            for e in map(partition.environment, range(2))] == [(None, "6"), (None, "6")]
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("reported, used", [("mesh", "mesh"), ("TORUS", "torus"),
                                             ("ring", "torus")])

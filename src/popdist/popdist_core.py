@@ -139,8 +139,8 @@ def getDeviceId(ipus_per_replica: int | None = None) -> int:
         raise RuntimeError(
             f"popdist.getDeviceId(): no IPU device to select: {env.NODE_DEVICE_ID} is not "
             f"set, nor {env.VIPU_API_GCD_ID} (poprun sets one for a job on a V-IPU "
-            "partition, not with --offline-mode nor outside poprun). To compile without a device, do not select one: with "
-            "TensorFlow, call popdist.tensorflow.set_ipu_config(config, ipus_per_replica, "
+            "partition, not with --offline-mode nor outside poprun). To compile without a "
+            "device, do not select one: with TensorFlow, call popdist.tensorflow.set_ipu_config(config, ipus_per_replica, "
             "configure_device=False)")
     try:
         mine = getNumLocalReplicas() * ipus

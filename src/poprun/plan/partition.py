@@ -214,17 +214,19 @@ class Attachment:
     - any other (what poprun creates, guide §2.8.3, and one the server does not call
       reconfigurable): instance i drives GCD i, named even when it is the only one, and no
       node device (an SDK 3.3 log on a 64-IPU partition: IPUOF_VIPU_API_GCD_ID=0 and no
-      POPDIST_NODE_DEVICE_ID); popdist's device is then the instance's whole GCD.
+      POPDIST_NODE_DEVICE_ID); popdist's device is then the instance's whole GCD. Where
+      the description does not say how many GCDs there are, the node device, which needs
+      no GCD, is given instead.
     """
 
     every_gcd: bool  # every instance gets its GCD id, even on a one-GCD partition
     node: int | None  # the node device every instance gets, if any
 
     @classmethod
-    def of(cls, size: int | None, num_gcds: int, job_ipus: int | None,
+    def of(cls, size: int | None, num_gcds: int | None, job_ipus: int | None,
            reconfigurable: bool | None) -> Attachment:
-        if reconfigurable:
-            return cls(every_gcd=False, node=node_device(size, num_gcds, job_ipus))
+        if reconfigurable or num_gcds is None:
+            return cls(every_gcd=False, node=node_device(size, num_gcds or 1, job_ipus))
         return cls(every_gcd=True, node=None)
 
 

@@ -408,7 +408,7 @@ class Partition:
 
     @property
     def attachment(self) -> Attachment:
-        return Attachment.of(self.info.size, self.num_gcds, self.job_ipus,
+        return Attachment.of(self.info.size, self.info.num_gcds, self.job_ipus,
                              self.info.reconfigurable)
 
     def environment(self, instance_index: int) -> dict[str, str]:

@@ -41,9 +41,9 @@ from typing import NoReturn
 
 import pytest
 
-__all__ = ["SshClientFiles", "SshHost", "SshHosts", "instances_with", "kill_marked",
-           "make_client_files", "processes_with", "require_mount_namespaces", "require_sshd",
-           "require_tool", "skip_or_fail", "sshd_options", "start_ssh_hosts", "wait_until"]
+__all__ = ["SshClientFiles", "SshHost", "SshHosts", "make_client_files", "processes_with",
+           "require_mount_namespaces", "require_sshd", "require_tool", "skip_or_fail",
+           "sshd_options", "start_ssh_hosts", "wait_until"]
 
 READY_TIMEOUT = 10.0
 # 127.0.77.1-254, then 127.0.78.1-254...: each host an address of its own on lo.

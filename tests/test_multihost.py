@@ -22,8 +22,8 @@ import pytest
 from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env
 from poprun import LaunchConfig, __version__, launch
 from poprun.errors import LaunchError
-from sshd_hosts import (SshHosts, instances_with, kill_marked, processes_with, start_ssh_hosts,
-                        wait_until)
+from sshd_hosts import SshHosts, processes_with, start_ssh_hosts, wait_until
+from sshd_hosts import instances_with, kill_marked
 
 pytestmark = pytest.mark.timeout(90)
 PY = sys.executable

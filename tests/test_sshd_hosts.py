@@ -18,9 +18,10 @@ import asyncssh
 import pytest
 
 import sshd_hosts
+from sshd_hosts import (SshHosts, processes_with, require_sshd, require_tool, start_ssh_hosts,
+                        wait_until)
 from conftest import OFFLINE, poprun_argv, poprun_env
-from sshd_hosts import (SshHosts, instances_with, kill_marked, processes_with, require_sshd,
-                        require_tool, start_ssh_hosts, wait_until)
+from sshd_hosts import instances_with, kill_marked
 
 TIMEOUT = 20
 PY = shlex.quote(sys.executable)  # the "remote" hosts are this machine

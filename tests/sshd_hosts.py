@@ -493,17 +493,33 @@ def processes_with(marker: str) -> list[int]:
     return pids
 
 
+# A variable poprun adds to every instance's environment (docs/architecture.md, "The
+# environment contract"), which what the instance starts inherits; poprun itself, its
+# watchdog, the agents, ssh, srun and salloc do not carry it.
+INSTANCE_VARIABLE = b"POPDIST_NUM_TOTAL_REPLICAS="
+
+
 def instances_with(marker: str) -> list[int]:
-    """``processes_with(marker)`` less poprun itself (and its watchdog, and a salloc running
-    it), whose argv holds the marker too: the instances (and what they started)."""
-    found = []
-    for pid in processes_with(marker):
-        try:
-            if b"poprun" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:  # gone meanwhile
-            pass
-    return found
+    """The instances (and what they started) among ``processes_with(marker)``: poprun's own
+    command line holds the marker too (and its watchdog's, and that of a salloc running it),
+    so they are told apart by the environment poprun gives an instance, never by a word of a
+    command line, which a path can hold (a clone in a folder named ``poprun``)."""
+    return [pid for pid in processes_with(marker) if _is_instance(pid)]
+
+
+def _is_instance(pid: int) -> bool:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone meanwhile
+        return False
+    return environ.startswith(INSTANCE_VARIABLE) or b"\0" + INSTANCE_VARIABLE in environ
+
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL every process whose command line holds ``marker`` (poprun, its watchdog, its
+    instances: whatever a failed test left) and all their descendants: a cleanup for a
+    ``finally`` that needs no instance lookup."""
+    kill_trees(lambda: [pid for pid in processes_with(marker) if pid != os.getpid()])
 
 
 def wait_until(predicate, what: str, timeout: float = 20.0) -> None:

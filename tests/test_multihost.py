@@ -24,6 +24,7 @@ from poprun import LaunchConfig, __version__, launch
 from poprun.errors import LaunchError
 from requires import require_module
 from sshd_hosts import SshHosts, processes_with, start_ssh_hosts, wait_until
+from sshd_hosts import instances_with, kill_marked
 
 pytestmark = pytest.mark.timeout(90)
 PY = sys.executable
@@ -100,16 +101,6 @@ def test_first_failure_anywhere_stops_every_host(hosts):
     assert not processes_with(marker)
 
 
-def instances_with(marker: str) -> list[int]:
-    """The instances' pids: poprun's own command line (and its lifeline's) holds the marker too."""
-    def is_poprun(pid: int) -> bool:
-        try:
-            return b"\0poprun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            return False
-    return [pid for pid in processes_with(marker) if not is_poprun(pid)]
-
-
 def wait_for_instances(marker: str, count: int) -> list[int]:
     wait_until(lambda: len(instances_with(marker)) >= count, f"{count} instances running")
     return instances_with(marker)
@@ -127,6 +118,7 @@ def test_sigkill_of_poprun_leaves_no_instance_on_any_host(hosts):
         wait_until(lambda: not processes_with(marker), "the instances to die", timeout=15)
     finally:
         proc.kill()
+        kill_marked(marker)  # what poprun's watchdog left, if the test failed
 
 
 def test_ctrl_c_reaches_every_remote_instance(hosts):
@@ -141,6 +133,7 @@ def test_ctrl_c_reaches_every_remote_instance(hosts):
         assert not processes_with(marker)
     finally:
         proc.kill()
+        kill_marked(marker)
 
 
 @pytest.mark.usefixtures("dead_host_leftovers")

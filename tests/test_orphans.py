@@ -22,7 +22,7 @@ import pytest
 from spawner.local import ProcessSpec
 
 from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun, wait_started
-from sshd_hosts import instances_with, processes_with, start_ssh_hosts, wait_until
+from sshd_hosts import instances_with, kill_marked, processes_with, start_ssh_hosts, wait_until
 
 PY = sys.executable
 SLEEPER = "import time; print('ready', flush=True); time.sleep(300)"
@@ -373,6 +373,7 @@ def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, t
     frozen: list[int] = []
     try:
         wait_started(proc.pid, 2)
+        assert len(instances_with(mark)) == 2  # what "gone" below is checked against
         frozen = hosts.sshd_pids(1)
         assert len(frozen) >= 2  # the listener, and the launcher's connection
         for pid in frozen:
@@ -393,6 +394,7 @@ def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, t
                 pass
         proc.kill()
         proc.wait()
+        kill_marked(mark)  # what a failed test left: h2's instances
     assert proc.returncode == 255, err.decode()
     assert "h2: lost the connection to the host (no word from the agent" in err.decode()
 
@@ -447,6 +449,7 @@ def test_a_frozen_agent_s_instances_and_cache_go_within_the_host_timeout(hosts, 
     frozen: list[int] = []
     try:
         wait_started(proc.pid, 4)
+        assert len(instances_with(mark)) == 4  # what "gone" below is checked against
         agent, session = agent_and_session(hosts, 1)
         frozen = [agent, *session]
         freeze(frozen)
@@ -459,6 +462,7 @@ def test_a_frozen_agent_s_instances_and_cache_go_within_the_host_timeout(hosts, 
         thaw(frozen)
         proc.kill()
         proc.wait()
+        kill_marked(mark)  # what a failed test left: h2's instances
     assert proc.returncode == 255, err.decode()
     assert "h2: lost the connection to the host (no word from the agent" in err.decode()
 
@@ -494,6 +498,7 @@ def test_reap_ends_what_a_lost_host_kept_when_nothing_there_could(hosts, tmp, tm
         thaw(frozen)
         proc.kill()
         proc.wait()
+        kill_marked(mark)  # what reap left, if the test failed
 
 
 def ctl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from conftest import SRC
 from requires import require_module
 from slurm_cluster import SlurmCluster, required_slurm_cluster
 from spawner.callback import CALLBACK_VARIABLE, MAGIC, NONCE, PROOF, SECRET_VARIABLE
-from sshd_hosts import instances_with, kill_trees, processes_with, wait_until
+from sshd_hosts import instances_with, kill_marked, kill_trees, processes_with, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 PY = sys.executable  # the nodes are this machine
@@ -161,14 +161,15 @@ def test_scancel_ends_poprun_and_leaves_no_process(cluster, tmp_path):
         assert len(jobs) == 1
         cluster.run(["scancel", str(next(iter(jobs)))], timeout=30)
         err = proc.communicate(timeout=60)[1].decode()
+        wait_until(lambda: not processes_with(marker), "every process of the job to be gone", 30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        kill_marked(marker)  # what a failed test left
     assert proc.returncode != 0
     assert re.search(r"^poprun: stopped by Slurm: node\d: \*\*\* STEP \S+ ON node\d CANCELLED AT", err,
                      re.M), err  # the reason is named
-    wait_until(lambda: not processes_with(marker), "every process of the job to be gone", 30)
 
 
 def test_launcher_slurm_outside_an_allocation_is_one_clear_line(cluster):
@@ -214,12 +215,13 @@ def test_ctrl_c_reaches_every_instance_and_leaves_nothing(cluster):
         poprun = next(p for p in launchers if parent[p] not in launchers)  # not its watchdog
         os.kill(poprun, signal.SIGINT)
         err = proc.communicate(timeout=60)[1].decode()
+        wait_until(lambda: not processes_with(marker), "every process of the job to be gone", 30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        kill_marked(marker)  # what a failed test left
     assert "SIGINT received: stopping 2 running instance(s)" in err, err
-    wait_until(lambda: not processes_with(marker), "every process of the job to be gone", 30)
 
 
 

@@ -33,6 +33,7 @@ from poprun.text import cut, duration, fold_indices, percent, shown, size, visib
 
 ASK_TIMEOUT = 10.0  # seconds for a launcher to answer (stacks: its timeout more)
 COMMAND_WIDTH = 48
+LIST_LATEST = 20  # jobs `list` shows without --all, the most recent (a shared account keeps 100)
 
 EXIT_STATUS = ("Exit status: 0 done; 1 it could not be done (no such job, the job has ended, "
                "its launcher does not answer, reap left something behind); 2 a usage error.")
@@ -185,16 +186,20 @@ def _slow(record: dict[str, Any]) -> list[int]:
 def list_jobs(as_json: JsonOpt = False,
               running: Annotated[bool, typer.Option("--running", "-r",
                                                     help="Only jobs that run")] = False,
-              ) -> None:
-    """Running and recent jobs: id, state, age, instances running/total, hosts, command."""
+              every: Annotated[bool, typer.Option(
+                  "--all", "-a", help=f"Every job kept, not only the latest {LIST_LATEST}")
+              ] = False) -> None:
+    """Running and recent jobs, the latest first: id, state, age, instances running/total,
+    hosts, command. Only the latest, and how many there are, unless --all."""
     found = _scan(quiet=as_json)
     now = time.time()
-    rows = [summary(r, now) for r in reversed(found.records)]
-    if running:
-        rows = [r for r in rows if r["state"] in jobs.ACTIVE]
+    records = [r for r in reversed(found.records)
+               if not running or jobs.state_of(r) in jobs.ACTIVE]
+    total = len(records)
+    rows = [summary(r, now) for r in (records if every else records[:LIST_LATEST])]
     if as_json:
-        _print_json({"jobs": rows, "skipped": [{"path": p, "reason": why}
-                                               for p, why in found.problems]})
+        _print_json({"jobs": rows, "total": total,
+                     "skipped": [{"path": p, "reason": why} for p, why in found.problems]})
         return
     if not rows:
         sys.stdout.write("no jobs\n")
@@ -218,6 +223,9 @@ def list_jobs(as_json: JsonOpt = False,
                       style=styles.get(row["state"], "dim" if row["state"] == jobs.ENDED
                                        else ""))
     _console().print(table)
+    if len(rows) < total:
+        sys.stdout.write(f"the latest {len(rows)} of {total} jobs (poprunctl list --all: "
+                         "every one)\n")
 
 
 # --- show --------------------------------------------------------------------------------

@@ -103,11 +103,14 @@ def write(directory: str, record: Mapping[str, Any]) -> None:
 
 
 def load(directory: str) -> dict[str, Any]:
-    """The record in `directory`. Raises RecordError: not there, not ours, not JSON, not
-    this schema."""
+    """The record in `directory`. Raises FileNotFoundError where there is none (a job
+    directory being made, or being removed by a prune), RecordError where it cannot be used:
+    not ours, not JSON, not this schema."""
     path = os.path.join(directory, RECORD)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
         raise RecordError(f"cannot read it: {exc.strerror}") from None
     try:
@@ -199,8 +202,8 @@ def scan(environ: Mapping[str, str] = os.environ) -> Scan:
                 problems.append((path, "not a job directory"))
                 continue
             records.append(load(path))
-        except FileNotFoundError:  # removed meanwhile (pruned by another poprun)
-            continue
+        except FileNotFoundError:  # removed since the listing (pruned by another poprun), or
+            continue  # a job that has not written its first record yet: not a problem
         except RecordError as exc:
             if os.path.exists(path):
                 problems.append((path, str(exc)))

@@ -91,6 +91,8 @@ class PmixHost:
         self._started(world.nspace)
         _, shm = pmix_prefixes(world.nspace)
         self._shm[world.nspace] = self._make_dir(os.path.basename(shm), os.path.dirname(shm))
+        # In the server's directory: the lifeline and `poprunctl reap` remove it with that.
+        os.mkdir(pmixplan.nsdir(self._tmpdir, world.nspace), 0o700)
         return self.server.open(world, handler)
 
     def instance_env(self, ns, rank: int, environ: Mapping[str, str] | None) -> dict[str, str]:
@@ -101,6 +103,7 @@ class PmixHost:
     def close_world(self, ns) -> None:
         """The world's instances are gone: its namespace and segments go."""
         ns.close()
+        shutil.rmtree(pmixplan.nsdir(self._tmpdir, ns.world.nspace), ignore_errors=True)
         path = self._shm.pop(ns.world.nspace, None)
         if path is not None:
             self._remove(path)

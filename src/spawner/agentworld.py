@@ -119,7 +119,9 @@ class AgentWorld:
         self._send(encode(Kind.MODEX_WANT, kvsname=self.kvsname, id=want, rank=rank))
 
     def abort(self, rank: int, status: int, message: str) -> None:
-        self._aborted(rank, status, message)
+        from . import pmixplan
+
+        self._aborted(rank, status, pmixplan.abort_message(message))
 
     def exited(self, rank: int) -> None:
         """An instance here exited: had it joined Open MPI's world and not left it properly?"""

@@ -16,6 +16,15 @@ from collections.abc import Mapping
 
 from . import pmixplan
 
+
+def _usable_cpus() -> int:
+    """The CPUs this host's instances may run on: this process's (they inherit it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except OSError:
+        return os.cpu_count() or 1
+
+
 class PmixHost:
     def __init__(self, path: str, lifeline, hostname: str,
                  loop: asyncio.AbstractEventLoop, given: str | None = None) -> None:
@@ -91,16 +100,23 @@ class PmixHost:
         self._started(world.nspace)
         _, shm = pmix_prefixes(world.nspace)
         self._shm[world.nspace] = self._make_dir(os.path.basename(shm), os.path.dirname(shm))
+        # In the server's directory: the lifeline and `poprunctl reap` remove it with that
+        # (made again, private, where a /tmp cleaner took it meanwhile).
+        os.makedirs(self._tmpdir, 0o700, exist_ok=True)
+        os.mkdir(pmixplan.nsdir(self._tmpdir, world.nspace), 0o700)
         return self.server.open(world, handler)
 
     def instance_env(self, ns, rank: int, environ: Mapping[str, str] | None) -> dict[str, str]:
-        """Every variable that leads `rank` to this server."""
+        """Every variable that leads `rank` to this server, and what Open MPI's mpirun would
+        set for this host (pmixplan.instance_variables)."""
         return {**ns.client_env(rank),
-                **pmixplan.instance_variables(dict(environ or {}), self._shm[ns.world.nspace])}
+                **pmixplan.instance_variables(dict(environ or {}), self._shm[ns.world.nspace],
+                                              len(ns.world.local_ranks), _usable_cpus())}
 
     def close_world(self, ns) -> None:
         """The world's instances are gone: its namespace and segments go."""
         ns.close()
+        shutil.rmtree(pmixplan.nsdir(self._tmpdir, ns.world.nspace), ignore_errors=True)
         path = self._shm.pop(ns.world.nspace, None)
         if path is not None:
             self._remove(path)

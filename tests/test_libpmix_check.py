@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun
+from requires import skip_or_fail
 from sshd_hosts import in_mount_namespace, require_mount_namespaces
 from spawner import pmixcheck, pmixfind
 
@@ -29,10 +30,7 @@ VERSION_SAID = b"OpenPMIx 4.2.2rc2"  # what Debian 12's libpmix2 says (PMIx_Get_
 
 def require_system_libpmix() -> str:
     if SYSTEM_LIBPMIX is None:
-        if os.environ.get("POPRUN_REQUIRE_OPENMPI") == "1":
-            pytest.fail("no system libpmix (apt-get install libpmix2); "
-                        "POPRUN_REQUIRE_OPENMPI=1 forbids skipping", pytrace=False)
-        pytest.skip("no system libpmix (apt-get install libpmix2)")
+        skip_or_fail("no system libpmix (apt-get install libpmix2)", "POPRUN_REQUIRE_OPENMPI")
     return SYSTEM_LIBPMIX
 
 

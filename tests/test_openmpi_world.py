@@ -50,9 +50,7 @@ HIDE_SYSTEM_LIBPMIX = [["-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", d]
 
 def require_openmpi(reason: str):
     """Skip, or fail where POPRUN_REQUIRE_OPENMPI=1."""
-    if os.environ.get("POPRUN_REQUIRE_OPENMPI") == "1":
-        pytest.fail(f"{reason}; POPRUN_REQUIRE_OPENMPI=1 forbids skipping", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(reason, "POPRUN_REQUIRE_OPENMPI")
 
 
 def require_pmix_served(argv: list[str]) -> None:
@@ -276,7 +274,7 @@ def test_a_host_with_more_instances_than_cpus_tells_open_mpi_to_yield(ompi, cpus
     mpi_yield_when_idle, which Open MPI takes (it lists the parameters it read from the
     environment: mpi_show_mca_params); on 2 CPUs they do not; the user's own value wins."""
     if (os.cpu_count() or 1) < cpus:
-        pytest.skip(f"fewer than {cpus} CPUs")  # every machine has 2; the switch asks none
+        pytest.skip(f"fewer than {cpus} CPUs")  # no switch: no package gives a machine CPUs
     user = [f"--env=OMPI_MCA_mpi_yield_when_idle={given}"] if given else []
     proc = subprocess.run(ompi.wrap(["taskset", "-c", ",".join(map(str, range(cpus)))]
                                     + poprun_argv(*OFFLINE, "--num-instances=2",

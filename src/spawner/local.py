@@ -23,10 +23,11 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from popdist.env import ERROR_FILE, PROGRESS_FILE
 
@@ -36,6 +37,9 @@ from .containment import Cgroups
 from .lifeline import Lifeline
 from .uncompiled import dataclass
 from .untrusted import read_regular
+
+if TYPE_CHECKING:  # imported where an instance has one
+    from .containers import Container
 
 # Each instance's pipes are grown to this (F_SETPIPE_SZ; the kernel's default is 64 KiB): per
 # byte, a busy writer waits, and poprun wakes and reads, less often
@@ -79,12 +83,13 @@ class ProcessSpec:
     cpus: tuple[int, ...] | None = None  # CPU binding (None: not bound)
     mems: tuple[int, ...] | None = None  # memory node binding (None: not bound)
     pass_fds: tuple[int, ...] = ()  # descriptors it inherits (its PMI socket: spawner/pmi.py)
+    container: Container | None = None  # run inside it (spawner/containers.py)
 
     def __init__(self, key, argv, env, cwd=None, merge_stderr=False, inherit_stdin=False,
-                 cpus=None, mems=None, pass_fds=()):  # by hand: one per instance (uncompiled)
+                 cpus=None, mems=None, pass_fds=(), container=None):  # by hand (uncompiled)
         self.__dict__.update(key=key, argv=argv, env=env, cwd=cwd, merge_stderr=merge_stderr,
                              inherit_stdin=inherit_stdin, cpus=cpus, mems=mems,
-                             pass_fds=pass_fds)
+                             pass_fds=pass_fds, container=container)
 
 
 class EventLoop(Protocol):
@@ -177,7 +182,8 @@ class LocalSpawner:
         from . import stackdump
 
         env.update(stackdump.instance_env(env[ERROR_FILE], env))  # popdist/_stacks.py
-        argv = self._contained(spec, env)
+        argv, env = _in_container(spec, env)
+        argv = self._contained(spec, argv, env)
         if self._lifeline and not self._tracking and not self._has_cgroups():
             # its helpers are found by their ancestry only
             self._lifeline.track_descendants(containment.is_subreaper())
@@ -266,15 +272,16 @@ class LocalSpawner:
                 self._lifeline.add_cgroup(self._cgroups.root)
         return bool(self._cgroups)
 
-    def _contained(self, spec: ProcessSpec, env: dict[str, str]) -> list[str] | tuple[str, ...]:
-        """The argv that starts `spec` in a cgroup of its own, where this host allows: it
-        enters it before its first instruction (containment.entering). A program that
-        cannot be run is refused here, as Popen would refuse it, not by the shell later."""
+    def _contained(self, spec: ProcessSpec, argv: Sequence[str],
+                   env: dict[str, str]) -> Sequence[str]:
+        """The argv that starts `argv` (`spec`'s) in a cgroup of its own, where this host
+        allows: it enters it before its first instruction (containment.entering). A program
+        that cannot be run is refused here, as Popen would refuse it, not by the shell later."""
         procs = self._cgroups.prepare(spec.key) if self._has_cgroups() else None
         if procs is None:
-            return spec.argv
-        _check_runnable(spec.argv[0], env.get("PATH", os.defpath), spec.cwd)
-        return containment.entering(procs, spec.argv)
+            return argv
+        _check_runnable(argv[0], env.get("PATH", os.defpath), spec.cwd)
+        return containment.entering(procs, argv)
 
     @property
     def error_dir(self) -> str | None:
@@ -496,6 +503,18 @@ class LocalSpawner:
             containment.reap_children(
                 keep=frozenset([self._lifeline.pid] if self._lifeline else []),
                 spare=containment.helpers_mark(self._lifeline.token) if self._lifeline else None)
+
+
+def _in_container(spec: ProcessSpec, env: dict[str, str]) -> tuple[Sequence[str], dict]:
+    """`spec`'s argv and environment as they start it: inside its container, if it has
+    one (spawner/containers.py), under a name no other start of this host has."""
+    if spec.container is None:
+        return spec.argv, env
+    from .containers import wrap
+
+    name = f"poprun-{os.getpid()}-{spec.key}-{os.urandom(4).hex()}"
+    return wrap(spec.container, spec.argv, env, spec.cwd or os.getcwd(), name=name,
+                interactive=spec.inherit_stdin, python=sys.executable)
 
 
 def _check_runnable(program: str, path: str, cwd: str | None) -> None:

@@ -161,13 +161,14 @@ def _bwrap(image: str | None, args: list[str], argv: Sequence[str], cwd: str,
 
 def _podman(image: str, args: list[str], argv: Sequence[str], env: dict[str, str], cwd: str,
             mounts: tuple[str, ...], name: str, interactive: bool, python: str) -> list[str]:
-    """podman: removed at its end (`--rm`), on the host's network and IPC (/dev/shm), the
+    """podman: removed at its end (`--rm`), with an init that passes signals on (the
+    instance is not pid 1, which ignores SIGTERM), on the host's network and IPC (/dev/shm), the
     environment passed by name (`-e NAME`: the values stay off the command line), the job's
     directories bound. Its PMI socket is moved to descriptor 3 on the way in (by `python`:
     a POSIX shell cannot name a descriptor above 9), the one place `--preserve-fds` can
     pass it."""
-    out = ["podman", "run", "--rm", "--name", name, "--network=host", "--ipc=host",
-           "--log-driver=none", "-w", cwd]
+    out = ["podman", "run", "--rm", "--init", "--name", name, "--network=host",
+           "--ipc=host", "--log-driver=none", "-w", cwd]
     if interactive:
         out.append("-i")
     for path in mounts:
@@ -221,3 +222,13 @@ def _enroot(image: str, args: list[str], argv: Sequence[str], env: Mapping[str, 
     for variable in sorted(env):
         out += ["--env", variable]
     return [*out, *args, image, "env", f"--chdir={cwd}", *argv]
+
+
+def cleanup(container: Container, name: str) -> list[str] | None:
+    """The command that removes the container `name` of `container`'s runtime whatever
+    became of its processes, for the runtimes that keep one beside them (podman's record,
+    its mounts and its conmon, which outlive a SIGKILLed `podman run`); None: nothing to
+    remove once the processes are gone."""
+    if container.runtime == "podman":
+        return ["podman", "rm", "--force", "--ignore", "--time", "0", name]
+    return None

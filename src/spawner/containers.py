@@ -91,7 +91,7 @@ class Container:
         if not isinstance(fields, Mapping):
             raise TypeError("container must be a map")
         runtime, image, args = fields.get("runtime"), fields.get("image"), fields.get("args")
-        args = tuple(args) if isinstance(args, list) else args
+        args = () if args is None else tuple(args) if isinstance(args, list) else args
         if (not isinstance(runtime, str) or not (image is None or isinstance(image, str))
                 or not isinstance(args, tuple) or not all(isinstance(a, str) for a in args)):
             raise TypeError("container: runtime, image and args must be strings")

@@ -70,7 +70,7 @@ def test_podman_passes_the_environment_by_name_and_moves_the_pmi_socket_to_3():
     assert argv[:5] == ["/usr/bin/python3", "-S", "-c", C.MOVE_TO_3, "12"]
     podman = argv[5:]
     assert podman[:2] == ["podman", "run"]
-    for flag in ("--rm", "--init", "--network=host", "--ipc=host", "--preserve-fds=1"):
+    for flag in ("--rm", "--network=host", "--ipc=host", "--pid=host", "--preserve-fds=1"):
         assert flag in podman
     assert pairs(podman, "--name") == ["poprun-1-3-x"] and pairs(podman, "-w") == ["/work/job"]
     assert sorted(pairs(podman, "-e")) == sorted(ENV)  # names only: no value on the command line
@@ -133,6 +133,14 @@ def test_enroot_starts_with_mounts_the_environment_by_name_and_env_chdir():
     assert "/work/job:/work/job" in pairs(argv, "--mount")
     assert sorted(pairs(argv, "--env")) == sorted(ENV)
     assert argv[-len(ARGV) - 3:] == ["sdk", "env", "--chdir=/work/job", *ARGV] and env == ENV
+
+
+def test_podman_s_128_plus_n_is_a_signal_as_for_a_bare_instance():
+    podman = C.Container("podman", "img")
+    assert [C.exit_status(podman, code) for code in (0, 1, 125, 128, 137, 143, 192, 255)] == [
+        0, 1, 125, 128, -9, -15, -64, 255]
+    for other in (C.Container("bwrap"), C.Container("apptainer", "i"), None):
+        assert C.exit_status(other, 143) == 143 and C.exit_status(other, -15) == -15
 
 
 def test_only_podman_leaves_a_container_to_remove():

@@ -17,7 +17,9 @@ What every runtime gets, so that a contained instance behaves as a bare one:
   memory between instances) — each at the same path inside;
 - `PMI_FD`, the PMI-1 socket: inherited as it is, except by podman, which passes on only
   descriptors 3.. (`--preserve-fds N`): the socket is moved to 3 on the way in;
-- the host's network (torch.distributed's and the PMIx server's loopback addresses).
+- the host's network (torch.distributed's and the PMIx server's loopback addresses) and,
+  where the runtime makes namespaces of its own, the host's IPC and pid namespaces (MPICH's
+  shared memory and its ranks' process_vm_readv of each other by pid).
 
 CPU and memory binding are not the runtime's business: the spawner starts the runtime
 bound, and everything it starts inherits the binding.
@@ -161,14 +163,15 @@ def _bwrap(image: str | None, args: list[str], argv: Sequence[str], cwd: str,
 
 def _podman(image: str, args: list[str], argv: Sequence[str], env: dict[str, str], cwd: str,
             mounts: tuple[str, ...], name: str, interactive: bool, python: str) -> list[str]:
-    """podman: removed at its end (`--rm`), with an init that passes signals on (the
-    instance is not pid 1, which ignores SIGTERM), on the host's network and IPC (/dev/shm), the
+    """podman: removed at its end (`--rm`), in the host's network, IPC (/dev/shm) and pid
+    namespaces (MPICH's ranks read each other's memory by pid, process_vm_readv; the
+    instance is no pid 1, which would ignore SIGTERM; the stacks signal finds it), the
     environment passed by name (`-e NAME`: the values stay off the command line), the job's
     directories bound. Its PMI socket is moved to descriptor 3 on the way in (by `python`:
     a POSIX shell cannot name a descriptor above 9), the one place `--preserve-fds` can
     pass it."""
-    out = ["podman", "run", "--rm", "--init", "--name", name, "--network=host",
-           "--ipc=host", "--log-driver=none", "-w", cwd]
+    out = ["podman", "run", "--rm", "--name", name, "--network=host", "--ipc=host",
+           "--pid=host", "--log-driver=none", "-w", cwd]
     if interactive:
         out.append("-i")
     for path in mounts:
@@ -222,6 +225,17 @@ def _enroot(image: str, args: list[str], argv: Sequence[str], env: Mapping[str, 
     for variable in sorted(env):
         out += ["--env", variable]
     return [*out, *args, image, "env", f"--chdir={cwd}", *argv]
+
+
+def exit_status(container: Container | None, returncode: int) -> int:
+    """The instance's exit as subprocess gives a bare one's (negative: a signal), from its
+    runtime's. `podman run` exits with its container's status, 128+N where a signal N ended
+    it (a shell's convention: a program's own `exit(128+N)` reads the same); the other
+    runtimes' processes die of the signal themselves (they are in the instance's process
+    group) or exec the instance."""
+    if container is not None and container.runtime == "podman" and 128 < returncode < 128 + 65:
+        return 128 - returncode
+    return returncode
 
 
 def cleanup(container: Container, name: str) -> list[str] | None:

@@ -402,6 +402,10 @@ class LocalSpawner:
             self._lifeline.discard_group(pid)
         child.returncode = child.proc.wait()
         self._remove_container(child)
+        if child.spec.container is not None:
+            from .containers import exit_status
+
+            child.returncode = exit_status(child.spec.container, child.returncode)
         if child.returncode != 0:
             self._read_error(child.spec.key)
 

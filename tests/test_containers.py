@@ -219,3 +219,24 @@ def test_a_runtime_missing_on_this_host_is_one_line_exit_2_and_nothing_starts(tm
                       env={"PATH": os.path.dirname(sys.executable)})
     assert_usage_error(proc, "--container=podman: podman not found on PATH on this host")
     assert not marker.exists()
+
+
+def test_a_dry_run_names_the_container(tmp_path):
+    """Apptainer is not installable here: a stand-in on PATH (a dry run never runs it; the
+    pre-flight only looks for it)."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "apptainer").write_text("#!/bin/sh\nexit 99\n")
+    (tmp_path / "bin" / "apptainer").chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    args = (*OFFLINE, "--dry-run", "--container", "apptainer", "--container-image", "sdk.sif",
+            "--container-args", "--nv", "python3", "x.py")
+    text = run_poprun(*args, cwd=tmp_path, env=env)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.decode().startswith(
+        "container: apptainer sdk.sif --nv: each argv below runs inside it")
+    import json
+
+    shown = json.loads(run_poprun(*args[:-2], "--json", *args[-2:], cwd=tmp_path, env=env).stdout)
+    assert shown["container"] == {"runtime": "apptainer", "image": "sdk.sif", "args": ["--nv"]}
+    assert "container" not in json.loads(run_poprun(*OFFLINE, "--dry-run", "--json", "true",
+                                                    cwd=tmp_path).stdout)

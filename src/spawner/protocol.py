@@ -101,8 +101,9 @@ from .containers import Container
 from .local import Stream
 
 # 5: HELLO's mktemp; 6: PMIx (WORLD's pmix, FENCE_*, MODEX_*), FACTS, HELLO's open_files,
-# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck)
-PROTOCOL_VERSION = 6
+# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: SPAWN's
+# container (an agent that ignored it would start the instance bare)
+PROTOCOL_VERSION = 7
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)

@@ -13,6 +13,8 @@ import shlex
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import OFFLINE, assert_usage_error, run_poprun
 from poprun.errors import ConfigError
@@ -240,3 +242,27 @@ def test_a_dry_run_names_the_container(tmp_path):
     assert shown["container"] == {"runtime": "apptainer", "image": "sdk.sif", "args": ["--nv"]}
     assert "container" not in json.loads(run_poprun(*OFFLINE, "--dry-run", "--json", "true",
                                                     cwd=tmp_path).stdout)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=5)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=5), max_leaves=20)
+FIELDS = st.fixed_dictionaries({}, optional={
+    "runtime": st.sampled_from(C.RUNTIMES) | JSON, "image": st.text(max_size=50) | JSON,
+    "args": st.lists(st.text(max_size=50), max_size=300) | JSON})
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(fields=FIELDS | JSON)
+def test_any_container_field_is_a_valid_container_or_refused(fields):
+    """A SPAWN frame's `container` (the agent's side): whatever it holds, a Container that
+    passes the same check as the launcher's options, or TypeError/ValueError, which the
+    agent answers with SPAWN_FAILED (never an exception that ends it)."""
+    try:
+        container = C.Container.from_fields(fields)
+    except (TypeError, ValueError):
+        return
+    if container is not None:
+        assert container.problem() is None and len(container.args) <= C.MAX_ARGS
+        argv, _ = C.wrap(container, ARGV, ENV, "/w", name="n")
+        assert argv[-len(ARGV):] == list(ARGV)

@@ -185,7 +185,7 @@ class LocalSpawner:
 
         env.update(stackdump.instance_env(env[ERROR_FILE], env))  # popdist/_stacks.py
         argv, env, removal = _in_container(spec, env)
-        argv = self._contained(spec, argv, env)
+        argv = self._contained(spec, env, argv)
         if self._lifeline and not self._tracking and not self._has_cgroups():
             # its helpers are found by their ancestry only
             self._lifeline.track_descendants(containment.is_subreaper())
@@ -275,11 +275,13 @@ class LocalSpawner:
                 self._lifeline.add_cgroup(self._cgroups.root)
         return bool(self._cgroups)
 
-    def _contained(self, spec: ProcessSpec, argv: Sequence[str],
-                   env: dict[str, str]) -> Sequence[str]:
-        """The argv that starts `argv` (`spec`'s) in a cgroup of its own, where this host
-        allows: it enters it before its first instruction (containment.entering). A program
-        that cannot be run is refused here, as Popen would refuse it, not by the shell later."""
+    def _contained(self, spec: ProcessSpec, env: dict[str, str],
+                   argv: Sequence[str] | None = None) -> Sequence[str]:
+        """The argv that starts `argv` (default `spec`'s) in a cgroup of its own, where this
+        host allows: it enters it before its first instruction (containment.entering). A
+        program that cannot be run is refused here, as Popen would refuse it, not by the
+        shell later."""
+        argv = spec.argv if argv is None else argv
         procs = self._cgroups.prepare(spec.key) if self._has_cgroups() else None
         if procs is None:
             return argv

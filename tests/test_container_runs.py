@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -241,3 +242,25 @@ def test_instances_on_sshd_hosts_run_contained_by_their_agents(runtime, tmp_path
     assert lines(proc, "world") == [f"world rank={r} size=4 sum=10 bcast=hello"
                                     for r in range(4)]
     assert lines(proc, "sentinel") == ["sentinel False"] * 4  # the host's /tmp is not theirs
+
+
+def test_a_runtime_missing_on_a_remote_host_is_one_line_exit_2_and_nothing_starts(tmp_path):
+    """The agents look for the runtime as for the program (HELLO's `program`), on the PATH
+    instances get there (the launcher's): one without bwrap on it refuses the job before
+    anything starts. (No runtime fixture: nothing runs.)"""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bwrap is not installed")
+    tools = tmp_path / "bin"  # ssh and this Python, no bwrap
+    tools.mkdir()
+    (tools / "ssh").symlink_to(shutil.which("ssh"))
+    (tools / "python3").symlink_to(PY)
+    marker = tmp_path / "ran"
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        proc = run_poprun(*OFFLINE, "--container=bwrap", "--host", "h1,h2", "--num-instances=2",
+                          "--num-replicas=2", "sh", "-c", f"touch {marker}",
+                          env={**hosts.env(), "PATH": f"{tools}:{os.path.dirname(PY)}"},
+                          cwd=tmp_path, timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert "h1: program 'bwrap' not found or not executable there" in err
+    assert not marker.exists()

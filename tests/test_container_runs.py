@@ -11,7 +11,6 @@ They skip where a runtime cannot run, and fail instead where POPRUN_REQUIRE_CONT
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -39,7 +38,7 @@ def runtime(request) -> tuple[str, list[str]]:
 
 def run_in(runtime, tmp_path, instances: int, *args: str, env: dict | None = None,
            timeout: float = 180) -> subprocess.CompletedProcess:
-    name, options = runtime
+    options = runtime[1]
     return run_poprun(*OFFLINE, *options, f"--num-instances={instances}",
                       f"--num-replicas={instances}", *args, env=env, cwd=tmp_path,
                       timeout=timeout)
@@ -129,8 +128,8 @@ def test_a_torch_distributed_world_is_right_inside(runtime, tmp_path):
 
 WHERE = """
 import os, sys
-print(f"where {os.environ['POPDIST_INSTANCE_INDEX'] if 'POPDIST_INSTANCE_INDEX' in os.environ else '?'}"
-      f" cwd={os.getcwd()} cpus={sorted(os.sched_getaffinity(0))}"
+import popdist
+print(f"where {popdist.getInstanceIndex()} cwd={os.getcwd()} cpus={sorted(os.sched_getaffinity(0))}"
       f" shm={os.access('/dev/shm', os.W_OK)}", flush=True)
 if len(sys.argv) > 1:
     raise ValueError("raised inside")
@@ -158,7 +157,7 @@ SLEEPER = "import sys, time; print('ready', flush=True); time.sleep(300)"
 
 def start(runtime, tmp_path, marker: str, *args: str, env: dict | None = None,
           program: str = SLEEPER) -> subprocess.Popen:
-    name, options = runtime
+    options = runtime[1]
     return subprocess.Popen(poprun_argv(*OFFLINE, *options, "--num-instances=2",
                                         "--num-replicas=2", *args, PY, "-c", program, marker),
                             env=poprun_env(env), cwd=tmp_path, stdout=subprocess.PIPE,
@@ -205,7 +204,7 @@ def test_poprunctl_stacks_reads_a_contained_instance(runtime, tmp_path, job_stat
     marker = f"ctr-{uuid.uuid4().hex[:10]}"
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
-    name, options = runtime
+    options = runtime[1]
     job = subprocess.Popen(poprun_argv(*OFFLINE, *options, "--num-instances=2",
                                        "--num-replicas=2", PY, str(script), marker),
                            env=poprun_env(job_state), cwd=tmp_path, stdout=subprocess.PIPE,
@@ -233,7 +232,7 @@ def test_instances_on_sshd_hosts_run_contained_by_their_agents(runtime, tmp_path
 
     with tempfile.NamedTemporaryFile(dir="/tmp", prefix="ctr-sentinel-") as sentinel, \
             start_ssh_hosts(2, tmp_path) as hosts:
-        name, options = runtime
+        options = runtime[1]
         program = WORLD + f"import os; print('sentinel', os.path.exists({sentinel.name!r}))"
         proc = run_poprun(*OFFLINE, *options, "--host", "h1,h2", "--num-instances=4",
                           "--num-replicas=4", PY, "-c", program, env=hosts.env(),

@@ -24,7 +24,8 @@ from spawner import containers as C
 from spawner.lifeline import _apply, _joined
 from spawner.protocol import SpawnRequest
 
-ENV = {ERROR_FILE: "/tmp/poprun-errors-ab/3.json", PROGRESS_FILE: "/tmp/poprun-errors-ab/3.progress",
+ENV = {ERROR_FILE: "/tmp/poprun-errors-ab/3.json",
+       PROGRESS_FILE: "/tmp/poprun-errors-ab/3.progress",
        STACKS_FILE: "/tmp/poprun-errors-ab/3.stacks", EXECUTABLE_CACHE_PATH: "/scratch/cache",
        "PMIX_SERVER_TMPDIR": "/tmp/poprun-x-pmix-1", "PMIX_SYSTEM_TMPDIR": "/tmp/poprun-x-pmix-1",
        "PMIX_NAMESPACE": "poprun-x-0", "PMI_FD": "12", "PATH": "/usr/bin", "HOME": "/root"}
@@ -47,6 +48,7 @@ def test_binds_are_the_working_directory_shm_and_the_directories_the_environment
     # one below another is bound with it; relative values and other variables are not paths
     assert C.binds({"PMIX_A": "/work/job/sub", "PMIX_B": "rel/dir", "OTHER": "/etc"},
                    "/work/job") == ("/dev/shm", "/work/job")
+    assert C.binds({"TMPDIR": "/scratch/me/tmp"}, "/w") == ("/w", "/dev/shm", "/scratch/me/tmp")
 
 
 def test_bwrap_binds_the_host_root_read_only_and_the_job_s_directories_writable():
@@ -104,7 +106,8 @@ def test_the_move_to_3_runs(tmp_path):
     os.close(write)
     try:
         out = subprocess.run([sys.executable, "-S", "-c", C.MOVE_TO_3, str(high), sys.executable,
-                              "-c", "import os; os.write(3, b'via 3'); print(os.get_inheritable(3))"],
+                              "-c", "import os; os.write(3, b'via 3'); "
+                              "print(os.get_inheritable(3))"],
                              pass_fds=(high,), capture_output=True, text=True, timeout=30)
     finally:
         os.close(high)

@@ -13,8 +13,8 @@ What every runtime gets, so that a contained instance behaves as a bare one:
 - its working directory, bound at the same path, and started in it;
 - the directories that variables of the environment name for the job's own use (`binds`):
   the error, progress and stacks files, the executable cache, the autoreport directory,
-  every `PMIX_*` path (the PMIx server's rendezvous directory), /dev/shm (MPICH's shared
-  memory between instances) — each at the same path inside;
+  `TMPDIR`, every `PMIX_*` path (the PMIx server's rendezvous directory), /dev/shm
+  (MPICH's shared memory between instances) — each at the same path inside;
 - `PMI_FD`, the PMI-1 socket: inherited as it is, except by podman, which passes on only
   descriptors 3.. (`--preserve-fds N`): the socket is moved to 3 on the way in;
 - the host's network (torch.distributed's and the PMIx server's loopback addresses) and,
@@ -45,8 +45,9 @@ PMI_FD = "PMI_FD"
 SHM = "/dev/shm"
 # Variables naming a file of the job's: the directory holding it is bound.
 FILE_VARIABLES = (ERROR_FILE, PROGRESS_FILE, STACKS_FILE)
-# Variables naming a directory of the job's.
-DIRECTORY_VARIABLES = (EXECUTABLE_CACHE_PATH, AUTOREPORT_DIRECTORY)
+# Variables naming a directory of the job's (TMPDIR: where the user's temporary files go;
+# bwrap's /tmp is private).
+DIRECTORY_VARIABLES = (EXECUTABLE_CACHE_PATH, AUTOREPORT_DIRECTORY, "TMPDIR")
 # Bounds on what a SPAWN request may carry (spawner/protocol.py): a container is a few
 # words, never a place to smuggle megabytes into an agent.
 MAX_ARGS = 256

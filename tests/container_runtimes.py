@@ -34,10 +34,12 @@ IMAGE_BUILD_TIMEOUT = 600
 CAP_SYS_RESOURCE = 24
 
 
-def require(reason: str) -> None:
-    """Skip, or fail where POPRUN_REQUIRE_CONTAINERS=1."""
-    if os.environ.get("POPRUN_REQUIRE_CONTAINERS") == "1":
-        pytest.fail(f"{reason}; POPRUN_REQUIRE_CONTAINERS=1 forbids skipping", pytrace=False)
+def skip_or_fail(reason: str, variable: str = "POPRUN_REQUIRE_CONTAINERS") -> None:
+    """Skip the test for `reason` (a dependency missing), or fail it where `variable`, the
+    switch for that dependency, is 1. (main's tests/requires.py has the same function, the
+    one place for such skips there: this is it until the two meet.)"""
+    if os.environ.get(variable) == "1":
+        pytest.fail(f"{reason}; {variable}=1 forbids skipping", pytrace=False)
     pytest.skip(reason)
 
 
@@ -86,7 +88,7 @@ def podman_image() -> str:
         tar.stdout.close()
         tar.wait(timeout=60)
     if imported.returncode != 0:
-        require(f"podman import of this machine's root filesystem failed: "
+        skip_or_fail(f"podman import of this machine's root filesystem failed: "
                 f"{imported.stderr.strip()[-300:]}")
     return IMAGE
 
@@ -114,16 +116,16 @@ def bwrap_probe() -> str | None:
 def runtime_options(runtime: str) -> list[str]:
     """poprun's options that run each instance in `runtime` here (skips where it cannot)."""
     if shutil.which({"bwrap": "bwrap", "podman": "podman"}[runtime]) is None:
-        require(f"{runtime} is not installed (apt-get install bubblewrap podman runc)")
+        skip_or_fail(f"{runtime} is not installed (apt-get install bubblewrap podman runc)")
     if runtime == "bwrap":
         problem = bwrap_probe()
         if problem:
-            require(problem)
+            skip_or_fail(problem)
         return ["--container=bwrap"]
     image = podman_image()
     problem = podman_probe(image)
     if problem:
-        require(problem)
+        skip_or_fail(problem)
     args = " ".join([*limits_args(), *python_binds()])
     return ["--container=podman", f"--container-image={image}", f"--container-args={args}"]
 

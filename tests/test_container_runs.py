@@ -11,6 +11,7 @@ They skip where a runtime cannot run, and fail instead where POPRUN_REQUIRE_CONT
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -21,7 +22,7 @@ import uuid
 import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
-from container_runtimes import podman_containers, runtime_options
+from container_runtimes import podman_containers, runtime_options, skip_or_fail
 from sshd_hosts import processes_with, start_ssh_hosts, wait_until
 from test_mpi_world import WORLD
 from test_openmpi_world import OPEN_MPIS, _probe
@@ -97,9 +98,7 @@ def test_an_open_mpi_world_is_right_inside(runtime, tmp_path, version):
     server: its rendezvous directory (PMIX_SERVER_TMPDIR) is bound into the container."""
     problem = _probe(version)
     if problem:
-        if os.environ.get("POPRUN_REQUIRE_OPENMPI") == "1":
-            pytest.fail(f"{problem}; POPRUN_REQUIRE_OPENMPI=1 forbids skipping")
-        pytest.skip(problem)
+        skip_or_fail(problem, "POPRUN_REQUIRE_OPENMPI")
     python, env = OPEN_MPIS[version]
     proc = run_in(runtime, tmp_path, 4, *python, "-c", OPEN_MPI, env=env)
     assert proc.returncode == 0, proc.stderr.decode()
@@ -120,7 +119,8 @@ dist.destroy_process_group()
 
 
 def test_a_torch_distributed_world_is_right_inside(runtime, tmp_path):
-    pytest.importorskip("torch")
+    if importlib.util.find_spec("torch") is None:
+        skip_or_fail("torch is not installed (pip install torch==2.13.0)", "POPRUN_REQUIRE_TOOLS")
     proc = run_in(runtime, tmp_path, 2, PY, "-c", TORCH)
     assert proc.returncode == 0, proc.stderr.decode()
     assert lines(proc, "torch") == [f"torch rank={r} size=2 sum=3.0" for r in range(2)]
@@ -248,7 +248,7 @@ def test_a_runtime_missing_on_a_remote_host_is_one_line_exit_2_and_nothing_start
     instances get there (the launcher's): one without bwrap on it refuses the job before
     anything starts. (No runtime fixture: nothing runs.)"""
     if shutil.which("bwrap") is None:
-        pytest.skip("bwrap is not installed")
+        skip_or_fail("bwrap is not installed (apt-get install bubblewrap)")
     tools = tmp_path / "bin"  # ssh and this Python, no bwrap
     tools.mkdir()
     (tools / "ssh").symlink_to(shutil.which("ssh"))

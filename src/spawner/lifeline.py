@@ -5,8 +5,9 @@ the process groups it starts, its cgroups, the directories it creates and the MP
 serves. If the owner dies in any way — even by SIGKILL, where no `finally` runs — the pipe
 reaches EOF and the watchdog kills every group and cgroup still registered, and every process
 marked with its token (see containment.py: an instance started but not registered yet when
-the owner died, a helper that left its group), removes every directory still registered and
-what MPICH left in /dev/shm of every world still registered, then exits.
+the owner died, a helper that left its group), runs the cleanup commands still registered
+(the removal of a podman container: spawner/containers.py), removes every directory still
+registered and what MPICH left in /dev/shm of every world still registered, then exits.
 
 Why the mark closes the start-up race: the pipe's write end is inherited by every child until
 its exec (close-on-exec), so the watchdog sees EOF only once every instance has exec'd, with

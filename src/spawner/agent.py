@@ -517,7 +517,8 @@ class Agent:
             return self._spawner.spawn(ProcessSpec(
                 key=request.key, argv=request.argv, cwd=request.cwd, env=env,
                 merge_stderr=request.merge_stderr, cpus=request.cpus, mems=request.mems,
-                pass_fds=(pmi_end.fileno(),) if pmi_end is not None else ()))
+                pass_fds=(pmi_end.fileno(),) if pmi_end is not None else (),
+                container=request.container))
         finally:
             if pmi_end is not None:
                 pmi_end.close()  # the instance has its copy

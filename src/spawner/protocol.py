@@ -26,7 +26,8 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              {argv, env, cache, cwd} to read (see FACTS)
       MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
       MKDIR   {id, path}                     a directory (and parents) that is kept
-      SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world}
+      SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world,
+               container: {runtime, image, args} or null (spawner/containers.py)}
       SIGNAL  {key (null: every instance), signal (name, e.g. "SIGTERM")}
       HEARTBEAT {}                           every `interval` seconds
       STACKS  {id, keys (null: every instance), within}    their Python stacks (stackdump.py)
@@ -96,11 +97,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .containers import Container
 from .local import Stream
 
 # 5: HELLO's mktemp; 6: PMIx (WORLD's pmix, FENCE_*, MODEX_*), FACTS, HELLO's open_files,
-# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck)
-PROTOCOL_VERSION = 6
+# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: SPAWN's
+# container (an agent that ignored it would start the instance bare)
+PROTOCOL_VERSION = 7
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)
@@ -222,13 +225,15 @@ class SpawnRequest:
     cpus: tuple[int, ...] | None = None  # CPU binding there (None: not bound)
     mems: tuple[int, ...] | None = None  # memory node binding there (None: not bound)
     world: str | None = None  # the kvsname of the MPI world it joins (a WORLD frame's)
+    container: Container | None = None  # run inside it (spawner/containers.py)
 
     def to_fields(self) -> dict[str, Any]:
         return {"key": self.key, "argv": list(self.argv), "env_set": dict(self.env_set),
                 "env_unset": list(self.env_unset), "cwd": self.cwd,
                 "merge_stderr": self.merge_stderr,
                 "cpus": _list_or_none(self.cpus), "mems": _list_or_none(self.mems),
-                "world": self.world}
+                "world": self.world,
+                "container": None if self.container is None else self.container.to_fields()}
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, Any]) -> SpawnRequest:
@@ -242,7 +247,8 @@ class SpawnRequest:
         return cls(key=int(fields["key"]), argv=argv, env_set=env_set, env_unset=env_unset,
                    cwd=fields.get("cwd"), merge_stderr=bool(fields.get("merge_stderr")),
                    cpus=_ints_or_none(fields.get("cpus")), mems=_ints_or_none(fields.get("mems")),
-                   world=fields.get("world"))
+                   world=fields.get("world"),
+                   container=Container.from_fields(fields.get("container")))
 
 
 def _list_or_none(values: tuple[int, ...] | None) -> list[int] | None:

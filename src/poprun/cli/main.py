@@ -320,12 +320,22 @@ def _plan(config: LaunchConfig):
 def _dry_run(config: LaunchConfig, launch_plan, as_json: bool) -> int:
     from poprun.view.render import dry_run_text, topology_table
 
+    spec = config.container_spec
     if as_json:
         import json
 
-        sys.stdout.write(json.dumps(launch_plan.to_json(), indent=2) + "\n")
+        shown = launch_plan.to_json()
+        if spec is not None:  # only then: the plan's schema is otherwise unchanged
+            shown["container"] = spec.to_fields()
+        sys.stdout.write(json.dumps(shown, indent=2) + "\n")
         return 0
     if config.print_topology:
         sys.stdout.write(topology_table(launch_plan))
+    if spec is not None:
+        import shlex
+
+        sys.stdout.write(f"container: {shlex.join([spec.runtime, *filter(None, [spec.image])])}"
+                         f"{' ' + shlex.join(spec.args) if spec.args else ''}: each argv below "
+                         "runs inside it, started bound as shown\n")
     sys.stdout.write(dry_run_text(launch_plan))
     return 0

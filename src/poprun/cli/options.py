@@ -192,6 +192,18 @@ OPTIONS: tuple[Opt, ...] = (
         "Folder of the key to distribute (default: ~/.ssh)"),
     Opt("distribute-ssh-key-type", Kind.STR,
         "Generate a key of this type first: dsa, ecdsa, ed25519 or rsa"),
+    Opt("container", Kind.STR, "Run each instance inside a container of this runtime: bwrap "
+        "(bubblewrap: --container-image is a root directory, default the host's own, "
+        "read-only), podman, apptainer, singularity, charliecloud (ch-run) or enroot. The "
+        "runtime is started bound to the instance's CPUs and memory; the instance's "
+        "environment, working directory, PMI socket, the PMIx server's directory, /dev/shm "
+        "and the job's control files reach it; signals and cleanup are as for bare instances"),
+    Opt("container-image", Kind.STR, "The image the instances run in (podman: an image "
+        "name; apptainer/singularity: a .sif or sandbox; charliecloud: an image directory; "
+        "enroot: a container made by enroot create; bwrap: a root directory)"),
+    Opt("container-args", Kind.LIST, "More options for the runtime, split as a shell "
+        "would, placed before the image (e.g. \"--device /dev/fuse\" or \"--nv\"; "
+        "repeatable)"),
     Opt("process-placement", Kind.STR,
         "How instances are bound on each host: spreadnuma (NUMA nodes divided among the "
         "host's instances), scatternuma / scattersocket (one core each, spread over NUMA nodes "
@@ -496,7 +508,7 @@ def read_host_file_entries(path: str) -> tuple[str, ...]:
 SECTIONS = {
     "help": "General", "num-instances": "The job", "env": "Environment and output",
     "mpi-global-args": "mpirun arguments (read, not passed on)", "host": "Hosts (over SSH)",
-    "process-placement": "NUMA placement", "offline-target": "Poplar",
+    "container": "Containers", "process-placement": "NUMA placement", "offline-target": "Poplar",
     "vipu-server-host": "V-IPU partition (without --offline-mode)",
     "allow-run-as-root": "Accepted from later SDKs' scripts, without effect here",
     "no-dashboard": "Progress and results", "export-config": "Stored command lines",

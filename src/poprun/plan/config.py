@@ -10,7 +10,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
@@ -19,6 +19,9 @@ from poprun.errors import ConfigError
 from poprun.plan.hosts import Host, instance_counts, parse_host_list
 from poprun.plan.mpiargs import MpiArgs
 from poprun.plan.network import NetworkChoice, choose
+
+if TYPE_CHECKING:  # imported where a job has one
+    from spawner.containers import Container
 
 DEFAULT_KILL_TIMEOUT = 5.0
 DEFAULT_SSH_FANOUT = 64
@@ -124,6 +127,11 @@ class LaunchConfig:
     synchronise_python_venv: bool = False
     synchronise_poplar_sdk: bool = False
     version_format: str | None = None
+    # Each instance inside a container (spawner/containers.py): the runtime, its image, and
+    # the runtime's own options (split shell-wise; tuples are one string each, as given).
+    container: str | None = None
+    container_image: str | None = None
+    container_args: tuple[str, ...] = ()
     # The options the user gave (the CLI: on the command line or in --import-config), by
     # field name; None: not known (a Python caller), as if every option were given.
     given: frozenset[str] | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -221,6 +229,7 @@ class LaunchConfig:
                               f"{', '.join(SSH_KEY_TYPES)}")
         for entry in self.env:
             _check_env_entry(entry, "--env")
+        self.container_spec  # an unknown runtime or a missing image is an error now
         # Parsing here reports a bad mpi-args token or network at construction, not mid-launch.
         self.network
         for index, extra in self.instance_mpi.items():
@@ -306,6 +315,29 @@ class LaunchConfig:
             by_index.setdefault(index, []).append(parsed)
         return {i: mpiargs.merge(parts) for i, parts in by_index.items()}
 
+    @cached_property
+    def container_spec(self) -> Container | None:
+        """The container every instance runs in (spawner/containers.py); None: none. A
+        runtime poprun does not know, a missing image or an image or arguments without a
+        runtime are errors."""
+        import shlex
+
+        from spawner.containers import Container
+
+        if self.container is None:
+            if self.container_image is not None or self.container_args:
+                raise ConfigError("--container-image and --container-args need --container")
+            return None
+        try:
+            args = tuple(word for text in self.container_args for word in shlex.split(text))
+        except ValueError as exc:
+            raise ConfigError(f"--container-args: {exc}") from None
+        spec = Container(self.container, self.container_image or None, args)
+        problem = spec.problem()
+        if problem:
+            raise ConfigError(problem)
+        return spec
+
     @property
     def warns_single_instance(self) -> bool:
         """PopRun's warning that one instance with one replica is not supported: shown when
@@ -358,7 +390,7 @@ class LaunchConfig:
 
 
 _STR_TUPLE_FIELDS = ("program", "env", "mpi_global_args", "mpi_local_args",
-                     "instance_mpi_local_args", "hosts")
+                     "instance_mpi_local_args", "hosts", "container_args")
 _BOOL_FIELDS = ("offline_mode", "print_topology", "tag_output", "timestamp_output",
                 "fold_output", "merge_stderr_to_stdout", "distribute_ssh_key", "report_bindings",
                 "update_partition", "remove_partition", "allow_run_as_root",
@@ -370,7 +402,7 @@ _OPTIONAL_STR_FIELDS = (
     "vipu_server_host", "vipu_partition", "vipu_allocation", "vipu_cluster", "sync_type",
     "ipu_link_routing_type", "gw_link_routing_type", "host_subnet", "version_format",
     "result_json",
-    "progress_pattern", "libpmix")
+    "progress_pattern", "libpmix", "container", "container_image")
 # Options that parse (later SDKs' scripts pass them) and do nothing here: said at -v.
 INERT_FIELDS = ("allow_run_as_root", "synchronise_python_venv",
                 "synchronise_poplar_sdk", "version_format")

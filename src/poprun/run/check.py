@@ -76,6 +76,8 @@ async def check_hosts(config: LaunchConfig, environ: Mapping[str, str], cwd: str
     hosts = JobHosts.of(config, environ)
     local = [label for label in hosts.labels if label not in hosts.remote]
     argv = config.program if program else ()
+    if program and config.container_spec is not None:  # the image has the program
+        program = config.container_spec.program
     cache = explicit_cache(config, cache_mode(config, environ))
     here = hostcheck.gather_here(config, environ, argv, cwd, cache) if local else None
     checks = [_check_here(label, config, cwd, program, environ) for label in local]

@@ -181,7 +181,7 @@ class Job:
             spec = ProcessSpec(
                 key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge, env=env,
                 inherit_stdin=inst.index == 0,  # as mpirun: stdin goes to the first instance
-                cpus=inst.cpus, mems=inst.mems,
+                cpus=inst.cpus, mems=inst.mems, container=self.config.container_spec,
                 pass_fds=(pmi_end.fileno(),) if pmi_end is not None else ())
             try:
                 pid = self.local.spawn(spec)
@@ -220,6 +220,7 @@ class Job:
             return SpawnRequest(key=inst.index, argv=inst.argv, env_set=env,
                                 env_unset=self.plan.unset_env, cwd=self.cwd, merge_stderr=merge,
                                 cpus=inst.cpus, mems=inst.mems,
+                                container=self.config.container_spec,
                                 world=world.kvsname if world is not None else None)
 
         outcomes = await asyncio.gather(*(self.remote[host].spawn_all(

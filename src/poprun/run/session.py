@@ -47,6 +47,7 @@ from poprun.view.render import topology_table
 
 if TYPE_CHECKING:  # an offline launch never needs the partition's module
     from poprun.plan.partition import PartitionStep
+    from spawner.containers import Container
 
 DRY_RUN_CACHE_DIR = "<temporary directory, created at launch>"
 DASHBOARD_REFRESH = 0.25  # seconds between live panel updates (it redraws only on change)
@@ -141,12 +142,31 @@ def preflight(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
     """Everything checked before anything starts: the program (argv[0] resolved here when
     `resolve`; remote hosts resolve it themselves) and the executable cache mode."""
     program = config.program
+    if config.container_spec is not None:  # the program is the image's, found in there
+        check_runtime(config.container_spec, environ, resolve)
+        return program, planning.cache_mode(config, environ)
     if not resolve:
         return program, planning.cache_mode(config, environ)
     resolved = resolve_program(program[0], environ.get("PATH"), cwd)
     if resolved is None:
         raise missing_program(program[0], cwd)
     return (resolved,) + program[1:], planning.cache_mode(config, environ)
+
+
+def check_runtime(container: Container, environ: Mapping[str, str], here: bool) -> None:
+    """A container runtime missing on this host (where instances run here) is refused
+    before anything starts; the remote hosts' agents look for it as for a program
+    (`host_program`)."""
+    if here and shutil.which(container.program, path=environ.get("PATH")) is None:
+        raise ConfigError(f"--container={container.runtime}: {container.program} not found "
+                          f"on PATH on this host ({socket.gethostname()})")
+
+
+def host_program(config: LaunchConfig, program: tuple[str, ...]) -> str:
+    """What the remote hosts' agents must find (HELLO's `program`): the container runtime
+    when there is one, else the program."""
+    spec = config.container_spec
+    return spec.program if spec is not None else program[0]
 
 
 def free_port() -> int:
@@ -568,7 +588,8 @@ class _Session:
         started, their temporary cache made again (the old one went with its agent)."""
         self.log.warning(f"reconnecting to {', '.join(lost)} for the next attempt")
         await self.fleet.reopen(lost, self.job, self.job.on_host_lost, cwd=self.cwd,
-                                program=self.program[0], path=self.environ.get("PATH"))
+                                program=host_program(self.config, self.program),
+                                path=self.environ.get("PATH"))
         self._choose_network()
         caches = dict(caches)
         if self.mode is CacheMode.TEMPORARY:
@@ -659,7 +680,8 @@ class _Session:
                 # Its error taken even if the launch ends before it is read.
                 here.add_done_callback(lambda done: done.cancelled() or done.exception())
         await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
-                              program=self.program[0], path=self.environ.get("PATH"),
+                              program=host_program(self.config, self.program),
+                              path=self.environ.get("PATH"),
                               view=self.panel, temp_dirs=self.mode is CacheMode.TEMPORARY,
                               facts=ask)
         self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))

@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+import requires
+
 from conftest import SRC
 
 # What of this machine the image holds (relative to /), and what it leaves out.
@@ -34,13 +36,9 @@ IMAGE_BUILD_TIMEOUT = 600
 CAP_SYS_RESOURCE = 24
 
 
-def skip_or_fail(reason: str, variable: str = "POPRUN_REQUIRE_CONTAINERS") -> None:
-    """Skip the test for `reason` (a dependency missing), or fail it where `variable`, the
-    switch for that dependency, is 1. (main's tests/requires.py has the same function, the
-    one place for such skips there: this is it until the two meet.)"""
-    if os.environ.get(variable) == "1":
-        pytest.fail(f"{reason}; {variable}=1 forbids skipping", pytrace=False)
-    pytest.skip(reason)
+def skip_or_fail(reason: str) -> None:
+    """Skip, or fail where POPRUN_REQUIRE_CONTAINERS=1 (tests/requires.py)."""
+    requires.skip_or_fail(reason, "POPRUN_REQUIRE_CONTAINERS")
 
 
 def has_capability(number: int) -> bool:

@@ -29,6 +29,8 @@ SWITCHES = {
     "POPRUN_REQUIRE_NETNS": "network namespaces: root and iproute2 (tests/netns_hosts.py)",
     "POPRUN_REQUIRE_DOCS": "mkdocs (the test extra) and man",
     "POPRUN_REQUIRE_HOROVOD": "Horovod over Gloo (.ci/build_horovod)",
+    "POPRUN_REQUIRE_CONTAINERS": "the container runtimes the tests run instances in: "
+                                 "bubblewrap, and podman with runc (tests/container_runtimes.py)",
     "POPRUN_REQUIRE_TOOLS": "the rest of what .ci/run installs: the login shells (zsh, fish, "
                             "tcsh, csh), libnuma1 (with a kernel that has NUMA), util-linux's "
                             "prlimit, unshare and setpriv, Debian's python3 (a base "

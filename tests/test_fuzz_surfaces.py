@@ -13,20 +13,14 @@ import json
 import sys
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from conftest import OFFLINE, run_poprun_peak
+from fuzzing import FAST, HEAVY, LAUNCHES, run, ticking
 
 pytestmark = pytest.mark.timeout(300)
 
-FAST = settings(max_examples=300, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
-# A launch takes seconds: a few examples, and no shrinking (a failure's example is shown as
-# generated), so that a failing run is as bounded as a passing one.
-LAUNCHES = settings(max_examples=4, deadline=None, database=None,
-                    phases=[Phase.explicit, Phase.generate],
-                    suppress_health_check=list(HealthCheck))
 MAX_PEAK_KIB = 120 * 1024  # ~24 MiB idle here; a leak of what is sent would show
 INTERNAL_ERROR = 70
 
@@ -48,10 +42,15 @@ def hexed(data: bytes) -> str:
     return data.hex()
 
 
-def wire(words: list[bytes]):
-    """Byte strings made of random bytes and the protocol's own words, in any order."""
-    return st.lists(st.one_of(st.binary(max_size=40), st.sampled_from(words)),
-                    max_size=30).map(b"".join)
+def wire(words: list[bytes], reach: int = 0):
+    """Byte strings made of random bytes and the protocol's own words, in any order; with
+    `reach`, a word may also come repeated up to `reach` bytes' worth (so that a line or a
+    head reaches the limits set on it, and goes past them)."""
+    parts = st.one_of(st.binary(max_size=40), st.sampled_from(words))
+    if reach:
+        parts |= st.tuples(st.sampled_from(words), st.integers(0, reach)).map(
+            lambda word_size: word_size[0] * (word_size[1] // len(word_size[0])))
+    return st.lists(parts, max_size=30).map(b"".join)
 
 
 # --- the PMI-1 wire ---------------------------------------------------------------------------
@@ -204,6 +203,140 @@ def test_a_launch_survives_any_requests_to_its_rendezvous(batch):
     serving, the job's status its instances'."""
     proc, err = launch(2, CLIENT, *map(hexed, batch))
     assert proc.returncode == 0, err[-3000:]
+
+
+# The rendezvous's own server, in-process over real TCP, fed requests that reach its limits:
+# heads around MAX_HEAD, bodies around MAX_VALUE, a store filled to its limit by many keys,
+# DELETEs, and anything else a peer may send. The store's limit is made small (the same Store,
+# bounded at STORE_LIMIT), so that a few hundred requests fill it.
+
+STORE_LIMIT = 256 << 10
+HONEST = {("global", "0"): b"rank 0's address", ("global", "1"): b"rank 1's address",
+          ("set7", "0"): b"a process set's"}
+
+
+def sizes_around(limit: int):
+    """Sizes that sit at a limit, just under it, just past it, and anywhere up to twice it."""
+    return st.sampled_from([0, 1, limit - 1, limit, limit + 1]) | st.integers(0, 2 * limit)
+
+
+@st.composite
+def http_requests(draw):
+    """One request: a method, a path, headers (one padding header making the head
+    `head_size` long), a Content-Length (none, several, any text) and a body that may be
+    shorter or longer than it says."""
+    from poprun.run.rendezvous import MAX_HEAD, MAX_VALUE
+
+    method = draw(st.sampled_from([b"GET", b"PUT", b"DELETE", b"POST", b"get", b"PUT  "]))
+    scope = draw(st.sampled_from([b"p", b"q", b"x" * 300, b"", b"a b", b"\xff", b"p/q"]))
+    key = draw(st.sampled_from([b"k", b"kk", b"00", b"-1", b"key" * 100, b"\x00"]))
+    size = draw(sizes_around(MAX_VALUE))
+    lengths = draw(st.lists(st.sampled_from([b"%d" % size, b"%d" % (MAX_VALUE + 1), b"-1",
+                                             b"99999999999999999999", b"\xb2", b" %d " % size]),
+                            max_size=2))
+    head = b"%s /%s/%s HTTP/1.1\r\n" % (method, scope, key) + b"".join(
+        b"Content-Length: %s\r\n" % length for length in lengths)
+    pad = draw(sizes_around(MAX_HEAD)) - len(head) - len(b"X-Pad: \r\n")
+    head += b"X-Pad: %s\r\n" % (b"a" * max(0, pad)) if pad >= 0 else b""
+    body = b"v" * draw(st.sampled_from([size, max(0, size - 1), size + 1, 0]))
+    return head, body
+
+
+async def ask(address, data: bytes) -> bytes:
+    """Send one request (then EOF: a body cut short ends there) and read the whole reply;
+    b"" when the server closed without one (or reset: it closes what it will not read)."""
+    reader, writer = await asyncio.open_connection(*address)
+    try:
+        writer.write(data)
+        await writer.drain()
+        writer.write_eof()
+        return await asyncio.wait_for(reader.read(), 30)
+    except ConnectionError:
+        return b""
+    finally:
+        writer.close()
+
+
+def expected(head: bytes, body: bytes, store) -> set[int | None]:
+    """The statuses the server may answer `head` + `body` with (None: no reply), from the
+    pure parser and the store's state: the server's part is to apply them, bounded."""
+    from poprun.run.rendezvous import MAX_HEAD, BadRequest, _cost, parse_head
+
+    if len(head) > MAX_HEAD:  # refused before it is parsed: 400, unless reset first
+        return {400, None}
+    try:
+        method, scope, key, length = parse_head(head)
+    except BadRequest as bad:
+        return {bad.status, None}
+    if len(body) < length:
+        return {None}  # cut short: nothing to answer
+    if method == "GET":
+        return {200 if store.get(scope, key) is not None else 404}
+    if method == "DELETE":
+        return {200}
+    if method == "PUT":  # 413 only once the store would be past its limit
+        old = store.get(scope, key)
+        grown = _cost(scope, key, body[:length]) - (0 if old is None else _cost(scope, key, old))
+        return {200 if store.used + grown <= store.limit else 413}
+    return {405}
+
+
+async def put_new(address, key: int, slots: asyncio.Semaphore) -> bytes:
+    async with slots:  # the server's 128 at once, and its backlog's, are not the point here
+        return await ask(address, b"PUT /flood/%d HTTP/1.1\r\nContent-Length: 1024\r\n\r\n"
+                         % key + b"f" * 1024)
+
+
+def status_of(reply: bytes) -> int | None:
+    return int(reply.split(b" ", 2)[1]) if reply else None
+
+
+@HEAVY
+@given(st.lists(st.one_of(http_requests(), st.integers(1, 400)), min_size=1, max_size=12))
+def test_the_rendezvous_holds_its_limits_and_its_store(batch):
+    """Every request gets the status its head and the store's state call for (or none, when
+    cut short or refused before it was read); an integer in the batch is a flood of that many
+    1 KiB values under new keys, sent at once. Throughout, the loop keeps ticking, the store's
+    account is what it holds and never past its limit, what honest ranks put is still there,
+    and a request of Horovod's is answered as before."""
+    from poprun.run.rendezvous import Rendezvous, Store, _cost
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        server = Rendezvous("127.0.0.1", loop)
+        server.store = Store({"global": 2}, limit=STORE_LIMIT)
+        for (scope, key), value in HONEST.items():
+            server.store.put(scope, key, value)
+        flooded, slots = 0, asyncio.Semaphore(64)
+        try:
+            async with ticking():
+                for item in batch:
+                    if isinstance(item, int):
+                        replies = await asyncio.gather(*(put_new(server.address, flooded + i, slots)
+                                                         for i in range(item)))
+                        flooded += item
+                        assert {status_of(r) for r in replies} <= {200, 413}
+                        event(f"flood: {'full' if 413 in map(status_of, replies) else 'room'}")
+                        continue
+                    head, body = item
+                    allowed = expected(head[:-2] if head.endswith(b"\r\n") else head, body,
+                                       server.store)
+                    status = status_of(await ask(server.address, head + b"\r\n" + body))
+                    assert status in allowed, (status, allowed)
+                    event(f"status {status}")
+                store = server.store
+                assert store.used == sum(_cost(s, k, v) for s, values in store.values.items()
+                                         for k, v in values.items()) <= STORE_LIMIT
+                for (scope, key), value in HONEST.items():
+                    assert await ask(server.address, b"GET /%s/%s HTTP/1.1\r\n\r\n" % (
+                        scope.encode(), key.encode())) == (
+                        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n"
+                        b"\r\n%s" % (len(value), value))
+                assert not server._served or all(t.done() for t in server._served)
+        finally:
+            await server.close()
+
+    run(main())
 
 
 # --- popdist's progress and error files --------------------------------------------------------

@@ -77,6 +77,37 @@ _WORLD_KINDS = frozenset({Kind.BARRIER_IN, Kind.GET, Kind.MPI_ABORT, Kind.MPI_LO
                           Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED})
 
 
+# The fields the launcher reads of the agent's frames, and the types they must have.
+_INT, _TEXT, _MAP, _OPTIONAL_MAP = (int,), (str,), (dict,), (dict, type(None))
+_SHAPES: dict[Kind, dict[str, tuple[type, ...]]] = {
+    Kind.EXIT: {"key": _INT, "returncode": _INT, "error": _OPTIONAL_MAP},
+    Kind.STARTED: {"key": _INT, "pid": _INT, "binding": _OPTIONAL_MAP,
+                   "start": (int, type(None))},
+    Kind.SPAWN_FAILED: {"key": _INT, "error": _TEXT},
+    Kind.REPLY: {"id": _INT, "result": _MAP},
+    Kind.FAILED: {"id": (int, type(None)), "error": _TEXT},
+    Kind.INTERNAL: {"error": _TEXT, "traceback": (str, type(None))},
+    Kind.STATS: {"usage": _MAP, "progress": _OPTIONAL_MAP},
+    **{kind: {"kvsname": _TEXT} for kind in _WORLD_KINDS},
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_pair(value: Any) -> bool:
+    """[cpu %, rss] of STATS' usage, or [step, total] of its progress."""
+    return (isinstance(value, list) and len(value) == 2 and _is_number(value[0])
+            and (value[1] is None or _is_number(value[1])))
+
+
+def _is_step(value: Any) -> bool:
+    """[step, total] of popdist.progress(): integers (total null: none)."""
+    return (_is_pair(value) and isinstance(value[0], int)
+            and (value[1] is None or isinstance(value[1], int)))
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 class RemoteError(SshError):
@@ -593,24 +624,45 @@ class RemoteSpawner:
 
     def _on_data(self, data: bytes) -> None:
         self._last_heard = time.monotonic()
+        if self.lost is not None:  # given up on: nothing it says counts any more
+            return
+        broken = None
         try:
             frames = self._decoder.feed(data)
-        except ProtocolError as exc:
-            self._abort(f"the agent's output is not the agent protocol ({exc})")
-            return
+        except ProtocolError as exc:  # what came whole before it is the agent's word still
+            frames, broken = exc.frames, exc
         sink = self._sink
         for frame in frames:
             if type(frame) is Output:  # the hot path first
+                if frame.key not in self._pids or frame.key in self._exited:
+                    self._abort(f"the agent's output is not the agent protocol (OUTPUT of "
+                                f"instance {frame.key}, which is not running)")
+                    return
                 sink.on_output(frame.key, frame.stream, frame.data)
-            else:
-                self._on_control(frame)
+                continue
+            why = self._malformed(frame)
+            if why is None:
+                try:
+                    self._on_control(frame)
+                except ProtocolError as exc:  # a world's frame that is not one (on_world)
+                    why = str(exc)
+            if why is not None:
+                self._abort(f"the agent's output is not the agent protocol ({frame.kind.name} "
+                            f"frame: {why})")
+                return
+        if broken is not None:
+            self._abort(f"the agent's output is not the agent protocol ({broken})")
 
     def _on_control(self, frame: Control) -> None:
         fields = frame.fields
         if frame.kind is Kind.EXIT:
             self._exited[fields["key"]] = fields["returncode"]
             if fields.get("error"):
-                self.errors[fields["key"]] = fields["error"]
+                from popdist.errorfile import checked  # only for an instance that failed
+
+                error = checked(fields["error"])
+                if error is not None:
+                    self.errors[fields["key"]] = error
             on_progress = getattr(self._sink, "on_progress", None)
             if fields.get("progress") and on_progress:  # its last step, for the result
                 on_progress(fields["key"], *fields["progress"])
@@ -657,6 +709,32 @@ class RemoteSpawner:
                 future.set_exception(AgentRequestError(self.host, fields["error"]))
         else:  # a FAILED without request: it could not read what we sent
             self._abort(f"the agent rejected a message: {fields.get('error', frame.kind.name)}")
+
+    def _malformed(self, frame: Control) -> str | None:
+        """Why the frame is not what the agent protocol says (None: it is): the agent's
+        output is another host's, read as hostile input. Its fields must have their types,
+        an instance's frames come in order (STARTED or SPAWN_FAILED for an instance being
+        started, then EXIT once) and a report names only instances that run there."""
+        fields, kind = frame.fields, frame.kind
+        if kind in _SHAPES:
+            for name, types in _SHAPES[kind].items():
+                value = fields.get(name)
+                if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
+                    return f"its {name} is {type(value).__name__}"
+        if kind in (Kind.STARTED, Kind.SPAWN_FAILED) and fields["key"] not in self._spawning:
+            return f"instance {fields['key']} is not being started"
+        if kind is Kind.EXIT:
+            key, progress = fields["key"], fields.get("progress")
+            if key not in self._pids or key in self._exited:
+                return f"instance {key} is not running"
+            if progress is not None and not _is_step(progress):
+                return "its progress is not [step, total]"
+        if kind is Kind.STATS:
+            for name in ("usage", "progress"):
+                for key, value in (fields.get(name) or {}).items():
+                    if not (key.isdigit() and int(key) in self._pids and _is_pair(value)):
+                        return f"its {name} of {key[:20]!r} is not one of a running instance's"
+        return None
 
     @staticmethod
     def _resolve(future: asyncio.Future | None, result: Any) -> None:

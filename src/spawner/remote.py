@@ -687,12 +687,15 @@ class RemoteSpawner:
                 self.on_world(self, frame)
         elif frame.kind is Kind.STATS:  # for a sink that shows them (the dashboard)
             on_usage = getattr(self._sink, "on_usage", None)
+            # (an instance of an attempt before this one is no longer the sink's)
             for key, (cpu, rss) in fields["usage"].items() if on_usage else ():
-                on_usage(int(key), cpu, rss)
+                if int(key) in self._pids:
+                    on_usage(int(key), cpu, rss)
             on_progress = getattr(self._sink, "on_progress", None)
             for key, (step, total) in (fields.get("progress") or {}).items() \
                     if on_progress else ():
-                on_progress(int(key), step, total)
+                if int(key) in self._pids:
+                    on_progress(int(key), step, total)
         elif frame.kind is Kind.SPAWN_FAILED:
             self._resolve(self._spawning.pop(fields["key"], None), (None, fields["error"]))
         elif frame.kind is Kind.REPLY:
@@ -730,10 +733,10 @@ class RemoteSpawner:
             if progress is not None and not _is_step(progress):
                 return "its progress is not [step, total]"
         if kind is Kind.STATS:
-            for name in ("usage", "progress"):
+            for name, pair in (("usage", _is_pair), ("progress", _is_step)):
                 for key, value in (fields.get(name) or {}).items():
-                    if not (key.isdigit() and int(key) in self._pids and _is_pair(value)):
-                        return f"its {name} of {key[:20]!r} is not one of a running instance's"
+                    if not (key.isdigit() and pair(value)):
+                        return f"its {name} of {key[:20]!r} is not an instance's pair"
         return None
 
     @staticmethod

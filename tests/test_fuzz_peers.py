@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import struct
 
 import pytest
@@ -207,13 +208,20 @@ def test_the_launcher_survives_anything_an_agent_sends(hostile, at, cuts, noise)
 
 def test_a_stray_print_after_the_greeting_gives_the_agent_up_at_once():
     """Bytes that are no frame header (a library printing to the agent's stdout) announce a
-    frame of gigabytes: the launcher says so at once, rather than wait for it (and hold it)."""
+    frame of gigabytes: the launcher says so at once, rather than wait for it (and hold it),
+    and writes nothing more to the agent's closing channel (a request is refused as lost)."""
     from spawner.protocol import MAGIC
+    from spawner.remote import AgentLostError
 
     async def main():
         spawner, session, sink, lost, crashes = spawner_under_test(asyncio.get_running_loop())
         session.data_received(MAGIC + honest_frames([0])[0] + b"hello, world\n", None)
-        await asyncio.sleep(0.01)
+        written = bytes(spawner._chan.written)
+        spawner.signal_all(15)  # its channel is closing: nothing written to it, no error
+        with pytest.raises(AgentLostError):
+            await spawner.make_dir("/x")
+        assert spawner._chan.written == written
+        await asyncio.sleep(0.01)  # the loss is reported through the loop
         assert lost == [("h9", "the agent's output is not the agent protocol (a frame of "
                                  "1751477356 bytes announced, past the protocol's 268435456)")]
         assert spawner.pid(0) == 1000  # what came whole before it still counts
@@ -281,3 +289,165 @@ def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
         await world.close()
 
     run(main())
+
+
+# --- the Slurm callback's listener (spawner/callback.py) --------------------------------------
+
+SECRET = bytes(range(32))
+
+
+@st.composite
+def callers(draw):
+    """One connection that does not hold the job's secret (or holds it and says nonsense):
+    what it sends first, and then, once the launcher has answered, what it sends next (None:
+    nothing; it closes)."""
+    from spawner.callback import MAGIC, NONCE, PROOF
+
+    nonce = draw(st.binary(min_size=NONCE, max_size=NONCE))
+    how = draw(st.sampled_from(["garbage", "short", "wrong proof", "wrong secret",
+                                "bad identity"]))
+    if how == "garbage":
+        return how, draw(st.binary(max_size=200)), None
+    if how == "short":  # the handshake cut anywhere
+        return how, (MAGIC + nonce)[:draw(st.integers(0, len(MAGIC) + NONCE - 1))], None
+    identity = draw(st.sampled_from([b"", b"[]", b'{"node": 1}', b"\xff", b"x" * 255]
+                                    + [b'{"node": "n1"}'] * (how != "bad identity")))
+    if how == "wrong proof":
+        return how, MAGIC + nonce, (draw(st.binary(min_size=PROOF, max_size=PROOF))
+                                    + bytes([len(identity)]) + identity)
+    return how, MAGIC + nonce, identity  # the proof is made once the launcher's nonce is known
+
+
+async def call(address, how: str, first: bytes, then, cuts) -> None:
+    """Play one caller; the launcher's answer is read when it has one to give."""
+    from spawner.callback import MAGIC, NONCE, PROOF, proof
+
+    reader, writer = await asyncio.open_connection(*address)
+    try:
+        for piece in chunks(first, cuts):
+            writer.write(piece)
+            await writer.drain()
+        if then is not None:
+            answer = await asyncio.wait_for(reader.readexactly(NONCE + PROOF), 30)
+            if how != "wrong proof":
+                secret = SECRET if how == "bad identity" else b"not the job's secret"
+                then = (proof(secret, b"agent", first[len(MAGIC):], answer[:NONCE], then)
+                        + bytes([len(then)]) + then)
+            writer.write(then + b"agent protocol bytes")
+        writer.write_eof()
+        await asyncio.wait_for(reader.read(), 30)  # refused: closed
+    except (ConnectionError, asyncio.IncompleteReadError):
+        pass  # refused before it was done
+    finally:
+        writer.close()
+
+
+class Receiver:
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+
+    def eof_received(self) -> None:
+        pass
+
+    def connection_lost(self, exc) -> None:
+        pass
+
+
+def agent_environ(target: str, node: str = "n1") -> dict[str, str]:
+    from spawner.callback import CALLBACK_VARIABLE, SECRET_VARIABLE, STEP_VARIABLE
+
+    return {CALLBACK_VARIABLE: target, SECRET_VARIABLE: SECRET.hex(), STEP_VARIABLE: "2",
+            "SLURMD_NODENAME": node, "SLURM_PROCID": "0"}
+
+
+async def an_agent_calls(listener, receiver: Receiver, pieces: list[bytes]) -> None:
+    """A real agent's end (connect_back, blocking: in a thread) gets through, and what it
+    sends after the handshake, in pieces, reaches the receiver exactly."""
+    from spawner import callback
+
+    sock = await asyncio.to_thread(callback.connect_back, agent_environ(listener.target()))
+    with sock:
+        for piece in pieces:
+            await asyncio.to_thread(sock.sendall, piece)
+        want = b"".join(pieces)
+        for _ in range(3000):
+            if len(receiver.data) >= len(want):
+                break
+            await asyncio.sleep(0.01)
+        assert bytes(receiver.data) == want
+
+
+@settings(FAST, max_examples=60)
+@given(st.lists(st.tuples(callers(), st.lists(st.integers(0, 300), max_size=3)), max_size=12),
+       st.lists(st.binary(max_size=50), max_size=4))
+def test_the_callback_lets_only_the_secrets_holder_through(hostile, pieces):
+    """Connections that send garbage, stop anywhere in the handshake, show a wrong proof or
+    a proof made with another secret, all at once: each is refused with one line and none
+    reaches the job; the listener holds none of them afterwards; an agent holding the secret
+    still gets through, and its bytes arrive as it sent them."""
+    from spawner.callback import CallbackListener
+
+    async def main():
+        agents, refused, receiver = [], [], Receiver()
+
+        def on_agent(identity, caller):
+            agents.append(identity)
+            return receiver
+
+        listener = CallbackListener(SECRET, on_agent, refused.append)
+        listener.bind("127.0.0.1")
+        await listener.serve()
+        address = ("127.0.0.1", listener.port)
+        try:
+            async with ticking():
+                await asyncio.gather(*(call(address, how, first, then, cuts)
+                                       for (how, first, then), cuts in hostile))
+                assert agents == []
+                for _ in range(3000):  # the launcher's side of each refusal has run
+                    if not listener.unproven:
+                        break
+                    await asyncio.sleep(0.01)
+                assert not listener.unproven
+                assert all(isinstance(why, str) and "\n" not in why for why in refused)
+                await an_agent_calls(listener, receiver, pieces)
+                assert agents == [{"node": "n1", "step": "2", "task": "0"}]
+        finally:
+            listener.close()
+
+    run(main())
+
+
+@pytest.mark.xfail(strict=True, reason="issue 46.2: fixed on branch neighbours")
+@pytest.mark.timeout(120)
+def test_many_idle_connections_from_a_neighbour_do_not_lock_an_agent_out():
+    """300 connections from another address (a neighbour on the network, here 127.0.0.2)
+    that say nothing and stay open: an agent of the job's still gets through."""
+    from spawner.callback import CallbackListener
+
+    async def main():
+        agents, receiver = [], Receiver()
+        listener = CallbackListener(SECRET, lambda identity, caller: agents.append(identity)
+                                    or receiver, lambda why: None)
+        listener.bind("127.0.0.1")
+        await listener.serve()
+        idle = []
+        try:
+            async with ticking():
+                for _ in range(300):
+                    sock = socket.socket()
+                    sock.setblocking(False)
+                    sock.bind(("127.0.0.2", 0))
+                    idle.append(sock)
+                    await asyncio.get_running_loop().sock_connect(
+                        sock, ("127.0.0.1", listener.port))
+                await an_agent_calls(listener, receiver, [b"frames"])
+                assert len(agents) == 1
+        finally:
+            for sock in idle:
+                sock.close()
+            listener.close()
+
+    run(main(), timeout=90)

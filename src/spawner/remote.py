@@ -97,14 +97,14 @@ def _is_number(value: Any) -> bool:
 
 
 def _is_pair(value: Any) -> bool:
-    """[cpu %, rss] of STATS' usage, or [step, total] of its progress."""
-    return (isinstance(value, list) and len(value) == 2 and _is_number(value[0])
-            and (value[1] is None or _is_number(value[1])))
+    """[cpu %, rss] of STATS' usage: numbers, or null (no CPU % at the first sample)."""
+    return (isinstance(value, list) and len(value) == 2
+            and all(v is None or _is_number(v) for v in value))
 
 
 def _is_step(value: Any) -> bool:
     """[step, total] of popdist.progress(): integers (total null: none)."""
-    return (_is_pair(value) and isinstance(value[0], int)
+    return (_is_pair(value) and isinstance(value[0], int) and not isinstance(value[0], bool)
             and (value[1] is None or isinstance(value[1], int)))
 
 
@@ -580,13 +580,14 @@ class RemoteSpawner:
         return asyncio.get_running_loop().create_future()
 
     def _send(self, frame: bytes) -> None:
-        if self._chan is None or self._closed.is_set():
+        if self._chan is None or self._closed.is_set() or self.lost is not None:
             raise AgentLostError(self.host, f"the agent is gone ({self.lost or 'closed'})")
         self._chan.write(frame)
 
     def _send_quietly(self, frame: bytes) -> None:
         """For signals: an agent that is gone has no instance left to signal."""
-        if self._chan is not None and not self._closed.is_set() and not self._closing:
+        if (self._chan is not None and not self._closed.is_set() and not self._closing
+                and self.lost is None):  # given up on: its channel is closing
             self._chan.write(frame)
 
     async def _request(self, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:

@@ -596,8 +596,8 @@ class RemoteSpawner:
     def _ask(self, kind: Kind, **fields: Any) -> asyncio.Future:
         """Send a request; the future of its answer."""
         request_id = next(self._ids)
+        self._send(encode(kind, id=request_id, **fields))  # first: raises when it is gone
         future = self._replies[request_id] = self._new_future()
-        self._send(encode(kind, id=request_id, **fields))
         return future
 
     def _facts_came(self, future: asyncio.Future) -> None:

@@ -626,28 +626,63 @@ def test_a_launch_passes_any_output_bytes_and_reports_them(data, code):
     assert proc.stdout == data
 
 
+MAX_STEP = 2 ** 63 - 1  # what the tracker holds (poprun/progress.py)
+steps = st.sampled_from([0, 1, 7, MAX_STEP, MAX_STEP + 1, 10 ** 30]) | st.integers(0, 2 ** 64)
+step_lines = st.builds(lambda step, total, sep: b"step %d/%d%s" % (step, total, sep), steps,
+                       steps, st.sampled_from([b"\n", b"\r", b" of 3\n", b"x"]))
+
+
+def last_step(pattern, blocks: list[bytes]) -> tuple[int, int | None] | None:
+    """What --progress-pattern makes of an instance's blocks, as the guide says: each block's
+    last match gives the step (and total), unless its groups are no numbers or beyond what
+    the tracker holds; the last block that gives one wins."""
+    found = None
+    for data in blocks:
+        matches = list(pattern.finditer(data))
+        if not matches:
+            continue
+        try:
+            step = int(matches[-1].group(1))
+            total = int(matches[-1].group(2)) if pattern.groups == 2 else None
+        except ValueError:
+            continue
+        if step <= MAX_STEP and (total is None or total <= MAX_STEP):
+            found = (step, total)
+    return found
+
+
 @FAST
-@given(st.lists(output_bytes, max_size=5),
+@given(st.lists(st.lists(st.one_of(output_bytes, step_lines), max_size=4).map(b"".join),
+                max_size=6),
        st.sampled_from([rb"step (\d+)/(\d+)", rb"(\d+)", rb"(\d*)x(\d*)", rb"([0-9]+)\s+of"]))
 def test_the_progress_pattern_takes_any_output(blocks, pattern):
-    """Whatever the instances print, the watch reports (numbers beyond what the tracker
-    holds are left out)."""
+    """Whatever the instances print, the watch's last report shows each instance at the step
+    (and total) its last block with a match gave, and at none when none did (numbers
+    beyond what the tracker holds are left out)."""
     import re
 
     from poprun.jobctl.progress import PatternWatch
 
+    pattern = re.compile(pattern)
+
     async def main():
         reports = []
         watch = PatternWatch(asyncio.get_running_loop(), 2, hold=1.0, local=lambda keys=None: {},
-                             report=reports.append, pattern=re.compile(pattern))
+                             report=reports.append, pattern=pattern)
         for key in (0, 1):
             watch.started(key, "h", 1, 0.0, local=True, start_ticks=None)
         for i, data in enumerate(blocks):
             watch.output(i % 2, None, data, float(i), data.count(b"\n"))
         watch.close()
-        assert reports and all(r is not None for r in reports)
+        report = reports[-1]
+        assert report.source == "pattern" and set(report.instances) == {0, 1}
+        for key in (0, 1):
+            shown = report.instances[key]
+            want = last_step(pattern, blocks[key::2])
+            assert (shown["step"], shown["total"]) == (want or (None, None)), (key, shown)
+            event("a step shown" if want else "no step")
 
-    asyncio.run(asyncio.wait_for(main(), 20))
+    run(main())
 
 
 @FAST

@@ -60,7 +60,10 @@ async def ticking():
     task = asyncio.get_running_loop().create_task(ticker._run())
     try:
         yield ticker
-        await asyncio.sleep(0.02)  # at least one tick, however fast the feeding was
+        for _ in range(100):  # at least one tick, however fast the feeding was
+            if ticker.ticks:
+                break
+            await asyncio.sleep(0.01)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import struct
 import sys
 
 import pytest
-from hypothesis import event, given
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from conftest import OFFLINE, run_poprun_peak
@@ -600,6 +602,86 @@ def test_an_error_file_parses_to_bounded_text_or_nothing(data):
 def test_a_launch_survives_any_progress_and_error_files(kind, content, code):
     proc, err = launch(2, FILES, kind, hexed(content), str(code), timeout=40)
     assert proc.returncode == code, err[-3000:]
+
+
+# The launcher's (and an agent's) readers of popdist's files, in-process, fed files of every
+# kind an instance can leave at those paths, with contents at and past what is read of them:
+# the progress file (16 bytes), the error file (MAX_ERROR_FILE), the stacks dump (MAX_DUMP).
+
+faulthandler_lines = st.sampled_from([
+    b"Thread 0x00007f1e6756f6c0 (most recent call first):",
+    b"Current thread 0x1 (most recent call first):", b'  File "/x.py", line 6 in worker',
+    b'  File "/x.py", line 99999999999999999999999 in f', b'  File "<string>", line 1 in <m>',
+    b'  File "' + b"d/" * 300 + b'x.py", line 0 in ' + b"f" * 300, b"  ...", b"...",
+    b"  <no Python frame>", b"\xff\xfe", b"", b"Thread 0xzz (most recent call first):"])
+dump_text = st.lists(faulthandler_lines, max_size=40).map(b"\n".join)
+progress_bytes = st.builds(lambda step, total: struct.pack("<qq", step, total),
+                           st.integers(-2**63, 2**63 - 1), st.sampled_from([-1, 0, 2**63 - 1]))
+
+
+def leave(path: str, kind: str, content: bytes, size: int) -> None:
+    """What an instance may leave where poprun reads: `kind` of file; for a regular one,
+    `content` grown with zeros to `size` bytes (sparse: nothing written past it)."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link":
+        os.symlink("/dev/zero", path)
+    elif kind == "dir":
+        os.mkdir(path)
+    elif kind == "file":
+        with open(path, "wb") as f:
+            f.write(content)
+            f.truncate(max(size, len(content)))
+
+
+@settings(HEAVY, max_examples=120)
+@given(st.sampled_from(["file", "file", "file", "fifo", "link", "dir", "absent"]),
+       st.one_of(st.binary(max_size=40), error_json, progress_bytes, dump_text),
+       st.sampled_from([0, 16, 17, 256 << 10, (256 << 10) + 1, 4 << 20, (4 << 20) + 1, 1 << 40]))
+def test_the_launcher_reads_popdists_files_as_an_instance_left_them(kind, content, size):
+    """The progress, error and stacks files are read without blocking the loop whatever is
+    there; what comes of them is the content's own meaning where it is a regular file small
+    enough to be one (the stacks dump cut at MAX_DUMP), and nothing otherwise."""
+    import tempfile
+
+    from popdist._progress import unpack
+    from popdist.errorfile import parse
+    from poprun.jobctl.stacks import fold, render
+    from spawner.local import MAX_ERROR_FILE, LocalSpawner
+    from spawner.stackdump import MAX_DUMP
+    from spawner.stackparse import parse_faulthandler, with_source
+    from spawner.untrusted import read_regular
+
+    async def main():
+        with tempfile.TemporaryDirectory() as tmp:
+            spawner = LocalSpawner(None, asyncio.get_running_loop(), cgroups=False)
+            spawner._error_dir = tmp
+            for name in ("0.progress", "0.json", "0.stacks"):
+                leave(os.path.join(tmp, name), kind, content, size)
+            regular, length = kind == "file", max(size, len(content))
+
+            def first(count: int) -> bytes:
+                """The regular file's first `count` bytes (zeros after `content`)."""
+                return content[:count] + bytes(min(count, length) - len(content[:count]))
+
+            async with ticking():
+                progress = spawner.progress(0)
+                spawner._read_error(0)
+                dump = read_regular(os.path.join(tmp, "0.stacks"), MAX_DUMP, cut=True)
+            assert progress == (unpack(first(17)) if regular else None)
+            if progress is not None:
+                assert all(-2**63 <= v < 2**63 for v in progress if v is not None)
+            error = parse(first(length)) if regular and length <= MAX_ERROR_FILE else None
+            assert spawner.errors.get(0) == error
+            assert dump == (first(MAX_DUMP) if regular else None)
+            threads = with_source(parse_faulthandler((dump or b"").decode("utf-8", "replace")))
+            text = render(fold({0: {"pid": 1, "how": "popdist", "threads": threads,
+                                    "error": None if threads else "empty"}}))
+            assert text.startswith("instances [0]") and len(text) < 8 * MAX_DUMP
+            event(f"{kind}: {'progress' if progress else ''} {'error' if error else ''} "
+                  f"{'stacks' if threads else ''}")
+
+    run(main())
 
 
 # --- output bytes and --progress-pattern -------------------------------------------------------

@@ -451,3 +451,42 @@ def test_many_idle_connections_from_a_neighbour_do_not_lock_an_agent_out():
             listener.close()
 
     run(main(), timeout=90)
+
+
+stack_frames = st.sampled_from([["/x.py", 3, "f", "x()"], ["/x.py", "3", "f", ""], ["a"], None,
+                                [1, 2**70, None, []], {"file": "x"}])
+stack_threads = st.fixed_dictionaries({}, optional={
+    "thread": json_values, "truncated": json_values,
+    "frames": st.lists(stack_frames, max_size=3) | json_values})
+stack_answers = st.fixed_dictionaries({}, optional={
+    "pid": json_values, "how": json_values, "error": json_values,
+    "threads": st.lists(stack_threads | json_values, max_size=3) | json_values})
+
+
+@settings(FAST, max_examples=150)
+@given(st.dictionaries(st.sampled_from(["stacks", "other"]),
+                       st.dictionaries(st.sampled_from(["0", "1", "x", "-1"]),
+                                       stack_answers | json_values, max_size=3) | json_values,
+                       max_size=2))
+def test_an_agents_stacks_are_shown_whatever_it_answers(result):
+    """poprunctl stacks and --stall-timeout fold and show what an agent answers STACKS with:
+    any answer is either refused as no stacks (AgentRequestError) or shown."""
+    from poprun.jobctl.stacks import fold, render
+    from spawner.protocol import MAGIC, Kind, encode
+    from spawner.remote import AgentRequestError
+
+    async def main():
+        spawner, session, sink, lost, crashes = spawner_under_test(asyncio.get_running_loop())
+        session.data_received(MAGIC, None)
+        asking = asyncio.ensure_future(spawner.stacks(None, 5))
+        await asyncio.sleep(0)
+        session.data_received(encode(Kind.REPLY, id=1, result=result), None)
+        try:
+            stacks = await asking
+        except AgentRequestError:
+            event("no stacks")
+            return
+        assert isinstance(render(fold(stacks)), str) and not lost and not crashes
+        event("shown")
+
+    run(main())

@@ -108,6 +108,24 @@ def _is_step(value: Any) -> bool:
             and (value[1] is None or isinstance(value[1], int)))
 
 
+def _stack_answer(found: Any) -> dict[str, Any]:
+    """An agent's stacks of one instance ({pid, how, threads, error}: spawner/stackdump.py)
+    in that shape whatever it sent: what is not a thread or a frame is left out."""
+    found = found if isinstance(found, dict) else {}
+    threads = []
+    for thread in found.get("threads") if isinstance(found.get("threads"), list) else ():
+        if not isinstance(thread, dict) or not isinstance(thread.get("frames"), list):
+            continue
+        frames = [[str(f[0]), f[1], str(f[2]), str(f[3])] for f in thread["frames"]
+                  if isinstance(f, list) and len(f) == 4 and type(f[1]) is int]
+        threads.append({"thread": str(thread.get("thread", "")), "frames": frames,
+                        "truncated": bool(thread.get("truncated"))})
+    error = found.get("error")
+    return {"pid": found.get("pid") if type(found.get("pid")) is int else None,
+            "how": str(found.get("how")), "threads": threads,
+            "error": None if error is None else str(error)}
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 class RemoteError(SshError):
@@ -491,7 +509,11 @@ class RemoteSpawner:
         error}}."""
         reply = await self._request(Kind.STACKS, timeout + CLOSE_TIMEOUT, within=timeout,
                                     keys=None if keys is None else list(keys))
-        return {int(key): found for key, found in reply["stacks"].items()}
+        stacks = reply.get("stacks")
+        if not isinstance(stacks, dict):
+            raise AgentRequestError(self.host, "its answer to STACKS holds no stacks")
+        return {int(key): _stack_answer(found) for key, found in stacks.items()
+                if key.isdigit()}
 
     async def probe(self, address: str, port: int, token: str, within: float) -> dict[str, Any]:
         """Whether the agent's host reaches `address`:`port` (a listener that echoes the

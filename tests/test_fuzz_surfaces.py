@@ -1,10 +1,14 @@
 """Fuzzing every surface an instance or a neighbour reaches (Hypothesis): the PMI-1 wire, the
-Horovod rendezvous's HTTP, popdist's progress and error files, the output bytes and
-`--progress-pattern`. Each surface has a fast property over the code that parses it, many
-examples, and a few real launches fed generated input, where poprun must end as the instances'
-own doing says (never 70, the internal error; never a signal it did not get), within its
-timeout (never hung), with its peak memory bounded. Every test is bounded in time: a fixed
-number of examples, each with its own timeout. (The PMIx server has its own.)"""
+Horovod rendezvous's HTTP, popdist's progress, error and stacks files, the output bytes and
+`--progress-pattern`. Each surface has fast properties over the code that parses it, its
+server run in-process over real sockets and fed input that reaches its limits (the
+rendezvous's 8 KiB head, 64 KiB value and store bound; PMI's 1 MiB line and KEYS_PER_RANK x
+size, at several ranks and through an agent-mode server), beside a tick that must keep
+ticking (tests/fuzzing.py: reproducible, bounded by example counts), and a few real launches
+fed generated input, where poprun must end as the instances' own doing says (never 70, the
+internal error; never a signal it did not get), within its timeout (never hung), with its peak
+memory bounded. The network's and the agents' surfaces are in tests/test_fuzz_peers.py; the
+PMIx server has its own (tests/test_pmix_fuzz.py)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ PMIx server has its own (tests/test_pmix_fuzz.py)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import struct
@@ -555,26 +556,32 @@ def test_the_rendezvous_holds_its_limits_and_its_store(batch):
 
 # --- popdist's progress and error files --------------------------------------------------------
 
-FILES = """
-import os, sys
-kind, content, code = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
-for name in ("POPDIST_PROGRESS_FILE", "POPDIST_ERROR_FILE"):
-    path = os.environ[name]
-    if os.path.lexists(path):
-        os.remove(path)
+def leave(path: str, kind: str, content: bytes, size: int) -> None:
+    """What an instance may leave where poprun reads: `kind` of file; for a regular one,
+    `content` grown with zeros to `size` bytes (sparse: nothing written past it)."""
     if kind == "fifo":
         os.mkfifo(path)
     elif kind == "link":
         os.symlink("/dev/zero", path)
     elif kind == "dir":
         os.mkdir(path)
-    elif kind == "sparse":
-        with open(path, "wb") as f:
-            f.truncate(1 << 40)
-    else:
+    elif kind == "file":
         with open(path, "wb") as f:
             f.write(content)
-import time
+            f.truncate(max(size, len(content)))
+
+
+FILES = inspect.getsource(leave) + """
+import os, sys, time
+kind, content, code = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
+for name in ("POPDIST_PROGRESS_FILE", "POPDIST_ERROR_FILE"):
+    path = os.environ[name]
+    if os.path.lexists(path):
+        os.remove(path)
+    if kind == "sparse":
+        leave(path, "file", b"", 1 << 40)
+    else:
+        leave(path, kind, content, 0)
 time.sleep(1.5)  # the progress watch samples once a second
 sys.exit(code)
 """
@@ -621,21 +628,6 @@ faulthandler_lines = st.sampled_from([
 dump_text = st.lists(faulthandler_lines, max_size=40).map(b"\n".join)
 progress_bytes = st.builds(lambda step, total: struct.pack("<qq", step, total),
                            st.integers(-2**63, 2**63 - 1), st.sampled_from([-1, 0, 2**63 - 1]))
-
-
-def leave(path: str, kind: str, content: bytes, size: int) -> None:
-    """What an instance may leave where poprun reads: `kind` of file; for a regular one,
-    `content` grown with zeros to `size` bytes (sparse: nothing written past it)."""
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "link":
-        os.symlink("/dev/zero", path)
-    elif kind == "dir":
-        os.mkdir(path)
-    elif kind == "file":
-        with open(path, "wb") as f:
-            f.write(content)
-            f.truncate(max(size, len(content)))
 
 
 @settings(HEAVY, max_examples=120)

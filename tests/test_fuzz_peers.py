@@ -18,7 +18,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from fuzzing import FAST, HEAVY, run, ticking
+from fuzzing import FAST, run, ticking
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -420,7 +420,7 @@ def test_the_callback_lets_only_the_secrets_holder_through(hostile, pieces):
     run(main())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46.2: fixed on branch neighbours")
+@pytest.mark.xfail(strict=True, reason="fixed on branch neighbours: callers bounded per source")
 @pytest.mark.timeout(120)
 def test_many_idle_connections_from_a_neighbour_do_not_lock_an_agent_out():
     """300 connections from another address (a neighbour on the network, here 127.0.0.2)

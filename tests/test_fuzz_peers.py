@@ -490,3 +490,25 @@ def test_an_agents_stacks_are_shown_whatever_it_answers(result):
         event("shown")
 
     run(main())
+
+
+@settings(FAST, max_examples=150)
+@given(st.dictionaries(st.sampled_from(["protocol", "poprun", "python", "hostname", "pid",
+                                        "cwd", "cwd_exists", "program"]),
+                       json_values | st.fixed_dictionaries(
+                           {}, optional={"version": st.lists(json_values, max_size=4),
+                                         "executable": json_values}), max_size=8))
+def test_an_agents_hello_is_read_whatever_it_says(reply):
+    """The agent's answer to HELLO, any fields of any types: read into the host's facts, their
+    types as the launcher uses them; versions that cannot be read are versions that differ
+    (AgentVersionError), never an error of the launcher's own."""
+    from spawner.remote import AgentInfo, AgentVersionError, Versions, check_versions
+
+    info = AgentInfo.from_reply("h9", reply, b"")
+    assert type(info.protocol) is int and type(info.pid) is int
+    assert all(type(v) is int for v in info.python)
+    assert info.program is None or isinstance(info.program, str)
+    try:
+        check_versions(info, Versions.here())
+    except AgentVersionError as exc:
+        assert "\n" not in str(exc) and str(exc).startswith("h9: ")

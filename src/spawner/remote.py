@@ -215,17 +215,26 @@ class AgentInfo:
 
     @classmethod
     def from_reply(cls, host: str, reply: Mapping[str, Any], noise: bytes) -> AgentInfo:
-        python = reply.get("python") or {}
-        return cls(host=host, protocol=reply.get("protocol", -1),
+        """Another host's word: a field of another type reads as unknown (a protocol of -1,
+        no Python version: AgentVersionError says so)."""
+        python = reply.get("python") if isinstance(reply.get("python"), dict) else {}
+        version = python.get("version") if isinstance(python.get("version"), list) else []
+        program = reply.get("program")
+        return cls(host=host, protocol=_int_or(reply.get("protocol"), -1),
                    poprun=str(reply.get("poprun")),
-                   python=tuple(python.get("version", ())[:3]),  # major, minor, micro
+                   python=tuple(v for v in version[:3] if type(v) is int),  # major, minor, micro
                    python_executable=str(python.get("executable")),
-                   hostname=str(reply.get("hostname")), pid=int(reply.get("pid", 0)),
+                   hostname=str(reply.get("hostname")), pid=_int_or(reply.get("pid"), 0),
                    cwd=str(reply.get("cwd")), cwd_exists=bool(reply.get("cwd_exists")),
-                   program=reply.get("program"), raw=dict(reply), noise=noise)
+                   program=program if isinstance(program, str) else None, raw=dict(reply),
+                   noise=noise)
 
     def versions(self) -> Versions:
         return Versions(self.protocol, self.poprun, self.python[:2])
+
+
+def _int_or(value: Any, default: int) -> int:
+    return value if type(value) is int else default
 
 
 def check_versions(info: AgentInfo, expect: Versions) -> None:

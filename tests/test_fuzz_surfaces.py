@@ -230,7 +230,7 @@ def test_pmi_ranks_get_their_values_whatever_one_rank_sends(mode, size, data):
                    for rank in range(size)}
         honest = [rank for rank in range(size) if rank != hostile]
         ready = {rank: asyncio.Event() for rank in honest}
-        go = asyncio.Event()
+        go, tasks = asyncio.Event(), []
         try:
             async with ticking():
                 tasks = [asyncio.create_task(clients[r].honest(r, kvsname, honest, ready[r], go))

@@ -110,6 +110,10 @@ OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)
 _KEY_STREAM = struct.Struct(">IB")
 # Bytes a remote shell may print before MAGIC before we give up on finding it.
 MAX_NOISE = 65536
+# The longest frame either side takes: far past any it sends (a SPAWN's environment, a STACKS
+# reply of every instance of a host), and a bound on what one waits for and holds: bytes
+# that are not a header (a stray print on the agent's stdout) announce gigabytes.
+MAX_FRAME = 256 << 20
 
 
 class Kind(enum.IntEnum):
@@ -191,7 +195,10 @@ _STREAMS = {int(s): s for s in Stream}
 
 
 class ProtocolError(Exception):
-    """The byte stream is not this protocol: garbage, an unknown kind, or bad JSON."""
+    """The byte stream is not this protocol: garbage, an unknown kind, or bad JSON. `frames`:
+    the whole frames that came before it in what was fed (theirs to handle still)."""
+
+    frames: list = []
 
 
 class Output(NamedTuple):
@@ -319,15 +326,22 @@ class FrameDecoder:
     def _frames(self) -> list[Frame]:
         buf, frames, pos = self._buf, [], 0
         end_of_data = len(buf)
-        with memoryview(buf) as view:  # slices of a view copy once; released before del
-            while end_of_data - pos >= HEADER.size:
-                length, kind = HEADER.unpack_from(view, pos)
-                start = pos + HEADER.size
-                end = start + length
-                if end > end_of_data:
-                    break
-                frames.append(_decode(kind, view, start, end))
-                pos = end
+        try:
+            with memoryview(buf) as view:  # slices of a view copy once; released before del
+                while end_of_data - pos >= HEADER.size:
+                    length, kind = HEADER.unpack_from(view, pos)
+                    if length > MAX_FRAME:
+                        raise ProtocolError(f"a frame of {length} bytes announced, past the "
+                                            f"protocol's {MAX_FRAME}")
+                    start = pos + HEADER.size
+                    end = start + length
+                    if end > end_of_data:
+                        break
+                    frames.append(_decode(kind, view, start, end))
+                    pos = end
+        except ProtocolError as exc:
+            exc.frames = frames
+            raise
         del buf[:pos]
         return frames
 

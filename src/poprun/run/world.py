@@ -183,11 +183,14 @@ class MpiWorld:
     # --- what the agents ask ------------------------------------------------------------
 
     def _from_agent(self, spawner, frame: Control) -> None:
+        """Raises ProtocolError for a frame that is not what an agent of this world sends
+        (another host's word: its spawner gives that agent up)."""
         from spawner.protocol import Kind
 
         fields = frame.fields
         if fields.get("kvsname") != self.kvsname:
             return  # the world of an attempt that has ended
+        _check_from_agent(frame.kind, fields, self._plan.on_host(spawner.host))
         if frame.kind is Kind.MPI_ABORT:
             self._on_abort(int(fields["key"]), int(fields["exitcode"]),
                            str(fields.get("message", "")))
@@ -249,4 +252,30 @@ class MpiWorld:
         if self._lifeline is not None:
             self._lifeline.discard_mpi_world(self.kvsname)
         return removed
+
+
+def _check_from_agent(kind, fields: Mapping, here) -> None:
+    """That an agent's world frame names a rank of its own host and has its fields' types
+    (spawner/protocol.py); ProtocolError if not."""
+    from spawner.protocol import Kind, ProtocolError
+
+    ranks = {inst.index for inst in here}
+
+    def has(name: str, *types: type) -> bool:
+        value = fields.get(name)
+        return isinstance(value, types) and (bool in types or not isinstance(value, bool))
+
+    if kind in (Kind.MPI_ABORT, Kind.MPI_LOST):
+        ok = has("key", int) and fields["key"] in ranks and (
+            has("exitcode", int) and has("message", str) if kind is Kind.MPI_ABORT
+            else has("initialized", bool))
+    elif kind is Kind.GET:
+        ok = has("id", int) and has("key", str)
+    elif kind is Kind.BARRIER_IN:
+        ok = (has("count", int) and 0 < fields["count"] <= len(ranks) and has("puts", dict)
+              and all(isinstance(v, str) for v in fields["puts"].values()))
+    else:
+        return  # PMIx's: run/pmixworld.py reads them
+    if not ok:
+        raise ProtocolError(f"a {kind.name} that is not one of this host's ranks'")
 

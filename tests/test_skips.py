@@ -14,7 +14,7 @@ from requires import assert_skips_or_fails, needs, skip_or_fail
 
 TESTS = Path(__file__).resolve().parent
 SKIPS = re.compile(r"\bpytest\.skip\(|\.skipif\(|\bimportorskip\(|\bpytest\.mark\.skip\b")
-# Another branch rewrites these files' skips (issue 45: their switches); checked once merged.
+# test_pmix_fuzz.py's skips are rewritten by another branch; checked once merged.
 ELSEWHERE = {"test_pmix_fuzz.py"}
 
 

@@ -295,3 +295,17 @@ def test_a_huge_sparse_script_is_compared_by_size_without_reading_it(tmp_path):
     entry = hostfacts.gather([sys.executable, "big.py"], {"PATH": os.defpath},
                              str(tmp_path))["entry"]
     assert entry["size"] == 2 << 30 and entry["sha256"] is None and "kind" not in entry
+
+
+def test_a_launch_compares_a_host_without_facts_as_differing():
+    """hostcheck.compare, as a launch calls it: h2's agent sent no facts (hostcheck.py let
+    such a host through, so --compare-hosts=error started the job)."""
+    from poprun.plan.config import LaunchConfig
+    from poprun.run import hostcheck
+
+    answer = hostcheck.Answer(facts(), 1720.0, {})
+    found = hostcheck.compare(LaunchConfig(program=["python3"]), {}, ["h1", "h2"], [], None, {"h1": answer})
+    assert [d.kind for d in found] == ["facts"] and "no facts from h2" in found[0].text
+    both = hostcheck.compare(LaunchConfig(program=["python3"]), {}, ["h1", "h2"], [], None,
+                             {"h1": answer, "h2": answer})
+    assert both == ()

@@ -14,8 +14,8 @@ import pytest
 
 from conftest import SRC
 from spawner import callback
-from spawner.callback import (CALLBACK_VARIABLE, MAGIC, NONCE, PROOF, SECRET_VARIABLE,
-                              STEP_VARIABLE, CallbackListener, new_secret)
+from spawner.callback import (CALLBACK_VARIABLE, MAGIC, NONCE, PROOF, STEP_VARIABLE,
+                              CallbackListener, new_secret)
 from spawner.protocol import MAGIC as PROTOCOL_MAGIC
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,11 +54,15 @@ async def _listener(secret: bytes):
 
 
 async def _agent(target: str, secret_hex: str, **env: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
+    """A real agent given the secret as srun gives it: the first line of its stdin."""
+    agent = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "spawner.agent", stderr=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": SRC, CALLBACK_VARIABLE: target,
-             SECRET_VARIABLE: secret_hex, STEP_VARIABLE: "3", "SLURMD_NODENAME": "n7",
-             "SLURM_PROCID": "5", **env})
+             STEP_VARIABLE: "3", "SLURMD_NODENAME": "n7", "SLURM_PROCID": "5", **env})
+    agent.stdin.write(secret_hex.encode() + b"\n")
+    agent.stdin.close()
+    return agent
 
 
 async def test_an_agent_with_the_secret_calls_back_and_speaks_the_protocol():
@@ -114,8 +118,10 @@ def test_an_agent_that_reaches_something_else_runs_nothing(tmp_path):
         port = server.getsockname()[1]
         agent = subprocess.Popen(
             [sys.executable, "-m", "spawner.agent"], stderr=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": SRC, CALLBACK_VARIABLE: f"127.0.0.1:{port}",
-                 SECRET_VARIABLE: new_secret().hex()})
+            stdin=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": SRC, CALLBACK_VARIABLE: f"127.0.0.1:{port}"})
+        agent.stdin.write(new_secret().hex().encode() + b"\n")
+        agent.stdin.flush()  # communicate() closes it
         conn, _ = server.accept()
         with conn:
             conn.settimeout(30)
@@ -151,15 +157,17 @@ async def test_a_caller_without_the_secret_is_refused(monkeypatch, sent):
 
 
 async def test_unproven_callers_are_bounded(monkeypatch):
-    """Past MAX_UNPROVEN connections still proving, a new one is closed at once."""
+    """Past MAX_UNPROVEN connections still proving, the oldest is closed to make room for
+    the new one (issue 46: refusing the new one let idle connections keep agents out)."""
     monkeypatch.setattr(callback, "MAX_UNPROVEN", 2)
     listener, _, refused, _ = await _listener(new_secret())
     opened = []
     try:
         for _ in range(3):
             opened.append(await asyncio.open_connection("127.0.0.1", listener.port))
-        assert await asyncio.wait_for(opened[2][0].read(), 10) == b""
-        assert any("too many" in why for why in refused)
+        assert await asyncio.wait_for(opened[0][0].read(), 10) == b""
+        assert any("newer connections" in why for why in refused)
+        await asyncio.sleep(0)  # the third's connection_made may follow its connect
         assert len(listener.unproven) == 2
     finally:
         for _, writer in opened:

@@ -438,9 +438,8 @@ def test_a_call_without_the_secret_is_refused_and_runs_nothing(cluster, tmp_path
         agent = subprocess.run(
             [PY, "-m", "spawner.agent"], env={**os.environ, "PYTHONPATH": SRC,
                                               CALLBACK_VARIABLE: f"{host}:{port}",
-                                              SECRET_VARIABLE: "00" * 32,
                                               "SLURMD_NODENAME": "node1"},
-            capture_output=True, timeout=30)
+            input=b"00" * 32 + b"\n", capture_output=True, timeout=30)  # srun's way
         with socket.create_connection((host, port), timeout=10) as sock:
             sock.sendall(MAGIC + os.urandom(NONCE))
             answer = b""

@@ -173,3 +173,125 @@ async def test_unproven_callers_are_bounded(monkeypatch):
         for _, writer in opened:
             writer.close()
         listener.close()
+
+
+# --- serving only the allocation (issue 46) ---------------------------------------------------
+
+async def test_a_caller_from_no_node_of_the_job_is_closed_at_once():
+    """Once the job's nodes' addresses are known, a caller from another address is closed
+    without waiting for its proof; while they are being looked up it is held, and closed
+    when they turn out not to include it. Said once."""
+    listener, calls, refused, _ = await _listener(new_secret())
+    try:
+        listener.learning()
+        reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+        await asyncio.sleep(0.1)
+        assert len(listener.unproven) == 1  # may yet be a node's
+        listener.learnt({"192.0.2.7"})  # TEST-NET-1: no address of this machine
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # at once
+            writer.close()
+        assert not calls and not listener.unproven
+        assert len(refused) == 1 and "not an address of the job's nodes" in refused[0]
+    finally:
+        listener.close()
+
+
+def _flood(port: int, count: int, garbage: bool) -> list[socket.socket]:
+    """`count` connections to `port` that never prove anything: silent, or sending noise."""
+    opened = []
+    for k in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if garbage:
+            sock.sendall(os.urandom(1 + k % 100))
+        opened.append(sock)
+    return opened
+
+
+@pytest.mark.parametrize("garbage", [False, True], ids=["idle", "garbage"])
+async def test_a_thousand_callers_that_prove_nothing_cannot_keep_an_agent_out(garbage):
+    """Issue 46: 200 idle connections in the first 0.3 s locked the launch out (128 held for
+    30 s each, then every agent refused, and an agent did not try again). Now the agent's
+    call makes room for itself (the oldest unproven caller of its address goes), or tries
+    again: it is taken, and the refusals are one line for the address."""
+    secret = new_secret()
+    listener, calls, refused, receiver = await _listener(secret)
+    listener.learning()
+    listener.learnt({"127.0.0.1"})
+    flood: list[socket.socket] = []
+    try:
+        flood = await asyncio.to_thread(_flood, listener.port, 1000, garbage)
+        agent = await _agent(listener.target(), secret.hex())
+        await asyncio.wait_for(receiver.magic, 30)
+        (identity, caller), = calls
+        assert identity["node"] == "n7"
+        assert len(listener.unproven) <= callback.MAX_UNPROVEN_PER_SOURCE
+        caller.transport.write_eof()
+        assert await asyncio.wait_for(agent.wait(), 30) == 0
+        assert len(refused) == 1 and refused[0].startswith("127.0.0.1:"), refused
+    finally:
+        for sock in flood:
+            sock.close()
+        listener.close()
+
+
+def test_an_agent_that_is_dropped_tries_again():
+    """A launcher that closes the agent's first calls unanswered (busy with a flood): the
+    agent calls again, with backoff, and is taken on the fourth."""
+    secret = new_secret()
+    identity_seen = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(30)
+        port = server.getsockname()[1]
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "spawner.agent"], stderr=subprocess.PIPE,
+            stdin=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": SRC, CALLBACK_VARIABLE: f"127.0.0.1:{port}",
+                 "SLURMD_NODENAME": "n7"})
+        agent.stdin.write(secret.hex().encode() + b"\n")
+        agent.stdin.flush()
+        for _ in range(3):
+            dropped, _ = server.accept()
+            dropped.close()
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(30)
+            hello = _exactly(conn, len(MAGIC) + NONCE)
+            assert hello.startswith(MAGIC)
+            mine = os.urandom(NONCE)
+            conn.sendall(mine + callback.proof(secret, b"launcher", hello[len(MAGIC):], mine))
+            shown = _exactly(conn, PROOF + 1)
+            raw = _exactly(conn, shown[PROOF])
+            assert shown[:PROOF] == callback.proof(secret, b"agent", hello[len(MAGIC):],
+                                                   mine, raw)
+            identity_seen.append(raw)
+            conn.shutdown(socket.SHUT_WR)  # the launcher's EOF: the agent ends
+            _, err = agent.communicate(timeout=30)
+    assert agent.returncode == 0, err
+    assert b'"node": "n7"' in identity_seen[0]
+
+
+def _exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        assert chunk, data
+        data += chunk
+    return data
+
+
+def test_the_secret_comes_on_stdin_and_nothing_else_will_do():
+    """No secret line (stdin empty, or not hex): the agent says so and exits 2 without
+    calling; the secret is never looked for in the environment."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        for given in (b"", b"zz" * 32 + b"\n", new_secret().hex().encode()):  # no newline
+            agent = subprocess.run(
+                [sys.executable, "-m", "spawner.agent"], input=given, capture_output=True,
+                env={**os.environ, "PYTHONPATH": SRC, CALLBACK_VARIABLE: f"127.0.0.1:{port}",
+                     "POPRUN_AGENT_SECRET": new_secret().hex()}, timeout=30)
+            assert agent.returncode == 2, agent.stderr
+            assert b"stdin does not start with the job's secret" in agent.stderr, agent.stderr

@@ -370,7 +370,7 @@ class Caller:
 
     def peer(self) -> str:
         peer = self.transport.get_extra_info("peername") if self.transport else None
-        return f"{peer[0]}:{peer[1]}" if peer else "?"
+        return f"{source_of(peer)}:{peer[1]}" if peer else "?"
 
     def refuse(self, why: str | None) -> None:
         self._forget()

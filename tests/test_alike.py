@@ -303,9 +303,8 @@ def test_a_launch_compares_a_host_without_facts_as_differing():
     from poprun.plan.config import LaunchConfig
     from poprun.run import hostcheck
 
-    answer = hostcheck.Answer(facts(), 1720.0, {})
-    found = hostcheck.compare(LaunchConfig(program=["python3"]), {}, ["h1", "h2"], [], None, {"h1": answer})
+    answer, config = hostcheck.Answer(facts(), 1720.0, {}), LaunchConfig(program=["python3"])
+    found = hostcheck.compare(config, {}, ["h1", "h2"], [], None, {"h1": answer})
     assert [d.kind for d in found] == ["facts"] and "no facts from h2" in found[0].text
-    both = hostcheck.compare(LaunchConfig(program=["python3"]), {}, ["h1", "h2"], [], None,
-                             {"h1": answer, "h2": answer})
+    both = hostcheck.compare(config, {}, ["h1", "h2"], [], None, {"h1": answer, "h2": answer})
     assert both == ()

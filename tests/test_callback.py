@@ -295,3 +295,14 @@ def test_the_secret_comes_on_stdin_and_nothing_else_will_do():
                      "POPRUN_AGENT_SECRET": new_secret().hex()}, timeout=30)
             assert agent.returncode == 2, agent.stderr
             assert b"stdin does not start with the job's secret" in agent.stderr, agent.stderr
+
+
+def test_the_nodes_addresses_are_read_from_scontrol_show_node():
+    from spawner.srun import node_address_names
+
+    shown = ("NodeName=node1 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.0.0.5 "
+             "NodeHostName=n1.cluster Version=22.05\n"
+             "NodeName=node2 NodeAddr=node2 NodeHostName=node2 OS=Linux\n"
+             "NodeName=node3 NodeAddr=(null) NodeHostName=10.0.0.5\n")
+    assert node_address_names(shown) == ["10.0.0.5", "n1.cluster", "node2"]
+    assert node_address_names("") == []

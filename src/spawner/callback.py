@@ -295,7 +295,7 @@ class CallbackListener:
         way)."""
         if self._any or source in self._allowed:
             return True
-        if self._loopback and _is_loopback(source):
+        if self._loopback and is_loopback(source):
             return True
         return None if self._learning else False
 
@@ -330,7 +330,8 @@ class CallbackListener:
                          "logged)")
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
+    """An address of 127.0.0.0/8 or ::1 (as getaddrinfo and peernames write them)."""
     return address == "::1" or address.startswith("127.")
 
 

@@ -22,9 +22,10 @@ task's number, which says whose it is (the protocol never goes through it, so sp
 lines costs nothing). `--input=all`: srun broadcasts its stdin to every task: the job's
 secret, one line, then its end (spawner/callback.py, `read_secret`), so that the secret is in
 no environment (srun's, the agent's) nor on a command line. `--export=ALL`: the agents have
-the launcher's environment whatever SLURM_EXPORT_ENV says. `--mpi=none` whatever the cluster's MpiDefault: the agent is
-no MPI task, and a PMIx or PMI-2 plugin would set up a server for the step and put
-PMIX_*/PMI_* variables in the agents' environment, which instances inherit. `--overlap`:
+the launcher's environment whatever SLURM_EXPORT_ENV says. `--mpi=none` whatever the
+cluster's MpiDefault: the agent is no MPI task, and a PMIx or PMI-2 plugin would set up a
+server for the step and put PMIX_*/PMI_* variables in the agents' environment, which
+instances inherit. `--overlap`:
 the step shares the nodes with the allocation's other steps.
 
 The callback serves only the allocation: as a step starts, its nodes' addresses are looked up
@@ -49,7 +50,8 @@ import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .callback import CALLBACK_VARIABLE, STEP_VARIABLE, Caller, CallbackListener, new_secret
+from .callback import (CALLBACK_VARIABLE, STEP_VARIABLE, Caller, CallbackListener,
+                       is_loopback, new_secret)
 
 STDERR_DATATYPE = 1  # asyncssh.EXTENDED_DATA_STDERR: how the session tells stderr apart
 # Variables a job step sets that describe the agent's task of its step, not the instances.
@@ -129,7 +131,7 @@ async def node_addresses(scontrol: str, nodes: Sequence[str]) -> tuple[set[str],
     if not found:
         raise ValueError("scontrol named no address that resolves")
     here = _own_addresses()
-    local = bool(found & here) or any(a == "::1" or a.startswith("127.") for a in found)
+    local = bool(found & here) or any(is_loopback(a) for a in found)
     return (found | here if local else found), local
 
 
@@ -170,7 +172,8 @@ class SlurmAgents:
         self._lookups.append(asyncio.ensure_future(self._learn(nodes)))
         env = {**os.environ, CALLBACK_VARIABLE: self._listener.target(),
                STEP_VARIABLE: str(step.number)}
-        step.run(srun_argv(self._srun, nodes, command), env, self._secret.hex().encode() + b"\n")
+        secret_line = self._secret.hex().encode() + b"\n"  # callback.read_secret's
+        step.run(srun_argv(self._srun, nodes, command), env, secret_line)
         return dict(step.links)
 
     async def _learn(self, nodes: Sequence[str]) -> None:

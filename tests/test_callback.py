@@ -292,7 +292,7 @@ def test_the_secret_comes_on_stdin_and_nothing_else_will_do():
             agent = subprocess.run(
                 [sys.executable, "-m", "spawner.agent"], input=given, capture_output=True,
                 env={**os.environ, "PYTHONPATH": SRC, CALLBACK_VARIABLE: f"127.0.0.1:{port}",
-                     "POPRUN_AGENT_SECRET": new_secret().hex()}, timeout=30)
+                     callback.SECRET_VARIABLE: new_secret().hex()}, timeout=30)
             assert agent.returncode == 2, agent.stderr
             assert b"stdin does not start with the job's secret" in agent.stderr, agent.stderr
 

@@ -375,5 +375,7 @@ def test_a_hosts_barrier_batch_is_bounded_by_its_total_not_key_by_key():
         assert len(delta) == limit and (await waiting) == delta
         with pytest.raises(pmi.PmiError, match="PMI_"):
             await srv.group_barrier(2, {"PMI_x": "v"})
+        with pytest.raises(pmi.PmiError, match="not_text"):  # JSON from a host: any type
+            await srv.group_barrier(2, {"k": 3})
         await srv.close()
     run(main())

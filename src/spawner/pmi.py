@@ -331,6 +331,8 @@ class KeyValueSpace:
         it, and the keys it adds all together against ``keys_max`` (a host's barrier
         batch: checked key by key against the count before it, any batch would pass)."""
         for key, value in puts.items():
+            if not (isinstance(key, str) and isinstance(value, str)):  # another host's JSON
+                return f"{str(key)[:KEYLEN_MAX]}: not_text"
             err = self.check(key, value)
             if err:
                 return f"{key}: {err}"

@@ -65,6 +65,14 @@ async def _agent(target: str, secret_hex: str, **env: str) -> asyncio.subprocess
     return agent
 
 
+async def _until(condition, timeout: float = 10.0) -> None:
+    """Wait (turning the loop, which serves the listener) until `condition()` holds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 async def test_an_agent_with_the_secret_calls_back_and_speaks_the_protocol():
     """Proven both ways, the listener hands the connection on with the agent's identity;
     the agent protocol follows (its MAGIC first), and the launcher's EOF ends the agent."""
@@ -167,8 +175,7 @@ async def test_unproven_callers_are_bounded(monkeypatch):
             opened.append(await asyncio.open_connection("127.0.0.1", listener.port))
         assert await asyncio.wait_for(opened[0][0].read(), 10) == b""
         assert any("newer connections" in why for why in refused)
-        await asyncio.sleep(0)  # the third's connection_made may follow its connect
-        assert len(listener.unproven) == 2
+        await _until(lambda: len(listener.unproven) == 2)
     finally:
         for _, writer in opened:
             writer.close()
@@ -176,6 +183,7 @@ async def test_unproven_callers_are_bounded(monkeypatch):
 
 
 # --- serving only the allocation (issue 46) ---------------------------------------------------
+
 
 async def test_a_caller_from_no_node_of_the_job_is_closed_at_once():
     """Once the job's nodes' addresses are known, a caller from another address is closed
@@ -185,8 +193,7 @@ async def test_a_caller_from_no_node_of_the_job_is_closed_at_once():
     try:
         listener.learning()
         reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
-        await asyncio.sleep(0.1)
-        assert len(listener.unproven) == 1  # may yet be a node's
+        await _until(lambda: len(listener.unproven) == 1)  # held: it may yet be a node's
         listener.learnt({"192.0.2.7"})  # TEST-NET-1: no address of this machine
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()

@@ -9,6 +9,7 @@ skipped without it, failed where POPRUN_REQUIRE_HOROVOD=1 (CI builds it).
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.client
 import os
 import subprocess
@@ -100,19 +101,22 @@ def test_the_request_head_is_parsed_strictly():
         assert refused.value.status == status, bad
 
 
+def http_request(address: tuple[str, int], method: str, path: str, body: bytes = b""
+                 ) -> tuple[int, str | None, bytes]:
+    """One request as Horovod's client makes it: (status, Content-Length, body)."""
+    conn = http.client.HTTPConnection(*address, timeout=10)
+    conn.request(method, path, body=body, headers={"Content-Length": str(len(body))})
+    reply = conn.getresponse()
+    answer = (reply.status, reply.getheader("Content-Length"), reply.read())
+    conn.close()
+    return answer
+
+
 def test_the_protocol_as_horovods_client_speaks_it():
     async def main():
         rendezvous = Rendezvous("127.0.0.1", asyncio.get_running_loop())
         rendezvous.new_world(planned(("localhost",), (2,)))
-        host, port = rendezvous.address
-
-        def request(method: str, path: str, body: bytes = b""):
-            conn = http.client.HTTPConnection(host, port, timeout=10)
-            conn.request(method, path, body=body, headers={"Content-Length": str(len(body))})
-            reply = conn.getresponse()
-            answer = (reply.status, reply.getheader("Content-Length"), reply.read())
-            conn.close()
-            return answer
+        request = functools.partial(http_request, rendezvous.address)
 
         def session():
             assert request("GET", "/global/1") == (404, "0", b"")  # polled until it is there
@@ -197,15 +201,7 @@ def test_deletes_of_absent_keys_over_http_leave_the_scope_whole():
     async def main():
         rendezvous = Rendezvous("127.0.0.1", asyncio.get_running_loop())
         rendezvous.new_world(planned(("localhost",), (2,)))
-        host, port = rendezvous.address
-
-        def request(method: str, path: str, body: bytes = b""):
-            conn = http.client.HTTPConnection(host, port, timeout=10)
-            conn.request(method, path, body=body, headers={"Content-Length": str(len(body))})
-            reply = conn.getresponse()
-            answer = (reply.status, reply.read())
-            conn.close()
-            return answer
+        request = functools.partial(http_request, rendezvous.address)
 
         def session():
             assert request("PUT", "/global/0", b"a")[0] == 200
@@ -213,6 +209,6 @@ def test_deletes_of_absent_keys_over_http_leave_the_scope_whole():
                 assert request("DELETE", f"/global/{name}")[0] == 200
             return request("GET", "/global/0")
 
-        assert await asyncio.to_thread(session) == (200, b"a")
+        assert await asyncio.to_thread(session) == (200, "1", b"a")
         await rendezvous.close()
     asyncio.run(asyncio.wait_for(main(), 30))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SRC
+from conftest import SRC, second_user
 from slurm_cluster import SlurmCluster, require_slurm, start_slurm_cluster
 from spawner.callback import CALLBACK_VARIABLE, MAGIC, NONCE, PROOF, SECRET_VARIABLE
 from sshd_hosts import instances_with, kill_trees, processes_with, wait_until
@@ -577,18 +577,12 @@ def _srun_wrapper(cluster: SlurmCluster, where: Path, flood: list[str] | None = 
 @pytest.fixture
 def neighbour():
     """A second local user, gone after the test."""
-    import pwd
     import shutil
 
     if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("setpriv"):
         pytest.skip("needs root, useradd and setpriv: a second local user")
-    name = f"poprun-n{uuid.uuid4().hex[:8]}"
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                   check=True, capture_output=True)
-    try:
-        yield pwd.getpwnam(name)
-    finally:
-        subprocess.run(["userdel", name], capture_output=True)
+    with second_user("poprun-n") as user:
+        yield user
 
 
 @pytest.mark.parametrize("garbage", [False, True], ids=["idle", "garbage"])

@@ -612,6 +612,7 @@ def test_another_users_thousand_connections_cannot_lock_the_launch_out(cluster, 
     refusals = re.findall(r"refused a connection from (\S+?):\d+: ", done.stderr)
     assert refusals.count("127.0.0.1") == 1, done.stderr  # once for the address
     assert "too many connections" not in done.stderr
+    assert "cannot tell the addresses" not in done.stderr  # scontrol named the nodes'
 
 
 def _ancestors(pid: int) -> list[int]:

@@ -35,6 +35,22 @@ def reaped(proc: subprocess.Popen):
             proc.wait()
 
 
+@contextlib.contextmanager
+def second_user(prefix: str = "poprun-t"):
+    """A real second local user (useradd; no home, no login shell), its pwd entry; removed
+    after (userdel). Needs root."""
+    import pwd
+    import uuid
+
+    name = f"{prefix}{uuid.uuid4().hex[:8]}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                   check=True, capture_output=True)
+    try:
+        yield pwd.getpwnam(name)
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
 def poprun_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "poprun", *args]
 

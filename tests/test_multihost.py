@@ -350,3 +350,45 @@ def test_a_broken_pipe_while_a_host_still_starts_reaches_every_instance(hosts):
         assert status == 128 + signal.SIGPIPE, (run_index, err)
         assert seconds < 8, (run_index, seconds, err)
         assert "terminated by poprun (SIGTERM)" in err and "SIGKILL" not in err, err
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = [_parent(pid)]
+    while chain[-1] > 1:
+        chain.append(_parent(chain[-1]))
+    return chain
+
+
+def _environ_and_cmdline(pid: int) -> bytes | None:
+    try:
+        return b"\0".join(Path(f"/proc/{pid}/{part}").read_bytes()
+                          for part in ("environ", "cmdline"))
+    except PermissionError:  # pid 1 of a container, as root of its namespace
+        return None
+
+
+def test_no_ancestor_of_a_remote_instance_holds_a_secret_of_the_launch(hosts):
+    """Issue 46, over SSH: the agent's stream is the SSH channel itself, so no secret of
+    the launch (the Slurm callback's, POPRUN_AGENT_*) is ever handed to an agent. Every
+    ancestor of every instance up to pid 1 (the agent, sshd's session, sshd...) whose files
+    can be read has none in its environment or command line."""
+    marker = f"m{uuid.uuid4().hex}"
+    proc = start(hosts, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2", PY, "-c",
+                 "import time; time.sleep(300)", marker)
+    try:
+        instances = wait_for_instances(marker, 2)
+        agents = {_parent(pid) for pid in instances}
+        walked = {ancestor for pid in instances for ancestor in _ancestors(pid)}
+        seen = {pid: _environ_and_cmdline(pid) for pid in walked}
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    read = {pid: text for pid, text in seen.items() if text is not None}
+    assert 1 in walked and agents <= set(read)  # up to pid 1; the agents' files were read
+    assert any(b"sshd" in text for text in read.values())
+    assert not [pid for pid, text in read.items() if b"POPRUN_AGENT_" in text]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SRC
+from conftest import SRC, second_user
 from requires import require_module
 from slurm_cluster import SlurmCluster, required_slurm_cluster
 from spawner.callback import CALLBACK_VARIABLE, MAGIC, NONCE, PROOF, SECRET_VARIABLE
@@ -468,9 +468,8 @@ def test_a_call_without_the_secret_is_refused_and_runs_nothing(cluster, tmp_path
         agent = subprocess.run(
             [PY, "-m", "spawner.agent"], env={**os.environ, "PYTHONPATH": SRC,
                                               CALLBACK_VARIABLE: f"{host}:{port}",
-                                              SECRET_VARIABLE: "00" * 32,
                                               "SLURMD_NODENAME": "node1"},
-            capture_output=True, timeout=30)
+            input=b"00" * 32 + b"\n", capture_output=True, timeout=30)  # srun's way
         with socket.create_connection((host, port), timeout=10) as sock:
             sock.sendall(MAGIC + os.urandom(NONCE))
             answer = b""
@@ -548,3 +547,146 @@ def test_the_agents_call_back_on_the_network_the_user_chose(cluster, tmp_path):
         go.write_text("")
     assert proc.returncode == 0, err
     assert told.startswith("127.0.0.1:"), told
+
+
+# --- neighbours: the callback and the secret (issue 46) ----------------------------------------
+
+# Opens COUNT connections to HOST:PORT that prove nothing (silent, or noise: GARBAGE 1), says
+# how many, then holds them HOLD seconds. Run as another local user; stdlib only (the system
+# Python). Arguments: COUNT GARBAGE HOLD HOST PORT.
+FLOOD = """
+import os, socket, sys, time
+count, garbage, hold, host, port = sys.argv[1:6]
+opened = []
+for k in range(int(count)):
+    try:
+        s = socket.create_connection((host, int(port)), timeout=5)
+        if garbage == "1":
+            s.sendall(os.urandom(1 + k % 100))
+        opened.append(s)
+    except OSError:
+        pass
+print(len(opened), flush=True)
+time.sleep(float(hold))
+"""
+
+# An `srun` first on PATH: keeps a copy of what poprun writes on its stdin (the secret's
+# line), and, where told to, has another user flood the callback port before the real srun
+# starts (so before any agent can call back), then becomes the real srun with that line as
+# its stdin.
+SRUN = """#!{python}
+import os, subprocess, sys
+line = sys.stdin.buffer.readline()
+with open({copy!r}, "wb") as f:
+    f.write(line)
+if {flood!r}:
+    host, _, port = os.environ["POPRUN_AGENT_CALLBACK"].rpartition(":")
+    flooder = subprocess.Popen([*{flood!r}, host or "127.0.0.1", port], stdout=subprocess.PIPE)
+    with open({copy!r} + ".flood", "w") as f:
+        f.write(str(flooder.pid) + " " + flooder.stdout.readline().decode())
+read, write = os.pipe()
+os.write(write, line)
+os.close(write)
+os.dup2(read, 0)
+os.execv({srun!r}, ["srun", *sys.argv[1:]])
+"""
+
+
+def _srun_wrapper(cluster: SlurmCluster, where: Path, flood: list[str] | None = None
+                  ) -> tuple[dict[str, str], Path]:
+    """poprun's environment with the wrapping srun first on PATH, and where its copy of the
+    secret's line goes."""
+    copy = where / "secret-line"
+    bin_dir = where / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "srun"
+    wrapper.write_text(SRUN.format(python=PY, copy=str(copy), flood=flood or [],
+                                   srun=cluster.bin["srun"]))
+    wrapper.chmod(0o755)
+    return {**env(), "PATH": f"{bin_dir}{os.pathsep}{cluster.env['PATH']}"}, copy
+
+
+@pytest.fixture
+def neighbour():
+    """A second local user, gone after the test."""
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("setpriv"):
+        pytest.skip("needs root, useradd and setpriv: a second local user")
+    with second_user("poprun-n") as user:
+        yield user
+
+
+@pytest.mark.parametrize("garbage", [False, True], ids=["idle", "garbage"])
+def test_another_users_thousand_connections_cannot_lock_the_launch_out(cluster, tmp_path,
+                                                                       neighbour, garbage):
+    """Issue 46: 200 idle connections to the callback port in its first 0.3 s failed the
+    launch (exit 2, both agents refused: "too many connections still proving the secret").
+    Here another local user holds 1,000 open (silent, or sending noise) before srun even
+    starts; on a loopback cluster they come from the nodes' own address, so the bounds do
+    the work: the agents make room or try again, the job runs, and -v says one line."""
+    flood = ["setpriv", f"--reuid={neighbour.pw_uid}", f"--regid={neighbour.pw_gid}",
+             "--clear-groups", "/usr/bin/python3", "-c", FLOOD, "1000", "1" if garbage else "0",
+             "20"]
+    poprun_env, copy = _srun_wrapper(cluster, tmp_path, flood)
+    flooder = None
+    try:
+        done = cluster.run(["salloc", "-N2", "--ntasks-per-node=1", *POPRUN, "-v",
+                            "--num-replicas=2", PY, "-c", SHOW], env=poprun_env, timeout=100)
+        flooder, opened = Path(str(copy) + ".flood").read_text().split()
+    finally:
+        if flooder is not None:
+            subprocess.run(["kill", flooder], capture_output=True)
+    assert int(opened) >= 900, opened  # the flood was there (the kernel's backlog took it)
+    assert done.returncode == 0, done.stderr
+    assert sorted(json.loads(line)["SLURMD_NODENAME"] for line in done.stdout.splitlines()) \
+        == ["node1", "node2"], done.stdout
+    refusals = re.findall(r"refused a connection from (\S+?):\d+: ", done.stderr)
+    assert refusals.count("127.0.0.1") == 1, done.stderr  # once for the address
+    assert "too many connections" not in done.stderr
+    assert "cannot tell the addresses" not in done.stderr  # scontrol named the nodes'
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = [pid]
+    while chain[-1] > 1:
+        chain.append(_parent(chain[-1]))
+    return chain
+
+
+def test_no_ancestor_of_an_instance_holds_the_secret(cluster, tmp_path):
+    """Issue 46: the agent unset the secret's variable in itself, but its original
+    environment block kept it: every instance could read it from /proc/$PPID/environ. Now it
+    comes on the agent's stdin: every ancestor of every instance, up to pid 1 (the agent,
+    slurmstepd, ...) whose files can be read, has it neither in its environment nor on its
+    command line."""
+    poprun_env, copy = _srun_wrapper(cluster, tmp_path)
+    go = tmp_path / "go"
+    proc = cluster.popen(["salloc", "-N2", "--ntasks-per-node=1", *POPRUN, "-v",
+                          "--num-replicas=2", PY, "-c", WAIT_FOR, str(go)],
+                         env=poprun_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: len(instances_with(str(go))) >= 2, "both instances to run", 60)
+        seen, walked = {}, set()
+        for instance in instances_with(str(go)):
+            for pid in _ancestors(instance)[1:]:
+                walked.add(pid)
+                try:
+                    seen[pid] = b"\0".join(Path(f"/proc/{pid}/{part}").read_bytes()
+                                           for part in ("environ", "cmdline"))
+                except PermissionError:  # pid 1 of a container, as root of its namespace
+                    pass
+        go.write_text("")
+        _, err = _finish(proc)
+    finally:
+        go.write_text("")
+    assert proc.returncode == 0, err
+    names = [text.split(b"\0", 1)[0] for text in seen.values()]
+    assert any(b"spawner.agent" in text for text in seen.values()), names  # walked them
+    assert any(b"slurmstepd" in text for text in seen.values()), names
+    assert 1 in walked
+    named = [pid for pid, text in seen.items() if SECRET_VARIABLE.encode() in text]
+    assert not named, named  # main: the agent's original environment block
+    secret = copy.read_bytes().strip()
+    assert re.fullmatch(rb"[0-9a-f]{64}", secret), secret  # what srun was given
+    assert not [pid for pid, text in seen.items() if secret in text]

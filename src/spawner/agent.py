@@ -716,14 +716,16 @@ def _claim(in_src: int, out_src: int) -> tuple[int, int]:
 def _launcher_stream() -> tuple[int, int] | None:
     """The launcher's stream: stdin/stdout over SSH; under Slurm, where the step's
     environment says so, the connection the agent makes to the launcher (spawner/
-    callback.py: the secret proven both ways). None, said on stderr, if there is none."""
+    callback.py: the secret, read from stdin, proven both ways). None, said on stderr, if
+    there is none."""
     from .callback import CALLBACK_VARIABLE
 
     if CALLBACK_VARIABLE in os.environ:
-        from .callback import CallbackError, connect_back
+        from .callback import CONNECT_TIMEOUT, CallbackError, connect_back, read_secret
 
+        deadline = time.monotonic() + CONNECT_TIMEOUT
         try:
-            sock = connect_back(os.environ)
+            sock = connect_back(os.environ, read_secret(0, deadline), deadline)
         except (OSError, CallbackError) as exc:
             _log(f"cannot reach the launcher: {exc}")
             return None

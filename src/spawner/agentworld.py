@@ -130,17 +130,22 @@ class AgentWorld:
             self._lost(rank, True)
 
     def _pmix_answered(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """FENCE_OUT, MODEX_DATA, MODEX_ASK from the launcher."""
-        data = base64.b64decode(fields.get("data") or "")
+        """FENCE_OUT, MODEX_DATA, MODEX_ASK from the launcher. Their data is decoded as the
+        launcher decodes the agents' (pmixplan.decode_data: strict, bounded); data that
+        cannot be is an error answered to the local server, never a fault of the agent."""
+        from .pmixplan import MAX_FENCE_DATA, MAX_MODEX
+
         if kind is Kind.FENCE_OUT:
             done = self._fences.pop((tuple(int(r) for r in fields["ranks"]),
                                      int(fields["seq"])), None)
-            if done is not None:
-                done(-1 if fields.get("error") else 0, data)
+            if done is not None:  # every host's part: at most MAX_FENCE_DATA each
+                status, data = _decoded(fields, MAX_FENCE_DATA * len(set(self._nodes)))
+                done(-1 if fields.get("error") else status, data)
         elif kind is Kind.MODEX_DATA:
             done = self._wants.pop(int(fields["id"]), None)
             if done is not None:
-                done(int(fields["status"]), data)
+                status, data = _decoded(fields, MAX_MODEX)
+                done(int(fields["status"]) if status == 0 else status, data)
         elif self._pmix is not None and self._pmix.server is not None:  # MODEX_ASK
             ask = fields["id"]
             self._pmix.server.dmodex_request(
@@ -206,3 +211,13 @@ class AgentWorld:
         remove_mpich_shm(self.kvsname)
         if self._lifeline is not None:
             self._lifeline.discard_mpi_world(self.kvsname)
+
+
+def _decoded(fields: dict[str, Any], limit: int) -> tuple[int, bytes]:
+    """(0, the data of a launcher's PMIx answer), or (-1, b"") where it cannot be data."""
+    from .pmixplan import decode_data
+
+    try:
+        return 0, decode_data(fields.get("data") or "", limit)
+    except ValueError:
+        return -1, b""

@@ -193,6 +193,23 @@ def abort_message(message: str) -> str:
 
 
 MAX_FENCE_DATA = 64 << 20  # bytes one host may contribute to one fence
+MAX_MODEX = 64 << 20  # bytes of one rank's data in a direct modex answer
+
+
+def decode_data(text: object, limit: int) -> bytes:
+    """The bytes of a frame's base64 `data` field, at most `limit` of them: ValueError for
+    anything else (not a string, longer than `limit` bytes could encode, not strict base64).
+    One decoder for both ends: the launcher reads what agents send, an agent what the
+    launcher sends (docs/architecture.md, "Runtime guarantees")."""
+    import base64
+    import binascii
+
+    if not isinstance(text, str) or len(text) > (limit + 2) // 3 * 4:
+        raise ValueError("no data, or too much")
+    try:
+        return base64.b64decode(text, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"not base64: {exc}") from None
 MAX_OPEN_FENCES = 1024  # fences begun and not complete, in one world
 
 

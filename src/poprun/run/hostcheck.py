@@ -72,9 +72,12 @@ def compare(config: LaunchConfig, environ: Mapping[str, str], labels: Collection
             local: Collection[str], here: Mapping[str, Any] | None,
             remote: Mapping[str, Answer]) -> tuple[alike.Difference, ...]:
     """The differences among `labels`: the `local` ones read `here`, the others their
-    agent's `answers`. A host without facts (its agent lost meanwhile) is left out."""
-    return alike.compare(*read_all(config, environ, labels, local, here, remote),
-                         local=local)
+    agent's `answers`. A host whose facts did not arrive (its agent lost or silent
+    meanwhile, or what it sent is no facts) cannot be said alike: it is a difference of its
+    own, so --compare-hosts=error refuses the launch."""
+    facts, offsets = read_all(config, environ, labels, local, here, remote)
+    unknown = [label for label in labels if label not in facts]
+    return alike.unknown(unknown) + alike.compare(facts, offsets, local=local)
 
 
 def read_all(config: LaunchConfig, environ: Mapping[str, str], labels: Collection[str],

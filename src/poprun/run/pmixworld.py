@@ -16,25 +16,17 @@ fence ends in an error for that fence's instances, never in an exception here.
 from __future__ import annotations
 
 import base64
-import binascii
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 
 from spawner import pmixplan
 
 SUCCESS, ERROR, ERR_NOT_FOUND = 0, -1, -46  # spawner/pmixserver.py's statuses
-MAX_MODEX = 64 << 20  # bytes of one rank's data from an agent
 MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in one world
 
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
-
-
-def _unb64(text: object, limit: int) -> bytes:
-    if not isinstance(text, str) or len(text) > limit * 4 // 3 + 4:
-        raise ValueError("no data, or too much")
-    return base64.b64decode(text, validate=True)
 
 
 class PmixWorld:
@@ -101,16 +93,17 @@ class PmixWorld:
                 fence = pmixplan.FenceId(tuple(int(r) for r in fields["ranks"]),
                                          int(fields["seq"]))
                 self._contribute(fence, self.names.index(host),
-                                 _unb64(fields["data"], pmixplan.MAX_FENCE_DATA))
+                                 pmixplan.decode_data(fields["data"], pmixplan.MAX_FENCE_DATA))
             elif kind_name == "MODEX_WANT":
                 self._wanted(spawner, int(fields["id"]), int(fields["rank"]))
             elif kind_name == "MODEX_GOT":
                 self._got(int(fields["id"]), int(fields["status"]),
-                          _unb64(fields["data"], MAX_MODEX) if fields.get("data") else b"")
+                          pmixplan.decode_data(fields["data"], pmixplan.MAX_MODEX)
+                          if fields.get("data") else b"")
             elif kind_name == "PMIX_UNSERVED":
                 self._log.warning(f"{host}: Open MPI's world is not served there: "
                                   f"{str(fields.get('error'))[:500]}")
-        except (KeyError, TypeError, ValueError, binascii.Error,
+        except (KeyError, TypeError, ValueError,
                 pmixplan.FenceError) as exc:
             self._log.warning(f"{host}: a PMIx message that cannot be one ({exc}); ignored")
 

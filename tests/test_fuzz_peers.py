@@ -358,9 +358,9 @@ class Receiver:
 
 
 def agent_environ(target: str, node: str = "n1") -> dict[str, str]:
-    from spawner.callback import CALLBACK_VARIABLE, SECRET_VARIABLE, STEP_VARIABLE
+    from spawner.callback import CALLBACK_VARIABLE, STEP_VARIABLE
 
-    return {CALLBACK_VARIABLE: target, SECRET_VARIABLE: SECRET.hex(), STEP_VARIABLE: "2",
+    return {CALLBACK_VARIABLE: target, STEP_VARIABLE: "2",
             "SLURMD_NODENAME": node, "SLURM_PROCID": "0"}
 
 
@@ -369,7 +369,8 @@ async def an_agent_calls(listener, receiver: Receiver, pieces: list[bytes]) -> N
     sends after the handshake, in pieces, reaches the receiver exactly."""
     from spawner import callback
 
-    sock = await asyncio.to_thread(callback.connect_back, agent_environ(listener.target()))
+    sock = await asyncio.to_thread(callback.connect_back, agent_environ(listener.target()),
+                                   SECRET)
     with sock:
         for piece in pieces:
             await asyncio.to_thread(sock.sendall, piece)
@@ -421,7 +422,6 @@ def test_the_callback_lets_only_the_secrets_holder_through(hostile, pieces):
     run(main())
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch neighbours: callers bounded per source")
 @pytest.mark.timeout(120)
 def test_many_idle_connections_from_a_neighbour_do_not_lock_an_agent_out():
     """300 connections from another address (a neighbour on the network, here 127.0.0.2)

@@ -260,7 +260,6 @@ def test_pmi_ranks_get_their_values_whatever_one_rank_sends(mode, size, data):
     event(f"{'dropped' if too_long else 'served'}")
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch neighbours: batch checked key by key")
 @HEAVY
 @given(st.integers(0, 3), st.sampled_from([0, 1, -1]) | st.integers(-300, 300))
 def test_a_hosts_barrier_batch_is_bounded_as_a_whole(before, past):
@@ -359,7 +358,6 @@ def test_the_store_keeps_its_account_and_its_bound(operations):
                                  for k, v in values.items()) <= store.limit
 
 
-@pytest.mark.xfail(strict=True, reason="fixed on branch neighbours: DELETE of any name counts")
 @FAST
 @given(st.lists(st.tuples(st.sampled_from(["global", "local_h"]),
                           st.sampled_from(["0", "1", "2", "00", "-1", " 1", "a", "k" * 64])),

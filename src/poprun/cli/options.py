@@ -146,9 +146,11 @@ OPTIONS: tuple[Opt, ...] = (
         "starts every node's agent, which calls poprun back)"),
     Opt("ssh-fanout", Kind.INT, "Open at most this many SSH connections at a time"),
     Opt("ssh-timeout", Kind.FLOAT, "Give up connecting to a host after this many seconds"),
-    Opt("host-timeout", Kind.FLOAT, "A remote host silent for this many seconds is lost: "
-        "poprun stops the job, and the host's agent, hearing nothing from poprun for as "
-        "long, kills its instances and removes its cache on its own"),
+    Opt("host-timeout", Kind.FLOAT, "A remote host silent for this many seconds (at least "
+        "2) is lost, frozen or cut off alike, without the program's help: poprun stops the "
+        "job (or restarts it, on a spare host where there is one), and the host's agent, "
+        "hearing nothing from poprun for as long, kills its instances and removes its cache "
+        "on its own"),
     Opt("remote-python", Kind.STR, "Python that runs poprun's agent on remote hosts "
         "(default: the path of the launcher's own Python if it exists there, else python3)"),
     Opt("remote-install", Kind.STR, "auto: where poprun is not installed (in this version) "
@@ -242,7 +244,11 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("restart-delay", Kind.FLOAT, "Seconds to wait between a failed attempt and the next "
         "(Ctrl-C meanwhile ends poprun without a restart)"),
     Opt("kill-timeout", Kind.FLOAT,
-        "Seconds between SIGTERM and SIGKILL when stopping instances"),
+        "Seconds between SIGTERM and SIGKILL when stopping instances, on every host, "
+        "whoever sent the SIGTERM (poprun's own stop, or a scheduler's to poprun or to its "
+        "agents): the window to write a checkpoint in; a later SIGTERM never shortens it "
+        "(a second Ctrl-C does). Set the scheduler's own grace longer (Slurm's KillWait, "
+        "Kubernetes' terminationGracePeriodSeconds: docs/troubleshooting.md)"),
     Opt("stall-timeout", Kind.FLOAT, "When no instance has written a line for this many "
         "seconds, print where each one is (their Python stacks, folded as poprunctl stacks "
         "does) to stderr and beside the job's record, mark the job stalled and go on (see "

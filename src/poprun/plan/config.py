@@ -24,8 +24,12 @@ DEFAULT_KILL_TIMEOUT = 5.0
 DEFAULT_SSH_FANOUT = 64
 DEFAULT_SSH_TIMEOUT = 10.0
 # Seconds of silence after which the launcher declares a remote host lost and the host's
-# agent stops its instances (heartbeats go both ways three times as often).
-DEFAULT_HOST_TIMEOUT = 15.0
+# agent stops its instances (heartbeats go both ways three times as often). At most 10 s: a
+# lost host is a restart (on a spare) within seconds, not minutes of a job's time. Not under
+# MIN_HOST_TIMEOUT: heartbeats then come every 0.7 s, and a loaded host's pause (a fork of a
+# large process, a swap storm) would pass for its loss.
+DEFAULT_HOST_TIMEOUT = 10.0
+MIN_HOST_TIMEOUT = 2.0
 DEFAULT_RESTART_DELAY = 1.0  # seconds between a failed attempt's cleanup and the next start
 SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
 LAUNCHERS = ("ssh", "slurm")  # how agents reach remote hosts (--launcher)
@@ -168,8 +172,9 @@ class LaunchConfig:
             raise ConfigError(f"--kill-timeout must not be negative, got {self.kill_timeout}")
         if self.ssh_timeout <= 0:
             raise ConfigError(f"--ssh-timeout must be positive, got {self.ssh_timeout}")
-        if self.host_timeout <= 0:
-            raise ConfigError(f"--host-timeout must be positive, got {self.host_timeout}")
+        if self.host_timeout < MIN_HOST_TIMEOUT:
+            raise ConfigError(f"--host-timeout must be at least {MIN_HOST_TIMEOUT:g} s, got "
+                              f"{self.host_timeout:g}")
         if self.restart_delay < 0:
             raise ConfigError(f"--restart-delay must not be negative, got {self.restart_delay}")
         if self.dashboard and self.no_dashboard:

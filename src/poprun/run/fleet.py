@@ -189,6 +189,7 @@ class Fleet:
             *(_start_agent(s, view, install, self.config.remote_python, self.log.info,
                            cwd=cwd, program=program, path=path, stats=stats,
                            host_timeout=self.config.host_timeout,
+                           kill_timeout=self.config.kill_timeout,
                            interfaces=self.config.network.chosen, temp_dir=self._temp_prefix,
                            facts=facts)
               for s in spawners), return_exceptions=True)

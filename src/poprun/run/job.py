@@ -5,7 +5,8 @@
                                             `kill_timeout`; exit code = its status (128+N)
 - a remote host is lost                  -> as a failure of its instances (status 255)
 - SIGINT / SIGTERM / SIGHUP to poprun    -> forwarded to every instance; SIGKILL after
-                                            `kill_timeout`, or at once on a second signal;
+                                            `kill_timeout`, or at once on a second SIGINT
+                                            or SIGHUP (SIGTERM never shortens it);
                                             exit code 128+N
 """
 
@@ -448,6 +449,10 @@ class Job:
         return self._spawning_remote and not self._all_started
 
     def on_signal(self, sig: int) -> None:
+        if sig == signal.SIGTERM and (self.stop_signal is not None
+                                      or self.root_cause is not None):
+            self._terminated_while_stopping()
+            return
         if self.stop_signal is not None and self._starting_remote:
             self.log.warning(f"{signal.Signals(sig).name} again: stopping now")
             self.on_interrupt()  # the agents' teardown kills whatever they started
@@ -474,6 +479,16 @@ class Job:
         self._stopping(name)
         self._log_stopping(sig)
         self._stop(sig)
+
+    def _terminated_while_stopping(self) -> None:
+        """SIGTERM while a stop is under way never shortens its --kill-timeout (a second
+        SIGINT or SIGHUP does): a scheduler signals every process of the job, poprun's
+        helpers and instances too, so its one SIGTERM may come after an instance's exit
+        started the stop, or come twice. It still ends the job: no restart follows."""
+        if self.stop_signal is None:
+            self.stop_signal = signal.SIGTERM
+        self.log.warning("SIGTERM received: the stop under way keeps its --kill-timeout "
+                         f"({self.config.kill_timeout:g} s)")
 
     def _log_stopping(self, sig: int) -> None:
         self.log.warning(f"{signal.Signals(sig).name} received: stopping "

@@ -111,6 +111,9 @@ class LaunchResult:
     # The job's record (poprun/jobctl/records.py): id, argv, cwd, hosts, launcher, caches, partition...
     # (jobctl/watch.JobRecord.meta); None for a launch that was not registered.
     job: Mapping[str, Any] | None = None
+    # Hosts never used again in the job, in order: {host, reason, at (time.time())}
+    # (run/session.py, _quarantine).
+    quarantined: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -210,6 +213,7 @@ class LaunchResult:
             stop_signal=signal_name(self.stop_signal) if self.stop_signal else None,
             output_error=self.output_error, scheduler_stop=self.scheduler_stop,
             attempts=[earlier.to_json() for earlier in self.attempts],
+            quarantined=[dict(q) for q in self.quarantined],
             start_time=self.start_time, phases=self.phases, instances=[instance_json(
                 i.index, i.host, i.pid, i.returncode, _state(i), lines=i.lines,
                 start_time=i.start_time, end_time=i.end_time,
@@ -223,6 +227,7 @@ class LaunchResult:
 # ran. `job_json` is the only writer of it.
 _UNENDED = {"stall": None, "exit_code": None, "exit_reason": None, "root_cause": None,
             "stop_signal": None, "output_error": None, "scheduler_stop": None, "attempts": [],
+            "quarantined": [],
             "start_time": None, "phases": {}, "instances": []}
 
 

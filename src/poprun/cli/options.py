@@ -140,7 +140,15 @@ OPTIONS: tuple[Opt, ...] = (
         "allocation's nodes). Instances are divided evenly, in contiguous blocks",
         short="H", dest="hosts"),
     Opt("host-file", Kind.STR, "Read the hosts from this file: one per line, # comments "
-        "(instead of --host)", default=None),
+        "(instead of --host); a line ending in the word `spare` names spare hosts (as "
+        "--spare-hosts)", default=None),
+    Opt("spare-hosts", Kind.LIST, "Comma-separated hosts that stand by, as --host names "
+        "them (repeatable; needs --max-restarts). Each is connected at the start, given an "
+        "agent and compared with the job's hosts (--compare-hosts): one unreachable or "
+        "different is said and never used. When an attempt fails because a host was lost, "
+        "froze or failed its checks, the next attempt runs that host's instances (the same "
+        "indices, replicas, placement and environment) on a spare, every other instance "
+        "staying where it was; the host is quarantined: never used again in the job"),
     Opt("launcher", Kind.STR, "How poprun's agents reach the hosts: ssh, or slurm (inside a "
         "Slurm allocation, where it is the default when no --host is given: one srun job step "
         "starts every node's agent, which calls poprun back)"),
@@ -416,6 +424,9 @@ def build_config(parsed: Parsed) -> LaunchConfig:
         if "hosts" in parsed.given:
             raise ConfigError("--host and --host-file cannot be used together")
         options["hosts"] = read_host_file_entries(str(parsed.values["host_file"]))
+        spares = read_host_file_entries(str(parsed.values["host_file"]), spares=True)
+        if spares:  # with --spare-hosts too: both lists (a host named twice is an error)
+            options["spare_hosts"] = tuple(options.get("spare_hosts", ())) + spares
     counted_from = None
     if "num_instances" not in parsed.given and "num_instances" not in stored:
         entries = options.get("hosts", ())
@@ -488,12 +499,14 @@ def listed_hosts(entries: tuple[str, ...]) -> tuple[tuple[Host, ...], str]:
                                 os.environ)
 
 
-def read_host_file_entries(path: str) -> tuple[str, ...]:
-    """The file's hosts, each as one host-list entry (validated when the config is built)."""
+def read_host_file_entries(path: str, spares: bool = False) -> tuple[str, ...]:
+    """The file's hosts (with `spares`, its spare hosts), each as one host-list entry
+    (validated when the config is built)."""
     from poprun.plan.hosts import parse_host_file, read_host_file
 
     source = f"--host-file {path}"
-    return tuple(h.entry for h in parse_host_file(read_host_file(path, source), source))
+    return tuple(h.entry for h in parse_host_file(read_host_file(path, source), source,
+                                                  spares))
 
 
 # Headings in --help, before the option each group starts with (OPTIONS is in this order).

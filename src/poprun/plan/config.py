@@ -76,6 +76,9 @@ class LaunchConfig:
     # Host-list entries as given (`h1,h2`, `pod[1-4]`, `user@host:port`); empty: this host
     # (or the Slurm allocation's nodes, see hosts.job_hosts).
     hosts: tuple[str, ...] = ()
+    # Hosts that stand by (same syntax as `hosts`): a host lost, frozen or failing its checks
+    # in an attempt is replaced by one of them in the next (plan/jobhosts.py).
+    spare_hosts: tuple[str, ...] = ()
     ssh_fanout: int = DEFAULT_SSH_FANOUT
     ssh_timeout: float = DEFAULT_SSH_TIMEOUT
     host_timeout: float = DEFAULT_HOST_TIMEOUT
@@ -211,6 +214,7 @@ class LaunchConfig:
                               f"got {self.remote_install!r}")
         if self.host_list:  # slots that disagree with --num-instances, or an uneven split
             instance_counts(self.host_list, self.num_instances, per_host=self.mpi.npernode)
+        self._check_spares()
         from poprun.plan.placement import resolve_strategy
 
         resolve_strategy(self.process_placement, self.numa_aware, 1)  # unknown or contradictory
@@ -235,6 +239,20 @@ class LaunchConfig:
             if index >= self.num_instances:
                 raise ConfigError(f"--instance-mpi-local-args names instance {index}, but there "
                                   f"are only {self.num_instances}")
+
+    def _check_spares(self) -> None:
+        """Spares that can never be used, or that are the job's own hosts: one line."""
+        if not self.spare_list:
+            return
+        if not self.max_restarts:
+            raise ConfigError("--spare-hosts: nothing could use them: a spare takes a lost "
+                              "host's place in the next attempt; give --max-restarts N")
+        job = {str(h) for h in self.host_list}
+        both = [str(h) for h in self.spare_list if str(h) in job]
+        if both:
+            raise ConfigError(f"--spare-hosts: {', '.join(both)} "
+                              f"{'is' if len(both) == 1 else 'are'} also in --host: a spare "
+                              "stands by, it runs nothing until a host is lost")
 
     def _check_types(self) -> None:
         """Values from Python callers and --import-config files arrive untyped: a wrong type
@@ -284,6 +302,12 @@ class LaunchConfig:
     def host_list(self) -> tuple[Host, ...]:
         """The hosts named by `hosts`, expanded; duplicates are an error."""
         return parse_host_list(",".join(self.hosts)) if self.hosts else ()
+
+    @cached_property
+    def spare_list(self) -> tuple[Host, ...]:
+        """The hosts named by `spare_hosts`, expanded; duplicates are an error."""
+        return parse_host_list(",".join(self.spare_hosts), "--spare-hosts") \
+            if self.spare_hosts else ()
 
     @cached_property
     def mpi(self) -> MpiArgs:
@@ -363,7 +387,7 @@ class LaunchConfig:
 
 
 _STR_TUPLE_FIELDS = ("program", "env", "mpi_global_args", "mpi_local_args",
-                     "instance_mpi_local_args", "hosts")
+                     "instance_mpi_local_args", "hosts", "spare_hosts")
 _BOOL_FIELDS = ("offline_mode", "print_topology", "tag_output", "timestamp_output",
                 "fold_output", "merge_stderr_to_stdout", "distribute_ssh_key", "report_bindings",
                 "update_partition", "remove_partition", "allow_run_as_root",

@@ -4,7 +4,7 @@ each runs, over which transport. Pure but for this host's name (socket.gethostna
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from spawner import fdlimit
 from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
@@ -25,6 +25,7 @@ class JobHosts:
     counts: tuple[int, ...]
     source: str = "--host"
     transport: str = "ssh"  # how remote hosts are reached: "ssh" or "slurm"
+    spares: tuple[Host, ...] = ()  # standing by, each remote: `substituted` puts them in
 
     @classmethod
     def of(cls, config: LaunchConfig, environ: Mapping[str, str]) -> JobHosts:
@@ -42,7 +43,25 @@ class JobHosts:
         remote = frozenset(str(h) for h in hosts if transport == "slurm"
                            or not is_local(h, this))
         counts = instance_counts(hosts, config.num_instances, source, config.mpi.npernode)
-        return cls(hosts, remote, counts, source, transport)
+        spares = config.spare_list
+        local = [str(h) for h in spares if transport != "slurm" and is_local(h, this)]
+        if local:  # a spare runs what a remote host ran: through its own agent
+            raise ConfigError(f"--spare-hosts: {', '.join(local)} is this host: a spare is "
+                              "a remote host")
+        if spares and not remote:
+            raise ConfigError("--spare-hosts: the job runs on this host only: a spare "
+                              "replaces a remote host (give --host)")
+        return cls(hosts, remote, counts, source, transport, spares)
+
+    def substituted(self, replaced: Mapping[str, Host]) -> JobHosts:
+        """The hosts with each of `replaced` (label -> spare) in the place of the host it
+        replaces: the same position, so the same instance indices and count, and placement
+        (plan/planner.py plans by position and count); the spares left are the others."""
+        hosts = tuple(replaced.get(str(h), h) for h in self.hosts)
+        used = {str(h) for h in replaced.values()}
+        remote = (self.remote - replaced.keys()) | used
+        return JobHosts(hosts, frozenset(remote), self.counts, self.source, self.transport,
+                        tuple(h for h in self.spares if str(h) not in used))
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -76,3 +95,10 @@ class JobHosts:
     @property
     def first_is_local(self) -> bool:
         return self.labels[0] not in self.remote
+
+
+def pair_spares(failed: Sequence[str], available: Sequence[str]) -> dict[str, str]:
+    """Which spare takes each failed host's place: in host order, the first available
+    spares in theirs (the user's order is their preference). Failed hosts beyond the
+    spares are left out: the caller ends the job on them."""
+    return dict(zip(failed, available))

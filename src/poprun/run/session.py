@@ -81,7 +81,8 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
         rendezvous=None if config.mpi_worlds == "none" else (here, free_port()),
         interfaces={label: n.interface for label, n in network.items()} if network else None,
         partition_step=dry_run_partition(config, environ))
-    return replace(launch_plan, warnings=launch_plan.warnings + tuple(warnings))
+    return replace(launch_plan, warnings=launch_plan.warnings + tuple(warnings),
+                   spares=tuple(str(h) for h in hosts.spares))
 
 
 def dry_run_partition(config: LaunchConfig,
@@ -291,6 +292,10 @@ class _Session:
         self.lifeline: Lifeline | None = None
         self.cache: _CacheDir | None = None
         self.fleet = None
+        self.spares = None  # the spare hosts standing by (run/spares.SparePool), if any
+        # Hosts never used again in this job ({host, reason, at}: --result-json's
+        # `quarantined`), in the order they were.
+        self.quarantined: list[dict] = []
         self.dashboard = None
         self.panel = None  # the dashboard's state (view.dashboard.DashboardState), if shown
         self.events = Observers()  # the job's observers, every attempt's
@@ -310,6 +315,7 @@ class _Session:
         self.rendezvous = None  # Horovod's (run/rendezvous.Rendezvous), once hosts are open
         self._own_id: str | None = None  # the job's id when it has no record
         self._leaves: dict[str, list[dict]] = {}  # per remote host, its agents' (for reap)
+        self._boot_ids: dict[str, object] = {}  # per remote host, its last agent's boot id
         self.host_differences: tuple = ()  # plan/alike.py's Differences among the hosts
         self._compare = False  # the hosts are to be compared before anything starts
         self._facts_here: asyncio.Future | None = None  # this host's facts, read on a thread
@@ -477,11 +483,14 @@ class _Session:
                     caches.setdefault(inst.host, inst.env[EXECUTABLE_CACHE_PATH])
         error_dir = self.job.local.error_dir if self.job.local else None
         partition = self.partition
+        for label, info in agents.items():  # a host replaced by a spare is still reaped
+            self._boot_ids[label] = info.raw.get("boot_id")
+        replaced = [q["host"] for q in self.quarantined if q["host"] not in labels]
         return {
-            "hosts": [{"label": label, "local": label not in remote,
-                       "boot_id": (agents[label].raw.get("boot_id") if label in agents
-                                   else None) if label in remote else here}
-                      for label in labels],
+            "hosts": [{"label": label, "local": label not in remote and label not in replaced,
+                       "boot_id": self._boot_ids.get(label) if label in remote
+                       or label in replaced else here}
+                      for label in (*labels, *dict.fromkeys(replaced))],
             "pythons": {label: info.python_executable for label, info in agents.items()},
             "caches": caches,
             "error_dirs": {label: error_dir for label in labels
@@ -499,6 +508,7 @@ class _Session:
             "agents": self._agents_leaves(agents),
             # What differs among the hosts (--compare-hosts), as it was reported.
             "host_differences": _recorded(self.host_differences),
+            "quarantined": list(self.quarantined),  # as --result-json will have them
         }
 
     def _agents_leaves(self, agents: dict) -> dict[str, list[dict]]:
@@ -544,32 +554,72 @@ class _Session:
                 result = replace(result, stop_signal=self._pause_signal,
                                  exit_code=128 + self._pause_signal)
                 break
-            lost = sorted({i.host for i in result.instances if i.lost}
-                          | set(self.job.lost_before_start))
+            lost = self._quarantine(result)
             if lost:
                 try:
-                    caches, master = await self._reopen(lost, caches)
+                    caches, master = await self._recover(lost, caches)
                 except LaunchError as exc:  # still gone: the lost host's failure stands
                     earlier.pop()
                     for line in str(exc).splitlines():
                         self.log.error(f"cannot restart the job: {line}")
                     break
-        self._result = replace(result, attempts=tuple(earlier)) if earlier else result
+        self._result = replace(result, attempts=tuple(earlier),
+                               quarantined=tuple(self.quarantined))
 
-    async def _reopen(self, lost: list[str], caches: dict[str, str]
-                      ) -> tuple[dict[str, str], str]:
-        """Hosts lost in the last attempt, back for the next one: connected, an agent
-        started, their temporary cache made again (the old one went with its agent)."""
-        self.log.warning(f"reconnecting to {', '.join(lost)} for the next attempt")
-        await self.fleet.reopen(lost, self.job, self.job.on_host_lost, cwd=self.cwd,
-                                program=self.program[0], path=self.environ.get("PATH"))
-        self._choose_network()
-        caches = dict(caches)
-        if self.mode is CacheMode.TEMPORARY:
-            caches.update(await self.fleet.temp_dirs(lost))
-        elif (explicit := planning.explicit_cache(self.config, self.mode)) is not None:
-            await self.fleet.make_dirs(explicit, lost)
+    def _quarantine(self, failed: LaunchResult) -> list[str]:
+        """The hosts the failed attempt lost (their connection or agent gone, or silent for
+        --host-timeout: frozen), or that were lost meanwhile: quarantined, never used again
+        in this job even once they answer (a host that failed once is likely to again, and
+        a restart there would spend the restarts). Their labels, in host order."""
+        import time
+
+        found = {i.host: (i.lost, i.end_time) for i in failed.instances if i.lost}
+        for host, reason in self.job.lost_before_start.items():
+            found.setdefault(host, (reason, time.time()))
+        lost = [label for label in self.hosts.labels if label in found]
+        for label in lost:
+            reason, at = found[label]
+            self.quarantined.append({"host": label, "reason": f"lost: {reason}",
+                                     "at": round(at, 3)})
+            self.log.warning(f"{label} quarantined for the rest of the job: lost ({reason})")
+        return lost
+
+    async def _recover(self, lost: list[str], caches: dict[str, str]
+                       ) -> tuple[dict[str, str], str]:
+        """Hosts lost (and quarantined) in the last attempt, each replaced by a spare for
+        the next; LaunchError naming those no spare is left for (the job ends there)."""
+        if self.spares is not None:
+            replaced, caches = await self._take_spares(lost, caches)
+            lost = [label for label in lost if label not in replaced]
+        if lost:
+            raise LaunchError("\n".join(f"{label}: lost, and no spare host is left to take "
+                                        "its place (--spare-hosts)" for label in lost))
         return caches, await self._master_address()
+
+    async def _take_spares(self, lost: list[str], caches: dict[str, str]
+                           ) -> tuple[dict[str, str], dict[str, str]]:
+        """Spares in the lost hosts' places for the next attempt (run/spares.py): the same
+        instance indices, placement and environment; their caches made (a temporary one
+        there, or the explicit path). Which host each replaced, and the caches."""
+        pairs = self.spares.take(lost, self.fleet)
+        if not pairs:
+            return pairs, caches
+        self.hosts = self.hosts.substituted({
+            old: next(h for h in self.hosts.spares if str(h) == new)
+            for old, new in pairs.items()})
+        for old, new in pairs.items():
+            self.log.warning(f"{old} replaced by spare host {new} for the next attempt "
+                             f"({self.hosts.count(new)} instance(s))")
+            self.fleet.spawners[new].new_attempt(self.job, self.job.on_host_lost)
+        caches = {label: path for label, path in caches.items() if label not in pairs}
+        spares = list(pairs.values())
+        if self.mode is CacheMode.TEMPORARY:
+            caches.update(await self.fleet.temp_dirs(spares))
+        elif (explicit := planning.explicit_cache(self.config, self.mode)) is not None:
+            await self.fleet.make_dirs(explicit, spares)
+            caches.update((label, explicit) for label in spares)
+        self._choose_network()
+        return pairs, caches
 
     async def _run_attempt(self, attempt: int) -> LaunchResult:
         finished = self.loop.create_future()
@@ -589,7 +639,7 @@ class _Session:
 
     def _restarts(self, result: LaunchResult, done: int) -> bool:
         """Whether a failed attempt is followed by another: not after a stop by the user or
-        an output error (a lost host is connected again first: `_reopen`)."""
+        an output error (a lost host is replaced by a spare first: `_recover`)."""
         return (not result.ok and done < self.config.max_restarts
                 and result.stop_signal is None and result.output_error is None)
 
@@ -652,11 +702,32 @@ class _Session:
                     cache)
                 # Its error taken even if the launch ends before it is read.
                 here.add_done_callback(lambda done: done.cancelled() or done.exception())
-        await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
-                              program=self.program[0], path=self.environ.get("PATH"),
-                              view=self.panel, temp_dirs=self.mode is CacheMode.TEMPORARY,
-                              facts=ask)
+        standby = self._open_spares(ask)  # meanwhile: their problems are said, not raised
+        try:
+            await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
+                                  program=self.program[0], path=self.environ.get("PATH"),
+                                  view=self.panel,
+                                  temp_dirs=self.mode is CacheMode.TEMPORARY, facts=ask)
+        except BaseException:
+            if standby is not None:  # what it opened is closed with the session
+                standby.cancel()
+                await asyncio.gather(standby, return_exceptions=True)
+            raise
+        if standby is not None:
+            await standby
         self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))
+
+    def _open_spares(self, ask: dict | None) -> asyncio.Future | None:
+        """The spare hosts connected and given agents while the job's hosts are (the same
+        HELLO, facts included: they are compared in `_compare_hosts`)."""
+        if not self.hosts.spares:
+            return None
+        from poprun.run.spares import SparePool
+
+        self.spares = SparePool(self.hosts, self.config, self.log)
+        return asyncio.ensure_future(self.spares.open(
+            self.job, cwd=self.cwd, program=self.program[0], path=self.environ.get("PATH"),
+            facts=ask))
 
     async def _compare_hosts(self) -> None:
         """The hosts' differences, before anything starts (their facts came while the launch
@@ -674,6 +745,10 @@ class _Session:
         local = [label for label in self.hosts.labels if label not in self.hosts.remote]
         self.host_differences = hostcheck.compare(self.config, self.environ,
                                                   self.hosts.labels, local, facts_here, remote)
+        if self.spares is not None:
+            self.spares.admit(hostcheck.spare_differences(
+                self.config, self.environ, self.hosts.labels, local, facts_here, remote,
+                await hostcheck.answers(self.spares.fleet.spawners)))
         self.log.debug(f"hosts compared ({len(self.host_differences)} difference(s)): waited "
                        f"{waited * 1000:.1f} ms for their facts, "
                        f"{(self.loop.time() - began - waited) * 1000:.1f} ms comparing")
@@ -915,6 +990,8 @@ class _Session:
             await containment.helpers_reaped(keep=frozenset([self.lifeline.pid]))
 
     async def _close_fleet(self) -> None:
+        if self.spares is not None:
+            await self.spares.close()
         if self.fleet is not None:
             await self.fleet.close()
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped
+from conftest import (OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped,
+                      run_poprunctl)
 from sshd_hosts import start_ssh_hosts, wait_until
 
 pytestmark = pytest.mark.timeout(150)
@@ -104,6 +105,13 @@ def test_a_lost_host_s_instances_run_on_the_spare_and_it_is_not_used_again(tmp_p
     result = json.loads((tmp_path / "result.json").read_text())
     assert [i["host"] for i in result["instances"]] == ["h1", "h1", "h3", "h3"]
     assert [a["exit_reason"] for a in result["attempts"]] == ["host_lost", "instance"]
+    [quarantined] = result["quarantined"]
+    assert quarantined["host"] == "h2" and quarantined["reason"].startswith("lost: ")
+    assert "h2 quarantined for the rest of the job: lost (" in err
+    shown = run_poprunctl("show", result["id"], "--json", env={})
+    assert json.loads(shown.stdout)["quarantined"] == [quarantined], shown.stderr
+    text = run_poprunctl("show", result["id"], env={}).stdout.decode()
+    assert re.search(r"quarantined: h2 \d\d:\d\d:\d\d \(lost: ", text), text
 
 
 def test_a_frozen_host_is_replaced_by_the_spare_after_the_host_timeout(tmp_path):
@@ -235,3 +243,74 @@ def test_a_host_file_marks_spares(tmp_path):
                                       "--max-restarts=1", PY, "-c", "pass"),
                           env=poprun_env(), capture_output=True, timeout=60)
     assert_usage_error(proc, "h2", "listed twice")
+
+
+WHERE = "import os; print(os.environ['POPRUN_SSH_CONNECTION'].split()[2])"
+
+
+def run_where(hosts, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(poprun_argv(*OFFLINE, "--num-instances=4", "--num-replicas=4",
+                                      "--tag-output", *args, PY, "-c", WHERE),
+                          env=poprun_env(hosts.env()), capture_output=True, timeout=90)
+
+
+def ran_on(stdout: bytes) -> list[str]:
+    by_rank = {}
+    for line in stdout.decode().splitlines():
+        tag, _, text = line.partition("<stdout>:")
+        by_rank[int(tag[1:-1].split(",")[1])] = text
+    return [by_rank[r] for r in sorted(by_rank)]
+
+
+def test_a_quarantined_host_is_left_out_of_later_jobs(tmp_path, job_state):
+    """A job loses h2 (--quarantine-for 2h): `poprunctl hosts` lists it; a later job on
+    h1,h2 with the spare h3 runs h2's instances on h3, saying so; one without a spare is
+    refused in one line; once released, h2 runs jobs again."""
+    with start_ssh_hosts(3, tmp_path) as hosts:
+        job = start(hosts, tmp_path, "-H", "h1,h2", "--spare-hosts=h3", "--max-restarts=1",
+                    "--quarantine-for=2h")
+        with reaped(job):
+            wait_for_attempt_0(tmp_path)
+            kill_sessions(hosts, 1)
+            _, err = job.communicate(timeout=90)
+        assert job.returncode == 0, err.decode()
+        listed = run_poprunctl("hosts", "--json", env=hosts.env())
+        assert listed.returncode == 0, listed.stderr
+        [entry] = json.loads(listed.stdout)["hosts"]
+        assert entry["host"] == "h2" and entry["reason"].startswith("lost: ")
+        assert 2 * 3600 - 120 < entry["until"] - time.time() <= 2 * 3600
+        assert entry["job"] == json.loads((tmp_path / "result.json").read_text())["id"]
+        table = run_poprunctl("hosts", env=hosts.env())
+        assert re.search(rb"h2 +\d+s +1h5\dm", table.stdout), table.stdout
+
+        later = run_where(hosts, "-H", "h1,h2", "--spare-hosts=h3", "--max-restarts=1")
+        assert later.returncode == 0, later.stderr.decode()
+        assert ran_on(later.stdout) == ["127.0.77.1"] * 2 + ["127.0.77.3"] * 2
+        assert re.search(r"h2 left out: quarantined \(lost: .*; until .*\); spare host h3 "
+                         r"runs its instances", later.stderr.decode()), later.stderr.decode()
+
+        refused = run_where(hosts, "-H", "h1,h2")
+        assert_usage_error(refused, "h2 is quarantined (lost: ", "no spare host is left",
+                           "poprunctl hosts --release h2")
+
+        released = run_poprunctl("hosts", "--release", "h2", env=hosts.env())
+        assert (released.returncode, released.stdout) == (0, b"released h2\n")
+        again = run_where(hosts, "-H", "h1,h2")
+        assert again.returncode == 0, again.stderr.decode()
+        assert ran_on(again.stdout) == ["127.0.77.1"] * 2 + ["127.0.77.2"] * 2
+        unknown = run_poprunctl("hosts", "--release", "h9", env=hosts.env())
+        assert unknown.returncode == 1 and b"not quarantined: h9" in unknown.stderr
+
+
+def test_quarantine_for_0_remembers_nothing(tmp_path, job_state):
+    with start_ssh_hosts(3, tmp_path) as hosts:
+        job = start(hosts, tmp_path, "-H", "h1,h2", "--spare-hosts=h3", "--max-restarts=1",
+                    "--quarantine-for=0")
+        with reaped(job):
+            wait_for_attempt_0(tmp_path)
+            kill_sessions(hosts, 1)
+            _, err = job.communicate(timeout=90)
+        assert job.returncode == 0, err.decode()
+        assert "h2 quarantined for the rest of the job" in err.decode()
+        listed = run_poprunctl("hosts", env=hosts.env())
+        assert listed.stdout == b"no quarantined hosts\n"

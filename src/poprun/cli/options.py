@@ -149,6 +149,11 @@ OPTIONS: tuple[Opt, ...] = (
         "froze or failed its checks, the next attempt runs that host's instances (the same "
         "indices, replicas, placement and environment) on a spare, every other instance "
         "staying where it was; the host is quarantined: never used again in the job"),
+    Opt("quarantine-for", Kind.STR, "How long a host this job lost (or saw freeze) is left "
+        "out of your later jobs: seconds, or 30m, 2h, 1d; 0: not remembered. A later job "
+        "runs a quarantined host's instances on a spare, with a warning, and refuses in one "
+        "line when it has none. `poprunctl hosts` lists them, `poprunctl hosts --release "
+        "HOST` lets one back (default: an hour)"),
     Opt("launcher", Kind.STR, "How poprun's agents reach the hosts: ssh, or slurm (inside a "
         "Slurm allocation, where it is the default when no --host is given: one srun job step "
         "starts every node's agent, which calls poprun back)"),

@@ -30,6 +30,9 @@ DEFAULT_SSH_TIMEOUT = 10.0
 # large process, a swap storm) would pass for its loss.
 DEFAULT_HOST_TIMEOUT = 10.0
 MIN_HOST_TIMEOUT = 2.0
+# How long a host a job lost is left out of this user's later jobs (jobctl/quarantine.py):
+# long enough for someone to look at it, short enough that a host repaired comes back alone.
+DEFAULT_QUARANTINE_FOR = 3600.0
 DEFAULT_RESTART_DELAY = 1.0  # seconds between a failed attempt's cleanup and the next start
 SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
 LAUNCHERS = ("ssh", "slurm")  # how agents reach remote hosts (--launcher)
@@ -79,6 +82,9 @@ class LaunchConfig:
     # Hosts that stand by (same syntax as `hosts`): a host lost, frozen or failing its checks
     # in an attempt is replaced by one of them in the next (plan/jobhosts.py).
     spare_hosts: tuple[str, ...] = ()
+    # Seconds a host lost by this job stays out of later ones (0: not remembered); the CLI
+    # and --import-config also take a duration (`30m`, `2h`, `1d`: parse_duration).
+    quarantine_for: float = DEFAULT_QUARANTINE_FOR
     ssh_fanout: int = DEFAULT_SSH_FANOUT
     ssh_timeout: float = DEFAULT_SSH_TIMEOUT
     host_timeout: float = DEFAULT_HOST_TIMEOUT
@@ -143,6 +149,9 @@ class LaunchConfig:
             if not isinstance(value, Iterable):
                 raise ConfigError(f"{name} must be a sequence of strings, got {value!r}")
             object.__setattr__(self, name, tuple(value))
+        if isinstance(self.quarantine_for, str):
+            object.__setattr__(self, "quarantine_for",
+                               parse_duration(self.quarantine_for, "--quarantine-for"))
         self._validate()
 
     def _validate(self) -> None:
@@ -178,6 +187,9 @@ class LaunchConfig:
         if self.host_timeout < MIN_HOST_TIMEOUT:
             raise ConfigError(f"--host-timeout must be at least {MIN_HOST_TIMEOUT:g} s, got "
                               f"{self.host_timeout:g}")
+        if self.quarantine_for < 0:
+            raise ConfigError(f"--quarantine-for must not be negative, got "
+                              f"{self.quarantine_for:g}")
         if self.restart_delay < 0:
             raise ConfigError(f"--restart-delay must not be negative, got {self.restart_delay}")
         if self.dashboard and self.no_dashboard:
@@ -288,6 +300,7 @@ class LaunchConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "a non-negative integer")
         for name in ("kill_timeout", "ssh_timeout", "host_timeout", "restart_delay",
+                     "quarantine_for",
                      "stall_timeout", "straggler_after"):
             seconds = getattr(self, name)
             if seconds is None and name == "stall_timeout":
@@ -518,3 +531,17 @@ def _check_env_entry(entry: str, source: str) -> None:
             c.isalnum() or c == "_" for c in name):
         raise ConfigError(f"{source}: {entry!r} is not VAR, VAR=VALUE or a pattern like "
                           "'WANDB_*'")
+
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, option: str) -> float:
+    """Seconds of `30`, `90s`, `30m`, `2h`, `1d` (ConfigError naming `option` otherwise)."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*", text)
+    if match is None:
+        raise ConfigError(f"{option}: {text!r} is not a duration (seconds, or a number "
+                          "followed by s, m, h or d: 30m, 2h)")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]

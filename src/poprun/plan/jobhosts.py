@@ -97,6 +97,30 @@ class JobHosts:
         return self.labels[0] not in self.remote
 
 
+def leave_out(hosts: JobHosts, quarantined: Mapping[str, str]) -> tuple[JobHosts, list[str]]:
+    """`hosts` without those `quarantined` (label -> why, said as is): a spare among them
+    dropped; a job host's instances given to a spare (its position, so its instances); the
+    warnings to say. ConfigError when a job host has no spare left to take its place."""
+    spares = tuple(h for h in hosts.spares if str(h) not in quarantined)
+    warnings = [f"spare host {h} left out: quarantined ({quarantined[str(h)]})"
+                for h in hosts.spares if str(h) not in {str(s) for s in spares}]
+    out = [label for label in hosts.labels if label in quarantined]
+    pairs = pair_spares(out, [str(h) for h in spares])
+    missing = [label for label in out if label not in pairs]
+    if missing:
+        label = missing[0]
+        raise ConfigError(
+            f"{label} is quarantined ({quarantined[label]}) and no spare host is left to run "
+            f"its instances: give one (--spare-hosts), run without {label}, or let it back "
+            f"(poprunctl hosts --release {' '.join(missing)})")
+    by_label = {str(h): h for h in spares}
+    warnings += [f"{old} left out: quarantined ({quarantined[old]}); spare host {new} runs "
+                 "its instances" for old, new in pairs.items()]
+    kept = JobHosts(hosts.hosts, hosts.remote, hosts.counts, hosts.source, hosts.transport,
+                    spares)
+    return kept.substituted({old: by_label[new] for old, new in pairs.items()}), warnings
+
+
 def pair_spares(failed: Sequence[str], available: Sequence[str]) -> dict[str, str]:
     """Which spare takes each failed host's place: in host order, the first available
     spares in theirs (the user's order is their preference). Failed hosts beyond the

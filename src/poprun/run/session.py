@@ -58,7 +58,7 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
     What only they can tell is a stand-in marked as known at launch (text.at_launch): cache
     dirs not made yet, the partition's server, name and shape (plan/partition.py), a remote
     host's address and interface, the launcher's address as other hosts reach it."""
-    hosts = JobHosts.of(config, environ)
+    hosts, left_out = without_quarantined(JobHosts.of(config, environ), environ)
     program, mode = preflight(config, environ, cwd, resolve=hosts.any_local)
     cache = planning.explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
     network, warnings = dry_run_network(config, hosts)
@@ -81,8 +81,34 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
         rendezvous=None if config.mpi_worlds == "none" else (here, free_port()),
         interfaces={label: n.interface for label, n in network.items()} if network else None,
         partition_step=dry_run_partition(config, environ))
-    return replace(launch_plan, warnings=launch_plan.warnings + tuple(warnings),
+    return replace(launch_plan, warnings=launch_plan.warnings + tuple(left_out + warnings),
                    spares=tuple(str(h) for h in hosts.spares))
+
+
+def without_quarantined(hosts: JobHosts, environ: Mapping[str, str]
+                        ) -> tuple[JobHosts, list[str]]:
+    """The job's hosts without those this user's earlier jobs quarantined
+    (jobctl/quarantine.py; plan/jobhosts.leave_out), and the warnings to say; ConfigError
+    when one cannot be left out."""
+    if not hosts.remote:  # only remote hosts are ever quarantined: no file to read
+        return hosts, []
+    import time
+
+    from poprun.jobctl import quarantine
+    from poprun.plan.jobhosts import leave_out
+
+    entries, problem = quarantine.read(environ)
+    now = time.time()
+    found = {host: f"{entry.reason}; until {_clock(entry.until)}"
+             for host, entry in quarantine.active(entries, now).items()}
+    hosts, warnings = leave_out(hosts, found)
+    return hosts, [problem] * bool(problem) + warnings
+
+
+def _clock(when: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(when))
 
 
 def dry_run_partition(config: LaunchConfig,
@@ -339,6 +365,9 @@ class _Session:
         unsafe = state_dir_problem(self.environ)  # first: no state dir others can steer
         if unsafe:
             raise LaunchError(unsafe)
+        self.hosts, left_out = without_quarantined(self.hosts, self.environ)
+        for warning in left_out:
+            log.warning(warning)
         wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
         self.libpmix = self._find_libpmix()
         self.lifeline = Lifeline()
@@ -582,7 +611,27 @@ class _Session:
             self.quarantined.append({"host": label, "reason": f"lost: {reason}",
                                      "at": round(at, 3)})
             self.log.warning(f"{label} quarantined for the rest of the job: lost ({reason})")
+        self._remember_quarantine(self.quarantined[-len(lost):] if lost else [])
         return lost
+
+    def _remember_quarantine(self, new: list[dict]) -> None:
+        """Hosts just quarantined, left out of this user's later jobs for --quarantine-for
+        (jobctl/quarantine.py); a state directory that cannot take them is said."""
+        if not new or not self.config.quarantine_for:
+            return
+        import time
+
+        from poprun.jobctl import quarantine
+
+        entries = [quarantine.Entry(q["host"], q["reason"], q["at"],
+                                    q["at"] + self.config.quarantine_for, self._job_id)
+                   for q in new]
+        try:
+            quarantine.add(entries, time.time(), self.environ)
+        except OSError as exc:
+            hosts = ", ".join(q["host"] for q in new)
+            self.log.warning(f"cannot remember the quarantine of {hosts} for later jobs: "
+                             f"{exc.strerror or exc}")
 
     async def _recover(self, lost: list[str], caches: dict[str, str]
                        ) -> tuple[dict[str, str], str]:

@@ -74,12 +74,61 @@ def test_a_job_that_fails_twice_then_succeeds_exits_0_with_three_attempts(tmp_pa
 
 
 def test_the_last_attempts_status_is_the_exit_status_and_every_attempt_is_reported(tmp_path):
+    """Attempts that fail differently (5, then 6): the restarts are spent, the last status
+    stands (exit_class restarts_spent)."""
+    out = tmp_path / "result.json"
     proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", "--max-restarts=1",
-                      "--restart-delay=0", PY, "-c", "import sys; sys.exit(5)")
+                      "--restart-delay=0", f"--result-json={out}", PY, "-c",
+                      "import os, sys; sys.exit(5 + int(os.environ['POPDIST_RESTART_COUNT']))")
     err = proc.stderr.decode()
-    assert proc.returncode == 5, err
+    assert proc.returncode == 6, err
     assert "poprun: attempt 1 of 2 failed: instance 0 on localhost: exited with status 5" in err
     assert "poprun: attempt 2 of 2 (the last):" in err
+    result = json.loads(out.read_text())
+    assert (result["exit_class"], result["exit_reason"]) == ("restarts_spent", "instance")
+    assert "do not requeue" not in err
+
+
+def test_attempts_that_fail_the_same_way_exit_with_the_do_not_requeue_status(tmp_path):
+    """Every attempt exits 5 the same way: requeueing would fail again. Status 78
+    (DO_NOT_REQUEUE_STATUS), exit_class do_not_requeue, said in the report."""
+    out = tmp_path / "result.json"
+    proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", "--max-restarts=2",
+                      "--restart-delay=0", f"--result-json={out}", PY, "-c",
+                      "import sys; sys.exit(5)")
+    err = proc.stderr.decode()
+    assert proc.returncode == 78, err
+    assert "poprun: every attempt (3) failed the same way: exit status 78, do not requeue" \
+        in err
+    result = json.loads(out.read_text())
+    assert (result["exit_code"], result["exit_class"]) == (78, "do_not_requeue")
+    assert [a["exit_code"] for a in result["attempts"]] == [5, 5]
+    assert result["instances"][0]["exit_status"] == 5  # the instance's own status is kept
+
+
+def test_attempts_that_make_no_progress_exit_with_the_do_not_requeue_status(tmp_path):
+    """The attempts fail differently, but each resumes at step 10 and fails there
+    (popdist.progress): no progress between attempts, 78."""
+    out = tmp_path / "result.json"
+    program = ("import os, sys, popdist; a = int(os.environ['POPDIST_RESTART_COUNT']); "
+               "popdist.progress(10 - a); sys.exit(5 + a)")
+    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "--max-restarts=1",
+                      "--restart-delay=0", f"--result-json={out}", PY, "-c", program)
+    err = proc.stderr.decode()
+    assert proc.returncode == 78, err
+    assert "no progress between attempts: the last reached step 9, an earlier one 10" in err
+    result = json.loads(out.read_text())
+    assert result["exit_class"] == "do_not_requeue"
+    assert [a["highest_step"] for a in result["attempts"]] + [result["highest_step"]] == \
+        [10, 9]
+
+
+def test_a_job_that_progresses_between_attempts_keeps_its_status(tmp_path):
+    program = ("import os, sys, popdist; a = int(os.environ['POPDIST_RESTART_COUNT']); "
+               "popdist.progress(10 + a); sys.exit(5 + a)")
+    proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", "--max-restarts=1",
+                      "--restart-delay=0", PY, "-c", program)
+    assert proc.returncode == 6, proc.stderr.decode()
 
 
 def test_ctrl_c_during_the_restart_delay_ends_poprun_without_a_restart(tmp_path):

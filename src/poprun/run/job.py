@@ -84,6 +84,7 @@ class Job:
         self._marks: dict[str, dict[int, float]] = {"first_started": {}, "first_output": {}}
         self.phases: dict[str, dict[str, float]] = {}  # host -> phase -> seconds (result)
         self.done: set[int] = set()  # exit reported, or lost with its host
+        self._steps: dict[int, int] = {}  # remote instances' last popdist.progress() step
         self.root_cause: int | None = None
         self.stop_signal: int | None = None
         self.on_finished = None
@@ -326,7 +327,16 @@ class Job:
 
     def on_progress(self, key: int, step: int, total: int | None) -> None:
         """A remote agent's sample of an instance's popdist.progress()."""
+        self._steps[key] = step
         self.events.stepped(key, step, total, self.loop.time())
+
+    def _highest_step(self) -> int | None:
+        """The highest step any instance gave popdist.progress() (the result's
+        `highest_step`): the agents' samples and last words, this host's files."""
+        local = self.local_progress([k for k in self.started if self.spawner_of.get(k)
+                                     is self.local]) if self.local else {}
+        steps = [*self._steps.values(), *(step for step, _ in local.values())]
+        return max(steps) if steps else None
 
     def local_progress(self, keys=None) -> dict[int, tuple[int, int | None]]:
         """What the local running instances (or these of them, once exited too) last gave
@@ -572,7 +582,7 @@ class Job:
         return LaunchResult(instances=instances, exit_code=code, root_cause=root,
                             stop_signal=self.stop_signal, phases=self._phases(instances),
                             start_time=self.launch_time, output_error=self.output_error,
-                            stall=self.stall)
+                            stall=self.stall, highest_step=self._highest_step())
 
     def _as_aborted(self, inst: InstanceResult) -> InstanceResult:
         """An instance that called MPI_Abort ends with the abort's code and says so (its own

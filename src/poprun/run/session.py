@@ -38,7 +38,7 @@ from poprun.plan.network import HostNetwork, address_here
 from poprun.plan.network import resolve as resolve_network
 from poprun.plan.planner import CacheMode, LaunchPlan
 from poprun.plan.topology import Topology, local_topology
-from poprun.result import OUTPUT_ERROR_STATUS, LaunchResult
+from poprun.result import DO_NOT_REQUEUE_STATUS, OUTPUT_ERROR_STATUS, LaunchResult
 from poprun.run.job import Job
 from poprun.run.output import output_files
 from poprun.run.signals import install_signal_handlers
@@ -594,6 +594,8 @@ class _Session:
                     break
         self._result = replace(result, attempts=tuple(earlier),
                                quarantined=tuple(self.quarantined))
+        if self._result.exit_class == "do_not_requeue":  # the contract's status
+            self._result = replace(self._result, exit_code=DO_NOT_REQUEUE_STATUS)
 
     def _quarantine(self, failed: LaunchResult) -> list[str]:
         """The hosts the failed attempt lost (their connection or agent gone, or silent for

@@ -118,3 +118,16 @@ def test_durations(text, seconds):
 def test_bad_durations_name_the_option(text):
     with pytest.raises(ConfigError, match="--quarantine-for: .* is not a duration"):
         parse_duration(text, "--quarantine-for")
+
+
+def test_spare_nodes_are_the_allocations_last():
+    from poprun.plan.config import LaunchConfig
+
+    env = {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(x3)"}
+    config = LaunchConfig(program=("x",), num_instances=4, num_replicas=4, spare_nodes=1,
+                          max_restarts=1)
+    hosts = JobHosts.of(config, env)
+    assert hosts.labels == ("n1", "n2") and hosts.counts == (2, 2)
+    assert [str(h) for h in hosts.spares] == ["n3"] and hosts.transport == "slurm"
+    with pytest.raises(ConfigError, match=r"--spare-nodes 3: .* has 3 node\(s\)"):
+        JobHosts.of(LaunchConfig(program=("x",), spare_nodes=3, max_restarts=1), env)

@@ -386,31 +386,53 @@ def test_a_node_that_fails_mid_job_is_noticed_and_nothing_is_left(tmp_path):
         wait_until(lambda: not processes_with(str(go)), "every process of the job gone", 30)
 
 
-def test_a_restart_reconnects_the_lost_node_with_a_step_of_its_own(four_nodes, tmp_path):
-    """node2's agent killed: the attempt fails, node2 gets a step of its own for the next,
-    and the other nodes' agents (the first step's) are the same processes throughout."""
+def test_a_spare_node_takes_over_a_node_that_fails(four_nodes, tmp_path):
+    """A 2-node job in a 3-node allocation (--spare-nodes 1): node3 stands by, its agent
+    started by a step of its own. node2's slurmd and slurmstepd are killed (its agent and
+    instance with them): the next attempt runs instance 1 on node3, node1's agent is the
+    same process throughout, and node2 is quarantined."""
     four_nodes.reset()
     go = tmp_path / "go"
-    proc = _start(four_nodes, 3, go, "--max-restarts=1")
+    out_json = tmp_path / "result.json"
+    proc = four_nodes.popen(["salloc", "-N3", "--ntasks-per-node=1", *POPRUN, "-v",
+                             "--spare-nodes=1", "--max-restarts=1", "--restart-delay=0",
+                             "--quarantine-for=0", f"--result-json={out_json}",
+                             "--num-replicas=2", PY, "-c", WAIT_FOR, str(go)],
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        wait_until(lambda: len(instances_with(str(go))) >= 3, "every instance to run", 60)
+        wait_until(lambda: len(instances_with(str(go))) >= 2, "every instance to run", 60)
         before = _agents(four_nodes)
-        assert sorted(before) == ["node1", "node2", "node3"]
-        os.kill(before["node2"], signal.SIGKILL)
-        wait_until(lambda: len(_steps(four_nodes)) == 2, "node2's own step", 60)
-        wait_until(lambda: len(instances_with(str(go))) >= 3, "the next attempt's instances", 60)
-        steps = _steps(four_nodes)
+        assert sorted(before) == ["node1", "node2", "node3"]  # node3's: standing by
+        _kill_node(four_nodes, "node2")
+        wait_until(lambda: len(instances_with(str(go))) >= 2 and "node3" in _nodes_running(
+            str(go)), "the next attempt's instances", 60)
         after = _agents(four_nodes)
         go.write_text("")
         out, err = _finish(proc)
     finally:
         go.write_text("")
     assert proc.returncode == 0, err
-    assert sorted(nodes for _, _, nodes in steps) == ["node2", "node[1-3]"], steps
+    assert "node2 quarantined for the rest of the job" in err, err
+    assert "node2 replaced by spare host node3 for the next attempt (1 instance(s))" in err
     assert after["node1"] == before["node1"] and after["node3"] == before["node3"]
-    assert after["node2"] != before["node2"]
-    assert "node2: lost the connection to the host" in err, err
-    assert "reconnecting to node2 for the next attempt" in err, err
+    result = json.loads(out_json.read_text())
+    assert [i["host"] for i in result["instances"]] == ["node1", "node3"]
+    assert [q["host"] for q in result["quarantined"]] == ["node2"]
+    ran = [line.split()[1:] for line in out.splitlines() if line.startswith("up")]
+    assert ["node3", "1"] in ran and ["node1", "0"] in ran, out
+
+
+def _nodes_running(marker: str) -> set[str]:
+    """The nodes (SLURMD_NODENAME) the instances holding `marker` run on."""
+    found = set()
+    for pid in instances_with(marker):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        found.update(v.split(b"=", 1)[1].decode() for v in env
+                     if v.startswith(b"SLURMD_NODENAME="))
+    return found
 
 
 def _callback_target(launcher: int) -> tuple[str, int]:

@@ -216,7 +216,11 @@ def test_an_unreachable_spare_is_said_at_the_start_and_skipped(tmp_path):
     (["--spare-hosts=h3", "--max-restarts=1"], ["--spare-hosts", "this host only"]),
     (["-H", "h1:2", "--spare-hosts=h3,h3", "--max-restarts=1"],
      ["--spare-hosts", "listed twice"]),
-], ids=["also a job host", "no restarts", "no remote host", "twice"])
+    (["-H", "h1,h2", "--spare-nodes=1", "--max-restarts=1"], ["--spare-nodes", "--host"]),
+    (["--spare-nodes=1"], ["--spare-nodes", "--max-restarts"]),
+    (["--spare-nodes=-1"], ["--spare-nodes", "non-negative"]),
+], ids=["also a job host", "no restarts", "no remote host", "twice", "spare nodes and --host",
+        "spare nodes without restarts", "negative spare nodes"])
 def test_spares_that_cannot_be_used_are_a_usage_error(args, words):
     proc = subprocess.run(poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2",
                                       *args, PY, "-c", "pass"),

@@ -29,7 +29,8 @@ from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/
 from poprun.plan import mpiargs
 from poprun.plan.config import (BOOL_WORDS, LaunchConfig, field_defaults, load_toml,
                                 merged_mpi_args)
-from poprun.plan.hosts import Host, counted_instances, job_hosts_and_source, parse_host_list
+from poprun.plan.hosts import (Host, counted_instances, job_hosts_and_source, parse_host_list,
+                               spare_nodes)
 from poprun.errors import ConfigError
 
 
@@ -149,6 +150,9 @@ OPTIONS: tuple[Opt, ...] = (
         "froze or failed its checks, the next attempt runs that host's instances (the same "
         "indices, replicas, placement and environment) on a spare, every other instance "
         "staying where it was; the host is quarantined: never used again in the job"),
+    Opt("spare-nodes", Kind.INT, "Under Slurm (without --host): the allocation's last this "
+        "many nodes stand by as --spare-hosts do (needs --max-restarts); the job runs on the "
+        "others: `salloc -N 5` with --spare-nodes 1 runs on 4 nodes"),
     Opt("quarantine-for", Kind.STR, "How long a host this job lost (or saw freeze) is left "
         "out of your later jobs: seconds, or 30m, 2h, 1d; 0: not remembered. A later job "
         "runs a quarantined host's instances on a spare, with a warning, and refuses in one "
@@ -435,8 +439,12 @@ def build_config(parsed: Parsed) -> LaunchConfig:
     counted_from = None
     if "num_instances" not in parsed.given and "num_instances" not in stored:
         entries = options.get("hosts", ())
-        counted, counted_from = counted_instances(*listed_hosts(entries), os.environ,
-                                                  listed=bool(entries),
+        hosts, source = listed_hosts(entries)
+        standby = options.get("spare_nodes")
+        if isinstance(standby, int) and standby > 0 and not entries:  # the job's nodes
+            hosts = spare_nodes(hosts, standby, source)[0]
+        counted, counted_from = counted_instances(hosts, source, os.environ,
+                                                  listed=bool(entries) or bool(standby),
                                                   per_host=npernode(options))
         if counted:
             options["num_instances"] = counted

@@ -82,6 +82,7 @@ class LaunchConfig:
     # Hosts that stand by (same syntax as `hosts`): a host lost, frozen or failing its checks
     # in an attempt is replaced by one of them in the next (plan/jobhosts.py).
     spare_hosts: tuple[str, ...] = ()
+    spare_nodes: int = 0  # under Slurm: the allocation's last this many nodes stand by
     # Seconds a host lost by this job stays out of later ones (0: not remembered); the CLI
     # and --import-config also take a duration (`30m`, `2h`, `1d`: parse_duration).
     quarantine_for: float = DEFAULT_QUARANTINE_FOR
@@ -254,10 +255,16 @@ class LaunchConfig:
 
     def _check_spares(self) -> None:
         """Spares that can never be used, or that are the job's own hosts: one line."""
-        if not self.spare_list:
+        if self.spare_nodes and self.spare_list:
+            raise ConfigError("--spare-nodes and --spare-hosts cannot be used together")
+        if self.spare_nodes and self.host_list:
+            raise ConfigError("--spare-nodes: the spares are the Slurm allocation's last "
+                              "nodes, and --host names the job's hosts: use --spare-hosts")
+        if not self.spare_list and not self.spare_nodes:
             return
+        option = "--spare-nodes" if self.spare_nodes else "--spare-hosts"
         if not self.max_restarts:
-            raise ConfigError("--spare-hosts: nothing could use them: a spare takes a lost "
+            raise ConfigError(f"{option}: nothing could use them: a spare takes a lost "
                               "host's place in the next attempt; give --max-restarts N")
         job = {str(h) for h in self.host_list}
         both = [str(h) for h in self.spare_list if str(h) in job]
@@ -295,7 +302,7 @@ class LaunchConfig:
         only = self.only_output_from_instance
         if only is not None and (not isinstance(only, int) or isinstance(only, bool)):
             raise bad("only_output_from_instance", "an integer")
-        for name in ("verbose", "max_restarts"):
+        for name in ("verbose", "max_restarts", "spare_nodes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "a non-negative integer")

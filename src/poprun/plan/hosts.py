@@ -92,6 +92,18 @@ def job_hosts_and_source(hosts: tuple[Host, ...], environ: Mapping[str, str],
     return (), "this host"
 
 
+def spare_nodes(hosts: tuple[Host, ...], count: int, source: str
+                ) -> tuple[tuple[Host, ...], tuple[Host, ...]]:
+    """The allocation's nodes as the job's and `count` spares (its last nodes: Slurm lists
+    them in order, and a user asking for N+K nodes runs on the first N)."""
+    if not count:
+        return hosts, ()
+    if count >= len(hosts):
+        raise ConfigError(f"--spare-nodes {count}: {source} has {len(hosts)} node(s): "
+                          "at least one must run the job")
+    return hosts[:-count], hosts[-count:]
+
+
 def read_host_file(path: str, source: str) -> str:
     """A host file's text: a regular file, at most MAX_HOST_FILE bytes, UTF-8."""
     from poprun.plan.files import read_small_file

@@ -11,7 +11,8 @@ from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/
 
 from poprun.errors import ConfigError
 from poprun.plan.config import LaunchConfig
-from poprun.plan.hosts import SLURM_JOB_ID, Host, instance_counts, is_local, job_hosts_and_source
+from poprun.plan.hosts import (SLURM_JOB_ID, Host, instance_counts, is_local,
+                               job_hosts_and_source, spare_nodes)
 from poprun.plan.planner import LOCALHOST
 
 
@@ -32,6 +33,7 @@ class JobHosts:
         explicit = config.given is None or "num_instances" in config.given
         hosts, source = job_hosts_and_source(config.host_list, environ,
                                              config.num_instances if explicit else None)
+        hosts, standby = spare_nodes(hosts, config.spare_nodes, source)
         transport = config.launcher or (
             "slurm" if environ.get(SLURM_JOB_ID) and not config.host_list else "ssh")
         if transport == "slurm" and not environ.get(SLURM_JOB_ID):
@@ -43,7 +45,7 @@ class JobHosts:
         remote = frozenset(str(h) for h in hosts if transport == "slurm"
                            or not is_local(h, this))
         counts = instance_counts(hosts, config.num_instances, source, config.mpi.npernode)
-        spares = config.spare_list
+        spares = config.spare_list or standby
         local = [str(h) for h in spares if transport != "slurm" and is_local(h, this)]
         if local:  # a spare runs what a remote host ran: through its own agent
             raise ConfigError(f"--spare-hosts: {', '.join(local)} is this host: a spare is "

@@ -1041,10 +1041,10 @@ class _Session:
             await containment.helpers_reaped(keep=frozenset([self.lifeline.pid]))
 
     async def _close_fleet(self) -> None:
+        if self.fleet is not None:  # first: a spare that took a place may run in the
+            await self.fleet.close()  # spares' Slurm step, which closing them cancels
         if self.spares is not None:
             await self.spares.close()
-        if self.fleet is not None:
-            await self.fleet.close()
 
     async def _release_partition(self) -> None:
         if self.partition is not None:  # after the instances are gone from it

@@ -146,8 +146,8 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("spare-hosts", Kind.LIST, "Comma-separated hosts that stand by, as --host names "
         "them (repeatable; needs --max-restarts). Each is connected at the start, given an "
         "agent and compared with the job's hosts (--compare-hosts): one unreachable or "
-        "different is said and never used. When an attempt fails because a host was lost, "
-        "froze or failed its checks, the next attempt runs that host's instances (the same "
+        "different is said and never used. When an attempt fails because a host was lost "
+        "or froze (silent for --host-timeout), the next attempt runs that host's instances (the same "
         "indices, replicas, placement and environment) on a spare, every other instance "
         "staying where it was; the host is quarantined: never used again in the job"),
     Opt("spare-nodes", Kind.INT, "Under Slurm (without --host): the allocation's last this "

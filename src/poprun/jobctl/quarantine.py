@@ -136,23 +136,16 @@ def _rewrite(change, environ: Mapping[str, str]) -> None:
     """The file replaced by `change(its entries)`, under the lock: one writer at a time."""
     import fcntl
 
+    from poprun.jobctl.records import replace_file
+
     directory = ensure_state_dir(environ)
     lock = os.open(os.path.join(directory, LOCK),
                    os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         entries, _ = read(environ)
-        data = json.dumps({"schema": SCHEMA, "hosts": [e.to_json() for e in change(entries)]},
-                          separators=(",", ":")).encode()
-        temporary = os.path.join(directory, f".{FILE}.{os.getpid()}.tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                     | os.O_CLOEXEC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.replace(temporary, os.path.join(directory, FILE))
+        replace_file(directory, FILE, json.dumps(
+            {"schema": SCHEMA, "hosts": [e.to_json() for e in change(entries)]},
+            separators=(",", ":")).encode())
     finally:
         os.close(lock)

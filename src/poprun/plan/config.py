@@ -79,8 +79,8 @@ class LaunchConfig:
     # Host-list entries as given (`h1,h2`, `pod[1-4]`, `user@host:port`); empty: this host
     # (or the Slurm allocation's nodes, see hosts.job_hosts).
     hosts: tuple[str, ...] = ()
-    # Hosts that stand by (same syntax as `hosts`): a host lost, frozen or failing its checks
-    # in an attempt is replaced by one of them in the next (plan/jobhosts.py).
+    # Hosts that stand by (same syntax as `hosts`): a host lost or frozen in an attempt is
+    # replaced by one of them in the next (plan/jobhosts.py).
     spare_hosts: tuple[str, ...] = ()
     spare_nodes: int = 0  # under Slurm: the allocation's last this many nodes stand by
     # Seconds a host lost by this job stays out of later ones (0: not remembered); the CLI

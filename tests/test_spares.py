@@ -29,7 +29,7 @@ PY = sys.executable
 NOTES = """
 import json, os, sys, time, glob
 where, fails_in, hold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-rank, attempt = os.environ["RANK"], int(os.environ["POPDIST_RESTART_COUNT"])
+rank, attempt = os.environ["RANK"], int(os.environ.get("POPDIST_RESTART_COUNT", "0"))
 note = {"host": os.environ["POPRUN_SSH_CONNECTION"].split()[2], "pid": os.getpid(),
         "agent": os.getppid(), "local_rank": os.environ["LOCAL_RANK"],
         "replicas": os.environ.get("POPDIST_NUM_REPLICAS"),
@@ -318,3 +318,20 @@ def test_quarantine_for_0_remembers_nothing(tmp_path, job_state):
         assert "h2 quarantined for the rest of the job" in err.decode()
         listed = run_poprunctl("hosts", env=hosts.env())
         assert listed.stdout == b"no quarantined hosts\n"
+
+
+def test_a_job_without_restarts_quarantines_the_host_it_lost(tmp_path, job_state):
+    """No --max-restarts: h2 is lost, the job ends 255, and h2 is quarantined all the same
+    (the result, and later jobs: `poprunctl hosts`)."""
+    with start_ssh_hosts(2, tmp_path) as hosts:
+        job = start(hosts, tmp_path, "-H", "h1,h2")
+        with reaped(job):
+            wait_for_attempt_0(tmp_path)
+            kill_sessions(hosts, 1)
+            _, err = job.communicate(timeout=90)
+        assert job.returncode == 255, err.decode()
+        result = json.loads((tmp_path / "result.json").read_text())
+        assert [q["host"] for q in result["quarantined"]] == ["h2"]
+        assert result["exit_class"] == "host_lost"
+        listed = json.loads(run_poprunctl("hosts", "--json", env=hosts.env()).stdout)
+        assert [e["host"] for e in listed["hosts"]] == ["h2"]

@@ -576,6 +576,8 @@ class _Session:
         while True:
             await self._plan(caches, master, attempt=len(earlier))
             result = await self._run_attempt(len(earlier))
+            lost = self._quarantine({i.host: (i.lost, i.end_time) for i in result.instances
+                                     if i.lost})
             if not self._restarts(result, len(earlier)):
                 break
             earlier.append(result)
@@ -583,7 +585,7 @@ class _Session:
                 result = replace(result, stop_signal=self._pause_signal,
                                  exit_code=128 + self._pause_signal)
                 break
-            lost = self._quarantine(result)
+            lost += self._quarantine(self._lost_meanwhile())  # during the restart delay
             if lost:
                 try:
                     caches, master = await self._recover(lost, caches)
@@ -597,16 +599,18 @@ class _Session:
         if self._result.exit_class == "do_not_requeue":  # the contract's status
             self._result = replace(self._result, exit_code=DO_NOT_REQUEUE_STATUS)
 
-    def _quarantine(self, failed: LaunchResult) -> list[str]:
-        """The hosts the failed attempt lost (their connection or agent gone, or silent for
-        --host-timeout: frozen), or that were lost meanwhile: quarantined, never used again
-        in this job even once they answer (a host that failed once is likely to again, and
-        a restart there would spend the restarts). Their labels, in host order."""
+    def _lost_meanwhile(self) -> dict[str, tuple[str, float]]:
+        """Hosts lost before the next attempt started anything there (the new Job heard)."""
         import time
 
-        found = {i.host: (i.lost, i.end_time) for i in failed.instances if i.lost}
-        for host, reason in self.job.lost_before_start.items():
-            found.setdefault(host, (reason, time.time()))
+        return {host: (reason, time.time())
+                for host, reason in self.job.lost_before_start.items()}
+
+    def _quarantine(self, found: Mapping[str, tuple[str, float]]) -> list[str]:
+        """The hosts lost (label -> why, when: their connection or agent gone, or silent
+        for --host-timeout: frozen): quarantined, never used again in this job even once
+        they answer (a host that failed once is likely to again, and a restart there would
+        spend the restarts), and remembered for later jobs. Their labels, in host order."""
         lost = [label for label in self.hosts.labels if label in found]
         for label in lost:
             reason, at = found[label]

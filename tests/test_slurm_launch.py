@@ -386,31 +386,32 @@ def test_a_node_that_fails_mid_job_is_noticed_and_nothing_is_left(tmp_path):
         wait_until(lambda: not processes_with(str(go)), "every process of the job gone", 30)
 
 
-def test_a_spare_node_takes_over_a_node_that_fails(four_nodes, tmp_path):
+def test_a_spare_node_takes_over_a_node_that_fails(tmp_path):
     """A 2-node job in a 3-node allocation (--spare-nodes 1): node3 stands by, its agent
     started by a step of its own. node2's slurmd and slurmstepd are killed (its agent and
     instance with them): the next attempt runs instance 1 on node3, node1's agent is the
-    same process throughout, and node2 is quarantined."""
-    four_nodes.reset()
+    same process throughout, and node2 is quarantined. (A cluster of its own: node2's
+    slurmd does not come back.)"""
     go = tmp_path / "go"
     out_json = tmp_path / "result.json"
-    proc = four_nodes.popen(["salloc", "-N3", "--ntasks-per-node=1", *POPRUN, "-v",
-                             "--spare-nodes=1", "--max-restarts=1", "--restart-delay=0",
-                             "--quarantine-for=0", f"--result-json={out_json}",
-                             "--num-replicas=2", PY, "-c", WAIT_FOR, str(go)],
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        wait_until(lambda: len(instances_with(str(go))) >= 2, "every instance to run", 60)
-        before = _agents(four_nodes)
-        assert sorted(before) == ["node1", "node2", "node3"]  # node3's: standing by
-        _kill_node(four_nodes, "node2")
-        wait_until(lambda: len(instances_with(str(go))) >= 2 and "node3" in _nodes_running(
-            str(go)), "the next attempt's instances", 60)
-        after = _agents(four_nodes)
-        go.write_text("")
-        out, err = _finish(proc)
-    finally:
-        go.write_text("")
+    with start_slurm_cluster(3) as cluster:
+        proc = cluster.popen(["salloc", "-N3", "--ntasks-per-node=1", *POPRUN, "-v",
+                              "--spare-nodes=1", "--max-restarts=1", "--restart-delay=0",
+                              "--quarantine-for=0", f"--result-json={out_json}",
+                              "--num-replicas=2", PY, "-c", WAIT_FOR, str(go)],
+                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            wait_until(lambda: len(instances_with(str(go))) >= 2, "every instance to run", 60)
+            before = _agents(cluster)
+            assert sorted(before) == ["node1", "node2", "node3"]  # node3's: standing by
+            _kill_node(cluster, "node2")
+            wait_until(lambda: len(instances_with(str(go))) >= 2 and "node3" in
+                       _nodes_running(str(go)), "the next attempt's instances", 60)
+            after = _agents(cluster)
+            go.write_text("")
+            out, err = _finish(proc)
+        finally:
+            go.write_text("")
     assert proc.returncode == 0, err
     assert "node2 quarantined for the rest of the job" in err, err
     assert "node2 replaced by spare host node3 for the next attempt (1 instance(s))" in err

@@ -335,3 +335,17 @@ def test_a_job_without_restarts_quarantines_the_host_it_lost(tmp_path, job_state
         assert result["exit_class"] == "host_lost"
         listed = json.loads(run_poprunctl("hosts", "--json", env=hosts.env()).stdout)
         assert [e["host"] for e in listed["hosts"]] == ["h2"]
+
+
+def test_the_time_to_recover_benchmark_runs(tmp_path):
+    """bench/recover_bench.py, one run of each kind (its figures are the page's, not this
+    test's): it writes its JSON with a drop and a freeze run."""
+    bench = Path(__file__).resolve().parent.parent / "bench" / "recover_bench.py"
+    proc = subprocess.run([PY, str(bench), "--reps=1", "--per-host=1", "--host-timeout=2",
+                           f"--out={tmp_path}"], env=poprun_env(), capture_output=True,
+                          timeout=140)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    [written] = tmp_path.glob("recover-*.json")
+    runs = json.loads(written.read_text())["runs"]
+    assert sorted(r["kind"] for r in runs) == ["drop", "freeze"]
+    assert all(r["seconds"] > 0 for r in runs)

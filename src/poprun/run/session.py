@@ -97,6 +97,9 @@ def without_quarantined(hosts: JobHosts, environ: Mapping[str, str]
     from poprun.jobctl import quarantine
     from poprun.plan.jobhosts import leave_out
 
+    unsafe = state_dir_problem(environ)  # (a launch refuses it first; a dry run says it)
+    if unsafe:
+        return hosts, [f"quarantined hosts not read: {unsafe}"]
     entries, problem = quarantine.read(environ)
     now = time.time()
     found = {host: f"{entry.reason}; until {_clock(entry.until)}"

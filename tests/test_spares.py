@@ -170,6 +170,17 @@ def test_with_no_spare_left_the_job_ends_with_the_loss(tmp_path):
     assert result["exit_reason"] == "host_lost"
 
 
+def h2_lost_with_spares_h3_h4(hosts, tmp_path: Path) -> str:
+    """A job on h1,h2 with the spares h3,h4 that loses h2 and ends well: its stderr."""
+    job = start(hosts, tmp_path, "-H", "h1,h2", "--spare-hosts=h3,h4", "--max-restarts=1")
+    with reaped(job):
+        wait_for_attempt_0(tmp_path)
+        kill_sessions(hosts, 1)
+        _, err = job.communicate(timeout=90)
+    assert job.returncode == 0, err.decode()
+    return err.decode()
+
+
 def test_a_spare_whose_facts_differ_is_refused(tmp_path):
     """h3's sessions give the instances another value of a variable the job depends on
     (sshd's SetEnv): it is refused at the start, named with the difference; h4 is taken
@@ -177,14 +188,7 @@ def test_a_spare_whose_facts_differ_is_refused(tmp_path):
     setting = {"h3": "other"}
     with start_ssh_hosts(4, tmp_path, setenv=lambda host: {
             "JOB_SETTING": setting.get(host.alias, "same")}) as hosts:
-        job = start(hosts, tmp_path, "-H", "h1,h2", "--spare-hosts=h3,h4",
-                    "--max-restarts=1")
-        with reaped(job):
-            wait_for_attempt_0(tmp_path)
-            kill_sessions(hosts, 1)
-            _, err = job.communicate(timeout=90)
-    err = err.decode()
-    assert job.returncode == 0, err
+        err = h2_lost_with_spares_h3_h4(hosts, tmp_path)
     assert "spare host h3 refused: it differs from the job's hosts" in err, err
     assert "JOB_SETTING" in err
     assert "h2 replaced by spare host h4" in err
@@ -197,14 +201,7 @@ def test_an_unreachable_spare_is_said_at_the_start_and_skipped(tmp_path):
     """h3 is down from the start: one warning naming it, and h4 takes h2's place."""
     with start_ssh_hosts(4, tmp_path) as hosts:
         hosts.kill_host(2)
-        job = start(hosts, tmp_path, "-H", "h1,h2", "--spare-hosts=h3,h4",
-                    "--max-restarts=1")
-        with reaped(job):
-            wait_for_attempt_0(tmp_path)
-            kill_sessions(hosts, 1)
-            _, err = job.communicate(timeout=90)
-    err = err.decode()
-    assert job.returncode == 0, err
+        err = h2_lost_with_spares_h3_h4(hosts, tmp_path)
     assert re.search(r"spare host skipped: h3: .*refused", err), err
     assert "h2 replaced by spare host h4" in err
 

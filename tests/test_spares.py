@@ -165,7 +165,7 @@ def test_with_no_spare_left_the_job_ends_with_the_loss(tmp_path):
     assert job.returncode == 255, err
     assert "h2 replaced by spare host h3" in err
     assert "h3: lost, and no spare host is left to take its place" in err, err
-    assert "reconnecting" not in err
+    assert "reconnecting" not in err and err.count("quarantined for the rest of the job") == 2
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["exit_reason"] == "host_lost"
 

@@ -134,6 +134,14 @@ def _private_state_dir(tmp_path_factory):
         os.environ["XDG_RUNTIME_DIR"] = previous
 
 
+@pytest.fixture(autouse=True)
+def _no_quarantine_between_tests(_private_state_dir):
+    """Every test's hosts are h1, h2...: a host one test's job lost, quarantined for this
+    user's later jobs (poprun/jobctl/quarantine.py), must not leave the next test's out."""
+    yield
+    (_private_state_dir / "poprun" / "quarantine.json").unlink(missing_ok=True)
+
+
 def wait_started(launcher_pid: int, count: int, timeout: float = 30,
                  environ: dict[str, str] | None = None) -> None:
     """Until the poprun of `launcher_pid` knows `count` of its instances run: its job record

@@ -363,6 +363,11 @@ class Agent:
         self._pmix = None  # this host's PMIx service (spawner.pmixhost), once a world needs it
         self._facts_read: hostfacts.Reading | None = None  # what HELLO's `facts` asked
         self._last_heard = time.monotonic()
+        # The launcher's --kill-timeout (HELLO's `kill_timeout`): what a SIGTERM of this
+        # agent gives the instances before SIGKILL; 0 (an older launcher): at once.
+        self._kill_timeout = 0.0
+        self._terminating = False  # a SIGTERM came: the instances have their stop window
+        self._signalled: set[int] = set()  # instances the launcher had SIGTERMed already
         self.done, self.status = False, 0
         self.finished = loop.create_future()  # set by stop()
         self._outbox.send(MAGIC)
@@ -414,6 +419,7 @@ class Agent:
         # What this agent may leave behind, for the job's record: reap must find it if the
         # agent, its lifeline and the launcher all die.
         reply = {**hello_reply(request), "leaves": self._spawner.leaves()}
+        self._kill_timeout = _seconds(request.get("kill_timeout"))
         prefix = request.get("mktemp")
         if prefix is not None:  # MKTEMP's dir, in the reply: one round trip less per host
             try:
@@ -615,6 +621,8 @@ class Agent:
             self._spawner.signal_all(sig)
         elif self._spawner_knows(key):
             self._spawner.signal(key, sig)
+        if sig == signal.SIGTERM:
+            self._signalled.update(self._spawner.running() if key is None else [key])
 
     def _stacks(self, request: dict[str, Any]) -> None:
         """STACKS: the Python stacks of the instances asked for (spawner/stackdump.py)."""
@@ -657,6 +665,27 @@ class Agent:
         if running:
             _log(f"{reason}: killing {len(running)} running instance(s)")
 
+    def terminate(self) -> None:
+        """SIGTERM (Slurm's scancel or preemption reaches every step's tasks; a host's
+        shutdown every process): the instances get the launcher's whole --kill-timeout, as
+        when poprun is stopped, before `stop()` kills them: users checkpoint in it
+        (docs/architecture.md, "Runtime guarantees"). Those not told by the launcher yet
+        get SIGTERM now, once (a second one may mean "now" to a program). The agent goes on
+        serving meanwhile: their exits reach the launcher, which ends the job as it does
+        for any exit. A second SIGTERM, or none running, stops at once."""
+        running = self._spawner.running()
+        if self._terminating or not running or self._kill_timeout <= 0:
+            self.stop("SIGTERM received")
+            return
+        self._terminating = True
+        _log(f"SIGTERM received: {len(running)} running instance(s) have "
+             f"{self._kill_timeout:g} s (--kill-timeout) before SIGKILL")
+        for key in running:
+            if key not in self._signalled:
+                self._spawner.signal(key, signal.SIGTERM)
+        self._loop.call_later(self._kill_timeout, self.stop,
+                              f"--kill-timeout ({self._kill_timeout:g} s) after SIGTERM")
+
     def on_fault(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         """The loop's exception handler: an exception in any callback is a bug. Tell the
         launcher (INTERNAL, with the traceback), then stop as for a closed stdin."""
@@ -689,6 +718,13 @@ class Agent:
             self._lifeline.discard_dir(path)
         self._temp_dirs.clear()
         self._outbox.flush()
+
+
+def _seconds(value: object) -> float:
+    """A duration the launcher sent: a finite, non-negative number, else 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    return float(value) if 0 <= value < float("inf") else 0.0
 
 
 def _temp_dir_error(exc: OSError) -> str:
@@ -781,8 +817,11 @@ async def _serve(lifeline: Lifeline, in_fd: int, out_fd: int, initial: bytes = b
     if initial:
         loop.call_soon(agent.received, initial)
     try:
-        for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, agent.stop, f"{signal.Signals(sig).name} received")
+        for sig in STOP_SIGNALS:  # SIGHUP, SIGINT: at once; SIGTERM: the stop window
+            if sig == signal.SIGTERM:
+                loop.add_signal_handler(sig, agent.terminate)
+            else:
+                loop.add_signal_handler(sig, agent.stop, f"{signal.Signals(sig).name} received")
         await agent.finished
     except Exception as exc:  # noqa: BLE001 - a bug here is reported like one in a callback
         agent.report_fault(exc)

@@ -16,14 +16,17 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
 
     launcher -> agent
       HELLO   {id, protocol, poprun, python: [major, minor], cwd, program, path, stats,
-               heartbeat: [interval, timeout], interfaces, mktemp, facts}  both sides beat;
+               heartbeat: [interval, timeout], interfaces, mktemp, facts, kill_timeout}
+                                             both sides beat;
                                              silence past `timeout` ends it; interfaces:
                                              tell them (the agent beats its own watchdog
                                              too: one silent, frozen or stuck, that long
                                              is killed with its instances; no frame for
                                              it); mktemp: a prefix, MKTEMP's dir made at
                                              once (the launcher saves a round trip); facts:
-                                             {argv, env, cache, cwd} to read (see FACTS)
+                                             {argv, env, cache, cwd} to read (see FACTS);
+                                             kill_timeout: what a SIGTERM of the agent
+                                             gives its instances before SIGKILL
       MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
       MKDIR   {id, path}                     a directory (and parents) that is kept
       SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world,

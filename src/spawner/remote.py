@@ -69,6 +69,7 @@ HELLO_TIMEOUT = 30.0  # a cold Python start on a loaded host can take seconds
 REQUEST_TIMEOUT = 60.0
 CLOSE_TIMEOUT = 5.0
 HEARTBEATS_PER_TIMEOUT = 3  # heartbeats each way within one --host-timeout
+DEADLINE_SLACK = 0.005  # seconds past a silence's deadline at which it is looked at
 STDERR_TAIL = 4096  # bytes of the agent's stderr kept for error messages
 
 
@@ -397,7 +398,8 @@ class RemoteSpawner:
     async def start(self, *, cwd: str, program: str | None = None, path: str | None = None,
                     timeout: float = HELLO_TIMEOUT, stats: float | None = None,
                     host_timeout: float | None = None, interfaces: bool = False,
-                    temp_dir: str | None = None, facts: dict | None = None) -> AgentInfo:
+                    temp_dir: str | None = None, facts: dict | None = None,
+                    kill_timeout: float | None = None) -> AgentInfo:
         """Start the agent and greet it. `program` is resolved there as instances will run
         it (in `cwd`, on `path`: the PATH they will get). With `host_timeout`, both sides
         send heartbeats and each declares the other gone after that long without a word.
@@ -406,7 +408,8 @@ class RemoteSpawner:
         directory as it answers: no round trip of its own. With `facts` ({argv, env, cache,
         cwd}: spawner/hostfacts.py), the agent reads what the job depends on there once its
         answer is out, and FACTS, sent as that answer comes, collects it: `job_facts()` awaits
-        it, the caller going on meanwhile. Raises AgentStartError, or
+        it, the caller going on meanwhile. `kill_timeout`: what a SIGTERM of the agent gives
+        its instances before SIGKILL (Agent.terminate). Raises AgentStartError, or
         AgentVersionError after stopping the agent: then nothing was started."""
         self._t0 = time.monotonic()
         session = _AgentSession if isinstance(self.conn, NodeLink) else _ssh_session()
@@ -422,6 +425,7 @@ class RemoteSpawner:
                 Kind.HELLO, timeout, protocol=self._expect.protocol, poprun=self._expect.poprun,
                 python=[major, minor], cwd=cwd, program=program, path=path, stats=stats,
                 interfaces=interfaces, mktemp=temp_dir, facts=facts,
+                kill_timeout=kill_timeout,
                 heartbeat=[host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout]
                 if host_timeout else None)
         except RemoteError as exc:
@@ -456,7 +460,11 @@ class RemoteSpawner:
                           f"{timeout:g})")
             return
         self._send_quietly(encode(Kind.HEARTBEAT))
-        asyncio.get_running_loop().call_later(interval, self._beat, interval, timeout)
+        # The next look no later than the silence's deadline (a few ms past it): a host
+        # silent since just after a beat is declared lost at `timeout`, not up to one
+        # interval later (--host-timeout is the bound users plan a restart around).
+        due = min(interval, timeout - silent + DEADLINE_SLACK)
+        asyncio.get_running_loop().call_later(due, self._beat, interval, timeout)
 
     def _give_up(self, reason: str) -> None:
         """The agent is gone as far as the job is concerned, now: the channel may take its

@@ -6,6 +6,7 @@
     poprunctl kill JOB [--signal SIG]   as Ctrl-C to that job (or that signal)
     poprunctl logs JOB [-i I] [-f] [--fold]  the job's output (folded: identical lines once)
     poprunctl reap [--dry-run]          clean up after jobs whose launcher died
+    poprunctl hosts [--release HOST]    hosts your jobs quarantined (left out of later jobs)
 
 A typer application: rich tables on a terminal, `--json` on every command, shell completion
 (`--install-completion`; job ids complete too). JOB is a job id or an unambiguous prefix of
@@ -264,10 +265,12 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
         rows, state, note = _ended_rows(record), _state_label(record), None
         progress = {k: record.get(k) for k in ("progress", "stragglers")}
     differences = _host_differences(record)
+    quarantined = _quarantined(record)
     if as_json:
         _print_json({"job": record["id"], "state": state, "stop_reason": note,
                      "program": record.get("program"), "hosts": _hosts(record),
-                     "host_differences": differences, "instances": rows, **progress})
+                     "host_differences": differences, "quarantined": quarantined,
+                     "instances": rows, **progress})
         return
     from rich.table import Table
 
@@ -282,6 +285,10 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
     for difference in differences:  # as the launch warned of them (--compare-hosts)
         console.print(f"hosts differ: {_printable(difference)}", markup=False,
                       highlight=False)
+    for entry in quarantined:
+        console.print(f"quarantined: {_printable(entry['host'])} "
+                      f"{time.strftime('%H:%M:%S', time.localtime(entry['at']))} "
+                      f"({_printable(entry['reason'])})", markup=False, highlight=False)
     table = Table(box=None, pad_edge=False, header_style="bold")
     for name in ("#", "host", "pid", "state", "up", "cpu", "rss", "lines", "idle",
                  "last line"):
@@ -301,6 +308,15 @@ def _host_differences(record: dict[str, Any]) -> list[str]:
     """The differences among the job's hosts that its launch reported, each one line."""
     found = record.get("host_differences") or []
     return [d["text"] for d in found if isinstance(d, dict) and isinstance(d.get("text"), str)]
+
+
+def _quarantined(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The hosts the job quarantined ({host, reason, at}), those of them that are whole."""
+    found = record.get("quarantined") or []
+    return [{"host": q["host"], "reason": q["reason"], "at": q["at"]} for q in found
+            if isinstance(q, dict) and isinstance(q.get("host"), str)
+            and isinstance(q.get("reason"), str) and isinstance(q.get("at"), (int, float))
+            and not isinstance(q.get("at"), bool)]
 
 
 def _printable(text: str) -> str:
@@ -499,6 +515,56 @@ def reap(dry_run: Annotated[bool, typer.Option("--dry-run", "-n",
             sys.stdout.write(reaping.render(report, record))
     if not all(r.complete for r in reports):
         raise typer.Exit(1)  # something is left that a later reap must finish
+
+
+# --- hosts -------------------------------------------------------------------------------
+
+@app.command()
+def hosts(release: Annotated[list[str] | None, typer.Option(
+              "--release", help="Let this host back into your jobs now (repeatable)",
+              show_default=False)] = None,
+          as_json: JsonOpt = False) -> None:
+    """The hosts your jobs quarantined (lost, or frozen: silent for --host-timeout): left out
+    of your later jobs until the time shown (poprun --quarantine-for), their instances run on
+    a spare; with --release, let hosts back now."""
+    from poprun.crash import state_dir_problem
+    from poprun.jobctl import quarantine
+
+    unsafe = state_dir_problem()  # another user could have written what it would act on
+    if unsafe:
+        _fail(unsafe, 2)
+    now = time.time()
+    if release:
+        try:
+            found = quarantine.release(release, now)
+        except OSError as exc:
+            _fail(f"cannot rewrite {quarantine.path()}: {exc.strerror or exc}")
+        unknown = [h for h in release if h not in found]
+        for host in found:
+            sys.stdout.write(f"released {host}\n")
+        if unknown:
+            _fail(f"not quarantined: {', '.join(unknown)}")
+        return
+    entries, problem = quarantine.read()
+    current = sorted(quarantine.active(entries, now).values(), key=lambda e: e.at)
+    if problem and not as_json:
+        sys.stderr.write(f"poprunctl: {problem}\n")
+    if as_json:
+        _print_json({"hosts": [e.to_json() for e in current], "problem": problem})
+        return
+    if not current:
+        sys.stdout.write("no quarantined hosts\n")
+        return
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name in ("HOST", "SINCE", "LEFT", "JOB", "REASON"):
+        table.add_column(name, no_wrap=name != "REASON",
+                         justify="right" if name in ("SINCE", "LEFT") else "left")
+    for entry in current:
+        table.add_row(_printable(entry.host), _age(now - entry.at), duration(entry.until - now),
+                      entry.job or "", _printable(entry.reason))
+    _console().print(table)
 
 
 def main() -> None:

@@ -29,7 +29,8 @@ from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/
 from poprun.plan import mpiargs
 from poprun.plan.config import (BOOL_WORDS, LaunchConfig, field_defaults, load_toml,
                                 merged_mpi_args)
-from poprun.plan.hosts import Host, counted_instances, job_hosts_and_source, parse_host_list
+from poprun.plan.hosts import (Host, counted_instances, job_hosts_and_source, parse_host_list,
+                               spare_nodes)
 from poprun.errors import ConfigError
 
 
@@ -140,15 +141,33 @@ OPTIONS: tuple[Opt, ...] = (
         "allocation's nodes). Instances are divided evenly, in contiguous blocks",
         short="H", dest="hosts"),
     Opt("host-file", Kind.STR, "Read the hosts from this file: one per line, # comments "
-        "(instead of --host)", default=None),
+        "(instead of --host); a line ending in the word `spare` names spare hosts (as "
+        "--spare-hosts)", default=None),
+    Opt("spare-hosts", Kind.LIST, "Comma-separated hosts that stand by, as --host names "
+        "them (repeatable; needs --max-restarts). Each is connected at the start, given an "
+        "agent and compared with the job's hosts (--compare-hosts): one unreachable or "
+        "different is said and never used. When an attempt fails because a host was lost "
+        "or froze (silent for --host-timeout), the next attempt runs that host's instances (the same "
+        "indices, replicas, placement and environment) on a spare, every other instance "
+        "staying where it was; the host is quarantined: never used again in the job"),
+    Opt("spare-nodes", Kind.INT, "Under Slurm (without --host): the allocation's last this "
+        "many nodes stand by as --spare-hosts do (needs --max-restarts); the job runs on the "
+        "others: `salloc -N 5` with --spare-nodes 1 runs on 4 nodes"),
+    Opt("quarantine-for", Kind.STR, "How long a host this job lost (or saw freeze) is left "
+        "out of your later jobs: seconds, or 30m, 2h, 1d; 0: not remembered. A later job "
+        "runs a quarantined host's instances on a spare, with a warning, and refuses in one "
+        "line when it has none. `poprunctl hosts` lists them, `poprunctl hosts --release "
+        "HOST` lets one back (default: an hour)"),
     Opt("launcher", Kind.STR, "How poprun's agents reach the hosts: ssh, or slurm (inside a "
         "Slurm allocation, where it is the default when no --host is given: one srun job step "
         "starts every node's agent, which calls poprun back)"),
     Opt("ssh-fanout", Kind.INT, "Open at most this many SSH connections at a time"),
     Opt("ssh-timeout", Kind.FLOAT, "Give up connecting to a host after this many seconds"),
-    Opt("host-timeout", Kind.FLOAT, "A remote host silent for this many seconds is lost: "
-        "poprun stops the job, and the host's agent, hearing nothing from poprun for as "
-        "long, kills its instances and removes its cache on its own"),
+    Opt("host-timeout", Kind.FLOAT, "A remote host silent for this many seconds (at least "
+        "2) is lost, frozen or cut off alike, without the program's help: poprun stops the "
+        "job (or restarts it, on a spare host where there is one), and the host's agent, "
+        "hearing nothing from poprun for as long, kills its instances and removes its cache "
+        "on its own"),
     Opt("remote-python", Kind.STR, "Python that runs poprun's agent on remote hosts "
         "(default: the path of the launcher's own Python if it exists there, else python3)"),
     Opt("remote-install", Kind.STR, "auto: where poprun is not installed (in this version) "
@@ -256,7 +275,11 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("restart-delay", Kind.FLOAT, "Seconds to wait between a failed attempt and the next "
         "(Ctrl-C meanwhile ends poprun without a restart)"),
     Opt("kill-timeout", Kind.FLOAT,
-        "Seconds between SIGTERM and SIGKILL when stopping instances"),
+        "Seconds between SIGTERM and SIGKILL when stopping instances, on every host, "
+        "whoever sent the SIGTERM (poprun's own stop, or a scheduler's to poprun or to its "
+        "agents): the window to write a checkpoint in; a later SIGTERM never shortens it "
+        "(a second Ctrl-C does). Set the scheduler's own grace longer (Slurm's KillWait, "
+        "Kubernetes' terminationGracePeriodSeconds: docs/troubleshooting.md)"),
     Opt("stall-timeout", Kind.FLOAT, "When no instance has written a line for this many "
         "seconds, print where each one is (their Python stacks, folded as poprunctl stacks "
         "does) to stderr and beside the job's record, mark the job stalled and go on (see "
@@ -424,11 +447,18 @@ def build_config(parsed: Parsed) -> LaunchConfig:
         if "hosts" in parsed.given:
             raise ConfigError("--host and --host-file cannot be used together")
         options["hosts"] = read_host_file_entries(str(parsed.values["host_file"]))
+        spares = read_host_file_entries(str(parsed.values["host_file"]), spares=True)
+        if spares:  # with --spare-hosts too: both lists (a host named twice is an error)
+            options["spare_hosts"] = tuple(options.get("spare_hosts", ())) + spares
     counted_from = None
     if "num_instances" not in parsed.given and "num_instances" not in stored:
         entries = options.get("hosts", ())
-        counted, counted_from = counted_instances(*listed_hosts(entries), os.environ,
-                                                  listed=bool(entries),
+        hosts, source = listed_hosts(entries)
+        standby = options.get("spare_nodes")
+        if isinstance(standby, int) and standby > 0 and not entries:  # the job's nodes
+            hosts = spare_nodes(hosts, standby, source)[0]
+        counted, counted_from = counted_instances(hosts, source, os.environ,
+                                                  listed=bool(entries) or bool(standby),
                                                   per_host=npernode(options))
         if counted:
             options["num_instances"] = counted
@@ -496,12 +526,14 @@ def listed_hosts(entries: tuple[str, ...]) -> tuple[tuple[Host, ...], str]:
                                 os.environ)
 
 
-def read_host_file_entries(path: str) -> tuple[str, ...]:
-    """The file's hosts, each as one host-list entry (validated when the config is built)."""
+def read_host_file_entries(path: str, spares: bool = False) -> tuple[str, ...]:
+    """The file's hosts (with `spares`, its spare hosts), each as one host-list entry
+    (validated when the config is built)."""
     from poprun.plan.hosts import parse_host_file, read_host_file
 
     source = f"--host-file {path}"
-    return tuple(h.entry for h in parse_host_file(read_host_file(path, source), source))
+    return tuple(h.entry for h in parse_host_file(read_host_file(path, source), source,
+                                                  spares))
 
 
 # Headings in --help, before the option each group starts with (OPTIONS is in this order).

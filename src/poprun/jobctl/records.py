@@ -90,16 +90,23 @@ def write(directory: str, record: Mapping[str, Any]) -> None:
     """Replace the record atomically: readers see the old one or the new one, whole."""
     # Compact: with `indent`, json runs its pure-Python encoder (~10x slower than the C one);
     # a 256-instance record is rewritten as the job goes (`poprunctl show` pretty-prints).
-    data = json.dumps(record, default=str, separators=(",", ":")).encode()
-    temporary = os.path.join(directory, f".{RECORD}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    replace_file(directory, RECORD, json.dumps(record, default=str,
+                                               separators=(",", ":")).encode())
+
+
+def replace_file(directory: str, name: str, data: bytes) -> None:
+    """`name` in `directory` replaced by `data` atomically (a temporary file renamed over
+    it, mode 0600): readers see the old file or the new one, whole."""
+    temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
     finally:
         os.close(fd)
-    os.replace(temporary, os.path.join(directory, RECORD))
+    os.replace(temporary, os.path.join(directory, name))
 
 
 def load(directory: str) -> dict[str, Any]:
@@ -149,7 +156,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "num_instances": (int,), "launcher": _MAPPING, "lifeline": _MAPPING,
     "partition": _MAPPING, "control": _TEXT, "caches": _MAPPING, "error_dirs": _MAPPING,
     "pythons": _MAPPING, "agents": _MAPPING, "cgroup": _TEXT, "output_dir": _TEXT, "log": _TEXT,
-    "host_differences": _LIST}
+    "host_differences": _LIST, "quarantined": _LIST}
 INSTANCE_TYPES: dict[str, tuple[type, ...]] = {
     "index": (int,), "host": _TEXT, "pid": (int,), "start": (int,), "state": _TEXT,
     "start_time": _NUMBER, "end_time": _NUMBER}

@@ -4,14 +4,15 @@ each runs, over which transport. Pure but for this host's name (socket.gethostna
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from spawner import fdlimit
 from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 from poprun.errors import ConfigError
 from poprun.plan.config import LaunchConfig
-from poprun.plan.hosts import SLURM_JOB_ID, Host, instance_counts, is_local, job_hosts_and_source
+from poprun.plan.hosts import (SLURM_JOB_ID, Host, instance_counts, is_local,
+                               job_hosts_and_source, spare_nodes)
 from poprun.plan.planner import LOCALHOST
 
 
@@ -25,12 +26,14 @@ class JobHosts:
     counts: tuple[int, ...]
     source: str = "--host"
     transport: str = "ssh"  # how remote hosts are reached: "ssh" or "slurm"
+    spares: tuple[Host, ...] = ()  # standing by, each remote: `substituted` puts them in
 
     @classmethod
     def of(cls, config: LaunchConfig, environ: Mapping[str, str]) -> JobHosts:
         explicit = config.given is None or "num_instances" in config.given
         hosts, source = job_hosts_and_source(config.host_list, environ,
                                              config.num_instances if explicit else None)
+        hosts, standby = spare_nodes(hosts, config.spare_nodes, source)
         transport = config.launcher or (
             "slurm" if environ.get(SLURM_JOB_ID) and not config.host_list else "ssh")
         if transport == "slurm" and not environ.get(SLURM_JOB_ID):
@@ -42,7 +45,25 @@ class JobHosts:
         remote = frozenset(str(h) for h in hosts if transport == "slurm"
                            or not is_local(h, this))
         counts = instance_counts(hosts, config.num_instances, source, config.mpi.npernode)
-        return cls(hosts, remote, counts, source, transport)
+        spares = config.spare_list or standby
+        local = [str(h) for h in spares if transport != "slurm" and is_local(h, this)]
+        if local:  # a spare runs what a remote host ran: through its own agent
+            raise ConfigError(f"--spare-hosts: {', '.join(local)} is this host: a spare is "
+                              "a remote host")
+        if spares and not remote:
+            raise ConfigError("--spare-hosts: the job runs on this host only: a spare "
+                              "replaces a remote host (give --host)")
+        return cls(hosts, remote, counts, source, transport, spares)
+
+    def substituted(self, replaced: Mapping[str, Host]) -> JobHosts:
+        """The hosts with each of `replaced` (label -> spare) in the place of the host it
+        replaces: the same position, so the same instance indices and count, and placement
+        (plan/planner.py plans by position and count); the spares left are the others."""
+        hosts = tuple(replaced.get(str(h), h) for h in self.hosts)
+        used = {str(h) for h in replaced.values()}
+        remote = (self.remote - replaced.keys()) | used
+        return JobHosts(hosts, frozenset(remote), self.counts, self.source, self.transport,
+                        tuple(h for h in self.spares if str(h) not in used))
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -76,3 +97,34 @@ class JobHosts:
     @property
     def first_is_local(self) -> bool:
         return self.labels[0] not in self.remote
+
+
+def leave_out(hosts: JobHosts, quarantined: Mapping[str, str]) -> tuple[JobHosts, list[str]]:
+    """`hosts` without those `quarantined` (label -> why, said as is): a spare among them
+    dropped; a job host's instances given to a spare (its position, so its instances); the
+    warnings to say. ConfigError when a job host has no spare left to take its place."""
+    spares = tuple(h for h in hosts.spares if str(h) not in quarantined)
+    warnings = [f"spare host {h} left out: quarantined ({quarantined[str(h)]})"
+                for h in hosts.spares if str(h) not in {str(s) for s in spares}]
+    out = [label for label in hosts.labels if label in quarantined]
+    pairs = pair_spares(out, [str(h) for h in spares])
+    missing = [label for label in out if label not in pairs]
+    if missing:
+        label = missing[0]
+        raise ConfigError(
+            f"{label} is quarantined ({quarantined[label]}) and no spare host is left to run "
+            f"its instances: give one (--spare-hosts), run without {label}, or let it back "
+            f"(poprunctl hosts --release {' '.join(missing)})")
+    by_label = {str(h): h for h in spares}
+    warnings += [f"{old} left out: quarantined ({quarantined[old]}); spare host {new} runs "
+                 "its instances" for old, new in pairs.items()]
+    kept = JobHosts(hosts.hosts, hosts.remote, hosts.counts, hosts.source, hosts.transport,
+                    spares)
+    return kept.substituted({old: by_label[new] for old, new in pairs.items()}), warnings
+
+
+def pair_spares(failed: Sequence[str], available: Sequence[str]) -> dict[str, str]:
+    """Which spare takes each failed host's place: in host order, the first available
+    spares in theirs (the user's order is their preference). Failed hosts beyond the
+    spares are left out: the caller ends the job on them."""
+    return dict(zip(failed, available))

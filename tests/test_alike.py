@@ -238,7 +238,7 @@ def test_free_space_is_read_where_the_cache_would_be_made(tmp_path):
         assert abs(found["space"][where]["free"] - st.f_bavail * st.f_frsize) < 64 << 20
 
 
-# --- files that are not files (issue 46) -------------------------------------------------------
+# --- files that are not files -------------------------------------------------------
 
 def test_a_script_that_is_no_regular_file_is_named_with_what_it_is():
     fifo = {"name": "train.py", "path": "/w/train.py", "size": None, "mtime": None,
@@ -260,7 +260,7 @@ def test_a_host_whose_facts_did_not_arrive_differs():
 
 @pytest.mark.timeout(10)
 def test_a_fifo_a_device_or_a_directory_is_reported_never_opened_for_reading(tmp_path):
-    """Issue 46: the agent read the script with a plain open(), which blocks on a FIFO for
+    """Guards a defect: the agent read the script with a plain open(), which blocks on a FIFO for
     as long as nobody writes to it (the agent's one thread, and with it the launch). Each is
     now reported by what it is, at once; a link to a file is still followed."""
     os.mkfifo(tmp_path / "fifo.py")

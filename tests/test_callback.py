@@ -172,7 +172,7 @@ async def test_a_caller_without_the_secret_is_refused(monkeypatch, sent):
 
 async def test_unproven_callers_are_bounded(monkeypatch):
     """Past MAX_UNPROVEN connections still proving, the oldest is closed to make room for
-    the new one (issue 46: refusing the new one let idle connections keep agents out)."""
+    the new one (refusing the new one let idle connections keep agents out)."""
     monkeypatch.setattr(callback, "MAX_UNPROVEN", 2)
     listener, _, refused, _ = await _listener(new_secret())
     opened = []
@@ -188,7 +188,7 @@ async def test_unproven_callers_are_bounded(monkeypatch):
         listener.close()
 
 
-# --- serving only the allocation (issue 46) ---------------------------------------------------
+# --- serving only the allocation ---------------------------------------------------
 
 
 async def test_a_caller_from_no_node_of_the_job_is_closed_at_once():
@@ -226,7 +226,7 @@ def _flood(port: int, count: int, garbage: bool) -> list[socket.socket]:
 
 @pytest.mark.parametrize("garbage", [False, True], ids=["idle", "garbage"])
 async def test_a_thousand_callers_that_prove_nothing_cannot_keep_an_agent_out(garbage):
-    """Issue 46: 200 idle connections in the first 0.3 s locked the launch out (128 held for
+    """Guards a defect: 200 idle connections in the first 0.3 s locked the launch out (128 held for
     30 s each, then every agent refused, and an agent did not try again). Now the agent's
     call makes room for itself (the oldest unproven caller of its address goes), or tries
     again: it is taken, and the refusals are one line for the address."""

@@ -81,7 +81,7 @@ class World:
         self.h2_script.write_text("print('edited on h2 only')\n")
         (root / "gone" / "work").mkdir(parents=True)
         (root / "small").mkdir()
-        # Issue 46: the script as a FIFO here and on h1 (h2: a file bound over it), as a
+        # Guards a defect: the script as a FIFO here and on h1 (h2: a file bound over it), as a
         # device and as a directory on h2 only (a file everywhere else).
         os.mkfifo(self.scripts / "fifo.py")
         (self.scripts / "device.py").write_text("print('a file here')\n")
@@ -260,7 +260,7 @@ def test_the_launchers_own_host_is_compared_too(hosts, world):
     ("dir.py", "dir_here", "dir.py is a directory on h2")])
 def test_a_script_that_is_no_file_is_named_and_check_exits_10(hosts, world, script, cwd,
                                                                 line):
-    """Issue 46: the agent blocked opening a FIFO where the script should be, so --check said
+    """Guards a defect: the agent blocked opening a FIFO where the script should be, so --check said
     after 16 s that the host "cannot reach this machine back" (30) and a launch declared the
     host lost at --host-timeout (70, a crash file). Now it is a difference like any other,
     named with what the file is: 10 at once, and the launch with =error says so (2)."""

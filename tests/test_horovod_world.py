@@ -177,7 +177,7 @@ def test_horovod_across_two_hosts_of_two(horovod, tmp_path):
 
 
 def test_a_delete_of_a_key_the_scope_does_not_hold_costs_nothing():
-    """Issue 46: a DELETE counted toward its scope's size whatever key it named, so as many
+    """Guards a defect: a DELETE counted toward its scope's size whatever key it named, so as many
     DELETEs of made-up names as the scope has ranks emptied it under the ranks still
     rendezvousing. Only a key the scope holds counts; a made-up one changes nothing."""
     store = Store({"global": 2})

@@ -372,7 +372,7 @@ def _environ_and_cmdline(pid: int) -> bytes | None:
 
 
 def test_no_ancestor_of_a_remote_instance_holds_a_secret_of_the_launch(hosts):
-    """Issue 46, over SSH: the agent's stream is the SSH channel itself, so no secret of
+    """Over SSH: the agent's stream is the SSH channel itself, so no secret of
     the launch (the Slurm callback's, POPRUN_AGENT_*) is ever handed to an agent. Every
     ancestor of every instance up to pid 1 (the agent, sshd's session, sshd...) whose files
     can be read has none in its environment or command line."""

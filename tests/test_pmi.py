@@ -356,7 +356,7 @@ def test_agent_forwarding_fake_clients():
 
 @T(5)
 def test_a_hosts_barrier_batch_is_bounded_by_its_total_not_key_by_key():
-    """Issue 46: the root checked each key of a host's BARRIER_IN batch against the count
+    """Guards a defect: the root checked each key of a host's BARRIER_IN batch against the count
     held before the batch, so one batch could bring any number of keys. The batch's new keys
     together must fit KEYS_PER_RANK x size; keys already held cost nothing new."""
     async def main():

@@ -1,6 +1,6 @@
 """The data of PMIx frames between the launcher and an agent (FENCE_IN/OUT, MODEX_GOT/DATA)
 is decoded by one strict, bounded decoder on both ends (spawner/pmixplan.py, decode_data;
-docs/architecture.md, "Runtime guarantees"). Issue 46: the agent decoded the launcher's with
+docs/architecture.md, "Runtime guarantees"). Guards a defect: the agent decoded the launcher's with
 a lenient base64 and no bound, so data the launcher would refuse reached Open MPI as if it
 were a fence's."""
 

@@ -602,7 +602,7 @@ def test_the_agents_call_back_on_the_network_the_user_chose(cluster, tmp_path):
     assert told.startswith("127.0.0.1:"), told
 
 
-# --- neighbours: the callback and the secret (issue 46) ----------------------------------------
+# --- neighbours: the callback and the secret ----------------------------------------
 
 # Opens COUNT connections to HOST:PORT that prove nothing (silent, or noise: GARBAGE 1), says
 # how many, then holds them HOLD seconds. Run as another local user; stdlib only (the system
@@ -673,7 +673,7 @@ def neighbour():
 @pytest.mark.parametrize("garbage", [False, True], ids=["idle", "garbage"])
 def test_another_users_thousand_connections_cannot_lock_the_launch_out(cluster, tmp_path,
                                                                        neighbour, garbage):
-    """Issue 46: 200 idle connections to the callback port in its first 0.3 s failed the
+    """Guards a defect: 200 idle connections to the callback port in its first 0.3 s failed the
     launch (exit 2, both agents refused: "too many connections still proving the secret").
     Here another local user holds 1,000 open (silent, or sending noise) before srun even
     starts; on a loopback cluster they come from the nodes' own address, so the bounds do
@@ -708,7 +708,7 @@ def _ancestors(pid: int) -> list[int]:
 
 
 def test_no_ancestor_of_an_instance_holds_the_secret(cluster, tmp_path):
-    """Issue 46: the agent unset the secret's variable in itself, but its original
+    """Guards a defect: the agent unset the secret's variable in itself, but its original
     environment block kept it: every instance could read it from /proc/$PPID/environ. Now it
     comes on the agent's stdin: every ancestor of every instance, up to pid 1 (the agent,
     slurmstepd, ...) whose files can be read, has it neither in its environment nor on its

@@ -128,6 +128,9 @@ IOV_BATCH = 512  # buffers per writev (Linux allows 1024)
 # What sshd sets for a login session; instances are not one (see instance_environ).
 SSH_SESSION_VARIABLES = ("SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_ORIGINAL_COMMAND")
 INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, as the launcher's own internal errors
+# The launcher went (its stream ended while instances ran, or it fell silent): the agent
+# killed them. A pod follower's exit status (docs/kubernetes.md): EX_UNAVAILABLE.
+LAUNCHER_LOST_STATUS = 69
 # Set when the launcher brought this agent and the host's Python has no popdist of its own
 # (spawner/carried.py): the carried popdist, at the end of the instances' PYTHONPATH.
 CARRIED_PYTHONPATH: str | None = None
@@ -377,8 +380,9 @@ class Agent:
             return
         except OSError:
             data = b""
-        if not data:
-            self.stop("stdin closed")
+        if not data:  # a launcher ends a job's instances before it closes its agents
+            self.stop("stdin closed",
+                      status=LAUNCHER_LOST_STATUS if self._spawner.running() else 0)
             return
         self.received(data)
 
@@ -442,7 +446,7 @@ class Agent:
         silent = time.monotonic() - self._last_heard
         if silent > timeout:
             self.stop(f"no word from the launcher for {silent:.1f} s (--host-timeout "
-                      f"{timeout:g})")
+                      f"{timeout:g})", status=LAUNCHER_LOST_STATUS)
             return
         self._outbox.send(encode(Kind.ALIVE))
         self._lifeline.beat()

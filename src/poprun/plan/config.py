@@ -28,7 +28,9 @@ DEFAULT_SSH_TIMEOUT = 10.0
 DEFAULT_HOST_TIMEOUT = 15.0
 DEFAULT_RESTART_DELAY = 1.0  # seconds between a failed attempt's cleanup and the next start
 SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
-LAUNCHERS = ("ssh", "slurm")  # how agents reach remote hosts (--launcher)
+LAUNCHERS = ("ssh", "slurm", "pod")  # how agents reach remote hosts (--launcher)
+# Seconds pods of a Kubernetes job wait for each other (pods start as their images come).
+DEFAULT_POD_TIMEOUT = 300.0
 REMOTE_INSTALL = ("auto", "never")
 # --mpi-worlds: auto serves PMI-1 (MPICH) always and PMIx (Open MPI) where a libpmix is found
 # (run/world.py); pmi1: PMI-1 only; none: no world (each MPI instance is a world of one) and
@@ -75,7 +77,11 @@ class LaunchConfig:
     ssh_fanout: int = DEFAULT_SSH_FANOUT
     ssh_timeout: float = DEFAULT_SSH_TIMEOUT
     host_timeout: float = DEFAULT_HOST_TIMEOUT
-    launcher: str | None = None  # "ssh" or "slurm"; None: slurm inside an allocation
+    # "ssh", "slurm" or "pod"; None: slurm inside an allocation, pod where a pod contract
+    # is in the environment (plan/pods.py), else ssh
+    launcher: str | None = None
+    pod_secret_file: str | None = None  # pod mode's secret (else POPRUN_POD_SECRET)
+    pod_timeout: float = DEFAULT_POD_TIMEOUT
     max_restarts: int = 0  # a failed job is started again this many times at most
     restart_delay: float = DEFAULT_RESTART_DELAY
     remote_python: str | None = None  # None: the launcher's own interpreter path
@@ -170,6 +176,8 @@ class LaunchConfig:
             raise ConfigError(f"--ssh-timeout must be positive, got {self.ssh_timeout}")
         if self.host_timeout <= 0:
             raise ConfigError(f"--host-timeout must be positive, got {self.host_timeout}")
+        if self.pod_timeout <= 0:
+            raise ConfigError(f"--pod-timeout must be positive, got {self.pod_timeout}")
         if self.restart_delay < 0:
             raise ConfigError(f"--restart-delay must not be negative, got {self.restart_delay}")
         if self.dashboard and self.no_dashboard:
@@ -264,7 +272,7 @@ class LaunchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "a non-negative integer")
-        for name in ("kill_timeout", "ssh_timeout", "host_timeout", "restart_delay",
+        for name in ("kill_timeout", "ssh_timeout", "host_timeout", "pod_timeout", "restart_delay",
                      "stall_timeout", "straggler_after"):
             seconds = getattr(self, name)
             if seconds is None and name == "stall_timeout":

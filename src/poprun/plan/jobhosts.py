@@ -13,6 +13,7 @@ from poprun.errors import ConfigError
 from poprun.plan.config import LaunchConfig
 from poprun.plan.hosts import SLURM_JOB_ID, Host, instance_counts, is_local, job_hosts_and_source
 from poprun.plan.planner import LOCALHOST
+from poprun.plan.pods import SECRET_FD_VARIABLE, SECRET_VARIABLE, Pod, contract_in, read_pod
 
 
 @dataclass(frozen=True)
@@ -24,15 +25,17 @@ class JobHosts:
     remote: frozenset[str]
     counts: tuple[int, ...]
     source: str = "--host"
-    transport: str = "ssh"  # how remote hosts are reached: "ssh" or "slurm"
+    transport: str = "ssh"  # how remote hosts are reached: "ssh", "slurm" or "pod"
+    pod: Pod | None = None  # in pod mode, this (leading) pod's place: plan/pods.py
 
     @classmethod
     def of(cls, config: LaunchConfig, environ: Mapping[str, str]) -> JobHosts:
+        transport = transport_of(config, environ)
+        if transport == "pod":
+            return cls._pods(config, read_pod(environ))
         explicit = config.given is None or "num_instances" in config.given
         hosts, source = job_hosts_and_source(config.host_list, environ,
                                              config.num_instances if explicit else None)
-        transport = config.launcher or (
-            "slurm" if environ.get(SLURM_JOB_ID) and not config.host_list else "ssh")
         if transport == "slurm" and not environ.get(SLURM_JOB_ID):
             raise ConfigError("--launcher slurm runs inside a Slurm allocation: start poprun "
                               "with `salloc -N <nodes> poprun ...` or from an `sbatch` script "
@@ -43,6 +46,17 @@ class JobHosts:
                            or not is_local(h, this))
         counts = instance_counts(hosts, config.num_instances, source, config.mpi.npernode)
         return cls(hosts, remote, counts, source, transport)
+
+    @classmethod
+    def _pods(cls, config: LaunchConfig, pod: Pod) -> JobHosts:
+        """Pod 0's view: every pod a host, itself local, divided among as hosts are."""
+        if config.host_list:
+            raise ConfigError("--launcher pod takes its hosts from the pod contract: "
+                              "--host cannot be given with it")
+        hosts = tuple(Host(label) for label in pod.labels)
+        source = f"the pods ({pod.contract})"
+        counts = instance_counts(hosts, config.num_instances, source, config.mpi.npernode)
+        return cls(hosts, frozenset(pod.labels[1:]), counts, source, "pod", pod)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -76,3 +90,23 @@ class JobHosts:
     @property
     def first_is_local(self) -> bool:
         return self.labels[0] not in self.remote
+
+
+def transport_of(config: LaunchConfig, environ: Mapping[str, str]) -> str:
+    """--launcher, or where it is not given: slurm inside an allocation, pod where a pod
+    contract is in the environment (and a secret for it: else each pod runs a job of its
+    own, as without pod mode; main says so), else ssh. --host given means ssh."""
+    if config.launcher:
+        return config.launcher
+    if config.host_list:
+        return "ssh"
+    if environ.get(SLURM_JOB_ID):
+        return "slurm"
+    if contract_in(environ) and has_pod_secret(config, environ):
+        return "pod"
+    return "ssh"
+
+
+def has_pod_secret(config: LaunchConfig, environ: Mapping[str, str]) -> bool:
+    return bool(config.pod_secret_file or environ.get(SECRET_VARIABLE)
+                or environ.get(SECRET_FD_VARIABLE))

@@ -56,7 +56,8 @@ EPILOG = (
     "when poprun is stopped by signal N, 74 when output could not be written (a full disk), "
     "124 when --stall-action kill ended a stalled job, 2 "
     "for a usage error or a job that could not start, 70 for an internal error (a bug: see "
-    "the crash file named). --check: 0 ready and alike, 10 different, 20 unreachable, 30 "
+    "the crash file named); in pod mode, a follower pod exits 69 when its leader was lost "
+    "(docs/kubernetes.md). --check: 0 ready and alike, 10 different, 20 unreachable, 30 "
     "cannot run the job. With "
     "--max-restarts, the last attempt's. --result-json says which (exit_reason).")
 

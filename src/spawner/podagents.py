@@ -16,13 +16,20 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .callback import Caller, CallbackListener
+from .protocol import Kind, encode
 from .srun import NodeLink
 
 STEP = "pod"  # what a pod's agent says as its step (callback.py's identity)
 
 
 class PodLink(NodeLink):
-    """A pod's agent, reached through its call."""
+    """A pod's agent, reached through its call. The leader says goodbye before it ends the
+    stream (`write_eof`): the agent tells a job ended from a leader lost by it."""
+
+    def write_eof(self) -> None:
+        if not self._caller.transport.is_closing():
+            self._caller.transport.write(encode(Kind.HEARTBEAT, last=True))
+        super().write_eof()
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         if name == "peername" and self._caller is not None:

@@ -12,9 +12,10 @@ A follower (every pod but 0) dials the leader's port, retrying while the leader'
 not resolve yet and its port does not answer (pods start in any order), within
 --pod-timeout; proves the secret as a Slurm node's agent does (spawner/callback.py), then
 becomes the leader's agent on that connection (spawner/agent.py). It exits with the agent's
-status: 0 when the leader ended the job, 69 (LAUNCHER_LOST_STATUS) when the leader went while
-instances ran here, or fell silent for --host-timeout (the agent killed them), 69 as well
-when the leader could not be reached, 2 when it did not hold the secret.
+status: 0 when the leader ended the job (it says goodbye first), 69 (LAUNCHER_LOST_STATUS)
+when the leader went without that, or fell silent for --host-timeout (the agent killed
+what ran here), 69 as well when the leader could not be reached, 2 when it did not hold the
+secret.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ from poprun.plan.pods import SECRET_FD_VARIABLE, SECRET_VARIABLE, Pod
 
 MIN_SECRET = 16  # bytes: less is guessable
 MAX_SECRET = 4096  # bytes read (a pipe holds at least as much: the write never blocks)
-FIRST_RETRY = 0.1  # seconds before a follower's second try; doubled each time ...
-LAST_RETRY = 2.0  # ... up to this
+# Seconds before a follower's second try, growing by a quarter each time up to LAST_RETRY: a
+# leader that starts with its followers listens within a second or so, and a try that is
+# refused costs next to nothing (doubling from 0.1 s waited up to 0.8 s more there).
+FIRST_RETRY = 0.05
+LAST_RETRY = 2.0
 REFUSED_STATUS = 2  # a follower whose leader does not hold the secret: nothing ran
 
 _secret: bytes | None = None  # the key, once read (load_secret)
@@ -125,7 +129,7 @@ def follow(pod: Pod, secret: bytes, config: LaunchConfig,
     sock.close()
     from spawner import agent
 
-    agent.main()  # exits with the agent's status
+    agent.main(farewell=True)  # exits with the agent's status
 
 
 def dial(pod: Pod, secret: bytes, timeout: float, say: Callable[[str], None]) -> socket.socket:
@@ -156,4 +160,4 @@ def dial(pod: Pod, secret: bytes, timeout: float, say: Callable[[str], None]) ->
                 say(f"pod {pod.index}: the leader at {pod.leader}:{pod.port} is not there "
                     f"yet ({exc}); trying again for up to {left:.0f} s")
             time.sleep(min(pause, left))  # pods start in any order: the leader may be next
-            pause = min(pause * 2, LAST_RETRY)
+            pause = min(pause * 1.25, LAST_RETRY)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE, poprun_argv, poprun_env, reaped
+from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped, run_poprun
 from poprun.errors import ConfigError
 from poprun.plan.pods import DEFAULT_PORT, contract_in, read_pod
 
@@ -91,6 +91,22 @@ def test_a_broken_contract_is_one_line(env, fragment):
 
 def test_a_plain_indexed_job_is_no_pod_contract():
     assert contract_in({"JOB_COMPLETION_INDEX": "0", "HOSTNAME": "j-0"}) is None
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--launcher=pod", "--host=a,b", "--num-instances=2", "--num-replicas=2", "true"),
+     "--host cannot be given"),
+    (("--launcher=pod", "--check"), "--check does not run in pod mode"),
+    (("--launcher=pod", "--pod-timeout=0", "true"), "--pod-timeout must be positive"),
+])
+def test_what_pod_mode_refuses_is_one_line(args, fragment):
+    done = run_poprun(*OFFLINE, *args, env={**lws_env(2, 0), "POPRUN_POD_SECRET": SECRET})
+    assert_usage_error(done, fragment, stdout_empty=False)
+
+
+def test_a_short_secret_is_refused():
+    done = run_poprun(*OFFLINE, "true", env={**lws_env(2, 0), "POPRUN_POD_SECRET": "short"})
+    assert_usage_error(done, "the pod secret is 5 bytes")
 
 
 # --- pods as network namespaces -------------------------------------------------------------

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped, run_poprun
 from poprun.errors import ConfigError
@@ -87,6 +89,28 @@ def test_a_broken_contract_is_one_line(env, fragment):
     with pytest.raises(ConfigError) as raised:
         read_pod(env)
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
+
+
+CONTRACT_NAMES = ["PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
+                  "LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS", "VC_TASK_INDEX",
+                  "VC_WORKER_HOSTS", "VC_MASTER_HOSTS", "JOB_COMPLETION_INDEX", "HOSTNAME",
+                  "POPRUN_PODS", "POPRUN_POD_SUBDOMAIN", "POPRUN_POD_PORT"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(CONTRACT_NAMES),
+                       st.one_of(st.text(max_size=40), st.integers(-3, 70000).map(str),
+                                 st.sampled_from(["a-0-1", "x-y-0-0", "h1,h2", "h1,h1", "[::1]"])),
+                       max_size=8))
+def test_any_environment_is_a_pod_or_one_line(env):
+    """Whatever a pod's environment holds: a Pod that is consistent, or one ConfigError line."""
+    try:
+        pod = read_pod(env)
+    except ConfigError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert 0 <= pod.index < pod.count == len(pod.labels) and 0 < pod.port < 65536
+    assert pod.leader and len(set(pod.labels)) == pod.count
 
 
 def test_a_plain_indexed_job_is_no_pod_contract():

@@ -101,8 +101,9 @@ def _volcano(env: Mapping[str, str]) -> Pod:
         raise ConfigError(f"Volcano: pod mode needs a job of one task, found {len(lists)} "
                           f"host lists ({', '.join(lists)})")
     names = tuple(h.strip() for h in env[lists[0]].split(",") if h.strip())
-    if not 0 < len(names) <= MAX_PODS or not all(_NAME.fullmatch(h) for h in names):
-        raise ConfigError(f"{lists[0]} is not a comma-separated list of host names")
+    if not 0 < len(names) <= MAX_PODS or not all(_NAME.fullmatch(h) for h in names) \
+            or len(set(names)) < len(names):
+        raise ConfigError(f"{lists[0]} is not a comma-separated list of distinct host names")
     index = _int(env, "VC_TASK_INDEX", 0, len(names) - 1)
     return Pod(f"Volcano: VC_TASK_INDEX, {lists[0]}", len(names), index, names[0],
                _port(env), names)

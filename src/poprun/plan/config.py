@@ -272,8 +272,8 @@ class LaunchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "a non-negative integer")
-        for name in ("kill_timeout", "ssh_timeout", "host_timeout", "pod_timeout", "restart_delay",
-                     "stall_timeout", "straggler_after"):
+        for name in ("kill_timeout", "ssh_timeout", "host_timeout", "pod_timeout",
+                     "restart_delay", "stall_timeout", "straggler_after"):
             seconds = getattr(self, name)
             if seconds is None and name == "stall_timeout":
                 continue

@@ -113,8 +113,8 @@ def _jobset(env: Mapping[str, str]) -> Pod:
     count = _int(env, PODS_VARIABLE, 1, MAX_PODS)
     index = _int(env, "JOB_COMPLETION_INDEX", 0, count - 1)
     hostname = env.get("HOSTNAME", "")
-    found = _JOBSET_HOSTNAME.fullmatch(hostname)
-    if not found or int(found[2]) != index or not _NAME.fullmatch(hostname):
+    found = _NAME.fullmatch(hostname) and _JOBSET_HOSTNAME.fullmatch(hostname)
+    if not found or int(found[2]) != index:
         raise ConfigError(f"JobSet: HOSTNAME={hostname!r} is not <jobset>-<job>-<j>-{index}")
     subdomain = env.get(SUBDOMAIN_VARIABLE, "")
     if subdomain and not _NAME.fullmatch(subdomain):

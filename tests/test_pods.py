@@ -300,3 +300,23 @@ def test_the_leader_killed_followers_end_within_host_timeout(hosts, tmp_path):
     assert took < 4 + 2, took  # --host-timeout=4, and a margin for the load
     for rank in (1, 2):
         assert not os.path.exists(f"/proc/{pids[rank]}"), f"instance {rank} outlived it"
+
+
+def test_the_secret_from_a_file(hosts, tmp_path):
+    """--pod-secret-file, as a mounted Kubernetes Secret gives it (a trailing newline is not
+    part of it); no POPRUN_POD_SECRET anywhere."""
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET + "\n")
+    procs = []
+    for i in range(2):
+        env = poprun_env({**hosts.env(), **volcano_env(2, i)})
+        env.pop("POPRUN_POD_SECRET", None)
+        argv = poprun_argv(*OFFLINE, "-v", f"--pod-secret-file={secret}", "--num-instances=2",
+                           "--num-replicas=2", sys.executable, "-c", INSTANCE, SECRET)
+        procs.append(subprocess.Popen(hosts.exec_argv(i + 1, *argv), env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    (lead, follower) = finish(procs)
+    assert (lead[0], follower[0]) == (0, 0), (lead[2], follower[2])
+    assert "pod mode: pod 1 of 2 (Volcano: VC_TASK_INDEX, VC_WORKER_HOSTS)" in follower[2]
+    assert sorted(line for line in lead[1].splitlines() if line.startswith("rank")) == [
+        f"rank {r} in {hosts.namespace(r + 1)} leaks []" for r in range(2)]

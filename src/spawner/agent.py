@@ -128,6 +128,10 @@ IOV_BATCH = 512  # buffers per writev (Linux allows 1024)
 # What sshd sets for a login session; instances are not one (see instance_environ).
 SSH_SESSION_VARIABLES = ("SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_ORIGINAL_COMMAND")
 INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, as the launcher's own internal errors
+# The launcher went without saying goodbye (where it promises to: a pod follower's agent), or
+# fell silent for --host-timeout: the agent killed what ran. A pod follower's exit status
+# then (docs/kubernetes.md): EX_UNAVAILABLE.
+LAUNCHER_LOST_STATUS = 69
 # Set when the launcher brought this agent and the host's Python has no popdist of its own
 # (spawner/carried.py): the carried popdist, at the end of the instances' PYTHONPATH.
 CARRIED_PYTHONPATH: str | None = None
@@ -340,8 +344,11 @@ class Agent:
     """One launcher's agent on this host: the spawner's sink and the request handlers."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, lifeline: Lifeline, in_fd: int,
-                 out_fd: int) -> None:
+                 out_fd: int, farewell: bool = False) -> None:
         self._loop, self._lifeline, self._in_fd = loop, lifeline, in_fd
+        # With `farewell`, the launcher says goodbye (HEARTBEAT {last}) before its stream
+        # ends: False until it does. None: no goodbye is expected (SSH, Slurm).
+        self.farewell: bool | None = False if farewell else None
         self._gate = _Gate(loop)
         self._spawner = LocalSpawner(self, self._gate, lifeline)
         self._outbox = _Outbox(loop, out_fd, lambda: self.stop("stdout closed"),
@@ -349,7 +356,7 @@ class Agent:
         self._decoder = FrameDecoder()
         self._temp_dirs: list[str] = []
         self._handlers = {Kind.HELLO: self._hello, Kind.MKTEMP: self._mktemp,
-                          Kind.MKDIR: self._mkdir, Kind.HEARTBEAT: lambda fields: None,
+                          Kind.MKDIR: self._mkdir, Kind.HEARTBEAT: self._heartbeat,
                           Kind.SPAWN: self._spawn, Kind.SIGNAL: self._signal,
                           Kind.STACKS: self._stacks, Kind.WORLD: self._open_world,
                           Kind.WORLD_END: self._end_world,
@@ -383,7 +390,8 @@ class Agent:
         except OSError:
             data = b""
         if not data:
-            self.stop("stdin closed")
+            lost = self.farewell is False  # expected, and not said: the launcher died
+            self.stop("stdin closed", status=LAUNCHER_LOST_STATUS if lost else 0)
             return
         self.received(data)
 
@@ -441,6 +449,10 @@ class Agent:
             self._lifeline.expect_beats(timeout)
             self._loop.call_later(interval, self._beat, interval, timeout)
 
+    def _heartbeat(self, fields: dict[str, Any]) -> None:
+        if fields.get("last") is True and self.farewell is not None:
+            self.farewell = True
+
     def _beat(self, interval: float, timeout: float) -> None:
         """The launcher's silence past `timeout` (a frozen or partitioned launcher host, a
         stalled SSH path) ends the agent as its EOF would: nobody would stop the instances.
@@ -448,7 +460,8 @@ class Agent:
         silent = time.monotonic() - self._last_heard
         if silent > timeout:
             self.stop(f"no word from the launcher for {silent:.1f} s (--host-timeout "
-                      f"{timeout:g})")
+                      f"{timeout:g})",
+                      status=LAUNCHER_LOST_STATUS if self.farewell is not None else 0)
             return
         self._outbox.send(encode(Kind.ALIVE))
         self._lifeline.beat()
@@ -774,16 +787,17 @@ def _launcher_stream() -> tuple[int, int] | None:
     return _claim(0, 1)
 
 
-def main(initial: bytes = b"") -> NoReturn:
+def main(initial: bytes = b"", farewell: bool = False) -> NoReturn:
     """Run the agent, then exit with its status. `initial`: the start of the launcher's
     stream, already read from stdin by whoever ran the agent (the bootstrap probe,
-    spawner/carried.py).
+    spawner/carried.py). `farewell`: the launcher says goodbye before it closes the stream
+    (a pod follower's, run/podmode.py): a stream that ends without it is a launcher lost.
 
     It exits with `os._exit` once its instances are gone, its temp dirs removed and its
     watchdog released: the interpreter's teardown (asyncio's modules) took another ~45 ms
     (EOF to exit ~55 ms, now ~10), and every launch waits for its agents' end before it
     exits itself (bench/README.md, "Remote launches")."""
-    status = _run(initial)
+    status = _run(initial, farewell)
     for stream in (sys.stdout, sys.stderr):  # fd 1 is stderr's by now (_claim)
         try:
             stream.flush()
@@ -792,7 +806,7 @@ def main(initial: bytes = b"") -> NoReturn:
     os._exit(status)
 
 
-def _run(initial: bytes) -> int:
+def _run(initial: bytes, farewell: bool = False) -> int:
     stream = _launcher_stream()
     if stream is None:
         return 2
@@ -801,18 +815,19 @@ def _run(initial: bytes) -> int:
     become_subreaper()  # what an instance leaves behind comes back to the agent
     lifeline = Lifeline()  # forked first: the watchdog copies the smallest process
     try:
-        return asyncio.run(_serve(lifeline, in_fd, out_fd, initial))
+        return asyncio.run(_serve(lifeline, in_fd, out_fd, initial, farewell))
     finally:
         lifeline.close()
         for fd in (in_fd, out_fd):  # the description may be shared (a terminal)
             os.set_blocking(fd, True)
 
 
-async def _serve(lifeline: Lifeline, in_fd: int, out_fd: int, initial: bytes = b"") -> int:
+async def _serve(lifeline: Lifeline, in_fd: int, out_fd: int, initial: bytes = b"",
+                 farewell: bool = False) -> int:
     """Serve the launcher until stdin closes, a stop signal comes or a bug stops it; every
     instance is killed and every temp dir removed on the way out."""
     loop = asyncio.get_running_loop()
-    agent = Agent(loop, lifeline, in_fd, out_fd)
+    agent = Agent(loop, lifeline, in_fd, out_fd, farewell)
     loop.set_exception_handler(agent.on_fault)
     if initial:
         loop.call_soon(agent.received, initial)

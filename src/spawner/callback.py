@@ -222,22 +222,24 @@ class CallbackListener:
         self.address: str | None = None  # as given to bind(): None, any of this machine's
         self.port = 0
 
-    def bind(self, address: str | None) -> None:
+    def bind(self, address: str | None, port: int = 0) -> None:
         """Listen on `address`, or on every address of this machine (IPv6 and IPv4 on one
-        port where the machine has IPv6) when None."""
+        port where the machine has IPv6) when None; on `port`, or any free one when 0."""
         if address is not None:
             family = socket.AF_INET6 if ":" in address else socket.AF_INET
             sock = socket.socket(family, socket.SOCK_STREAM)
-            where = (address, 0)
+            where = (address, port)
         else:
             try:
                 sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                where = ("::", 0)
+                where = ("::", port)
             except OSError:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                where = ("0.0.0.0", 0)
+                where = ("0.0.0.0", port)
         try:
+            if port:  # a known port (pod mode's leader) is taken again at once after a restart
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(where)
             sock.listen(socket.SOMAXCONN)
             sock.setblocking(False)

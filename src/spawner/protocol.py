@@ -32,7 +32,8 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world,
                container: {runtime, image, args} or null (spawner/containers.py)}
       SIGNAL  {key (null: every instance), signal (name, e.g. "SIGTERM")}
-      HEARTBEAT {}                           every `interval` seconds
+      HEARTBEAT {last?}                      every `interval` seconds; last: true, the launcher's
+                                             goodbye before its stream ends (pod mode)
       STACKS  {id, keys (null: every instance), within}    their Python stacks (stackdump.py)
       WORLD   {kvsname, size, ranks, nodes, pmix}  an MPI world whose `ranks` run here (before
                                              their SPAWNs, which name it); nodes: each rank's

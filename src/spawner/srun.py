@@ -231,6 +231,7 @@ class NodeLink:
         self._held: list[tuple[str, tuple]] = []  # for the session, until it is there
         self._held_stderr = bytearray()  # the node's output, kept for a failure's reason
         self.end_reason: str | None = None  # srun said the node's task ended
+        self.call_timeout = CALLBACK_TIMEOUT  # seconds create_session waits for the call
         self._closed = loop.create_future()
 
     # --- as the step's ---------------------------------------------------------------
@@ -296,10 +297,10 @@ class NodeLink:
             raise ValueError(f"the step runs {self._command!r}, not {command!r}")
         session = factory()
         try:
-            await asyncio.wait_for(asyncio.shield(self._called), CALLBACK_TIMEOUT)
+            await asyncio.wait_for(asyncio.shield(self._called), self.call_timeout)
         except asyncio.TimeoutError:
             raise ConnectionError(f"its agent did not call back within "
-                                  f"{CALLBACK_TIMEOUT:g} s") from None
+                                  f"{self.call_timeout:g} s") from None
         self._session = session
         if self._held_stderr:
             session.data_received(bytes(self._held_stderr), STDERR_DATATYPE)

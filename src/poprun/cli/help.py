@@ -61,7 +61,8 @@ EPILOG = (
     "(a full disk: output_error), 124 when --stall-action kill ended a stalled job (stall), "
     "2 for a usage error or a job that could not start (usage_error), 70 for an internal "
     "error (a bug: see the crash file named: internal_error). --check: 0 ready and alike, "
-    "10 different, 20 unreachable, 30 cannot run the job.")
+    "10 different, 20 unreachable, 30 cannot run the job. In pod mode, a follower pod "
+    "exits 69 when its leader was lost (docs/kubernetes.md).")
 
 
 def _placements() -> list[str]:

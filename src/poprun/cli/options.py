@@ -158,9 +158,16 @@ OPTIONS: tuple[Opt, ...] = (
         "runs a quarantined host's instances on a spare, with a warning, and refuses in one "
         "line when it has none. `poprunctl hosts` lists them, `poprunctl hosts --release "
         "HOST` lets one back (default: an hour)"),
-    Opt("launcher", Kind.STR, "How poprun's agents reach the hosts: ssh, or slurm (inside a "
+    Opt("launcher", Kind.STR, "How poprun's agents reach the hosts: ssh, slurm (inside a "
         "Slurm allocation, where it is the default when no --host is given: one srun job step "
-        "starts every node's agent, which calls poprun back)"),
+        "starts every node's agent, which calls poprun back), or pod (every pod of a "
+        "Kubernetes job runs the same poprun: pod 0 leads, the others' agents call it; the "
+        "default where a TrainJob, JobSet, LeaderWorkerSet or Volcano job says so in the "
+        "environment, see docs/kubernetes.md)"),
+    Opt("pod-secret-file", Kind.STR, "Pod mode: the file holding the job's shared secret "
+        "(a mounted Kubernetes Secret; else POPRUN_POD_SECRET is read)", default=None),
+    Opt("pod-timeout", Kind.FLOAT, "Pod mode: how long pod 0 waits for every other pod's "
+        "agent, and the others for pod 0's name to resolve and its port to answer"),
     Opt("ssh-fanout", Kind.INT, "Open at most this many SSH connections at a time"),
     Opt("ssh-timeout", Kind.FLOAT, "Give up connecting to a host after this many seconds"),
     Opt("host-timeout", Kind.FLOAT, "A remote host silent for this many seconds (at least "

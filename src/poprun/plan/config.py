@@ -38,7 +38,9 @@ MIN_HOST_TIMEOUT = 2.0
 DEFAULT_QUARANTINE_FOR = 3600.0
 DEFAULT_RESTART_DELAY = 1.0  # seconds between a failed attempt's cleanup and the next start
 SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
-LAUNCHERS = ("ssh", "slurm")  # how agents reach remote hosts (--launcher)
+LAUNCHERS = ("ssh", "slurm", "pod")  # how agents reach remote hosts (--launcher)
+# Seconds pods of a Kubernetes job wait for each other (pods start as their images come).
+DEFAULT_POD_TIMEOUT = 300.0
 REMOTE_INSTALL = ("auto", "never")
 # --mpi-worlds: auto serves PMI-1 (MPICH) always and PMIx (Open MPI) where a libpmix is found
 # (run/world.py); pmi1: PMI-1 only; none: no world (each MPI instance is a world of one) and
@@ -92,7 +94,11 @@ class LaunchConfig:
     ssh_fanout: int = DEFAULT_SSH_FANOUT
     ssh_timeout: float = DEFAULT_SSH_TIMEOUT
     host_timeout: float = DEFAULT_HOST_TIMEOUT
-    launcher: str | None = None  # "ssh" or "slurm"; None: slurm inside an allocation
+    # "ssh", "slurm" or "pod"; None: slurm inside an allocation, pod where a pod contract
+    # is in the environment (plan/pods.py), else ssh
+    launcher: str | None = None
+    pod_secret_file: str | None = None  # pod mode's secret (else POPRUN_POD_SECRET)
+    pod_timeout: float = DEFAULT_POD_TIMEOUT
     max_restarts: int = 0  # a failed job is started again this many times at most
     restart_delay: float = DEFAULT_RESTART_DELAY
     remote_python: str | None = None  # None: the launcher's own interpreter path
@@ -199,6 +205,8 @@ class LaunchConfig:
         if self.quarantine_for < 0:
             raise ConfigError(f"--quarantine-for must not be negative, got "
                               f"{self.quarantine_for:g}")
+        if self.pod_timeout <= 0:
+            raise ConfigError(f"--pod-timeout must be positive, got {self.pod_timeout}")
         if self.restart_delay < 0:
             raise ConfigError(f"--restart-delay must not be negative, got {self.restart_delay}")
         if self.dashboard and self.no_dashboard:
@@ -315,9 +323,8 @@ class LaunchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "a non-negative integer")
-        for name in ("kill_timeout", "ssh_timeout", "host_timeout", "restart_delay",
-                     "quarantine_for",
-                     "stall_timeout", "straggler_after"):
+        for name in ("kill_timeout", "ssh_timeout", "host_timeout", "pod_timeout",
+                     "restart_delay", "quarantine_for", "stall_timeout", "straggler_after"):
             seconds = getattr(self, name)
             if seconds is None and name == "stall_timeout":
                 continue

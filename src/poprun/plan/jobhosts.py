@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from spawner import fdlimit
 from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
@@ -14,6 +15,7 @@ from poprun.plan.config import LaunchConfig
 from poprun.plan.hosts import (SLURM_JOB_ID, Host, instance_counts, is_local,
                                job_hosts_and_source, spare_nodes)
 from poprun.plan.planner import LOCALHOST
+from poprun.plan.pods import SECRET_FD_VARIABLE, SECRET_VARIABLE, Pod, contract_in, read_pod
 
 
 @dataclass(frozen=True)
@@ -25,17 +27,19 @@ class JobHosts:
     remote: frozenset[str]
     counts: tuple[int, ...]
     source: str = "--host"
-    transport: str = "ssh"  # how remote hosts are reached: "ssh" or "slurm"
+    transport: str = "ssh"  # how remote hosts are reached: "ssh", "slurm" or "pod"
     spares: tuple[Host, ...] = ()  # standing by, each remote: `substituted` puts them in
+    pod: Pod | None = None  # in pod mode, this (leading) pod's place: plan/pods.py
 
     @classmethod
     def of(cls, config: LaunchConfig, environ: Mapping[str, str]) -> JobHosts:
+        transport = transport_of(config, environ)
+        if transport == "pod":
+            return cls._pods(config, read_pod(environ))
         explicit = config.given is None or "num_instances" in config.given
         hosts, source = job_hosts_and_source(config.host_list, environ,
                                              config.num_instances if explicit else None)
         hosts, standby = spare_nodes(hosts, config.spare_nodes, source)
-        transport = config.launcher or (
-            "slurm" if environ.get(SLURM_JOB_ID) and not config.host_list else "ssh")
         if transport == "slurm" and not environ.get(SLURM_JOB_ID):
             raise ConfigError("--launcher slurm runs inside a Slurm allocation: start poprun "
                               "with `salloc -N <nodes> poprun ...` or from an `sbatch` script "
@@ -62,8 +66,19 @@ class JobHosts:
         hosts = tuple(replaced.get(str(h), h) for h in self.hosts)
         used = {str(h) for h in replaced.values()}
         remote = (self.remote - replaced.keys()) | used
-        return JobHosts(hosts, frozenset(remote), self.counts, self.source, self.transport,
-                        tuple(h for h in self.spares if str(h) not in used))
+        return replace(self, hosts=hosts, remote=frozenset(remote),
+                       spares=tuple(h for h in self.spares if str(h) not in used))
+
+    @classmethod
+    def _pods(cls, config: LaunchConfig, pod: Pod) -> JobHosts:
+        """Pod 0's view: every pod a host, itself local, divided among as hosts are."""
+        if config.host_list:
+            raise ConfigError("--launcher pod takes its hosts from the pod contract: "
+                              "--host cannot be given with it")
+        hosts = tuple(Host(label) for label in pod.labels)
+        source = f"the pods ({pod.contract})"
+        counts = instance_counts(hosts, config.num_instances, source, config.mpi.npernode)
+        return cls(hosts, frozenset(pod.labels[1:]), counts, source, "pod", pod=pod)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -118,9 +133,7 @@ def leave_out(hosts: JobHosts, quarantined: Mapping[str, str]) -> tuple[JobHosts
     by_label = {str(h): h for h in spares}
     warnings += [f"{old} left out: quarantined ({quarantined[old]}); spare host {new} runs "
                  "its instances" for old, new in pairs.items()]
-    kept = JobHosts(hosts.hosts, hosts.remote, hosts.counts, hosts.source, hosts.transport,
-                    spares)
-    return kept.substituted({old: by_label[new] for old, new in pairs.items()}), warnings
+    return replace(hosts, spares=spares).substituted({old: by_label[new] for old, new in pairs.items()}), warnings
 
 
 def pair_spares(failed: Sequence[str], available: Sequence[str]) -> dict[str, str]:
@@ -128,3 +141,23 @@ def pair_spares(failed: Sequence[str], available: Sequence[str]) -> dict[str, st
     spares in theirs (the user's order is their preference). Failed hosts beyond the
     spares are left out: the caller ends the job on them."""
     return dict(zip(failed, available))
+
+
+def transport_of(config: LaunchConfig, environ: Mapping[str, str]) -> str:
+    """--launcher, or where it is not given: slurm inside an allocation, pod where a pod
+    contract is in the environment (and a secret for it: else each pod runs a job of its
+    own, as without pod mode; main says so), else ssh. --host given means ssh."""
+    if config.launcher:
+        return config.launcher
+    if config.host_list:
+        return "ssh"
+    if environ.get(SLURM_JOB_ID):
+        return "slurm"
+    if contract_in(environ) and has_pod_secret(config, environ):
+        return "pod"
+    return "ssh"
+
+
+def has_pod_secret(config: LaunchConfig, environ: Mapping[str, str]) -> bool:
+    return bool(config.pod_secret_file or environ.get(SECRET_VARIABLE)
+                or environ.get(SECRET_FD_VARIABLE))

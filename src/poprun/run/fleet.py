@@ -32,6 +32,7 @@ from poprun.plan.jobhosts import JobHosts
 from poprun.plan.network import address_here
 from poprun.log import Log
 from poprun.plan.topology import Topology, agent_topology
+from poprun.run.podmode import pod_secret
 
 CACHE_PREFIX = "poprun-cache-"
 STATS_INTERVAL = 1.0  # seconds between the agents' samples: CPU/RSS, popdist.progress()
@@ -41,13 +42,18 @@ class Fleet:
     """Connections and agents, by host label (`str(host)`)."""
 
     def __init__(self, hosts: Sequence[Host], config: LaunchConfig, log: Log,
-                 transport: str = "ssh", counts: Mapping[str, int] | None = None) -> None:
+                 transport: str = "ssh", counts: Mapping[str, int] | None = None,
+                 pod: tuple | None = None) -> None:
         self.hosts, self.config, self.log = tuple(hosts), config, log
         self._labels = [str(h) for h in self.hosts]
         self.counts = dict(counts or {})  # instances per host label, when known
-        self.transport = transport  # "ssh", or "slurm": agents as job steps (spawner.srun)
+        # "ssh"; "slurm": agents as job steps (spawner.srun); "pod": agents of the other
+        # pods of a Kubernetes job, calling this leader (spawner.podagents)
+        self.transport = transport
+        self.pod = pod  # in pod mode: (plan.pods.Pod, the job's secret)
         self.connections: dict[Host, object] = {}
         self._slurm = None  # over Slurm: spawner.srun.SlurmAgents, the steps and listener
+        self._pods = None  # in pod mode: spawner.podagents.PodAgents
         self.spawners: dict[str, RemoteSpawner] = {}
         self._timings: dict[Host, object] = {}  # per host: how its connection went
         self._opened_at = 0.0  # time.monotonic(), for phases()
@@ -62,7 +68,8 @@ class Fleet:
     def of(cls, hosts: JobHosts, config: LaunchConfig, log: Log) -> Fleet:
         """The job's hosts that need a connection, over the transport JobHosts chose."""
         return cls([h for h in hosts.hosts if str(h) in hosts.remote], config, log,
-                   hosts.transport, dict(zip(hosts.labels, hosts.counts)))
+                   hosts.transport, dict(zip(hosts.labels, hosts.counts)),
+                   (hosts.pod, pod_secret()) if hosts.pod is not None else None)
 
     def start_steps(self) -> None:
         """Over Slurm, the job step that starts every node's agent created now, before
@@ -184,7 +191,7 @@ class Fleet:
             if on_open is not None:
                 on_open(host, conn)
 
-        if self.transport == "slurm":  # a step started ahead (start_steps) is taken as it is
+        if self.transport != "ssh":  # a step started ahead (start_steps) is taken as it is
             new = self._node_links([h for h in hosts if h not in self.connections])
             for host in hosts:
                 opened(host, self.connections.get(host) or new[host])
@@ -344,11 +351,31 @@ class Fleet:
         node, standing where an SSH connection stands (spawner.srun)."""
         if not hosts:
             return {}
+        if self.transport == "pod":
+            return self._pod_links(hosts)
         if self._slurm is None:
             self._slurm = _slurm_agents(self.reach_back_choice(), self.log.info)
         command = agent_command(self.config.remote_python)  # as RemoteSpawner will ask
         links = self._slurm.start([h.name for h in hosts], command)
         return {host: links[host.name] for host in hosts}
+
+    def _pod_links(self, hosts: Sequence[Host]) -> dict[Host, object]:
+        """The other pods' links: each waits for its pod's agent to call (a host lost and
+        reopened waits for its pod's next agent)."""
+        pod, secret = self.pod
+        if self._pods is None:
+            from spawner.podagents import PodAgents
+
+            try:
+                self._pods = PodAgents(secret, pod.port,
+                                       {label: i for i, label in enumerate(pod.labels) if i},
+                                       agent_command(self.config.remote_python),
+                                       self.config.pod_timeout, self.log.info)
+            except OSError as exc:
+                raise LaunchError(f"--launcher pod: cannot listen on port {pod.port} for the "
+                                  f"other pods' agents: {exc.strerror or exc}") from None
+            self.log.info(f"waiting for {pod.count - 1} pod(s)' agents on port {pod.port}")
+        return {host: self._pods.link(host.name) for host in hosts}
 
     def reach_back_choice(self) -> str | None:
         """This machine's address on the network the user chose, if any: where agents
@@ -367,6 +394,8 @@ class Fleet:
                          *(c for _, c in self._retired if c is not None)])
         if self._slurm is not None:
             await self._slurm.close()
+        if self._pods is not None:
+            await self._pods.close()
 
 
 async def connect(hosts: Sequence, *, fanout: int = DEFAULT_FANOUT, timeout: float,

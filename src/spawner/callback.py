@@ -132,12 +132,13 @@ def read_secret(fd: int, deadline: float) -> bytes:
 
 
 def connect_back(environ: MutableMapping[str, str], secret: bytes,
-                 deadline: float | None = None) -> socket.socket:
+                 deadline: float | None = None,
+                 retrying: Callable[[BaseException], None] | None = None) -> socket.socket:
     """The connection to the launcher, proven both ways (see the module docstring), tried
     again with backoff until `deadline` (time.monotonic(); default CONNECT_TIMEOUT from
-    now) while it is refused or dropped. The callback variables are taken out of `environ`
-    (the agent's own: its instances do not inherit them). Raises CallbackError or
-    OSError."""
+    now) while it is refused or dropped (or its name does not resolve yet), `retrying` told
+    of each failure tried again. The callback variables are taken out of `environ` (the
+    agent's own: its instances do not inherit them). Raises CallbackError or OSError."""
     target = environ.pop(CALLBACK_VARIABLE, "")
     step = environ.pop(STEP_VARIABLE, "0")
     host, _, port = target.rpartition(":")
@@ -155,9 +156,11 @@ def connect_back(environ: MutableMapping[str, str], secret: bytes,
         try:
             return _call(host, int(port), secret, identity,
                          max(0.1, deadline - time.monotonic()))
-        except (OSError, Dropped):
+        except (OSError, Dropped) as exc:
             if time.monotonic() + pause >= deadline:
                 raise
+            if retrying is not None:
+                retrying(exc)
         time.sleep(pause * (0.5 + os.urandom(1)[0] / 255))  # agents do not retry in step
         pause = min(pause * 2, RETRY_MOST)
 

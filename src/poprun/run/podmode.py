@@ -32,11 +32,6 @@ from poprun.plan.pods import SECRET_FD_VARIABLE, SECRET_VARIABLE, Pod
 
 MIN_SECRET = 16  # bytes: less is guessable
 MAX_SECRET = 4096  # bytes read (a pipe holds at least as much: the write never blocks)
-# Seconds before a follower's second try, growing by a quarter each time up to LAST_RETRY: a
-# leader that starts with its followers listens within a second or so, and a try that is
-# refused costs next to nothing (doubling from 0.1 s waited up to 0.8 s more there).
-FIRST_RETRY = 0.05
-LAST_RETRY = 2.0
 REFUSED_STATUS = 2  # a follower whose leader does not hold the secret: nothing ran
 
 _secret: bytes | None = None  # the key, once read (load_secret)
@@ -136,28 +131,22 @@ def dial(pod: Pod, secret: bytes, timeout: float, say: Callable[[str], None]) ->
     """The proven connection to the leader; retried while its name does not resolve or its
     port does not answer, within `timeout` seconds. Raises CallbackError (the leader does
     not hold the secret: no retry) or the last OSError."""
-    from spawner.callback import CALLBACK_VARIABLE, SECRET_VARIABLE as AGENT_SECRET
-    from spawner.callback import STEP_VARIABLE, connect_back
+    from spawner.callback import CALLBACK_VARIABLE, STEP_VARIABLE, connect_back
     from spawner.podagents import STEP
 
     host = f"[{pod.leader}]" if ":" in pod.leader else pod.leader
-    deadline, pause, said = time.monotonic() + timeout, FIRST_RETRY, ""
-    while True:
-        # connect_back's identity: the node's name and its task, as under Slurm; taken
-        # from this mapping, never from the environment an instance inherits.
-        ask = {CALLBACK_VARIABLE: f"{host}:{pod.port}", AGENT_SECRET: secret.hex(),
-               STEP_VARIABLE: STEP, "SLURMD_NODENAME": pod.label,
-               "SLURM_PROCID": str(pod.index)}
-        try:
-            return connect_back(ask)
-        except (socket.gaierror, ConnectionRefusedError, ConnectionResetError,
-                socket.timeout) as exc:
+    deadline, said = time.monotonic() + timeout, set()
+
+    def retrying(exc: BaseException) -> None:
+        if str(exc) not in said:  # once per kind of failure, not once per try
+            said.add(str(exc))
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise
-            if str(exc) != said:  # once per kind of failure, not once per try
-                said = str(exc)
-                say(f"pod {pod.index}: the leader at {pod.leader}:{pod.port} is not there "
-                    f"yet ({exc}); trying again for up to {left:.0f} s")
-            time.sleep(min(pause, left))  # pods start in any order: the leader may be next
-            pause = min(pause * 1.25, LAST_RETRY)
+            say(f"pod {pod.index}: the leader at {pod.leader}:{pod.port} is not there "
+                f"yet ({exc}); trying again for up to {left:.0f} s")
+
+    # connect_back's identity: the node's name and its task, as under Slurm; taken from
+    # this mapping, never from the environment an instance inherits. Pods start in any
+    # order: the leader's name may resolve, and its port answer, only later.
+    ask = {CALLBACK_VARIABLE: f"{host}:{pod.port}", STEP_VARIABLE: STEP,
+           "SLURMD_NODENAME": pod.label, "SLURM_PROCID": str(pod.index)}
+    return connect_back(ask, secret, deadline, retrying)

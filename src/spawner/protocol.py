@@ -38,6 +38,8 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       WORLD_END {kvsname}                    the world's instances are gone: clean up after it
       BARRIER_OUT {kvsname, puts | error}    the job-wide barrier is complete: its puts
       VALUE   {kvsname, id, value}           answers GET (value null: absent)
+      NAMED   {kvsname, id, rc, value}       answers NAME: rc 0 and the port (a lookup), or
+                                             rc 1 and why
       FENCE_OUT {kvsname, ranks, seq, data | error}  a PMIx fence every host took part in
                                              is complete: all their data (base64)
       MODEX_ASK {kvsname, id, rank}          a rank of this host's: its PMIx data, please
@@ -82,6 +84,10 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       MODEX_WANT {kvsname, id, rank}         an instance here wants another host's rank's data
       MODEX_GOT {kvsname, id, status, data}  answers MODEX_ASK
       PMIX_UNSERVED {kvsname, error}         Open MPI's world cannot be served here
+      NAME    {kvsname, id, op, service, port}  publish, unpublish or look up a name in
+                                             the job's table (spawner/pminames.py)
+      PMI_UNSERVED {kvsname, key, cmd, why}  a PMI-1 command of instance `key` was answered
+                                             with an error: why (for the launcher's -v)
       (spawner/agentworld.py: the agent's side of a world; poprun/run/world.py the launcher's)
       INTERNAL {error, traceback}            a bug in the agent: it kills its instances,
                                              removes its temp dirs and exits with status 70
@@ -99,8 +105,9 @@ from typing import Any, NamedTuple
 from .local import Stream
 
 # 5: HELLO's mktemp; 6: PMIx (WORLD's pmix, FENCE_*, MODEX_*), FACTS, HELLO's open_files,
-# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck)
-PROTOCOL_VERSION = 6
+# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: NAME, NAMED,
+# PMI_UNSERVED (MPI's published names, PMI-1 commands not served)
+PROTOCOL_VERSION = 7
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)
@@ -181,6 +188,12 @@ class Kind(enum.IntEnum):
     FACTS = 33
     """Launcher: what HELLO's `facts` asked you to read (the job's dependencies here)? Agent
     answers with REPLY once it is read (spawner/hostfacts.py)."""
+    NAME = 34
+    """Agent: publish, unpublish or look up an MPI name. Launcher answers with NAMED."""
+    NAMED = 35
+    """Launcher: the answer to NAME."""
+    PMI_UNSERVED = 36
+    """Agent: an instance's PMI-1 command was answered with an error (not served)."""
 
 
 _KINDS = {int(k): k for k in Kind}

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from popdist import env as E
 from poprun.errors import ConfigError
+from poprun.text import shown_text
 from spawner.pmiends import PmiEnds
 
 from poprun.plan.planner import InstancePlan, LaunchPlan
@@ -98,6 +99,9 @@ class MpiWorld:
         order = list(dict.fromkeys(hosts))
         self._nodes = [order.index(host) for host in hosts]  # each rank's host
         self._ends = PmiEnds(loop, self._start_server)
+        self._log = log
+        self.names = None  # the job's published names (spawner/pminames.py), once served
+        self.on_spawn = None  # run/spawned.Spawned.spawn, where spawns are served (the job's)
         self._tasks: set[asyncio.Task] = set()
         self.server = None  # spawner.pmi.PmiServer, once an instance or an agent has spoken
         self._cleans_here = False  # MPICH may leave segments on this host (local instances)
@@ -150,10 +154,14 @@ class MpiWorld:
         self._cleans_here = bool(local)
         if self._cleans_here and self._lifeline is not None:
             self._lifeline.add_mpi_world(self.kvsname)
+        from spawner.pminames import NameService
+
+        self.names = NameService()
         self.server = pmi.PmiServer(
             self.kvsname, len(self._plan.instances), local_ranks=local,
             on_abort=self._on_abort, on_lost=self._on_lost,
-            process_mapping=pmi.process_mapping_for_ranks(self._nodes))
+            process_mapping=pmi.process_mapping_for_ranks(self._nodes), names=self.names,
+            on_unserved=self.unserved, on_spawn=self.on_spawn)
         for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
 
@@ -176,9 +184,18 @@ class MpiWorld:
             if self.pmix is not None:
                 self.pmix.from_agent(spawner, frame.kind.name, fields)
             return
+        if frame.kind is Kind.PMI_UNSERVED:
+            self.unserved(int(fields["key"]), str(fields.get("cmd")), str(fields.get("why")))
+            return
         if self.server is None:
             self._start_server()
-        if frame.kind is Kind.GET:
+        if frame.kind is Kind.NAME:
+            rc, value = self.names.answer(str(fields.get("op")),
+                                          str(fields.get("service") or ""),
+                                          str(fields.get("port") or ""))
+            spawner.tell(Kind.NAMED, kvsname=self.kvsname, id=fields["id"], rc=rc,
+                         value=value)
+        elif frame.kind is Kind.GET:
             spawner.tell(Kind.VALUE, kvsname=self.kvsname, id=fields["id"],
                          value=self.server.kvs.get(str(fields["key"])))
         else:  # BARRIER_IN: answered once the whole world is in
@@ -186,6 +203,13 @@ class MpiWorld:
                                                        dict(fields["puts"])))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def unserved(self, rank: int, cmd: str, why: str) -> None:
+        """An instance's PMI-1 command was answered with an error, at once (never a silent
+        hang): said at -v."""
+        if self._log is not None:
+            self._log.info(f"instance {rank}: PMI-1 command {shown_text(cmd)[:64]!r} answered "
+                           f"with an error: {shown_text(why)[:200]}")
 
     async def _barrier(self, spawner, count: int, puts: dict[str, str]) -> None:
         from spawner.pmi import PmiError

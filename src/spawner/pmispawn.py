@@ -168,3 +168,39 @@ def spawn_reply(rc: int, errcodes: int = 0, msg: str | None = None) -> dict[str,
     if rc == 0:
         return {"rc": 0, "errcodes": ",".join(["0"] * errcodes)}
     return {"rc": rc, "msg": msg or "spawn_failed"}
+
+
+class Placed:
+    """One process to start: its argv, working directory (None: the job's), appnum, and
+    rank in the new world."""
+
+    __slots__ = ("argv", "wdir", "appnum", "rank")
+
+    def __init__(self, argv: list[str], wdir: str | None, appnum: int, rank: int) -> None:
+        self.argv, self.wdir, self.appnum, self.rank = argv, wdir, appnum, rank
+
+
+def place(request: SpawnRequest, here: set[str], job_hosts: set[str]
+          ) -> tuple[list[Placed], list[str]]:
+    """The processes of `request` as Hydra places them (its pmiserv_spawn.c: `path` before
+    the execname, `wdir`, `host`/`hosts`), on this host, whose names are `here`; and the
+    info keys ignored (said at -v). A `host` of the job's other hosts, or of none of its
+    hosts, is refused (PmiError): children start only on the launcher's host so far."""
+    placed: list[Placed] = []
+    ignored: list[str] = []
+    for appnum, command in enumerate(request.commands):
+        info = command.info
+        for host in ",".join(info[k] for k in ("host", "hosts") if k in info).split(","):
+            host = host.strip()
+            if host and host not in here:
+                raise PmiError(f"spawn on {host}: " + (
+                    "spawned processes start only on poprun's own host so far"
+                    if host in job_hosts else "not one of the job's hosts"))
+        ignored += [key for key in info if key not in INFO_KEYS]
+        execname = command.execname
+        if info.get("path") and "/" not in execname:
+            execname = info["path"].rstrip("/") + "/" + execname
+        for _ in range(command.nprocs):
+            placed.append(Placed([execname, *command.args], info.get("wdir") or None, appnum,
+                                 len(placed)))
+    return placed, ignored

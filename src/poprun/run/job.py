@@ -101,6 +101,8 @@ class Job:
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
         self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
         self.world = None  # the instances' MPI world (run/world.MpiWorld), where served
+        self.spawned = None  # what its instances spawned (run/spawned.Spawned), once they do
+        self._lifeline: Lifeline | None = None
         self.mpi_aborts: dict[int, tuple[int, str]] = {}  # instance -> MPI_Abort's code, text
         self._unfinalized: set[int] = set()  # closed its MPI world before MPI_Finalize
         self._no_finalize: int | None = None  # the instance whose exit 0 stopped the job
@@ -135,12 +137,14 @@ class Job:
         world is served too."""
         self.on_finished, self.remote = on_finished, remote or {}
         self.local = LocalSpawner(self, self.loop, lifeline)
+        self._lifeline = lifeline
         if kvsname:
             from poprun.run.world import MpiWorld
 
             self.world = MpiWorld(kvsname, self.plan, self.loop, lifeline=lifeline,
                                   remote=self.remote, on_abort=self.on_mpi_abort,
                                   on_lost=self.on_mpi_lost, pmix=pmix, log=self.log)
+            self.world.on_spawn = self._spawn_children
             count = len({inst.host for inst in self.plan.instances})
             hosts = f" on {count} hosts" if count > 1 else ""
             self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s)"
@@ -154,7 +158,9 @@ class Job:
 
     @property
     def finished(self) -> bool:
-        return self._all_started and len(self.done) == len(self.started)
+        """Every instance has ended, and every process they spawned (as mpiexec waits)."""
+        return (self._all_started and len(self.done) == len(self.started)
+                and not (self.spawned and self.spawned.alive()))
 
     def close(self, keep_output: bool = False) -> None:
         """Kill and reap what still runs here, stop timers, close the output files (not when
@@ -307,6 +313,9 @@ class Job:
     # --- spawner sink -----------------------------------------------------------------
 
     def on_output(self, key: int, stream: Stream, data: bytes) -> None:
+        if self.spawned is not None and key in self.spawned.children:
+            self.spawned.on_output(key, stream, data)
+            return
         first_output = self._marks["first_output"]
         if key not in first_output:
             first_output[key] = time.monotonic()
@@ -341,6 +350,10 @@ class Job:
         self.events.progress(report)
 
     def on_exit(self, key: int, returncode: int) -> None:
+        if self.spawned is not None and key in self.spawned.children:
+            self.spawned.on_exit(key, returncode)
+            self._maybe_finish()
+            return
         if key not in self.started:  # a remote instance can exit before spawn_all returns
             spawner = self.remote[self.plan.instances[key].host]
             self._record(key, spawner.pid(key), spawner)
@@ -417,8 +430,28 @@ class Job:
             self._stopping(f"instance {key}: no MPI_Finalize")
             self._stop(signal.SIGTERM)
 
+    async def _spawn_children(self, rank: int, request) -> dict:
+        """Instance `rank`'s MPI_Comm_spawn (run/spawned.py): the spawn_result fields."""
+        if self.spawned is None:
+            from poprun.run.spawned import Spawned
+
+            self.spawned = Spawned(self, self.world.kvsname, self._lifeline,
+                                   self.world.names, self.world.unserved)
+        return await self.spawned.for_world()(rank, request)
+
+    def child_failed(self, origin: int, why: str) -> None:
+        """A process instance `origin` spawned failed: the job stops as for a failed
+        instance, `origin` its root cause."""
+        self.log.error(f"instance {origin}: {why}")
+        if self.stop_reason == "success":
+            self.root_cause = origin
+            self._stopping(f"instance {origin}: {why}")
+            self._stop(signal.SIGTERM)
+
     async def close_world(self) -> None:
         """The attempt's MPI world ends: its server stops, MPICH's /dev/shm leftovers go."""
+        if self.spawned is not None:
+            await self.spawned.close()
         if self.world is not None:
             world, self.world = self.world, None
             for path in await world.close():

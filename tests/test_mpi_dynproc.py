@@ -11,11 +11,15 @@ They skip without mpi4py and MPICH, and fail instead where POPRUN_REQUIRE_MPI=1 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 
 import pytest
 
-from conftest import OFFLINE, run_poprun
+from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun
+from sshd_hosts import wait_until
 from test_mpi_world import mpich, run_across, two_hosts  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,3 +92,144 @@ def test_a_command_poprun_does_not_serve_is_answered_at_once_and_said_at_v():
     assert out.split("\n")[1] == "cmd=frobnicate_result rc=1 msg=unknown_command"
     assert ("instance 0: PMI-1 command 'frobnicate' answered with an error: poprun does not "
             "serve it") in err
+
+
+# The parent spawns (MPI_Comm_spawn_multiple where `multiple`) children that report their
+# world, arguments, appnum and working directory, and a sum over the intercommunicator.
+SPAWN = """
+import os, sys
+from mpi4py import MPI
+parent = MPI.Comm.Get_parent()
+if parent == MPI.COMM_NULL:
+    here = MPI.Info.Create()
+    here.Set("wdir", {wdir!r})
+    here.Set("soft", "1:3")
+    if {multiple}:
+        inter = MPI.COMM_SELF.Spawn_multiple(
+            [sys.executable, sys.executable], args=[[__file__, "one", "a b"], [__file__, "two"]],
+            maxprocs=[2, 1], info=[here, MPI.INFO_NULL])
+    else:
+        inter = MPI.COMM_SELF.Spawn(sys.executable, args=[__file__, "one", "a b"], maxprocs=3,
+                                    info=here)
+    total = inter.reduce(None, op=MPI.SUM, root=MPI.ROOT)
+    print("parent", inter.Get_remote_size(), total, flush=True)
+    inter.Disconnect()
+else:
+    world = MPI.COMM_WORLD
+    print("child", world.Get_rank(), world.Get_size(), world.Get_attr(MPI.APPNUM),
+          sys.argv[1:], os.getcwd(), os.environ["PMI_SPAWNED"], flush=True)
+    parent.reduce(world.Get_rank() + 1, op=MPI.SUM, root=0)
+    parent.Disconnect()
+"""
+
+
+def spawning(tmp_path, multiple: bool) -> str:
+    script = tmp_path / "spawn.py"
+    script.write_text(SPAWN.format(wdir=str(tmp_path), multiple=multiple))
+    return str(script)
+
+
+def test_spawn_starts_its_children_with_their_arguments_and_info_keys(tmp_path):
+    rc, out, err = poprun("-v", "--tag-output", "--num-instances=1", sys.executable,
+                          spawning(tmp_path, False))
+    assert rc == 0, err[-3000:]
+    assert sorted(out.splitlines()) == ["[1,0]<stdout>:parent 3 6"] + [
+        f"[2,{r}]<stdout>:child {r} 3 0 ['one', 'a b'] {tmp_path} 1" for r in range(3)]
+    assert "instance 0: spawn info key 'soft' ignored" in err
+    assert "instance 0: spawned 3 process(es) in world" in err
+
+
+def test_spawn_multiple_gives_each_command_its_arguments_appnum_and_info(tmp_path):
+    rc, out, err = poprun("--num-instances=1", sys.executable, spawning(tmp_path, True))
+    assert rc == 0, err[-3000:]
+    job_cwd = os.getcwd()
+    assert sorted(out.splitlines()) == [
+        f"child 0 3 0 ['one', 'a b'] {tmp_path} 1", f"child 1 3 0 ['one', 'a b'] {tmp_path} 1",
+        f"child 2 3 1 ['two'] {job_cwd} 1", "parent 3 6"]
+
+
+POOL = """
+import os, time
+from mpi4py.futures import MPIPoolExecutor
+
+def work(x):
+    return x * x, os.getpid()
+
+def wait(_):
+    time.sleep(120)
+
+if __name__ == "__main__":
+    with MPIPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(work, range(12), chunksize=1))
+        print("squares", [r for r, _ in results], flush=True)
+        print("workers", " ".join(str(p) for p in sorted({{p for _, p in results}})), flush=True)
+        if {hang}:
+            list(pool.map(wait, range(3)))
+"""
+
+
+def pool(tmp_path, hang: bool) -> str:
+    """The pool's program, in a file (its workers import their functions from it)."""
+    script = tmp_path / "pool.py"
+    script.write_text(POOL.format(hang=hang))
+    return str(script)
+
+
+def test_an_mpi_pool_of_three_workers_gives_the_right_results(tmp_path):
+    rc, out, err = poprun("--num-instances=1", sys.executable, pool(tmp_path, False))
+    assert rc == 0, err[-3000:]
+    squares, workers = out.splitlines()
+    assert squares == f"squares {[x * x for x in range(12)]}"
+    assert 1 <= len(workers.split()[1:]) <= 3
+
+
+def test_a_killed_poprun_leaves_none_of_the_pool_s_workers(tmp_path):
+    with reaped(subprocess.Popen(
+            poprun_argv(*OFFLINE, "--num-instances=1", sys.executable, pool(tmp_path, True)),
+            env=poprun_env({"POPRUN_NO_DASHBOARD": "1"}), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE)) as job:
+        assert job.stdout.readline().startswith(b"squares")
+        workers = [int(p) for p in job.stdout.readline().split()[1:]]
+        assert workers and all(os.path.exists(f"/proc/{p}") for p in workers)
+        job.kill()
+        job.wait(30)
+    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers),
+               "the lifeline to kill the spawned workers")
+
+
+STORM = """
+import sys
+from mpi4py import MPI
+try:
+    MPI.COMM_SELF.Spawn(sys.executable, args=["-c", "pass"], maxprocs=10000)
+except MPI.Exception as exc:
+    print("refused", MPI.Get_error_class(exc.Get_error_code()) == MPI.ERR_OTHER, flush=True)
+child = "from mpi4py import MPI; p = MPI.Comm.Get_parent(); p.send('on', dest=0); p.Disconnect()"
+inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-c", child], maxprocs=2)
+print("then", inter.recv(source=0), flush=True)
+inter.Disconnect()
+"""
+
+
+def test_a_spawn_storm_is_refused_with_an_mpi_error_and_the_job_goes_on():
+    rc, out, err = poprun("-v", "--num-instances=1", sys.executable, "-c", STORM)
+    assert rc == 0, err[-3000:]
+    # (MPICH's UCX may warn on stdout of a message left over from the refused spawn.)
+    assert [line for line in out.splitlines() if "UCX  WARN" not in line] == [
+        "refused True", "then on"]
+    assert "spawn of 10000 processes refused: poprun starts at most 256 in one spawn" in err
+
+
+def test_a_failing_child_stops_the_job_with_its_spawning_instance_as_root_cause(tmp_path):
+    """(A newline cannot cross PMI-1's spawn message, as under Hydra: the child's program is
+    one line.)"""
+    child = "import sys; from mpi4py import MPI; MPI.Comm.Get_parent().Barrier(); sys.exit(3)"
+    program = ("import sys, time\nfrom mpi4py import MPI\n"
+               f"MPI.COMM_WORLD.Spawn(sys.executable, args=['-c', {child!r}]).Barrier()\n"
+               "time.sleep(60)\n")
+    out = tmp_path / "r.json"
+    rc, _, err = poprun("--num-instances=2", "--num-replicas=2", f"--result-json={out}",
+                        sys.executable, "-c", program)
+    assert rc != 0, err[-3000:]
+    assert "its spawned process [2,0] exited with 3" in err
+    assert json.loads(out.read_text())["root_cause"] == 0

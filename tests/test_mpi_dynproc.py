@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -230,6 +231,8 @@ def test_a_failing_child_stops_the_job_with_its_spawning_instance_as_root_cause(
     out = tmp_path / "r.json"
     rc, _, err = poprun("--num-instances=2", "--num-replicas=2", f"--result-json={out}",
                         sys.executable, "-c", program)
-    assert rc != 0, err[-3000:]
-    assert "its spawned process [2,0] exited with 3" in err
-    assert json.loads(out.read_text())["root_cause"] == 0
+    assert rc == 3, err[-3000:]
+    assert re.search(r"instance 0 \(pid \d+ on localhost\) failed first: MPI_Comm_spawn: its "
+                     r"spawned process \[2,0\] exited with 3", err), err[-3000:]
+    result = json.loads(out.read_text())
+    assert result["root_cause"] == 0 and result["instances"][0]["exit_status"] == 3

@@ -102,6 +102,8 @@ class Job:
         self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
         self.world = None  # the instances' MPI world (run/world.MpiWorld), where served
         self.spawned = None  # what its instances spawned (run/spawned.Spawned), once they do
+        # instance -> why a process it spawned failed and its status, for the first failure
+        self._child_failures: dict[int, tuple[str, int]] = {}
         self._lifeline: Lifeline | None = None
         self.mpi_aborts: dict[int, tuple[int, str]] = {}  # instance -> MPI_Abort's code, text
         self._unfinalized: set[int] = set()  # closed its MPI world before MPI_Finalize
@@ -439,12 +441,13 @@ class Job:
                                    self.world.names, self.world.unserved)
         return await self.spawned.for_world()(rank, request)
 
-    def child_failed(self, origin: int, why: str) -> None:
-        """A process instance `origin` spawned failed: the job stops as for a failed
-        instance, `origin` its root cause."""
+    def child_failed(self, origin: int, why: str, returncode: int) -> None:
+        """A process instance `origin` spawned failed (`returncode`, as a process's): the job
+        stops as for a failed instance, `origin` its root cause, ending with that status."""
         self.log.error(f"instance {origin}: {why}")
         if self.stop_reason == "success":
             self.root_cause = origin
+            self._child_failures[origin] = (why, returncode)
             self._stopping(f"instance {origin}: {why}")
             self._stop(signal.SIGTERM)
 
@@ -575,7 +578,8 @@ class Job:
                 first_output_time=self._wall(self._marks["first_output"].get(i)),
                 error=self.spawner_of[i].errors.get(i))
             for i, r in sorted(self.started.items()))
-        instances = tuple(self._as_aborted(inst) for inst in instances)
+        instances = tuple(self._as_child_failed(self._as_aborted(inst))
+                          for inst in instances)
         root, collateral = self.root_cause, {}  # what rootcause.analyze says of no failure
         if self.root_cause is not None:  # one failed: imported then, off a clean run's path
             from poprun import rootcause
@@ -607,6 +611,15 @@ class Job:
         return replace(inst, returncode=code & 0xFF, error=inst.error or {
             "type": "MPI_Abort", "message": f"exit code {code}" + (
                 f": {message}" if message and message != "abort" else "")})
+
+    def _as_child_failed(self, inst: InstanceResult) -> InstanceResult:
+        """An instance whose spawned process failed first ends with that process's status
+        and says so (its own end was poprun's SIGTERM, or came later)."""
+        if inst.index not in self._child_failures:
+            return inst
+        why, returncode = self._child_failures[inst.index]
+        return replace(inst, returncode=returncode, stopped_by_poprun=False,
+                       error=inst.error or {"type": "MPI_Comm_spawn", "message": why})
 
     def _wall(self, mono: float | None) -> float | None:
         """time.time() of a time.monotonic() instant of this job."""

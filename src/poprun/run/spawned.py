@@ -92,13 +92,15 @@ class Spawned:
 
     def _world(self, origin: int, placed: list[pmispawn.Placed],
                preput: dict[str, str]) -> PmiServer:
-        kvsname = f"{self._kvsname}-spawn{len(self._worlds) + 1}"
+        number = len(self._worlds) + 2  # the tag's job number: the instances are 1
+        kvsname = f"{self._kvsname}-spawn{number - 1}"
         server = PmiServer(
             kvsname, len(placed), process_mapping=process_mapping_for_ranks([0] * len(placed)),
             appnums={p.rank: p.appnum for p in placed}, names=self._names,
             on_spawn=self.for_world(origin), on_unserved=self._unserved,
             on_abort=lambda rank, code, message: self._job.child_failed(
-                origin, f"{kvsname} rank {rank} called MPI_Abort ({code})"))
+                origin, f"its spawned process [{number},{rank}] called MPI_Abort ({code})",
+                code & 0xFF))
         for key, value in preput.items():
             err = server.kvs.check(key, value)
             if err:
@@ -161,7 +163,7 @@ class Spawned:
                            f"{returncode}")
         if returncode != 0:
             self._job.child_failed(child.origin, f"its spawned process [{child.label}] "
-                                   f"exited with {returncode}")
+                                   f"exited with {returncode}", returncode)
 
     async def close(self) -> None:
         """Stop serving the spawned worlds (their processes are gone) and remove what MPICH

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun
+from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, run_poprunctl
 from sshd_hosts import wait_until
 from test_mpi_world import mpich, run_across, two_hosts  # noqa: F401 (fixtures)
 
@@ -131,13 +131,19 @@ def spawning(tmp_path, multiple: bool) -> str:
 
 
 def test_spawn_starts_its_children_with_their_arguments_and_info_keys(tmp_path):
-    rc, out, err = poprun("-v", "--tag-output", "--num-instances=1", sys.executable,
-                          spawning(tmp_path, False))
+    result = tmp_path / "r.json"
+    rc, out, err = poprun("-v", "--tag-output", "--num-instances=1", f"--result-json={result}",
+                          sys.executable, spawning(tmp_path, False))
     assert rc == 0, err[-3000:]
     assert sorted(out.splitlines()) == ["[1,0]<stdout>:parent 3 6"] + [
         f"[2,{r}]<stdout>:child {r} 3 0 ['one', 'a b'] {tmp_path} 1" for r in range(3)]
     assert "instance 0: spawn info key 'soft' ignored" in err
     assert "instance 0: spawned 3 process(es) in world" in err
+    spawned = json.loads(result.read_text())["spawned"]
+    assert [(c["tag"], c["spawned_by"], c["exit_status"]) for c in spawned] == [
+        ("2,0", 0, 0), ("2,1", 0, 0), ("2,2", 0, 0)]
+    assert {c["kvsname"] for c in spawned} == {json.loads(result.read_text())[
+        "mpi_worlds"]["localhost"][0] + "-spawn1"}
 
 
 def test_spawn_multiple_gives_each_command_its_arguments_appnum_and_info(tmp_path):
@@ -184,14 +190,22 @@ def test_an_mpi_pool_of_three_workers_gives_the_right_results(tmp_path):
     assert 1 <= len(workers.split()[1:]) <= 3
 
 
-def test_a_killed_poprun_leaves_none_of_the_pool_s_workers(tmp_path):
+def test_a_killed_poprun_leaves_none_of_the_pool_s_workers(tmp_path, job_state):
+    """poprunctl shows the workers while they run; a SIGKILL of poprun leaves none."""
     with reaped(subprocess.Popen(
             poprun_argv(*OFFLINE, "--num-instances=1", sys.executable, pool(tmp_path, True)),
-            env=poprun_env({"POPRUN_NO_DASHBOARD": "1"}), stdout=subprocess.PIPE,
+            env=poprun_env({**job_state, "POPRUN_NO_DASHBOARD": "1"}), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE)) as job:
         assert job.stdout.readline().startswith(b"squares")
         workers = [int(p) for p in job.stdout.readline().split()[1:]]
         assert workers and all(os.path.exists(f"/proc/{p}") for p in workers)
+        [listed] = json.loads(run_poprunctl("list", "--json", env=job_state).stdout)["jobs"]
+        shown = json.loads(run_poprunctl("show", "--json", listed["id"], env=job_state).stdout)
+        assert [(c["tag"], c["spawned_by"], c["exit_status"]) for c in shown["spawned"]] == [
+            ("2,0", 0, None), ("2,1", 0, None), ("2,2", 0, None)]
+        assert set(workers) <= {c["pid"] for c in shown["spawned"]}
+        text = run_poprunctl("show", listed["id"], env=job_state, text=True).stdout
+        assert f"spawned [2,0] by instance 0: pid {shown['spawned'][0]['pid']}, running" in text
         job.kill()
         job.wait(30)
     wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers),

@@ -111,6 +111,9 @@ class LaunchResult:
     # The job's record (poprun/jobctl/records.py): id, argv, cwd, hosts, launcher, caches, partition...
     # (jobctl/watch.JobRecord.meta); None for a launch that was not registered.
     job: Mapping[str, Any] | None = None
+    # The processes the instances started with MPI_Comm_spawn (run/spawned.py), in order:
+    # {tag: "2,0", spawned_by: instance, pid, exit_status (null: still running), kvsname}.
+    spawned: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -210,7 +213,7 @@ class LaunchResult:
             stop_signal=signal_name(self.stop_signal) if self.stop_signal else None,
             output_error=self.output_error, scheduler_stop=self.scheduler_stop,
             attempts=[earlier.to_json() for earlier in self.attempts],
-            start_time=self.start_time, phases=self.phases, instances=[instance_json(
+            spawned=[dict(child) for child in self.spawned], start_time=self.start_time, phases=self.phases, instances=[instance_json(
                 i.index, i.host, i.pid, i.returncode, _state(i), lines=i.lines,
                 start_time=i.start_time, end_time=i.end_time,
                 first_output_time=i.first_output_time, outcome=_outcome(i), lost=i.lost,
@@ -223,7 +226,7 @@ class LaunchResult:
 # ran. `job_json` is the only writer of it.
 _UNENDED = {"stall": None, "exit_code": None, "exit_reason": None, "root_cause": None,
             "stop_signal": None, "output_error": None, "scheduler_stop": None, "attempts": [],
-            "start_time": None, "phases": {}, "instances": []}
+            "start_time": None, "phases": {}, "instances": [], "spawned": []}
 
 
 def job_json(state: str, job: Mapping[str, Any] | None = None, **fields: Any) -> dict:

@@ -594,7 +594,8 @@ class Job:
         return LaunchResult(instances=instances, exit_code=code, root_cause=root,
                             stop_signal=self.stop_signal, phases=self._phases(instances),
                             start_time=self.launch_time, output_error=self.output_error,
-                            stall=self.stall)
+                            stall=self.stall,
+                            spawned=self.spawned.to_json() if self.spawned else ())
 
     def _as_aborted(self, inst: InstanceResult) -> InstanceResult:
         """An instance that called MPI_Abort ends with the abort's code and says so (its own

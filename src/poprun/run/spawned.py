@@ -30,10 +30,10 @@ from spawner.pmi import PmiError, PmiServer, process_mapping_for_ranks
 class Child:
     """One spawned process: its tag, the instance whose spawn (or whose child's) made it."""
 
-    __slots__ = ("label", "origin", "pid", "returncode")
+    __slots__ = ("label", "origin", "pid", "kvsname", "returncode")
 
-    def __init__(self, label: str, origin: int, pid: int) -> None:
-        self.label, self.origin, self.pid = label, origin, pid
+    def __init__(self, label: str, origin: int, pid: int, kvsname: str) -> None:
+        self.label, self.origin, self.pid, self.kvsname = label, origin, pid, kvsname
         self.returncode: int | None = None
 
 
@@ -74,13 +74,13 @@ class Spawned:
                 if process.wdir and not os.path.isdir(os.path.join(self._job.cwd,
                                                                    process.wdir)):
                     raise PmiError(f"spawn: wdir {process.wdir}: no such directory")
-            server = self._world(origin, placed, request.preput)
+            number = len(self._worlds) + 2  # the tag's job number: the instances are 1
+            server = self._world(origin, number, placed, request.preput)
         except PmiError as exc:
             return pmispawn.spawn_reply(1, msg=str(exc))
         for key in sorted(set(ignored)):
             log.info(f"instance {origin}: spawn info key {key!r} ignored (poprun acts on "
                      f"{', '.join(pmispawn.INFO_KEYS)})")
-        number = len(self._worlds) + 1  # the tag's job number: the instances are 1
         try:
             pids = self._start(origin, number, server, placed)
         except OSError as exc:
@@ -90,9 +90,8 @@ class Spawned:
                  f"{server.kvsname}, tagged [{number},*] (pids {', '.join(map(str, pids))})")
         return pmispawn.spawn_reply(0, len(placed))
 
-    def _world(self, origin: int, placed: list[pmispawn.Placed],
+    def _world(self, origin: int, number: int, placed: list[pmispawn.Placed],
                preput: dict[str, str]) -> PmiServer:
-        number = len(self._worlds) + 2  # the tag's job number: the instances are 1
         kvsname = f"{self._kvsname}-spawn{number - 1}"
         server = PmiServer(
             kvsname, len(placed), process_mapping=process_mapping_for_ranks([0] * len(placed)),
@@ -135,7 +134,8 @@ class Spawned:
             finally:
                 theirs.close()
             pids.append(pid)
-            self.children[key] = Child(f"{number},{process.rank}", origin, pid)
+            self.children[key] = Child(f"{number},{process.rank}", origin, pid,
+                                       server.kvsname)
         return pids
 
     def _here(self) -> set[str]:
@@ -164,6 +164,13 @@ class Spawned:
         if returncode != 0:
             self._job.child_failed(child.origin, f"its spawned process [{child.label}] "
                                    f"exited with {returncode}", returncode)
+
+    def to_json(self) -> tuple[dict, ...]:
+        """The spawned processes, for the job's result (`--result-json`'s `spawned`)."""
+        return tuple({"tag": c.label, "spawned_by": c.origin, "pid": c.pid,
+                      "exit_status": (None if c.returncode is None else c.returncode
+                                      if c.returncode >= 0 else 128 - c.returncode),
+                      "kvsname": c.kvsname} for c in self.children.values())
 
     async def close(self) -> None:
         """Stop serving the spawned worlds (their processes are gone) and remove what MPICH

@@ -2,7 +2,8 @@
 every command poprun does not serve is answered at once with an error (and said), names are
 published, looked up and unpublished in the job's table (an agent's through its upstream),
 and MPICH's multi-line spawn message is read, bounded, and parsed (spawner/pmi.py,
-spawner/pminames.py, spawner/pmispawn.py). The real MPICH + mpi4py programs are
+spawner/pminames.py, spawner/pmispawn.py); fuzzed (Hypothesis) into the server and into a real
+launch, where nothing an instance writes makes poprun fail. The real MPICH + mpi4py programs are
 tests/test_mpi_dynproc.py's.
 
 The wire format is MPICH's client's (pmodels/mpich src/pmi/src/pmi_wire.c: PMIU_msg_set_query_spawn,
@@ -10,10 +11,14 @@ PMIU_cmd_output_v1_mcmd; src/pmi/maint/pmi-1.1.txt), written out here as MPICH w
 """
 
 import asyncio
+import sys
 
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from spawner import pmi, pminames, pmispawn
+from conftest import OFFLINE, run_poprun
 from test_pmi import Client, run
 
 T = pytest.mark.timeout
@@ -184,3 +189,71 @@ def test_names_are_the_job_s_across_the_root_and_an_agent():
         await agent.close()
         await root.close()
     run(main())
+
+
+# ===================================================================== fuzzing
+
+SPAWN_WORDS = [b"mcmd=spawn", b"endcmd", b"nprocs=", b"execname=", b"totspawns=",
+               b"spawnssofar=", b"argcnt=", b"arg1=", b"preput_num=", b"preput_key_0=",
+               b"preput_val_0=", b"info_num=", b"info_key_0=", b"info_val_0=", b"1", b"2",
+               b"10000", b"-1", b"cmd=publish_name", b"cmd=lookup_name",
+               b"cmd=unpublish_name", b" service=", b" port=", b"=", b"\n", b"\\", b"\xff"]
+spawn_bytes = st.lists(st.one_of(st.binary(max_size=20), st.sampled_from(SPAWN_WORDS)),
+                       max_size=60).map(b"".join)
+
+
+@settings(max_examples=300, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(spawn_bytes, max_size=6))
+def test_a_pmi_server_survives_any_spawn_messages_and_names(messages):
+    """What an instance writes, spawn messages and names among it, straight into the
+    server: it answers or drops the connection, never crashes; every spawn it hands on is
+    within the bounds."""
+    asked = []
+
+    async def on_spawn(rank, request):
+        asked.append(request)
+        return pmispawn.spawn_reply(1, msg="fuzz")
+
+    async def main():
+        server = pmi.PmiServer("poprun-fuzz-1", 1, on_spawn=on_spawn)
+        reader, writer = await asyncio.open_unix_connection(sock=server.attach(0))
+        writer.write(b"".join(m + b"\n" for m in messages))
+        writer.write_eof()
+        while await asyncio.wait_for(reader.read(65536), 10):
+            pass
+        writer.close()
+        await server.close()
+        assert len(server.names) <= pminames.NAMES_MAX
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+    for request in asked:
+        assert 1 <= len(request.commands) <= pmispawn.COMMANDS_MAX
+        assert 1 <= request.total <= pmispawn.SPAWN_MAX
+        assert all(c.execname and c.nprocs >= 1 for c in request.commands)
+
+
+WRITER = """
+import os, socket, sys
+s = socket.socket(fileno=int(os.environ["PMI_FD"]))
+s.sendall(bytes.fromhex(sys.argv[1]))
+s.shutdown(socket.SHUT_WR)
+while s.recv(65536):
+    pass
+"""
+
+
+@settings(max_examples=4, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=list(HealthCheck))
+@given(st.lists(spawn_bytes.map(lambda m: m.replace(b"execname=", b"execname=true")),
+                max_size=6))
+@T(300)
+def test_a_launch_survives_any_spawn_messages_and_names(messages):
+    """An instance writes them to its PMI socket under a real poprun (any spawn it makes
+    valid starts `true`): the job ends 0 or 1 (an MPI process that left without
+    MPI_Finalize), never as poprun's own failure."""
+    data = b"".join(m + b"\n" for m in messages)
+    proc = run_poprun(*OFFLINE, "--num-instances=1", sys.executable, "-c", WRITER, data.hex(),
+                      timeout=60)
+    assert proc.returncode in (0, 1), proc.stderr.decode()[-3000:]
+    assert b"Traceback" not in proc.stderr

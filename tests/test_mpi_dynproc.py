@@ -250,3 +250,46 @@ def test_a_failing_child_stops_the_job_with_its_spawning_instance_as_root_cause(
                      r"spawned process \[2,0\] exited with 3", err), err[-3000:]
     result = json.loads(out.read_text())
     assert result["root_cause"] == 0 and result["instances"][0]["exit_status"] == 3
+
+
+# The last rank (on another host than poprun's) spawns two children; they start on poprun's
+# host and connect back to it across hosts.
+ACROSS_SPAWN = """
+import socket, sys
+from mpi4py import MPI
+parent = MPI.Comm.Get_parent()
+if parent == MPI.COMM_NULL:
+    world = MPI.COMM_WORLD
+    if world.Get_rank() == world.Get_size() - 1:
+        inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-c", sys.argv[1]], maxprocs=2)
+        print("parent", world.Get_rank(), inter.reduce(None, op=MPI.SUM, root=MPI.ROOT),
+              flush=True)
+        inter.Disconnect()
+    world.Barrier()
+"""
+ACROSS_CHILD = ("from mpi4py import MPI; p = MPI.Comm.Get_parent(); "
+                "p.reduce(MPI.COMM_WORLD.Get_rank() + 10, op=MPI.SUM, root=0); p.Disconnect()")
+
+
+def test_an_instance_on_another_host_spawns_children_on_poprun_s_host(two_hosts, tmp_path):
+    """Instances 0-1 here, 2-3 on h2: instance 3's spawn goes to poprun (SPAWN_ASK), its
+    children start here and connect to it on h2."""
+    proc, result = run_across(two_hosts, tmp_path, "localhost,h2",
+                              ACROSS_SPAWN.replace("sys.argv[1]", repr(ACROSS_CHILD)))
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    assert proc.stdout.decode().splitlines() == ["parent 3 21"]
+    assert [(c["tag"], c["spawned_by"], c["exit_status"]) for c in result["spawned"]] == [
+        ("2,0", 3, 0), ("2,1", 3, 0)]
+    assert "instance 3: spawned 2 process(es)" in err
+
+
+def test_a_spawn_where_poprun_s_host_runs_no_instance_is_an_mpi_error(two_hosts, tmp_path):
+    program = ("import sys\nfrom mpi4py import MPI\ntry:\n"
+               "    MPI.COMM_SELF.Spawn(sys.executable, args=['-c', 'pass'], maxprocs=1)\n"
+               "except MPI.Exception:\n    print('refused', flush=True)\n")
+    proc, _ = run_across(two_hosts, tmp_path, "h1,h2", program)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    assert proc.stdout.decode().splitlines() == ["refused"] * 4
+    assert "poprun's host runs none of the job's instances" in err

@@ -6,7 +6,8 @@ watched until it speaks: spawner/pmiends.py); then an agent-mode PmiServer (spaw
 answers them, and goes to the launcher only where the world is bigger than this host: ONE
 BARRIER_IN per barrier for all of this host's instances (with their puts), answered by
 BARRIER_OUT with every put of that epoch; a GET for a key this host has not seen; a NAME to
-publish, unpublish or look up (the job's names are the launcher's: spawner/pminames.py); an
+publish, unpublish or look up (the job's names are the launcher's: spawner/pminames.py); a
+SPAWN_ASK for an instance's MPI_Comm_spawn (the launcher starts the children); an
 instance's MPI_ABORT or a connection closed before MPI_Finalize (MPI_LOST), for the job to act
 on; PMI_UNSERVED, for the launcher's -v line, where a command was answered with an error.
 What MPICH leaves in /dev/shm is removed when the launcher ends the world (WORLD_END), when
@@ -52,7 +53,8 @@ class AgentWorld:
         self.server = None  # spawner.pmi.PmiServer, once an instance here has spoken
         self._barrier: asyncio.Future | None = None
         self._gets: dict[int, asyncio.Future] = {}
-        self._names: dict[int, asyncio.Future] = {}  # NAME frames awaiting their NAMED
+        # NAME and SPAWN_ASK frames awaiting their NAMED and SPAWNED_ANSWER
+        self._names: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._pmix = None  # this host's PMIx service, where Open MPI's world is served too
         self.pmix_ns = None  # the world's namespace on it (spawner.pmixserver.Namespace)
@@ -93,7 +95,7 @@ class AgentWorld:
         self.server = PmiServer(self.kvsname, self.size, local_ranks=self.ranks,
                                 process_mapping=process_mapping_for_ranks(self._nodes),
                                 upstream=self, on_abort=self._aborted, on_lost=self._lost,
-                                on_unserved=self._unserved)
+                                on_unserved=self._unserved, on_spawn=self._spawn)
         for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
 
@@ -115,6 +117,16 @@ class AgentWorld:
         future = self._names[ask] = asyncio.get_running_loop().create_future()
         self._send(encode(Kind.NAME, kvsname=self.kvsname, id=ask, op=op, service=service,
                           port=port))
+        return await future
+
+    async def _spawn(self, rank: int, request) -> dict:
+        """An instance here called MPI_Comm_spawn: the launcher starts the children."""
+        from .pmispawn import request_json
+
+        ask = next(self._ids)
+        future = self._names[ask] = asyncio.get_running_loop().create_future()
+        self._send(encode(Kind.SPAWN_ASK, kvsname=self.kvsname, id=ask, key=rank,
+                          request=request_json(request)))
         return await future
 
     def _unserved(self, rank: int, cmd: str, why: str) -> None:
@@ -180,6 +192,10 @@ class AgentWorld:
             future = self._names.pop(int(fields["id"]), None)
             if future is not None and not future.done():
                 future.set_result((int(fields["rc"]), str(fields.get("value") or "")))
+        elif kind is Kind.SPAWNED_ANSWER:
+            future = self._names.pop(int(fields["id"]), None)
+            if future is not None and not future.done():
+                future.set_result(dict(fields["reply"]))
         else:
             future = self._gets.pop(int(fields["id"]), None)
             if future is not None and not future.done():

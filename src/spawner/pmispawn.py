@@ -204,3 +204,40 @@ def place(request: SpawnRequest, here: set[str], job_hosts: set[str]
             placed.append(Placed([execname, *command.args], info.get("wdir") or None, appnum,
                                  len(placed)))
     return placed, ignored
+
+
+def request_json(request: SpawnRequest) -> dict:
+    """The request as an agent sends it to the launcher (SPAWN_ASK)."""
+    return {"commands": [{"execname": c.execname, "nprocs": c.nprocs, "args": c.args,
+                          "info": c.info} for c in request.commands],
+            "preput": request.preput}
+
+
+def request_from_json(fields: object) -> SpawnRequest:
+    """An agent's SPAWN_ASK request, checked again (an agent's host is hostile input too):
+    PmiError where it is not one parse_spawn could have made."""
+    def text(value: object) -> str:
+        if not isinstance(value, str) or "\n" in value or len(value) > MCMD_MAX_BYTES:
+            raise PmiError("spawn: a bad string")
+        return value
+
+    def texts(value: object) -> dict[str, str]:
+        if not isinstance(value, dict) or len(value) > MCMD_MAX_LINES:
+            raise PmiError("spawn: a bad mapping")
+        return {text(k): text(v) for k, v in value.items()}
+
+    if not isinstance(fields, dict) or not isinstance(fields.get("commands"), list):
+        raise PmiError("spawn: no commands")
+    commands = []
+    for c in fields["commands"][:COMMANDS_MAX + 1]:
+        if not isinstance(c, dict) or type(c.get("nprocs")) is not int or not isinstance(
+                c.get("args"), list) or len(c["args"]) > MCMD_MAX_LINES:
+            raise PmiError("spawn: a bad command")
+        commands.append(Command(text(c.get("execname")), c["nprocs"],
+                                [text(a) for a in c["args"]], texts(c.get("info"))))
+    request = SpawnRequest(commands, texts(fields.get("preput")))
+    if not 1 <= len(commands) <= COMMANDS_MAX or not all(
+            c.execname and c.nprocs >= 1 for c in commands) or request.total > SPAWN_MAX:
+        raise PmiError(f"spawn: {len(commands)} commands of {request.total} processes "
+                       "refused")
+    return request

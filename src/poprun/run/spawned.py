@@ -65,6 +65,9 @@ class Spawned:
         """Start `request` for instance `origin`; the spawn_result fields."""
         log = self._job.log
         try:
+            if all(inst.host in self._job.remote for inst in self._job.plan.instances):
+                raise PmiError("spawn: poprun's host runs none of the job's instances, and "
+                               "spawned processes start only there so far")
             placed, ignored = pmispawn.place(request, self._here(), self._job_hosts())
             if len(self.alive()) + len(placed) > pmispawn.SPAWNED_MAX:
                 raise PmiError(f"spawn of {len(placed)} refused: the job has "

@@ -189,7 +189,11 @@ class MpiWorld:
             return
         if self.server is None:
             self._start_server()
-        if frame.kind is Kind.NAME:
+        if frame.kind is Kind.SPAWN_ASK:
+            task = self.loop.create_task(self._spawn_for(spawner, fields))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif frame.kind is Kind.NAME:
             rc, value = self.names.answer(str(fields.get("op")),
                                           str(fields.get("service") or ""),
                                           str(fields.get("port") or ""))
@@ -203,6 +207,23 @@ class MpiWorld:
                                                        dict(fields["puts"])))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _spawn_for(self, spawner, fields) -> None:
+        """An agent's instance called MPI_Comm_spawn: its children start here."""
+        from spawner.pmi import PmiError
+        from spawner.pmispawn import request_from_json, spawn_reply
+        from spawner.protocol import Kind
+
+        try:
+            request = request_from_json(fields.get("request"))
+            rank = int(fields["key"])
+            if not 0 <= rank < len(self._plan.instances) or self.on_spawn is None:
+                raise PmiError("spawn: not served")
+        except (PmiError, ValueError, TypeError) as exc:
+            reply = spawn_reply(1, msg=str(exc))
+        else:
+            reply = await self.on_spawn(rank, request)
+        spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=fields["id"], reply=reply)
 
     def unserved(self, rank: int, cmd: str, why: str) -> None:
         """An instance's PMI-1 command was answered with an error, at once (never a silent

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from spawner import pmi, pminames, pmispawn
 from conftest import OFFLINE, run_poprun
+from test_fuzz_surfaces import ABORTER as WRITES  # writes its argument's bytes to PMI_FD
 from test_pmi import Client, run
 
 T = pytest.mark.timeout
@@ -233,16 +234,6 @@ def test_a_pmi_server_survives_any_spawn_messages_and_names(messages):
         assert all(c.execname and c.nprocs >= 1 for c in request.commands)
 
 
-WRITER = """
-import os, socket, sys
-s = socket.socket(fileno=int(os.environ["PMI_FD"]))
-s.sendall(bytes.fromhex(sys.argv[1]))
-s.shutdown(socket.SHUT_WR)
-while s.recv(65536):
-    pass
-"""
-
-
 @settings(max_examples=4, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=list(HealthCheck))
 @given(st.lists(spawn_bytes.map(lambda m: m.replace(b"execname=", b"execname=true")),
@@ -253,7 +244,7 @@ def test_a_launch_survives_any_spawn_messages_and_names(messages):
     valid starts `true`): the job ends 0 or 1 (an MPI process that left without
     MPI_Finalize), never as poprun's own failure."""
     data = b"".join(m + b"\n" for m in messages)
-    proc = run_poprun(*OFFLINE, "--num-instances=1", sys.executable, "-c", WRITER, data.hex(),
+    proc = run_poprun(*OFFLINE, "--num-instances=1", sys.executable, "-c", WRITES, data.hex(),
                       timeout=60)
     assert proc.returncode in (0, 1), proc.stderr.decode()[-3000:]
     assert b"Traceback" not in proc.stderr

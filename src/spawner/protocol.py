@@ -109,10 +109,10 @@ from typing import Any, NamedTuple
 from .local import Stream
 
 # 5: HELLO's mktemp; 6: PMIx (WORLD's pmix, FENCE_*, MODEX_*), FACTS, HELLO's open_files,
-# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: NAME, NAMED,
-# PMI_UNSERVED, SPAWN_ASK, SPAWNED_ANSWER (MPI's published names and spawns, PMI-1 commands
-# not served)
-PROTOCOL_VERSION = 7
+# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7 (main's): SPAWN's
+# container; 8: NAME, NAMED, PMI_UNSERVED, SPAWN_ASK, SPAWNED_ANSWER (MPI's published names
+# and spawns, PMI-1 commands not served)
+PROTOCOL_VERSION = 8
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)

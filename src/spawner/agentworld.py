@@ -54,7 +54,7 @@ class AgentWorld:
         self._barrier: asyncio.Future | None = None
         self._gets: dict[int, asyncio.Future] = {}
         # NAME and SPAWN_ASK frames awaiting their NAMED and SPAWNED_ANSWER
-        self._names: dict[int, asyncio.Future] = {}
+        self._asks: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._pmix = None  # this host's PMIx service, where Open MPI's world is served too
         self.pmix_ns = None  # the world's namespace on it (spawner.pmixserver.Namespace)
@@ -114,7 +114,7 @@ class AgentWorld:
 
     async def name(self, op: str, service: str, port: str = "") -> tuple[int, str]:
         ask = next(self._ids)
-        future = self._names[ask] = asyncio.get_running_loop().create_future()
+        future = self._asks[ask] = asyncio.get_running_loop().create_future()
         self._send(encode(Kind.NAME, kvsname=self.kvsname, id=ask, op=op, service=service,
                           port=port))
         return await future
@@ -124,7 +124,7 @@ class AgentWorld:
         from .pmispawn import request_json
 
         ask = next(self._ids)
-        future = self._names[ask] = asyncio.get_running_loop().create_future()
+        future = self._asks[ask] = asyncio.get_running_loop().create_future()
         self._send(encode(Kind.SPAWN_ASK, kvsname=self.kvsname, id=ask, key=rank,
                           request=request_json(request)))
         return await future
@@ -189,11 +189,11 @@ class AgentWorld:
             else:
                 future.set_result(dict(fields["puts"]))
         elif kind is Kind.NAMED:
-            future = self._names.pop(int(fields["id"]), None)
+            future = self._asks.pop(int(fields["id"]), None)
             if future is not None and not future.done():
                 future.set_result((int(fields["rc"]), str(fields.get("value") or "")))
         elif kind is Kind.SPAWNED_ANSWER:
-            future = self._names.pop(int(fields["id"]), None)
+            future = self._asks.pop(int(fields["id"]), None)
             if future is not None and not future.done():
                 future.set_result(dict(fields["reply"]))
         else:

@@ -101,7 +101,7 @@ class MpiWorld:
         self._ends = PmiEnds(loop, self._start_server)
         self._log = log
         self.names = None  # the job's published names (spawner/pminames.py), once served
-        self.on_spawn = None  # run/spawned.Spawned.spawn, where spawns are served (the job's)
+        self.on_spawn = None  # the job's MPI_Comm_spawn (Job._spawn_children: run/spawned.py)
         self._tasks: set[asyncio.Task] = set()
         self.server = None  # spawner.pmi.PmiServer, once an instance or an agent has spoken
         self._cleans_here = False  # MPICH may leave segments on this host (local instances)

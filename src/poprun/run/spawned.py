@@ -65,6 +65,8 @@ class Spawned:
         """Start `request` for instance `origin`; the spawn_result fields."""
         log = self._job.log
         try:
+            if self._job.stop_reason != "success":  # its stop would miss them
+                raise PmiError(f"spawn refused: the job is stopping ({self._job.stop_reason})")
             if all(inst.host in self._job.remote for inst in self._job.plan.instances):
                 raise PmiError("spawn: poprun's host runs none of the job's instances, and "
                                "spawned processes start only there so far")
@@ -99,7 +101,9 @@ class Spawned:
         server = PmiServer(
             kvsname, len(placed), process_mapping=process_mapping_for_ranks([0] * len(placed)),
             appnums={p.rank: p.appnum for p in placed}, names=self._names,
-            on_spawn=self.for_world(origin), on_unserved=self._unserved,
+            on_spawn=self.for_world(origin),
+            on_unserved=lambda rank, cmd, why: self._unserved(
+                origin, cmd, f"(from its spawned process [{number},{rank}]) {why}"),
             on_abort=lambda rank, code, message: self._job.child_failed(
                 origin, f"its spawned process [{number},{rank}] called MPI_Abort ({code})",
                 code & 0xFF))

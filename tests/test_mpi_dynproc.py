@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, run_poprunctl
+from spawner.reaphere import mpich_shm_leftovers
 from sshd_hosts import wait_until
 from test_mpi_world import mpich, run_across, two_hosts  # noqa: F401 (fixtures)
 
@@ -191,7 +192,8 @@ def test_an_mpi_pool_of_three_workers_gives_the_right_results(tmp_path):
 
 
 def test_a_killed_poprun_leaves_none_of_the_pool_s_workers(tmp_path, job_state):
-    """poprunctl shows the workers while they run; a SIGKILL of poprun leaves none."""
+    """poprunctl shows the workers while they run; a SIGKILL of poprun leaves none, nor
+    what MPICH made in /dev/shm for their world."""
     with reaped(subprocess.Popen(
             poprun_argv(*OFFLINE, "--num-instances=1", sys.executable, pool(tmp_path, True)),
             env=poprun_env({**job_state, "POPRUN_NO_DASHBOARD": "1"}), stdout=subprocess.PIPE,
@@ -210,6 +212,8 @@ def test_a_killed_poprun_leaves_none_of_the_pool_s_workers(tmp_path, job_state):
         job.wait(30)
     wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers),
                "the lifeline to kill the spawned workers")
+    kvsname = shown["spawned"][0]["kvsname"]  # and their world's segment goes too
+    wait_until(lambda: not mpich_shm_leftovers(kvsname), "the watchdog to remove the segment")
 
 
 STORM = """

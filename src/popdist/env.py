@@ -78,6 +78,7 @@ PMI_SIZE = "PMI_SIZE"
 PMI_HOSTNAME = "PMI_HOSTNAME"  # MPICH's ofi netmod picks its network card by it
 MPI_LOCALRANKID = "MPI_LOCALRANKID"
 MPI_LOCALNRANKS = "MPI_LOCALNRANKS"
+PMI_SPAWNED = "PMI_SPAWNED"  # 1: a process MPI_Comm_spawn started (run/spawned.py)
 
 # --- Horovod's Gloo world, as `horovodrun --gloo` sets it (horovod/runner/gloo_run.py) -------
 HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"  # the same for every instance of a host (its scope)

@@ -120,6 +120,9 @@ class LaunchResult:
     quarantined: tuple[Mapping[str, Any], ...] = ()
     # The highest step any instance gave popdist.progress() in this attempt; None: none did.
     highest_step: int | None = None
+    # The processes the instances started with MPI_Comm_spawn (run/spawned.py), in order:
+    # {tag: "2,0", spawned_by: instance, pid, exit_status (null: still running), kvsname}.
+    spawned: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -266,6 +269,7 @@ class LaunchResult:
             output_error=self.output_error, scheduler_stop=self.scheduler_stop,
             attempts=[earlier.to_json() for earlier in self.attempts],
             quarantined=[dict(q) for q in self.quarantined],
+            spawned=[dict(child) for child in self.spawned],
             start_time=self.start_time, phases=self.phases, instances=[instance_json(
                 i.index, i.host, i.pid, i.returncode, _state(i), lines=i.lines,
                 start_time=i.start_time, end_time=i.end_time,
@@ -281,7 +285,7 @@ _UNENDED = {"stall": None, "exit_code": None, "exit_reason": None, "exit_class":
             "highest_step": None, "root_cause": None,
             "stop_signal": None, "output_error": None, "scheduler_stop": None, "attempts": [],
             "quarantined": [],
-            "start_time": None, "phases": {}, "instances": []}
+            "start_time": None, "phases": {}, "instances": [], "spawned": []}
 
 
 def job_json(state: str, job: Mapping[str, Any] | None = None, **fields: Any) -> dict:

@@ -362,6 +362,8 @@ class Agent:
                           Kind.WORLD_END: self._end_world,
                           Kind.BARRIER_OUT: partial(self._to_world, Kind.BARRIER_OUT),
                           Kind.VALUE: partial(self._to_world, Kind.VALUE),
+                          Kind.NAMED: partial(self._to_world, Kind.NAMED),
+                          Kind.SPAWNED_ANSWER: partial(self._to_world, Kind.SPAWNED_ANSWER),
                           Kind.FENCE_OUT: partial(self._to_world, Kind.FENCE_OUT),
                           Kind.MODEX_ASK: partial(self._to_world, Kind.MODEX_ASK),
                           Kind.MODEX_DATA: partial(self._to_world, Kind.MODEX_DATA),

@@ -5,9 +5,12 @@ The launcher's WORLD frame says which of its ranks run here. Each gets a PMI soc
 watched until it speaks: spawner/pmiends.py); then an agent-mode PmiServer (spawner/pmi.py)
 answers them, and goes to the launcher only where the world is bigger than this host: ONE
 BARRIER_IN per barrier for all of this host's instances (with their puts), answered by
-BARRIER_OUT with every put of that epoch; a GET for a key this host has not seen; an
+BARRIER_OUT with every put of that epoch; a GET for a key this host has not seen; a NAME to
+publish, unpublish or look up (the job's names are the launcher's: spawner/pminames.py); a
+SPAWN_ASK for an instance's MPI_Comm_spawn (the launcher starts the children); an
 instance's MPI_ABORT or a connection closed before MPI_Finalize (MPI_LOST), for the job to act
-on. What MPICH leaves in /dev/shm is removed when the launcher ends the world (WORLD_END), when
+on; PMI_UNSERVED, for the launcher's -v line, where a command was answered with an error.
+What MPICH leaves in /dev/shm is removed when the launcher ends the world (WORLD_END), when
 the agent ends, and by its lifeline's watchdog when the agent is killed outright.
 
 Where the WORLD frame asks for it, Open MPI's world is served here too: this host's PMIx
@@ -50,6 +53,8 @@ class AgentWorld:
         self.server = None  # spawner.pmi.PmiServer, once an instance here has spoken
         self._barrier: asyncio.Future | None = None
         self._gets: dict[int, asyncio.Future] = {}
+        # NAME and SPAWN_ASK frames awaiting their NAMED and SPAWNED_ANSWER
+        self._asks: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._pmix = None  # this host's PMIx service, where Open MPI's world is served too
         self.pmix_ns = None  # the world's namespace on it (spawner.pmixserver.Namespace)
@@ -89,7 +94,8 @@ class AgentWorld:
             self._lifeline.add_mpi_world(self.kvsname)
         self.server = PmiServer(self.kvsname, self.size, local_ranks=self.ranks,
                                 process_mapping=process_mapping_for_ranks(self._nodes),
-                                upstream=self, on_abort=self._aborted, on_lost=self._lost)
+                                upstream=self, on_abort=self._aborted, on_lost=self._lost,
+                                on_unserved=self._unserved, on_spawn=self._spawn)
         for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
 
@@ -105,6 +111,26 @@ class AgentWorld:
         future = self._gets[ask] = asyncio.get_running_loop().create_future()
         self._send(encode(Kind.GET, kvsname=self.kvsname, id=ask, key=key))
         return await future
+
+    async def name(self, op: str, service: str, port: str = "") -> tuple[int, str]:
+        ask = next(self._ids)
+        future = self._asks[ask] = asyncio.get_running_loop().create_future()
+        self._send(encode(Kind.NAME, kvsname=self.kvsname, id=ask, op=op, service=service,
+                          port=port))
+        return await future
+
+    async def _spawn(self, rank: int, request) -> dict:
+        """An instance here called MPI_Comm_spawn: the launcher starts the children."""
+        from .pmispawn import request_json
+
+        ask = next(self._ids)
+        future = self._asks[ask] = asyncio.get_running_loop().create_future()
+        self._send(encode(Kind.SPAWN_ASK, kvsname=self.kvsname, id=ask, key=rank,
+                          request=request_json(request)))
+        return await future
+
+    def _unserved(self, rank: int, cmd: str, why: str) -> None:
+        self._send(encode(Kind.PMI_UNSERVED, kvsname=self.kvsname, key=rank, cmd=cmd, why=why))
 
     # --- this host's PMIx server (spawner.pmixserver.Handler) ---------------------------
 
@@ -169,6 +195,14 @@ class AgentWorld:
                 future.set_exception(PmiError(fields["error"]))
             else:
                 future.set_result(dict(fields["puts"]))
+        elif kind is Kind.NAMED:
+            future = self._asks.pop(int(fields["id"]), None)
+            if future is not None and not future.done():
+                future.set_result((int(fields["rc"]), str(fields.get("value") or "")))
+        elif kind is Kind.SPAWNED_ANSWER:
+            future = self._asks.pop(int(fields["id"]), None)
+            if future is not None and not future.done():
+                future.set_result(dict(fields["reply"]))
         else:
             future = self._gets.pop(int(fields["id"]), None)
             if future is not None and not future.done():

@@ -45,6 +45,11 @@ pmi_util.c, src/pmi/maint/pmi-1.1.txt, src/pm/hydra/proxy/pmip_pmi.c):
   barrier_in                                   barrier_out rc=0   (when everybody has entered)
   finalize                                     finalize_ack rc=0
   abort exitcode= message=                     (no reply; see below: the launcher must kill)
+  publish_name service= port=                  publish_result rc=0   (spawner/pminames.py)
+  unpublish_name service=                      unpublish_result rc=0
+  lookup_name service=                         lookup_result rc=0 port=<p>
+  mcmd=spawn ... endcmd  (several lines)       spawn_result rc=0 errcodes=0,...  (pmispawn.py)
+  anything else                                <its reply name> rc=1 msg=<why>, at once
   ==========================================  =====================================================
 
   ``abort``: MPICH 5.0 (ch4_globals.c MPID_Abort) sends it for MPI_Abort on
@@ -127,14 +132,19 @@ KEYS_PER_RANK = 256
 # ``abort exitcode= message=`` in that order; see pmi-1.1.txt.)
 _TAIL_KEYS = {"put": "value", "abort": "message"}
 
-# Reply names of queries we do not implement; answering them with rc=1 makes
-# the client fail cleanly instead of waiting forever.
+# Reply names (MPICH's pmi-1.2.txt) of queries poprun does not serve: answered at once with
+# rc=1, the client fails cleanly (an MPI error) instead of waiting forever. A command MPICH
+# does not know is answered as ``<cmd>_result`` (the client fails on any name it did not
+# expect). ``initack`` is PMI_PORT's handshake, which poprun does not serve.
 _UNSUPPORTED_REPLIES = {
     "spawn": "spawn_result",
-    "publish_name": "publish_result",
-    "unpublish_name": "unpublish_result",
-    "lookup_name": "lookup_result",
+    "initack": "initack",
+    "singinit": "singinit_info",
 }
+# Name publishing (spawner/pminames.py): the query, its operation and reply.
+_NAME_QUERIES = {"publish_name": ("publish", "publish_result"),
+                 "unpublish_name": ("unpublish", "unpublish_result"),
+                 "lookup_name": ("lookup", "lookup_result")}
 
 
 class PmiError(ValueError):
@@ -434,6 +444,10 @@ class Upstream:
     async def get(self, key: str) -> Optional[str]:
         """Look up a key this host has not seen (None if absent)."""
 
+    async def name(self, op: str, service: str, port: str = "") -> Tuple[int, str]:
+        """Publish, unpublish or look up a name in the job's table (spawner/pminames.py):
+        (0, the port for a lookup) or (rc, why)."""
+
 
 class _Instance:
     """One rank served here. (Plain classes, no dataclasses: this module is imported on a
@@ -452,6 +466,7 @@ class _Instance:
 
 AbortCallback = Callable[[int, int, str], None]
 LostCallback = Callable[[int, bool], None]
+UnservedCallback = Callable[[int, str, str], None]
 
 
 class PmiServer:
@@ -475,7 +490,16 @@ class PmiServer:
     included, and report ``exitcode``);
     ``on_lost(rank, initialized)`` when a connection closes before the
     instance sent finalize (and did not abort).  ``initialized`` tells
-    whether it had sent init (a non-MPI program never does).
+    whether it had sent init (a non-MPI program never does);
+    ``on_unserved(rank, cmd, why)`` when a command is answered with an error
+    (not served, refused, malformed: for the launcher's -v line).
+
+    ``names``: the job's published names (spawner/pminames.py; an agent's
+    ``upstream`` by default, else a table of this server's own).
+    ``on_spawn(rank, request)``: an awaitable that starts a spawn's
+    processes (spawner/pmispawn.py's SpawnRequest) and returns the
+    ``spawn_result`` fields; without it spawn is answered rc=1.
+    ``appnums``: each rank's appnum where they differ (MPI_Comm_spawn_multiple).
     """
 
     def __init__(self, kvsname: str, size: int, *,
@@ -486,7 +510,10 @@ class PmiServer:
                  universe_size: Optional[int] = None,
                  upstream: Optional[Upstream] = None,
                  on_abort: Optional[AbortCallback] = None,
-                 on_lost: Optional[LostCallback] = None):
+                 on_lost: Optional[LostCallback] = None,
+                 names=None, on_spawn=None,
+                 on_unserved: Optional[UnservedCallback] = None,
+                 appnums: Optional[Dict[int, int]] = None):
         if not kvsname or " " in kvsname or len(kvsname) >= KVSNAME_MAX:
             raise ValueError(f"bad kvsname {kvsname!r}")
         if size <= 0:
@@ -512,6 +539,12 @@ class PmiServer:
         self.on_lost = on_lost
         self._tasks: set = set()
         self._closing = False
+        if names is None and upstream is None:
+            from .pminames import NameService
+            names = NameService()
+        self.names = names if names is not None else upstream
+        self.on_spawn, self.on_unserved = on_spawn, on_unserved
+        self.appnums = dict(appnums or {})
 
     # ---- setting up instances ------------------------------------------
 
@@ -635,11 +668,10 @@ class PmiServer:
                 if not line.strip():
                     continue
                 try:
-                    cmd, args = parse(line)
-                except PmiError:  # not a PMI line: MPICH never sends one
-                    continue
-                try:
-                    reply = await self._handle(inst, cmd, args)
+                    if line.startswith(b"mcmd="):
+                        reply = await self._mcmd(reader, inst, line)
+                    else:
+                        reply = await self._command(inst, line)
                 except PmiError:
                     # protocol violation (e.g. barrier overflow, bad upstream
                     # data): drop the connection, reported as lost below
@@ -671,7 +703,7 @@ class PmiServer:
             return format_cmd("maxes", rc=0, kvsname_max=KVSNAME_MAX,
                               keylen_max=KEYLEN_MAX, vallen_max=VALLEN_MAX)
         if cmd == "get_appnum":
-            return format_cmd("appnum", rc=0, appnum=self.appnum)
+            return format_cmd("appnum", rc=0, appnum=self.appnums.get(inst.rank, self.appnum))
         if cmd == "get_universe_size":
             return format_cmd("universe_size", rc=0, size=self.universe_size)
         if cmd == "get_my_kvsname":
@@ -711,9 +743,65 @@ class PmiServer:
             if self.on_abort:
                 self.on_abort(inst.rank, code, msg)
             return None
-        if cmd in _UNSUPPORTED_REPLIES:
-            return format_cmd(_UNSUPPORTED_REPLIES[cmd], rc=1, msg=f"{cmd}_not_supported")
-        return format_cmd(cmd + "_result", rc=1, msg="unknown_command")
+        if cmd in _NAME_QUERIES:
+            return await self._name(cmd, args)
+        return self._unserved(inst, cmd)
+
+    # ---- what poprun does not serve, names, spawn ------------------------------
+
+    def _unserved(self, inst: _Instance, cmd: str, why: str = "") -> str:
+        """The error reply to a command poprun does not serve, said to on_unserved."""
+        if self.on_unserved:
+            self.on_unserved(inst.rank, cmd, why or "poprun does not serve it")
+        reply = _UNSUPPORTED_REPLIES.get(cmd)
+        if reply is None:  # a name MPICH does not send: keep the reply one plain word
+            word = "".join(c for c in cmd[:64] if c.isalnum() or c in "_-") or "unknown"
+            reply = word + "_result"
+        return format_cmd(reply, rc=1, msg=why or ("not_served_by_poprun" if cmd in
+                                                   _UNSUPPORTED_REPLIES else "unknown_command"))
+
+    async def _command(self, inst: _Instance, line: bytes) -> Optional[str]:
+        try:
+            cmd, args = parse(line)
+        except PmiError:  # not a PMI-1 line (MPICH never sends one): an error, at once
+            return self._unserved(inst, "", "not a PMI-1 command")
+        return await self._handle(inst, cmd, args)
+
+    async def _name(self, cmd: str, args: Dict[str, Optional[str]]) -> str:
+        op, reply = _NAME_QUERIES[cmd]
+        rc, value = await self.names.name(op, args.get("service") or "",
+                                          args.get("port") or "")
+        if rc:
+            return format_cmd(reply, rc=rc, msg=value)
+        return format_cmd(reply, rc=0, port=value if op == "lookup" else None)
+
+    async def _mcmd(self, reader: asyncio.StreamReader, inst: _Instance,
+                    first: bytes) -> str:
+        """A multi-line command (MPICH sends only ``mcmd=spawn``): read to its end, bounded,
+        and answer it; one that breaks the bounds is answered rc=1 and the connection
+        dropped (its rest cannot be told from the next command)."""
+        from .pmispawn import McmdReader, parse_spawn
+
+        message = McmdReader()
+        line = first
+        try:
+            while not message.feed(line):
+                line = await reader.readline()
+                if not line.endswith(b"\n"):
+                    raise PmiError("EOF in a spawn message")
+        except (PmiError, ConnectionError, ValueError) as exc:
+            self._unserved(inst, "spawn", f"{exc}: connection dropped")
+            raise PmiError(str(exc)) from None
+        try:
+            request = parse_spawn(message.lines)
+        except PmiError as exc:
+            return self._unserved(inst, "spawn", str(exc))
+        if self.on_spawn is None:
+            return self._unserved(inst, "spawn", "spawn is not served on this host")
+        fields = await self.on_spawn(inst.rank, request)
+        if fields.get("rc") and self.on_unserved:
+            self.on_unserved(inst.rank, "spawn", str(fields.get("msg")))
+        return format_cmd("spawn_result", fields)
 
 
 class LocalUpstream:
@@ -732,3 +820,6 @@ class LocalUpstream:
 
     async def get(self, key: str) -> Optional[str]:
         return await self.root.lookup(key)
+
+    async def name(self, op: str, service: str, port: str = "") -> Tuple[int, str]:
+        return await self.root.names.name(op, service, port)

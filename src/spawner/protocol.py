@@ -43,6 +43,9 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       WORLD_END {kvsname}                    the world's instances are gone: clean up after it
       BARRIER_OUT {kvsname, puts | error}    the job-wide barrier is complete: its puts
       VALUE   {kvsname, id, value}           answers GET (value null: absent)
+      NAMED   {kvsname, id, rc, value}       answers NAME: rc 0 and the port (a lookup), or
+                                             rc 1 and why
+      SPAWNED_ANSWER {kvsname, id, reply}    answers SPAWN_ASK: spawn_result's fields
       FENCE_OUT {kvsname, ranks, seq, data | error}  a PMIx fence every host took part in
                                              is complete: all their data (base64)
       MODEX_ASK {kvsname, id, rank}          a rank of this host's: its PMIx data, please
@@ -87,6 +90,13 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       MODEX_WANT {kvsname, id, rank}         an instance here wants another host's rank's data
       MODEX_GOT {kvsname, id, status, data}  answers MODEX_ASK
       PMIX_UNSERVED {kvsname, error}         Open MPI's world cannot be served here
+      NAME    {kvsname, id, op, service, port}  publish, unpublish or look up a name in
+                                             the job's table (spawner/pminames.py)
+      SPAWN_ASK {kvsname, id, key, request}  instance `key` here called MPI_Comm_spawn:
+                                             request {commands: [{execname, nprocs, args,
+                                             info}], preput}; the launcher starts them
+      PMI_UNSERVED {kvsname, key, cmd, why}  a PMI-1 command of instance `key` was answered
+                                             with an error: why (for the launcher's -v)
       (spawner/agentworld.py: the agent's side of a world; poprun/run/world.py the launcher's)
       INTERNAL {error, traceback}            a bug in the agent: it kills its instances,
                                              removes its temp dirs and exits with status 70
@@ -106,7 +116,9 @@ from .local import Stream
 
 # 5: HELLO's mktemp; 6: PMIx (WORLD's pmix, FENCE_*, MODEX_*), FACTS, HELLO's open_files,
 # STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: SPAWN's
-# container (an agent that ignored it would start the instance bare)
+# container (an agent that ignored it would start the instance bare), HELLO's kill_timeout,
+# NAME, NAMED, PMI_UNSERVED, SPAWN_ASK, SPAWNED_ANSWER (MPI's published names and spawns,
+# PMI-1 commands not served)
 PROTOCOL_VERSION = 7
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
@@ -192,6 +204,16 @@ class Kind(enum.IntEnum):
     FACTS = 33
     """Launcher: what HELLO's `facts` asked you to read (the job's dependencies here)? Agent
     answers with REPLY once it is read (spawner/hostfacts.py)."""
+    NAME = 34
+    """Agent: publish, unpublish or look up an MPI name. Launcher answers with NAMED."""
+    NAMED = 35
+    """Launcher: the answer to NAME."""
+    PMI_UNSERVED = 36
+    """Agent: an instance's PMI-1 command was answered with an error (not served)."""
+    SPAWN_ASK = 37
+    """Agent: an instance here called MPI_Comm_spawn. Launcher answers with SPAWNED_ANSWER."""
+    SPAWNED_ANSWER = 38
+    """Launcher: the answer to SPAWN_ASK (spawn_result's fields)."""
 
 
 _KINDS = {int(k): k for k in Kind}

@@ -75,7 +75,8 @@ STDERR_TAIL = 4096  # bytes of the agent's stderr kept for error messages
 
 # The agent's frames about an MPI world it serves (spawner.agentworld).
 _WORLD_KINDS = frozenset({Kind.BARRIER_IN, Kind.GET, Kind.MPI_ABORT, Kind.MPI_LOST,
-                          Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED})
+                          Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED,
+                          Kind.NAME, Kind.PMI_UNSERVED, Kind.SPAWN_ASK})
 
 
 # The fields the launcher reads of the agent's frames, and the types they must have.

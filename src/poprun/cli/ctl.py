@@ -264,13 +264,15 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
     else:
         rows, state, note = _ended_rows(record), _state_label(record), None
         progress = {k: record.get(k) for k in ("progress", "stragglers")}
+        reply = {"spawned": record.get("spawned")}
+    spawned = [c for c in reply.get("spawned") or () if isinstance(c, dict)]
     differences = _host_differences(record)
     quarantined = _quarantined(record)
     if as_json:
         _print_json({"job": record["id"], "state": state, "stop_reason": note,
                      "program": record.get("program"), "hosts": _hosts(record),
                      "host_differences": differences, "quarantined": quarantined,
-                     "instances": rows, **progress})
+                     "instances": rows, "spawned": spawned, **progress})
         return
     from rich.table import Table
 
@@ -302,6 +304,12 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
                       else str(row["lines"]), duration(row.get("idle")),
                       _printable(row.get("last_line") or ""))
     console.print(table)
+    for child in spawned:  # MPI_Comm_spawn's processes (run/spawned.py)
+        status = child.get("exit_status")
+        console.print(_printable(
+            f"spawned [{child.get('tag')}] by instance {child.get('spawned_by')}: pid "
+            f"{child.get('pid')}, " + ("running" if status is None else f"exited {status}")),
+            markup=False, highlight=False)
 
 
 def _host_differences(record: dict[str, Any]) -> list[str]:

@@ -32,8 +32,9 @@ class ControlService:
     def __init__(self, record: JobRecord, log: JobLog, *, stalled: Callable[[], bool],
                  stop: Callable[[int], None],
                  gather: Callable[..., Awaitable[Mapping[int, Any]]],
-                 cgroup_of: Callable[[int], str | None]) -> None:
-        self.record, self.log = record, log
+                 cgroup_of: Callable[[int], str | None],
+                 spawned: Callable[[], Any] = tuple) -> None:
+        self.record, self.log, self._spawned = record, log, spawned
         self._stalled, self._stop, self._gather, self._cgroup_of = stalled, stop, gather, cgroup_of
         self.server: ControlServer | None = None
 
@@ -102,7 +103,8 @@ class ControlService:
         return {"ok": True, "job": record.id, "state": record.status,
                 "stop_reason": record.stop_reason, "attempt": record.attempt,
                 "uptime": now - record.rows.began, "stalled": self._stalled(),
-                "instances": rows, **record.progress_json()}
+                "instances": rows, "spawned": list(self._spawned()),
+                **record.progress_json()}
 
     async def _logs(self, writer: asyncio.StreamWriter, follow: bool) -> None:
         """The reply line, what was kept, then (follow) each block as it comes, all from

@@ -103,6 +103,10 @@ class Job:
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
         self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
         self.world = None  # the instances' MPI world (run/world.MpiWorld), where served
+        self.spawned = None  # what its instances spawned (run/spawned.Spawned), once they do
+        # instance -> why a process it spawned failed and its status, for the first failure
+        self._child_failures: dict[int, tuple[str, int]] = {}
+        self._lifeline: Lifeline | None = None
         self.mpi_aborts: dict[int, tuple[int, str]] = {}  # instance -> MPI_Abort's code, text
         self._unfinalized: set[int] = set()  # closed its MPI world before MPI_Finalize
         self._no_finalize: int | None = None  # the instance whose exit 0 stopped the job
@@ -137,12 +141,14 @@ class Job:
         world is served too."""
         self.on_finished, self.remote = on_finished, remote or {}
         self.local = LocalSpawner(self, self.loop, lifeline)
+        self._lifeline = lifeline
         if kvsname:
             from poprun.run.world import MpiWorld
 
             self.world = MpiWorld(kvsname, self.plan, self.loop, lifeline=lifeline,
                                   remote=self.remote, on_abort=self.on_mpi_abort,
                                   on_lost=self.on_mpi_lost, pmix=pmix, log=self.log)
+            self.world.on_spawn = self._spawn_children
             count = len({inst.host for inst in self.plan.instances})
             hosts = f" on {count} hosts" if count > 1 else ""
             self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s)"
@@ -156,7 +162,9 @@ class Job:
 
     @property
     def finished(self) -> bool:
-        return self._all_started and len(self.done) == len(self.started)
+        """Every instance has ended, and every process they spawned (as mpiexec waits)."""
+        return (self._all_started and len(self.done) == len(self.started)
+                and not (self.spawned and self.spawned.alive()))
 
     def close(self, keep_output: bool = False) -> None:
         """Kill and reap what still runs here, stop timers, close the output files (not when
@@ -310,6 +318,9 @@ class Job:
     # --- spawner sink -----------------------------------------------------------------
 
     def on_output(self, key: int, stream: Stream, data: bytes) -> None:
+        if self.spawned is not None and key in self.spawned.children:
+            self.spawned.on_output(key, stream, data)
+            return
         first_output = self._marks["first_output"]
         if key not in first_output:
             first_output[key] = time.monotonic()
@@ -353,6 +364,10 @@ class Job:
         self.events.progress(report)
 
     def on_exit(self, key: int, returncode: int) -> None:
+        if self.spawned is not None and key in self.spawned.children:
+            self.spawned.on_exit(key, returncode)
+            self._maybe_finish()
+            return
         if key not in self.started:  # a remote instance can exit before spawn_all returns
             spawner = self.remote[self.plan.instances[key].host]
             self._record(key, spawner.pid(key), spawner)
@@ -429,8 +444,29 @@ class Job:
             self._stopping(f"instance {key}: no MPI_Finalize")
             self._stop(signal.SIGTERM)
 
+    async def _spawn_children(self, rank: int, request) -> dict:
+        """Instance `rank`'s MPI_Comm_spawn (run/spawned.py): the spawn_result fields."""
+        if self.spawned is None:
+            from poprun.run.spawned import Spawned
+
+            self.spawned = Spawned(self, self.world.kvsname, self._lifeline,
+                                   self.world.names, self.world.unserved)
+        return await self.spawned.for_world()(rank, request)
+
+    def child_failed(self, origin: int, why: str, returncode: int) -> None:
+        """A process instance `origin` spawned failed (`returncode`, as a process's): the job
+        stops as for a failed instance, `origin` its root cause, ending with that status."""
+        self.log.error(f"instance {origin}: {why}")
+        if self.stop_reason == "success":
+            self.root_cause = origin
+            self._child_failures[origin] = (why, returncode)
+            self._stopping(f"instance {origin}: {why}")
+            self._stop(signal.SIGTERM)
+
     async def close_world(self) -> None:
         """The attempt's MPI world ends: its server stops, MPICH's /dev/shm leftovers go."""
+        if self.spawned is not None:
+            await self.spawned.close()
         if self.world is not None:
             world, self.world = self.world, None
             for path in await world.close():
@@ -568,7 +604,8 @@ class Job:
                 first_output_time=self._wall(self._marks["first_output"].get(i)),
                 error=self.spawner_of[i].errors.get(i))
             for i, r in sorted(self.started.items()))
-        instances = tuple(self._as_aborted(inst) for inst in instances)
+        instances = tuple(self._as_child_failed(self._as_aborted(inst))
+                          for inst in instances)
         root, collateral = self.root_cause, {}  # what rootcause.analyze says of no failure
         if self.root_cause is not None:  # one failed: imported then, off a clean run's path
             from poprun import rootcause
@@ -583,7 +620,8 @@ class Job:
         return LaunchResult(instances=instances, exit_code=code, root_cause=root,
                             stop_signal=self.stop_signal, phases=self._phases(instances),
                             start_time=self.launch_time, output_error=self.output_error,
-                            stall=self.stall, highest_step=self._highest_step())
+                            stall=self.stall, highest_step=self._highest_step(),
+                            spawned=self.spawned.to_json() if self.spawned else ())
 
     def _as_aborted(self, inst: InstanceResult) -> InstanceResult:
         """An instance that called MPI_Abort ends with the abort's code and says so (its own
@@ -600,6 +638,15 @@ class Job:
         return replace(inst, returncode=code & 0xFF, error=inst.error or {
             "type": "MPI_Abort", "message": f"exit code {code}" + (
                 f": {message}" if message and message != "abort" else "")})
+
+    def _as_child_failed(self, inst: InstanceResult) -> InstanceResult:
+        """An instance whose spawned process failed first ends with that process's status
+        and says so (its own end was poprun's SIGTERM, or came later)."""
+        if inst.index not in self._child_failures:
+            return inst
+        why, returncode = self._child_failures[inst.index]
+        return replace(inst, returncode=returncode, stopped_by_poprun=False,
+                       error=inst.error or {"type": "MPI_Comm_spawn", "message": why})
 
     def _wall(self, mono: float | None) -> float | None:
         """time.time() of a time.monotonic() instant of this job."""

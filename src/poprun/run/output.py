@@ -437,17 +437,18 @@ def render_tag(key: int | tuple[int, ...], stream: Stream, colour_system=None) -
     ANSI codes, the tag, a reset; the output's own colours after it are left alone. A
     folded line's tag has its set of instances in the same place, `[1,0-62]<stdout>:`."""
     name = "stdout" if stream is Stream.STDOUT else "stderr"
-    label = tag_label(key)
+    # A spawned process's key is its whole label, `2,0` (run/spawned.py): Open MPI's tag.
+    label = key if type(key) is str else "1," + tag_label(key)
     if colour_system is None:
-        return b"[1,%s]<%s>:" % (label.encode(), name.encode())
+        return b"[%s]<%s>:" % (label.encode(), name.encode())
     from rich.style import Style
 
     colour = Style(color=TAG_PALETTE[key % len(TAG_PALETTE)] if type(key) is int
                    else FOLDED_COLOUR)
     if stream is Stream.STDOUT:
-        text = colour.render(f"[1,{label}]<stdout>:", color_system=colour_system)
+        text = colour.render(f"[{label}]<stdout>:", color_system=colour_system)
     else:
-        text = (colour.render(f"[1,{label}]", color_system=colour_system)
+        text = (colour.render(f"[{label}]", color_system=colour_system)
                 + Style(color=STDERR_COLOUR).render("<stderr>:", color_system=colour_system))
     return text.encode()
 

@@ -486,7 +486,8 @@ class _Session:
             running=lambda: self.job.running(), gather=self._gather_stacks,
             cgroup_of=self._cgroup_of,
             on_stall=lambda stall, ongoing: self.job.report_stall(stall, ongoing),
-            on_unstall=lambda: self.job.report_unstall())
+            on_unstall=lambda: self.job.report_unstall(),
+            spawned=lambda: self.job.spawned.to_json() if self.job.spawned else ())
         for observer in self.control.observers if self.control is not None else ():
             self.events.add(observer)
 

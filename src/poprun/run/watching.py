@@ -42,7 +42,8 @@ class JobControl:
                    gather: Callable[..., Awaitable[Mapping[int, Any]]],
                    cgroup_of: Callable[[int], str | None],
                    on_stall: Callable[[Mapping[str, Any], bool], None],
-                   on_unstall: Callable[[], None]) -> JobControl | None:
+                   on_unstall: Callable[[], None],
+                   spawned: Callable[[], Any] = tuple) -> JobControl | None:
         """Register the launch; None (said at -v) where no record can be written. `session`
         gives the launch's constants (config, environ, cwd, loop, log, lifeline, hosts)."""
         log, config, environ = session.log, session.config, session.environ
@@ -63,7 +64,7 @@ class JobControl:
                            gather=gather, emit=lambda text: log.write(session.stderr_fd, text),
                            on_stall=on_stall, on_unstall=on_unstall)
         service = ControlService(record, job_log, stalled=lambda: stall.stalled, stop=stop,
-                                 gather=gather, cgroup_of=cgroup_of)
+                                 gather=gather, cgroup_of=cgroup_of, spawned=spawned)
         path = records.socket_path(directory)
         if path is None:
             log.info(f"no control socket: {directory} is too long a path for one")

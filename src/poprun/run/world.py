@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from popdist import env as E
 from poprun.errors import ConfigError
+from poprun.text import shown_text
 from spawner.pmiends import PmiEnds
 
 from poprun.plan.planner import InstancePlan, LaunchPlan
@@ -121,6 +122,9 @@ class MpiWorld:
         order = list(dict.fromkeys(hosts))
         self._nodes = [order.index(host) for host in hosts]  # each rank's host
         self._ends = PmiEnds(loop, self._start_server)
+        self._log = log
+        self.names = None  # the job's published names (spawner/pminames.py), once served
+        self.on_spawn = None  # the job's MPI_Comm_spawn (Job._spawn_children: run/spawned.py)
         self._tasks: set[asyncio.Task] = set()
         self.server = None  # spawner.pmi.PmiServer, once an instance or an agent has spoken
         self._cleans_here = False  # MPICH may leave segments on this host (local instances)
@@ -173,10 +177,14 @@ class MpiWorld:
         self._cleans_here = bool(local)
         if self._cleans_here and self._lifeline is not None:
             self._lifeline.add_mpi_world(self.kvsname)
+        from spawner.pminames import NameService
+
+        self.names = NameService()
         self.server = pmi.PmiServer(
             self.kvsname, len(self._plan.instances), local_ranks=local,
             on_abort=self._on_abort, on_lost=self._on_lost,
-            process_mapping=pmi.process_mapping_for_ranks(self._nodes))
+            process_mapping=pmi.process_mapping_for_ranks(self._nodes), names=self.names,
+            on_unserved=self.unserved, on_spawn=self.on_spawn)
         for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
 
@@ -202,9 +210,22 @@ class MpiWorld:
             if self.pmix is not None:
                 self.pmix.from_agent(spawner, frame.kind.name, fields)
             return
+        if frame.kind is Kind.PMI_UNSERVED:
+            self.unserved(int(fields["key"]), str(fields.get("cmd")), str(fields.get("why")))
+            return
         if self.server is None:
             self._start_server()
-        if frame.kind is Kind.GET:
+        if frame.kind is Kind.SPAWN_ASK:
+            task = self.loop.create_task(self._spawn_for(spawner, fields))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif frame.kind is Kind.NAME:
+            rc, value = self.names.answer(str(fields.get("op")),
+                                          str(fields.get("service") or ""),
+                                          str(fields.get("port") or ""))
+            spawner.tell(Kind.NAMED, kvsname=self.kvsname, id=fields["id"], rc=rc,
+                         value=value)
+        elif frame.kind is Kind.GET:
             spawner.tell(Kind.VALUE, kvsname=self.kvsname, id=fields["id"],
                          value=self.server.kvs.get(str(fields["key"])))
         else:  # BARRIER_IN: answered once the whole world is in
@@ -212,6 +233,30 @@ class MpiWorld:
                                                        dict(fields["puts"])))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _spawn_for(self, spawner, fields) -> None:
+        """An agent's instance called MPI_Comm_spawn: its children start here."""
+        from spawner.pmi import PmiError
+        from spawner.pmispawn import request_from_json, spawn_reply
+        from spawner.protocol import Kind
+
+        try:
+            request = request_from_json(fields.get("request"))
+            rank = int(fields["key"])
+            if not 0 <= rank < len(self._plan.instances) or self.on_spawn is None:
+                raise PmiError("spawn: not served")
+        except (PmiError, ValueError, TypeError) as exc:
+            reply = spawn_reply(1, msg=str(exc))
+        else:
+            reply = await self.on_spawn(rank, request)
+        spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=fields["id"], reply=reply)
+
+    def unserved(self, rank: int, cmd: str, why: str) -> None:
+        """An instance's PMI-1 command was answered with an error, at once (never a silent
+        hang): said at -v."""
+        if self._log is not None:
+            self._log.info(f"instance {rank}: PMI-1 command {shown_text(cmd)[:64]!r} answered "
+                           f"with an error: {shown_text(why)[:200]}")
 
     async def _barrier(self, spawner, count: int, puts: dict[str, str]) -> None:
         from spawner.pmi import PmiError

@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""The cost of MPI_Comm_spawn (issue 49): one mpi4py instance spawns N workers (which meet it
+in one Barrier over the intercommunicator and disconnect), under poprun, which starts the
+children and serves their world itself (src/poprun/run/spawned.py), against MPICH's own
+`mpiexec` (Hydra) from the same `mpich` wheel. The time is the parent's own, from just
+before MPI_Comm_spawn to the end of that Barrier: the launcher's start-up is not in it.
+
+    python bench/spawn_bench.py                 # 8 workers, 9 reps
+    python bench/spawn_bench.py --workers 4 --reps 5
+
+Sides are interleaved, each rep runs both; the medians are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+CHILD = ("from mpi4py import MPI; p = MPI.Comm.Get_parent(); p.Barrier(); p.Disconnect()")
+PARENT = f"""
+import sys, time
+from mpi4py import MPI
+start = time.perf_counter()
+inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-c", {CHILD!r}], maxprocs=int(sys.argv[1]))
+inter.Barrier()
+print("spawned", time.perf_counter() - start, flush=True)
+inter.Disconnect()
+"""
+TIMEOUT_S = 120.0
+
+
+def side(name: str, workers: int) -> float:
+    """One run of `name` ("poprun" or "mpiexec"): the parent's seconds."""
+    program = [sys.executable, "-c", PARENT, str(workers)]
+    if name == "poprun":
+        argv = [sys.executable, "-m", "poprun", "--offline-mode=yes", "--num-instances=1",
+                *program]
+    else:
+        argv = [shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec",
+                "-n", "1", *program]
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "POPRUN_NO_DASHBOARD": "1"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("spawned ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{name}: status {done.returncode}: {done.stderr[-2000:]}")
+    return float(lines[0].split()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=9)
+    args = parser.parse_args()
+    times: dict[str, list[float]] = {"poprun": [], "mpiexec": []}
+    for name in times:  # one warm-up each (page cache)
+        side(name, args.workers)
+    for _ in range(args.reps):
+        for name in times:
+            times[name].append(side(name, args.workers))
+    for name, found in times.items():
+        print(f"{name:8} spawn of {args.workers}: median {statistics.median(found):.3f} s "
+              f"(min {min(found):.3f}, max {max(found):.3f}, {args.reps} reps)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""MPI_Comm_spawn[_multiple] over PMI-1: the request MPICH sends, read and checked; pure, no
+I/O (docs/architecture.md, "The instances' worlds"). run/spawned.py starts what it asks for.
+
+MPICH's client (pmodels/mpich src/pmi/src/pmi_wire.c PMIU_msg_set_query_spawn and
+PMIU_cmd_output_v1_mcmd) sends one message of several lines, one ``key=value`` a line, one
+segment per command, each starting with ``mcmd=spawn`` and ending with ``endcmd``::
+
+    mcmd=spawn
+    nprocs=2
+    execname=python3
+    totspawns=2          (commands in the message)
+    spawnssofar=1        (this one's number, from 1)
+    argcnt=2
+    arg1=-c
+    arg2=print(1)
+    preput_num=1         (first segment only)
+    preput_key_0=PARENT_ROOT_PORT_NAME
+    preput_val_0=<the port the parent accepts on>
+    info_num=1
+    info_key_0=wdir
+    info_val_0=/tmp
+    endcmd
+    mcmd=spawn
+    ...                  (spawnssofar=2 ... endcmd)
+
+The message ends at the ``endcmd`` of the segment whose ``spawnssofar`` equals
+``totspawns`` (MPICH's PMIU_check_full_cmd). Values run to the end of their line and are
+un-escaped (``\\x`` -> ``x``). The reply is ``cmd=spawn_result rc=0 errcodes=0,0,...`` (one
+code per process), or ``rc=1 msg=...``: MPICH's MPI_Comm_spawn then fails with an MPI error.
+
+Everything in it is hostile input: the message is bounded in lines and bytes while it is
+read, and the processes it asks for in count (SPAWN_MAX per call, SPAWNED_MAX alive in a
+job at once): a spawn storm is refused with an error, never a fork bomb.
+"""
+
+from __future__ import annotations
+
+from .pmi import PmiError, unescape
+
+# A spawn message's lines and bytes: a command's argv and info keys fit many times over
+# (Hydra has no bound; MPICH's own limit on one PMI message is its 1 MiB read buffer).
+MCMD_MAX_LINES = 8192
+MCMD_MAX_BYTES = 1 << 20
+# The most commands of one MPI_Comm_spawn_multiple, processes one spawn may ask for, and
+# spawned processes a job may have alive at once (its instances not counted): MPI pools and
+# task farms spawn a worker per core; more than this many is a storm, refused with rc=1.
+COMMANDS_MAX = 64
+SPAWN_MAX = 256
+SPAWNED_MAX = 1024
+# Info keys poprun acts on (Hydra's: wdir, path, host/hosts); others are ignored, said at -v.
+INFO_KEYS = ("wdir", "path", "host", "hosts")
+
+
+class McmdReader:
+    """Collects the lines of one ``mcmd=spawn`` message until its last ``endcmd``."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._bytes = 0
+        self._total: str | None = None
+        self._sofar: str | None = None
+
+    def feed(self, line: bytes) -> bool:
+        """Add one line (with its newline); True once the message is complete. Raises
+        PmiError past the bounds."""
+        self._bytes += len(line)
+        if len(self.lines) >= MCMD_MAX_LINES or self._bytes > MCMD_MAX_BYTES:
+            raise PmiError("spawn message too long")
+        text = line.decode("utf-8", "surrogateescape").rstrip("\r\n")
+        self.lines.append(text)
+        if text.startswith("totspawns="):
+            self._total = text[len("totspawns="):]
+        elif text.startswith("spawnssofar="):
+            self._sofar = text[len("spawnssofar="):]
+        return text == "endcmd" and self._sofar is not None and self._sofar == self._total
+
+
+class Command:
+    """One command of a spawn: `nprocs` copies of `execname` with `args`, its `info`."""
+
+    __slots__ = ("execname", "nprocs", "args", "info")
+
+    def __init__(self, execname: str, nprocs: int, args: list[str],
+                 info: dict[str, str]) -> None:
+        self.execname, self.nprocs, self.args, self.info = execname, nprocs, args, info
+
+    def __repr__(self) -> str:
+        return f"Command({self.execname!r}, {self.nprocs}, {self.args!r}, {self.info!r})"
+
+
+class SpawnRequest:
+    """A whole MPI_Comm_spawn[_multiple]: its commands and the keys put for the children."""
+
+    __slots__ = ("commands", "preput")
+
+    def __init__(self, commands: list[Command], preput: dict[str, str]) -> None:
+        self.commands, self.preput = commands, preput
+
+    @property
+    def total(self) -> int:
+        return sum(c.nprocs for c in self.commands)
+
+
+def _segments(lines: list[str]) -> list[dict[str, str]]:
+    segments: list[dict[str, str]] = []
+    for line in lines:
+        if line == "mcmd=spawn":
+            segments.append({})
+        elif line == "endcmd" or not line:
+            continue
+        elif not segments:
+            raise PmiError("spawn message does not start with mcmd=spawn")
+        else:
+            key, sep, value = line.partition("=")
+            if not sep or not key:
+                raise PmiError(f"bad spawn line {line[:60]!r}")
+            segments[-1][key] = unescape(value)
+    return segments
+
+
+def _count(fields: dict[str, str], key: str, low: int, high: int) -> int:
+    try:
+        value = int(fields.get(key, "0"))
+    except ValueError:
+        raise PmiError(f"spawn: {key} is not a number") from None
+    if not low <= value <= high:
+        raise PmiError(f"spawn: {key}={value} is not in {low}..{high}")
+    return value
+
+
+def _pairs(fields: dict[str, str], count: str, key: str, value: str) -> dict[str, str]:
+    n = _count(fields, count, 0, MCMD_MAX_LINES)
+    try:
+        return {fields[f"{key}{i}"]: fields[f"{value}{i}"] for i in range(n)}
+    except KeyError as exc:
+        raise PmiError(f"spawn: {exc.args[0]} missing") from None
+
+
+def parse_spawn(lines: list[str]) -> SpawnRequest:
+    """The request in a complete message (McmdReader.lines); PmiError when it is malformed
+    or asks for more than the bounds allow in one call."""
+    segments = _segments(lines)
+    if not 1 <= len(segments) <= COMMANDS_MAX:
+        raise PmiError(f"spawn: {len(segments)} commands (1..{COMMANDS_MAX} taken)")
+    commands = []
+    for fields in segments:
+        execname = fields.get("execname", "")
+        if not execname:
+            raise PmiError("spawn: no execname")
+        nprocs = _count(fields, "nprocs", 1, 1 << 30)
+        argc = _count(fields, "argcnt", 0, MCMD_MAX_LINES)
+        try:
+            args = [fields[f"arg{i}"] for i in range(1, argc + 1)]
+        except KeyError as exc:
+            raise PmiError(f"spawn: {exc.args[0]} missing") from None
+        info = _pairs(fields, "info_num", "info_key_", "info_val_")
+        commands.append(Command(execname, nprocs, args, info))
+    preput = _pairs(segments[0], "preput_num", "preput_key_", "preput_val_")
+    request = SpawnRequest(commands, preput)
+    if request.total > SPAWN_MAX:
+        raise PmiError(f"spawn of {request.total} processes refused: poprun starts at most "
+                       f"{SPAWN_MAX} in one spawn")
+    return request
+
+
+def spawn_reply(rc: int, errcodes: int = 0, msg: str | None = None) -> dict[str, object]:
+    """The fields of ``spawn_result``: rc=0 with one code per process, or rc and why."""
+    if rc == 0:
+        return {"rc": 0, "errcodes": ",".join(["0"] * errcodes)}
+    return {"rc": rc, "msg": msg or "spawn_failed"}
+
+
+class Placed:
+    """One process to start: its argv, working directory (None: the job's), appnum, and
+    rank in the new world."""
+
+    __slots__ = ("argv", "wdir", "appnum", "rank")
+
+    def __init__(self, argv: list[str], wdir: str | None, appnum: int, rank: int) -> None:
+        self.argv, self.wdir, self.appnum, self.rank = argv, wdir, appnum, rank
+
+
+def place(request: SpawnRequest, here: set[str], job_hosts: set[str]
+          ) -> tuple[list[Placed], list[str]]:
+    """The processes of `request` as Hydra places them (its pmiserv_spawn.c: `path` before
+    the execname, `wdir`, `host`/`hosts`), on this host, whose names are `here`; and the
+    info keys ignored (said at -v). A `host` of the job's other hosts, or of none of its
+    hosts, is refused (PmiError): children start only on the launcher's host so far."""
+    placed: list[Placed] = []
+    ignored: list[str] = []
+    for appnum, command in enumerate(request.commands):
+        info = command.info
+        for host in ",".join(info[k] for k in ("host", "hosts") if k in info).split(","):
+            host = host.strip()
+            if host and host not in here:
+                raise PmiError(f"spawn on {host}: " + (
+                    "spawned processes start only on poprun's own host so far"
+                    if host in job_hosts else "not one of the job's hosts"))
+        ignored += [key for key in info if key not in INFO_KEYS]
+        execname = command.execname
+        if info.get("path") and "/" not in execname:
+            execname = info["path"].rstrip("/") + "/" + execname
+        for _ in range(command.nprocs):
+            placed.append(Placed([execname, *command.args], info.get("wdir") or None, appnum,
+                                 len(placed)))
+    return placed, ignored
+
+
+def request_json(request: SpawnRequest) -> dict:
+    """The request as an agent sends it to the launcher (SPAWN_ASK)."""
+    return {"commands": [{"execname": c.execname, "nprocs": c.nprocs, "args": c.args,
+                          "info": c.info} for c in request.commands],
+            "preput": request.preput}
+
+
+def request_from_json(fields: object) -> SpawnRequest:
+    """An agent's SPAWN_ASK request, checked again (an agent's host is hostile input too):
+    PmiError where it is not one parse_spawn could have made."""
+    def text(value: object) -> str:
+        if not isinstance(value, str) or "\n" in value or len(value) > MCMD_MAX_BYTES:
+            raise PmiError("spawn: a bad string")
+        return value
+
+    def texts(value: object) -> dict[str, str]:
+        if not isinstance(value, dict) or len(value) > MCMD_MAX_LINES:
+            raise PmiError("spawn: a bad mapping")
+        return {text(k): text(v) for k, v in value.items()}
+
+    if not isinstance(fields, dict) or not isinstance(fields.get("commands"), list):
+        raise PmiError("spawn: no commands")
+    commands = []
+    for c in fields["commands"][:COMMANDS_MAX + 1]:
+        if not isinstance(c, dict) or type(c.get("nprocs")) is not int or not isinstance(
+                c.get("args"), list) or len(c["args"]) > MCMD_MAX_LINES:
+            raise PmiError("spawn: a bad command")
+        commands.append(Command(text(c.get("execname")), c["nprocs"],
+                                [text(a) for a in c["args"]], texts(c.get("info"))))
+    request = SpawnRequest(commands, texts(fields.get("preput")))
+    if not 1 <= len(commands) <= COMMANDS_MAX or not all(
+            c.execname and c.nprocs >= 1 for c in commands) or request.total > SPAWN_MAX:
+        raise PmiError(f"spawn: {len(commands)} commands of {request.total} processes "
+                       "refused")
+    return request

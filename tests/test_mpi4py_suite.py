@@ -1,0 +1,57 @@
+"""mpi4py's own test suite, unmodified, under poprun with MPICH (issue 49's yardstick): the
+`test/` folder of mpi4py's sdist at a pinned version (fetched from PyPI with pip), run as
+`python test/main.py -q` on 2 instances. Under MPICH's own `mpiexec` (Hydra, the mpich 5.0.2
+wheel) it ran 2,127 tests here with 8 failures, all `test_mpiabi`'s Fortran type queries
+(MPICH's own: `testGetFortranInfo`), in 244 s; poprun must give those failures and no
+others, its spawn, name and connect/accept tests included (measured: 191 s).
+
+It runs minutes, so it has a test of its own. It skips without mpi4py over MPICH or without
+PyPI, and fails instead where POPRUN_REQUIRE_MPI=1 (CI).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from conftest import OFFLINE, run_poprun
+from requires import skip_or_fail
+from test_mpi_world import mpich  # noqa: F401 (fixture)
+
+MPI4PY = "4.1.2"
+# What fails under Hydra (MPICH's own: it has no Fortran types), per rank.
+HYDRA_FAILURES = {"testGetFortranInfo (test_mpiabi.TestMPIABI.testGetFortranInfo)"}
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory) -> str:
+    """mpi4py's test folder, from its sdist."""
+    where = tmp_path_factory.mktemp("mpi4py")
+    got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                          ":all:", "--no-build-isolation", f"mpi4py=={MPI4PY}", "-d",
+                          str(where)], capture_output=True, text=True, timeout=300)
+    if got.returncode != 0:
+        skip_or_fail(f"mpi4py {MPI4PY}'s sdist cannot be fetched: {got.stderr[-300:]}",
+                     "POPRUN_REQUIRE_MPI")
+    with tarfile.open(where / f"mpi4py-{MPI4PY}.tar.gz") as sdist:
+        # (the filter where this Python has it: 3.11.4 and later)
+        sdist.extractall(where, **({"filter": "data"} if hasattr(tarfile, "data_filter")
+                                   else {}))
+    return str(where / f"mpi4py-{MPI4PY}")
+
+
+@pytest.mark.timeout(900)
+def test_mpi4py_s_suite_fails_under_poprun_only_as_under_hydra(suite):
+    proc = run_poprun(*OFFLINE, "-v", "--num-instances=2", "--num-replicas=2", sys.executable,
+                      "test/main.py", "-q", cwd=suite, timeout=840)
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    ran = [int(n) for n in re.findall(r"^Ran (\d+) tests", out + err, re.M)]
+    assert len(ran) == 2 and min(ran) >= 2000, (out + err)[-3000:]  # each rank ran them all
+    failed = {re.sub(r" \(typename=.*\)$", "", line.split(": ", 1)[1])
+              for line in (out + err).splitlines() if re.match(r"(FAIL|ERROR): ", line)}
+    assert failed == HYDRA_FAILURES, (out + err)[-3000:]
+    assert re.search(r"instance \d: spawned \d+ process", err)  # spawn tests ran, served

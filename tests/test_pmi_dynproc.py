@@ -1,0 +1,250 @@
+"""MPI's dynamic-process commands of PMI-1 (issue 49), against fake clients over real sockets:
+every command poprun does not serve is answered at once with an error (and said), names are
+published, looked up and unpublished in the job's table (an agent's through its upstream),
+and MPICH's multi-line spawn message is read, bounded, and parsed (spawner/pmi.py,
+spawner/pminames.py, spawner/pmispawn.py); fuzzed (Hypothesis) into the server and into a real
+launch, where nothing an instance writes makes poprun fail. The real MPICH + mpi4py programs are
+tests/test_mpi_dynproc.py's.
+
+The wire format is MPICH's client's (pmodels/mpich src/pmi/src/pmi_wire.c: PMIU_msg_set_query_spawn,
+PMIU_cmd_output_v1_mcmd; src/pmi/maint/pmi-1.1.txt), written out here as MPICH writes it.
+"""
+
+import asyncio
+import sys
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from spawner import pmi, pminames, pmispawn
+from conftest import OFFLINE, run_poprun
+from test_fuzz_surfaces import ABORTER as WRITES  # writes its argument's bytes to PMI_FD
+from test_pmi import Client, run
+
+T = pytest.mark.timeout
+
+
+def spawn_message(*commands, preput=()) -> str:
+    """What MPICH's PMI_Spawn_multiple sends for `commands` ((execname, nprocs, args, info))."""
+    lines = []
+    for n, (execname, nprocs, args, info) in enumerate(commands, 1):
+        lines += ["mcmd=spawn", f"nprocs={nprocs}", f"execname={execname}",
+                  f"totspawns={len(commands)}", f"spawnssofar={n}", f"argcnt={len(args)}"]
+        lines += [f"arg{i}={a}" for i, a in enumerate(args, 1)]
+        if n == 1:
+            lines.append(f"preput_num={len(preput)}")
+            for i, (k, v) in enumerate(preput):
+                lines += [f"preput_key_{i}={k}", f"preput_val_{i}={v}"]
+        lines.append(f"info_num={len(info)}")
+        for i, (k, v) in enumerate(info):
+            lines += [f"info_key_{i}={k}", f"info_val_{i}={v}"]
+        lines.append("endcmd")
+    return "\n".join(lines)
+
+
+def read(message: str) -> pmispawn.SpawnRequest:
+    reader = pmispawn.McmdReader()
+    lines = (message + "\n").encode().splitlines(keepends=True)
+    done = [reader.feed(line) for line in lines]
+    assert done == [False] * (len(lines) - 1) + [True]
+    return pmispawn.parse_spawn(reader.lines)
+
+
+# ===================================================================== pure
+
+@T(5)
+def test_a_spawn_multiple_message_is_read_as_mpich_writes_it():
+    request = read(spawn_message(
+        ("python3", 2, ["-c", "print('a b')"], [("wdir", "/tmp"), ("soft", "1:2")]),
+        ("/bin/echo", 1, [], []), preput=[("PARENT_ROOT_PORT_NAME", "tag#0$desc#x$")]))
+    assert [(c.execname, c.nprocs, c.args, c.info) for c in request.commands] == [
+        ("python3", 2, ["-c", "print('a b')"], {"wdir": "/tmp", "soft": "1:2"}),
+        ("/bin/echo", 1, [], {})]
+    assert request.preput == {"PARENT_ROOT_PORT_NAME": "tag#0$desc#x$"}
+    assert request.total == 3
+
+
+@T(5)
+def test_a_message_ends_only_at_its_last_endcmd_and_is_bounded():
+    reader = pmispawn.McmdReader()
+    first = spawn_message(("a", 1, [], []), ("b", 1, [], [])).split("endcmd")[0] + "endcmd\n"
+    assert not any(reader.feed(line) for line in first.encode().splitlines(keepends=True))
+    huge = pmispawn.McmdReader()
+    with pytest.raises(pmi.PmiError, match="too long"):
+        for _ in range(pmispawn.MCMD_MAX_LINES + 1):
+            huge.feed(b"arg1=x\n")
+
+
+@pytest.mark.parametrize("message, why", [
+    (spawn_message(("a", 10000, [], [])), "10000 processes refused"),
+    (spawn_message(("a", 0, [], [])), "nprocs=0"),
+    (spawn_message(("", 1, [], [])), "no execname"),
+    (spawn_message(("a", 1, ["x"], [])).replace("arg1=x\n", ""), "arg1 missing"),
+    (spawn_message(("a", 1, [], [("k", "v")])).replace("info_val_0=v\n", ""), "info_val_0"),
+    (spawn_message(("a", 1, [], [])).replace("nprocs=1", "nprocs=one"), "not a number"),
+    (spawn_message(("a", 1, [], [])).replace("argcnt=0", "argcnt"), "bad spawn line"),
+    ("\n".join(["mcmd=spawn", "nprocs=1", "execname=a", f"totspawns={pmispawn.COMMANDS_MAX + 1}",
+                "spawnssofar=1", "endcmd"] + [
+        line for n in range(2, pmispawn.COMMANDS_MAX + 2) for line in (
+            "mcmd=spawn", "nprocs=1", "execname=a", f"spawnssofar={n}", "endcmd")]),
+     "commands"),
+])
+@T(5)
+def test_a_bad_or_oversized_spawn_is_refused(message, why):
+    with pytest.raises(pmi.PmiError, match=why):
+        read(message)
+
+
+@T(5)
+def test_the_job_s_names_are_bounded_and_published_once():
+    names = pminames.NameService(names_max=2)
+    assert names.answer("publish", "a", "port-a") == (0, "")
+    assert names.answer("publish", "a", "port-b") == (1, "service_already_published")
+    assert names.answer("lookup", "a") == (0, "port-a")
+    assert names.answer("publish", "b", "p") == (0, "")
+    assert names.answer("publish", "c", "p") == (1, "too_many_names")
+    assert names.answer("publish", "x" * (pminames.SERVICE_MAX + 1), "p")[0] == 1
+    assert names.answer("publish", "d", "p" * (pminames.PORT_MAX + 1))[0] == 1
+    assert names.answer("publish", "", "p")[0] == 1
+    assert names.answer("unpublish", "a") == (0, "")
+    assert names.answer("unpublish", "a") == (1, "service_not_found")
+    assert names.answer("lookup", "a") == (1, "service_not_found")
+    assert names.answer("delete", "b") == (1, "unknown_name_operation")
+    assert len(names) == 1
+
+
+# ===================================================================== server
+
+@T(15)
+def test_what_poprun_does_not_serve_is_answered_at_once_and_said():
+    async def main():
+        said = []
+        srv = pmi.PmiServer("poprun-d1-0", 1, on_unserved=lambda *a: said.append(a))
+        sock = srv.attach(0)
+        c = await Client.over(sock)
+        await c.ask("cmd=init pmi_version=1 pmi_subversion=1")
+        assert await c.ask("cmd=frobnicate x=1") == \
+            "cmd=frobnicate_result rc=1 msg=unknown_command"
+        assert await c.ask("cmd=singinit pmi_version=1") == \
+            "cmd=singinit_info rc=1 msg=not_served_by_poprun"
+        assert await c.ask("hello there") == \
+            "cmd=unknown_result rc=1 msg=not\\ a\\ PMI-1\\ command"
+        assert await c.ask("cmd=bad\\ name\\=x") == "cmd=badnamex_result rc=1 msg=unknown_command"
+        # a spawn where no spawn is served (no on_spawn): refused, the next command answered
+        assert (await c.ask(spawn_message(("true", 1, [], [])))).startswith(
+            "cmd=spawn_result rc=1 msg=spawn\\ is\\ not\\ served")
+        assert await c.ask("cmd=get_appnum") == "cmd=appnum rc=0 appnum=0"
+        assert [s[:2] for s in said] == [(0, "frobnicate"), (0, "singinit"),
+                                         (0, ""), (0, "bad name=x"),
+                                         (0, "spawn")]
+        # a spawn message past its bounds: said, and the connection dropped
+        await c.send("mcmd=spawn\n" + "arg1=x\n" * pmispawn.MCMD_MAX_LINES)
+        assert await asyncio.wait_for(c.r.read(), 5) == b""
+        assert "too long" in said[-1][2]
+        c.close()
+        await srv.close()
+    run(main())
+
+
+@T(15)
+def test_a_spawn_is_handed_to_the_launcher_with_its_request():
+    async def main():
+        asked = []
+
+        async def on_spawn(rank, request):
+            asked.append((rank, request))
+            return pmispawn.spawn_reply(0, request.total)
+
+        srv = pmi.PmiServer("poprun-d2-0", 2, on_spawn=on_spawn)
+        c = await Client.over(srv.attach(1))
+        assert await c.ask(spawn_message(("a", 2, ["x"], []), ("b", 1, [], []))) == \
+            "cmd=spawn_result rc=0 errcodes=0,0,0"
+        [(rank, request)] = asked
+        assert rank == 1 and [c.execname for c in request.commands] == ["a", "b"]
+        c.close()
+        await srv.close()
+    run(main())
+
+
+@T(15)
+def test_names_are_the_job_s_across_the_root_and_an_agent():
+    """Rank 0 is served by the root, rank 1 by an agent: a name one publishes the other finds
+    (the agent asks its upstream: NAME/NAMED across hosts)."""
+    async def main():
+        root = pmi.PmiServer("poprun-d3-0", 2, local_ranks=[0])
+        agent = pmi.PmiServer("poprun-d3-0", 2, local_ranks=[1],
+                              upstream=pmi.LocalUpstream(root))
+        c0, c1 = await Client.over(root.attach(0)), await Client.over(agent.attach(1))
+        assert await c1.ask("cmd=publish_name service=ocean port=tag#0$x$") == \
+            "cmd=publish_result rc=0"
+        assert await c0.ask("cmd=lookup_name service=ocean") == \
+            "cmd=lookup_result rc=0 port=tag#0$x$"
+        assert await c0.ask("cmd=publish_name service=ocean port=p") == \
+            "cmd=publish_result rc=1 msg=service_already_published"
+        assert await c0.ask("cmd=unpublish_name service=ocean") == "cmd=unpublish_result rc=0"
+        assert await c1.ask("cmd=lookup_name service=ocean") == \
+            "cmd=lookup_result rc=1 msg=service_not_found"
+        for c in (c0, c1):
+            c.close()
+        await agent.close()
+        await root.close()
+    run(main())
+
+
+# ===================================================================== fuzzing
+
+SPAWN_WORDS = [b"mcmd=spawn", b"endcmd", b"nprocs=", b"execname=", b"totspawns=",
+               b"spawnssofar=", b"argcnt=", b"arg1=", b"preput_num=", b"preput_key_0=",
+               b"preput_val_0=", b"info_num=", b"info_key_0=", b"info_val_0=", b"1", b"2",
+               b"10000", b"-1", b"cmd=publish_name", b"cmd=lookup_name",
+               b"cmd=unpublish_name", b" service=", b" port=", b"=", b"\n", b"\\", b"\xff"]
+spawn_bytes = st.lists(st.one_of(st.binary(max_size=20), st.sampled_from(SPAWN_WORDS)),
+                       max_size=60).map(b"".join)
+
+
+@settings(max_examples=300, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(spawn_bytes, max_size=6))
+def test_a_pmi_server_survives_any_spawn_messages_and_names(messages):
+    """What an instance writes, spawn messages and names among it, straight into the
+    server: it answers or drops the connection, never crashes; every spawn it hands on is
+    within the bounds."""
+    asked = []
+
+    async def on_spawn(rank, request):
+        asked.append(request)
+        return pmispawn.spawn_reply(1, msg="fuzz")
+
+    async def main():
+        server = pmi.PmiServer("poprun-fuzz-1", 1, on_spawn=on_spawn)
+        reader, writer = await asyncio.open_unix_connection(sock=server.attach(0))
+        writer.write(b"".join(m + b"\n" for m in messages))
+        writer.write_eof()
+        while await asyncio.wait_for(reader.read(65536), 10):
+            pass
+        writer.close()
+        await server.close()
+        assert len(server.names) <= pminames.NAMES_MAX
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+    for request in asked:
+        assert 1 <= len(request.commands) <= pmispawn.COMMANDS_MAX
+        assert 1 <= request.total <= pmispawn.SPAWN_MAX
+        assert all(c.execname and c.nprocs >= 1 for c in request.commands)
+
+
+@settings(max_examples=4, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=list(HealthCheck))
+@given(st.lists(spawn_bytes.map(lambda m: m.replace(b"execname=", b"execname=true")),
+                max_size=6))
+@T(300)
+def test_a_launch_survives_any_spawn_messages_and_names(messages):
+    """An instance writes them to its PMI socket under a real poprun (any spawn it makes
+    valid starts `true`): the job ends 0 or 1 (an MPI process that left without
+    MPI_Finalize), never as poprun's own failure."""
+    data = b"".join(m + b"\n" for m in messages)
+    proc = run_poprun(*OFFLINE, "--num-instances=1", sys.executable, "-c", WRITES, data.hex(),
+                      timeout=60)
+    assert proc.returncode in (0, 1), proc.stderr.decode()[-3000:]
+    assert b"Traceback" not in proc.stderr

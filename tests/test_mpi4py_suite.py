@@ -1,4 +1,4 @@
-"""mpi4py's own test suite, unmodified, under poprun with MPICH (issue 49's yardstick): the
+"""mpi4py's own test suite, unmodified, under poprun with MPICH (the yardstick of MPI's dynamic processes): the
 `test/` folder of mpi4py's sdist at a pinned version (fetched from PyPI with pip), run as
 `python test/main.py -q` on 2 instances. Under MPICH's own `mpiexec` (Hydra, the mpich 5.0.2
 wheel) it ran 2,127 tests here with 8 failures, all `test_mpiabi`'s Fortran type queries

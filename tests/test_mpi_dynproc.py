@@ -1,5 +1,5 @@
-"""MPI's dynamic processes under poprun with real MPICH (the `mpich` wheel) under mpi4py
-(issue 49): names published by one instance are found by another, on this host and across
+"""MPI's dynamic processes under poprun with real MPICH (the `mpich` wheel) under mpi4py:
+names published by one instance are found by another, on this host and across
 two sshd hosts, and connect them; a PMI-1 command poprun does not serve is answered at once
 and said at -v (a raw PMI_FD client: MPICH sends none); MPI_Comm_spawn and
 MPI_Comm_spawn_multiple start their children under poprun, with their arguments and info

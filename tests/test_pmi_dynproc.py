@@ -1,4 +1,4 @@
-"""MPI's dynamic-process commands of PMI-1 (issue 49), against fake clients over real sockets:
+"""MPI's dynamic-process commands of PMI-1, against fake clients over real sockets:
 every command poprun does not serve is answered at once with an error (and said), names are
 published, looked up and unpublished in the job's table (an agent's through its upstream),
 and MPICH's multi-line spawn message is read, bounded, and parsed (spawner/pmi.py,

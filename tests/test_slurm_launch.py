@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SRC, second_user
-from requires import require_module
+from requires import require_module, skip_or_fail
 from slurm_cluster import SlurmCluster, required_slurm_cluster
 from spawner.callback import CALLBACK_VARIABLE, MAGIC, NONCE, PROOF, SECRET_VARIABLE
 from sshd_hosts import instances_with, kill_marked, kill_trees, processes_with, wait_until
@@ -664,8 +664,10 @@ def neighbour():
     """A second local user, gone after the test."""
     import shutil
 
-    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("setpriv"):
-        pytest.skip("needs root, useradd and setpriv: a second local user")
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a second local user")  # no switch: root is no package
+    if not shutil.which("useradd") or not shutil.which("setpriv"):
+        skip_or_fail("needs useradd and setpriv: a second local user", "POPRUN_REQUIRE_TOOLS")
     with second_user("poprun-n") as user:
         yield user
 

@@ -426,7 +426,7 @@ def test_a_spare_node_takes_over_a_node_that_fails(tmp_path):
     slurmd does not come back.)"""
     go = tmp_path / "go"
     out_json = tmp_path / "result.json"
-    with start_slurm_cluster(3) as cluster:
+    with required_slurm_cluster(3) as cluster:
         proc = cluster.popen(["salloc", "-N3", "--ntasks-per-node=1", *POPRUN, "-v",
                               "--spare-nodes=1", "--max-restarts=1", "--restart-delay=0",
                               "--quarantine-for=0", f"--result-json={out_json}",

@@ -150,7 +150,7 @@ def test_one_srun_asks_for_one_task_on_each_node():
                         "--nodelist=node1,node3"]
     assert argv[-3:] == ["/bin/sh", "-c", "exec agent"]
     assert {"--label", "--kill-on-bad-exit=0", "--wait=0", "--no-kill", "--overlap",
-            "--input=none", "--export=ALL", "--mpi=none"} <= set(argv)
+            "--input=all", "--export=ALL", "--mpi=none"} <= set(argv)
 
 
 # --- real agents through the stand-in srun ----------------------------------------------------

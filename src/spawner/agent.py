@@ -488,6 +488,10 @@ class Agent:
         self._reply(request, {"path": request["path"]})
 
     def _spawn(self, fields: dict[str, Any]) -> None:
+        world = self._worlds.get(fields.get("world")) if isinstance(fields, dict) else None
+        if world is not None and not world.ready.done():  # its PMIx namespace first
+            world.ready.add_done_callback(lambda _: self._spawn(fields))  # in order
+            return
         try:
             request = SpawnRequest.from_fields(fields)
             pid = self._start(request)
@@ -568,9 +572,9 @@ class Agent:
         self._worlds[world.kvsname] = world
 
     def _pmix_host(self, pmix: dict[str, Any], hostname: str):
-        """This host's PMIx service (one per process: libpmix allows one server), with the
-        libpmix the launcher's user named, else the one found here (spawner/pmixfind.py).
-        Raises LookupError where there is none."""
+        """This host's PMIx service (a server process per world), with the libpmix the
+        launcher's user named, else the one found here (spawner/pmixfind.py). Raises
+        LookupError where there is none."""
         if self._pmix is None:
             from . import pmixfind
             from .pmixhost import PmixHost

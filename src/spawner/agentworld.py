@@ -10,12 +10,14 @@ instance's MPI_ABORT or a connection closed before MPI_Finalize (MPI_LOST), for 
 on. What MPICH leaves in /dev/shm is removed when the launcher ends the world (WORLD_END), when
 the agent ends, and by its lifeline's watchdog when the agent is killed outright.
 
-Where the WORLD frame asks for it, Open MPI's world is served here too: this host's PMIx
-server (spawner/pmixhost.py) registers the world's namespace before the SPAWNs, each instance
-gets its PMIX_* variables, and what crosses hosts goes to the launcher (run/pmixworld.py):
+Where the WORLD frame asks for it, Open MPI's world is served here too: a PMIx server of its
+own (spawner/pmixhost.py, a process per world) registers the world's namespace, the SPAWNs
+wait for it (`ready`), each instance gets its PMIX_* variables, and what crosses hosts goes
+to the launcher (run/pmixworld.py):
 ONE FENCE_IN per fence for this host's instances (answered by FENCE_OUT with every host's
 data), MODEX_WANT for a rank on another host (answered by MODEX_DATA), MODEX_GOT answering the
-launcher's MODEX_ASK for a rank here. Where no libpmix is found, PMIX_UNSERVED says why.
+launcher's MODEX_ASK for a rank here. Where no libpmix is found or the server does not
+start, PMIX_UNSERVED says why; a server that dies while the world is open, PMIX_LOST.
 """
 
 from __future__ import annotations
@@ -52,22 +54,28 @@ class AgentWorld:
         self._gets: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._pmix = None  # this host's PMIx service, where Open MPI's world is served too
-        self.pmix_ns = None  # the world's namespace on it (spawner.pmixserver.Namespace)
+        self.pmix_ns = None  # the world's namespace on it (spawner.pmixhost.Served)
         self._fences: dict[Any, Callable[[int, bytes], None]] = {}
         self._wants: dict[int, Callable[[int, bytes], None]] = {}
+        # Done once the instances can be spawned (Open MPI's world registered, or not served)
+        self.ready: asyncio.Future = loop.create_future()
         if fields.get("pmix") and self.ranks and pmix_host is not None:
-            self._open_pmix(dict(fields["pmix"]), pmix_host)
+            task = loop.create_task(self._open_pmix(dict(fields["pmix"]), pmix_host))
+            task.add_done_callback(lambda _: self.ready.done() or self.ready.set_result(None))
+        else:
+            self.ready.set_result(None)
 
-    def _open_pmix(self, pmix: dict[str, Any], pmix_host) -> None:
+    async def _open_pmix(self, pmix: dict[str, Any], pmix_host) -> None:
         from . import pmixplan
 
-        names = [str(n) for n in pmix["names"]]
-        hosts = [names[n] for n in self._nodes]
-        here = hosts[self.ranks[0]]
         try:
+            names = [str(n) for n in pmix["names"]]
+            hosts = [names[n] for n in self._nodes]
+            here = hosts[self.ranks[0]]
             self._pmix = pmix_host(pmix, here)
-            self.pmix_ns = self._pmix.open(pmixplan.world(self.kvsname, hosts, here), self)
-        except (LookupError, OSError, RuntimeError) as exc:
+            self.pmix_ns = await self._pmix.open(pmixplan.world(self.kvsname, hosts, here),
+                                                 self)
+        except (LookupError, OSError, RuntimeError, TypeError, ValueError) as exc:
             self._pmix = None
             self._send(encode(Kind.PMIX_UNSERVED, kvsname=self.kvsname, error=str(exc)))
 
@@ -106,7 +114,7 @@ class AgentWorld:
         self._send(encode(Kind.GET, kvsname=self.kvsname, id=ask, key=key))
         return await future
 
-    # --- this host's PMIx server (spawner.pmixserver.Handler) ---------------------------
+    # --- this host's PMIx server (spawner.pmixhost.Handler) -----------------------------
 
     def fence(self, fence, data: bytes, done: Callable[[int, bytes], None]) -> None:
         self._fences[(tuple(fence.ranks), fence.seq)] = done
@@ -120,6 +128,9 @@ class AgentWorld:
 
     def abort(self, rank: int, status: int, message: str) -> None:
         self._aborted(rank, status, message)
+
+    def server_lost(self, reason: str) -> None:
+        self._send(encode(Kind.PMIX_LOST, kvsname=self.kvsname, error=reason))
 
     def exited(self, rank: int) -> None:
         """An instance here exited: had it joined Open MPI's world and not left it properly?"""
@@ -139,10 +150,10 @@ class AgentWorld:
             done = self._wants.pop(int(fields["id"]), None)
             if done is not None:
                 done(int(fields["status"]), data)
-        elif self._pmix is not None and self._pmix.server is not None:  # MODEX_ASK
+        elif self.pmix_ns is not None:  # MODEX_ASK
             ask = fields["id"]
-            self._pmix.server.dmodex_request(
-                self.kvsname, int(fields["rank"]),
+            self._pmix.dmodex_request(
+                self.pmix_ns, int(fields["rank"]),
                 lambda status, blob: self._send(encode(
                     Kind.MODEX_GOT, kvsname=self.kvsname, id=ask, status=status,
                     data=base64.b64encode(blob).decode())))

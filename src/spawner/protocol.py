@@ -82,9 +82,22 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       MODEX_WANT {kvsname, id, rank}         an instance here wants another host's rank's data
       MODEX_GOT {kvsname, id, status, data}  answers MODEX_ASK
       PMIX_UNSERVED {kvsname, error}         Open MPI's world cannot be served here
+      PMIX_LOST {kvsname, error}             this host's PMIx server died (error: how)
       (spawner/agentworld.py: the agent's side of a world; poprun/run/world.py the launcher's)
       INTERNAL {error, traceback}            a bug in the agent: it kills its instances,
                                              removes its temp dirs and exits with status 70
+    spawner -> its PMIx server's process (a socket pair; spawner/pmixhost.py)
+      PMIX_SERVE {id, libpmix, tmpdir, hostname, owner}  start libpmix's server; owner: the
+                                             pid whose descendants may connect
+      PMIX_OPEN {id, kvsname, nodes, names, here}  register a world's namespace and its ranks
+                                             here; REPLY {id, result: {env: {rank: {...}}}}
+      FENCE_OUT, MODEX_DATA, MODEX_ASK, WORLD_END  as from the launcher to an agent
+    PMIx server -> spawner
+      REPLY / FAILED {id, ...}               answers PMIX_SERVE (result: {version}), PMIX_OPEN
+      PMIX_CLIENT {kvsname, key, event}      connected or finalized, sent before the instance
+                                             is released
+      PMIX_REFUSED {uid, why}                a connection from outside the job, closed unread
+      FENCE_IN, MODEX_WANT, MODEX_GOT, MPI_ABORT  as from an agent to the launcher
 """
 
 from __future__ import annotations
@@ -99,8 +112,9 @@ from typing import Any, NamedTuple
 from .local import Stream
 
 # 5: HELLO's mktemp; 6: PMIx (WORLD's pmix, FENCE_*, MODEX_*), FACTS, HELLO's open_files,
-# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck)
-PROTOCOL_VERSION = 6
+# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: the PMIx
+# server in a process of its own (PMIX_LOST; PMIX_SERVE..PMIX_REFUSED on its link)
+PROTOCOL_VERSION = 7
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)
@@ -111,7 +125,8 @@ MAX_NOISE = 65536
 
 class Kind(enum.IntEnum):
     """What a frame is: the launcher's requests are < 16, and FACTS (the first request past
-    them, numbered after the agent's messages); the agent's messages are 16-32."""
+    them, numbered after the agent's messages); the agent's messages are 16-32 and 34; the
+    PMIx server's link (a host's spawner and its server's process) adds 35-38."""
 
     HELLO = 1
     """Launcher: who are you? Agent answers with REPLY."""
@@ -181,6 +196,20 @@ class Kind(enum.IntEnum):
     FACTS = 33
     """Launcher: what HELLO's `facts` asked you to read (the job's dependencies here)? Agent
     answers with REPLY once it is read (spawner/hostfacts.py)."""
+    PMIX_LOST = 34
+    """Agent: this host's PMIx server died while its instances ran (why: its signal)."""
+    # The link between a host's spawner (poprun or an agent) and its PMIx server's process
+    # (spawner/pmixhost.py, spawner/pmixproc.py). Also on it, as between hosts: FENCE_IN,
+    # FENCE_OUT, MODEX_WANT, MODEX_DATA, MODEX_ASK, MODEX_GOT, MPI_ABORT, WORLD_END, REPLY
+    # and FAILED.
+    PMIX_SERVE = 35
+    """Spawner: start libpmix's server. Answered by REPLY {version} or FAILED."""
+    PMIX_OPEN = 36
+    """Spawner: register a world's namespace and its ranks here. REPLY {env} or FAILED."""
+    PMIX_CLIENT = 37
+    """Server: an instance connected to it, or finalized (sent before it is released)."""
+    PMIX_REFUSED = 38
+    """Server: a connection that is not one of the job's instances was closed unread."""
 
 
 _KINDS = {int(k): k for k in Kind}

@@ -387,15 +387,15 @@ class _Session:
                             self.log)
 
     def _start_pmix(self) -> None:
-        """This host's PMIx service, its server starting in a thread while the launch goes on
-        (after the lifeline's fork: spawner/pmixhost.py)."""
+        """This host's PMIx service, its first server's process starting while the launch
+        goes on (spawner/pmixhost.py)."""
         from spawner.pmixhost import PmixHost
 
         local = [label for label in self.hosts.labels if label not in self.hosts.remote]
         # Named as the plan names this host: Open MPI finds itself in the node map so.
         self.pmix = PmixHost(self.libpmix, self.lifeline,
                              local[0] if local else socket.gethostname(), self.loop,
-                             given=self.config.libpmix)
+                             given=self.config.libpmix, log=self.log)
         if local:
             self.pmix.prestart(self._kvsname(0))
 
@@ -575,10 +575,11 @@ class _Session:
         finished = self.loop.create_future()
         kvsname = self._kvsname(attempt)
         self.mpi_worlds.append(kvsname)
-        self.job.start(self.lifeline, lambda: finished.done() or finished.set_result(None),
-                       remote=self.fleet.spawners if self.fleet else None,
-                       kvsname=kvsname if self.config.mpi_worlds != "none" else None,
-                       pmix=self.pmix)
+        await self.job.start(self.lifeline,
+                             lambda: finished.done() or finished.set_result(None),
+                             remote=self.fleet.spawners if self.fleet else None,
+                             kvsname=kvsname if self.config.mpi_worlds != "none" else None,
+                             pmix=self.pmix)
         if self.fleet is not None:
             await self.job.spawn_remote()
         if not self.job.finished:
@@ -602,6 +603,8 @@ class _Session:
                          f"{self.config.restart_delay:g} s")
         previous = self.job
         previous.close(keep_output=True)  # its instances are gone; reap, sweep, keep files
+        if self.pmix is not None and previous.world_served_here:
+            self.pmix.prestart(self._kvsname(attempt))  # a fresh server, started meanwhile
         self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
                        self.stderr_fd, self.loop, router=previous.router, events=self.events)
         self.job.on_interrupt = previous.on_interrupt

@@ -106,7 +106,7 @@ def test_what_an_agent_sends_about_pmix_never_breaks_the_launcher():
     agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
     log = _Log()
     world = PmixWorld("poprun-fuzz-0", ["h1", "h1", "h2", "h2"], agents, None,
-                      lambda *a: None, log)
+                      lambda *a: None, lambda *a: None, log)
     rng = random.Random(7)
     end = time.monotonic() + FUZZ_SECONDS
     kinds = ["FENCE_IN", "MODEX_WANT", "MODEX_GOT", "PMIX_UNSERVED", "BOGUS"]
@@ -133,7 +133,8 @@ def test_a_host_that_enters_a_fence_twice_or_for_others_fails_that_fence_only():
     from poprun.run.pmixworld import PmixWorld
 
     agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
-    world = PmixWorld("poprun-fuzz-1", ["h1", "h2"], agents, None, lambda *a: None, _Log())
+    world = PmixWorld("poprun-fuzz-1", ["h1", "h2"], agents, None, lambda *a: None,
+                      lambda *a: None, _Log())
     data = base64.b64encode(b"x").decode()
     world.from_agent(agents["h1"], "FENCE_IN", {"ranks": [0, 1], "seq": 0, "data": data})
     world.from_agent(agents["h1"], "FENCE_IN", {"ranks": [0, 1], "seq": 0, "data": data})

@@ -107,9 +107,10 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .local import Stream
+if TYPE_CHECKING:  # local.py (~half of this module's import) only where OUTPUT is decoded:
+    from .local import Stream  # the PMIx server's process never decodes one
 
 # 5: HELLO's mktemp; 6: PMIx (WORLD's pmix, FENCE_*, MODEX_*), FACTS, HELLO's open_files,
 # STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: the PMIx
@@ -213,7 +214,15 @@ class Kind(enum.IntEnum):
 
 
 _KINDS = {int(k): k for k in Kind}
-_STREAMS = {int(s): s for s in Stream}
+_STREAMS: dict[int, Stream] = {}
+
+
+def _streams() -> dict[int, Stream]:
+    if not _STREAMS:
+        from .local import Stream
+
+        _STREAMS.update({int(s): s for s in Stream})
+    return _STREAMS
 
 
 class ProtocolError(Exception):
@@ -365,9 +374,10 @@ def _decode(kind: int, buf: memoryview, start: int, end: int) -> Frame:
         if end - start < _KEY_STREAM.size:
             raise ProtocolError("OUTPUT frame shorter than its header")
         key, stream = _KEY_STREAM.unpack_from(buf, start)
-        if stream not in _STREAMS:
+        streams = _streams()
+        if stream not in streams:
             raise ProtocolError(f"OUTPUT frame with unknown stream {stream}")
-        return Output(key, _STREAMS[stream], bytes(buf[start + _KEY_STREAM.size:end]))
+        return Output(key, streams[stream], bytes(buf[start + _KEY_STREAM.size:end]))
     if kind not in _KINDS:
         raise ProtocolError(f"unknown frame kind {kind}")
     try:

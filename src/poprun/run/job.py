@@ -421,11 +421,14 @@ class Job:
         """`host`'s PMIx server died while its instances were in the world: the first of
         them still running is the root cause, the server's end its error (spawner/
         pmixhost.py)."""
-        self.log.error(f"{host}: {reason}; the MPI world of its instances cannot go on")
         running = [inst.index for inst in self.plan.instances
                    if inst.host == host and inst.index in self.started
                    and inst.index not in self.done]
-        if running and self.stop_reason == "success":
+        if not running:  # its instances are gone already: nothing of theirs is lost
+            self.log.info(f"{host}: {reason} (its instances had ended)")
+            return
+        self.log.error(f"{host}: {reason}; the MPI world of its instances cannot go on")
+        if self.stop_reason == "success":
             self._server_lost[running[0]] = f"{reason} on {host}"
             self.root_cause = running[0]
             self._stopping(f"{host}: PMIx server lost")

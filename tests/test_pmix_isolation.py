@@ -31,7 +31,7 @@ import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun
 from spawner.reaphere import pmix_leftovers
-from test_openmpi_world import ompi, open_mpi_leftovers  # noqa: F401 - the fixture
+from test_openmpi_world import ompi, open_mpi_leftovers, pmix_servers  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -201,7 +201,7 @@ def test_a_server_killed_mid_job_is_the_root_cause_and_leaves_nothing(tmp_path, 
         go.touch()
         for _ in range(2):  # both ranks are through MPI_Finalize, holding their connection
             assert job.stdout.readline().startswith(b"world")
-        (server,) = _servers_of(job.pid)
+        (server,) = pmix_servers(job.pid)
         os.kill(server, sig)
         stdout, stderr, result = _finish(job, out)
     name = signal.Signals(sig).name
@@ -211,22 +211,7 @@ def test_a_server_killed_mid_job_is_the_root_cause_and_leaves_nothing(tmp_path, 
     names = [n for names in result["mpi_worlds"].values() for n in names]
     assert names and [p for n in names for p in pmix_leftovers(n)] == []
     assert open_mpi_leftovers() - before == set()
-    assert not _servers_of(job.pid)
-
-
-def _servers_of(pid: int) -> list[int]:
-    """The PMIx server processes poprun `pid` started (still there)."""
-    from spawner import procid
-
-    found = []
-    for child in procid.children(pid):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawner.pmixproc" in f.read():
-                    found.append(child)
-        except OSError:
-            continue
-    return found
+    assert not os.path.exists(f"/proc/{server}")  # reaped by poprun
 
 
 # Attempt 0: rank 1 enters MPI_Finalize (its fence) while rank 0 calls MPI_Abort: libpmix

@@ -39,6 +39,7 @@ SUCCESS, ERROR = 0, -1  # PMIx statuses (spawner/pmixserver.py)
 START_TIMEOUT = 30.0  # seconds for a server to start and to register a world
 MAX_FRAME_BACKLOG = 256 << 20  # bytes from a server not yet a whole frame
 KILL_WAIT = 1.0  # seconds to wait for a SIGKILLed server to be reaped
+EXITING_WAIT = 0.05  # seconds to wait for a server whose link closed to be reaped
 
 
 class PmixServerError(RuntimeError):
@@ -253,6 +254,11 @@ class _Server:
         """Its end of the link closed: it died (or is dying). How, once it is reaped."""
         self._stop_reading()
         self.dead = "its PMIx server ended"
+        try:  # it is exiting: known now, the instances' exits it causes are not its cause
+            self._ended(_how(self.proc.wait(EXITING_WAIT)))
+            return
+        except subprocess.TimeoutExpired:
+            pass
         try:
             pidfd = os.pidfd_open(self.proc.pid)
         except OSError:  # reaped already

@@ -585,7 +585,7 @@ class Agent:
             if path is None:
                 raise LookupError("no libpmix: looked for " + ", ".join(
                     pmixfind.candidates(os.environ, argv, given)))
-            self._pmix = PmixHost(path, self._lifeline, hostname, self._loop)
+            self._pmix = PmixHost(path, self._lifeline, hostname, self._loop, warn=_log)
         return self._pmix
 
     def _end_world(self, fields: dict[str, Any]) -> None:

@@ -20,7 +20,6 @@ initialisation) is off the launch's path.
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import itertools
 import os
@@ -223,21 +222,21 @@ class _Server:
                                  str(fields.get("message", "")))
         elif kind is Kind.FENCE_IN:
             fence = pmixplan.FenceId(tuple(int(r) for r in fields["ranks"]), int(fields["seq"]))
-            data = _unb64(fields["data"], pmixplan.MAX_FENCE_DATA)
+            data = pmixplan.unb64(fields["data"], pmixplan.MAX_FENCE_DATA)
             served.handler.fence(fence, data, lambda status, blob: self.send(
                 Kind.FENCE_OUT, kvsname=served.world.nspace, ranks=list(fence.ranks),
-                seq=fence.seq, **({"data": _b64(blob)} if status == SUCCESS
+                seq=fence.seq, **({"data": pmixplan.b64(blob)} if status == SUCCESS
                                   else {"error": f"status {status}"})))
         elif kind is Kind.MODEX_WANT:
             want = int(fields["id"])
             served.handler.direct_modex(int(fields["rank"]), lambda status, blob: self.send(
                 Kind.MODEX_DATA, kvsname=served.world.nspace, id=want, status=status,
-                data=_b64(blob)))
+                data=pmixplan.b64(blob)))
         elif kind is Kind.MODEX_GOT:
             done = self._asks.pop(int(fields["id"]), None)
             if done is not None:
-                done(int(fields["status"]), _unb64(fields.get("data") or "",
-                                                   pmixplan.MAX_FENCE_DATA))
+                done(int(fields["status"]), pmixplan.unb64(fields.get("data") or "",
+                                                           pmixplan.MAX_MODEX))
 
     def dmodex_request(self, served: Served, rank: int,
                        done: Callable[[int, bytes], None]) -> None:
@@ -323,10 +322,11 @@ class _Server:
 class PmixHost:
     def __init__(self, path: str, lifeline, hostname: str,
                  loop: asyncio.AbstractEventLoop, given: str | None = None,
-                 log=None) -> None:
-        """`given`: the libpmix the user named (--libpmix), for the agents too."""
+                 warn: Callable[[str], None] | None = None) -> None:
+        """`given`: the libpmix the user named (--libpmix), for the agents too; `warn`:
+        where a refused connection is said (once per uid)."""
         self.path, self.hostname, self.loop = path, hostname, loop
-        self.given, self.log = given, log
+        self.given, self._warn = given, warn
         self._lifeline = lifeline
         self._next: _Server | None = None  # started, for the next world
         self._servers: list[_Server] = []
@@ -383,9 +383,9 @@ class PmixHost:
         served.server.dmodex_request(served, rank, done)
 
     def refused(self, uid, why: str) -> None:
-        if self.log is not None and uid not in self._refused:
+        if self._warn is not None and uid not in self._refused:
             self._refused.add(uid)
-            self.log.warning(f"PMIx: a connection to the job's PMIx server was refused "
+            self._warn(f"PMIx: a connection to the job's PMIx server was refused "
                              f"unread: {why}")
 
     def close_world(self, served: Served) -> None:
@@ -425,13 +425,3 @@ def _how(returncode: int) -> str:
             name = f"signal {-returncode}"
         return f"was killed by {name}"
     return f"exited with status {returncode}"
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _unb64(text: object, limit: int) -> bytes:
-    if not isinstance(text, str) or len(text) > limit * 4 // 3 + 4:
-        raise ValueError("no data, or too much")
-    return base64.b64decode(text, validate=True)

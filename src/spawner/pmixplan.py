@@ -16,6 +16,7 @@ pretend hosts on one machine are different nodes to Open MPI).
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -163,6 +164,7 @@ def instance_variables(environ: dict[str, str] | None, shm_dir: str) -> dict[str
 
 
 MAX_FENCE_DATA = 64 << 20  # bytes one host may contribute to one fence
+MAX_MODEX = 64 << 20  # bytes of one rank's data, from another process
 MAX_OPEN_FENCES = 1024  # fences begun and not complete, in one world
 
 
@@ -205,3 +207,16 @@ class FenceTable:
         del self._open[fence]
         nodes = sorted(parts)
         return nodes, b"".join(parts[n] for n in nodes)
+
+
+def b64(data: bytes) -> str:
+    """PMIx data in a JSON frame (spawner/protocol.py)."""
+    return base64.b64encode(data).decode()
+
+
+def unb64(text: object, limit: int) -> bytes:
+    """PMIx data from a JSON frame of another process: a string of base64 for at most
+    `limit` bytes, else ValueError (binascii.Error is one)."""
+    if not isinstance(text, str) or len(text) > limit * 4 // 3 + 4:
+        raise ValueError("no data, or too much")
+    return base64.b64decode(text, validate=True)

@@ -15,7 +15,6 @@ fence ends in an error for that fence's instances, never in an exception here.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import itertools
 from collections.abc import Callable, Mapping, Sequence
@@ -24,18 +23,7 @@ from poprun.errors import LaunchError
 from spawner import pmixplan
 
 SUCCESS, ERROR, ERR_NOT_FOUND = 0, -1, -46  # libpmix's statuses (spawner/pmixserver.py)
-MAX_MODEX = 64 << 20  # bytes of one rank's data from an agent
 MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in one world
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _unb64(text: object, limit: int) -> bytes:
-    if not isinstance(text, str) or len(text) > limit * 4 // 3 + 4:
-        raise ValueError("no data, or too much")
-    return base64.b64decode(text, validate=True)
 
 
 class PmixWorld:
@@ -120,12 +108,12 @@ class PmixWorld:
                 fence = pmixplan.FenceId(tuple(int(r) for r in fields["ranks"]),
                                          int(fields["seq"]))
                 self._contribute(fence, self.names.index(host),
-                                 _unb64(fields["data"], pmixplan.MAX_FENCE_DATA))
+                                 pmixplan.unb64(fields["data"], pmixplan.MAX_FENCE_DATA))
             elif kind_name == "MODEX_WANT":
                 self._wanted(spawner, int(fields["id"]), int(fields["rank"]))
             elif kind_name == "MODEX_GOT":
                 self._got(int(fields["id"]), int(fields["status"]),
-                          _unb64(fields["data"], MAX_MODEX) if fields.get("data") else b"")
+                          pmixplan.unb64(fields.get("data") or "", pmixplan.MAX_MODEX))
             elif kind_name == "PMIX_LOST":
                 self._on_server_lost(host, str(fields.get("error"))[:500])
             elif kind_name == "PMIX_UNSERVED":
@@ -158,7 +146,7 @@ class PmixWorld:
                 continue
             if error is None:
                 spawner.tell(_kind("FENCE_OUT"), kvsname=self.kvsname, ranks=list(fence.ranks),
-                             seq=fence.seq, data=_b64(blob))
+                             seq=fence.seq, data=pmixplan.b64(blob))
             else:
                 spawner.tell(_kind("FENCE_OUT"), kvsname=self.kvsname, ranks=list(fence.ranks),
                              seq=fence.seq, error=error)
@@ -172,7 +160,7 @@ class PmixWorld:
 
         def answer(status: int, data: bytes) -> None:
             spawner.tell(_kind("MODEX_DATA"), kvsname=self.kvsname, id=their_id,
-                         status=status, data=_b64(data))
+                         status=status, data=pmixplan.b64(data))
 
         if owner not in self._remote:
             if self.ns is None:

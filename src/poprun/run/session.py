@@ -395,7 +395,7 @@ class _Session:
         # Named as the plan names this host: Open MPI finds itself in the node map so.
         self.pmix = PmixHost(self.libpmix, self.lifeline,
                              local[0] if local else socket.gethostname(), self.loop,
-                             given=self.config.libpmix, log=self.log)
+                             given=self.config.libpmix, warn=self.log.warning)
         if local:
             self.pmix.prestart(self._kvsname(0))
 

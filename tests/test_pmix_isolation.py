@@ -214,6 +214,37 @@ def test_a_server_killed_mid_job_is_the_root_cause_and_leaves_nothing(tmp_path, 
     assert not os.path.exists(f"/proc/{server}")  # reaped by poprun
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stopped_server_does_not_keep_poprun_from_its_stop_signals(tmp_path, ompi, sig):
+    """A server that hangs for good (SIGSTOP: libpmix's wedge, at its worst) while its
+    ranks are in the world: poprun still ends within --kill-timeout + 1 s of a stop signal,
+    the server killed and its files removed."""
+    kill_timeout = 2.0
+    python, env = ompi
+    out = tmp_path / "r.json"
+    program = ("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+               "print('in', flush=True)\ntime.sleep(120)\n")
+    job = subprocess.Popen(
+        poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                    f"--kill-timeout={kill_timeout:g}", f"--result-json={out}", *python, "-c",
+                    program),
+        env=poprun_env({"POPRUN_NO_DASHBOARD": "1", **env}), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    with reaped(job):
+        assert job.stdout.readline() == b"in\n"
+        (server,) = pmix_servers(job.pid)
+        os.kill(server, signal.SIGSTOP)
+        started = time.monotonic()
+        job.send_signal(sig)
+        job.wait(kill_timeout + 30)
+        assert time.monotonic() - started < kill_timeout + 1
+    assert job.returncode == 128 + sig, job.stderr.read().decode()[-3000:]
+    assert not os.path.exists(f"/proc/{server}")
+    result = json.loads(out.read_text())
+    names = [n for names in result["mpi_worlds"].values() for n in names]
+    assert names and [p for n in names for p in pmix_leftovers(n)] == []
+
+
 # Attempt 0: rank 1 enters MPI_Finalize (its fence) while rank 0 calls MPI_Abort: libpmix
 # 4.2.2-5.0.x may complete that fence twice when both connections go (docs/architecture.md,
 # "The instances' worlds"). Attempt 1 succeeds.

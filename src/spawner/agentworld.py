@@ -23,7 +23,6 @@ start, PMIX_UNSERVED says why; a server that dies while the world is open, PMIX_
 from __future__ import annotations
 
 import asyncio
-import base64
 import itertools
 import os
 import socket
@@ -55,8 +54,7 @@ class AgentWorld:
         self._ids = itertools.count(1)
         self._pmix = None  # this host's PMIx service, where Open MPI's world is served too
         self.pmix_ns = None  # the world's namespace on it (spawner.pmixhost.Served)
-        self._fences: dict[Any, Callable[[int, bytes], None]] = {}
-        self._wants: dict[int, Callable[[int, bytes], None]] = {}
+        self._uplink = None  # its fences and requests to the launcher (spawner.pmixuplink)
         # Done once the instances can be spawned (Open MPI's world registered, or not served)
         self.ready: asyncio.Future = loop.create_future()
         if fields.get("pmix") and self.ranks and pmix_host is not None:
@@ -67,7 +65,10 @@ class AgentWorld:
 
     async def _open_pmix(self, pmix: dict[str, Any], pmix_host) -> None:
         from . import pmixplan
+        from .pmixuplink import Uplink
 
+        self._uplink = Uplink(self.kvsname, lambda kind, **fields: self._send(
+            encode(kind, **fields)))
         try:
             names = [str(n) for n in pmix["names"]]
             hosts = [names[n] for n in self._nodes]
@@ -117,14 +118,10 @@ class AgentWorld:
     # --- this host's PMIx server (spawner.pmixhost.Handler) -----------------------------
 
     def fence(self, fence, data: bytes, done: Callable[[int, bytes], None]) -> None:
-        self._fences[(tuple(fence.ranks), fence.seq)] = done
-        self._send(encode(Kind.FENCE_IN, kvsname=self.kvsname, ranks=list(fence.ranks),
-                          seq=fence.seq, data=base64.b64encode(data).decode()))
+        self._uplink.fence(fence, data, done)
 
     def direct_modex(self, rank: int, done: Callable[[int, bytes], None]) -> None:
-        want = next(self._ids)
-        self._wants[want] = done
-        self._send(encode(Kind.MODEX_WANT, kvsname=self.kvsname, id=want, rank=rank))
+        self._uplink.direct_modex(rank, done)
 
     def abort(self, rank: int, status: int, message: str) -> None:
         self._aborted(rank, status, message)
@@ -140,23 +137,14 @@ class AgentWorld:
 
     def _pmix_answered(self, kind: Kind, fields: dict[str, Any]) -> None:
         """FENCE_OUT, MODEX_DATA, MODEX_ASK from the launcher."""
-        data = base64.b64decode(fields.get("data") or "")
-        if kind is Kind.FENCE_OUT:
-            done = self._fences.pop((tuple(int(r) for r in fields["ranks"]),
-                                     int(fields["seq"])), None)
-            if done is not None:
-                done(-1 if fields.get("error") else 0, data)
-        elif kind is Kind.MODEX_DATA:
-            done = self._wants.pop(int(fields["id"]), None)
-            if done is not None:
-                done(int(fields["status"]), data)
-        elif self.pmix_ns is not None:  # MODEX_ASK
-            ask = fields["id"]
-            self._pmix.dmodex_request(
-                self.pmix_ns, int(fields["rank"]),
-                lambda status, blob: self._send(encode(
-                    Kind.MODEX_GOT, kvsname=self.kvsname, id=ask, status=status,
-                    data=base64.b64encode(blob).decode())))
+        if self._uplink is None:
+            return
+        if kind is Kind.MODEX_ASK:
+            if self.pmix_ns is not None:
+                self._pmix.dmodex_request(self.pmix_ns, int(fields["rank"]),
+                                          self._uplink.modex_got(fields["id"]))
+        else:
+            self._uplink.answered(kind, fields)
 
     def answered(self, kind: Kind, fields: dict[str, Any]) -> None:
         """BARRIER_OUT or VALUE from the launcher (or PMIx's answers)."""
@@ -198,10 +186,8 @@ class AgentWorld:
         self.remove_leftovers()
 
     def _close_pmix(self) -> None:
-        for done in [*self._fences.values(), *self._wants.values()]:
-            done(-1, b"")  # nobody is left to complete them
-        self._fences.clear()
-        self._wants.clear()
+        if self._uplink is not None:
+            self._uplink.close()
         if self.pmix_ns is not None:
             self._pmix.close_world(self.pmix_ns)
             self.pmix_ns = None

@@ -18,7 +18,6 @@ no PMIx_server_finalize (its wedge is what this process exists to contain).
 
 from __future__ import annotations
 
-import base64
 import os
 import queue
 import socket
@@ -132,11 +131,12 @@ class _Namespace:
     crosses hosts goes to the spawner, as an agent's does to the launcher."""
 
     def __init__(self, proc: ServerProcess, world: pmixplan.World) -> None:
+        from .pmixuplink import Uplink
+
         self.proc, self.world, self.kvsname = proc, world, world.nspace
         self.ns = None  # spawner.pmixserver.Namespace
-        self._fences: dict[tuple, Any] = {}
-        self._wants: dict[int, Any] = {}
-        self._ids = iter(range(1, 1 << 62))
+        self.uplink = Uplink(world.nspace, proc.post)
+        self.fence, self.direct_modex = self.uplink.fence, self.uplink.direct_modex
 
     def event(self, what: str, rank: int, *args) -> None:  # on libpmix's thread
         if what == "abort":
@@ -146,39 +146,16 @@ class _Namespace:
         else:
             self.proc.post(Kind.PMIX_CLIENT, kvsname=self.kvsname, key=rank, event=what)
 
-    def fence(self, fence, data: bytes, done) -> None:
-        self._fences[(tuple(fence.ranks), fence.seq)] = done
-        self.proc.post(Kind.FENCE_IN, kvsname=self.kvsname, ranks=list(fence.ranks),
-                       seq=fence.seq, data=base64.b64encode(data).decode())
-
-    def direct_modex(self, rank: int, done) -> None:
-        want = next(self._ids)
-        self._wants[want] = done
-        self.proc.post(Kind.MODEX_WANT, kvsname=self.kvsname, id=want, rank=rank)
-
     def from_spawner(self, kind: Kind, fields: dict[str, Any]) -> None:
         """FENCE_OUT, MODEX_DATA, MODEX_ASK, WORLD_END."""
         if kind is Kind.WORLD_END:
             self.ns.close()
             self.proc._namespaces.pop(self.kvsname, None)
-            return
-        data = base64.b64decode(fields.get("data") or "")
-        if kind is Kind.FENCE_OUT:
-            done = self._fences.pop((tuple(int(r) for r in fields["ranks"]),
-                                     int(fields["seq"])), None)
-            if done is not None:
-                done(-1 if fields.get("error") else 0, data)
-        elif kind is Kind.MODEX_DATA:
-            done = self._wants.pop(int(fields["id"]), None)
-            if done is not None:
-                done(int(fields["status"]), data)
         elif kind is Kind.MODEX_ASK:
-            ask = fields["id"]
-            self.proc.server.dmodex_request(
-                self.kvsname, int(fields["rank"]),
-                lambda status, blob: self.proc.post(
-                    Kind.MODEX_GOT, kvsname=self.kvsname, id=ask, status=status,
-                    data=base64.b64encode(blob).decode()))
+            self.proc.server.dmodex_request(self.kvsname, int(fields["rank"]),
+                                            self.uplink.modex_got(fields["id"]))
+        else:
+            self.uplink.answered(kind, fields)
 
 
 def main(argv: list[str]) -> None:

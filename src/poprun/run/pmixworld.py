@@ -5,9 +5,10 @@ This host's instances are served by this host's PMIx server (spawner/pmixhost.py
 of its own per attempt); every other host's by its agent's (spawner/agentworld.py). What
 crosses hosts comes here over the agents' connections, as for PMI-1: one FENCE_IN per host
 and fence (that host's instances' data), answered with FENCE_OUT once every host holding a
-participant has entered (their data in node order: spawner/pmixplan.FenceTable); a direct modex for a rank on another host goes to
-that host's agent (MODEX_ASK, answered MODEX_GOT) and back (MODEX_DATA). Fences are named by
-their participants and a sequence number per participant set, which every host counts alike.
+participant has entered (their data in node order: spawner/pmixplan.FenceTable); a direct
+modex for a rank on another host goes to that host's agent (MODEX_ASK, answered MODEX_GOT)
+and back (MODEX_DATA). Fences are named by their participants and a sequence number per
+participant set, which every host counts alike.
 
 What an agent sends is checked (spawner/pmixplan.FenceError): a broken or hostile host's
 fence ends in an error for that fence's instances, never in an exception here.

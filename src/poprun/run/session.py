@@ -305,6 +305,7 @@ class _Session:
         self.mpi_worlds: list[str] = []  # the kvsname of every attempt's MPI world
         self.libpmix: str | None = None  # the libpmix that serves Open MPI's world here
         self.pmix = None  # this host's PMIx service (spawner.pmixhost.PmixHost), if served
+        self._pmix_here = False  # ... and its instances here (a server here)
         # Each host on the network the user chose (plan/network.py); None without a choice.
         self.network: dict[str, HostNetwork] | None = None
         self.rendezvous = None  # Horovod's (run/rendezvous.Rendezvous), once hosts are open
@@ -336,6 +337,8 @@ class _Session:
         wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
         self.libpmix = self._find_libpmix()
         self.lifeline = Lifeline()
+        if self.libpmix is not None:  # its process starts now, its server once named below
+            self._start_pmix()
         if containment.is_subreaper():  # the poprun command: every child it starts is its own
             # ... so its helpers (an SSH ProxyCommand, srun, vipu) carry a mark of the lifeline's
             # too, one that the sweep after an attempt spares (the instances get the token).
@@ -353,6 +356,7 @@ class _Session:
         try:  # poprun writes every instance's files, remote ones too: here is the place
             self.job.router.check_directory()
         except OSError as exc:
+            self._close_pmix()
             self.lifeline.close()
             given = config.effective_output_filename
             # The path that failed may be a parent of the one given (a directory without
@@ -365,14 +369,15 @@ class _Session:
         await self._start_steps()
         try:
             await self._open_job_control()
-            if self.libpmix is not None:  # after the lifeline's fork; named by the job's id
-                self._start_pmix()
+            if self.pmix is not None and self._pmix_here:  # named by the job's id
+                self.pmix.prestart(self._kvsname(0))
             self._open_progress()
             # From here a stop signal is the job's: before any instance runs, it ends the launch.
             self._restore_signals = install_signal_handlers(self.loop, self.on_signal)
             if self.control is not None:
                 self.control.start_pruning(self.environ)
         except BaseException:
+            self._close_pmix()
             await self._close_fleet()  # __aexit__ will not run: the steps end here
             raise
         return self
@@ -396,8 +401,13 @@ class _Session:
         self.pmix = PmixHost(self.libpmix, self.lifeline,
                              local[0] if local else socket.gethostname(), self.loop,
                              given=self.config.libpmix, warn=self.log.warning)
+        self._pmix_here = bool(local)
         if local:
-            self.pmix.prestart(self._kvsname(0))
+            self.pmix.spawn()
+
+    def _close_pmix(self) -> None:
+        if self.pmix is not None:
+            self.pmix.close()
 
     async def _start_steps(self) -> None:
         """Over Slurm, the agents' job steps are created now, not once the job's record and
@@ -878,7 +888,7 @@ class _Session:
         errors = []
         for step in (lambda: self.progress and self.progress.close(),
                      self._close_fleet, self._close_dashboard, self.job.close,
-                     self.job.close_world, lambda: self.pmix and self.pmix.close(),
+                     self.job.close_world, self._close_pmix,
                      self._close_rendezvous,
                      self._restore_signals, self.cache.remove, self.lifeline.close,
                      self._release_partition, self._helpers_reaped,

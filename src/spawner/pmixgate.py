@@ -175,10 +175,14 @@ class Gate:
     def _run(self) -> None:
         while True:
             for key, events in self._sel.select():
-                if key.data is None:
-                    self._accept_round()
-                else:
-                    key.data.ready(key.fileobj, events)
+                try:
+                    if key.data is None:
+                        self._accept_round()
+                    else:
+                        key.data.ready(key.fileobj, events)
+                except Exception:  # noqa: BLE001 - one connection's fault ends it, not the gate
+                    if key.data is not None:
+                        self.drop(key.data)
 
     # --- who may join ----------------------------------------------------------------------
 

@@ -115,6 +115,7 @@ def run_world(tmp_path, ompi, instances: int, program: str, *options: str):
     # poprun writes its result however the job ends: an empty file is poprun's fault
     assert written, f"no --result-json: exit {proc.returncode}: {proc.stderr.decode()[-3000:]}"
     result = json.loads(written)
+    assert result.get("mpi_worlds"), f"no world: {proc.stderr.decode()[-3000:]}"
     assert world_leftovers(result) == []  # however the job ended
     return proc, result
 

@@ -149,16 +149,15 @@ class Gate:
         """Shut every connection libpmix accepted before `take()` (no namespace existed:
         nothing of the job's was reachable through it); how many."""
         count = 0
-        inner = os.stat(self._inner_path).st_ino if os.path.exists(self._inner_path) else None
-        public = os.fstat(self._public.fileno()).st_ino
+        public = os.fstat(self._public.fileno()).st_ino  # the sockets' inodes, as in /proc
         for inode, fd in socket_inodes("self").items():
-            if inode in (inner, public):
+            if inode == public:
                 continue
             try:
                 probe = socket.socket(fileno=os.dup(fd))
             except OSError:
                 continue
-            try:
+            try:  # the link and the Unix listener are not TCP
                 if probe.family in (socket.AF_INET, socket.AF_INET6):
                     probe.shutdown(socket.SHUT_RDWR)
                     count += 1

@@ -277,5 +277,5 @@ def test_restarts_after_an_abort_during_finalize_neither_crash_nor_hang(tmp_path
                           env=poprun_env(env))
         written = out.read_text() if out.exists() else ""
         if proc.returncode != 0 or not written or json.loads(written)["exit_code"] != 0:
-            failures.append((run, proc.returncode, proc.stderr.decode()[-1500:]))
-    assert failures == []
+            failures.append((run, proc.returncode, proc.stderr.decode()[-4000:]))
+    assert failures == [], "\n\n".join(f"run {r}: exit {c}\n{e}" for r, c, e in failures)

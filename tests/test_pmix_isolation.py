@@ -192,6 +192,55 @@ def test_an_idle_connection_from_another_user_delays_nothing_and_sigterm_still_e
     assert job.returncode == 128 + signal.SIGTERM
 
 
+HOLD = r"""
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.5)
+try:
+    print("closed" if s.recv(1) == b"" else "answered", flush=True)
+except socket.timeout:
+    print("held", flush=True)  # libpmix waits for its client's first message
+except OSError:
+    print("closed", flush=True)
+"""
+
+
+def test_a_process_of_the_job_outside_its_tree_gets_in_by_the_job_s_mark(tmp_path, ompi):
+    """An instance in a container is not poprun's descendant (podman's are conmon's), but
+    carries the job's mark: admitted. The same process without the mark: closed unread."""
+    from spawner.containment import MARK
+
+    job, go, out = _start(ompi, tmp_path)
+    with reaped(job):
+        host, port, _, _ = _uri(job.stdout.readline())
+        (token,) = {_environ(pid).get(MARK) for pid in _instances(job.pid)}
+        held = subprocess.run(["/usr/bin/python3", "-c", HOLD, host, str(port)],
+                              env={**os.environ, MARK: token}, capture_output=True,
+                              timeout=60).stdout
+        closed = subprocess.run(["/usr/bin/python3", "-c", HOLD, host, str(port)],
+                                env={**os.environ, MARK: "not-the-job-s"},
+                                capture_output=True, timeout=60).stdout
+        go.touch()
+        stdout, stderr, result = _finish(job, out)
+    assert (held, closed) == (b"held\n", b"closed\n")
+    _assert_as_if_nobody_tried(job, stdout, stderr, result)
+    assert stderr.count("no process of the job holds its socket") == 1
+
+
+def _instances(pid: int) -> list[int]:
+    from spawner import procid
+
+    return [p for p in procid.descendants([pid]) if "PMIX_NAMESPACE" in _environ(p)]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])
 def test_a_server_killed_mid_job_is_the_root_cause_and_leaves_nothing(tmp_path, ompi, sig):
     before = open_mpi_leftovers()

@@ -14,10 +14,12 @@ Unix-socket transport left. So the gate takes the listening socket from libpmix:
   the peer socket's owner (the uid column of /proc/net/tcp or tcp6, which no user namespace
   or preload changes) must be ours, and the process holding that socket must be a descendant
   of the server's owner (poprun or the agent, whose children are the instances; found
-  through /proc/PID/task/*/children and /proc/PID/fd). Checked at once from the kernel's
-  tables, with no waiting on the peer: a connection that fails is closed unread, one that
-  passes is spliced to libpmix's Unix listener. Nothing unproven is held, so nobody can
-  delay MPI_Init, MPI_Finalize or poprun's exit by connecting.
+  through /proc/PID/task/*/children and /proc/PID/fd), or carry the job's mark in its
+  environment (an instance in a container, whose processes are not the spawner's
+  descendants: podman's are conmon's; spawner/containment.py). Checked at once from the
+  kernel's tables, with no waiting on the peer: a connection that fails is closed unread,
+  one that passes is spliced to libpmix's Unix listener. Nothing unproven is held, so
+  nobody can delay MPI_Init, MPI_Finalize or poprun's exit by connecting.
 
 The window between libpmix's listen() and the dup2 (inside the server's start, before any
 namespace exists) is closed too: a connection libpmix accepted in it is shut down before
@@ -107,6 +109,29 @@ def holder(inode: int, candidates: Iterable[int]) -> int | None:
     return None
 
 
+def marked_holders(inodes: set[int], mark: bytes) -> set[int]:
+    """Those of socket `inodes` held by a process of ours whose environment carries `mark`
+    (b"NAME=token"): an instance the job started in a container, whose processes are not
+    its spawner's descendants (podman's are conmon's). One pass over /proc for them all."""
+    found: set[int] = set()
+    uid = os.getuid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or not inodes - found:
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            held = inodes.intersection(socket_inodes(entry)) - found
+            if not held:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found |= held
+        except OSError:
+            continue
+    return found
+
+
 # --- the gate ------------------------------------------------------------------------------
 
 class Refused(Exception):
@@ -117,9 +142,11 @@ class Gate:
     """Takes libpmix's listener (`take()`, right after PMIx_server_init), then serves it in
     a thread (`start()`). `refused(uid, why)` is called for each connection closed unread."""
 
-    def __init__(self, directory: str, owner: int,
+    def __init__(self, directory: str, owner: int, mark: bytes | None,
                  refused: Callable[[int | None, str], None]) -> None:
-        self.directory, self.owner, self._refused = directory, owner, refused
+        """`owner`: the spawner, whose descendants may connect; `mark`: b"NAME=token" in the
+        environment of the job's instances (spawner/containment.py), which may too."""
+        self.directory, self.owner, self.mark, self._refused = directory, owner, mark, refused
         self._public: socket.socket | None = None
         self._inner_path = os.path.join(directory, "gate")
         self._sel = selectors.DefaultSelector()
@@ -200,6 +227,7 @@ class Gate:
         table = parse_table(_tables())
         family = self._public.family
         descendants = None
+        unplaced: list[tuple[socket.socket, int, int]] = []  # ours, held outside the tree
         for conn in batch:
             try:
                 peer, ours = conn.getpeername(), conn.getsockname()
@@ -214,9 +242,8 @@ class Gate:
                     descendants = [p for p in procid.descendants([self.owner])
                                    if p != os.getpid()]
                 if holder(inode, descendants) is None:
-                    raise Refused(uid, "no process of the job holds its socket")
-                if len(self._pipes) >= 2 * MAX_CLIENTS:
-                    raise Refused(uid, f"more than {MAX_CLIENTS} connections")
+                    unplaced.append((conn, uid, inode))
+                    continue
                 self._admit(conn)
             except Refused as exc:
                 conn.close()
@@ -224,8 +251,29 @@ class Gate:
             except OSError as exc:  # it went away meanwhile
                 conn.close()
                 self._refused(None, exc.strerror or str(exc))
+        if unplaced:
+            self._place(unplaced)
+
+    def _place(self, unplaced: list[tuple[socket.socket, int, int]]) -> None:
+        """Connections of our uid held by no descendant: admitted where the holder carries
+        the job's mark, else closed unread."""
+        marked = marked_holders({inode for _, _, inode in unplaced}, self.mark) \
+            if self.mark else set()
+        for conn, uid, inode in unplaced:
+            if inode in marked:
+                try:
+                    self._admit(conn)
+                    continue
+                except OSError:
+                    pass
+            conn.close()
+            self._refused(uid, "no process of the job holds its socket")
 
     def _admit(self, conn: socket.socket) -> None:
+        if len(self._pipes) >= 2 * MAX_CLIENTS:
+            conn.close()
+            self._refused(None, f"more than {MAX_CLIENTS} connections at once")
+            return
         inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         inner.connect(self._inner_path)
         splice = _Splice(self, conn, inner)

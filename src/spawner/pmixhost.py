@@ -131,9 +131,11 @@ class _Server:
         self._ready.add_done_callback(lambda task: task.cancelled() or task.exception())
 
     async def _serve(self) -> None:
+        lifeline = self.host._lifeline  # its token marks the job's instances
+        mark = "=".join(lifeline.mark) if lifeline is not None else None
         result = await self.request(Kind.PMIX_SERVE, libpmix=self.host.path,
                                     tmpdir=self.tmpdir, hostname=self.host.hostname,
-                                    owner=os.getpid())
+                                    owner=os.getpid(), mark=mark)
         self.version = str(result.get("version") or "")
 
     async def ready(self) -> None:

@@ -106,7 +106,9 @@ class ServerProcess:
         self.server = PmixServer(str(fields["libpmix"]), tmpdir, str(fields["hostname"]),
                                  self.submit)
         self.server.start()
-        gate = Gate(tmpdir, int(fields["owner"]), self._refused)
+        mark = fields.get("mark")
+        gate = Gate(tmpdir, int(fields["owner"]), mark.encode() if mark else None,
+                    self._refused)
         port = gate.take()
         gate.shut_early()
         gate.start()

@@ -87,8 +87,9 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       INTERNAL {error, traceback}            a bug in the agent: it kills its instances,
                                              removes its temp dirs and exits with status 70
     spawner -> its PMIx server's process (a socket pair; spawner/pmixhost.py)
-      PMIX_SERVE {id, libpmix, tmpdir, hostname, owner}  start libpmix's server; owner: the
-                                             pid whose descendants may connect
+      PMIX_SERVE {id, libpmix, tmpdir, hostname, owner, mark}  start libpmix's server; who
+                                             may connect: owner's descendants, and processes
+                                             with mark (NAME=token) in their environment
       PMIX_OPEN {id, kvsname, nodes, names, here}  register a world's namespace and its ranks
                                              here; REPLY {id, result: {env: {rank: {...}}}}
       FENCE_OUT, MODEX_DATA, MODEX_ASK, WORLD_END  as from the launcher to an agent

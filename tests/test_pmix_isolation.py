@@ -18,6 +18,7 @@ need root for that: without it they skip, and fail instead where POPRUN_REQUIRE_
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pwd
@@ -224,6 +225,21 @@ def test_a_process_of_the_job_outside_its_tree_gets_in_by_the_job_s_mark(tmp_pat
     assert (held, closed) == (b"held\n", b"closed\n")
     _assert_as_if_nobody_tried(job, stdout, stderr, result)
     assert stderr.count("no process of the job holds its socket") == 1
+
+
+def test_the_gate_s_socket_removed_under_it_leaves_the_world_working(tmp_path, ompi):
+    """Whatever removes files in the server's directory (a cleanup of the user's, of Open
+    MPI's): the gate listens for libpmix anew."""
+    from spawner.reaphere import pmix_prefixes
+
+    job, go, out = _start(ompi, tmp_path)
+    with reaped(job):
+        _, _, _, nspace = _uri(job.stdout.readline())
+        (gate,) = glob.glob(pmix_prefixes(nspace)[0] + "*/gate")
+        os.unlink(gate)
+        go.touch()
+        stdout, stderr, result = _finish(job, out)
+    _assert_as_if_nobody_tried(job, stdout, stderr, result)
 
 
 def _instances(pid: int) -> list[int]:

@@ -149,6 +149,7 @@ class Gate:
         self.directory, self.owner, self.mark, self._refused = directory, owner, mark, refused
         self._public: socket.socket | None = None
         self._inner_path = os.path.join(directory, "gate")
+        self._libpmix_fd = -1
         self._sel = selectors.DefaultSelector()
         self._pipes: dict[int, _Splice] = {}
 
@@ -159,18 +160,27 @@ class Gate:
         mine = {inode: fd for inode, fd in socket_inodes("self").items() if inode in listening}
         if len(mine) != 1:
             raise OSError(errno.ENOENT, f"libpmix's listening socket: {len(mine)} found")
-        (fd,) = mine.values()
-        self._public = socket.socket(fileno=os.dup(fd))
-        inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        inner.bind(self._inner_path)
-        inner.listen(128)
-        # Blocking, as libpmix's was not: a wake-up left from the TCP socket then waits in
-        # accept for the gate's next connection, where a non-blocking one would end
-        # libpmix's accept thread (it treats EAGAIN as fatal).
-        os.dup2(inner.fileno(), fd, inheritable=False)
-        inner.close()
+        (self._libpmix_fd,) = mine.values()
+        self._public = socket.socket(fileno=os.dup(self._libpmix_fd))
+        self._renew_inner()
         self._public.setblocking(False)
         return self._public.getsockname()[1]
+
+    def _renew_inner(self) -> None:
+        """A Unix listener under libpmix's listening descriptor (again, where its path was
+        removed under us: libpmix's accept thread then finds it within its 2 s select)."""
+        if os.path.exists(self._inner_path):
+            os.unlink(self._inner_path)
+        inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            inner.bind(self._inner_path)
+            inner.listen(128)
+            # Blocking, as libpmix's was not: a wake-up left from the TCP socket then waits
+            # in accept for the gate's next connection, where a non-blocking one would end
+            # libpmix's accept thread (it treats EAGAIN as fatal).
+            os.dup2(inner.fileno(), self._libpmix_fd, inheritable=False)
+        finally:
+            inner.close()
 
     def shut_early(self) -> int:
         """Shut every connection libpmix accepted before `take()` (no namespace existed:
@@ -275,7 +285,12 @@ class Gate:
             self._refused(None, f"more than {MAX_CLIENTS} connections at once")
             return
         inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        inner.connect(self._inner_path)
+        try:
+            inner.connect(self._inner_path)
+        except (FileNotFoundError, ConnectionRefusedError):  # its path removed under us
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            self._renew_inner()
+            inner.connect(self._inner_path)
         splice = _Splice(self, conn, inner)
         for sock in (conn, inner):
             sock.setblocking(False)

@@ -35,6 +35,22 @@ def reaped(proc: subprocess.Popen):
             proc.wait()
 
 
+@contextlib.contextmanager
+def second_user(prefix: str = "poprun-t"):
+    """A real second local user (useradd; no home, no login shell), its pwd entry; removed
+    after (userdel). Needs root."""
+    import pwd
+    import uuid
+
+    name = f"{prefix}{uuid.uuid4().hex[:8]}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                   check=True, capture_output=True)
+    try:
+        yield pwd.getpwnam(name)
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
 def poprun_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "poprun", *args]
 
@@ -116,6 +132,14 @@ def _private_state_dir(tmp_path_factory):
         os.environ.pop("XDG_RUNTIME_DIR", None)
     else:
         os.environ["XDG_RUNTIME_DIR"] = previous
+
+
+@pytest.fixture(autouse=True)
+def _no_quarantine_between_tests(_private_state_dir):
+    """Every test's hosts are h1, h2...: a host one test's job lost, quarantined for this
+    user's later jobs (poprun/jobctl/quarantine.py), must not leave the next test's out."""
+    yield
+    (_private_state_dir / "poprun" / "quarantine.json").unlink(missing_ok=True)
 
 
 def wait_started(launcher_pid: int, count: int, timeout: float = 30,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from requires import skip_or_fail
 import sshd_hosts
 from sshd_hosts import SshHosts, require_tool, start_ssh_hosts
 
@@ -39,10 +40,8 @@ class LocalUser:
 def require_root(what: str) -> None:
     if os.getuid() == 0:
         return
-    reason = f"{what} needs root (it creates a throwaway user with useradd)"
-    if os.environ.get("POPRUN_REQUIRE_SSHD") == "1":
-        pytest.fail(f"{reason}; POPRUN_REQUIRE_SSHD=1 forbids skipping", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(f"{what} needs root (it creates a throwaway user with useradd)",
+                 "POPRUN_REQUIRE_SSHD")
 
 
 @contextlib.contextmanager

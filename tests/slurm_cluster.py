@@ -60,6 +60,7 @@ from pathlib import Path
 
 import pytest
 
+from requires import skip_or_fail
 from sshd_hosts import kill_trees
 
 __all__ = ["SlurmCluster", "SlurmClusterError", "require_slurm", "slurm_cluster",
@@ -112,9 +113,7 @@ def require_slurm() -> dict[str, str]:
 
 
 def _skip_or_fail(reason: str) -> None:
-    if os.environ.get("POPRUN_REQUIRE_SLURM") == "1":
-        pytest.fail(f"{reason}\nPOPRUN_REQUIRE_SLURM=1 forbids skipping", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(reason, "POPRUN_REQUIRE_SLURM")
 
 
 @dataclass
@@ -489,10 +488,19 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     Skips with the reason when Slurm is missing or the cluster does not start; fails instead
     where POPRUN_REQUIRE_SLURM=1. Tests share it: ``slurm_cluster.reset()`` first.
     """
+    with required_slurm_cluster(2) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def required_slurm_cluster(n: int) -> Iterator[SlurmCluster]:
+    """``start_slurm_cluster(n)`` for a test that needs one: skipped with the reason when
+    Slurm is missing or the cluster does not start, failed instead where
+    POPRUN_REQUIRE_SLURM=1."""
     require_slurm()
     stack = contextlib.ExitStack()
     try:
-        cluster = stack.enter_context(start_slurm_cluster(2))
+        cluster = stack.enter_context(start_slurm_cluster(n))
     except SlurmClusterError as e:
         _skip_or_fail(f"Slurm cluster failed to start: {e}")
     with stack:

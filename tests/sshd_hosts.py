@@ -37,13 +37,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 
-__all__ = ["SshClientFiles", "SshHost", "SshHosts", "make_client_files", "processes_with",
-           "require_mount_namespaces", "require_sshd", "require_tool", "skip_or_fail",
-           "sshd_options", "start_ssh_hosts", "wait_until"]
+from requires import skip_or_fail
+
+__all__ = ["SshClientFiles", "SshHost", "SshHosts", "in_mount_namespace", "make_client_files",
+           "processes_with", "require_mount_namespaces", "require_sshd", "require_tool",
+           "skip_or_fail", "sshd_options", "start_ssh_hosts", "wait_until"]
 
 READY_TIMEOUT = 10.0
 # 127.0.77.1-254, then 127.0.78.1-254...: each host an address of its own on lo.
@@ -63,15 +64,8 @@ def require_tool(name: str, *candidates: str) -> str:
     for path in (*candidates, shutil.which(name)):
         if path and os.access(path, os.X_OK):
             return os.path.abspath(path)  # sshd re-execs itself, so it refuses relative paths
-    skip_or_fail(f"{name} not found (install openssh-server / openssh-client)")
-
-
-def skip_or_fail(reason: str, variable: str = "POPRUN_REQUIRE_SSHD") -> NoReturn:
-    """Skip the test for ``reason``; fail it instead where CI set ``variable``=1, so that
-    what CI must test cannot silently turn into skips."""
-    if os.environ.get(variable) == "1":
-        pytest.fail(f"{reason}; {variable}=1 forbids skipping", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(f"{name} not found (install openssh-server / openssh-client)",
+                 "POPRUN_REQUIRE_SSHD")
 
 
 @cache
@@ -90,7 +84,7 @@ def require_mount_namespaces() -> None:
     """Skip (CI: fail) where hosts cannot have files of their own (``mounts``)."""
     why = _mount_namespaces()
     if why:
-        skip_or_fail(why)
+        skip_or_fail(why, "POPRUN_REQUIRE_SSHD")
 
 
 def require_sshd() -> str:
@@ -274,7 +268,7 @@ def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path,
             _write_sshd_config(host, authorized_keys, setenv(host) if setenv else {},
                                sshd_lines(host) if sshd_lines else ())
             host.proc = subprocess.Popen(
-                [*_DIE_WITH_US, *_in_namespace(mounts(host) if mounts else ()),
+                [*_DIE_WITH_US, *in_mount_namespace(mounts(host) if mounts else ()),
                  sshd, "-D", "-e", "-f", str(host.dir / "sshd_config")],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 start_new_session=True,  # a Ctrl-C aimed at pytest must not hit it first
@@ -307,10 +301,11 @@ def _start_all(sshd: str, hosts: list[SshHost], authorized_keys: Path,
     raise RuntimeError(f"sshd could not bind a port after {BIND_ATTEMPTS} attempts")
 
 
-def _in_namespace(mounts: Sequence[Sequence[str]]) -> list[str]:
-    """The words before sshd's that start it in a mount namespace of its own with `mounts`
-    made there (each exec'd in place: sshd keeps the pid Popen gave, which the death signal
-    and _stop act on). A mount that fails fails the start, its error in sshd's log."""
+def in_mount_namespace(mounts: Sequence[Sequence[str]]) -> list[str]:
+    """The words before a command (sshd's) that start it in a mount namespace of its own with
+    `mounts` made there (each exec'd in place: the command keeps the pid Popen gave, which
+    the death signal and _stop act on). A mount that fails fails the start, its error on
+    the command's stderr."""
     if not mounts:
         return []
     script = "".join(f"mount {shlex.join(m)} || exit 1\n" for m in mounts) + 'exec "$@"\n'
@@ -499,17 +494,33 @@ def processes_with(marker: str) -> list[int]:
     return pids
 
 
+# A variable poprun adds to every instance's environment (docs/architecture.md, "The
+# environment contract"), which what the instance starts inherits; poprun itself, its
+# watchdog, the agents, ssh, srun and salloc do not carry it.
+INSTANCE_VARIABLE = b"POPDIST_NUM_TOTAL_REPLICAS="
+
+
 def instances_with(marker: str) -> list[int]:
-    """``processes_with(marker)`` less poprun itself (and its watchdog, and a salloc running
-    it), whose argv holds the marker too: the instances (and what they started)."""
-    found = []
-    for pid in processes_with(marker):
-        try:
-            if b"poprun" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:  # gone meanwhile
-            pass
-    return found
+    """The instances (and what they started) among ``processes_with(marker)``: poprun's own
+    command line holds the marker too (and its watchdog's, and that of a salloc running it),
+    so they are told apart by the environment poprun gives an instance, never by a word of a
+    command line, which a path can hold (a clone in a folder named ``poprun``)."""
+    return [pid for pid in processes_with(marker) if _is_instance(pid)]
+
+
+def _is_instance(pid: int) -> bool:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone meanwhile
+        return False
+    return environ.startswith(INSTANCE_VARIABLE) or b"\0" + INSTANCE_VARIABLE in environ
+
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL every process whose command line holds ``marker`` (poprun, its watchdog, its
+    instances: whatever a failed test left) and all their descendants: a cleanup for a
+    ``finally`` that needs no instance lookup."""
+    kill_trees(lambda: [pid for pid in processes_with(marker) if pid != os.getpid()])
 
 
 def wait_until(predicate, what: str, timeout: float = 20.0) -> None:

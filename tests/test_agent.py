@@ -29,6 +29,7 @@ import pytest
 
 from conftest import poprun_env
 from poprun._version import __version__
+from requires import needs
 from sshd_hosts import SshHosts, processes_with, start_ssh_hosts, wait_until
 from spawner.agent import HIGH_WATER
 from spawner.local import Stream
@@ -266,9 +267,8 @@ def assert_binds_memory(python: str, tmp_path, monkeypatch) -> None:
         agent.kill()
 
 
-needs_libnuma = pytest.mark.skipif(
-    not __import__("spawner.binding").binding.memory_binding_available(),
-    reason="no libnuma or NUMA support on this host")
+needs_libnuma = needs("POPRUN_REQUIRE_TOOLS", "no libnuma or NUMA support on this host",
+                      not __import__("spawner.binding").binding.memory_binding_available())
 DEBIAN_PYTHON = "/usr/bin/python3"  # Debian's own: a base interpreter without py-libnuma
 
 
@@ -282,10 +282,9 @@ def test_an_agent_run_by_a_venvs_python_finds_py_libnuma_in_the_venv(tmp_path, m
 
 
 @needs_libnuma
-@pytest.mark.skipif(subprocess.run([DEBIAN_PYTHON, "-c", "import numa"],
-                                   capture_output=True).returncode == 0
-                    if os.path.exists(DEBIAN_PYTHON) else True,
-                    reason=f"no {DEBIAN_PYTHON} without py-libnuma")
+@needs("POPRUN_REQUIRE_TOOLS", f"no {DEBIAN_PYTHON} without py-libnuma",
+       subprocess.run([DEBIAN_PYTHON, "-c", "import numa"], capture_output=True).returncode == 0
+       if os.path.exists(DEBIAN_PYTHON) else True)
 def test_py_libnuma_in_the_venv_only_binds_memory(tmp_path, monkeypatch):
     """The base interpreter lacks py-libnuma, the venv has it: the binding is in force."""
     assert_binds_memory(make_venv(DEBIAN_PYTHON, tmp_path / "venv", numa=True), tmp_path,

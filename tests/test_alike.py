@@ -236,3 +236,75 @@ def test_free_space_is_read_where_the_cache_would_be_made(tmp_path):
     assert found["space"]["cache"]["path"] == str(tmp_path / "not" / "yet")
     for where in ("cache", "temp"):  # others write meanwhile: within 64 MiB
         assert abs(found["space"][where]["free"] - st.f_bavail * st.f_frsize) < 64 << 20
+
+
+# --- files that are not files -------------------------------------------------------
+
+def test_a_script_that_is_no_regular_file_is_named_with_what_it_is():
+    fifo = {"name": "train.py", "path": "/w/train.py", "size": None, "mtime": None,
+            "sha256": None, "kind": "FIFO"}
+    assert texts({"h1": facts(), "h2": facts(), "h3": facts(entry=fifo)}) == [
+        "train.py is a FIFO on h3"]
+    assert texts({"h1": facts(entry=fifo), "h2": facts(entry=fifo), "h3": facts()}) == [
+        "train.py is a FIFO on h[1-2]; a file on h3 (modified 12 min ago)"]
+    long = {**fifo, "kind": "x" * 10_000}  # another host's words: bounded
+    assert len(texts({"h1": facts(), "h2": facts(entry=long)})[0]) < 200
+
+
+def test_a_host_whose_facts_did_not_arrive_differs():
+    assert [d.text for d in alike.unknown(["h2", "h3"])] == [
+        "no facts from h[2-3]: its agent did not send them (lost, or too slow), so it "
+        "cannot be compared"]
+    assert alike.unknown([]) == ()
+
+
+@pytest.mark.timeout(10)
+def test_a_fifo_a_device_or_a_directory_is_reported_never_opened_for_reading(tmp_path):
+    """Guards a defect: the agent read the script with a plain open(), which blocks on a FIFO for
+    as long as nobody writes to it (the agent's one thread, and with it the launch). Each is
+    now reported by what it is, at once; a link to a file is still followed."""
+    os.mkfifo(tmp_path / "fifo.py")
+    (tmp_path / "dir.py").mkdir()
+    (tmp_path / "real.py").write_text("print(1)\n")
+    (tmp_path / "link.py").symlink_to(tmp_path / "real.py")
+    env = {"PATH": os.defpath}
+    for script, kind in (("fifo.py", "FIFO"), ("dir.py", "directory"),
+                         ("/dev/null", "character device")):
+        entry = hostfacts.gather([sys.executable, script], env, str(tmp_path))["entry"]
+        assert entry["kind"] == kind and entry["sha256"] is None, entry
+        assert alike.read(hostfacts.gather([sys.executable, script], env, str(tmp_path))
+                          ).entry.kind == kind
+    entry = hostfacts.gather([sys.executable, "link.py"], env, str(tmp_path))["entry"]
+    assert "kind" not in entry and entry["sha256"] == hashlib.sha256(b"print(1)\n").hexdigest()
+    os.mkfifo(tmp_path / "prog")  # a FIFO as the program, and as a METADATA file
+    os.chmod(tmp_path / "prog", 0o755)
+    assert hostfacts.gather(["./prog"], env, str(tmp_path))["program"] is None
+    site = tmp_path / "site"
+    (site / "fifo_pkg-1.0.dist-info").mkdir(parents=True)
+    os.mkfifo(site / "fifo_pkg-1.0.dist-info" / "METADATA")
+    assert "fifo-pkg" not in hostfacts.gather(
+        [sys.executable, "real.py"], {**env, "PYTHONPATH": str(site)},
+        str(tmp_path))["distributions"]
+
+
+@pytest.mark.timeout(20)
+def test_a_huge_sparse_script_is_compared_by_size_without_reading_it(tmp_path):
+    big = tmp_path / "big.py"
+    with open(big, "wb") as f:
+        f.truncate(2 << 30)
+    entry = hostfacts.gather([sys.executable, "big.py"], {"PATH": os.defpath},
+                             str(tmp_path))["entry"]
+    assert entry["size"] == 2 << 30 and entry["sha256"] is None and "kind" not in entry
+
+
+def test_a_launch_compares_a_host_without_facts_as_differing():
+    """hostcheck.compare, as a launch calls it: h2's agent sent no facts (hostcheck.py let
+    such a host through, so --compare-hosts=error started the job)."""
+    from poprun.plan.config import LaunchConfig
+    from poprun.run import hostcheck
+
+    answer, config = hostcheck.Answer(facts(), 1720.0, {}), LaunchConfig(program=["python3"])
+    found = hostcheck.compare(config, {}, ["h1", "h2"], [], None, {"h1": answer})
+    assert [d.kind for d in found] == ["facts"] and "no facts from h2" in found[0].text
+    both = hostcheck.compare(config, {}, ["h1", "h2"], [], None, {"h1": answer, "h2": answer})
+    assert both == ()

@@ -19,6 +19,7 @@ import pytest
 
 import poprun
 from poprun import ConfigError, LaunchConfig, launch
+from requires import skip_or_fail
 
 PY = sys.executable
 TIMEOUT = 30
@@ -185,10 +186,7 @@ async def test_every_launch_in_one_process_gets_open_mpi_s_world(capture: Captur
 
     version = next((v for v in sorted(OPEN_MPIS) if _probe(v) is None), None)
     if version is None:
-        reason = "no Open MPI under mpi4py here"
-        if os.environ.get("POPRUN_REQUIRE_OPENMPI") == "1":
-            pytest.fail(f"{reason}; POPRUN_REQUIRE_OPENMPI=1 forbids skipping", pytrace=False)
-        pytest.skip(reason)
+        skip_or_fail("no Open MPI under mpi4py here", "POPRUN_REQUIRE_OPENMPI")
     python, env = OPEN_MPIS[version]
     program = config(*python, "-c", OPEN_MPI_WORLD)
     results = []

@@ -17,15 +17,16 @@ from contextlib import contextmanager
 import pytest
 
 from poprun.plan.topology import parse_cpu_list
+from requires import needs, skip_or_fail
 from spawner.binding import (ProcessBinding, bound, memory_binding_available, parse_binding,
                              parse_mempolicy, read_binding)
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 MEMS_ALLOWED = read_binding(os.getpid()).mems_allowed
-needs_two_cpus = pytest.mark.skipif(len(ALLOWED) < 2,
+needs_two_cpus = pytest.mark.skipif(len(ALLOWED) < 2,  # no switch: the machine's CPUs
                                     reason="binding to one of one CPUs cannot be told apart")
-needs_libnuma = pytest.mark.skipif(not memory_binding_available(),
-                                   reason="libnuma.so.1 or kernel NUMA support is missing")
+needs_libnuma = needs("POPRUN_REQUIRE_TOOLS", "libnuma.so.1 or kernel NUMA support is missing",
+                      not memory_binding_available())
 # A child that starts a grandchild, prints its pid and waits for it.
 FAMILY = ["sh", "-c", "sleep 60 & echo $!; wait"]
 
@@ -115,15 +116,16 @@ def hiding_libnuma() -> list[str]:
     with open("/proc/self/maps") as f:
         libs = {line.split()[-1] for line in f if "/libnuma.so" in line}
     if len(libs) != 1 or not os.path.exists("/etc/ld.so.cache"):
-        pytest.skip("no loaded libnuma, or no loader cache, to hide")
+        skip_or_fail("no loaded libnuma, or no loader cache, to hide", "POPRUN_REQUIRE_TOOLS")
     prefix = ["unshare", "-m", "sh", "-c",
               'mount --bind /dev/null /etc/ld.so.cache && mount --bind /dev/null "$0" && exec "$@"',
               os.path.realpath(libs.pop())]
     try:
         if subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
+            # no switch: a privilege of the machine's, no package
             pytest.skip("no permission for a mount namespace (unshare -m) and mounts in it")
     except FileNotFoundError:
-        pytest.skip("unshare is not installed")
+        skip_or_fail("unshare is not installed", "POPRUN_REQUIRE_TOOLS")
     return prefix
 
 
@@ -164,7 +166,7 @@ def test_a_later_unbound_child_gets_the_default_policy():
     # The launcher's thread goes back to MPOL_DEFAULT, not left bound or "local" (the nearest
     # py-libnuma can set): what it starts afterwards unbound inherits the default.
     if thread_mempolicy() != ("default", None):
-        pytest.skip("the tests run under a memory policy of their own")
+        pytest.skip("the tests run under a memory policy of their own")  # no switch: how run
     child, _, memory_bound = start_family(None, (0,))
     stop_family(child)
     assert memory_bound

@@ -30,6 +30,7 @@ import pytest
 
 from conftest import OFFLINE, SRC
 from poprun import __version__
+from requires import skip_or_fail
 from spawner import bootstrap, carried
 from sshd_hosts import SshHosts, instances_with, start_ssh_hosts, wait_until
 
@@ -260,7 +261,8 @@ def _too_old_python(tmp_path: Path, bare: str, kind: str) -> tuple[str, str]:
     old = {v: p for v, p in _pythons().items() if v < carried.MIN_PYTHON}
     if kind == "real":
         if not old:
-            pytest.skip("no Python older than the agent's minimum on this machine")
+            skip_or_fail("no Python older than the agent's minimum on this machine",
+                         "POPRUN_REQUIRE_PYTHONS")
         version = max(old)
         full = subprocess.run([old[version], "-c", "import sys; print('.'.join(map(str, "
                                "sys.version_info[:3])))"], capture_output=True, text=True,
@@ -294,7 +296,7 @@ def test_a_too_old_remote_python_is_one_clear_error_per_host(hosts, bare, tmp_pa
 def test_the_agent_runs_on_its_oldest_python(hosts, tmp_path):
     python = _pythons().get(carried.MIN_PYTHON)
     if python is None:
-        pytest.skip(f"no Python {carried.MIN_PYTHON} on this machine")
+        skip_or_fail(f"no Python {carried.MIN_PYTHON} on this machine", "POPRUN_REQUIRE_PYTHONS")
     proc = run(hosts, f"--remote-python={python}", "-H", "h1,h2", "--num-instances=2",
                "--num-replicas=2", "--tag-output", python, "-c", REPORT, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr.decode()
@@ -307,7 +309,7 @@ def test_the_probe_speaks_to_old_pythons(version, tmp_path):
     old (run here through sh, as sshd's shell would)."""
     python = _pythons().get(version)
     if python is None:
-        pytest.skip(f"no Python {version} on this machine")
+        skip_or_fail(f"no Python {version} on this machine", "POPRUN_REQUIRE_PYTHONS")
     command = bootstrap.agent_command(python, "auto")
     proc = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=30,
                           env={"PATH": os.defpath, "HOME": str(tmp_path)}, stdin=subprocess.PIPE)
@@ -336,7 +338,7 @@ def test_every_login_shell_passes_the_commands_intact(shell, tmp_path):
     module's one-line `python -c` form must reach sh and Python unchanged."""
     path = shutil.which(shell)
     if path is None:
-        pytest.skip(f"no {shell} here")
+        skip_or_fail(f"no {shell} here", "POPRUN_REQUIRE_TOOLS")
     env = {"PATH": os.defpath, "HOME": str(tmp_path), "PYTHONPATH": SRC}
     agent = subprocess.run([path, "-c", bootstrap.agent_command(PY, "never")], env=env,
                            capture_output=True, text=True, timeout=30, stdin=subprocess.PIPE)

@@ -329,6 +329,8 @@ USAGE_ERRORS = {
                              ["--host-file", "not a regular file"]),
     "zero ssh fanout": (["--ssh-fanout=0", PY], ["--ssh-fanout", "positive"]),
     "zero ssh timeout": (["--ssh-timeout=0", PY], ["--ssh-timeout", "positive"]),
+    # Heartbeats every 0.7 s: a loaded host's pause would pass for its loss.
+    "host timeout under 2 s": (["--host-timeout=1.5", PY], ["--host-timeout", "at least 2 s"]),
     "repeated single-valued option": (["--num-replicas=2", "--num-replicas=4", PY],
                                       ["'--num-replicas' cannot be specified more than once"]),
     "bad key type": (["--distribute-ssh-key-type=rsa4096", PY],

@@ -9,7 +9,9 @@ its own where these are mounted (sessions, and so the agent and the instances, i
 - `changed.py` covered by another script;
 - a venv of Python 3.11 covered by a venv of Python 3.12 at the same path;
 - `gone/`'s parent covered by an empty tmpfs: the working directory `gone/work` is missing;
-- `small/`, where an explicit executable cache goes, covered by a 1 MiB tmpfs.
+- `small/`, where an explicit executable cache goes, covered by a 1 MiB tmpfs;
+- `fifo.py`, a FIFO, covered by a file; `device.py` covered by /dev/null; `dirs/here/`,
+  where `dir.py` is a file, covered by a directory where it is a directory.
 
 Both hosts are remote (h1, h2), so every launch compares them.
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env, run_poprunctl
+from requires import skip_or_fail
 from sshd_hosts import SshHosts, start_ssh_hosts
 
 pytestmark = pytest.mark.timeout(180)
@@ -78,6 +81,16 @@ class World:
         self.h2_script.write_text("print('edited on h2 only')\n")
         (root / "gone" / "work").mkdir(parents=True)
         (root / "small").mkdir()
+        # Guards a defect: the script as a FIFO here and on h1 (h2: a file bound over it), as a
+        # device and as a directory on h2 only (a file everywhere else).
+        os.mkfifo(self.scripts / "fifo.py")
+        (self.scripts / "device.py").write_text("print('a file here')\n")
+        self.h2_file = root / "h2-file.py"
+        self.h2_file.write_text("print('a file on h2')\n")
+        self.dir_here, self.dir_h2 = root / "dirs" / "here", root / "dirs" / "h2"
+        self.dir_here.mkdir(parents=True)
+        (self.dir_here / "dir.py").write_text("print('a file here')\n")
+        (self.dir_h2 / "dir.py").mkdir(parents=True)
 
     def mounts(self, host) -> list[list[str]]:
         if host.alias != "h2":
@@ -85,7 +98,10 @@ class World:
         found = [["--bind", str(self.other_dist_info), str(self.dist_info)],
                  ["--bind", str(self.h2_script), str(self.scripts / "changed.py")],
                  ["-t", "tmpfs", "-o", "size=64k", "tmpfs", str(self.root / "gone")],
-                 ["-t", "tmpfs", "-o", "size=1m", "tmpfs", str(self.root / "small")]]
+                 ["-t", "tmpfs", "-o", "size=1m", "tmpfs", str(self.root / "small")],
+                 ["--bind", str(self.h2_file), str(self.scripts / "fifo.py")],
+                 ["--bind", "/dev/null", str(self.scripts / "device.py")],
+                 ["--bind", str(self.dir_h2), str(self.dir_here)]]
         if self.other_venv is not None:
             found.append(["--bind", str(self.other_venv), str(self.py_venv)])
         return found
@@ -189,7 +205,7 @@ def test_the_comparison_can_be_turned_off(hosts, world):
 
 def test_a_different_python_is_named_and_check_exits_10(hosts, world):
     if world.other_venv is None:
-        pytest.skip(f"no Python {OTHER_PYTHON} here for h2's venv")
+        skip_or_fail(f"no Python {OTHER_PYTHON} here for h2's venv", "POPRUN_REQUIRE_PYTHONS")
     python = str(world.py_venv / "bin" / "python")
     proc = run(hosts, "--check", "-H", "h1,h2", python, "same.py", cwd=world.scripts)
     assert proc.returncode == 10, proc.stdout + proc.stderr
@@ -236,3 +252,38 @@ def test_the_launchers_own_host_is_compared_too(hosts, world):
     assert proc.returncode == 0, proc.stderr
     found = differences(proc.stderr)
     assert len(found) == 1 and found[0].startswith("changed.py differs on h2 (modified "), found
+
+
+@pytest.mark.parametrize("script, cwd, line", [
+    ("fifo.py", "scripts", "fifo.py is a FIFO on h1; a file on h2"),
+    ("device.py", "scripts", "device.py is a character device on h2"),
+    ("dir.py", "dir_here", "dir.py is a directory on h2")])
+def test_a_script_that_is_no_file_is_named_and_check_exits_10(hosts, world, script, cwd,
+                                                                line):
+    """Guards a defect: the agent blocked opening a FIFO where the script should be, so --check said
+    after 16 s that the host "cannot reach this machine back" (30) and a launch declared the
+    host lost at --host-timeout (70, a crash file). Now it is a difference like any other,
+    named with what the file is: 10 at once, and the launch with =error says so (2)."""
+    where = getattr(world, cwd)
+    check = run(hosts, "--check", "-H", "h1,h2", PY, script, cwd=where)
+    assert check.returncode == 10, check.stdout + check.stderr
+    found = check_differences(check.stdout)
+    assert found[0].startswith(line), check.stdout
+    assert "cannot reach this machine back" not in check.stdout, check.stdout
+    assert "2 of 2 host(s) ready" in check.stdout, check.stdout
+    launched = launch(hosts, "--compare-hosts=error", "--host-timeout=60", PY, script,
+                      cwd=where)
+    assert launched.returncode == 2, launched.stderr
+    lines = launched.stderr.splitlines()
+    assert all(line.startswith("poprun: error: ") for line in lines), launched.stderr
+    assert any(line in text for text in lines), launched.stderr
+    assert "lost" not in launched.stderr and "crash" not in launched.stderr
+
+
+def test_the_launchers_own_fifo_is_named_without_blocking_it(hosts, world):
+    """The launcher reads its own host's facts the same way: localhost's fifo.py is a FIFO
+    (h2 has a file there); the launch warns, and with =error refuses, naming it."""
+    proc = run(hosts, "-H", "localhost,h2", "--num-instances=2", "--num-replicas=2",
+               "--compare-hosts=error", PY, "fifo.py", cwd=world.scripts)
+    assert proc.returncode == 2, proc.stderr
+    assert "fifo.py is a FIFO on localhost; a file on h2" in proc.stderr, proc.stderr

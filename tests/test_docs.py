@@ -12,22 +12,20 @@ import os
 import shutil
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
 import pytest
 
 from poprun.cli import manpage
 from poprun.cli.options import OPTIONS
+from requires import skip_or_fail
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRE = "POPRUN_REQUIRE_DOCS"
 
 
 def _missing(what: str) -> None:
-    if os.environ.get(REQUIRE) == "1":
-        pytest.fail(f"{what}; {REQUIRE}=1 forbids skipping", pytrace=False)
-    pytest.skip(what)
+    skip_or_fail(what, REQUIRE)
 
 
 def _mkdocs() -> None:
@@ -120,8 +118,13 @@ def test_man_poprunctl_renders_every_command():
 
 @pytest.mark.timeout(300)
 def test_man_finds_the_pages_of_a_venv_on_path(tmp_path):
-    """`pip install .` (not editable) puts the pages in the venv's share/man/man1, and man-db
-    finds them there from the venv's bin on PATH, with no MANPATH."""
+    """The README's route, as a user takes it: a fresh venv (`python3 -m venv`, with the pip
+    and setuptools the base Python's ensurepip brings: on Python 3.11, setuptools 65.5 and
+    no `wheel`, which cannot build a wheel itself), then `pip install .` from the source (not
+    editable: an editable install has no data files) puts the pages in the venv's
+    share/man/man1, and man-db finds them there from the venv's bin on PATH, with no MANPATH.
+    pip builds in an isolated environment with the setuptools pyproject.toml asks for, from
+    the index, as the README's test command installs the test extra."""
     man = _man()
     source = tmp_path / "source"  # what the build reads, so that it writes nothing here
     source.mkdir()
@@ -130,14 +133,14 @@ def test_man_finds_the_pages_of_a_venv_on_path(tmp_path):
         copy(ROOT / part, source / part, **({"ignore": shutil.ignore_patterns(
             "__pycache__", "*.egg-info")} if copy is shutil.copytree else {}))
     env_dir = tmp_path / "venv"
-    # The base Python's packages (pip, setuptools, the dependencies) serve the venv, which
-    # has none of its own (ensurepip's setuptools cannot build a wheel): no index needed.
-    venv.create(env_dir, system_site_packages=True, with_pip=False)
-    installed = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install",
-         "-q", "--no-deps", "--no-build-isolation", "--no-index", str(source)],
-        capture_output=True, text=True, timeout=240)
-    assert installed.returncode == 0, installed.stderr
+    # The user's shell, not the tests': nothing of this checkout on the new venv's path.
+    user = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME",
+                                                             "VIRTUAL_ENV")}
+    for command in ([sys.executable, "-m", "venv", str(env_dir)],
+                    [str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "."]):
+        done = subprocess.run(command, cwd=source, env=user, capture_output=True, text=True,
+                              timeout=240)
+        assert done.returncode == 0, (command, done.stderr)
     env = {k: v for k, v in os.environ.items() if k not in ("MANPATH", "MANPAGER")}
     env["PATH"] = f"{env_dir / 'bin'}:/usr/local/bin:/usr/bin:/bin"
     found = subprocess.run([man, "-w", "poprun", "poprunctl"], capture_output=True, text=True,

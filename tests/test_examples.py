@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import OFFLINE, poprun_env, run_poprun
+from requires import needs
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PY = sys.executable
@@ -92,9 +93,8 @@ def test_popdist_env_agrees_with_what_poprun_set() -> None:
 
 # --- torch_ddp.py --------------------------------------------------------------------------------
 
-needs_torch = pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None,
-    reason="PyTorch is not installed (pip install torch==2.13.0)")
+needs_torch = needs("POPRUN_REQUIRE_TOOLS", "PyTorch is not installed (pip install torch==2.13.0)",
+                    importlib.util.find_spec("torch") is None)
 
 EPOCH = re.compile(r"instance (\d+)/(\d+): epoch (\d+) loss ([\d.]+)$")
 FINAL = re.compile(r"instance (\d+)/(\d+): final loss ([\d.]+) params ([0-9a-f]+)$")

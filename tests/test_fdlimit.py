@@ -19,6 +19,7 @@ import pytest
 from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped
 from poprun.plan.jobhosts import JobHosts
 from poprun.plan.hosts import Host
+from requires import skip_or_fail
 from spawner import fdlimit
 from sshd_hosts import SshHosts, start_ssh_hosts, wait_until
 
@@ -32,7 +33,7 @@ SMALL = "256"
 def prlimited(soft: str, hard: str, *args: str) -> list[str]:
     prlimit = shutil.which("prlimit")
     if prlimit is None:
-        pytest.skip("prlimit (util-linux) not installed")
+        skip_or_fail("prlimit (util-linux) not installed", "POPRUN_REQUIRE_TOOLS")
     return [prlimit, f"--nofile={soft}:{hard}", "--", *poprun_argv(*OFFLINE, *args)]
 
 

@@ -23,6 +23,7 @@ import pytest
 from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env, run_poprun
 from poprun.cli import options as cli
 from poprun.cli.help import help_text
+from requires import skip_or_fail
 
 pytestmark = pytest.mark.timeout(60)
 SGR = re.compile(rb"\x1b\[[0-9;]*m")
@@ -178,7 +179,7 @@ class TestScripts:
     def test_show_completion_detects_the_shell_poprun_runs_under(self):
         bash = shutil.which("bash")
         if bash is None:
-            pytest.skip("no bash")
+            skip_or_fail("no bash", "POPRUN_REQUIRE_TOOLS")
         proc = subprocess.run([bash, "-c", " ".join(poprun_argv("--show-completion")) + "; :"],
                               env=env(), stdout=subprocess.PIPE, timeout=30)
         assert b"_POPRUN_COMPLETE=complete_bash" in proc.stdout
@@ -298,7 +299,7 @@ def on_path(tmp_path) -> dict[str, str]:
 def need(shell: str) -> str:
     path = shutil.which(shell)
     if path is None:
-        pytest.skip(f"{shell} is not installed")
+        skip_or_fail(f"{shell} is not installed", "POPRUN_REQUIRE_TOOLS")
     return path
 
 

@@ -9,8 +9,8 @@ skipped without it, failed where POPRUN_REQUIRE_HOROVOD=1 (CI builds it).
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.client
-import os
 import subprocess
 import sys
 
@@ -22,6 +22,7 @@ from poprun.plan.config import LaunchConfig
 from poprun.plan.planner import plan
 from poprun.run.rendezvous import (ENTRY_COST, MAX_VALUE, BadRequest, Rendezvous, Store,
                                    parse_head, scope_sizes)
+from requires import skip_or_fail
 from sshd_hosts import start_ssh_hosts
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,7 +73,7 @@ def test_the_store_empties_a_scope_of_known_size_once_every_rank_is_done():
 
 def test_the_store_holds_a_bounded_number_of_bytes_and_frees_what_goes():
     store = Store({"global": 2}, limit=10 * ENTRY_COST)
-    assert store.put("global", "0", b"x" * 100)
+    assert store.put("global", "0", b"x" * 100) and store.put("global", "1", b"")
     while store.put("p", str(len(store.values.get("p", {}))), b""):
         pass
     assert store.used <= store.limit and len(store.values["p"]) < 10
@@ -100,19 +101,22 @@ def test_the_request_head_is_parsed_strictly():
         assert refused.value.status == status, bad
 
 
+def http_request(address: tuple[str, int], method: str, path: str, body: bytes = b""
+                 ) -> tuple[int, str | None, bytes]:
+    """One request as Horovod's client makes it: (status, Content-Length, body)."""
+    conn = http.client.HTTPConnection(*address, timeout=10)
+    conn.request(method, path, body=body, headers={"Content-Length": str(len(body))})
+    reply = conn.getresponse()
+    answer = (reply.status, reply.getheader("Content-Length"), reply.read())
+    conn.close()
+    return answer
+
+
 def test_the_protocol_as_horovods_client_speaks_it():
     async def main():
         rendezvous = Rendezvous("127.0.0.1", asyncio.get_running_loop())
         rendezvous.new_world(planned(("localhost",), (2,)))
-        host, port = rendezvous.address
-
-        def request(method: str, path: str, body: bytes = b""):
-            conn = http.client.HTTPConnection(host, port, timeout=10)
-            conn.request(method, path, body=body, headers={"Content-Length": str(len(body))})
-            reply = conn.getresponse()
-            answer = (reply.status, reply.getheader("Content-Length"), reply.read())
-            conn.close()
-            return answer
+        request = functools.partial(http_request, rendezvous.address)
 
         def session():
             assert request("GET", "/global/1") == (404, "0", b"")  # polled until it is there
@@ -136,10 +140,8 @@ def horovod():
     probe = subprocess.run([sys.executable, "-c", "import horovod.torch"],
                            capture_output=True, text=True, timeout=60)
     if probe.returncode != 0:
-        reason = f"horovod with PyTorch is not installed ({probe.stderr.strip()[-200:]})"
-        if os.environ.get("POPRUN_REQUIRE_HOROVOD") == "1":
-            pytest.fail(f"{reason}; POPRUN_REQUIRE_HOROVOD=1 forbids skipping", pytrace=False)
-        pytest.skip(reason)
+        skip_or_fail(f"horovod with PyTorch is not installed ({probe.stderr.strip()[-200:]})",
+                     "POPRUN_REQUIRE_HOROVOD")
 
 
 # The PopDist guide's Listing 4.2, with an allreduce: the sum of rank+1 over the world.
@@ -172,3 +174,39 @@ def test_horovod_across_two_hosts_of_two(horovod, tmp_path):
     lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("hvd"))
     assert lines == [f"hvd rank={r} size=4 local={r % 2}/2 cross={r // 2}/2 sum=10 True"
                      for r in range(4)]
+
+
+def test_a_delete_of_a_key_the_scope_does_not_hold_costs_nothing():
+    """Guards a defect: a DELETE counted toward its scope's size whatever key it named, so as many
+    DELETEs of made-up names as the scope has ranks emptied it under the ranks still
+    rendezvousing. Only a key the scope holds counts; a made-up one changes nothing."""
+    store = Store({"global": 2})
+    store.put("global", "0", b"addr0")
+    store.put("global", "1", b"addr1")
+    for name in ("x", "y", "2", "-1", "00", ""):
+        store.delete("global", name)
+    assert store.get("global", "0") == b"addr0" and store.get("global", "1") == b"addr1"
+    store.delete("global", "0")
+    store.delete("global", "0")  # twice: still one rank done
+    store.delete("global", "nope")
+    assert store.get("global", "1") == b"addr1"
+    store.delete("global", "1")
+    assert store.get("global", "1") is None and store.used == 0  # every rank done: emptied
+
+
+def test_deletes_of_absent_keys_over_http_leave_the_scope_whole():
+    """The same over the server, as a neighbour would send it."""
+    async def main():
+        rendezvous = Rendezvous("127.0.0.1", asyncio.get_running_loop())
+        rendezvous.new_world(planned(("localhost",), (2,)))
+        request = functools.partial(http_request, rendezvous.address)
+
+        def session():
+            assert request("PUT", "/global/0", b"a")[0] == 200
+            for name in ("junk1", "junk2", "junk3"):
+                assert request("DELETE", f"/global/{name}")[0] == 200
+            return request("GET", "/global/0")
+
+        assert await asyncio.to_thread(session) == (200, "1", b"a")
+        await rendezvous.close()
+    asyncio.run(asyncio.wait_for(main(), 30))

@@ -236,15 +236,25 @@ def test_sigterm_is_acted_on_with_a_fifo_for_the_progress_file():
 
 # --- progress numbers ------------------------------------------------------------------------
 
-def test_progress_pattern_numbers_too_large_for_the_tracker_are_ignored():
-    program = ("import time\nfor i in range(40):\n"
+def test_progress_pattern_numbers_too_large_for_the_tracker_are_ignored(tmp_path):
+    """Both instances print steps beyond what the tracker holds; instance 1 then one it
+    holds: the job's progress (--result-json: the tracker's last report) has no step for 0
+    and 1's last, and -v says so once."""
+    program = ("import os, time\n"
+               "for i in range(40):\n"
                "    print('step %d/%d' % (10**400 + i, 10**401), flush=True)\n"
-               "    time.sleep(0.1)\n")
-    proc = run_poprun(*n(2), "-v", r"--progress-pattern=step (\d+)/(\d+)", sys.executable,
-                      "-c", program, timeout=60)
+               "    time.sleep(0.1)\n"
+               "if os.environ['RANK'] == '1': print('step 3/9', flush=True)\n")
+    result = tmp_path / "result.json"
+    proc = run_poprun(*n(2), "-v", r"--progress-pattern=step (\d+)/(\d+)",
+                      f"--result-json={result}", sys.executable, "-c", program, timeout=60)
     err = proc.stderr.decode(errors="replace")
     assert proc.returncode == 0, err[-2000:]
     assert err.count("progress-pattern") == 1, err[-2000:]  # said once, at -v
+    progress = json.loads(result.read_text())["progress"]
+    assert progress["source"] == "pattern"
+    steps = {i["index"]: (i["step"], i["total"]) for i in progress["instances"]}
+    assert steps == {0: (None, None), 1: (3, 9)}, progress
 
 
 def test_popdist_progress_of_a_huge_step_does_not_raise(tmp_path):

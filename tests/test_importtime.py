@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env
+from requires import skip_or_fail
 
 pytestmark = pytest.mark.timeout(60)
 # Imported only where a person waits (help, completion), a remote host or the dashboard needs
@@ -87,7 +88,8 @@ def test_py_libnuma_is_imported_without_running_ldconfig():
                           capture_output=True, text=True, timeout=30)
     available, numa, ran, same = proc.stdout.split(maxsplit=3)[:4] if proc.stdout else [""] * 4
     if available != "True":
-        pytest.skip(f"no libnuma or no NUMA support here: {proc.stdout}{proc.stderr}")
+        skip_or_fail(f"no libnuma or no NUMA support here: {proc.stdout}{proc.stderr}",
+                     "POPRUN_REQUIRE_TOOLS")
     assert proc.stdout.strip() == "True True [] True", proc.stderr
 
 

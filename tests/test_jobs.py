@@ -105,6 +105,7 @@ def test_a_record_with_fields_of_the_wrong_type_is_skipped_naming_them(environ, 
     assert path == damaged and why.startswith("damaged: ") and named in why.split(": ")[1]
 
 
+# no switch: root, a property of the run
 @pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
 def test_another_users_record_is_not_trusted(environ):
     _, directory = new(environ)

@@ -227,6 +227,7 @@ def test_instance_pipes_are_grown_within_a_budget(tmp_path: Path) -> None:
     from spawner.local import DEFAULT_PIPE_SIZE, PIPE_GROWTH_BUDGET, PIPE_SIZE
 
     if os.geteuid() != 0 and int(Path("/proc/sys/fs/pipe-max-size").read_text()) < PIPE_SIZE:
+        # no switch: a kernel setting (fs.pipe-max-size)
         pytest.skip("fs.pipe-max-size is below PIPE_SIZE for this unprivileged user")
     n = PIPE_GROWTH_BUDGET // (PIPE_SIZE - DEFAULT_PIPE_SIZE) // 2 + 2  # more than it covers
     prog = script(tmp_path, "sizes.py", PIPE_SIZES)

@@ -20,6 +20,7 @@ import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
 from poprun.run.reap import host_parts
+from requires import skip_or_fail
 from spawner.reaphere import mpich_shm_leftovers, mpich_world_ids, reap_here
 from sshd_hosts import start_ssh_hosts, wait_until
 
@@ -33,10 +34,8 @@ def mpich():
                             "print(MPI.Get_library_version())"], capture_output=True, text=True,
                            timeout=60)
     if probe.returncode != 0 or "MPICH" not in probe.stdout:
-        reason = f"mpi4py over MPICH is not installed ({probe.stderr.strip()[-200:]})"
-        if os.environ.get("POPRUN_REQUIRE_MPI") == "1":
-            pytest.fail(f"{reason}; POPRUN_REQUIRE_MPI=1 forbids skipping", pytrace=False)
-        pytest.skip(reason)
+        skip_or_fail(f"mpi4py over MPICH is not installed ({probe.stderr.strip()[-200:]})",
+                     "POPRUN_REQUIRE_MPI")
 
 
 WORLD = """

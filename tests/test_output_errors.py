@@ -40,6 +40,7 @@ def tmpfs(path: Path, *options: str):
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=64k", *options)),
                            "tmpfs", str(path)], capture_output=True)
     if done.returncode:
+        # no switch: a privilege (mounting a tmpfs), the machine's
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     try:
         yield path

@@ -58,6 +58,7 @@ def bindings_by_instance(stdout: bytes) -> dict[int, str]:
     return {k: "\n".join(v) for k, v in out.items()}
 
 
+# no switch: the machine's CPUs
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_close_binds_each_instance_and_its_grandchild_to_one_cpu():
     cpus = sorted(os.sched_getaffinity(0))
@@ -77,11 +78,13 @@ def test_spreadnuma_binds_memory_to_the_nodes_of_this_machine():
     nodes = os.listdir("/sys/devices/system/node") if os.path.isdir(
         "/sys/devices/system/node") else []
     if not any(n.startswith("node") for n in nodes):
+        # no switch: the machine's NUMA topology
         pytest.skip("no NUMA nodes in sysfs")
     for text in bindings_by_instance(proc.stdout).values():
         assert " bind:" in text, text
 
 
+# no switch: the machine's CPUs
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_report_bindings_prints_what_proc_says():
     proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2",
@@ -122,6 +125,7 @@ def test_mpirun_bind_to_and_map_by_as_strategies(bind_to, map_by, expected):
     assert (got.value if got else None) == expected
 
 
+# no switch: the machine's CPUs
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_bind_to_core_in_mpi_args_binds_when_placement_is_disabled():
     cpus = sorted(os.sched_getaffinity(0))

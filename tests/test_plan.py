@@ -548,8 +548,8 @@ class TestDryRunShowsEverything:
             assert env["IPUOF_VIPU_API_HOST"].endswith("known at launch>")
             assert env["IPUOF_VIPU_API_GCD_ID"] == (
                 f"<{inst.index} on a partition of 4 IPUs, 2 GCDs, known at launch>")
-            assert env["POPDIST_NODE_DEVICE_ID"] == (
-                "<2 on a partition of 4 IPUs, 2 GCDs, known at launch>")
+            # What poprun creates is not reconfigurable: each instance drives its GCD.
+            assert "POPDIST_NODE_DEVICE_ID" not in env
             assert f"  env:  IPUOF_VIPU_API_PARTITION_ID=p1\n" in text
         as_json = json.loads(json.dumps(launch_plan.to_json()))
         assert as_json["partition"]["create"] == [
@@ -570,7 +570,9 @@ class TestDryRunShowsEverything:
         (inst,) = launch_plan.instances
         assert (inst.env["IPUOF_VIPU_API_HOST"], inst.env["IPUOF_VIPU_API_PORT"]) == (
             "vh", "9000")
-        assert "IPUOF_VIPU_API_GCD_ID" not in inst.env  # one instance, one GCD
+        # One instance, one GCD, named all the same (not reconfigurable: SDK 3.3's GCD 0).
+        assert inst.env["IPUOF_VIPU_API_GCD_ID"] == (
+            "<0 on a partition of 1 IPUs, 1 GCD, known at launch>")
         assert "removed at the end when poprun created it: no" in dry_run_text(launch_plan)
 
     def test_the_variables_are_those_a_launch_gives_on_the_partition_it_would_create(
@@ -611,7 +613,7 @@ class TestDryRunShowsEverything:
         launch_plan = self.on_partition(tmp_path, offline_mode=True, **choice)
         for inst in launch_plan.instances:
             for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE",
-                         "UCX_NET_DEVICES", "FI_TCP_IFACE"):
+                         "UCX_NET_DEVICES", "FI_TCP_IFACE", "OMPI_MCA_btl_tcp_if_include"):
                 assert inst.env[name] == "lo", name
             assert inst.env["MASTER_ADDR"] == "127.0.0.1"
 

@@ -352,3 +352,30 @@ def test_agent_forwarding_fake_clients():
         for srv in (a, b, root):
             await srv.close()
     run(main())
+
+
+@T(5)
+def test_a_hosts_barrier_batch_is_bounded_by_its_total_not_key_by_key():
+    """Guards a defect: the root checked each key of a host's BARRIER_IN batch against the count
+    held before the batch, so one batch could bring any number of keys. The batch's new keys
+    together must fit KEYS_PER_RANK x size; keys already held cost nothing new."""
+    async def main():
+        srv = pmi.PmiServer("poprun-t9-1", 2)
+        limit = pmi.KEYS_PER_RANK * 2
+        too_many = {f"k{i}": "v" for i in range(limit + 1)}
+        with pytest.raises(pmi.PmiError, match="too_many_keys"):
+            await srv.group_barrier(1, too_many)
+        assert len(srv.kvs) == 0  # refused whole: nothing of it was taken
+        half = {f"k{i}": "v" for i in range(limit - 1)}
+        waiting = asyncio.ensure_future(srv.group_barrier(1, half))
+        await asyncio.sleep(0)
+        with pytest.raises(pmi.PmiError, match="too_many_keys"):  # 2 new ones: one too many
+            await srv.group_barrier(1, {"k0": "w", "new1": "v", "new2": "v"})
+        delta = await srv.group_barrier(1, {"k0": "w", "new1": "v"})  # fits exactly
+        assert len(delta) == limit and (await waiting) == delta
+        with pytest.raises(pmi.PmiError, match="PMI_"):
+            await srv.group_barrier(2, {"PMI_x": "v"})
+        with pytest.raises(pmi.PmiError, match="not_text"):  # JSON from a host: any type
+            await srv.group_barrier(2, {"k": 3})
+        await srv.close()
+    run(main())

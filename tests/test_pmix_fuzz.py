@@ -29,20 +29,18 @@ import subprocess
 import time
 
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped
+from fuzzing import FAST, LAUNCHES
 from test_openmpi_world import ompi  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.timeout(300)
 
-# Each example sends to a running job: bounded, reproducible, not shrunk.
-ON_A_JOB = settings(max_examples=15, deadline=None, database=None, derandomize=True,
-                    phases=[Phase.explicit, Phase.generate],
-                    suppress_health_check=list(HealthCheck))
-IN_PROCESS = settings(max_examples=150, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=[HealthCheck.too_slow])
+# Each example sends to a running job: bounded, reproducible, not shrunk (fuzzing.py).
+ON_A_JOB = settings(LAUNCHES, max_examples=15)
+IN_PROCESS = settings(FAST, max_examples=150)
 REFUSED_WITHIN = 5.0  # seconds for the gate to close a connection from outside the job
 
 # Ranks say where their server is, wait for the test's go, then form their world.

@@ -21,41 +21,32 @@ from __future__ import annotations
 import glob
 import json
 import os
-import pwd
 import shutil
 import signal
 import subprocess
 import time
-import uuid
 
 import pytest
 
-from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun
+from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, second_user
+from requires import skip_or_fail
 from spawner.reaphere import pmix_leftovers
 from test_openmpi_world import ompi, open_mpi_leftovers, pmix_servers  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _require(reason: str) -> None:
-    if os.environ.get("POPRUN_REQUIRE_OPENMPI") == "1":
-        pytest.fail(f"{reason}; POPRUN_REQUIRE_OPENMPI=1 forbids skipping", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def other():
     """A second local user, made for the test."""
-    if os.geteuid() != 0 or not all(map(shutil.which, ("useradd", "userdel", "setpriv",
-                                                       "unshare"))):
-        _require("needs root, useradd, setpriv and unshare: a second user")
-    name = f"pmx{uuid.uuid4().hex[:8]}"
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                   check=True)
-    try:
-        yield pwd.getpwnam(name)
-    finally:
-        subprocess.run(["userdel", name], check=False)
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        # no switch: root, a property of the run
+        pytest.skip("needs root and useradd: a second user")
+    if not all(map(shutil.which, ("setpriv", "unshare"))):
+        skip_or_fail("needs setpriv and unshare to run as a second user",
+                     "POPRUN_REQUIRE_TOOLS")
+    with second_user("pmx") as user:
+        yield user
 
 
 def as_other(user, *argv: str, **kwargs) -> subprocess.Popen:

@@ -13,6 +13,7 @@ import pytest
 
 import popdist
 from popdist import env
+from requires import skip_or_fail
 
 from conftest import OFFLINE, run_poprun
 
@@ -131,7 +132,7 @@ def mpich():
     probe = subprocess.run([PY, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"],
                            capture_output=True, text=True, timeout=60)
     if probe.returncode != 0 or "MPICH" not in probe.stdout:
-        pytest.skip("mpi4py over MPICH is not installed")
+        skip_or_fail("mpi4py over MPICH is not installed", "POPRUN_REQUIRE_MPI")
 
 
 BEFORE_MPI = """

@@ -249,6 +249,31 @@ def test_get_device_id_follows_poplars_numbering(monkeypatch, job, devices):
     assert found == devices
 
 
+GCDS = [(job, devices) for job, devices in NUMBERING if job[4] and job[0] == job[2] * job[3]]
+
+
+@pytest.mark.parametrize("job, devices", GCDS)
+def test_on_a_gcd_of_its_own_without_a_node_device_the_device_is_the_whole_gcd(
+        monkeypatch, job, devices):
+    """A partition that is not reconfigurable gives its GCD and no node device
+    (plan/partition.py's `Attachment`, as an SDK 3.3 log shows): the same devices."""
+    ipus, instances, replicas, per_replica, _ = job
+    found = []
+    for index in range(instances):
+        _on_partition(monkeypatch, ipus, instances, replicas, per_replica, index, True)
+        monkeypatch.delenv(env.NODE_DEVICE_ID)
+        found.append(popdist.getDeviceId())
+    assert found == devices
+
+
+def test_a_gcd_of_ipus_that_form_no_device_is_one_error(monkeypatch):
+    _on_partition(monkeypatch, 6, 2, 6, 1, 0, True)  # 3 IPUs per GCD are no Poplar device
+    monkeypatch.delenv(env.NODE_DEVICE_ID)
+    with pytest.raises(RuntimeError, match="the GCD IPUOF_VIPU_API_GCD_ID names: 3 IPUs do "
+                                           "not form a Poplar device"):
+        popdist.getDeviceId()
+
+
 @pytest.mark.parametrize("node, message", [
     ("5", "device 5 is no device of 4 IPUs"),  # the job's 4 IPUs: 6, 12-13, 24-27, ...
     ("x", "invalid literal"),

@@ -94,7 +94,7 @@ def instance(monkeypatch):
         for name, value in env.instance_environment(who).items():
             monkeypatch.setenv(name, value)
         if partition_ipus:
-            from poprun.run.vipu import node_device
+            from poprun.plan.partition import node_device
 
             node = node_device(partition_ipus, num_instances if gcds else 1)
             monkeypatch.setenv(env.NODE_DEVICE_ID, str(node))

@@ -16,6 +16,7 @@ import pytest
 from conftest import SRC
 from popdist._stacks import signal_number
 from popdist.env import STACKS_FILE, STACKS_SIGNAL
+from requires import skip_or_fail
 from spawner import stackdump
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,7 +131,8 @@ def test_a_program_without_popdist_is_never_sent_the_signal(tmp_path, monkeypatc
 
 def test_py_spy_reads_a_program_without_popdist(tmp_path):
     if stackdump.find_pyspy() is None:
-        pytest.skip("py-spy is not installed (pip install 'poprun[stacks]')")
+        skip_or_fail("py-spy is not installed (pip install 'poprun[stacks]')",
+                     "POPRUN_REQUIRE_TOOLS")
     proc = start(tmp_path, "import time\nprint('ready', flush=True)\ntime.sleep(60)  # here\n")
     try:
         found = asyncio.run(stackdump.collect(proc.pid, 10))

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch==2.13.0)")
+from requires import require_module
+
+require_module("torch", "POPRUN_REQUIRE_TOOLS", "pip install torch==2.13.0")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -28,7 +28,7 @@ from poprun.jobctl import joblog
 from poprun.jobctl import records as jobs
 from poprun.result import JOB_SCHEMA
 from spawner import procid
-from sshd_hosts import instances_with, start_ssh_hosts, wait_until
+from sshd_hosts import instances_with, kill_marked, start_ssh_hosts, wait_until
 from vipu_harness import sim  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(120)
@@ -111,9 +111,9 @@ def job_running(*args: str, env: dict[str, str], cwd=None) -> Iterator[subproces
 
 
 def kill_leftovers(marker: str, job: subprocess.Popen) -> None:
-    """What a reap test left if it failed: the instances poprun can no longer stop."""
-    for pid in instances_with(marker):
-        os.kill(pid, signal.SIGKILL)
+    """What a reap test left if it failed: the instances poprun can no longer stop (every
+    process whose command line holds the marker, whatever instances_with finds)."""
+    kill_marked(marker)
     with reaped(job):
         pass
 
@@ -217,6 +217,54 @@ def test_a_damaged_record_is_reported_not_fatal(environ):
         result = runner.invoke(ctl.app, command)
         assert result.exception is None or isinstance(result.exception, SystemExit), command
         assert f"poprunctl: skipped {typed}: damaged: start_time, hosts[]" in result.stderr
+
+
+def test_list_shows_the_latest_and_says_how_many_there_are(environ):
+    """A shared account keeps up to 100 jobs: list shows the latest LIST_LATEST, the most
+    recent first, and says how many there are; --all shows every one (JSON the same)."""
+    ids = [ended_record(environ, start_time=1000.0 + i) for i in range(ctl.LIST_LATEST + 3)]
+    latest = ids[::-1][:ctl.LIST_LATEST]
+    listed = runner.invoke(ctl.app, ["list"])
+    assert listed.exit_code == 0
+    lines = listed.stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:-1]] == latest
+    assert lines[-1] == f"the latest {ctl.LIST_LATEST} of {len(ids)} jobs (poprunctl list " \
+        "--all: every one)"
+    every = runner.invoke(ctl.app, ["list", "--all"]).stdout.splitlines()
+    assert [line.split()[0] for line in every[1:]] == ids[::-1]  # no count line: all shown
+    data = json.loads(runner.invoke(ctl.app, ["list", "--json"]).stdout)
+    assert [j["id"] for j in data["jobs"]] == latest and data["total"] == len(ids)
+    data = json.loads(runner.invoke(ctl.app, ["list", "--json", "-a"]).stdout)
+    assert [j["id"] for j in data["jobs"]] == ids[::-1] and data["total"] == len(ids)
+
+
+@pytest.mark.parametrize("removed", ["directory", "record"])
+def test_a_record_removed_while_listing_is_skipped_without_a_word(environ, monkeypatch,
+                                                                   removed):
+    """A record that goes between the listing of the jobs' directory and its read (another
+    poprun's prune removes it: the directory whole, or its record first, as rmtree goes) is
+    not a problem to report: list skips it without a word (it once printed `cannot read
+    it: No such file or directory`). Removed here at that very point, by the real reader."""
+    kept, victim = ended_record(environ), ended_record(environ)
+    victim_dir = os.path.join(jobs.jobs_dir(environ), victim)
+    real_load = jobs.load
+    seen = []
+
+    def load_after_a_prune(directory):
+        if directory == victim_dir:
+            seen.append(directory)
+            if removed == "directory":
+                shutil.rmtree(directory)
+            else:
+                os.unlink(os.path.join(directory, jobs.RECORD))
+        return real_load(directory)
+    monkeypatch.setattr(jobs, "load", load_after_a_prune)
+    listed = runner.invoke(ctl.app, ["list"])
+    assert seen == [victim_dir]  # listed, then removed before its read
+    assert listed.exit_code == 0 and listed.stderr == ""
+    assert [line.split()[0] for line in listed.stdout.splitlines()[1:]] == [kept]
+    data = json.loads(runner.invoke(ctl.app, ["list", "--json"]).stdout)
+    assert data["skipped"] == [] and [j["id"] for j in data["jobs"]] == [kept]
 
 
 def test_job_ids_complete(environ):
@@ -518,6 +566,7 @@ def test_reap_leaves_alone_a_process_that_reuses_a_recorded_pid(environ, tmp_pat
                            "start": procid.start_ticks(unrelated.pid) - 1,
                            "state": "running"}]})
         if os.uname().nodename != __import__("socket").gethostname():
+            # no switch: the machine's names
             pytest.skip("uname and gethostname differ here")
         listed = poprunctl("list", "--json", env=environ)
         assert json.loads(listed.stdout)["jobs"][0]["state"] == "gone"
@@ -567,12 +616,14 @@ def test_reap_after_sigkill_of_poprun_and_its_lifeline(environ, program):
 def _killed_outright(environ, marker: str, lifeline_too: bool) -> str:
     """A 3-instance job whose poprun (and, `lifeline_too`, its watchdog) was SIGKILLed; its
     id. Without the watchdog's kill, it cleans up: the instances are gone on return."""
+    earlier = set(instances_with(marker))  # those of an earlier job, left on purpose
     job = start_job("--num-instances=3", "--num-replicas=3", PY, "-c",
                     "import time; print('up', flush=True); time.sleep(300)", marker,
                     env=environ)
     with reaped(job):
         job_id = running_job(environ, 3)
         wait_lines(environ, job_id, "up", 3)  # something in its output ring
+        assert len(set(instances_with(marker)) - earlier) == 3  # what "gone" is checked on
         record = record_of(environ, job_id)
         if lifeline_too:
             os.kill(record["lifeline"]["pid"], signal.SIGKILL)
@@ -634,8 +685,7 @@ def test_records_and_rings_stay_bounded_whatever_state_jobs_were_left_in(environ
         assert poprunctl("reap", env=environ).returncode == 0
         gone_ids = [_killed_outright(environ, marker, lifeline_too=True) for _ in range(2)]
     finally:
-        for pid in instances_with(marker):
-            os.kill(pid, signal.SIGKILL)
+        kill_marked(marker)
         _remove_pmix_leftovers(environ)  # of the jobs left "gone" on purpose
     directories = {r["id"]: r["_dir"] for r in jobs.scan(environ).records}
     for job_id in reaped_ids:

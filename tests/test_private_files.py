@@ -9,21 +9,20 @@ fs.protected_symlinks=0 or 1: the checks are poprun's own either way."""
 from __future__ import annotations
 
 import os
-import pwd
 import re
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 import pytest
 
-from conftest import OFFLINE, assert_usage_error, run_poprun
+from conftest import OFFLINE, assert_usage_error, run_poprun, second_user
 
 pytestmark = [pytest.mark.timeout(90),
+              # no switch: root, a property of the run
               pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("useradd"),
                                  reason="needs root and useradd: a second user")]
 PY = sys.executable
@@ -33,13 +32,8 @@ SECRET = "SECRET=do-not-show"
 @pytest.fixture
 def other():
     """A second user, gone after the test (its files too)."""
-    name = f"poprun-t{uuid.uuid4().hex[:8]}"
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                   check=True, capture_output=True)
-    try:
-        yield pwd.getpwnam(name)
-    finally:
-        subprocess.run(["userdel", name], capture_output=True)
+    with second_user() as user:
+        yield user
 
 
 @pytest.fixture

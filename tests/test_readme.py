@@ -42,20 +42,56 @@ def section(text: str, heading: str) -> str:
 
 VALIDATION = ('python3 -m venv venv && . venv/bin/activate && pip install . && '
               'poprun --num-instances 2 --num-replicas 2 --offline-mode=1 echo "Hello world!"')
-TESTS = ("python3 -m venv venv && . venv/bin/activate && pip install -e '.[test]' && "
+TESTS = ("python3 -m venv venv-test && . venv-test/bin/activate && pip install -e '.[test]' && "
          "python -m pytest")
+FIRST_RUN = "poprun --num-instances 2 --num-replicas 4 --offline-mode=yes python3 examples/hello.py"
+SWITCH = re.compile(r"POPRUN_REQUIRE_[A-Z]+")
 
 
-@pytest.mark.parametrize("command", [VALIDATION, TESTS])
-def test_the_readme_gives_the_two_commands_as_code(command):
+@pytest.mark.parametrize("command", [VALIDATION, TESTS, FIRST_RUN])
+def test_the_readme_gives_the_commands_as_code(command):
     assert f"```sh\n{command}\n```" in README
 
 
-def test_ci_runs_the_test_command():
-    """.ci/run installs into the machine's Python (torch, horovod) rather than a venv, then
-    runs the README's test command."""
+def test_the_two_set_up_commands_make_venvs_of_their_own_which_git_ignores():
+    """The tests' editable install into the first venv once removed its man pages."""
+    made = [re.match(r"python3 -m venv (\S+) ", c)[1] for c in (VALIDATION, TESTS)]
+    assert len(set(made)) == 2, made
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "venv*/" in ignored and all(re.fullmatch(r"venv.*", name) for name in made)
+
+
+def test_the_first_program_to_run_is_the_example_it_names():
+    assert FIRST_RUN in (ROOT / "examples" / "hello.py").read_text()  # its own usage line
+    assert FIRST_RUN in page("install.md")
+
+
+def test_ci_runs_the_test_command_from_a_clone_named_poprun():
+    """.ci/run makes a fresh venv inside a clone whose path holds `poprun` (every instance's
+    command line then does: tests/sshd_hosts.py's instance lookup must not care) and runs
+    the README's test command there, venv and all."""
     ci = (ROOT / ".ci" / "run").read_text()
-    assert TESTS.split(" && ", 2)[2] in ci.strip().splitlines()[-1]
+    assert TESTS in ci
+    assert re.search(r"git clone .* \"?\$\w+/poprun\"?", ci), "no clone named poprun"
+
+
+def _switches(text: str) -> set[str]:
+    return set(SWITCH.findall(text))
+
+
+def test_every_switch_the_tests_read_is_named_and_ci_says_what_it_does_with_each():
+    """Each test switch (tests/requires.py, which tests/test_skips.py checks the tests
+    against), no more: in the README and the install page; .ci/run exports only those, and
+    names every one (exported, or why not)."""
+    from requires import SWITCHES
+
+    read = set(SWITCHES)
+    assert len(read) >= 9, read
+    assert _switches(README) == read
+    assert _switches(page("install.md")) == read
+    ci = (ROOT / ".ci" / "run").read_text()
+    exported = set(re.findall(r"^export (POPRUN_REQUIRE_[A-Z]+)=1$", ci, re.M))
+    assert exported and exported <= read and _switches(ci) == read
 
 
 def test_the_readme_links_every_page_of_the_guide():

@@ -74,12 +74,61 @@ def test_a_job_that_fails_twice_then_succeeds_exits_0_with_three_attempts(tmp_pa
 
 
 def test_the_last_attempts_status_is_the_exit_status_and_every_attempt_is_reported(tmp_path):
+    """Attempts that fail differently (5, then 6): the restarts are spent, the last status
+    stands (exit_class restarts_spent)."""
+    out = tmp_path / "result.json"
     proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", "--max-restarts=1",
-                      "--restart-delay=0", PY, "-c", "import sys; sys.exit(5)")
+                      "--restart-delay=0", f"--result-json={out}", PY, "-c",
+                      "import os, sys; sys.exit(5 + int(os.environ['POPDIST_RESTART_COUNT']))")
     err = proc.stderr.decode()
-    assert proc.returncode == 5, err
+    assert proc.returncode == 6, err
     assert "poprun: attempt 1 of 2 failed: instance 0 on localhost: exited with status 5" in err
     assert "poprun: attempt 2 of 2 (the last):" in err
+    result = json.loads(out.read_text())
+    assert (result["exit_class"], result["exit_reason"]) == ("restarts_spent", "instance")
+    assert "do not requeue" not in err
+
+
+def test_attempts_that_fail_the_same_way_exit_with_the_do_not_requeue_status(tmp_path):
+    """Every attempt exits 5 the same way: requeueing would fail again. Status 78
+    (DO_NOT_REQUEUE_STATUS), exit_class do_not_requeue, said in the report."""
+    out = tmp_path / "result.json"
+    proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", "--max-restarts=2",
+                      "--restart-delay=0", f"--result-json={out}", PY, "-c",
+                      "import sys; sys.exit(5)")
+    err = proc.stderr.decode()
+    assert proc.returncode == 78, err
+    assert "poprun: every attempt (3) failed the same way: exit status 78, do not requeue" \
+        in err
+    result = json.loads(out.read_text())
+    assert (result["exit_code"], result["exit_class"]) == (78, "do_not_requeue")
+    assert [a["exit_code"] for a in result["attempts"]] == [5, 5]
+    assert result["instances"][0]["exit_status"] == 5  # the instance's own status is kept
+
+
+def test_attempts_that_make_no_progress_exit_with_the_do_not_requeue_status(tmp_path):
+    """The attempts fail differently, but each resumes at step 10 and fails there
+    (popdist.progress): no progress between attempts, 78."""
+    out = tmp_path / "result.json"
+    program = ("import os, sys, popdist; a = int(os.environ['POPDIST_RESTART_COUNT']); "
+               "popdist.progress(10 - a); sys.exit(5 + a)")
+    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", "--max-restarts=1",
+                      "--restart-delay=0", f"--result-json={out}", PY, "-c", program)
+    err = proc.stderr.decode()
+    assert proc.returncode == 78, err
+    assert "no progress between attempts: the last reached step 9, an earlier one 10" in err
+    result = json.loads(out.read_text())
+    assert result["exit_class"] == "do_not_requeue"
+    assert [a["highest_step"] for a in result["attempts"]] + [result["highest_step"]] == \
+        [10, 9]
+
+
+def test_a_job_that_progresses_between_attempts_keeps_its_status(tmp_path):
+    program = ("import os, sys, popdist; a = int(os.environ['POPDIST_RESTART_COUNT']); "
+               "popdist.progress(10 + a); sys.exit(5 + a)")
+    proc = run_poprun(*OFFLINE, "--num-instances=1", "--num-replicas=1", "--max-restarts=1",
+                      "--restart-delay=0", PY, "-c", program)
+    assert proc.returncode == 6, proc.stderr.decode()
 
 
 def test_ctrl_c_during_the_restart_delay_ends_poprun_without_a_restart(tmp_path):
@@ -146,7 +195,10 @@ if attempt == 0:
 """
 
 
-def test_a_lost_host_is_connected_again_for_the_next_attempt(tmp_path):
+def test_a_lost_host_is_quarantined_not_connected_again(tmp_path):
+    """h2's agent dies (h2 itself answers at once: its sshd runs): h2 is quarantined for
+    the rest of the job, not connected again (once, the next attempt ran there); with no
+    spare host, the job ends with the loss (255) and no attempt 1 ran."""
     (tmp_path / "notes").mkdir()
     out = tmp_path / "result.json"
     go = tmp_path / "go"
@@ -164,13 +216,19 @@ def test_a_lost_host_is_connected_again_for_the_next_attempt(tmp_path):
                 "*.json")}, "attempt 0's notes")
             go.write_text("")
             err = job.communicate(timeout=60)[1].decode()
-    assert job.returncode == 0, err
+    assert job.returncode == 255, err
     assert "h2: lost the connection to the host" in err
-    assert "reconnecting to h2 for the next attempt" in err
-    assert sorted(notes(tmp_path)) == ["0-0", "0-1", "1-0", "1-1"]
+    assert "h2 quarantined for the rest of the job: lost (the agent was killed by SIGKILL" \
+        in err, err
+    assert "cannot restart the job: h2: lost, and no spare host is left to take its place" \
+        in err, err
+    assert sorted(notes(tmp_path)) == ["0-0", "1-0"]
     result = json.loads(out.read_text())
-    assert [a["exit_reason"] for a in result["attempts"]] == ["host_lost"]
-    assert result["exit_reason"] == "success"
+    assert result["exit_reason"] == "host_lost" and result["attempts"] == []
+    [quarantined] = result["quarantined"]
+    assert quarantined["host"] == "h2" and quarantined["reason"].startswith(
+        "lost: the agent was killed by SIGKILL")
+    assert abs(quarantined["at"] - time.time()) < 60
 
 
 def test_a_host_that_stays_down_ends_the_job_with_its_loss(tmp_path):
@@ -191,23 +249,24 @@ def test_a_host_that_stays_down_ends_the_job_with_its_loss(tmp_path):
             _, err = job.communicate(timeout=60)
     err = err.decode()
     assert job.returncode == 255, err
-    assert "reconnecting to h2 for the next attempt" in err
-    assert re.search(r"POPRUN \[E\] cannot restart the job: h2: connection refused", err), err
+    assert re.search(r"POPRUN \[E\] cannot restart the job: h2: lost, and no spare host is "
+                     r"left", err), err
     result = json.loads(out.read_text())
     assert result["exit_reason"] == "host_lost" and result["attempts"] == []
 
 
-def test_a_host_lost_between_attempts_is_connected_again(tmp_path):
+def test_a_host_lost_between_attempts_is_replaced_by_a_spare(tmp_path):
     """h2's connection goes during the restart delay, before the next attempt started
     anything there. Was: `internal error: KeyError: 'h2'` (the new attempt's Job heard of a
-    host it had not started on); now the host is connected again like one lost during an
-    attempt."""
+    host it had not started on); now the host is quarantined and replaced by the spare h3
+    like one lost during an attempt."""
     (tmp_path / "notes").mkdir()
     fails_first = ("import os, sys; open(sys.argv[1] + '/' + os.environ['RANK'] + '-' + "
                    "os.environ['POPDIST_RESTART_COUNT'], 'w'); "
                    "sys.exit(3 if os.environ['POPDIST_RESTART_COUNT'] == '0' else 0)")
-    with start_ssh_hosts(2, tmp_path) as hosts:
-        job = subprocess.Popen(poprun_argv(*OFFLINE, "-H", "h1,h2", "--num-instances=2",
+    with start_ssh_hosts(3, tmp_path) as hosts:
+        job = subprocess.Popen(poprun_argv(*OFFLINE, "-H", "h1,h2", "--spare-hosts=h3",
+                                           "--num-instances=2",
                                            "--num-replicas=2", "--max-restarts=1",
                                            "--restart-delay=10", PY, "-c", fails_first,
                                            str(tmp_path / "notes")),
@@ -226,7 +285,8 @@ def test_a_host_lost_between_attempts_is_connected_again(tmp_path):
     err = err.decode()
     assert job.returncode == 0, err
     assert "h2: lost the connection to the host" in err
-    assert "reconnecting to h2 for the next attempt" in err
+    assert "h2 quarantined for the rest of the job" in err
+    assert "h2 replaced by spare host h3 for the next attempt" in err
     assert "internal error" not in err
     # Both ran attempt 1 (attempt 0's first failure may stop the other before its note).
     assert {"0-1", "1-1"} <= {p.name for p in (tmp_path / "notes").iterdir()}

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import OFFLINE, run_poprun
 from poprun.rootcause import analyze, exception_text
+from requires import require_module
 from sshd_hosts import start_ssh_hosts
 
 pytestmark = pytest.mark.timeout(120)
@@ -108,7 +109,7 @@ dist.all_reduce(torch.ones(1))  # the others wait here for a peer that is gone
 
 @pytest.mark.timeout(600)
 def test_in_a_gloo_job_the_raising_instance_is_the_root_cause_every_time(tmp_path):
-    pytest.importorskip("torch")
+    require_module("torch", "POPRUN_REQUIRE_TOOLS", "pip install torch==2.13.0")
     program = script(tmp_path, GLOO)
     for run in range(10):
         result_json = tmp_path / f"result-{run}.json"

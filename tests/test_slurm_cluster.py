@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from requires import assert_skips_or_fails
 import slurm_cluster as harness
 from slurm_cluster import SlurmCluster, start_slurm_cluster
 from sshd_hosts import processes_with
@@ -157,12 +158,8 @@ def test_a_cluster_that_cannot_start_says_why(monkeypatch) -> None:
 
 def test_missing_slurm_skips_or_fails_with_the_reason(monkeypatch) -> None:
     monkeypatch.setattr(harness.shutil, "which", lambda name, path=None: None)
-    monkeypatch.delenv("POPRUN_REQUIRE_SLURM", raising=False)
-    with pytest.raises(pytest.skip.Exception, match="slurmctld.*not found.*apt-get install"):
-        harness.require_slurm()
-    monkeypatch.setenv("POPRUN_REQUIRE_SLURM", "1")
-    with pytest.raises(pytest.fail.Exception, match="POPRUN_REQUIRE_SLURM=1 forbids skipping"):
-        harness.require_slurm()
+    assert_skips_or_fails(harness.require_slurm, "POPRUN_REQUIRE_SLURM",
+                          "slurmctld.*not found.*apt-get install", monkeypatch)
 
 
 def test_reset_cancels_leftover_jobs(cluster: SlurmCluster, tmp_path: Path) -> None:
@@ -310,6 +307,7 @@ def test_killing_srun_ends_its_tasks(cluster: SlurmCluster, sig: signal.Signals)
             step.wait()
 
 
+# no switch: slow, run on request (POPRUN_SLURM_SLOW=1)
 @pytest.mark.skipif(os.environ.get("POPRUN_SLURM_SLOW") != "1",
                     reason="Slurm time limits are whole minutes, checked every 30 s: a "
                            "--time=1 job ends after 60-90 s (set POPRUN_SLURM_SLOW=1)")

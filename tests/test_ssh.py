@@ -548,6 +548,7 @@ def test_load_asyncssh_leaves_out_x509_only_where_asyncssh_cannot_use_it(tmp_pat
         (tmp_path / "OpenSSL" / "__init__.py").write_text("")
         (tmp_path / "OpenSSL" / "crypto.py").write_text("")
     elif importlib.util.find_spec("OpenSSL") is not None:
+        # no switch: what it checks cannot happen where pyOpenSSL is installed
         pytest.skip("pyOpenSSL is installed here")
 
     def run(how: str) -> list[str]:
@@ -568,6 +569,7 @@ def test_load_asyncssh_runs_no_compiler(tmp_path):
     find_library as it found it."""
     plain, plain_runs = _import_counting_gcc(tmp_path, "import asyncssh")
     if plain_runs == 0:  # this machine has every library asyncssh looks for
+        # no switch: what it checks cannot happen where liboqs is installed
         pytest.skip("asyncssh's import runs no gcc here (liboqs is installed)")
     loaded, runs = _import_counting_gcc(
         tmp_path, "from spawner.ssh import load_asyncssh; load_asyncssh()")

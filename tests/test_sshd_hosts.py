@@ -17,9 +17,12 @@ from pathlib import Path
 import asyncssh
 import pytest
 
+from requires import assert_skips_or_fails, skip_or_fail
 import sshd_hosts
 from sshd_hosts import (SshHosts, processes_with, require_sshd, require_tool, start_ssh_hosts,
                         wait_until)
+from conftest import OFFLINE, poprun_argv, poprun_env
+from sshd_hosts import instances_with, kill_marked
 
 TIMEOUT = 20
 PY = shlex.quote(sys.executable)  # the "remote" hosts are this machine
@@ -190,19 +193,15 @@ def test_retries_when_port_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_missing_tool_skips_or_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("POPRUN_REQUIRE_SSHD", raising=False)
-    with pytest.raises(pytest.skip.Exception, match="no-such-sshd not found"):
-        require_tool("no-such-sshd")
-    monkeypatch.setenv("POPRUN_REQUIRE_SSHD", "1")
-    with pytest.raises(pytest.fail.Exception, match="POPRUN_REQUIRE_SSHD=1"):
-        require_tool("no-such-sshd")
+    assert_skips_or_fails(lambda: require_tool("no-such-sshd"), "POPRUN_REQUIRE_SSHD",
+                          "no-such-sshd not found", monkeypatch)
 
 
 def test_servers_die_with_a_killed_test_process(tmp_path: Path) -> None:
     # pytest SIGKILLed (no teardown) must not leave sshd listening.
     require_sshd()
     if not sshd_hosts._DIE_WITH_US:
-        pytest.skip("setpriv (util-linux) not found")
+        skip_or_fail("setpriv (util-linux) not found", "POPRUN_REQUIRE_TOOLS")
     code = (
         "import sys, time\n"
         "from sshd_hosts import start_ssh_hosts\n"
@@ -227,3 +226,27 @@ def test_servers_die_with_a_killed_test_process(tmp_path: Path) -> None:
             return True
 
     wait_until(dead, f"sshd {sshd_pid} to die with its parent")
+
+
+def test_instances_are_told_from_poprun_whatever_their_paths_hold(tmp_path: Path) -> None:
+    """instances_with finds a job's instances, not poprun nor its watchdog, where every
+    command line holds "poprun" (a clone in a folder of that name with its venv inside once
+    hid every instance from the reap tests); kill_marked then leaves nothing of the job."""
+    bin_dir = tmp_path / "poprun" / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    marker = f"m{uuid.uuid4().hex}"
+    proc = subprocess.Popen(
+        poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2", str(bin_dir / "python"),
+                    "-c", "import time; time.sleep(300)", marker),
+        env=poprun_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: len(instances_with(marker)) == 2, "both instances to run", TIMEOUT)
+        found = instances_with(marker)
+        assert all(f"{bin_dir}/python".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+                   for pid in found)
+        assert proc.pid not in found and len(processes_with(marker)) > 2  # poprun, watchdog
+    finally:
+        kill_marked(marker)
+        proc.wait(timeout=TIMEOUT)
+    assert not processes_with(marker)

@@ -522,9 +522,9 @@ def test_instances_get_the_server_partition_and_their_gcd(sim):
     common = {E.VIPU_API_HOST: "localhost", E.VIPU_API_PORT: "8090",
               E.VIPU_API_PARTITION_ID: "p1", E.VIPU_API_TIMEOUT: "5",
               E.POPLAR_TARGET_OPTIONS: options}
-    # Each instance's GCD is 16 IPUs: the device spanning it is 30 (Poplar's 2n-2).
-    assert partition.environment(0) == {**common, E.VIPU_API_GCD_ID: "0", E.NODE_DEVICE_ID: "30"}
-    assert partition.environment(1) == {**common, E.VIPU_API_GCD_ID: "1", E.NODE_DEVICE_ID: "30"}
+    # Not reconfigurable: each instance drives its GCD, and no node device is given.
+    assert partition.environment(0) == {**common, E.VIPU_API_GCD_ID: "0"}
+    assert partition.environment(1) == {**common, E.VIPU_API_GCD_ID: "1"}
     with pytest.raises(ValueError):
         partition.environment(2)
 
@@ -547,7 +547,7 @@ def test_a_single_gcd_partition_sets_no_gcd_and_the_environment_options_win(sim,
     (None, 1, None), (12, 1, None), (16, 3, None),  # unknown, or no Poplar device
 ])
 def test_the_node_device_is_the_whole_of_what_an_instance_sees(size, gcds, node):
-    from poprun.run.vipu import node_device
+    from poprun.plan.partition import node_device
 
     assert node_device(size, gcds) == node
 
@@ -561,7 +561,7 @@ def test_the_node_device_is_the_whole_of_what_an_instance_sees(size, gcds, node)
 ])
 def test_on_a_partition_larger_than_the_job_the_node_device_spans_the_jobs_ipus(size, gcds,
                                                                                 job, node):
-    from poprun.run.vipu import node_device
+    from poprun.plan.partition import node_device
 
     assert node_device(size, gcds, job) == node
 
@@ -609,6 +609,71 @@ def test_on_a_larger_partition_the_instance_size_is_the_partitions_share(instanc
     p64 = PartitionInfo(name="p64", size=64, num_gcds=1, num_ilds=1, reconfigurable=True)
     options = partition_target_options(p64, Requirements.of(instances, 1, instances))
     assert (options["ipuLinkDomainSize"], options["instanceSize"]) == ("64", size)
+
+
+# The two real 64-IPU partitions whose logs are public (plan/partition.py, `Attachment` and
+# `link_topology`): ALCF's reconfigurable p64 under PopRun 3.1.0 ("ipuLinkTopology":"mesh",
+# a node device), and another under SDK 3.3 ("torus", IPUOF_VIPU_API_GCD_ID=0, no node device).
+P64_RECONFIGURABLE = {"size": 64, "gcds": 1, "ilds": 1, "reconfigurable": True}
+P64_OTHER = {"size": 64, "gcds": 1, "ilds": 1, "reconfigurable": False}
+
+
+def test_the_simulator_describes_each_64_ipu_partition_as_the_real_ones_are(sim):
+    sim.add("p64", **P64_RECONFIGURABLE)
+    sim.add("other", **P64_OTHER)
+    described = {name: subprocess.run(["vipu", *ADDR, "get", "partition", name],
+                                      capture_output=True, text=True, timeout=30).stdout
+                 for name in ("p64", "other")}
+    assert "IPU-Link Topology: mesh\n" in described["p64"]
+    assert "Reconfigurable: true\n" in described["p64"]
+    assert "IPU-Link Topology: torus\n" in described["other"]
+    assert parse_partition_details("p64", described["p64"]).ipu_link_topology == "mesh"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fields, topology, gcd, node", [
+    (P64_RECONFIGURABLE, "mesh", None, "120"),  # 16 one-IPU instances: the first 16 IPUs
+    (P64_OTHER, "torus", "0", None),
+])
+def test_the_topology_gcd_and_node_device_are_the_partitions_own(sim, fields, topology, gcd,
+                                                                  node):
+    """Same size, same job shape where each allows it: what the instances get follows the
+    partition's description, not its size."""
+    sim.add("p64", **fields)
+    instances = 16 if fields["reconfigurable"] else 1
+    partition = acquire(replace(SETTINGS, partition="p64"),
+                        Requirements.of(64 if instances == 1 else 16, 1, instances),
+                        log=sim.log)
+    env = partition.environment(0)
+    assert json.loads(env[E.POPLAR_TARGET_OPTIONS])["ipuLinkTopology"] == topology
+    assert (env.get(E.VIPU_API_GCD_ID), env.get(E.NODE_DEVICE_ID)) == (gcd, node)
+    assert f'"ipuLinkTopology":"{topology}"' in sim.messages()  # "from V-IPU partition"
+
+
+def test_a_partition_that_does_not_say_its_gcds_gets_the_node_device():
+    """Not reconfigurable, but how many GCDs is not reported: naming a GCD per instance
+    could name one that is not there; the node device needs none."""
+    from poprun.run.vipu import Partition
+
+    partition = Partition(name="p", host="h", port=8090, timeout=5,
+                          info=PartitionInfo("p", size=4, reconfigurable=False), created=False,
+                          remove_on_release=False, target_options="{}", executable="vipu",
+                          job_ipus=4)
+    assert [(e.get(E.VIPU_API_GCD_ID), e[E.NODE_DEVICE_ID])
+            for e in map(partition.environment, range(2))] == [(None, "6"), (None, "6")]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("reported, used", [("mesh", "mesh"), ("TORUS", "torus"),
+                                            ("ring", "torus")])
+def test_the_topology_a_partition_reports_wins_over_its_size(sim, reported, used):
+    """A description that names its topology is followed; one Poplar does not know is
+    named in a warning and the size's is used."""
+    sim.add("p64", **P64_OTHER, topology=reported)
+    partition = acquire(replace(SETTINGS, partition="p64"), Requirements.of(64, 1, 1),
+                        log=sim.log)
+    assert json.loads(partition.target_options)["ipuLinkTopology"] == used
+    assert ("which Poplar does not know" in sim.messages()) == (reported == "ring")
 
 
 # --- 8. failures: each its own message, nothing left behind -----------------------------------

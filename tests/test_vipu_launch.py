@@ -35,8 +35,9 @@ def test_the_job_runs_on_a_partition_poprun_creates_and_removes(sim):
         assert env["IPUOF_VIPU_API_HOST"] == "localhost"
         assert env["IPUOF_VIPU_API_GCD_ID"] == str(index)  # 2 instances, 2 GCDs
         assert env["IPUOF_LOG_LEVEL"] == "WARN"  # as real PopRun gives it
-        # Each GCD has 2 IPUs (device 2 spans them), all of them this instance's replicas'.
-        assert (env["POPDIST_NODE_DEVICE_ID"], env["device"]) == ("2", 2)
+        # Not reconfigurable: no node device; popdist's is the instance's whole GCD of 2
+        # IPUs (device 2), all of them this instance's replicas'.
+        assert "POPDIST_NODE_DEVICE_ID" not in env and env["device"] == 2
         assert json.loads(env["POPLAR_TARGET_OPTIONS"])["instanceSize"] == "2"
     assert "create" in sim.verbs() and "remove" in sim.verbs()
     assert sim.partitions() == {}  # nothing leaked
@@ -56,6 +57,24 @@ def test_on_a_larger_reconfigurable_partition_each_instance_gets_the_jobs_device
     assert all(env["IPUOF_VIPU_API_PARTITION_ID"] == "p64" and "IPUOF_VIPU_API_GCD_ID" not in env
                for env in envs)
     assert "p64" in sim.partitions() and "create" not in sim.verbs()  # not poprun's: kept
+
+
+@pytest.mark.parametrize("reconfigurable, topology", [(True, "mesh"), (False, "torus")])
+def test_a_64_ipu_partition_s_own_description_decides_what_instances_get(sim, reconfigurable,
+                                                                         topology):
+    """One instance on all 64 IPUs of each kind of 64-IPU partition: on ALCF's reconfigurable
+    one PopRun 3.1.0 gives a mesh and the node device 126 (all 64); on another an SDK 3.3 log
+    shows a torus, GCD 0 and no node device. popdist's device is the same, 126, either way."""
+    sim.add("p64", size=64, gcds=1, ilds=1, reconfigurable=reconfigurable)
+    proc = run_poprun(*SERVER, "--num-instances=1", "--num-replicas=64", PY, "-c", SHOW)
+    assert proc.returncode == 0, proc.stderr.decode()
+    env = json.loads(proc.stdout)
+    assert json.loads(env["POPLAR_TARGET_OPTIONS"])["ipuLinkTopology"] == topology
+    if reconfigurable:
+        assert env["POPDIST_NODE_DEVICE_ID"] == "126" and "IPUOF_VIPU_API_GCD_ID" not in env
+    else:
+        assert env["IPUOF_VIPU_API_GCD_ID"] == "0" and "POPDIST_NODE_DEVICE_ID" not in env
+    assert env["device"] == 126
 
 
 def test_a_failed_instance_still_removes_the_partition(sim):

@@ -98,6 +98,10 @@ GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"  # torch.distributed's Gloo
 NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
 UCX_NET_DEVICES = "UCX_NET_DEVICES"  # MPICH over UCX (the mpich wheel's default)
 FI_TCP_IFACE = "FI_TCP_IFACE"  # MPICH over OFI's tcp provider
+# Open MPI's TCP transport (4.1 and 5), as mpirun's --mca would set it; it refuses an include
+# list beside an exclude list, so the user's exclude keeps ours out.
+OMPI_BTL_TCP_IF_INCLUDE = "OMPI_MCA_btl_tcp_if_include"
+OMPI_BTL_TCP_IF_EXCLUDE = "OMPI_MCA_btl_tcp_if_exclude"
 
 # --- torch.distributed ------------------------------------------------------------------
 RANK = "RANK"

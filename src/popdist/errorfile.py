@@ -83,12 +83,19 @@ def parse(data: bytes) -> dict | None:
     known fields only, text of bounded length that can always be encoded again (a JSON
     `\\ud800` made `\\ud800`), numbers finite and of the right kind."""
     import json
-    import math
 
     try:
         fields = json.loads(data)
     except (ValueError, RecursionError):  # not JSON, not UTF-8, nested past the stack
         return None
+    return checked(fields)
+
+
+def checked(fields) -> dict | None:
+    """What `parse` keeps of a decoded error file's object (an agent sends what it parsed
+    there: the launcher checks it again, as another host's word)."""
+    import math
+
     if not isinstance(fields, dict):
         return None
     kept: dict = {}

@@ -125,22 +125,26 @@ def getDeviceId(ipus_per_replica: int | None = None) -> int:
     """The id of the Poplar device this instance's replicas run on: the one spanning its
     replicas' IPUs (local replicas x IPUs per replica), in Poplar's numbering of the IPUs
     it sees (popdist/devices.py). Computed from POPDIST_NODE_DEVICE_ID, which poprun sets
-    when the job runs on a V-IPU partition: the device spanning the job's IPUs (its GCD's,
-    with one GCD per instance), the whole partition or, on a larger one, a part of it;
-    raises RuntimeError where nothing says which device (offline mode, outside poprun)."""
+    when the job runs on a reconfigurable V-IPU partition: the device spanning the job's IPUs
+    (its GCD's, with one GCD per instance), the whole partition or, on a larger one, a part
+    of it; on any other partition the instance is given its GCD (IPUOF_VIPU_API_GCD_ID) and
+    no node device, and its device is the whole GCD. Raises RuntimeError where nothing says
+    which device (offline mode, outside poprun)."""
     ipus = checked_ipus_per_replica(ipus_per_replica, "getDeviceId")
     node = env.read_str(os.environ, env.NODE_DEVICE_ID)
+    gcd = env.read_str(os.environ, env.VIPU_API_GCD_ID)
+    if node is None and gcd is not None:
+        return _whole_gcd(getNumLocalReplicas() * ipus)
     if node is None:
         raise RuntimeError(
             f"popdist.getDeviceId(): no IPU device to select: {env.NODE_DEVICE_ID} is not "
-            "set (poprun sets it for a job on a V-IPU partition, not with --offline-mode "
-            "nor outside poprun). To compile without a device, do not select one: with "
-            "TensorFlow, call popdist.tensorflow.set_ipu_config(config, ipus_per_replica, "
+            f"set, nor {env.VIPU_API_GCD_ID} (poprun sets one for a job on a V-IPU "
+            "partition, not with --offline-mode nor outside poprun). To compile without a "
+            "device, do not select one: with TensorFlow, call popdist.tensorflow.set_ipu_config(config, ipus_per_replica, "
             "configure_device=False)")
     try:
         mine = getNumLocalReplicas() * ipus
         offset = getReplicaIndexOffset() * ipus
-        gcd = env.read_str(os.environ, env.VIPU_API_GCD_ID)
         if gcd is None:  # the node device spans every instance's replicas
             spanned = getNumTotalReplicas() * ipus
         else:  # its own GCD, numbered on its own: the node device spans this instance's
@@ -149,6 +153,17 @@ def getDeviceId(ipus_per_replica: int | None = None) -> int:
     except ValueError as error:
         raise RuntimeError(f"popdist.getDeviceId(): {env.NODE_DEVICE_ID}={node}: {error}") \
             from None
+
+
+def _whole_gcd(ipus: int) -> int:
+    """The device of an instance that drives a GCD of its own and was given no node device
+    (a partition that is not reconfigurable, plan/partition.py's `Attachment`): all the IPUs
+    it sees, its replicas'."""
+    try:
+        return devices.device_id(ipus, ipus, 0)
+    except ValueError as error:
+        raise RuntimeError(f"popdist.getDeviceId(): the GCD {env.VIPU_API_GCD_ID} names: "
+                           f"{error}") from None
 
 
 def checked_ipus_per_replica(asked: int | None, caller: str) -> int:

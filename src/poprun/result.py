@@ -15,6 +15,10 @@ JOB_SCHEMA = "poprun.job/1"
 STALL_STATUS = 124  # a job ended by --stall-action kill (as timeout(1) exits)
 OUTPUT_ERROR_STATUS = 74  # EX_IOERR: output could not be written (a full disk...): job stopped
 LOST_HOST_STATUS = 255  # the status of an instance whose host was lost (ssh's own 255)
+# Restarts would not help: every attempt failed the same way, or made no progress
+# (`LaunchResult.requeue_verdict`). EX_CONFIG: what a scheduler's requeue must not retry
+# (docs/troubleshooting.md, "Exit statuses": the contract).
+DO_NOT_REQUEUE_STATUS = 78
 
 
 def end_reason(*, output_error: str | None, stop_signal: int | None,
@@ -111,6 +115,11 @@ class LaunchResult:
     # The job's record (poprun/jobctl/records.py): id, argv, cwd, hosts, launcher, caches, partition...
     # (jobctl/watch.JobRecord.meta); None for a launch that was not registered.
     job: Mapping[str, Any] | None = None
+    # Hosts never used again in the job, in order: {host, reason, at (time.time())}
+    # (run/session.py, _quarantine).
+    quarantined: tuple[Mapping[str, Any], ...] = ()
+    # The highest step any instance gave popdist.progress() in this attempt; None: none did.
+    highest_step: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -131,6 +140,47 @@ class LaunchResult:
             return reason
         cause = next(i for i in self.instances if i.index == self.root_cause)
         return "host_lost" if cause.lost else "instance"
+
+    @property
+    def exit_class(self) -> str:
+        """What a scheduler should do with the exit status (docs/troubleshooting.md, "Exit
+        statuses"): "success"; "program" (the program's own status); "host_lost" (255: a
+        host lost, no spare left); "restarts_spent" (--max-restarts used up, the last
+        attempt's status); "do_not_requeue" (DO_NOT_REQUEUE_STATUS: `requeue_verdict`);
+        "signal", "stall", "output_error", "scheduler" as `exit_reason`. (A job that never
+        ran: "usage_error" or "internal_error", `not_run_json`.)"""
+        reason = self.exit_reason
+        if reason not in ("instance", "stall"):
+            return reason
+        if self.requeue_verdict() is not None:
+            return "do_not_requeue"
+        if self.attempts:
+            return "restarts_spent"
+        return "program" if reason == "instance" else reason
+
+    def requeue_verdict(self) -> str | None:
+        """Why running the job again would not help, or None: every attempt (two or more)
+        failed the same way (the same reason, status and root cause's error), or the last
+        one got no further than an earlier one (the highest popdist.progress() step, where
+        each attempt reported one)."""
+        if not self.attempts or self.exit_reason not in ("instance", "stall"):
+            return None
+        every = (*self.attempts, self)
+        if len({a.failure_signature() for a in every}) == 1:
+            return f"every attempt ({len(every)}) failed the same way"
+        steps = [a.highest_step for a in every]
+        if None not in steps and steps[-1] <= max(steps[:-1]):
+            return (f"no progress between attempts: the last reached step {steps[-1]}, "
+                    f"an earlier one {max(steps[:-1])}")
+        return None
+
+    def failure_signature(self) -> tuple:
+        """How this attempt failed, for `requeue_verdict`: the reason, the root cause's exit
+        status and error (its type and message, where it reported one)."""
+        cause = next((i for i in self.instances if i.index == self.root_cause), None)
+        error = dict(cause.error) if cause is not None and cause.error else {}
+        return (self.exit_reason, cause.exit_status if cause is not None else None,
+                error.get("type"), error.get("message"))
 
     def failure_report(self) -> str:
         """The root cause in full, the collateral outcomes folded (empty for a success)."""
@@ -153,6 +203,10 @@ class LaunchResult:
             lines.append(("collateral", f"poprun: attempt {number} of {total} failed: {what}"))
         if self.attempts:
             lines.append(("stopped", f"poprun: attempt {total} of {total} (the last):"))
+        verdict = self.requeue_verdict()
+        if verdict is not None:
+            lines.append(("hint", f"poprun: {verdict}: exit status {DO_NOT_REQUEUE_STATUS}, "
+                                  "do not requeue (fix the cause first)"))
         if self.scheduler_stop is not None:
             lines.append(("stopped", f"poprun: stopped by Slurm: {self.scheduler_stop}"))
         if self.output_error is not None:
@@ -206,10 +260,12 @@ class LaunchResult:
         every instance, as plain JSON values."""
         return job_json(
             "ended", self.job, stall=self.stall, exit_code=self.exit_code,
-            exit_reason=self.exit_reason, root_cause=self.root_cause,
+            exit_reason=self.exit_reason, exit_class=self.exit_class,
+            highest_step=self.highest_step, root_cause=self.root_cause,
             stop_signal=signal_name(self.stop_signal) if self.stop_signal else None,
             output_error=self.output_error, scheduler_stop=self.scheduler_stop,
             attempts=[earlier.to_json() for earlier in self.attempts],
+            quarantined=[dict(q) for q in self.quarantined],
             start_time=self.start_time, phases=self.phases, instances=[instance_json(
                 i.index, i.host, i.pid, i.returncode, _state(i), lines=i.lines,
                 start_time=i.start_time, end_time=i.end_time,
@@ -221,8 +277,10 @@ class LaunchResult:
 # A record's keys, as a job that has not ended has them (the result's own null): the one
 # schema (JOB_SCHEMA) of --result-json, of the running job's record and of a job that never
 # ran. `job_json` is the only writer of it.
-_UNENDED = {"stall": None, "exit_code": None, "exit_reason": None, "root_cause": None,
+_UNENDED = {"stall": None, "exit_code": None, "exit_reason": None, "exit_class": None,
+            "highest_step": None, "root_cause": None,
             "stop_signal": None, "output_error": None, "scheduler_stop": None, "attempts": [],
+            "quarantined": [],
             "start_time": None, "phases": {}, "instances": []}
 
 
@@ -259,7 +317,8 @@ def instance_json(index: int, host: str | None, pid: int | None, returncode: int
 def not_run_json(exit_code: int, exit_reason: str, error: str) -> dict:
     """`--result-json` for a job that ended before any instance ran: a usage error or a job
     that could not start (2, "usage_error"), an internal error (70, "internal_error")."""
-    return job_json("ended", exit_code=exit_code, exit_reason=exit_reason, error=error)
+    return job_json("ended", exit_code=exit_code, exit_reason=exit_reason,
+                    exit_class=exit_reason, error=error)
 
 
 def _state(inst: InstanceResult) -> str:

@@ -128,6 +128,10 @@ IOV_BATCH = 512  # buffers per writev (Linux allows 1024)
 # What sshd sets for a login session; instances are not one (see instance_environ).
 SSH_SESSION_VARIABLES = ("SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_ORIGINAL_COMMAND")
 INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, as the launcher's own internal errors
+# The launcher went without saying goodbye (where it promises to: a pod follower's agent), or
+# fell silent for --host-timeout: the agent killed what ran. A pod follower's exit status
+# then (docs/kubernetes.md): EX_UNAVAILABLE.
+LAUNCHER_LOST_STATUS = 69
 # Set when the launcher brought this agent and the host's Python has no popdist of its own
 # (spawner/carried.py): the carried popdist, at the end of the instances' PYTHONPATH.
 CARRIED_PYTHONPATH: str | None = None
@@ -340,8 +344,11 @@ class Agent:
     """One launcher's agent on this host: the spawner's sink and the request handlers."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, lifeline: Lifeline, in_fd: int,
-                 out_fd: int) -> None:
+                 out_fd: int, farewell: bool = False) -> None:
         self._loop, self._lifeline, self._in_fd = loop, lifeline, in_fd
+        # With `farewell`, the launcher says goodbye (HEARTBEAT {last}) before its stream
+        # ends: False until it does. None: no goodbye is expected (SSH, Slurm).
+        self.farewell: bool | None = False if farewell else None
         self._gate = _Gate(loop)
         self._spawner = LocalSpawner(self, self._gate, lifeline)
         self._outbox = _Outbox(loop, out_fd, lambda: self.stop("stdout closed"),
@@ -349,7 +356,7 @@ class Agent:
         self._decoder = FrameDecoder()
         self._temp_dirs: list[str] = []
         self._handlers = {Kind.HELLO: self._hello, Kind.MKTEMP: self._mktemp,
-                          Kind.MKDIR: self._mkdir, Kind.HEARTBEAT: lambda fields: None,
+                          Kind.MKDIR: self._mkdir, Kind.HEARTBEAT: self._heartbeat,
                           Kind.SPAWN: self._spawn, Kind.SIGNAL: self._signal,
                           Kind.STACKS: self._stacks, Kind.WORLD: self._open_world,
                           Kind.WORLD_END: self._end_world,
@@ -363,6 +370,11 @@ class Agent:
         self._pmix = None  # this host's PMIx service (spawner.pmixhost), once a world needs it
         self._facts_read: hostfacts.Reading | None = None  # what HELLO's `facts` asked
         self._last_heard = time.monotonic()
+        # The launcher's --kill-timeout (HELLO's `kill_timeout`): what a SIGTERM of this
+        # agent gives the instances before SIGKILL; 0 (an older launcher): at once.
+        self._kill_timeout = 0.0
+        self._terminating = False  # a SIGTERM came: the instances have their stop window
+        self._signalled: set[int] = set()  # instances the launcher had SIGTERMed already
         self.done, self.status = False, 0
         self.finished = loop.create_future()  # set by stop()
         self._outbox.send(MAGIC)
@@ -378,7 +390,8 @@ class Agent:
         except OSError:
             data = b""
         if not data:
-            self.stop("stdin closed")
+            lost = self.farewell is False  # expected, and not said: the launcher died
+            self.stop("stdin closed", status=LAUNCHER_LOST_STATUS if lost else 0)
             return
         self.received(data)
 
@@ -414,6 +427,7 @@ class Agent:
         # What this agent may leave behind, for the job's record: reap must find it if the
         # agent, its lifeline and the launcher all die.
         reply = {**hello_reply(request), "leaves": self._spawner.leaves()}
+        self._kill_timeout = _seconds(request.get("kill_timeout"))
         prefix = request.get("mktemp")
         if prefix is not None:  # MKTEMP's dir, in the reply: one round trip less per host
             try:
@@ -435,6 +449,10 @@ class Agent:
             self._lifeline.expect_beats(timeout)
             self._loop.call_later(interval, self._beat, interval, timeout)
 
+    def _heartbeat(self, fields: dict[str, Any]) -> None:
+        if fields.get("last") is True and self.farewell is not None:
+            self.farewell = True
+
     def _beat(self, interval: float, timeout: float) -> None:
         """The launcher's silence past `timeout` (a frozen or partitioned launcher host, a
         stalled SSH path) ends the agent as its EOF would: nobody would stop the instances.
@@ -442,7 +460,8 @@ class Agent:
         silent = time.monotonic() - self._last_heard
         if silent > timeout:
             self.stop(f"no word from the launcher for {silent:.1f} s (--host-timeout "
-                      f"{timeout:g})")
+                      f"{timeout:g})",
+                      status=LAUNCHER_LOST_STATUS if self.farewell is not None else 0)
             return
         self._outbox.send(encode(Kind.ALIVE))
         self._lifeline.beat()
@@ -521,7 +540,8 @@ class Agent:
             return self._spawner.spawn(ProcessSpec(
                 key=request.key, argv=request.argv, cwd=request.cwd, env=env,
                 merge_stderr=request.merge_stderr, cpus=request.cpus, mems=request.mems,
-                pass_fds=(pmi_end.fileno(),) if pmi_end is not None else ()))
+                pass_fds=(pmi_end.fileno(),) if pmi_end is not None else (),
+                container=request.container))
         finally:
             if pmi_end is not None:
                 pmi_end.close()  # the instance has its copy
@@ -573,10 +593,11 @@ class Agent:
 
     def _pmix_host(self, pmix: dict[str, Any], hostname: str):
         """This host's PMIx service (a server process per world), with the libpmix the
-        launcher's user named, else the one found here (spawner/pmixfind.py). Raises
-        LookupError where there is none."""
+        launcher's user named, else the one found here (spawner/pmixfind.py), once it passed
+        its check (spawner/pmixcheck.py: ~10-20 ms, bounded). Raises LookupError where there
+        is none to serve with."""
         if self._pmix is None:
-            from . import pmixfind
+            from . import pmixcheck, pmixfind
             from .pmixhost import PmixHost
 
             argv = [str(a) for a in pmix.get("argv") or []]
@@ -585,6 +606,10 @@ class Agent:
             if path is None:
                 raise LookupError("no libpmix: looked for " + ", ".join(
                     pmixfind.candidates(os.environ, argv, given)))
+            try:
+                pmixcheck.Check(path).version()
+            except pmixcheck.Unusable as exc:
+                raise LookupError(f"{path}: {exc}") from None
             self._pmix = PmixHost(path, self._lifeline, hostname, self._loop, warn=_log)
         return self._pmix
 
@@ -613,6 +638,8 @@ class Agent:
             self._spawner.signal_all(sig)
         elif self._spawner_knows(key):
             self._spawner.signal(key, sig)
+        if sig == signal.SIGTERM:
+            self._signalled.update(self._spawner.running() if key is None else [key])
 
     def _stacks(self, request: dict[str, Any]) -> None:
         """STACKS: the Python stacks of the instances asked for (spawner/stackdump.py)."""
@@ -655,6 +682,27 @@ class Agent:
         if running:
             _log(f"{reason}: killing {len(running)} running instance(s)")
 
+    def terminate(self) -> None:
+        """SIGTERM (Slurm's scancel or preemption reaches every step's tasks; a host's
+        shutdown every process): the instances get the launcher's whole --kill-timeout, as
+        when poprun is stopped, before `stop()` kills them: users checkpoint in it
+        (docs/architecture.md, "Runtime guarantees"). Those not told by the launcher yet
+        get SIGTERM now, once (a second one may mean "now" to a program). The agent goes on
+        serving meanwhile: their exits reach the launcher, which ends the job as it does
+        for any exit. A second SIGTERM, or none running, stops at once."""
+        running = self._spawner.running()
+        if self._terminating or not running or self._kill_timeout <= 0:
+            self.stop("SIGTERM received")
+            return
+        self._terminating = True
+        _log(f"SIGTERM received: {len(running)} running instance(s) have "
+             f"{self._kill_timeout:g} s (--kill-timeout) before SIGKILL")
+        for key in running:
+            if key not in self._signalled:
+                self._spawner.signal(key, signal.SIGTERM)
+        self._loop.call_later(self._kill_timeout, self.stop,
+                              f"--kill-timeout ({self._kill_timeout:g} s) after SIGTERM")
+
     def on_fault(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         """The loop's exception handler: an exception in any callback is a bug. Tell the
         launcher (INTERNAL, with the traceback), then stop as for a closed stdin."""
@@ -689,6 +737,13 @@ class Agent:
         self._outbox.flush()
 
 
+def _seconds(value: object) -> float:
+    """A duration the launcher sent: a finite, non-negative number, else 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    return float(value) if 0 <= value < float("inf") else 0.0
+
+
 def _temp_dir_error(exc: OSError) -> str:
     return f"cannot create a temporary directory: {exc}"
 
@@ -714,14 +769,16 @@ def _claim(in_src: int, out_src: int) -> tuple[int, int]:
 def _launcher_stream() -> tuple[int, int] | None:
     """The launcher's stream: stdin/stdout over SSH; under Slurm, where the step's
     environment says so, the connection the agent makes to the launcher (spawner/
-    callback.py: the secret proven both ways). None, said on stderr, if there is none."""
+    callback.py: the secret, read from stdin, proven both ways). None, said on stderr, if
+    there is none."""
     from .callback import CALLBACK_VARIABLE
 
     if CALLBACK_VARIABLE in os.environ:
-        from .callback import CallbackError, connect_back
+        from .callback import CONNECT_TIMEOUT, CallbackError, connect_back, read_secret
 
+        deadline = time.monotonic() + CONNECT_TIMEOUT
         try:
-            sock = connect_back(os.environ)
+            sock = connect_back(os.environ, read_secret(0, deadline), deadline)
         except (OSError, CallbackError) as exc:
             _log(f"cannot reach the launcher: {exc}")
             return None
@@ -734,16 +791,17 @@ def _launcher_stream() -> tuple[int, int] | None:
     return _claim(0, 1)
 
 
-def main(initial: bytes = b"") -> NoReturn:
+def main(initial: bytes = b"", farewell: bool = False) -> NoReturn:
     """Run the agent, then exit with its status. `initial`: the start of the launcher's
     stream, already read from stdin by whoever ran the agent (the bootstrap probe,
-    spawner/carried.py).
+    spawner/carried.py). `farewell`: the launcher says goodbye before it closes the stream
+    (a pod follower's, run/podmode.py): a stream that ends without it is a launcher lost.
 
     It exits with `os._exit` once its instances are gone, its temp dirs removed and its
     watchdog released: the interpreter's teardown (asyncio's modules) took another ~45 ms
     (EOF to exit ~55 ms, now ~10), and every launch waits for its agents' end before it
     exits itself (bench/README.md, "Remote launches")."""
-    status = _run(initial)
+    status = _run(initial, farewell)
     for stream in (sys.stdout, sys.stderr):  # fd 1 is stderr's by now (_claim)
         try:
             stream.flush()
@@ -752,7 +810,7 @@ def main(initial: bytes = b"") -> NoReturn:
     os._exit(status)
 
 
-def _run(initial: bytes) -> int:
+def _run(initial: bytes, farewell: bool = False) -> int:
     stream = _launcher_stream()
     if stream is None:
         return 2
@@ -761,24 +819,28 @@ def _run(initial: bytes) -> int:
     become_subreaper()  # what an instance leaves behind comes back to the agent
     lifeline = Lifeline()  # forked first: the watchdog copies the smallest process
     try:
-        return asyncio.run(_serve(lifeline, in_fd, out_fd, initial))
+        return asyncio.run(_serve(lifeline, in_fd, out_fd, initial, farewell))
     finally:
         lifeline.close()
         for fd in (in_fd, out_fd):  # the description may be shared (a terminal)
             os.set_blocking(fd, True)
 
 
-async def _serve(lifeline: Lifeline, in_fd: int, out_fd: int, initial: bytes = b"") -> int:
+async def _serve(lifeline: Lifeline, in_fd: int, out_fd: int, initial: bytes = b"",
+                 farewell: bool = False) -> int:
     """Serve the launcher until stdin closes, a stop signal comes or a bug stops it; every
     instance is killed and every temp dir removed on the way out."""
     loop = asyncio.get_running_loop()
-    agent = Agent(loop, lifeline, in_fd, out_fd)
+    agent = Agent(loop, lifeline, in_fd, out_fd, farewell)
     loop.set_exception_handler(agent.on_fault)
     if initial:
         loop.call_soon(agent.received, initial)
     try:
-        for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, agent.stop, f"{signal.Signals(sig).name} received")
+        for sig in STOP_SIGNALS:  # SIGHUP, SIGINT: at once; SIGTERM: the stop window
+            if sig == signal.SIGTERM:
+                loop.add_signal_handler(sig, agent.terminate)
+            else:
+                loop.add_signal_handler(sig, agent.stop, f"{signal.Signals(sig).name} received")
         await agent.finished
     except Exception as exc:  # noqa: BLE001 - a bug here is reported like one in a callback
         agent.report_fault(exc)

@@ -54,7 +54,11 @@ class AgentWorld:
         self._ids = itertools.count(1)
         self._pmix = None  # this host's PMIx service, where Open MPI's world is served too
         self.pmix_ns = None  # the world's namespace on it (spawner.pmixhost.Served)
-        self._uplink = None  # its fences and requests to the launcher (spawner.pmixuplink)
+        from .pmixuplink import Uplink
+
+        # Its PMIx fences and requests to the launcher (where Open MPI's world is served)
+        self._uplink = Uplink(self.kvsname, lambda kind, **fields: self._send(
+            encode(kind, **fields)), len(set(self._nodes)))
         # Done once the instances can be spawned (Open MPI's world registered, or not served)
         self.ready: asyncio.Future = loop.create_future()
         if fields.get("pmix") and self.ranks and pmix_host is not None:
@@ -65,10 +69,6 @@ class AgentWorld:
 
     async def _open_pmix(self, pmix: dict[str, Any], pmix_host) -> None:
         from . import pmixplan
-        from .pmixuplink import Uplink
-
-        self._uplink = Uplink(self.kvsname, lambda kind, **fields: self._send(
-            encode(kind, **fields)))
         try:
             names = [str(n) for n in pmix["names"]]
             hosts = [names[n] for n in self._nodes]
@@ -124,7 +124,9 @@ class AgentWorld:
         self._uplink.direct_modex(rank, done)
 
     def abort(self, rank: int, status: int, message: str) -> None:
-        self._aborted(rank, status, message)
+        from . import pmixplan
+
+        self._aborted(rank, status, pmixplan.abort_message(message))
 
     def server_lost(self, reason: str) -> None:
         self._send(encode(Kind.PMIX_LOST, kvsname=self.kvsname, error=reason))
@@ -136,15 +138,13 @@ class AgentWorld:
             self._lost(rank, True)
 
     def _pmix_answered(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """FENCE_OUT, MODEX_DATA, MODEX_ASK from the launcher."""
-        if self._uplink is None:
-            return
-        if kind is Kind.MODEX_ASK:
-            if self.pmix_ns is not None:
-                self._pmix.dmodex_request(self.pmix_ns, int(fields["rank"]),
-                                          self._uplink.modex_got(fields["id"]))
-        else:
+        """FENCE_OUT, MODEX_DATA, MODEX_ASK from the launcher (their data decoded as the
+        launcher decodes the agents': spawner/pmixuplink.py)."""
+        if kind is not Kind.MODEX_ASK:
             self._uplink.answered(kind, fields)
+        elif self.pmix_ns is not None:
+            self._pmix.dmodex_request(self.pmix_ns, int(fields["rank"]),
+                                      self._uplink.modex_got(fields["id"]))
 
     def answered(self, kind: Kind, fields: dict[str, Any]) -> None:
         """BARRIER_OUT or VALUE from the launcher (or PMIx's answers)."""
@@ -186,8 +186,7 @@ class AgentWorld:
         self.remove_leftovers()
 
     def _close_pmix(self) -> None:
-        if self._uplink is not None:
-            self._uplink.close()
+        self._uplink.close()
         if self.pmix_ns is not None:
             self._pmix.close_world(self.pmix_ns)
             self.pmix_ns = None

@@ -3,7 +3,11 @@ soon as its reply is out, and collected by FACTS (and read by the launcher for i
 (poprun/plan/alike.py compares; docs/architecture.md, "Hosts that differ").
 
 Cheap by design, since it rides on every multi-host launch: files are read, nothing is run or
-imported of the user's, no tree is hashed.
+imported of the user's, no tree is hashed. Every file is read as an untrusted one
+(spawner/untrusted.py): without blocking, regular files only, bounded. A FIFO where the
+script should be would block the agent's one thread for good (and with it the launch); it is
+a fact instead (`entry.kind`), compared like any other (docs/architecture.md, "Hosts that
+differ").
 
 - The instances' Python: the program itself when it is an interpreter (`python3 train.py`),
   the one a script's `#!` line names, else `python3` on the instances' PATH for a shell
@@ -33,11 +37,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .local import resolve_program
+from .untrusted import NotRegular, open_regular, read_regular
 
 MAX_DIGEST_BYTES = 64 << 20  # a bigger file is compared by size (and shown by mtime) only
 MAX_ARGS = 64  # of the job's argv: the script or module is among the first words
 MAX_DISTRIBUTIONS = 10_000  # per host: beyond any real environment, bounds the reply
 METADATA_HEAD = 4096  # bytes of METADATA read: Name and Version are among its first lines
+PATCHLEVEL_HEAD = 64 << 10  # bytes of patchlevel.h read (CPython's is ~1 KB)
 _PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?$")
 # Graphcore's SDK directories name their version: poplar_sdk-ubuntu_20_04-3.3.0+1403-208993bbb7
 _SDK_VERSION = re.compile(r"(?<![\d.])(\d+\.\d+\.\d+(?:-EA\.\d+)?(?:\+\d+)?)")
@@ -172,12 +178,8 @@ def _python_target(args: Sequence[str], cwd: str) -> tuple[str | None, str | Non
 
 
 def _shebang(program: str) -> list[str]:
-    try:
-        with open(program, "rb") as f:
-            head = f.read(256)
-    except OSError:
-        return []
-    if not head.startswith(b"#!"):
+    head = read_regular(program, 256, cut=True, follow=True)
+    if head is None or not head.startswith(b"#!"):
         return []
     return head[2:].split(b"\n", 1)[0].decode(errors="replace").split()
 
@@ -218,14 +220,11 @@ def _layout(python: str, env: Mapping[str, str], cwd: str) -> dict[str, Any]:
 
 
 def _pyvenv_cfg(directory: str) -> dict[str, str] | None:
-    try:
-        with open(os.path.join(directory, "pyvenv.cfg"), encoding="utf-8",
-                  errors="replace") as f:
-            text = f.read(8192)
-    except OSError:
+    raw = read_regular(os.path.join(directory, "pyvenv.cfg"), 8192, cut=True, follow=True)
+    if raw is None:
         return None
     out = {}
-    for line in text.splitlines():
+    for line in raw.decode("utf-8", "replace").splitlines():
         key, eq, value = line.partition("=")
         if eq:
             out[key.strip().lower()] = value.strip()
@@ -259,14 +258,11 @@ def _version_of(real: str, base: str, short: str | None) -> str | None:
     if real == os.path.realpath(sys.executable):
         return "%d.%d.%d" % sys.version_info[:3]
     if short:
-        try:
-            with open(os.path.join(base, "include", f"python{short}", "patchlevel.h"),
-                      encoding="utf-8", errors="replace") as f:
-                found = re.search(r'#define\s+PY_VERSION\s+"([^"]+)"', f.read())
-            if found:
-                return found.group(1)
-        except OSError:
-            pass
+        header = read_regular(os.path.join(base, "include", f"python{short}", "patchlevel.h"),
+                              PATCHLEVEL_HEAD, cut=True, follow=True)
+        found = header and re.search(rb'#define\s+PY_VERSION\s+"([^"]+)"', header)
+        if found:
+            return found.group(1).decode("utf-8", "replace")
     named = _FULL_VERSION.search(base)
     if named and short and named.group(1).startswith(short + "."):
         return named.group(1)
@@ -305,16 +301,10 @@ def _distributions(paths: Sequence[str]) -> dict[str, str]:
 def _metadata_head(path: str) -> tuple[str, str] | None:
     """(Name, Version) from a METADATA/PKG-INFO file's headers. Raw reads and byte searches:
     a host has hundreds of these, and `open()` with `splitlines()` cost twice as much."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    raw = read_regular(path, METADATA_HEAD, cut=True, follow=True)
+    if raw is None:
         return None
-    try:
-        head = b"\n" + os.read(fd, METADATA_HEAD)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    head = b"\n" + raw
     end = head.find(b"\n\n", 1)  # the headers end there; the description follows
     if end > 0:
         head = head[:end + 1]
@@ -356,26 +346,43 @@ def _shown(script: str | None, argv: Sequence[str]) -> str:
 
 def _file_facts(path: str | None, shown: str) -> dict[str, Any]:
     """Name, path, size, mtime and SHA-256 of the file the job runs (None for a missing
-    one's size and digest)."""
+    one's path, size and digest); `kind` for one that is there but is no regular file (a
+    FIFO, a directory, a device: spawner.untrusted.kind_of), which is never read."""
     facts: dict[str, Any] = {"name": shown, "path": path, "size": None, "mtime": None,
                              "sha256": None}
     if path is None:
         return facts
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            facts.update(size=st.st_size, mtime=st.st_mtime)
-            if st.st_size <= MAX_DIGEST_BYTES:
-                digest = _sha256()
-                while True:
-                    block = f.read(1 << 20)
-                    if not block:
-                        break
-                    digest.update(block)
-                facts["sha256"] = digest.hexdigest()
+        fd = open_regular(path, follow=True)
+    except NotRegular as exc:
+        facts["kind"] = exc.kind
+        return facts
     except OSError:
         facts["path"] = None
+        return facts
+    try:
+        st = os.fstat(fd)
+        facts.update(size=st.st_size, mtime=st.st_mtime)
+        if st.st_size <= MAX_DIGEST_BYTES:
+            facts["sha256"] = _digest(fd, st.st_size)
+    except OSError:
+        facts["path"] = None
+    finally:
+        os.close(fd)
     return facts
+
+
+def _digest(fd: int, size: int) -> str:
+    """SHA-256 of the first `size` bytes of `fd` (its size as fstat saw it: a file that
+    grows meanwhile is read no further)."""
+    digest, offset = _sha256(), 0
+    while offset < size:
+        block = os.pread(fd, min(1 << 20, size - offset), offset)
+        if not block:
+            break
+        digest.update(block)
+        offset += len(block)
+    return digest.hexdigest()
 
 
 def _sha256():

@@ -5,8 +5,9 @@ the process groups it starts, its cgroups, the directories it creates and the MP
 serves. If the owner dies in any way — even by SIGKILL, where no `finally` runs — the pipe
 reaches EOF and the watchdog kills every group and cgroup still registered, and every process
 marked with its token (see containment.py: an instance started but not registered yet when
-the owner died, a helper that left its group), removes every directory still registered and
-what MPICH left in /dev/shm of every world still registered, then exits.
+the owner died, a helper that left its group), runs the cleanup commands still registered
+(the removal of a podman container: spawner/containers.py), removes every directory still
+registered and what MPICH left in /dev/shm of every world still registered, then exits.
 
 Why the mark closes the start-up race: the pipe's write end is inherited by every child until
 its exec (close-on-exec), so the watchdog sees EOF only once every instance has exec'd, with
@@ -54,6 +55,9 @@ RESWEEP_DELAY = 0.05  # seconds between the watchdog's two sweeps for marked pro
 # Seconds between the watchdog's walks of its owner's tree, when asked to (no cgroups), at
 # least: a walk reads two or three small /proc files per process below the owner.
 TRACK_EVERY = 0.1
+COMMAND_TIMEOUT = 30.0  # seconds a cleanup command (add_command) may take at most
+COMMAND_TRIES = 3  # ... and tries, COMMAND_RETRY_DELAY seconds apart
+COMMAND_RETRY_DELAY = 0.5
 _OWNER_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
@@ -135,6 +139,14 @@ class Lifeline:
     def discard_mpi_world(self, kvsname: str) -> None:
         self._send(b"x" + os.fsencode(kvsname) + b"\0")
 
+    def add_command(self, argv: list[str]) -> None:
+        """A command to run once the owner's processes are killed, if the owner dies first
+        (a container runtime's removal: spawner/containers.py's `cleanup`)."""
+        self._send(b"r" + _joined(argv) + b"\0")
+
+    def discard_command(self, argv: list[str]) -> None:
+        self._send(b"s" + _joined(argv) + b"\0")
+
     def track_descendants(self, whole_tree: bool) -> None:
         """From now on the watchdog learns the owner's descendants, to kill those still
         running if the owner dies (for an owner whose instances have no cgroup): all of them
@@ -163,6 +175,36 @@ class Lifeline:
         os.write(self._write_fd, message)  # small writes to a pipe are atomic
 
 
+def _joined(argv: list[str]) -> bytes:
+    """A command as one message body: its words apart by the unit separator."""
+    return b"\x1f".join(os.fsencode(word) for word in argv)
+
+
+def _run_commands(commands: set[bytes]) -> None:
+    """The owner's cleanup commands (add_command)."""
+    for command in commands:
+        run_command([os.fsdecode(w) for w in command.split(b"\x1f")])
+
+
+def run_command(argv: list[str]) -> bool:
+    """Run a cleanup command until it succeeds, COMMAND_TRIES times at most (podman refuses
+    to remove a container whose processes are still leaving it: "state improper"), each
+    try bounded by COMMAND_TIMEOUT, output discarded. Whether it succeeded."""
+    import subprocess
+
+    for attempt in range(COMMAND_TRIES):
+        if attempt:
+            time.sleep(COMMAND_RETRY_DELAY)
+        try:
+            if subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=COMMAND_TIMEOUT,
+                              check=False).returncode == 0:
+                return True
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return False
+
+
 def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
     # Own session: a Ctrl-C or a kill of the launcher's process group must not take the
     # watchdog down before it has done its work; signals are ignored for the same reason.
@@ -176,6 +218,7 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
     dirs: set[bytes] = set()
     cgroups: set[bytes] = set()
     worlds: set[bytes] = set()
+    commands: set[bytes] = set()
     closed: list[bool] = []  # the owner said goodbye: it has cleaned up after itself
     beats: list[float] = []  # the owner's beat timeout, once it asked to be watched
     tracking: list[bool] = []  # the owner asked for its descendants to be learnt: its whole
@@ -200,7 +243,8 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
             break
         heard = time.monotonic()
         pending += chunk
-        pending = _apply(pending, groups, dirs, cgroups, closed, worlds, beats, tracking)
+        pending = _apply(pending, groups, dirs, cgroups, closed, worlds, beats, tracking,
+                         commands)
     if known and not closed:  # before the groups: their members' helpers keep their parents
         _kill_known(known)
     for pgid in groups:
@@ -218,6 +262,7 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
         kill_marked(token, helpers_mark(token))
         time.sleep(RESWEEP_DELAY)
         kill_marked(token, helpers_mark(token))
+    _run_commands(commands)  # after the kills: what they leave is what is removed
     for path in cgroups:
         remove_tree(os.fsdecode(path))
     for path in dirs:
@@ -318,7 +363,7 @@ def _kill_owner(owner: int) -> None:
 
 def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],
            closed: list[bool], worlds: set[bytes], beats: list[float],
-           tracking: list[bool]) -> bytes:
+           tracking: list[bool], commands: set[bytes]) -> bytes:
     """Apply every complete message in `buf`; return the incomplete rest."""
     while buf:
         kind = buf[:1]
@@ -340,6 +385,10 @@ def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],
             worlds.add(body)
         elif kind == b"x":
             worlds.discard(body)
+        elif kind == b"r":
+            commands.add(body)
+        elif kind == b"s":
+            commands.discard(body)
         elif kind == b"q":
             closed.append(True)
         elif kind == b"t":

@@ -23,10 +23,11 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from popdist.env import ERROR_FILE, PROGRESS_FILE
 
@@ -36,6 +37,9 @@ from .containment import Cgroups
 from .lifeline import Lifeline
 from .uncompiled import dataclass
 from .untrusted import read_regular
+
+if TYPE_CHECKING:  # imported where an instance has one
+    from .containers import Container
 
 # Each instance's pipes are grown to this (F_SETPIPE_SZ; the kernel's default is 64 KiB): per
 # byte, a busy writer waits, and poprun wakes and reads, less often
@@ -79,12 +83,13 @@ class ProcessSpec:
     cpus: tuple[int, ...] | None = None  # CPU binding (None: not bound)
     mems: tuple[int, ...] | None = None  # memory node binding (None: not bound)
     pass_fds: tuple[int, ...] = ()  # descriptors it inherits (its PMI socket: spawner/pmi.py)
+    container: Container | None = None  # run inside it (spawner/containers.py)
 
     def __init__(self, key, argv, env, cwd=None, merge_stderr=False, inherit_stdin=False,
-                 cpus=None, mems=None, pass_fds=()):  # by hand: one per instance (uncompiled)
+                 cpus=None, mems=None, pass_fds=(), container=None):  # by hand (uncompiled)
         self.__dict__.update(key=key, argv=argv, env=env, cwd=cwd, merge_stderr=merge_stderr,
                              inherit_stdin=inherit_stdin, cpus=cpus, mems=mems,
-                             pass_fds=pass_fds)
+                             pass_fds=pass_fds, container=container)
 
 
 class EventLoop(Protocol):
@@ -124,7 +129,7 @@ def resolve_program(name: str, path: str | None, cwd: str) -> str | None:
 
 class _Child:
     __slots__ = ("spec", "proc", "pidfd", "open_fds", "pending", "grown", "returncode",
-                 "reported")
+                 "reported", "removal")
 
     def __init__(self, spec: ProcessSpec, proc: subprocess.Popen) -> None:
         self.spec = spec
@@ -135,6 +140,7 @@ class _Child:
         self.grown: dict[int, int] = {}  # fd -> bytes its pipe was grown by (LocalSpawner._grow)
         self.returncode: int | None = None
         self.reported = False
+        self.removal: list[str] | None = None  # removes its container (spawner/containers.py)
 
 
 class LocalSpawner:
@@ -157,6 +163,7 @@ class LocalSpawner:
         self._tracking = False  # the lifeline learns the instances' descendants (no cgroups)
         self._pipe_growth = 0  # bytes the grown pipes hold above the default (PIPE_GROWTH_BUDGET)
         self._read_buffer = bytearray(READ_SIZE)  # every pipe is read into it (_on_readable)
+        self._removals: list[tuple[subprocess.Popen, list[str]]] = []  # containers going
         # A memory binding was asked for but this host cannot do it: why (binding.py's
         # memory_binding_unavailable), for the caller's one warning; the CPU binding is in
         # force regardless. None: nothing skipped.
@@ -177,7 +184,8 @@ class LocalSpawner:
         from . import stackdump
 
         env.update(stackdump.instance_env(env[ERROR_FILE], env))  # popdist/_stacks.py
-        argv = self._contained(spec, env)
+        argv, env, removal = _in_container(spec, env)
+        argv = self._contained(spec, env, argv)
         if self._lifeline and not self._tracking and not self._has_cgroups():
             # its helpers are found by their ancestry only
             self._lifeline.track_descendants(containment.is_subreaper())
@@ -194,6 +202,7 @@ class LocalSpawner:
         if self._lifeline:
             self._lifeline.add_group(proc.pid)
         child = _Child(spec, proc)
+        self._watch_removal(child, removal)
         self._children[spec.key] = child
         for pipe, stream in ((proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)):
             if pipe is None:
@@ -266,15 +275,18 @@ class LocalSpawner:
                 self._lifeline.add_cgroup(self._cgroups.root)
         return bool(self._cgroups)
 
-    def _contained(self, spec: ProcessSpec, env: dict[str, str]) -> list[str] | tuple[str, ...]:
-        """The argv that starts `spec` in a cgroup of its own, where this host allows: it
-        enters it before its first instruction (containment.entering). A program that
-        cannot be run is refused here, as Popen would refuse it, not by the shell later."""
+    def _contained(self, spec: ProcessSpec, env: dict[str, str],
+                   argv: Sequence[str] | None = None) -> Sequence[str]:
+        """The argv that starts `argv` (default `spec`'s) in a cgroup of its own, where this
+        host allows: it enters it before its first instruction (containment.entering). A
+        program that cannot be run is refused here, as Popen would refuse it, not by the
+        shell later."""
+        argv = spec.argv if argv is None else argv
         procs = self._cgroups.prepare(spec.key) if self._has_cgroups() else None
         if procs is None:
-            return spec.argv
-        _check_runnable(spec.argv[0], env.get("PATH", os.defpath), spec.cwd)
-        return containment.entering(procs, spec.argv)
+            return argv
+        _check_runnable(argv[0], env.get("PATH", os.defpath), spec.cwd)
+        return containment.entering(procs, argv)
 
     @property
     def error_dir(self) -> str | None:
@@ -391,8 +403,53 @@ class LocalSpawner:
         if self._lifeline:
             self._lifeline.discard_group(pid)
         child.returncode = child.proc.wait()
+        self._remove_container(child)
+        if child.spec.container is not None:
+            from .containers import exit_status
+
+            child.returncode = exit_status(child.spec.container, child.returncode)
         if child.returncode != 0:
             self._read_error(child.spec.key)
+
+    # --- containers that outlive their runtime's process (spawner/containers.py) ---------
+
+    def _watch_removal(self, child: _Child, removal: list[str] | None) -> None:
+        """Remember how `child`'s container is removed, and tell the lifeline, which
+        removes it if this process dies first."""
+        child.removal = removal
+        if removal and self._lifeline:
+            self._lifeline.add_command(removal)
+
+    def _remove_container(self, child: _Child) -> None:
+        """After its runtime's process exited: a runtime that was killed by a signal (not
+        one that ended with its container, having removed it) may have left the container
+        running; it is removed now, in the background (close() waits for it)."""
+        removal, child.removal = child.removal, None
+        if not removal:
+            return
+        if child.returncode is not None and child.returncode < 0:
+            self._removals.append((subprocess.Popen(
+                removal, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True), removal))
+        elif self._lifeline:
+            self._lifeline.discard_command(removal)
+
+    def _wait_removals(self) -> None:
+        """Wait for the containers being removed, trying again where the first try failed
+        (bounded: lifeline.run_command); one that still is not removed stays the lifeline's
+        to remove at its end."""
+        from .lifeline import COMMAND_TIMEOUT, run_command
+
+        removals, self._removals = self._removals, []
+        for proc, removal in removals:
+            try:
+                done = proc.wait(COMMAND_TIMEOUT) == 0
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                done = False
+            if (done or run_command(removal)) and self._lifeline:
+                self._lifeline.discard_command(removal)
 
     def _abandon_pipes(self, child: _Child) -> None:
         for fd in list(child.open_fds):
@@ -492,10 +549,26 @@ class LocalSpawner:
             self._cgroups = False  # a late move must not make the tree again
         if self._lifeline:  # with cgroups too: an instance whose cgroup could not be made
             containment.kill_marked(self._lifeline.token)
+        self._wait_removals()
         if containment.is_subreaper():  # the launcher's helpers serve the next attempt
             containment.reap_children(
                 keep=frozenset([self._lifeline.pid] if self._lifeline else []),
                 spare=containment.helpers_mark(self._lifeline.token) if self._lifeline else None)
+
+
+def _in_container(spec: ProcessSpec, env: dict[str, str]
+                  ) -> tuple[Sequence[str], dict[str, str], list[str] | None]:
+    """`spec`'s argv and environment as they start it: inside its container, if it has
+    one (spawner/containers.py), under a name no other start of this host has; and the
+    command that removes that container (None: nothing to remove)."""
+    if spec.container is None:
+        return spec.argv, env, None
+    from .containers import cleanup, wrap
+
+    name = f"poprun-{os.getpid()}-{spec.key}-{os.urandom(4).hex()}"
+    argv, env = wrap(spec.container, spec.argv, env, spec.cwd or os.getcwd(), name=name,
+                     interactive=spec.inherit_stdin, python=sys.executable)
+    return argv, env, cleanup(spec.container, name)
 
 
 def _check_runnable(program: str, path: str, cwd: str | None) -> None:

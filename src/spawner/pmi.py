@@ -326,6 +326,21 @@ class KeyValueSpace:
             return "too_many_keys"
         return None
 
+    def check_batch(self, puts: Dict[str, str]) -> Optional[str]:
+        """An error message if ``update(puts)`` is not allowed: each key as ``check`` sees
+        it, and the keys it adds all together against ``keys_max`` (a host's barrier
+        batch: checked key by key against the count before it, any batch would pass)."""
+        for key, value in puts.items():
+            if not (isinstance(key, str) and isinstance(value, str)):  # another host's JSON
+                return f"{str(key)[:KEYLEN_MAX]}: not_text"
+            err = self.check(key, value)
+            if err:
+                return f"{key}: {err}"
+        added = sum(key not in self._kv for key in puts)
+        if self.keys_max is not None and len(self._kv) + added > self.keys_max:
+            return f"too_many_keys: {added} new keys, {len(self._kv)} of {self.keys_max} held"
+        return None
+
     def put(self, key: str, value: str) -> None:
         err = self.check(key, value)
         if err:
@@ -563,10 +578,9 @@ class PmiServer:
         their puts; returns the epoch's delta (all puts of the epoch)."""
         if self.upstream is not None:
             raise PmiError("group_barrier is for the root server")
-        for k, v in puts.items():
-            err = self.kvs.check(k, v)
-            if err:
-                raise PmiError(f"{k}: {err}")
+        err = self.kvs.check_batch(puts)
+        if err:
+            raise PmiError(err)
         return await self._enter(count, puts)
 
     async def lookup(self, key: str) -> Optional[str]:

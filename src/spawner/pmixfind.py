@@ -48,12 +48,17 @@ def _python_prefixes(argv: Sequence[str], environ: Mapping[str, str]) -> list[st
     return list(dict.fromkeys(found))
 
 
+def system_candidates() -> list[str]:
+    """Where the system's libpmix would be (a distribution's package), in order."""
+    multiarch = _multiarch()
+    return [os.path.join(d.format(multiarch=multiarch), NAME) for d in _SYSTEM_DIRS]
+
+
 def candidates(environ: Mapping[str, str], argv: Sequence[str] = (),
                given: str | None = None) -> list[str]:
     """Every path looked at, in order."""
     paths = [given] if given else []
-    multiarch = _multiarch()
-    paths += [os.path.join(d.format(multiarch=multiarch), NAME) for d in _SYSTEM_DIRS]
+    paths += system_candidates()
     prefixes = []
     if environ.get("OPAL_PREFIX"):
         prefixes.append(environ["OPAL_PREFIX"])

@@ -21,7 +21,6 @@ its imports and libpmix's initialisation) is off the launch's path.
 from __future__ import annotations
 
 import asyncio
-import binascii
 import itertools
 import os
 import shutil
@@ -207,7 +206,7 @@ class _Server:
                 if isinstance(frame, Control):
                     try:
                         self._handle(frame.kind, frame.fields)
-                    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+                    except (KeyError, TypeError, ValueError) as exc:
                         self.kill(f"its PMIx server sent a bad {frame.kind.name} ({exc})")
                         return
 
@@ -234,7 +233,7 @@ class _Server:
                                  str(fields.get("message", "")))
         elif kind is Kind.FENCE_IN:
             fence = pmixplan.FenceId(tuple(int(r) for r in fields["ranks"]), int(fields["seq"]))
-            data = pmixplan.unb64(fields["data"], pmixplan.MAX_FENCE_DATA)
+            data = pmixplan.decode_data(fields["data"], pmixplan.MAX_FENCE_DATA)
             served.handler.fence(fence, data, lambda status, blob: self.send(
                 Kind.FENCE_OUT, kvsname=served.world.nspace, ranks=list(fence.ranks),
                 seq=fence.seq, **({"data": pmixplan.b64(blob)} if status == SUCCESS
@@ -247,7 +246,7 @@ class _Server:
         elif kind is Kind.MODEX_GOT:
             done = self._asks.pop(int(fields["id"]), None)
             if done is not None:
-                done(int(fields["status"]), pmixplan.unb64(fields.get("data") or "",
+                done(int(fields["status"]), pmixplan.decode_data(fields.get("data") or "",
                                                            pmixplan.MAX_MODEX))
 
     def dmodex_request(self, served: Served, rank: int,
@@ -332,6 +331,14 @@ class _Server:
             self.host._remove(self.tmpdir)
 
 
+def _usable_cpus() -> int:
+    """The CPUs this host's instances may run on: this process's (they inherit it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except OSError:
+        return os.cpu_count() or 1
+
+
 class PmixHost:
     def __init__(self, path: str, lifeline, hostname: str,
                  loop: asyncio.AbstractEventLoop, given: str | None = None,
@@ -391,9 +398,11 @@ class PmixHost:
 
     def instance_env(self, served: Served, rank: int,
                      environ: Mapping[str, str] | None) -> dict[str, str]:
-        """Every variable that leads `rank` to its server."""
+        """Every variable that leads `rank` to its server, and what Open MPI's mpirun would
+        set for this host (pmixplan.instance_variables)."""
         return {**served.env[rank],
-                **pmixplan.instance_variables(dict(environ or {}), self._shm[served.world.nspace])}
+                **pmixplan.instance_variables(dict(environ or {}), self._shm[served.world.nspace],
+                                              len(served.world.local_ranks), _usable_cpus())}
 
     def dmodex_request(self, served: Served, rank: int,
                        done: Callable[[int, bytes], None]) -> None:

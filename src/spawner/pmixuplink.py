@@ -19,10 +19,11 @@ Done = Callable[[int, bytes], None]
 
 
 class Uplink:
-    """`send(kind, **fields)`: one frame up the link."""
+    """`send(kind, **fields)`: one frame up the link; `hosts`: how many the world spans (a
+    complete fence's data is every host's part, each at most pmixplan.MAX_FENCE_DATA)."""
 
-    def __init__(self, kvsname: str, send: Callable[..., None]) -> None:
-        self.kvsname, self._send = kvsname, send
+    def __init__(self, kvsname: str, send: Callable[..., None], hosts: int) -> None:
+        self.kvsname, self._send, self._hosts = kvsname, send, hosts
         self._fences: dict[tuple[tuple[int, ...], int], Done] = {}
         self._wants: dict[int, Done] = {}
         self._ids = itertools.count(1)
@@ -38,21 +39,20 @@ class Uplink:
         self._send(Kind.MODEX_WANT, kvsname=self.kvsname, id=want, rank=rank)
 
     def answered(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """FENCE_OUT or MODEX_DATA: the waiting fence or request completes. Raises
-        KeyError/TypeError/ValueError for fields that cannot be one."""
+        """FENCE_OUT or MODEX_DATA: the waiting fence or request completes. Their data is
+        decoded as the launcher decodes the agents' (pmixplan.decode_data: strict, bounded);
+        data that cannot be is an error answered to the waiting server, never a fault of
+        this side. Raises KeyError/TypeError/ValueError for other fields that cannot be."""
         if kind is Kind.FENCE_OUT:
             done = self._fences.pop((tuple(int(r) for r in fields["ranks"]),
                                      int(fields["seq"])), None)
             if done is not None:
-                error = fields.get("error")
-                done(ERROR if error else 0,
-                     b"" if error else pmixplan.unb64(fields.get("data") or "",
-                                                      pmixplan.MAX_FENCE_DATA))
+                done(*_decoded(fields, pmixplan.MAX_FENCE_DATA * self._hosts))
         elif kind is Kind.MODEX_DATA:
             done = self._wants.pop(int(fields["id"]), None)
             if done is not None:
-                done(int(fields["status"]),
-                     pmixplan.unb64(fields.get("data") or "", pmixplan.MAX_MODEX))
+                status, data = _decoded(fields, pmixplan.MAX_MODEX)
+                done(int(fields["status"]) if status == 0 else status, data)
 
     def modex_got(self, ask: object) -> Done:
         """The answer to the MODEX_ASK `ask`: its MODEX_GOT, once the data is here."""
@@ -65,3 +65,14 @@ class Uplink:
             done(ERROR, b"")
         self._fences.clear()
         self._wants.clear()
+
+
+def _decoded(fields: dict[str, Any], limit: int) -> tuple[int, bytes]:
+    """(0, the data of a PMIx answer), or (ERROR, b"") where it is an error or cannot be
+    data."""
+    if fields.get("error"):
+        return ERROR, b""
+    try:
+        return 0, pmixplan.decode_data(fields.get("data") or "", limit)
+    except ValueError:
+        return ERROR, b""

@@ -16,19 +16,24 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
 
     launcher -> agent
       HELLO   {id, protocol, poprun, python: [major, minor], cwd, program, path, stats,
-               heartbeat: [interval, timeout], interfaces, mktemp, facts}  both sides beat;
+               heartbeat: [interval, timeout], interfaces, mktemp, facts, kill_timeout}
+                                             both sides beat;
                                              silence past `timeout` ends it; interfaces:
                                              tell them (the agent beats its own watchdog
                                              too: one silent, frozen or stuck, that long
                                              is killed with its instances; no frame for
                                              it); mktemp: a prefix, MKTEMP's dir made at
                                              once (the launcher saves a round trip); facts:
-                                             {argv, env, cache, cwd} to read (see FACTS)
+                                             {argv, env, cache, cwd} to read (see FACTS);
+                                             kill_timeout: what a SIGTERM of the agent
+                                             gives its instances before SIGKILL
       MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
       MKDIR   {id, path}                     a directory (and parents) that is kept
-      SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world}
+      SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world,
+               container: {runtime, image, args} or null (spawner/containers.py)}
       SIGNAL  {key (null: every instance), signal (name, e.g. "SIGTERM")}
-      HEARTBEAT {}                           every `interval` seconds
+      HEARTBEAT {last?}                      every `interval` seconds; last: true, the launcher's
+                                             goodbye before its stream ends (pod mode)
       STACKS  {id, keys (null: every instance), within}    their Python stacks (stackdump.py)
       WORLD   {kvsname, size, ranks, nodes, pmix}  an MPI world whose `ranks` run here (before
                                              their SPAWNs, which name it); nodes: each rank's
@@ -110,12 +115,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .containers import Container
+
 if TYPE_CHECKING:  # local.py (~half of this module's import) only where OUTPUT is decoded:
     from .local import Stream  # the PMIx server's process never decodes one
 
 # 5: HELLO's mktemp; 6: PMIx (WORLD's pmix, FENCE_*, MODEX_*), FACTS, HELLO's open_files,
-# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: the PMIx
-# server in a process of its own (PMIX_LOST; PMIX_SERVE..PMIX_REFUSED on its link)
+# STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: SPAWN's
+# container (an agent that ignored it would start the instance bare), and the PMIx server
+# in a process of its own (PMIX_LOST; PMIX_SERVE..PMIX_REFUSED on its link)
 PROTOCOL_VERSION = 7
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
@@ -123,6 +131,10 @@ OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)
 _KEY_STREAM = struct.Struct(">IB")
 # Bytes a remote shell may print before MAGIC before we give up on finding it.
 MAX_NOISE = 65536
+# The longest frame either side takes: far past any it sends (a SPAWN's environment, a STACKS
+# reply of every instance of a host), and a bound on what one waits for and holds: bytes
+# that are not a header (a stray print on the agent's stdout) announce gigabytes.
+MAX_FRAME = 256 << 20
 
 
 class Kind(enum.IntEnum):
@@ -227,7 +239,10 @@ def _streams() -> dict[int, Stream]:
 
 
 class ProtocolError(Exception):
-    """The byte stream is not this protocol: garbage, an unknown kind, or bad JSON."""
+    """The byte stream is not this protocol: garbage, an unknown kind, or bad JSON. `frames`:
+    the whole frames that came before it in what was fed (theirs to handle still)."""
+
+    frames: list = []
 
 
 class Output(NamedTuple):
@@ -261,13 +276,15 @@ class SpawnRequest:
     cpus: tuple[int, ...] | None = None  # CPU binding there (None: not bound)
     mems: tuple[int, ...] | None = None  # memory node binding there (None: not bound)
     world: str | None = None  # the kvsname of the MPI world it joins (a WORLD frame's)
+    container: Container | None = None  # run inside it (spawner/containers.py)
 
     def to_fields(self) -> dict[str, Any]:
         return {"key": self.key, "argv": list(self.argv), "env_set": dict(self.env_set),
                 "env_unset": list(self.env_unset), "cwd": self.cwd,
                 "merge_stderr": self.merge_stderr,
                 "cpus": _list_or_none(self.cpus), "mems": _list_or_none(self.mems),
-                "world": self.world}
+                "world": self.world,
+                "container": None if self.container is None else self.container.to_fields()}
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, Any]) -> SpawnRequest:
@@ -281,7 +298,8 @@ class SpawnRequest:
         return cls(key=int(fields["key"]), argv=argv, env_set=env_set, env_unset=env_unset,
                    cwd=fields.get("cwd"), merge_stderr=bool(fields.get("merge_stderr")),
                    cpus=_ints_or_none(fields.get("cpus")), mems=_ints_or_none(fields.get("mems")),
-                   world=fields.get("world"))
+                   world=fields.get("world"),
+                   container=Container.from_fields(fields.get("container")))
 
 
 def _list_or_none(values: tuple[int, ...] | None) -> list[int] | None:
@@ -352,15 +370,22 @@ class FrameDecoder:
     def _frames(self) -> list[Frame]:
         buf, frames, pos = self._buf, [], 0
         end_of_data = len(buf)
-        with memoryview(buf) as view:  # slices of a view copy once; released before del
-            while end_of_data - pos >= HEADER.size:
-                length, kind = HEADER.unpack_from(view, pos)
-                start = pos + HEADER.size
-                end = start + length
-                if end > end_of_data:
-                    break
-                frames.append(_decode(kind, view, start, end))
-                pos = end
+        try:
+            with memoryview(buf) as view:  # slices of a view copy once; released before del
+                while end_of_data - pos >= HEADER.size:
+                    length, kind = HEADER.unpack_from(view, pos)
+                    if length > MAX_FRAME:
+                        raise ProtocolError(f"a frame of {length} bytes announced, past the "
+                                            f"protocol's {MAX_FRAME}")
+                    start = pos + HEADER.size
+                    end = start + length
+                    if end > end_of_data:
+                        break
+                    frames.append(_decode(kind, view, start, end))
+                    pos = end
+        except ProtocolError as exc:
+            exc.frames = frames
+            raise
         del buf[:pos]
         return frames
 

@@ -69,12 +69,62 @@ HELLO_TIMEOUT = 30.0  # a cold Python start on a loaded host can take seconds
 REQUEST_TIMEOUT = 60.0
 CLOSE_TIMEOUT = 5.0
 HEARTBEATS_PER_TIMEOUT = 3  # heartbeats each way within one --host-timeout
+DEADLINE_SLACK = 0.005  # seconds past a silence's deadline at which it is looked at
 STDERR_TAIL = 4096  # bytes of the agent's stderr kept for error messages
 
 
 # The agent's frames about an MPI world it serves (spawner.agentworld).
 _WORLD_KINDS = frozenset({Kind.BARRIER_IN, Kind.GET, Kind.MPI_ABORT, Kind.MPI_LOST,
                           Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED})
+
+
+# The fields the launcher reads of the agent's frames, and the types they must have.
+_INT, _TEXT, _MAP, _OPTIONAL_MAP = (int,), (str,), (dict,), (dict, type(None))
+_SHAPES: dict[Kind, dict[str, tuple[type, ...]]] = {
+    Kind.EXIT: {"key": _INT, "returncode": _INT, "error": _OPTIONAL_MAP},
+    Kind.STARTED: {"key": _INT, "pid": _INT, "binding": _OPTIONAL_MAP,
+                   "start": (int, type(None))},
+    Kind.SPAWN_FAILED: {"key": _INT, "error": _TEXT},
+    Kind.REPLY: {"id": _INT, "result": _MAP},
+    Kind.FAILED: {"id": (int, type(None)), "error": _TEXT},
+    Kind.INTERNAL: {"error": _TEXT, "traceback": (str, type(None))},
+    Kind.STATS: {"usage": _MAP, "progress": _OPTIONAL_MAP},
+    **{kind: {"kvsname": _TEXT} for kind in _WORLD_KINDS},
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_pair(value: Any) -> bool:
+    """[cpu %, rss] of STATS' usage: numbers, or null (no CPU % at the first sample)."""
+    return (isinstance(value, list) and len(value) == 2
+            and all(v is None or _is_number(v) for v in value))
+
+
+def _is_step(value: Any) -> bool:
+    """[step, total] of popdist.progress(): integers (total null: none)."""
+    return (_is_pair(value) and isinstance(value[0], int) and not isinstance(value[0], bool)
+            and (value[1] is None or isinstance(value[1], int)))
+
+
+def _stack_answer(found: Any) -> dict[str, Any]:
+    """An agent's stacks of one instance ({pid, how, threads, error}: spawner/stackdump.py)
+    in that shape whatever it sent: what is not a thread or a frame is left out."""
+    found = found if isinstance(found, dict) else {}
+    threads = []
+    for thread in found.get("threads") if isinstance(found.get("threads"), list) else ():
+        if not isinstance(thread, dict) or not isinstance(thread.get("frames"), list):
+            continue
+        frames = [[str(f[0]), f[1], str(f[2]), str(f[3])] for f in thread["frames"]
+                  if isinstance(f, list) and len(f) == 4 and type(f[1]) is int]
+        threads.append({"thread": str(thread.get("thread", "")), "frames": frames,
+                        "truncated": bool(thread.get("truncated"))})
+    error = found.get("error")
+    return {"pid": found.get("pid") if type(found.get("pid")) is int else None,
+            "how": str(found.get("how")), "threads": threads,
+            "error": None if error is None else str(error)}
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -166,17 +216,26 @@ class AgentInfo:
 
     @classmethod
     def from_reply(cls, host: str, reply: Mapping[str, Any], noise: bytes) -> AgentInfo:
-        python = reply.get("python") or {}
-        return cls(host=host, protocol=reply.get("protocol", -1),
+        """Another host's word: a field of another type reads as unknown (a protocol of -1,
+        no Python version: AgentVersionError says so)."""
+        python = reply.get("python") if isinstance(reply.get("python"), dict) else {}
+        version = python.get("version") if isinstance(python.get("version"), list) else []
+        program = reply.get("program")
+        return cls(host=host, protocol=_int_or(reply.get("protocol"), -1),
                    poprun=str(reply.get("poprun")),
-                   python=tuple(python.get("version", ())[:3]),  # major, minor, micro
+                   python=tuple(v for v in version[:3] if type(v) is int),  # major, minor, micro
                    python_executable=str(python.get("executable")),
-                   hostname=str(reply.get("hostname")), pid=int(reply.get("pid", 0)),
+                   hostname=str(reply.get("hostname")), pid=_int_or(reply.get("pid"), 0),
                    cwd=str(reply.get("cwd")), cwd_exists=bool(reply.get("cwd_exists")),
-                   program=reply.get("program"), raw=dict(reply), noise=noise)
+                   program=program if isinstance(program, str) else None, raw=dict(reply),
+                   noise=noise)
 
     def versions(self) -> Versions:
         return Versions(self.protocol, self.poprun, self.python[:2])
+
+
+def _int_or(value: Any, default: int) -> int:
+    return value if type(value) is int else default
 
 
 def check_versions(info: AgentInfo, expect: Versions) -> None:
@@ -339,7 +398,8 @@ class RemoteSpawner:
     async def start(self, *, cwd: str, program: str | None = None, path: str | None = None,
                     timeout: float = HELLO_TIMEOUT, stats: float | None = None,
                     host_timeout: float | None = None, interfaces: bool = False,
-                    temp_dir: str | None = None, facts: dict | None = None) -> AgentInfo:
+                    temp_dir: str | None = None, facts: dict | None = None,
+                    kill_timeout: float | None = None) -> AgentInfo:
         """Start the agent and greet it. `program` is resolved there as instances will run
         it (in `cwd`, on `path`: the PATH they will get). With `host_timeout`, both sides
         send heartbeats and each declares the other gone after that long without a word.
@@ -348,7 +408,8 @@ class RemoteSpawner:
         directory as it answers: no round trip of its own. With `facts` ({argv, env, cache,
         cwd}: spawner/hostfacts.py), the agent reads what the job depends on there once its
         answer is out, and FACTS, sent as that answer comes, collects it: `job_facts()` awaits
-        it, the caller going on meanwhile. Raises AgentStartError, or
+        it, the caller going on meanwhile. `kill_timeout`: what a SIGTERM of the agent gives
+        its instances before SIGKILL (Agent.terminate). Raises AgentStartError, or
         AgentVersionError after stopping the agent: then nothing was started."""
         self._t0 = time.monotonic()
         session = _AgentSession if isinstance(self.conn, NodeLink) else _ssh_session()
@@ -364,6 +425,7 @@ class RemoteSpawner:
                 Kind.HELLO, timeout, protocol=self._expect.protocol, poprun=self._expect.poprun,
                 python=[major, minor], cwd=cwd, program=program, path=path, stats=stats,
                 interfaces=interfaces, mktemp=temp_dir, facts=facts,
+                kill_timeout=kill_timeout,
                 heartbeat=[host_timeout / HEARTBEATS_PER_TIMEOUT, host_timeout]
                 if host_timeout else None)
         except RemoteError as exc:
@@ -398,7 +460,11 @@ class RemoteSpawner:
                           f"{timeout:g})")
             return
         self._send_quietly(encode(Kind.HEARTBEAT))
-        asyncio.get_running_loop().call_later(interval, self._beat, interval, timeout)
+        # The next look no later than the silence's deadline (a few ms past it): a host
+        # silent since just after a beat is declared lost at `timeout`, not up to one
+        # interval later (--host-timeout is the bound users plan a restart around).
+        due = min(interval, timeout - silent + DEADLINE_SLACK)
+        asyncio.get_running_loop().call_later(due, self._beat, interval, timeout)
 
     def _give_up(self, reason: str) -> None:
         """The agent is gone as far as the job is concerned, now: the channel may take its
@@ -460,7 +526,11 @@ class RemoteSpawner:
         error}}."""
         reply = await self._request(Kind.STACKS, timeout + CLOSE_TIMEOUT, within=timeout,
                                     keys=None if keys is None else list(keys))
-        return {int(key): found for key, found in reply["stacks"].items()}
+        stacks = reply.get("stacks")
+        if not isinstance(stacks, dict):
+            raise AgentRequestError(self.host, "its answer to STACKS holds no stacks")
+        return {int(key): _stack_answer(found) for key, found in stacks.items()
+                if key.isdigit()}
 
     async def probe(self, address: str, port: int, token: str, within: float) -> dict[str, Any]:
         """Whether the agent's host reaches `address`:`port` (a listener that echoes the
@@ -549,13 +619,14 @@ class RemoteSpawner:
         return asyncio.get_running_loop().create_future()
 
     def _send(self, frame: bytes) -> None:
-        if self._chan is None or self._closed.is_set():
+        if self._chan is None or self._closed.is_set() or self.lost is not None:
             raise AgentLostError(self.host, f"the agent is gone ({self.lost or 'closed'})")
         self._chan.write(frame)
 
     def _send_quietly(self, frame: bytes) -> None:
         """For signals: an agent that is gone has no instance left to signal."""
-        if self._chan is not None and not self._closed.is_set() and not self._closing:
+        if (self._chan is not None and not self._closed.is_set() and not self._closing
+                and self.lost is None):  # given up on: its channel is closing
             self._chan.write(frame)
 
     async def _request(self, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:
@@ -564,8 +635,8 @@ class RemoteSpawner:
     def _ask(self, kind: Kind, **fields: Any) -> asyncio.Future:
         """Send a request; the future of its answer."""
         request_id = next(self._ids)
+        self._send(encode(kind, id=request_id, **fields))  # first: raises when it is gone
         future = self._replies[request_id] = self._new_future()
-        self._send(encode(kind, id=request_id, **fields))
         return future
 
     def _facts_came(self, future: asyncio.Future) -> None:
@@ -593,24 +664,45 @@ class RemoteSpawner:
 
     def _on_data(self, data: bytes) -> None:
         self._last_heard = time.monotonic()
+        if self.lost is not None:  # given up on: nothing it says counts any more
+            return
+        broken = None
         try:
             frames = self._decoder.feed(data)
-        except ProtocolError as exc:
-            self._abort(f"the agent's output is not the agent protocol ({exc})")
-            return
+        except ProtocolError as exc:  # what came whole before it is the agent's word still
+            frames, broken = exc.frames, exc
         sink = self._sink
         for frame in frames:
             if type(frame) is Output:  # the hot path first
+                if frame.key not in self._pids or frame.key in self._exited:
+                    self._abort(f"the agent's output is not the agent protocol (OUTPUT of "
+                                f"instance {frame.key}, which is not running)")
+                    return
                 sink.on_output(frame.key, frame.stream, frame.data)
-            else:
-                self._on_control(frame)
+                continue
+            why = self._malformed(frame)
+            if why is None:
+                try:
+                    self._on_control(frame)
+                except ProtocolError as exc:  # a world's frame that is not one (on_world)
+                    why = str(exc)
+            if why is not None:
+                self._abort(f"the agent's output is not the agent protocol ({frame.kind.name} "
+                            f"frame: {why})")
+                return
+        if broken is not None:
+            self._abort(f"the agent's output is not the agent protocol ({broken})")
 
     def _on_control(self, frame: Control) -> None:
         fields = frame.fields
         if frame.kind is Kind.EXIT:
             self._exited[fields["key"]] = fields["returncode"]
             if fields.get("error"):
-                self.errors[fields["key"]] = fields["error"]
+                from popdist.errorfile import checked  # only for an instance that failed
+
+                error = checked(fields["error"])
+                if error is not None:
+                    self.errors[fields["key"]] = error
             on_progress = getattr(self._sink, "on_progress", None)
             if fields.get("progress") and on_progress:  # its last step, for the result
                 on_progress(fields["key"], *fields["progress"])
@@ -635,12 +727,15 @@ class RemoteSpawner:
                 self.on_world(self, frame)
         elif frame.kind is Kind.STATS:  # for a sink that shows them (the dashboard)
             on_usage = getattr(self._sink, "on_usage", None)
+            # (an instance of an attempt before this one is no longer the sink's)
             for key, (cpu, rss) in fields["usage"].items() if on_usage else ():
-                on_usage(int(key), cpu, rss)
+                if int(key) in self._pids:
+                    on_usage(int(key), cpu, rss)
             on_progress = getattr(self._sink, "on_progress", None)
             for key, (step, total) in (fields.get("progress") or {}).items() \
                     if on_progress else ():
-                on_progress(int(key), step, total)
+                if int(key) in self._pids:
+                    on_progress(int(key), step, total)
         elif frame.kind is Kind.SPAWN_FAILED:
             self._resolve(self._spawning.pop(fields["key"], None), (None, fields["error"]))
         elif frame.kind is Kind.REPLY:
@@ -657,6 +752,32 @@ class RemoteSpawner:
                 future.set_exception(AgentRequestError(self.host, fields["error"]))
         else:  # a FAILED without request: it could not read what we sent
             self._abort(f"the agent rejected a message: {fields.get('error', frame.kind.name)}")
+
+    def _malformed(self, frame: Control) -> str | None:
+        """Why the frame is not what the agent protocol says (None: it is): the agent's
+        output is another host's, read as hostile input. Its fields must have their types,
+        an instance's frames come in order (STARTED or SPAWN_FAILED for an instance being
+        started, then EXIT once) and a report names only instances that run there."""
+        fields, kind = frame.fields, frame.kind
+        if kind in _SHAPES:
+            for name, types in _SHAPES[kind].items():
+                value = fields.get(name)
+                if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
+                    return f"its {name} is {type(value).__name__}"
+        if kind in (Kind.STARTED, Kind.SPAWN_FAILED) and fields["key"] not in self._spawning:
+            return f"instance {fields['key']} is not being started"
+        if kind is Kind.EXIT:
+            key, progress = fields["key"], fields.get("progress")
+            if key not in self._pids or key in self._exited:
+                return f"instance {key} is not running"
+            if progress is not None and not _is_step(progress):
+                return "its progress is not [step, total]"
+        if kind is Kind.STATS:
+            for name, pair in (("usage", _is_pair), ("progress", _is_step)):
+                for key, value in (fields.get(name) or {}).items():
+                    if not (key.isdigit() and pair(value)):
+                        return f"its {name} of {key[:20]!r} is not an instance's pair"
+        return None
 
     @staticmethod
     def _resolve(future: asyncio.Future | None, result: Any) -> None:

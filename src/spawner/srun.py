@@ -19,12 +19,18 @@ Slurm declares failed does not end the job with it either. `--label`: the step's
 (what the agents write on stderr, and slurmstepd's `*** STEP ... CANCELLED ***`, which
 names a scancel or a time limit in the report) comes one line at a time prefixed with the
 task's number, which says whose it is (the protocol never goes through it, so splitting
-lines costs nothing). `--input=none`: the agents read nothing from srun. `--export=ALL`:
-the agents have the launcher's environment whatever SLURM_EXPORT_ENV says, the secret among
-it, never on the command line. `--mpi=none` whatever the cluster's MpiDefault: the agent is
-no MPI task, and a PMIx or PMI-2 plugin would set up a server for the step and put
-PMIX_*/PMI_* variables in the agents' environment, which instances inherit. `--overlap`:
+lines costs nothing). `--input=all`: srun broadcasts its stdin to every task: the job's
+secret, one line, then its end (spawner/callback.py, `read_secret`), so that the secret is in
+no environment (srun's, the agent's) nor on a command line. `--export=ALL`: the agents have
+the launcher's environment whatever SLURM_EXPORT_ENV says. `--mpi=none` whatever the
+cluster's MpiDefault: the agent is no MPI task, and a PMIx or PMI-2 plugin would set up a
+server for the step and put PMIX_*/PMI_* variables in the agents' environment, which
+instances inherit. `--overlap`:
 the step shares the nodes with the allocation's other steps.
+
+The callback serves only the allocation: as a step starts, its nodes' addresses are looked up
+(`node_addresses`: NodeAddr and NodeHostName as `scontrol show node` gives them, resolved),
+and the listener closes at once a caller from any other address (spawner/callback.py).
 
 A node whose slurmd and slurmstepd die leaves srun waiting for its task: srun stays until
 the job ends. So closing waits `STEP_EXIT_GRACE` for srun to end once the agents are told
@@ -38,12 +44,14 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .callback import (CALLBACK_VARIABLE, SECRET_VARIABLE, STEP_VARIABLE, Caller,
-                       CallbackListener, new_secret)
+from .callback import (CALLBACK_VARIABLE, STEP_VARIABLE, Caller, CallbackListener,
+                       is_loopback, new_secret)
 
 STDERR_DATATYPE = 1  # asyncssh.EXTENDED_DATA_STDERR: how the session tells stderr apart
 # Variables a job step sets that describe the agent's task of its step, not the instances.
@@ -53,13 +61,15 @@ STEP_VARIABLES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_TASK_P
                   "SLURM_SRUN_COMM_HOST", "SLURM_SRUN_COMM_PORT", "SLURM_UMASK",
                   "SLURM_LABELIO", "SLURM_NNODES", "SLURM_NODELIST")
 SRUN_OPTIONS = ("--overlap", "--label", "--kill-on-bad-exit=0", "--wait=0", "--no-kill",
-                "--input=none", "--export=ALL", "--mpi=none", "--job-name=poprun-agent")
+                "--input=all", "--export=ALL", "--mpi=none", "--job-name=poprun-agent")
 CALLBACK_TIMEOUT = 60.0  # seconds from a step's start to its agent's call (a cold Python)
 STEP_EXIT_GRACE = 2.0  # seconds srun has to end once its agents are told to
 STEP_KILL_WAIT = 5.0  # ... and to be gone after SIGKILL
 TASK_END_GRACE = 0.5  # seconds a node's last words may follow srun's word on its task's end
 MAX_LINE = 4096  # bytes of one line of the step's output kept (the rest is cut)
 HELD_STDERR = 4096  # bytes of a node's output kept before its agent's session takes it
+LOOKUP_TIMEOUT = 10.0  # seconds scontrol has to say where a step's nodes are
+MAX_LOOKUP_OUTPUT = 16 << 20  # bytes of scontrol's answer read (~1 KB a node)
 
 
 # What slurmstepd writes on the step's stderr when Slurm ends it (scancel, a time limit).
@@ -84,6 +94,53 @@ def step_variables(environ: Mapping[str, str]) -> list[str]:
             if name.startswith("SLURM_STEP") or name in STEP_VARIABLES]
 
 
+_NODE_ADDRESS = re.compile(r"(?:^|\s)(?:NodeAddr|NodeHostName)=(\S+)")
+
+
+def node_address_names(scontrol: str) -> list[str]:
+    """Every NodeAddr and NodeHostName of `scontrol show node -o`'s lines, each once."""
+    return list(dict.fromkeys(name for name in _NODE_ADDRESS.findall(scontrol)
+                              if name not in ("(null)", "")))
+
+
+async def node_addresses(scontrol: str, nodes: Sequence[str]) -> tuple[set[str], bool]:
+    """The addresses `nodes` call from: their NodeAddr and NodeHostName resolved, and when
+    one of them is this machine (a node that is the launch node; a test cluster's, all
+    127.0.0.1), every address of this machine (then the second item is True: any loopback
+    one too). Raises OSError or ValueError where they cannot be told."""
+    proc = await asyncio.create_subprocess_exec(
+        scontrol, "show", "node", "-o", ",".join(nodes), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        out = await asyncio.wait_for(proc.stdout.read(MAX_LOOKUP_OUTPUT), LOOKUP_TIMEOUT)
+        status = await asyncio.wait_for(proc.wait(), LOOKUP_TIMEOUT)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    if status != 0:
+        raise OSError(f"`scontrol show node` ended with status {status}")
+    loop = asyncio.get_running_loop()
+    found: set[str] = set()
+    for name in node_address_names(out.decode(errors="replace")):
+        try:
+            found.update(info[4][0] for info in await loop.getaddrinfo(
+                name, None, type=socket.SOCK_STREAM))
+        except socket.gaierror:
+            continue  # a NodeHostName only Slurm knows: its NodeAddr is the one
+    if not found:
+        raise ValueError("scontrol named no address that resolves")
+    here = _own_addresses()
+    local = bool(found & here) or any(is_loopback(a) for a in found)
+    return (found | here if local else found), local
+
+
+def _own_addresses() -> set[str]:
+    from .netifs import interfaces
+
+    return {address.split("/")[0] for found in interfaces().values() for address in found}
+
+
 def srun_argv(srun: str, nodes: Sequence[str], command: str) -> list[str]:
     """One task on each of `nodes`, running `command` (see the module docstring)."""
     count = len(nodes)
@@ -97,6 +154,9 @@ class SlurmAgents:
 
     def __init__(self, srun: str, address: str | None, note: Callable[[str], None]) -> None:
         self._srun, self._note = srun, note
+        beside = os.path.join(os.path.dirname(srun), "scontrol")
+        self._scontrol = beside if os.access(beside, os.X_OK) else shutil.which("scontrol")
+        self._lookups: list[asyncio.Task] = []
         self._secret = new_secret()
         self._listener = CallbackListener(self._secret, self._on_agent,
                                           lambda why: note(f"refused a connection from {why}"))
@@ -108,10 +168,27 @@ class SlurmAgents:
         """One step running `command` on every node of `nodes`; its link per node."""
         step = _Step(len(self._steps), nodes, command, self._note)
         self._steps.append(step)
+        self._listener.learning()
+        self._lookups.append(asyncio.ensure_future(self._learn(nodes)))
         env = {**os.environ, CALLBACK_VARIABLE: self._listener.target(),
-               SECRET_VARIABLE: self._secret.hex(), STEP_VARIABLE: str(step.number)}
-        step.run(srun_argv(self._srun, nodes, command), env)
+               STEP_VARIABLE: str(step.number)}
+        secret_line = self._secret.hex().encode() + b"\n"  # callback.read_secret's
+        step.run(srun_argv(self._srun, nodes, command), env, secret_line)
         return dict(step.links)
+
+    async def _learn(self, nodes: Sequence[str]) -> None:
+        """The listener told where `nodes` call from (or, where that cannot be told, that
+        any address may: the secret still decides)."""
+        try:
+            if self._scontrol is None:
+                raise OSError("`scontrol` is not on PATH")
+            addresses, loopback = await node_addresses(self._scontrol, nodes)
+        except (OSError, ValueError, asyncio.TimeoutError) as exc:
+            self._note(f"cannot tell the addresses of the job's nodes ({exc or 'timed out'}): "
+                       "calls back are taken from any address")
+            self._listener.learnt(None)
+            return
+        self._listener.learnt(addresses, loopback)
 
     def _on_agent(self, identity: dict[str, Any], caller: Caller) -> NodeLink | None:
         """A proven call: the link it belongs to, if that one still waits for it."""
@@ -130,9 +207,10 @@ class SlurmAgents:
         its connection and exits); every srun gone, SIGKILLed if still there after
         STEP_EXIT_GRACE."""
         self._listener.close()
-        if not self._serving.done():
-            self._serving.cancel()
-        await asyncio.gather(self._serving, return_exceptions=True)
+        for task in (self._serving, *self._lookups):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(self._serving, *self._lookups, return_exceptions=True)
         for step in self._steps:
             for link in step.links.values():
                 link.close()
@@ -153,6 +231,7 @@ class NodeLink:
         self._held: list[tuple[str, tuple]] = []  # for the session, until it is there
         self._held_stderr = bytearray()  # the node's output, kept for a failure's reason
         self.end_reason: str | None = None  # srun said the node's task ended
+        self.call_timeout = CALLBACK_TIMEOUT  # seconds create_session waits for the call
         self._closed = loop.create_future()
 
     # --- as the step's ---------------------------------------------------------------
@@ -218,10 +297,10 @@ class NodeLink:
             raise ValueError(f"the step runs {self._command!r}, not {command!r}")
         session = factory()
         try:
-            await asyncio.wait_for(asyncio.shield(self._called), CALLBACK_TIMEOUT)
+            await asyncio.wait_for(asyncio.shield(self._called), self.call_timeout)
         except asyncio.TimeoutError:
             raise ConnectionError(f"its agent did not call back within "
-                                  f"{CALLBACK_TIMEOUT:g} s") from None
+                                  f"{self.call_timeout:g} s") from None
         self._session = session
         if self._held_stderr:
             session.data_received(bytes(self._held_stderr), STDERR_DATATYPE)
@@ -283,17 +362,20 @@ class _Step(asyncio.SubprocessProtocol):
         self._last = ""  # srun's last line of its own
         self._transport: asyncio.SubprocessTransport | None = None
         self._creating: asyncio.Future | None = None
+        self._stdin = b""
         self._exited = self._read = False
         self._done = asyncio.get_running_loop().create_future()
 
-    def run(self, argv: list[str], env: dict[str, str]) -> None:
+    def run(self, argv: list[str], env: dict[str, str], stdin: bytes) -> None:
+        """Start srun; `stdin`: what it broadcasts to the tasks (the secret's line)."""
+        self._stdin = stdin
         self._creating = asyncio.ensure_future(self._create(argv, env))
 
     async def _create(self, argv: list[str], env: dict[str, str]) -> None:
         loop = asyncio.get_running_loop()
         try:
             await loop.subprocess_exec(
-                lambda: self, *argv, stdin=asyncio.subprocess.DEVNULL,
+                lambda: self, *argv, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
                 start_new_session=True)  # a Ctrl-C reaches poprun, which ends the step itself
         except OSError as exc:
@@ -343,8 +425,13 @@ class _Step(asyncio.SubprocessProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        stdin = transport.get_pipe_transport(0)  # type: ignore[attr-defined]
+        stdin.write(self._stdin)  # ~65 bytes: the pipe takes them at once
+        stdin.close()  # its end: srun sends every task EOF after the line
 
     def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        if fd != 1:
+            return  # stdin's end (closed once written, or srun gone)
         if self._partial:
             self._line(bytes(self._partial) + b"\n")
             self._partial.clear()

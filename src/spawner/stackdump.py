@@ -192,7 +192,25 @@ def _python_process(pid: int) -> int | None:
         level = [child for parent in level for child in sorted(children(parent))]
         if not level:
             break
-    return None
+    return _contained_python(pid)
+
+
+def _contained_python(pid: int) -> int | None:
+    """The instance's Python process when it is not below `pid`: a container runtime
+    whose processes are another's children (podman's are conmon's) passes the instance
+    its environment, so it is the Python process whose stacks file is `pid`'s
+    (spawner/containers.py); the first of them, not a worker it forked."""
+    path = _environ(pid).get(STACKS_FILE)
+    if not path:
+        return None
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != pid and _is_python(int(entry)) \
+                and _environ(int(entry)).get(STACKS_FILE) == path:
+            found.append(int(entry))
+    from .procid import start_ticks
+
+    return min(found, key=lambda p: start_ticks(p) or 0, default=None)
 
 
 def _is_python(pid: int) -> bool:

@@ -6,6 +6,7 @@
     poprunctl kill JOB [--signal SIG]   as Ctrl-C to that job (or that signal)
     poprunctl logs JOB [-i I] [-f] [--fold]  the job's output (folded: identical lines once)
     poprunctl reap [--dry-run]          clean up after jobs whose launcher died
+    poprunctl hosts [--release HOST]    hosts your jobs quarantined (left out of later jobs)
 
 A typer application: rich tables on a terminal, `--json` on every command, shell completion
 (`--install-completion`; job ids complete too). JOB is a job id or an unambiguous prefix of
@@ -33,6 +34,7 @@ from poprun.text import cut, duration, fold_indices, percent, shown, size, visib
 
 ASK_TIMEOUT = 10.0  # seconds for a launcher to answer (stacks: its timeout more)
 COMMAND_WIDTH = 48
+LIST_LATEST = 20  # jobs `list` shows without --all, the most recent (a shared account keeps 100)
 
 EXIT_STATUS = ("Exit status: 0 done; 1 it could not be done (no such job, the job has ended, "
                "its launcher does not answer, reap left something behind); 2 a usage error.")
@@ -185,16 +187,20 @@ def _slow(record: dict[str, Any]) -> list[int]:
 def list_jobs(as_json: JsonOpt = False,
               running: Annotated[bool, typer.Option("--running", "-r",
                                                     help="Only jobs that run")] = False,
-              ) -> None:
-    """Running and recent jobs: id, state, age, instances running/total, hosts, command."""
+              every: Annotated[bool, typer.Option(
+                  "--all", "-a", help=f"Every job kept, not only the latest {LIST_LATEST}")
+              ] = False) -> None:
+    """Running and recent jobs, the latest first: id, state, age, instances running/total,
+    hosts, command. Only the latest, and how many there are, unless --all."""
     found = _scan(quiet=as_json)
     now = time.time()
-    rows = [summary(r, now) for r in reversed(found.records)]
-    if running:
-        rows = [r for r in rows if r["state"] in jobs.ACTIVE]
+    records = [r for r in reversed(found.records)
+               if not running or jobs.state_of(r) in jobs.ACTIVE]
+    total = len(records)
+    rows = [summary(r, now) for r in (records if every else records[:LIST_LATEST])]
     if as_json:
-        _print_json({"jobs": rows, "skipped": [{"path": p, "reason": why}
-                                               for p, why in found.problems]})
+        _print_json({"jobs": rows, "total": total,
+                     "skipped": [{"path": p, "reason": why} for p, why in found.problems]})
         return
     if not rows:
         sys.stdout.write("no jobs\n")
@@ -218,6 +224,9 @@ def list_jobs(as_json: JsonOpt = False,
                       style=styles.get(row["state"], "dim" if row["state"] == jobs.ENDED
                                        else ""))
     _console().print(table)
+    if len(rows) < total:
+        sys.stdout.write(f"the latest {len(rows)} of {total} jobs (poprunctl list --all: "
+                         "every one)\n")
 
 
 # --- show --------------------------------------------------------------------------------
@@ -256,10 +265,12 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
         rows, state, note = _ended_rows(record), _state_label(record), None
         progress = {k: record.get(k) for k in ("progress", "stragglers")}
     differences = _host_differences(record)
+    quarantined = _quarantined(record)
     if as_json:
         _print_json({"job": record["id"], "state": state, "stop_reason": note,
                      "program": record.get("program"), "hosts": _hosts(record),
-                     "host_differences": differences, "instances": rows, **progress})
+                     "host_differences": differences, "quarantined": quarantined,
+                     "instances": rows, **progress})
         return
     from rich.table import Table
 
@@ -274,6 +285,10 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
     for difference in differences:  # as the launch warned of them (--compare-hosts)
         console.print(f"hosts differ: {_printable(difference)}", markup=False,
                       highlight=False)
+    for entry in quarantined:
+        console.print(f"quarantined: {_printable(entry['host'])} "
+                      f"{time.strftime('%H:%M:%S', time.localtime(entry['at']))} "
+                      f"({_printable(entry['reason'])})", markup=False, highlight=False)
     table = Table(box=None, pad_edge=False, header_style="bold")
     for name in ("#", "host", "pid", "state", "up", "cpu", "rss", "lines", "idle",
                  "last line"):
@@ -293,6 +308,15 @@ def _host_differences(record: dict[str, Any]) -> list[str]:
     """The differences among the job's hosts that its launch reported, each one line."""
     found = record.get("host_differences") or []
     return [d["text"] for d in found if isinstance(d, dict) and isinstance(d.get("text"), str)]
+
+
+def _quarantined(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The hosts the job quarantined ({host, reason, at}), those of them that are whole."""
+    found = record.get("quarantined") or []
+    return [{"host": q["host"], "reason": q["reason"], "at": q["at"]} for q in found
+            if isinstance(q, dict) and isinstance(q.get("host"), str)
+            and isinstance(q.get("reason"), str) and isinstance(q.get("at"), (int, float))
+            and not isinstance(q.get("at"), bool)]
 
 
 def _printable(text: str) -> str:
@@ -491,6 +515,56 @@ def reap(dry_run: Annotated[bool, typer.Option("--dry-run", "-n",
             sys.stdout.write(reaping.render(report, record))
     if not all(r.complete for r in reports):
         raise typer.Exit(1)  # something is left that a later reap must finish
+
+
+# --- hosts -------------------------------------------------------------------------------
+
+@app.command()
+def hosts(release: Annotated[list[str] | None, typer.Option(
+              "--release", help="Let this host back into your jobs now (repeatable)",
+              show_default=False)] = None,
+          as_json: JsonOpt = False) -> None:
+    """The hosts your jobs quarantined (lost, or frozen: silent for --host-timeout): left out
+    of your later jobs until the time shown (poprun --quarantine-for), their instances run on
+    a spare; with --release, let hosts back now."""
+    from poprun.crash import state_dir_problem
+    from poprun.jobctl import quarantine
+
+    unsafe = state_dir_problem()  # another user could have written what it would act on
+    if unsafe:
+        _fail(unsafe, 2)
+    now = time.time()
+    if release:
+        try:
+            found = quarantine.release(release, now)
+        except OSError as exc:
+            _fail(f"cannot rewrite {quarantine.path()}: {exc.strerror or exc}")
+        unknown = [h for h in release if h not in found]
+        for host in found:
+            sys.stdout.write(f"released {host}\n")
+        if unknown:
+            _fail(f"not quarantined: {', '.join(unknown)}")
+        return
+    entries, problem = quarantine.read()
+    current = sorted(quarantine.active(entries, now).values(), key=lambda e: e.at)
+    if problem and not as_json:
+        sys.stderr.write(f"poprunctl: {problem}\n")
+    if as_json:
+        _print_json({"hosts": [e.to_json() for e in current], "problem": problem})
+        return
+    if not current:
+        sys.stdout.write("no quarantined hosts\n")
+        return
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name in ("HOST", "SINCE", "LEFT", "JOB", "REASON"):
+        table.add_column(name, no_wrap=name != "REASON",
+                         justify="right" if name in ("SINCE", "LEFT") else "left")
+    for entry in current:
+        table.add_row(_printable(entry.host), _age(now - entry.at), duration(entry.until - now),
+                      entry.job or "", _printable(entry.reason))
+    _console().print(table)
 
 
 def main() -> None:

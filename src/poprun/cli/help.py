@@ -51,14 +51,18 @@ DESCRIPTION = (
     "bare one means yes); switches (no value shown: --dry-run, --check...) take no value, so "
     "the word after one is the program; any unambiguous prefix of an option works.")
 EPILOG = (
-    "Exit status: 0 when every instance exits 0; otherwise the status of the instance that "
-    "failed first (its root cause; 128+N for signal N), 255 when that was a lost host, 128+N "
-    "when poprun is stopped by signal N, 74 when output could not be written (a full disk), "
-    "124 when --stall-action kill ended a stalled job, 2 "
-    "for a usage error or a job that could not start, 70 for an internal error (a bug: see "
-    "the crash file named). --check: 0 ready and alike, 10 different, 20 unreachable, 30 "
-    "cannot run the job. With "
-    "--max-restarts, the last attempt's. --result-json says which (exit_reason).")
+    "Exit status: 0 when every instance exits 0 (success; --result-json's exit_class names "
+    "each case, for a scheduler to act on); otherwise the status of the instance that failed "
+    "first (its root cause; 128+N for signal N: program), 255 when that was a lost host and "
+    "no spare host was left (host_lost); with --max-restarts, the last attempt's "
+    "(restarts_spent), but 78 when every attempt failed the same way or the last made no "
+    "progress (popdist.progress) beyond an earlier one: do not requeue (do_not_requeue); "
+    "128+N when poprun is stopped by signal N (signal), 74 when output could not be written "
+    "(a full disk: output_error), 124 when --stall-action kill ended a stalled job (stall), "
+    "2 for a usage error or a job that could not start (usage_error), 70 for an internal "
+    "error (a bug: see the crash file named: internal_error). --check: 0 ready and alike, "
+    "10 different, 20 unreachable, 30 cannot run the job. In pod mode, a follower pod "
+    "exits 69 when its leader was lost (docs/kubernetes.md).")
 
 
 def _placements() -> list[str]:

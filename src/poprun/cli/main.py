@@ -76,6 +76,10 @@ def _reason(exc: Exception) -> str:
 def main(argv: list[str] | None = None) -> int:
     """The command's exit status: the job's, 2 for a usage error or a job that could not
     start, 70 for an internal error (a bug: reported with a crash file, never as success)."""
+    if argv is None:  # the command itself: no environment block of it holds a pod secret
+        from poprun.run.podmode import hide_secret
+
+        hide_secret()
     argv = sys.argv[1:] if argv is None else argv
     try:
         return _main(argv)
@@ -146,6 +150,9 @@ def _main(argv: list[str]) -> int:
         sys.stderr.write(f"poprun: warning: {one_line(warning)}\n")
     if values.get("dry_run"):
         return _dry_run(config, launch_plan, bool(values.get("json")))
+    config, following = _pod_mode(config)
+    if following is not None:
+        return following
     try:
         result = _launch(config)
     except PoprunError as exc:  # nothing ran: --result-json still says why (main reports it)
@@ -160,6 +167,39 @@ def _main(argv: list[str]) -> int:
     if result_file is not None:
         result_file.write(result.to_json())
     return result.exit_code
+
+
+def _pod_mode(config: LaunchConfig) -> tuple[LaunchConfig, int | None]:
+    """In pod mode (plan/pods.py), a pod other than 0 serves the leader as its agent: its
+    exit status (run/podmode.py). None: this process launches the job (pod 0, its config
+    saying --launcher pod once the secret is read, or no pods)."""
+    from poprun.plan.jobhosts import transport_of
+    from poprun.plan.pods import contract_in, read_pod
+
+    transport = transport_of(config, os.environ)
+    if transport != "pod":
+        contract = contract_in(os.environ) if transport == "ssh" and not (
+            config.launcher or config.host_list) else None
+        if contract is not None:
+            sys.stderr.write(f"poprun: warning: a pod contract ({contract}) is in the "
+                             "environment but no pod secret (POPRUN_POD_SECRET, "
+                             "--pod-secret-file): no pod mode, this pod runs a job of its own\n")
+        return config, None
+    from poprun.run.podmode import follow, load_secret
+
+    pod = read_pod(os.environ)
+    secret = load_secret(config, os.environ)
+
+    def say(line: str) -> None:
+        if config.verbose:
+            sys.stderr.write(f"poprun: {line}\n")
+
+    say(f"pod mode: {pod.describe()}")
+    if pod.leads:
+        from dataclasses import replace
+
+        return replace(config, launcher="pod"), None
+    return config, follow(pod, secret, config, say)
 
 
 def _launch(config: LaunchConfig):
@@ -320,12 +360,22 @@ def _plan(config: LaunchConfig):
 def _dry_run(config: LaunchConfig, launch_plan, as_json: bool) -> int:
     from poprun.view.render import dry_run_text, topology_table
 
+    spec = config.container_spec
     if as_json:
         import json
 
-        sys.stdout.write(json.dumps(launch_plan.to_json(), indent=2) + "\n")
+        shown = launch_plan.to_json()
+        if spec is not None:  # only then: the plan's schema is otherwise unchanged
+            shown["container"] = spec.to_fields()
+        sys.stdout.write(json.dumps(shown, indent=2) + "\n")
         return 0
     if config.print_topology:
         sys.stdout.write(topology_table(launch_plan))
+    if spec is not None:
+        import shlex
+
+        sys.stdout.write(f"container: {shlex.join([spec.runtime, *filter(None, [spec.image])])}"
+                         f"{' ' + shlex.join(spec.args) if spec.args else ''}: each argv below "
+                         "runs inside it, started bound as shown\n")
     sys.stdout.write(dry_run_text(launch_plan))
     return 0

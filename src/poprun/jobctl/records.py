@@ -90,24 +90,34 @@ def write(directory: str, record: Mapping[str, Any]) -> None:
     """Replace the record atomically: readers see the old one or the new one, whole."""
     # Compact: with `indent`, json runs its pure-Python encoder (~10x slower than the C one);
     # a 256-instance record is rewritten as the job goes (`poprunctl show` pretty-prints).
-    data = json.dumps(record, default=str, separators=(",", ":")).encode()
-    temporary = os.path.join(directory, f".{RECORD}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    replace_file(directory, RECORD, json.dumps(record, default=str,
+                                               separators=(",", ":")).encode())
+
+
+def replace_file(directory: str, name: str, data: bytes) -> None:
+    """`name` in `directory` replaced by `data` atomically (a temporary file renamed over
+    it, mode 0600): readers see the old file or the new one, whole."""
+    temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
     finally:
         os.close(fd)
-    os.replace(temporary, os.path.join(directory, RECORD))
+    os.replace(temporary, os.path.join(directory, name))
 
 
 def load(directory: str) -> dict[str, Any]:
-    """The record in `directory`. Raises RecordError: not there, not ours, not JSON, not
-    this schema."""
+    """The record in `directory`. Raises FileNotFoundError where there is none (a job
+    directory being made, or being removed by a prune), RecordError where it cannot be used:
+    not ours, not JSON, not this schema."""
     path = os.path.join(directory, RECORD)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
         raise RecordError(f"cannot read it: {exc.strerror}") from None
     try:
@@ -146,7 +156,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "num_instances": (int,), "launcher": _MAPPING, "lifeline": _MAPPING,
     "partition": _MAPPING, "control": _TEXT, "caches": _MAPPING, "error_dirs": _MAPPING,
     "pythons": _MAPPING, "agents": _MAPPING, "cgroup": _TEXT, "output_dir": _TEXT, "log": _TEXT,
-    "host_differences": _LIST}
+    "host_differences": _LIST, "quarantined": _LIST}
 INSTANCE_TYPES: dict[str, tuple[type, ...]] = {
     "index": (int,), "host": _TEXT, "pid": (int,), "start": (int,), "state": _TEXT,
     "start_time": _NUMBER, "end_time": _NUMBER}
@@ -199,8 +209,8 @@ def scan(environ: Mapping[str, str] = os.environ) -> Scan:
                 problems.append((path, "not a job directory"))
                 continue
             records.append(load(path))
-        except FileNotFoundError:  # removed meanwhile (pruned by another poprun)
-            continue
+        except FileNotFoundError:  # removed since the listing (pruned by another poprun), or
+            continue  # a job that has not written its first record yet: not a problem
         except RecordError as exc:
             if os.path.exists(path):
                 problems.append((path, str(exc)))

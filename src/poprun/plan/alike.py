@@ -32,6 +32,7 @@ MAX_SKEW = 1.0  # seconds between a host's clock and the launcher's worth a warn
 SHOWN = 12  # differences a launch prints before "... and N more" (--check prints them all)
 RECORDED = 100  # differences the job's record keeps
 VALUE_CHARS = 100  # a value longer than this is cut in the table
+KIND_CHARS = 40  # of what a host says its file is, when no regular file ("FIFO")
 MAX_TEXT = 4096  # characters of any string taken from a host
 MAX_ITEMS = 10_000  # entries of any mapping taken from a host
 # Variables that differ by design from host to host or session to session, besides
@@ -41,13 +42,15 @@ PER_HOST = (*NOT_FORWARDED, "XDG_*", "SHLVL", "TERM", "COLUMNS", "LINES", "*_SDK
 
 @dataclass(frozen=True)
 class Entry:
-    """The file the job runs: as the user named it, where, its digest, size and mtime."""
+    """The file the job runs: as the user named it, where, its digest, size and mtime; what
+    it is where it is there but no regular file (a FIFO, a directory, a device)."""
 
     name: str
     path: str | None  # None: missing there
     sha256: str | None
     size: int | None
     mtime: float | None
+    kind: str | None = None  # None: a regular file (or missing)
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ class Difference:
     """One fact on which the hosts disagree: `sides` are (value, hosts) pairs, the most
     common value first; `text` is its line in the table."""
 
-    kind: str  # python, distribution, file, program, cwd, sdk, variable, space, clock
+    kind: str  # python, distribution, file, program, cwd, sdk, variable, space, clock, facts
     name: str
     sides: tuple[tuple[str, tuple[str, ...]], ...]
     text: str
@@ -156,6 +159,16 @@ def compare(facts: Mapping[str, HostFacts], offsets: Mapping[str, float] | None 
     return tuple(out)
 
 
+def unknown(hosts: Collection[str]) -> tuple[Difference, ...]:
+    """The hosts whose facts did not arrive, as one difference (none if there are none):
+    nothing says they are alike."""
+    if not hosts:
+        return ()
+    return (Difference("facts", "", (("unknown", tuple(hosts)),),
+                       f"no facts from {fold_hosts(list(hosts))}: its agent did not send "
+                       "them (lost, or too slow), so it cannot be compared"),)
+
+
 def recorded(differences: Collection[Difference]) -> list[dict[str, Any]]:
     """The differences as the job's record keeps them (rewritten as the job goes): RECORDED
     at most, then one entry saying how many more."""
@@ -201,27 +214,36 @@ def _sides(values: Mapping[str, str]) -> tuple[tuple[str, tuple[str, ...]], ...]
 
 def _file(facts: Mapping[str, HostFacts]) -> list[Difference]:
     """The file the job runs, by digest (by size where it was too big to digest): `train.py
-    differs on h4 (modified 12 min ago)`, `missing on h3`."""
+    differs on h4 (modified 12 min ago)`, `missing on h3`, `is a FIFO on h2`."""
     entries = {h: f.entry for h, f in facts.items() if f.entry is not None}
     if not entries:
         return []
-    keys = {h: "missing" if e.path is None else e.sha256 or f"size {e.size}"
-            for h, e in entries.items()}
+    keys = {h: "missing" if e.path is None else f"a {e.kind}" if e.kind else
+            e.sha256 or f"size {e.size}" for h, e in entries.items()}
     sides = _sides(keys)
     if len(sides) < 2:
         return []
     name = next(iter(entries.values())).name
+    odd = {key for h, key in keys.items() if entries[h].kind or key == "missing"}
     parts = []
     for key, group in sides[1:]:
-        if key == "missing":
-            parts.append(f"missing on {fold_hosts(list(group))}")
+        if key in odd:
+            parts.append(_odd_file(key, group))
             continue
         ages = [_age(facts[h].time, entries[h].mtime) for h in group]
         parts.append(f"differs on {fold_hosts(list(group))}"
                      + (f" (modified {ages[0]})" if ages[0] else ""))
     if sides[0][0] == "missing":  # most hosts lack it: name those that have it
         parts = [p.replace("differs on", "present on", 1) for p in parts]
+    elif sides[0][0] in odd:  # most hosts have no file there: say what, then who has one
+        parts = [_odd_file(*sides[0])] + [p.replace("differs on", "a file on", 1)
+                                          for p in parts]
     return [Difference("file", name, sides, f"{_short(name)} {'; '.join(parts)}")]
+
+
+def _odd_file(key: str, group: tuple[str, ...]) -> str:
+    """`missing on h3`, `is a FIFO on h2`: where the file the job runs is not a file."""
+    return f"{'missing' if key == 'missing' else 'is ' + key} on {fold_hosts(list(group))}"
 
 
 def _cwd(facts: Mapping[str, HostFacts]) -> list[Difference]:
@@ -319,10 +341,12 @@ def _entry(raw: object) -> Entry | None:
     if not isinstance(raw, Mapping):
         return None
     digest = raw.get("sha256")
+    kind = raw.get("kind")
     return Entry(name=_text(raw.get("name")),
                  path=_text(raw.get("path")) if raw.get("path") is not None else None,
                  sha256=_text(digest) if isinstance(digest, str) else None,
-                 size=_count(raw.get("size")), mtime=_number(raw.get("mtime")))
+                 size=_count(raw.get("size")), mtime=_number(raw.get("mtime")),
+                 kind=_text(kind)[:KIND_CHARS] if kind is not None else None)
 
 
 # --- shown -------------------------------------------------------------------------------

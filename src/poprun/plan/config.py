@@ -10,7 +10,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
@@ -20,15 +20,27 @@ from poprun.plan.hosts import Host, instance_counts, parse_host_list
 from poprun.plan.mpiargs import MpiArgs
 from poprun.plan.network import NetworkChoice, choose
 
+if TYPE_CHECKING:  # imported where a job has one
+    from spawner.containers import Container
+
 DEFAULT_KILL_TIMEOUT = 5.0
 DEFAULT_SSH_FANOUT = 64
 DEFAULT_SSH_TIMEOUT = 10.0
 # Seconds of silence after which the launcher declares a remote host lost and the host's
-# agent stops its instances (heartbeats go both ways three times as often).
-DEFAULT_HOST_TIMEOUT = 15.0
+# agent stops its instances (heartbeats go both ways three times as often). At most 10 s: a
+# lost host is a restart (on a spare) within seconds, not minutes of a job's time. Not under
+# MIN_HOST_TIMEOUT: heartbeats then come every 0.7 s, and a loaded host's pause (a fork of a
+# large process, a swap storm) would pass for its loss.
+DEFAULT_HOST_TIMEOUT = 10.0
+MIN_HOST_TIMEOUT = 2.0
+# How long a host a job lost is left out of this user's later jobs (jobctl/quarantine.py):
+# long enough for someone to look at it, short enough that a host repaired comes back alone.
+DEFAULT_QUARANTINE_FOR = 3600.0
 DEFAULT_RESTART_DELAY = 1.0  # seconds between a failed attempt's cleanup and the next start
 SSH_KEY_TYPES = ("dsa", "ecdsa", "ed25519", "rsa")
-LAUNCHERS = ("ssh", "slurm")  # how agents reach remote hosts (--launcher)
+LAUNCHERS = ("ssh", "slurm", "pod")  # how agents reach remote hosts (--launcher)
+# Seconds pods of a Kubernetes job wait for each other (pods start as their images come).
+DEFAULT_POD_TIMEOUT = 300.0
 REMOTE_INSTALL = ("auto", "never")
 # --mpi-worlds: auto serves PMI-1 (MPICH) always and PMIx (Open MPI) where a libpmix is found
 # (run/world.py); pmi1: PMI-1 only; none: no world (each MPI instance is a world of one) and
@@ -72,10 +84,21 @@ class LaunchConfig:
     # Host-list entries as given (`h1,h2`, `pod[1-4]`, `user@host:port`); empty: this host
     # (or the Slurm allocation's nodes, see hosts.job_hosts).
     hosts: tuple[str, ...] = ()
+    # Hosts that stand by (same syntax as `hosts`): a host lost or frozen in an attempt is
+    # replaced by one of them in the next (plan/jobhosts.py).
+    spare_hosts: tuple[str, ...] = ()
+    spare_nodes: int = 0  # under Slurm: the allocation's last this many nodes stand by
+    # Seconds a host lost by this job stays out of later ones (0: not remembered); the CLI
+    # and --import-config also take a duration (`30m`, `2h`, `1d`: parse_duration).
+    quarantine_for: float = DEFAULT_QUARANTINE_FOR
     ssh_fanout: int = DEFAULT_SSH_FANOUT
     ssh_timeout: float = DEFAULT_SSH_TIMEOUT
     host_timeout: float = DEFAULT_HOST_TIMEOUT
-    launcher: str | None = None  # "ssh" or "slurm"; None: slurm inside an allocation
+    # "ssh", "slurm" or "pod"; None: slurm inside an allocation, pod where a pod contract
+    # is in the environment (plan/pods.py), else ssh
+    launcher: str | None = None
+    pod_secret_file: str | None = None  # pod mode's secret (else POPRUN_POD_SECRET)
+    pod_timeout: float = DEFAULT_POD_TIMEOUT
     max_restarts: int = 0  # a failed job is started again this many times at most
     restart_delay: float = DEFAULT_RESTART_DELAY
     remote_python: str | None = None  # None: the launcher's own interpreter path
@@ -124,6 +147,11 @@ class LaunchConfig:
     synchronise_python_venv: bool = False
     synchronise_poplar_sdk: bool = False
     version_format: str | None = None
+    # Each instance inside a container (spawner/containers.py): the runtime, its image, and
+    # the runtime's own options (split shell-wise; tuples are one string each, as given).
+    container: str | None = None
+    container_image: str | None = None
+    container_args: tuple[str, ...] = ()
     # The options the user gave (the CLI: on the command line or in --import-config), by
     # field name; None: not known (a Python caller), as if every option were given.
     given: frozenset[str] | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -136,6 +164,9 @@ class LaunchConfig:
             if not isinstance(value, Iterable):
                 raise ConfigError(f"{name} must be a sequence of strings, got {value!r}")
             object.__setattr__(self, name, tuple(value))
+        if isinstance(self.quarantine_for, str):
+            object.__setattr__(self, "quarantine_for",
+                               parse_duration(self.quarantine_for, "--quarantine-for"))
         self._validate()
 
     def _validate(self) -> None:
@@ -168,8 +199,14 @@ class LaunchConfig:
             raise ConfigError(f"--kill-timeout must not be negative, got {self.kill_timeout}")
         if self.ssh_timeout <= 0:
             raise ConfigError(f"--ssh-timeout must be positive, got {self.ssh_timeout}")
-        if self.host_timeout <= 0:
-            raise ConfigError(f"--host-timeout must be positive, got {self.host_timeout}")
+        if self.host_timeout < MIN_HOST_TIMEOUT:
+            raise ConfigError(f"--host-timeout must be at least {MIN_HOST_TIMEOUT:g} s, got "
+                              f"{self.host_timeout:g}")
+        if self.quarantine_for < 0:
+            raise ConfigError(f"--quarantine-for must not be negative, got "
+                              f"{self.quarantine_for:g}")
+        if self.pod_timeout <= 0:
+            raise ConfigError(f"--pod-timeout must be positive, got {self.pod_timeout}")
         if self.restart_delay < 0:
             raise ConfigError(f"--restart-delay must not be negative, got {self.restart_delay}")
         if self.dashboard and self.no_dashboard:
@@ -206,6 +243,7 @@ class LaunchConfig:
                               f"got {self.remote_install!r}")
         if self.host_list:  # slots that disagree with --num-instances, or an uneven split
             instance_counts(self.host_list, self.num_instances, per_host=self.mpi.npernode)
+        self._check_spares()
         from poprun.plan.placement import resolve_strategy
 
         resolve_strategy(self.process_placement, self.numa_aware, 1)  # unknown or contradictory
@@ -221,6 +259,7 @@ class LaunchConfig:
                               f"{', '.join(SSH_KEY_TYPES)}")
         for entry in self.env:
             _check_env_entry(entry, "--env")
+        self.container_spec  # an unknown runtime or a missing image is an error now
         # Parsing here reports a bad mpi-args token or network at construction, not mid-launch.
         self.network
         for index, extra in self.instance_mpi.items():
@@ -230,6 +269,26 @@ class LaunchConfig:
             if index >= self.num_instances:
                 raise ConfigError(f"--instance-mpi-local-args names instance {index}, but there "
                                   f"are only {self.num_instances}")
+
+    def _check_spares(self) -> None:
+        """Spares that can never be used, or that are the job's own hosts: one line."""
+        if self.spare_nodes and self.spare_list:
+            raise ConfigError("--spare-nodes and --spare-hosts cannot be used together")
+        if self.spare_nodes and self.host_list:
+            raise ConfigError("--spare-nodes: the spares are the Slurm allocation's last "
+                              "nodes, and --host names the job's hosts: use --spare-hosts")
+        if not self.spare_list and not self.spare_nodes:
+            return
+        option = "--spare-nodes" if self.spare_nodes else "--spare-hosts"
+        if not self.max_restarts:
+            raise ConfigError(f"{option}: nothing could use them: a spare takes a lost "
+                              "host's place in the next attempt; give --max-restarts N")
+        job = {str(h) for h in self.host_list}
+        both = [str(h) for h in self.spare_list if str(h) in job]
+        if both:
+            raise ConfigError(f"--spare-hosts: {', '.join(both)} "
+                              f"{'is' if len(both) == 1 else 'are'} also in --host: a spare "
+                              "stands by, it runs nothing until a host is lost")
 
     def _check_types(self) -> None:
         """Values from Python callers and --import-config files arrive untyped: a wrong type
@@ -260,12 +319,12 @@ class LaunchConfig:
         only = self.only_output_from_instance
         if only is not None and (not isinstance(only, int) or isinstance(only, bool)):
             raise bad("only_output_from_instance", "an integer")
-        for name in ("verbose", "max_restarts"):
+        for name in ("verbose", "max_restarts", "spare_nodes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "a non-negative integer")
-        for name in ("kill_timeout", "ssh_timeout", "host_timeout", "restart_delay",
-                     "stall_timeout", "straggler_after"):
+        for name in ("kill_timeout", "ssh_timeout", "host_timeout", "pod_timeout",
+                     "restart_delay", "quarantine_for", "stall_timeout", "straggler_after"):
             seconds = getattr(self, name)
             if seconds is None and name == "stall_timeout":
                 continue
@@ -279,6 +338,12 @@ class LaunchConfig:
     def host_list(self) -> tuple[Host, ...]:
         """The hosts named by `hosts`, expanded; duplicates are an error."""
         return parse_host_list(",".join(self.hosts)) if self.hosts else ()
+
+    @cached_property
+    def spare_list(self) -> tuple[Host, ...]:
+        """The hosts named by `spare_hosts`, expanded; duplicates are an error."""
+        return parse_host_list(",".join(self.spare_hosts), "--spare-hosts") \
+            if self.spare_hosts else ()
 
     @cached_property
     def mpi(self) -> MpiArgs:
@@ -305,6 +370,29 @@ class LaunchConfig:
                                   "the job's network: give it in --mpi-global-args")
             by_index.setdefault(index, []).append(parsed)
         return {i: mpiargs.merge(parts) for i, parts in by_index.items()}
+
+    @cached_property
+    def container_spec(self) -> Container | None:
+        """The container every instance runs in (spawner/containers.py); None: none. A
+        runtime poprun does not know, a missing image or an image or arguments without a
+        runtime are errors."""
+        import shlex
+
+        from spawner.containers import Container
+
+        if self.container is None:
+            if self.container_image is not None or self.container_args:
+                raise ConfigError("--container-image and --container-args need --container")
+            return None
+        try:
+            args = tuple(word for text in self.container_args for word in shlex.split(text))
+        except ValueError as exc:
+            raise ConfigError(f"--container-args: {exc}") from None
+        spec = Container(self.container, self.container_image or None, args)
+        problem = spec.problem()
+        if problem:
+            raise ConfigError(problem)
+        return spec
 
     @property
     def warns_single_instance(self) -> bool:
@@ -358,7 +446,7 @@ class LaunchConfig:
 
 
 _STR_TUPLE_FIELDS = ("program", "env", "mpi_global_args", "mpi_local_args",
-                     "instance_mpi_local_args", "hosts")
+                     "instance_mpi_local_args", "hosts", "container_args", "spare_hosts")
 _BOOL_FIELDS = ("offline_mode", "print_topology", "tag_output", "timestamp_output",
                 "fold_output", "merge_stderr_to_stdout", "distribute_ssh_key", "report_bindings",
                 "update_partition", "remove_partition", "allow_run_as_root",
@@ -370,7 +458,7 @@ _OPTIONAL_STR_FIELDS = (
     "vipu_server_host", "vipu_partition", "vipu_allocation", "vipu_cluster", "sync_type",
     "ipu_link_routing_type", "gw_link_routing_type", "host_subnet", "version_format",
     "result_json",
-    "progress_pattern", "libpmix")
+    "progress_pattern", "libpmix", "container", "container_image")
 # Options that parse (later SDKs' scripts pass them) and do nothing here: said at -v.
 INERT_FIELDS = ("allow_run_as_root", "synchronise_python_venv",
                 "synchronise_poplar_sdk", "version_format")
@@ -489,3 +577,17 @@ def _check_env_entry(entry: str, source: str) -> None:
             c.isalnum() or c == "_" for c in name):
         raise ConfigError(f"{source}: {entry!r} is not VAR, VAR=VALUE or a pattern like "
                           "'WANDB_*'")
+
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, option: str) -> float:
+    """Seconds of `30`, `90s`, `30m`, `2h`, `1d` (ConfigError naming `option` otherwise)."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*", text)
+    if match is None:
+        raise ConfigError(f"{option}: {text!r} is not a duration (seconds, or a number "
+                          "followed by s, m, h or d: 30m, 2h)")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]

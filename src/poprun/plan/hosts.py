@@ -92,6 +92,18 @@ def job_hosts_and_source(hosts: tuple[Host, ...], environ: Mapping[str, str],
     return (), "this host"
 
 
+def spare_nodes(hosts: tuple[Host, ...], count: int, source: str
+                ) -> tuple[tuple[Host, ...], tuple[Host, ...]]:
+    """The allocation's nodes as the job's and `count` spares (its last nodes: Slurm lists
+    them in order, and a user asking for N+K nodes runs on the first N)."""
+    if not count:
+        return hosts, ()
+    if count >= len(hosts):
+        raise ConfigError(f"--spare-nodes {count}: {source} has {len(hosts)} node(s): "
+                          "at least one must run the job")
+    return hosts[:-count], hosts[-count:]
+
+
 def read_host_file(path: str, source: str) -> str:
     """A host file's text: a regular file, at most MAX_HOST_FILE bytes, UTF-8."""
     from poprun.plan.files import read_small_file
@@ -182,27 +194,39 @@ def parse_host_list(text: str, source: str = "--host") -> tuple[Host, ...]:
     return _unique(hosts, source)
 
 
-def parse_host_file(content: str, source: str) -> tuple[Host, ...]:
+SPARE_WORD = "spare"  # a host file's line `node9 spare`: a spare host (--spare-hosts)
+
+
+def parse_host_file(content: str, source: str, spares: bool = False) -> tuple[Host, ...]:
     """One host (or host list) per line; `#` starts a comment; blank lines are skipped. MPI
-    hostfiles too: `node1 slots=4 max_slots=8` (max_slots is ignored)."""
+    hostfiles too: `node1 slots=4 max_slots=8` (max_slots is ignored). A line with the word
+    `spare` names spare hosts: they are left out, or with `spares`, the only ones given."""
     hosts: list[Host] = []
+    standby: list[Host] = []
     for number, line in enumerate(content.splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
         entry, options = words[0], words[1:]
-        slots = None
+        slots, spare = None, False
         for option in options:
             key, eq, value = option.partition("=")
             if key in ("slots", "slot") and eq and value.isdigit() and int(value) > 0:
                 slots = int(value)
+            elif option == SPARE_WORD:
+                spare = True
             elif key != "max_slots" or not eq:
-                raise ConfigError(f"{source}, line {number}: {option!r} is not slots=N or "
-                                  "max_slots=N")
+                raise ConfigError(f"{source}, line {number}: {option!r} is not slots=N, "
+                                  f"max_slots=N or {SPARE_WORD}")
         listed = parse_host_list(entry, f"{source}, line {number}")
-        hosts += [replace(h, slots=slots) for h in listed] if slots else listed
+        listed = [replace(h, slots=slots) for h in listed] if slots else listed
+        (standby if spare else hosts).extend(listed)
+    if spares:
+        return _unique(standby, source)
     if not hosts:
-        raise ConfigError(f"{source}: no hosts in the file")
+        raise ConfigError(f"{source}: no hosts in the file" + (
+            " (only spares)" if standby else ""))
+    _unique(hosts + standby, source)  # a host both in the job and a spare
     return _unique(hosts, source)
 
 

@@ -10,7 +10,10 @@ values are Open MPI's: comma-separated interface names or CIDR subnets), and lat
   agents' connections);
 - the data plane is where the collectives' bytes go: each host's interface is named to the
   libraries that move them (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, HOROVOD_GLOO_IFACE,
-  UCX_NET_DEVICES, and FI_TCP_IFACE for MPICH over OFI), unless the user set the variable.
+  UCX_NET_DEVICES, FI_TCP_IFACE for MPICH over OFI, and OMPI_MCA_btl_tcp_if_include for
+  Open MPI's TCP transport, which would otherwise stripe over every interface, a down or
+  slower one included), unless the user set the variable. Open MPI's out-of-band (oob_tcp)
+  is not named: its MPI processes, served PMIx by poprun, open no oob connections.
 
 A user who names only one plane means that network for both: each falls back on the other,
 then on `--host-subnet`. With no choice at all, nothing here applies (addresses are those the
@@ -30,7 +33,9 @@ CONTROL_KEYS = ("oob_tcp_if_include", "oob_tcp_if_exclude")
 DATA_KEYS = ("btl_tcp_if_include", "btl_tcp_if_exclude")
 # What names the data plane's interface to the libraries that move the bytes.
 INTERFACE_VARIABLES = (E.GLOO_SOCKET_IFNAME, E.NCCL_SOCKET_IFNAME, E.HOROVOD_GLOO_IFACE,
-                       E.UCX_NET_DEVICES, E.FI_TCP_IFACE)
+                       E.UCX_NET_DEVICES, E.FI_TCP_IFACE, E.OMPI_BTL_TCP_IF_INCLUDE)
+# A variable the user set that keeps one of ours out (Open MPI: include or exclude, not both).
+_EXCLUDED_BY = {E.OMPI_BTL_TCP_IF_INCLUDE: E.OMPI_BTL_TCP_IF_EXCLUDE}
 
 
 # Plain classes, not dataclasses: every launch imports this module (the config reads the mpi
@@ -143,7 +148,8 @@ def interface_variables(interface: str, environ: Mapping[str, str],
     """The data plane's interface for the libraries, but for the variables the user set
     (in poprun's environment or with -x)."""
     taken = set(environ) | set(user_set)
-    return {name: interface for name in INTERFACE_VARIABLES if name not in taken}
+    return {name: interface for name in INTERFACE_VARIABLES
+            if name not in taken and _EXCLUDED_BY.get(name) not in taken}
 
 
 class HostNetwork:

@@ -15,7 +15,7 @@ from popdist import env as E
 from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
 
 from poprun.errors import ConfigError
-from poprun.plan.poplar import link_options, merged_target_options, parse_options
+from poprun.plan.poplar import TOPOLOGIES, link_options, merged_target_options, parse_options
 from poprun.text import at_launch
 
 DEFAULT_PORT = 8090
@@ -203,12 +203,50 @@ def node_device(size: int | None, num_gcds: int, job_ipus: int | None = None) ->
         return None
 
 
+@dataclass(frozen=True)
+class Attachment:
+    """How instances find their IPUs on a partition, from its own description (whether it is
+    reconfigurable), as real PopRun sets them:
+
+    - a reconfigurable partition, which Poplar splits into devices of every size: every
+      instance is given the device spanning the job's IPUs (`node`, POPDIST_NODE_DEVICE_ID:
+      PopRun 3.1.0 on ALCF's p64), and its GCD only where there are several;
+    - any other (what poprun creates, guide §2.8.3, and one the server does not call
+      reconfigurable): instance i drives GCD i, named even when it is the only one, and no
+      node device (an SDK 3.3 log on a 64-IPU partition: IPUOF_VIPU_API_GCD_ID=0 and no
+      POPDIST_NODE_DEVICE_ID); popdist's device is then the instance's whole GCD. Where
+      the description does not say how many GCDs there are, the node device, which needs
+      no GCD, is given instead.
+    """
+
+    every_gcd: bool  # every instance gets its GCD id, even on a one-GCD partition
+    node: int | None  # the node device every instance gets, if any
+
+    @classmethod
+    def of(cls, size: int | None, num_gcds: int | None, job_ipus: int | None,
+           reconfigurable: bool | None) -> Attachment:
+        if reconfigurable or num_gcds is None:
+            return cls(every_gcd=False, node=node_device(size, num_gcds or 1, job_ipus))
+        return cls(every_gcd=True, node=None)
+
+
+def link_topology(reported: str | None, reconfigurable: bool | None) -> str | None:
+    """The `ipuLinkTopology` of a partition: the one its description reports; else a mesh for
+    a reconfigurable one (PopRun 3.1.0 on ALCF's reconfigurable 64-IPU partition set "mesh"
+    in all 31 instance blocks of five published logs, "Target options from V-IPU
+    partition"), else None: by the IPU-Link domain's size (plan/poplar.py: a torus above 4
+    IPUs, as an SDK 3.3 log on another 64-IPU partition says)."""
+    if reported and reported.lower() in TOPOLOGIES:
+        return reported.lower()
+    return "mesh" if reconfigurable else None
+
+
 def instance_environment(index: int, *, host: str, port: int | str, name: str,
                          timeout: float, target_options: str, num_gcds: int,
-                         node: int | str | None) -> dict[str, str]:
+                         attachment: Attachment) -> dict[str, str]:
     """The variables instance `index` gets from its partition (guide §2.8.2): the server,
-    the partition, the timeout, the target options; on a multi-GCD partition instance i
-    drives GCD i; the node device when there is one."""
+    the partition, the timeout, the target options; instance i drives GCD i (named as
+    `attachment` says); the node device when there is one."""
     env = {
         E.VIPU_API_HOST: host,
         E.VIPU_API_PORT: str(port),
@@ -216,27 +254,29 @@ def instance_environment(index: int, *, host: str, port: int | str, name: str,
         E.VIPU_API_TIMEOUT: seconds(timeout),
         E.POPLAR_TARGET_OPTIONS: target_options,
     }
-    if num_gcds > 1:
+    if num_gcds > 1 or attachment.every_gcd:
         if not 0 <= index < num_gcds:
             raise ValueError(f"instance {index} has no GCD in partition {name} ({num_gcds} "
                              "GCDs)")
         env[E.VIPU_API_GCD_ID] = str(index)
-    if node is not None:
-        env[E.NODE_DEVICE_ID] = str(node)
+    if attachment.node is not None:
+        env[E.NODE_DEVICE_ID] = str(attachment.node)
     return env
 
 
 # --- the dry run's view ---------------------------------------------------------------------
 
-def implied_target_options(size: int, num_ilds: int | None,
-                           required: Requirements) -> dict[str, str]:
+def implied_target_options(size: int, num_ilds: int | None, required: Requirements,
+                           topology: str | None = None) -> dict[str, str]:
     """The target options a partition of `size` IPUs implies (values as PopRun logs them,
     run/vipu.py's docstring): gateway mode always (the IPUs are reached through V-IPU), the
-    IPU-Link domain's size and shape, and the instance size: the partition's IPUs per
-    instance, which on a partition larger than the job is more than the instance's own
-    (PopRun 3.1.0 on a 64-IPU partition: "instanceSize" 64, 32, 16, 8, 4 for 1, 2, 4, 8, 16
-    one-IPU instances; CosmicTagger's logs, popdist/devices.py)."""
-    return link_options(size // (num_ilds or 1), size // required.num_gcds, gateway=True)
+    IPU-Link domain's size and shape (`topology`: the partition's own, `link_topology`), and
+    the instance size: the partition's IPUs per instance, which on a partition larger than
+    the job is more than the instance's own (PopRun 3.1.0 on a 64-IPU partition:
+    "instanceSize" 64, 32, 16, 8, 4 for 1, 2, 4, 8, 16 one-IPU instances; CosmicTagger's
+    logs, popdist/devices.py)."""
+    return link_options(size // (num_ilds or 1), size // required.num_gcds, gateway=True,
+                        topology=topology)
 
 
 @dataclass(frozen=True)
@@ -282,13 +322,13 @@ class PartitionStep:
 
     def environment(self, index: int) -> dict[str, str]:
         """Instance `index`'s variables, as `instance_environment` gives them on a partition
-        of exactly the job's shape (what poprun creates); those that depend on the partition
-        found are marked as known at launch."""
+        of exactly the job's shape (what poprun creates: not reconfigurable); those that
+        depend on the partition found are marked as known at launch."""
         size, gcds = self.required.size, self.required.num_gcds
         env = instance_environment(
             index, host=self.host, port=self.port, name=self.name, timeout=self.timeout,
             target_options=self.target_options, num_gcds=gcds,
-            node=node_device(size, gcds, size))
+            attachment=Attachment.of(size, gcds, size, reconfigurable=False))
         shape = f"{size} IPUs, {gcds} GCD{'s' if gcds > 1 else ''}"
         for variable in (E.VIPU_API_GCD_ID, E.NODE_DEVICE_ID, E.POPLAR_TARGET_OPTIONS):
             if variable in env:

@@ -76,6 +76,8 @@ class LaunchPlan:
     # What the launch will do about its V-IPU partition, as a dry run sees it (None: offline,
     # or a launch's plan, made once the partition is there).
     partition: PartitionStep | None = None
+    # Hosts standing by to take a lost host's instances (--spare-hosts): none run here.
+    spares: tuple[str, ...] = ()
 
     def on_host(self, host: str) -> list[InstancePlan]:
         return [i for i in self.instances if i.host == host]
@@ -88,6 +90,7 @@ class LaunchPlan:
             "unset_env": list(self.unset_env),
             "warnings": list(self.warnings),
             "partition": None if self.partition is None else self.partition.to_json(),
+            "spares": list(self.spares),
             "instances": [
                 {k: (list(v) if isinstance(v, tuple) else dict(v) if k == "env" else v)
                  for k, v in asdict(inst).items()}

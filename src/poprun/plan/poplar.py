@@ -14,7 +14,9 @@ shape (seen in its `-vv` log for a POD64: `{"ipuLinkDomainSize":"64","ipuLinkCon
 | pod64                 | 64   | 64                | slidingWindow        | torus           | true        |
 | pod128, pod256        | N    | 64 (one ILD per 64 IPUs, joined by GW-Links) | slidingWindow | torus | true |
 
-`bow-podN` is the same as `podN`: a Bow-2000 has the IPU-M2000's IPU-Link layout.
+`bow-podN` is the same as `podN`: a Bow-2000 has the IPU-M2000's IPU-Link layout. A V-IPU
+partition's topology is its own, not its size's (plan/partition.py, `link_topology`): PopRun
+3.1.0 on a reconfigurable 64-IPU partition gives "mesh".
 `instanceSize` is the IPUs one instance drives (replicas per instance x IPUs per replica).
 Values already in the environment's `POPLAR_TARGET_OPTIONS` win over the target's.
 """
@@ -45,14 +47,19 @@ class OfflineTarget:
                             gateway=self.ipus > MESH_MAX)
 
 
-def link_options(domain_size: int, ipus_per_instance: int, gateway: bool) -> dict[str, str]:
+TOPOLOGIES = ("mesh", "torus")  # Poplar's values of ipuLinkTopology
+
+
+def link_options(domain_size: int, ipus_per_instance: int, gateway: bool,
+                 topology: str | None = None) -> dict[str, str]:
     """The target options of an IPU-Link domain of `domain_size` IPUs (an offline target's or
-    a V-IPU partition's): up to MESH_MAX IPUs a mesh, above that a torus (sliding window)."""
+    a V-IPU partition's): up to MESH_MAX IPUs a mesh, above that a sliding window, a torus
+    unless `topology` (a V-IPU partition's own, plan/partition.py) says otherwise."""
     ring = domain_size > MESH_MAX
     return {
         "ipuLinkDomainSize": str(domain_size),
         "ipuLinkConfiguration": "slidingWindow" if ring else "default",
-        "ipuLinkTopology": "torus" if ring else "mesh",
+        "ipuLinkTopology": topology or ("torus" if ring else "mesh"),
         "gatewayMode": "true" if gateway else "false",
         "instanceSize": str(ipus_per_instance),
     }

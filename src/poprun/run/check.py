@@ -29,7 +29,7 @@ from poprun._version import __version__
 from poprun.plan.config import LaunchConfig
 from poprun.errors import ConfigError, LaunchError
 from poprun.plan import alike
-from poprun.plan.jobhosts import JobHosts
+from poprun.plan.jobhosts import JobHosts, transport_of
 from poprun.plan.network import pick_or_fail
 from poprun.plan.planner import cache_mode, explicit_cache
 from poprun.run import hostcheck
@@ -73,9 +73,14 @@ async def check_hosts(config: LaunchConfig, environ: Mapping[str, str], cwd: str
                       program: str | None) -> tuple[CheckReport, int]:
     """The report and the exit status (`check_status`). `program`: the program's name,
     None when none was given (config.program is then a stand-in)."""
+    if transport_of(config, environ) == "pod":  # the other pods' agents call a leader only
+        raise ConfigError("--check does not run in pod mode: the other pods join a job's "
+                          "leader, not a check (run the job; -v says what each pod read)")
     hosts = JobHosts.of(config, environ)
     local = [label for label in hosts.labels if label not in hosts.remote]
     argv = config.program if program else ()
+    if program and config.container_spec is not None:  # the image has the program
+        program = config.container_spec.program
     cache = explicit_cache(config, cache_mode(config, environ))
     here = hostcheck.gather_here(config, environ, argv, cwd, cache) if local else None
     checks = [_check_here(label, config, cwd, program, environ) for label in local]

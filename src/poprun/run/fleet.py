@@ -32,6 +32,7 @@ from poprun.plan.jobhosts import JobHosts
 from poprun.plan.network import address_here
 from poprun.log import Log
 from poprun.plan.topology import Topology, agent_topology
+from poprun.run.podmode import pod_secret
 
 CACHE_PREFIX = "poprun-cache-"
 STATS_INTERVAL = 1.0  # seconds between the agents' samples: CPU/RSS, popdist.progress()
@@ -41,25 +42,34 @@ class Fleet:
     """Connections and agents, by host label (`str(host)`)."""
 
     def __init__(self, hosts: Sequence[Host], config: LaunchConfig, log: Log,
-                 transport: str = "ssh", counts: Mapping[str, int] | None = None) -> None:
+                 transport: str = "ssh", counts: Mapping[str, int] | None = None,
+                 pod: tuple | None = None) -> None:
         self.hosts, self.config, self.log = tuple(hosts), config, log
         self._labels = [str(h) for h in self.hosts]
         self.counts = dict(counts or {})  # instances per host label, when known
-        self.transport = transport  # "ssh", or "slurm": agents as job steps (spawner.srun)
+        # "ssh"; "slurm": agents as job steps (spawner.srun); "pod": agents of the other
+        # pods of a Kubernetes job, calling this leader (spawner.podagents)
+        self.transport = transport
+        self.pod = pod  # in pod mode: (plan.pods.Pod, the job's secret)
         self.connections: dict[Host, object] = {}
         self._slurm = None  # over Slurm: spawner.srun.SlurmAgents, the steps and listener
+        self._pods = None  # in pod mode: spawner.podagents.PodAgents
         self.spawners: dict[str, RemoteSpawner] = {}
         self._timings: dict[Host, object] = {}  # per host: how its connection went
         self._opened_at = 0.0  # time.monotonic(), for phases()
         self._agent_started: dict[Host, float] = {}  # ... and when each agent's start began
         # Each agent makes temp_dirs()'s directory as it answers HELLO (open(temp_dirs=True)).
         self._temp_prefix: str | None = None
+        # Agents and connections of hosts replaced by spares (take_over): closed with the
+        # rest, not on the way to the next attempt (a frozen host's close only times out).
+        self._retired: list[tuple[RemoteSpawner, object]] = []
 
     @classmethod
     def of(cls, hosts: JobHosts, config: LaunchConfig, log: Log) -> Fleet:
         """The job's hosts that need a connection, over the transport JobHosts chose."""
         return cls([h for h in hosts.hosts if str(h) in hosts.remote], config, log,
-                   hosts.transport, dict(zip(hosts.labels, hosts.counts)))
+                   hosts.transport, dict(zip(hosts.labels, hosts.counts)),
+                   (hosts.pod, pod_secret()) if hosts.pod is not None else None)
 
     def start_steps(self) -> None:
         """Over Slurm, the job step that starts every node's agent created now, before
@@ -74,7 +84,7 @@ class Fleet:
         """Connect to every host and start its agent, each as soon as its host is connected
         (the others still connecting); raises LaunchError (every failing host named, one
         line each) with nothing started; the caller closes what was opened. `temp_dirs`:
-        the launch will ask for `temp_dirs()` (here and after `reopen`); each agent makes
+        the launch will ask for `temp_dirs()`; each agent makes
         its directory as it answers HELLO, which spares a round trip per host. `facts`: what
         each agent is asked to report of the job's dependencies (run/hostcheck.py)."""
         self._opened_at = time.monotonic()
@@ -117,18 +127,58 @@ class Fleet:
         outcomes = {**failed, **{str(h): o for h, o in zip(connected, started)}}
         return {str(h): outcomes[str(h)] for h in self.hosts}
 
-    async def reopen(self, labels: Iterable[str], sink: Sink,
-                     on_lost: Callable[[str, str], None], *, cwd: str, program: str,
-                     path: str | None) -> None:
-        """Lost hosts, connected and given an agent again (the next attempt of a restarted
-        job: a host that rebooted is back); LaunchError when one cannot be."""
-        hosts = [h for h in self.hosts if str(h) in set(labels)]
-        await asyncio.gather(*(self.spawners.pop(str(h)).close() for h in hosts),
-                             return_exceptions=True)
-        await close_all([self.connections.pop(h) for h in hosts])
-        _raise_failures(await self._connect(hosts, None, keep_going=False))
-        await self._start_agents(hosts, sink, on_lost, cwd=cwd, program=program, path=path,
-                                 view=None)
+    async def open_standby(self, sink: Sink, on_lost: Callable[[str, str], None], *,
+                           cwd: str, program: str, path: str | None,
+                           facts: dict | None = None) -> dict[str, str]:
+        """Spare hosts (this fleet's): each connected and given its agent as `open` does,
+        none failing the launch. Per host that could not be, why (one line naming it); its
+        connection is closed then. The others stand by, running nothing."""
+        failed = {str(f.target): f.message
+                  for f in await self._connect(self.hosts, None, keep_going=True)}
+        connected = [h for h in self.hosts if h in self.connections]
+        outcomes = await self._agents(connected, sink, on_lost, cwd=cwd, program=program,
+                                      path=path, view=None, facts=facts)
+        for host, outcome in zip(connected, outcomes):
+            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                raise outcome  # a cancellation: the launch's, not the spare's
+            problem = _problem(self.spawners[str(host)], outcome, cwd, program, 0)
+            if problem:
+                failed[str(host)] = problem
+        for label in failed:
+            self.retire(label)
+        return failed
+
+    def retire(self, label: str) -> None:
+        """A host's agent and connection out of the fleet: closed with it (close())."""
+        host = next((h for h in self.hosts if str(h) == label), None)
+        if host is None:  # retired already
+            return
+        spawner, conn = self.spawners.pop(label, None), self.connections.pop(host, None)
+        self._retired.append((spawner, conn))
+        self.hosts = tuple(h for h in self.hosts if h != host)
+        self._labels = [str(h) for h in self.hosts]
+
+    def take_over(self, lost: str, standby: Fleet, spare: str) -> None:
+        """The spare's agent and connection (from the `standby` fleet) take the place of
+        the host labelled `lost`, whose are retired: the same position among the hosts, so
+        the same instances (plan/jobhosts.py, JobHosts.substituted)."""
+        new = next(h for h in standby.hosts if str(h) == spare)
+        spawner, conn = standby.spawners.pop(spare), standby.connections.pop(new)
+        standby.hosts = tuple(h for h in standby.hosts if h != new)
+        standby._labels = [str(h) for h in standby.hosts]
+        old = next(h for h in self.hosts if str(h) == lost)
+        self._retired.append((self.spawners.pop(lost), self.connections.pop(old)))
+        self.hosts = tuple(new if h == old else h for h in self.hosts)
+        self._labels = [str(h) for h in self.hosts]
+        self.counts[spare] = self.counts.pop(lost, 0)
+        self.connections[new] = conn
+        for mine, theirs in ((self._timings, standby._timings),
+                             (self._agent_started, standby._agent_started)):
+            if new in theirs:
+                mine[new] = theirs.pop(new)
+        self.spawners[spare] = spawner
+        self.spawners = {label: self.spawners[label] for label in self._labels
+                         if label in self.spawners}
 
     async def _connect(self, hosts: Sequence[Host], view, *, keep_going: bool,
                        on_open: Callable[[Host, object], None] | None = None
@@ -141,7 +191,7 @@ class Fleet:
             if on_open is not None:
                 on_open(host, conn)
 
-        if self.transport == "slurm":  # a step started ahead (start_steps) is taken as it is
+        if self.transport != "ssh":  # a step started ahead (start_steps) is taken as it is
             new = self._node_links([h for h in hosts if h not in self.connections])
             for host in hosts:
                 opened(host, self.connections.get(host) or new[host])
@@ -189,6 +239,7 @@ class Fleet:
             *(_start_agent(s, view, install, self.config.remote_python, self.log.info,
                            cwd=cwd, program=program, path=path, stats=stats,
                            host_timeout=self.config.host_timeout,
+                           kill_timeout=self.config.kill_timeout,
                            interfaces=self.config.network.chosen, temp_dir=self._temp_prefix,
                            facts=facts)
               for s in spawners), return_exceptions=True)
@@ -300,11 +351,31 @@ class Fleet:
         node, standing where an SSH connection stands (spawner.srun)."""
         if not hosts:
             return {}
+        if self.transport == "pod":
+            return self._pod_links(hosts)
         if self._slurm is None:
             self._slurm = _slurm_agents(self.reach_back_choice(), self.log.info)
         command = agent_command(self.config.remote_python)  # as RemoteSpawner will ask
         links = self._slurm.start([h.name for h in hosts], command)
         return {host: links[host.name] for host in hosts}
+
+    def _pod_links(self, hosts: Sequence[Host]) -> dict[Host, object]:
+        """The other pods' links: each waits for its pod's agent to call (a host lost and
+        reopened waits for its pod's next agent)."""
+        pod, secret = self.pod
+        if self._pods is None:
+            from spawner.podagents import PodAgents
+
+            try:
+                self._pods = PodAgents(secret, pod.port,
+                                       {label: i for i, label in enumerate(pod.labels) if i},
+                                       agent_command(self.config.remote_python),
+                                       self.config.pod_timeout, self.log.info)
+            except OSError as exc:
+                raise LaunchError(f"--launcher pod: cannot listen on port {pod.port} for the "
+                                  f"other pods' agents: {exc.strerror or exc}") from None
+            self.log.info(f"waiting for {pod.count - 1} pod(s)' agents on port {pod.port}")
+        return {host: self._pods.link(host.name) for host in hosts}
 
     def reach_back_choice(self) -> str | None:
         """This machine's address on the network the user chose, if any: where agents
@@ -316,11 +387,15 @@ class Fleet:
     async def close(self) -> None:
         """Close every agent (each kills what it still runs and removes its temp dirs),
         then the connections (over Slurm: then the steps, cancelled if still there)."""
-        await asyncio.gather(*(s.close() for s in self.spawners.values()),
+        retired = [s for s, _ in self._retired if s is not None]
+        await asyncio.gather(*(s.close() for s in (*self.spawners.values(), *retired)),
                              return_exceptions=True)
-        await close_all(self.connections.values())
+        await close_all([*self.connections.values(),
+                         *(c for _, c in self._retired if c is not None)])
         if self._slurm is not None:
             await self._slurm.close()
+        if self._pods is not None:
+            await self._pods.close()
 
 
 async def connect(hosts: Sequence, *, fanout: int = DEFAULT_FANOUT, timeout: float,

@@ -19,8 +19,11 @@ from poprun.plan.planner import SET_BY_POPRUN, remote_env
 
 
 def wanted(config: LaunchConfig, hosts: JobHosts) -> bool:
-    """Whether a launch compares its hosts: more than one, some remote, and not turned off."""
-    return config.compare_hosts != "off" and len(hosts.labels) > 1 and bool(hosts.remote)
+    """Whether a launch compares its hosts: more than one (spares count: each is compared
+    with the job's hosts before it may take one's place), some remote, and not turned
+    off."""
+    return (config.compare_hosts != "off" and len(hosts.labels) + len(hosts.spares) > 1
+            and bool(hosts.remote))
 
 
 def ask(config: LaunchConfig, environ: Mapping[str, str], argv: Sequence[str], cwd: str,
@@ -72,9 +75,12 @@ def compare(config: LaunchConfig, environ: Mapping[str, str], labels: Collection
             local: Collection[str], here: Mapping[str, Any] | None,
             remote: Mapping[str, Answer]) -> tuple[alike.Difference, ...]:
     """The differences among `labels`: the `local` ones read `here`, the others their
-    agent's `answers`. A host without facts (its agent lost meanwhile) is left out."""
-    return alike.compare(*read_all(config, environ, labels, local, here, remote),
-                         local=local)
+    agent's `answers`. A host whose facts did not arrive (its agent lost or silent
+    meanwhile, or what it sent is no facts) cannot be said alike: it is a difference of its
+    own, so --compare-hosts=error refuses the launch."""
+    facts, offsets = read_all(config, environ, labels, local, here, remote)
+    unknown = [label for label in labels if label not in facts]
+    return alike.unknown(unknown) + alike.compare(facts, offsets, local=local)
 
 
 def read_all(config: LaunchConfig, environ: Mapping[str, str], labels: Collection[str],
@@ -102,6 +108,33 @@ def read_all(config: LaunchConfig, environ: Mapping[str, str], labels: Collectio
             if found.time is not None:
                 offsets[label] = found.time - answer.received
     return facts, offsets
+
+
+def spare_differences(config: LaunchConfig, environ: Mapping[str, str],
+                      labels: Sequence[str], local: Collection[str],
+                      here: Mapping[str, Any] | None, remote: Mapping[str, Answer],
+                      spares: Mapping[str, Answer]) -> dict[str, tuple[alike.Difference, ...]]:
+    """Per spare that answered, how it differs from the job's hosts (`labels`, read as
+    `compare` reads them): compared as they are among themselves, with one of them (a
+    remote one where there is one: its variables count). A spare without facts is left
+    out: it is not admitted."""
+    facts, offsets = read_all(config, environ, labels, local, here, remote)
+    known = [label for label in labels if label in facts]
+    reference = next((label for label in known if label not in local), known[0] if known
+                     else None)
+    standby, standby_offsets = read_all(config, environ, list(spares), (), None, spares)
+    out = {}
+    for label, found in standby.items():
+        if reference is None:  # nothing to compare with: the job's hosts sent nothing
+            out[label] = ()
+            continue
+        pair = {reference: facts[reference], label: found}
+        clocks = {k: v for k, v in {**offsets, **standby_offsets}.items() if k in pair}
+        differences = alike.compare(pair, clocks, local=[reference] if reference in local
+                                    else [])
+        out[label] = tuple(d for d in differences
+                           if any(label in hosts for _, hosts in d.sides))
+    return out
 
 
 def report_lines(differences: Collection[alike.Difference], mode: str) -> list[str]:

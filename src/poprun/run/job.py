@@ -5,7 +5,8 @@
                                             `kill_timeout`; exit code = its status (128+N)
 - a remote host is lost                  -> as a failure of its instances (status 255)
 - SIGINT / SIGTERM / SIGHUP to poprun    -> forwarded to every instance; SIGKILL after
-                                            `kill_timeout`, or at once on a second signal;
+                                            `kill_timeout`, or at once on a second SIGINT
+                                            or SIGHUP (SIGTERM never shortens it);
                                             exit code 128+N
 """
 
@@ -83,6 +84,7 @@ class Job:
         self._marks: dict[str, dict[int, float]] = {"first_started": {}, "first_output": {}}
         self.phases: dict[str, dict[str, float]] = {}  # host -> phase -> seconds (result)
         self.done: set[int] = set()  # exit reported, or lost with its host
+        self._steps: dict[int, int] = {}  # remote instances' last popdist.progress() step
         self.root_cause: int | None = None
         self.stop_signal: int | None = None
         self.on_finished = None
@@ -187,7 +189,7 @@ class Job:
             spec = ProcessSpec(
                 key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge, env=env,
                 inherit_stdin=inst.index == 0,  # as mpirun: stdin goes to the first instance
-                cpus=inst.cpus, mems=inst.mems,
+                cpus=inst.cpus, mems=inst.mems, container=self.config.container_spec,
                 pass_fds=(pmi_end.fileno(),) if pmi_end is not None else ())
             try:
                 pid = self.local.spawn(spec)
@@ -226,6 +228,7 @@ class Job:
             return SpawnRequest(key=inst.index, argv=inst.argv, env_set=env,
                                 env_unset=self.plan.unset_env, cwd=self.cwd, merge_stderr=merge,
                                 cpus=inst.cpus, mems=inst.mems,
+                                container=self.config.container_spec,
                                 world=world.kvsname if world is not None else None)
 
         outcomes = await asyncio.gather(*(self.remote[host].spawn_all(
@@ -331,7 +334,16 @@ class Job:
 
     def on_progress(self, key: int, step: int, total: int | None) -> None:
         """A remote agent's sample of an instance's popdist.progress()."""
+        self._steps[key] = step
         self.events.stepped(key, step, total, self.loop.time())
+
+    def _highest_step(self) -> int | None:
+        """The highest step any instance gave popdist.progress() (the result's
+        `highest_step`): the agents' samples and last words, this host's files."""
+        local = self.local_progress([k for k in self.started if self.spawner_of.get(k)
+                                     is self.local]) if self.local else {}
+        steps = [*self._steps.values(), *(step for step, _ in local.values())]
+        return max(steps) if steps else None
 
     def local_progress(self, keys=None) -> dict[int, tuple[int, int | None]]:
         """What the local running instances (or these of them, once exited too) last gave
@@ -476,6 +488,10 @@ class Job:
         return self._spawning_remote and not self._all_started
 
     def on_signal(self, sig: int) -> None:
+        if sig == signal.SIGTERM and (self.stop_signal is not None
+                                      or self.root_cause is not None):
+            self._terminated_while_stopping()
+            return
         if self.stop_signal is not None and self._starting_remote:
             self.log.warning(f"{signal.Signals(sig).name} again: stopping now")
             self.on_interrupt()  # the agents' teardown kills whatever they started
@@ -502,6 +518,16 @@ class Job:
         self._stopping(name)
         self._log_stopping(sig)
         self._stop(sig)
+
+    def _terminated_while_stopping(self) -> None:
+        """SIGTERM while a stop is under way never shortens its --kill-timeout (a second
+        SIGINT or SIGHUP does): a scheduler signals every process of the job, poprun's
+        helpers and instances too, so its one SIGTERM may come after an instance's exit
+        started the stop, or come twice. It still ends the job: no restart follows."""
+        if self.stop_signal is None:
+            self.stop_signal = signal.SIGTERM
+        self.log.warning("SIGTERM received: the stop under way keeps its --kill-timeout "
+                         f"({self.config.kill_timeout:g} s)")
 
     def _log_stopping(self, sig: int) -> None:
         self.log.warning(f"{signal.Signals(sig).name} received: stopping "
@@ -585,7 +611,7 @@ class Job:
         return LaunchResult(instances=instances, exit_code=code, root_cause=root,
                             stop_signal=self.stop_signal, phases=self._phases(instances),
                             start_time=self.launch_time, output_error=self.output_error,
-                            stall=self.stall)
+                            stall=self.stall, highest_step=self._highest_step())
 
     def _as_aborted(self, inst: InstanceResult) -> InstanceResult:
         """An instance that called MPI_Abort ends with the abort's code and says so (its own

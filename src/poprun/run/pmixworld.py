@@ -16,7 +16,6 @@ fence ends in an error for that fence's instances, never in an exception here.
 
 from __future__ import annotations
 
-import binascii
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 
@@ -93,7 +92,7 @@ class PmixWorld:
         spawner.tell(_kind("MODEX_ASK"), kvsname=self.kvsname, id=ask, rank=rank)
 
     def abort(self, rank: int, status: int, message: str) -> None:
-        self._on_abort(rank, status, message)
+        self._on_abort(rank, status, pmixplan.abort_message(message))
 
     def server_lost(self, reason: str) -> None:
         self._on_server_lost(self.here, reason)
@@ -109,18 +108,18 @@ class PmixWorld:
                 fence = pmixplan.FenceId(tuple(int(r) for r in fields["ranks"]),
                                          int(fields["seq"]))
                 self._contribute(fence, self.names.index(host),
-                                 pmixplan.unb64(fields["data"], pmixplan.MAX_FENCE_DATA))
+                                 pmixplan.decode_data(fields["data"], pmixplan.MAX_FENCE_DATA))
             elif kind_name == "MODEX_WANT":
                 self._wanted(spawner, int(fields["id"]), int(fields["rank"]))
             elif kind_name == "MODEX_GOT":
                 self._got(int(fields["id"]), int(fields["status"]),
-                          pmixplan.unb64(fields.get("data") or "", pmixplan.MAX_MODEX))
+                          pmixplan.decode_data(fields.get("data") or "", pmixplan.MAX_MODEX))
             elif kind_name == "PMIX_LOST":
                 self._on_server_lost(host, str(fields.get("error"))[:500])
             elif kind_name == "PMIX_UNSERVED":
                 self._log.warning(f"{host}: Open MPI's world is not served there: "
                                   f"{str(fields.get('error'))[:500]}")
-        except (KeyError, TypeError, ValueError, binascii.Error,
+        except (KeyError, TypeError, ValueError,
                 pmixplan.FenceError) as exc:
             self._log.warning(f"{host}: a PMIx message that cannot be one ({exc}); ignored")
 

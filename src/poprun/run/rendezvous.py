@@ -9,7 +9,8 @@ horovod/runner/http/http_server.py):
 - `GET /<scope>/<key>`: 200 and the value, or 404 at once when it is not there (the client
   polls every 10 ms until it is; a 5xx makes it fail after three tries).
 - `DELETE /<scope>/<key>`: 200. In a scope of known size (`global`, `local_<host>`,
-  `cross_<local rank>`) it marks the key's rank done and, once every rank is, the scope is
+  `cross_<local rank>`) it marks the key's rank done (a key the scope holds; any other
+  name changes nothing) and, once every rank is, the scope is
   emptied (a later `hvd.init()` starts afresh); elsewhere (process sets) the key goes.
 - Every reply says `Content-Length`, spelt so: the client reads the body by it.
 
@@ -84,6 +85,10 @@ class Store:
 
     def delete(self, scope: str, key: str) -> None:
         if scope in self.sizes:
+            # Only a key the scope holds counts toward its size (each rank deletes the key it
+            # put): a DELETE of any other name costs nothing and cannot empty the scope.
+            if key not in self.values.get(scope, {}):
+                return
             done = self._done.setdefault(scope, set())
             done.add(key)
             if len(done) >= self.sizes[scope]:

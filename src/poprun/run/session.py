@@ -38,7 +38,7 @@ from poprun.plan.network import HostNetwork, address_here
 from poprun.plan.network import resolve as resolve_network
 from poprun.plan.planner import CacheMode, LaunchPlan
 from poprun.plan.topology import Topology, local_topology
-from poprun.result import OUTPUT_ERROR_STATUS, LaunchResult
+from poprun.result import DO_NOT_REQUEUE_STATUS, OUTPUT_ERROR_STATUS, LaunchResult
 from poprun.run.job import Job
 from poprun.run.output import output_files
 from poprun.run.signals import install_signal_handlers
@@ -47,6 +47,7 @@ from poprun.view.render import topology_table
 
 if TYPE_CHECKING:  # an offline launch never needs the partition's module
     from poprun.plan.partition import PartitionStep
+    from spawner.containers import Container
 
 DRY_RUN_CACHE_DIR = "<temporary directory, created at launch>"
 DASHBOARD_REFRESH = 0.25  # seconds between live panel updates (it redraws only on change)
@@ -58,7 +59,7 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
     What only they can tell is a stand-in marked as known at launch (text.at_launch): cache
     dirs not made yet, the partition's server, name and shape (plan/partition.py), a remote
     host's address and interface, the launcher's address as other hosts reach it."""
-    hosts = JobHosts.of(config, environ)
+    hosts, left_out = without_quarantined(JobHosts.of(config, environ), environ)
     program, mode = preflight(config, environ, cwd, resolve=hosts.any_local)
     cache = planning.explicit_cache(config, mode) or DRY_RUN_CACHE_DIR
     network, warnings = dry_run_network(config, hosts)
@@ -81,7 +82,37 @@ def make_plan(config: LaunchConfig, environ: Mapping[str, str], cwd: str) -> Lau
         rendezvous=None if config.mpi_worlds == "none" else (here, free_port()),
         interfaces={label: n.interface for label, n in network.items()} if network else None,
         partition_step=dry_run_partition(config, environ))
-    return replace(launch_plan, warnings=launch_plan.warnings + tuple(warnings))
+    return replace(launch_plan, warnings=launch_plan.warnings + tuple(left_out + warnings),
+                   spares=tuple(str(h) for h in hosts.spares))
+
+
+def without_quarantined(hosts: JobHosts, environ: Mapping[str, str]
+                        ) -> tuple[JobHosts, list[str]]:
+    """The job's hosts without those this user's earlier jobs quarantined
+    (jobctl/quarantine.py; plan/jobhosts.leave_out), and the warnings to say; ConfigError
+    when one cannot be left out."""
+    if not hosts.remote:  # only remote hosts are ever quarantined: no file to read
+        return hosts, []
+    import time
+
+    from poprun.jobctl import quarantine
+    from poprun.plan.jobhosts import leave_out
+
+    unsafe = state_dir_problem(environ)  # (a launch refuses it first; a dry run says it)
+    if unsafe:
+        return hosts, [f"quarantined hosts not read: {unsafe}"]
+    entries, problem = quarantine.read(environ)
+    now = time.time()
+    found = {host: f"{entry.reason}; until {_clock(entry.until)}"
+             for host, entry in quarantine.active(entries, now).items()}
+    hosts, warnings = leave_out(hosts, found)
+    return hosts, [problem] * bool(problem) + warnings
+
+
+def _clock(when: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(when))
 
 
 def dry_run_partition(config: LaunchConfig,
@@ -141,12 +172,31 @@ def preflight(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
     """Everything checked before anything starts: the program (argv[0] resolved here when
     `resolve`; remote hosts resolve it themselves) and the executable cache mode."""
     program = config.program
+    if config.container_spec is not None:  # the program is the image's, found in there
+        check_runtime(config.container_spec, environ, resolve)
+        return program, planning.cache_mode(config, environ)
     if not resolve:
         return program, planning.cache_mode(config, environ)
     resolved = resolve_program(program[0], environ.get("PATH"), cwd)
     if resolved is None:
         raise missing_program(program[0], cwd)
     return (resolved,) + program[1:], planning.cache_mode(config, environ)
+
+
+def check_runtime(container: Container, environ: Mapping[str, str], here: bool) -> None:
+    """A container runtime missing on this host (where instances run here) is refused
+    before anything starts; the remote hosts' agents look for it as for a program
+    (`host_program`)."""
+    if here and shutil.which(container.program, path=environ.get("PATH")) is None:
+        raise ConfigError(f"--container={container.runtime}: {container.program} not found "
+                          f"on PATH on this host ({socket.gethostname()})")
+
+
+def host_program(config: LaunchConfig, program: tuple[str, ...]) -> str:
+    """What the remote hosts' agents must find (HELLO's `program`): the container runtime
+    when there is one, else the program."""
+    spec = config.container_spec
+    return spec.program if spec is not None else program[0]
 
 
 def free_port() -> int:
@@ -291,6 +341,10 @@ class _Session:
         self.lifeline: Lifeline | None = None
         self.cache: _CacheDir | None = None
         self.fleet = None
+        self.spares = None  # the spare hosts standing by (run/spares.SparePool), if any
+        # Hosts never used again in this job ({host, reason, at}: --result-json's
+        # `quarantined`), in the order they were.
+        self.quarantined: list[dict] = []
         self.dashboard = None
         self.panel = None  # the dashboard's state (view.dashboard.DashboardState), if shown
         self.events = Observers()  # the job's observers, every attempt's
@@ -303,7 +357,7 @@ class _Session:
         self.control = None  # poprunctl's view of the job (run/watching.JobControl)
         self.progress = None  # the progress watch (jobctl/progress.ProgressWatch)
         self.mpi_worlds: list[str] = []  # the kvsname of every attempt's MPI world
-        self.libpmix: str | None = None  # the libpmix that serves Open MPI's world here
+        self.libpmix = None  # the libpmix that serves Open MPI's world here (its check)
         self.pmix = None  # this host's PMIx service (spawner.pmixhost.PmixHost), if served
         self._pmix_here = False  # ... and its instances here (a server here)
         # Each host on the network the user chose (plan/network.py); None without a choice.
@@ -311,6 +365,7 @@ class _Session:
         self.rendezvous = None  # Horovod's (run/rendezvous.Rendezvous), once hosts are open
         self._own_id: str | None = None  # the job's id when it has no record
         self._leaves: dict[str, list[dict]] = {}  # per remote host, its agents' (for reap)
+        self._boot_ids: dict[str, object] = {}  # per remote host, its last agent's boot id
         self.host_differences: tuple = ()  # plan/alike.py's Differences among the hosts
         self._compare = False  # the hosts are to be compared before anything starts
         self._facts_here: asyncio.Future | None = None  # this host's facts, read on a thread
@@ -334,6 +389,9 @@ class _Session:
         unsafe = state_dir_problem(self.environ)  # first: no state dir others can steer
         if unsafe:
             raise LaunchError(unsafe)
+        self.hosts, left_out = without_quarantined(self.hosts, self.environ)
+        for warning in left_out:
+            log.warning(warning)
         wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
         self.libpmix = self._find_libpmix()
         self.lifeline = Lifeline()
@@ -369,8 +427,8 @@ class _Session:
         await self._start_steps()
         try:
             await self._open_job_control()
-            if self.pmix is not None and self._pmix_here:  # named by the job's id
-                self.pmix.prestart(self._kvsname(0))
+            if self.pmix is not None:
+                self._serve_pmix()
             self._open_progress()
             # From here a stop signal is the job's: before any instance runs, it ends the launch.
             self._restore_signals = install_signal_handlers(self.loop, self.on_signal)
@@ -382,7 +440,7 @@ class _Session:
             raise
         return self
 
-    def _find_libpmix(self) -> str | None:
+    def _find_libpmix(self):
         """The libpmix that serves Open MPI's world on this host, where the job may use one
         (run/world.find_libpmix): its server must be up before the instances start. Where
         Open MPI is there and no libpmix, said now, not after a wrong result."""
@@ -393,17 +451,31 @@ class _Session:
 
     def _start_pmix(self) -> None:
         """This host's PMIx service, its first server's process starting while the launch
-        goes on (spawner/pmixhost.py)."""
+        goes on (spawner/pmixhost.py); libpmix's server in it once the library passed its
+        check (`_serve_pmix`)."""
         from spawner.pmixhost import PmixHost
 
         local = [label for label in self.hosts.labels if label not in self.hosts.remote]
         # Named as the plan names this host: Open MPI finds itself in the node map so.
-        self.pmix = PmixHost(self.libpmix, self.lifeline,
+        self.pmix = PmixHost(self.libpmix.path, self.lifeline,
                              local[0] if local else socket.gethostname(), self.loop,
                              given=self.config.libpmix, warn=self.log.warning)
         self._pmix_here = bool(local)
         if local:
             self.pmix.spawn()
+
+    def _serve_pmix(self) -> None:
+        """Once the job has a name and its libpmix passed its check (run/world.usable_libpmix:
+        a process of its own, started with the launch), libpmix's server starts in the
+        process started for it. A library that fails the check is never loaded: a bad
+        --libpmix is bad input (one line), one poprun found is not served (one warning)."""
+        from poprun.run.world import usable_libpmix
+
+        if usable_libpmix(self.libpmix, self.config, self.log) is None:
+            self._close_pmix()
+            self.pmix = self.libpmix = None
+        elif self._pmix_here:  # named by the job's id
+            self.pmix.prestart(self._kvsname(0))
 
     def _close_pmix(self) -> None:
         if self.pmix is not None:
@@ -487,11 +559,14 @@ class _Session:
                     caches.setdefault(inst.host, inst.env[EXECUTABLE_CACHE_PATH])
         error_dir = self.job.local.error_dir if self.job.local else None
         partition = self.partition
+        for label, info in agents.items():  # a host replaced by a spare is still reaped
+            self._boot_ids[label] = info.raw.get("boot_id")
+        replaced = [q["host"] for q in self.quarantined if q["host"] not in labels]
         return {
-            "hosts": [{"label": label, "local": label not in remote,
-                       "boot_id": (agents[label].raw.get("boot_id") if label in agents
-                                   else None) if label in remote else here}
-                      for label in labels],
+            "hosts": [{"label": label, "local": label not in remote and label not in replaced,
+                       "boot_id": self._boot_ids.get(label) if label in remote
+                       or label in replaced else here}
+                      for label in (*labels, *dict.fromkeys(replaced))],
             "pythons": {label: info.python_executable for label, info in agents.items()},
             "caches": caches,
             "error_dirs": {label: error_dir for label in labels
@@ -509,6 +584,7 @@ class _Session:
             "agents": self._agents_leaves(agents),
             # What differs among the hosts (--compare-hosts), as it was reported.
             "host_differences": _recorded(self.host_differences),
+            "quarantined": list(self.quarantined),  # as --result-json will have them
         }
 
     def _agents_leaves(self, agents: dict) -> dict[str, list[dict]]:
@@ -547,6 +623,8 @@ class _Session:
         while True:
             await self._plan(caches, master, attempt=len(earlier))
             result = await self._run_attempt(len(earlier))
+            lost = self._quarantine({i.host: (i.lost, i.end_time) for i in result.instances
+                                     if i.lost})
             if not self._restarts(result, len(earlier)):
                 break
             earlier.append(result)
@@ -554,32 +632,96 @@ class _Session:
                 result = replace(result, stop_signal=self._pause_signal,
                                  exit_code=128 + self._pause_signal)
                 break
-            lost = sorted({i.host for i in result.instances if i.lost}
-                          | set(self.job.lost_before_start))
+            lost += self._quarantine(self._lost_meanwhile())  # during the restart delay
             if lost:
                 try:
-                    caches, master = await self._reopen(lost, caches)
+                    caches, master = await self._recover(lost, caches)
                 except LaunchError as exc:  # still gone: the lost host's failure stands
                     earlier.pop()
                     for line in str(exc).splitlines():
                         self.log.error(f"cannot restart the job: {line}")
                     break
-        self._result = replace(result, attempts=tuple(earlier)) if earlier else result
+        self._result = replace(result, attempts=tuple(earlier),
+                               quarantined=tuple(self.quarantined))
+        if self._result.exit_class == "do_not_requeue":  # the contract's status
+            self._result = replace(self._result, exit_code=DO_NOT_REQUEUE_STATUS)
 
-    async def _reopen(self, lost: list[str], caches: dict[str, str]
-                      ) -> tuple[dict[str, str], str]:
-        """Hosts lost in the last attempt, back for the next one: connected, an agent
-        started, their temporary cache made again (the old one went with its agent)."""
-        self.log.warning(f"reconnecting to {', '.join(lost)} for the next attempt")
-        await self.fleet.reopen(lost, self.job, self.job.on_host_lost, cwd=self.cwd,
-                                program=self.program[0], path=self.environ.get("PATH"))
-        self._choose_network()
-        caches = dict(caches)
-        if self.mode is CacheMode.TEMPORARY:
-            caches.update(await self.fleet.temp_dirs(lost))
-        elif (explicit := planning.explicit_cache(self.config, self.mode)) is not None:
-            await self.fleet.make_dirs(explicit, lost)
+    def _lost_meanwhile(self) -> dict[str, tuple[str, float]]:
+        """Hosts lost before the next attempt started anything there (the new Job heard)."""
+        import time
+
+        return {host: (reason, time.time())
+                for host, reason in self.job.lost_before_start.items()}
+
+    def _quarantine(self, found: Mapping[str, tuple[str, float]]) -> list[str]:
+        """The hosts lost (label -> why, when: their connection or agent gone, or silent
+        for --host-timeout: frozen): quarantined, never used again in this job even once
+        they answer (a host that failed once is likely to again, and a restart there would
+        spend the restarts), and remembered for later jobs. Their labels, in host order."""
+        lost = [label for label in self.hosts.labels if label in found]
+        for label in lost:
+            reason, at = found[label]
+            self.quarantined.append({"host": label, "reason": f"lost: {reason}",
+                                     "at": round(at, 3)})
+            self.log.warning(f"{label} quarantined for the rest of the job: lost ({reason})")
+        self._remember_quarantine(self.quarantined[-len(lost):] if lost else [])
+        return lost
+
+    def _remember_quarantine(self, new: list[dict]) -> None:
+        """Hosts just quarantined, left out of this user's later jobs for --quarantine-for
+        (jobctl/quarantine.py); a state directory that cannot take them is said."""
+        if not new or not self.config.quarantine_for:
+            return
+        import time
+
+        from poprun.jobctl import quarantine
+
+        entries = [quarantine.Entry(q["host"], q["reason"], q["at"],
+                                    q["at"] + self.config.quarantine_for, self._job_id)
+                   for q in new]
+        try:
+            quarantine.add(entries, time.time(), self.environ)
+        except OSError as exc:
+            hosts = ", ".join(q["host"] for q in new)
+            self.log.warning(f"cannot remember the quarantine of {hosts} for later jobs: "
+                             f"{exc.strerror or exc}")
+
+    async def _recover(self, lost: list[str], caches: dict[str, str]
+                       ) -> tuple[dict[str, str], str]:
+        """Hosts lost (and quarantined) in the last attempt, each replaced by a spare for
+        the next; LaunchError naming those no spare is left for (the job ends there)."""
+        if self.spares is not None:
+            replaced, caches = await self._take_spares(lost, caches)
+            lost = [label for label in lost if label not in replaced]
+        if lost:
+            raise LaunchError("\n".join(f"{label}: lost, and no spare host is left to take "
+                                        "its place (--spare-hosts)" for label in lost))
         return caches, await self._master_address()
+
+    async def _take_spares(self, lost: list[str], caches: dict[str, str]
+                           ) -> tuple[dict[str, str], dict[str, str]]:
+        """Spares in the lost hosts' places for the next attempt (run/spares.py): the same
+        instance indices, placement and environment; their caches made (a temporary one
+        there, or the explicit path). Which host each replaced, and the caches."""
+        pairs = self.spares.take(lost, self.fleet)
+        if not pairs:
+            return pairs, caches
+        self.hosts = self.hosts.substituted({
+            old: next(h for h in self.hosts.spares if str(h) == new)
+            for old, new in pairs.items()})
+        for old, new in pairs.items():
+            self.log.warning(f"{old} replaced by spare host {new} for the next attempt "
+                             f"({self.hosts.count(new)} instance(s))")
+            self.fleet.spawners[new].new_attempt(self.job, self.job.on_host_lost)
+        caches = {label: path for label, path in caches.items() if label not in pairs}
+        spares = list(pairs.values())
+        if self.mode is CacheMode.TEMPORARY:
+            caches.update(await self.fleet.temp_dirs(spares))
+        elif (explicit := planning.explicit_cache(self.config, self.mode)) is not None:
+            await self.fleet.make_dirs(explicit, spares)
+            caches.update((label, explicit) for label in spares)
+        self._choose_network()
+        return pairs, caches
 
     async def _run_attempt(self, attempt: int) -> LaunchResult:
         finished = self.loop.create_future()
@@ -600,7 +742,7 @@ class _Session:
 
     def _restarts(self, result: LaunchResult, done: int) -> bool:
         """Whether a failed attempt is followed by another: not after a stop by the user or
-        an output error (a lost host is connected again first: `_reopen`)."""
+        an output error (a lost host is replaced by a spare first: `_recover`)."""
         return (not result.ok and done < self.config.max_restarts
                 and result.stop_signal is None and result.output_error is None)
 
@@ -665,11 +807,32 @@ class _Session:
                     cache)
                 # Its error taken even if the launch ends before it is read.
                 here.add_done_callback(lambda done: done.cancelled() or done.exception())
-        await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
-                              program=self.program[0], path=self.environ.get("PATH"),
-                              view=self.panel, temp_dirs=self.mode is CacheMode.TEMPORARY,
-                              facts=ask)
+        standby = self._open_spares(ask)  # meanwhile: their problems are said, not raised
+        try:
+            await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
+                                  program=host_program(self.config, self.program),
+                                  path=self.environ.get("PATH"), view=self.panel,
+                                  temp_dirs=self.mode is CacheMode.TEMPORARY, facts=ask)
+        except BaseException:
+            if standby is not None:  # what it opened is closed with the session
+                standby.cancel()
+                await asyncio.gather(standby, return_exceptions=True)
+            raise
+        if standby is not None:
+            await standby
         self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))
+
+    def _open_spares(self, ask: dict | None) -> asyncio.Future | None:
+        """The spare hosts connected and given agents while the job's hosts are (the same
+        HELLO, facts included: they are compared in `_compare_hosts`)."""
+        if not self.hosts.spares:
+            return None
+        from poprun.run.spares import SparePool
+
+        self.spares = SparePool(self.hosts, self.config, self.log)
+        return asyncio.ensure_future(self.spares.open(
+            self.job, cwd=self.cwd, program=host_program(self.config, self.program),
+            path=self.environ.get("PATH"), facts=ask))
 
     async def _compare_hosts(self) -> None:
         """The hosts' differences, before anything starts (their facts came while the launch
@@ -687,6 +850,10 @@ class _Session:
         local = [label for label in self.hosts.labels if label not in self.hosts.remote]
         self.host_differences = hostcheck.compare(self.config, self.environ,
                                                   self.hosts.labels, local, facts_here, remote)
+        if self.spares is not None:
+            self.spares.admit(hostcheck.spare_differences(
+                self.config, self.environ, self.hosts.labels, local, facts_here, remote,
+                await hostcheck.answers(self.spares.fleet.spawners)))
         self.log.debug(f"hosts compared ({len(self.host_differences)} difference(s)): waited "
                        f"{waited * 1000:.1f} ms for their facts, "
                        f"{(self.loop.time() - began - waited) * 1000:.1f} ms comparing")
@@ -928,8 +1095,10 @@ class _Session:
             await containment.helpers_reaped(keep=frozenset([self.lifeline.pid]))
 
     async def _close_fleet(self) -> None:
-        if self.fleet is not None:
-            await self.fleet.close()
+        if self.fleet is not None:  # first: a spare that took a place may run in the
+            await self.fleet.close()  # spares' Slurm step, which closing them cancels
+        if self.spares is not None:
+            await self.spares.close()
 
     async def _release_partition(self) -> None:
         if self.partition is not None:  # after the instances are gone from it

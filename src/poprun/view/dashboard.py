@@ -126,8 +126,11 @@ class DashboardState:
     # --- events -----------------------------------------------------------------------
 
     def plan(self, assignments: Iterable[tuple[int, str]]) -> None:
-        """(instance, host) pairs, once the plan is made: rows show their host before pids."""
+        """(instance, host) pairs, once the plan is made: rows show their host before pids;
+        the header's hosts are the plan's (a spare took a lost host's place)."""
+        assignments = list(assignments)
         self.rows.planned(assignments)
+        self.hosts = tuple(dict.fromkeys(host for _, host in assignments)) or self.hosts
         self.changes += 1
 
     def restarted(self, attempt: int, attempts: int) -> None:

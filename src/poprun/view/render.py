@@ -74,6 +74,8 @@ def dry_run_text(launch_plan: LaunchPlan) -> str:
         f"executable cache: {launch_plan.cache_mode.value}",
         f"removed from every instance's environment: {' '.join(launch_plan.unset_env)}",
         *(launch_plan.partition.lines() if launch_plan.partition is not None else ()),
+        *([f"spare hosts, standing by: {', '.join(launch_plan.spares)}"]
+          if launch_plan.spares else []),
     ]
     for inst in insts:
         lines.append(f"instance {inst.index} on {inst.host} (local index {inst.local_index}), "

@@ -63,11 +63,12 @@ def limits_args() -> list[str]:
     return [f"--ulimit=nofile={files}:{files}", f"--ulimit=nproc={procs}:{procs}"]
 
 
-def python_binds() -> list[str]:
-    """This interpreter, its base installation and poprun's sources, at the same paths."""
+def python_paths() -> list[str]:
+    """This interpreter, its base installation and poprun's sources: bound at the same paths
+    (podman's image has none of them; bwrap's /tmp is private, and a clone or venv may be
+    there, as CI's is)."""
     paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, SRC)}
-    paths |= {sys.prefix, SRC}
-    return [f"--volume={p}:{p}:ro" for p in sorted(paths)]
+    return sorted(paths | {sys.prefix, SRC})
 
 
 def podman_image() -> str:
@@ -119,12 +120,13 @@ def runtime_options(runtime: str) -> list[str]:
         problem = bwrap_probe()
         if problem:
             skip_or_fail(problem)
-        return ["--container=bwrap"]
+        binds = " ".join(f"--ro-bind {p} {p}" for p in python_paths())
+        return ["--container=bwrap", f"--container-args={binds}"]
     image = podman_image()
     problem = podman_probe(image)
     if problem:
         skip_or_fail(problem)
-    args = " ".join([*limits_args(), *python_binds()])
+    args = " ".join([*limits_args(), *(f"--volume={p}:{p}:ro" for p in python_paths())])
     return ["--container=podman", f"--container-image={image}", f"--container-args={args}"]
 
 

@@ -109,6 +109,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from popdist.env import PMI_FD, PMI_RANK, PMI_SIZE
 
+from .pmiwire import PmiError, escape, unescape
+
 __all__ = [
     "PmiError", "parse", "format_cmd", "escape", "unescape",
     "process_mapping", "process_mapping_for_ranks",
@@ -147,42 +149,9 @@ _NAME_QUERIES = {"publish_name": ("publish", "publish_result"),
                  "lookup_name": ("lookup", "lookup_result")}
 
 
-class PmiError(ValueError):
-    """A malformed or unexpected PMI command."""
-
-
 # --------------------------------------------------------------------------
 # pure protocol core
 # --------------------------------------------------------------------------
-
-def escape(value: str) -> str:
-    """Escape a value for a reply so MPICH's ``unescape_val`` restores it.
-
-    MPICH's v1 parser ends a value at an unescaped space and turns ``\\x``
-    into ``x``.  Values MPICH itself stores are hex or plain words, so this
-    is a no-op for them.
-    """
-    if " " not in value and "\\" not in value:
-        return value
-    return value.replace("\\", "\\\\").replace(" ", "\\ ")
-
-
-def unescape(value: str) -> str:
-    """Inverse of :func:`escape` (``\\x`` -> ``x``), like pmi_wire.c."""
-    if "\\" not in value:
-        return value
-    out = []
-    i = 0
-    while i < len(value):
-        c = value[i]
-        if c == "\\" and i + 1 < len(value):
-            out.append(value[i + 1])
-            i += 2
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
-
 
 def parse(line) -> Tuple[str, Dict[str, Optional[str]]]:
     """Parse one PMI-1 command line into ``(cmd, {key: value})``.

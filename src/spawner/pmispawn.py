@@ -35,7 +35,7 @@ job at once): a spawn storm is refused with an error, never a fork bomb.
 
 from __future__ import annotations
 
-from .pmi import PmiError, unescape
+from .pmiwire import PmiError, unescape
 
 # A spawn message's lines and bytes: a command's argv and info keys fit many times over
 # (Hydra has no bound; MPICH's own limit on one PMI message is its 1 MiB read buffer).

@@ -22,7 +22,8 @@ import uuid
 import pytest
 
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
-from container_runtimes import podman_containers, runtime_options, skip_or_fail
+from container_runtimes import podman_containers, runtime_options
+from requires import skip_or_fail
 from sshd_hosts import processes_with, start_ssh_hosts, wait_until
 from test_mpi_world import WORLD
 from test_openmpi_world import OPEN_MPIS, _probe
@@ -256,7 +257,8 @@ def test_a_runtime_missing_on_a_remote_host_is_one_line_exit_2_and_nothing_start
     instances get there (the launcher's): one without bwrap on it refuses the job before
     anything starts. (No runtime fixture: nothing runs.)"""
     if shutil.which("bwrap") is None:
-        skip_or_fail("bwrap is not installed (apt-get install bubblewrap)")
+        skip_or_fail("bwrap is not installed (apt-get install bubblewrap)",
+                     "POPRUN_REQUIRE_CONTAINERS")
     tools = tmp_path / "bin"  # ssh and this Python, no bwrap
     tools.mkdir()
     (tools / "ssh").symlink_to(shutil.which("ssh"))

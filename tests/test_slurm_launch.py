@@ -22,6 +22,8 @@ from conftest import SRC, second_user
 from requires import require_module, skip_or_fail
 from slurm_cluster import SlurmCluster, required_slurm_cluster
 from spawner.callback import CALLBACK_VARIABLE, MAGIC, NONCE, PROOF, SECRET_VARIABLE
+from spawner.containment import MARK, helpers_mark
+from spawner.lifeline import WATCHDOG_NAME
 from sshd_hosts import instances_with, kill_marked, kill_trees, processes_with, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -302,13 +304,16 @@ def _steps(cluster: SlurmCluster) -> list[tuple[str, str, str]]:
     return [tuple(line.split()) for line in out.splitlines() if line.strip()]
 
 
-def _agents(cluster: SlurmCluster) -> dict[str, int]:
+def _agents(cluster: SlurmCluster, watchdogs: bool = False) -> dict[str, int]:
     """node -> pid of each running poprun agent started by a step of `cluster` (its
-    SLURM_CONF, and SLURMD_NODENAME, in its environment), not its watchdog (a fork)."""
+    SLURM_CONF, and SLURMD_NODENAME, in its environment), not its watchdog (a fork, named
+    WATCHDOG_NAME) unless `watchdogs`."""
     found: dict[int, tuple[str, int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if b"spawner.agent" not in Path(f"/proc/{entry}/cmdline").read_bytes():
+            if b"spawner.agent" not in Path(f"/proc/{entry}/cmdline").read_bytes() or \
+                    (not watchdogs and
+                     Path(f"/proc/{entry}/comm").read_bytes().strip() == WATCHDOG_NAME):
                 continue
             env = dict(v.split(b"=", 1) for v in
                        Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if b"=" in v)
@@ -318,6 +323,13 @@ def _agents(cluster: SlurmCluster) -> dict[str, int]:
         except OSError:  # gone meanwhile
             pass
     return {node: pid for pid, (node, parent) in found.items() if parent not in found}
+
+
+def _helpers_mark(pid: int) -> bool:
+    """Whether process `pid` carries a launcher's helpers' mark (containment.helpers_mark)."""
+    suffix = helpers_mark("").encode()
+    return any(v.startswith(MARK.encode() + b"=") and v.endswith(suffix)
+               for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
 
 
 def _start(cluster: SlurmCluster, nodes: int, go: Path, *extra: str) -> subprocess.Popen:
@@ -554,15 +566,21 @@ def test_a_call_without_the_secret_is_refused_and_runs_nothing(cluster, tmp_path
 
 def test_sigkill_of_the_launcher_leaves_nothing(four_nodes, tmp_path):
     """Killed outright, poprun closes nothing itself: its connections' end tells every
-    agent, which stops its instances and exits, and the step ends with its tasks."""
+    agent, which stops its instances and exits, and the step ends with its tasks. poprun's
+    watchdog SIGKILLs srun meanwhile, and Slurm then kills the step's tree, agents included,
+    maybe before they are done: each agent's watchdog, out of that tree, finishes for it
+    (an instance was left running in 1 run of 2 under load while it was inside)."""
     four_nodes.reset()
     go = tmp_path / "go"
     proc = _start(four_nodes, 3, go)
     try:
         wait_until(lambda: len(instances_with(str(go))) >= 3, "every instance to run", 60)
+        for agent in _agents(four_nodes).values():  # no launcher's helper, for its watchdog
+            assert not _helpers_mark(agent), agent
         os.kill(_launcher(str(go)), signal.SIGKILL)
         wait_until(lambda: not instances_with(str(go)), "every instance gone", 30)
-        wait_until(lambda: not _agents(four_nodes), "every agent gone", 30)
+        wait_until(lambda: not _agents(four_nodes, watchdogs=True),
+                   "every agent and its watchdog gone", 30)
         wait_until(lambda: not _steps(four_nodes), "the step gone", 30)
     finally:
         go.write_text("")

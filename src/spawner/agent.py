@@ -814,8 +814,11 @@ def _run(initial: bytes, farewell: bool = False) -> int:
         return 2
     in_fd, out_fd = stream
     fdlimit.raise_soft_limit()  # its hard limit is what the launcher checks (hello_reply)
+    # Forked first (the watchdog copies the smallest process) and detached, before the
+    # agent is a subreaper that would adopt it back: a job step killed whole must not take
+    # the watchdog down with the agent (spawner/lifeline.py).
+    lifeline = Lifeline(detached=True)
     become_subreaper()  # what an instance leaves behind comes back to the agent
-    lifeline = Lifeline()  # forked first: the watchdog copies the smallest process
     try:
         return asyncio.run(_serve(lifeline, in_fd, out_fd, initial, farewell))
     finally:

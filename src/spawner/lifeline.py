@@ -1,6 +1,7 @@
 """A watchdog that outlives its owner by exactly as long as it takes to clean up after it.
 
-`Lifeline()` forks a small process that holds the read end of a pipe. The owner writes to it
+`Lifeline()` forks a small process (detached from its owner's tree for an agent: see
+`Lifeline.__init__`) that holds the read end of a pipe. The owner writes to it
 the process groups it starts, its cgroups, the directories it creates and the MPI worlds it
 serves. If the owner dies in any way — even by SIGKILL, where no `finally` runs — the pipe
 reaches EOF and the watchdog kills every group and cgroup still registered, and every process
@@ -55,6 +56,7 @@ RESWEEP_DELAY = 0.05  # seconds between the watchdog's two sweeps for marked pro
 # Seconds between the watchdog's walks of its owner's tree, when asked to (no cgroups), at
 # least: a walk reads two or three small /proc files per process below the owner.
 TRACK_EVERY = 0.1
+WATCHDOG_NAME = b"poprun-watchdog"  # its name in /proc/PID/comm (15 bytes: the kernel's most)
 COMMAND_TIMEOUT = 30.0  # seconds a cleanup command (add_command) may take at most
 COMMAND_TRIES = 3  # ... and tries, COMMAND_RETRY_DELAY seconds apart
 COMMAND_RETRY_DELAY = 0.5
@@ -64,9 +66,22 @@ _OWNER_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 class Lifeline:
     """Owner side of the watchdog. Not thread-safe; use from one thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, detached: bool = False) -> None:
+        """`detached`: the watchdog leaves its owner's process tree (a double fork: init,
+        or the nearest subreaper, adopts it) for an owner that is a task of a resource
+        manager's job step. Slurm ends a step by killing its process tree (proctrack/
+        linuxproc: every descendant of slurmstepd; pgid: the task's group) in one pass; a
+        watchdog in that tree died with its agent, before it could kill the agent's
+        instances, which have sessions of their own and so escaped the same pass (1 run in
+        2 of the launcher-SIGKILL test under load). Out of the tree it outlives the agent
+        by its cleanup, as it does everywhere else. Under proctrack/cgroup the step's
+        cgroup holds everything, instances included, and is killed whole either way."""
         self.token = os.urandom(8).hex()
         read_fd, self._write_fd = os.pipe()
+        # The watchdog holds `done`'s write end until it exits: its EOF is the owner's sign
+        # that the cleanup is over (a detached watchdog is not the owner's child to wait
+        # for); the watchdog's pid comes first on it.
+        self._done, done_w = os.pipe()
         # Stop signals wait until the fork is done: a Python handler run inside os.fork's
         # at-fork hooks would have its exception swallowed, and the watchdog must not die
         # of one before it ignores them.
@@ -74,16 +89,21 @@ class Lifeline:
         owner = os.getpid()
         try:
             pid = os.fork()
-            if pid == 0:  # the watchdog; it never returns from here
+            if pid == 0:  # the watchdog (or its parent, if detached); never returns
                 try:
                     os.close(self._write_fd)
-                    _watch(read_fd, self.token, blocked, owner)
+                    os.close(self._done)
+                    if not detached or os.fork() == 0:
+                        _watch(read_fd, done_w, self.token, blocked, owner)
                 finally:
                     os._exit(0)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(read_fd)
-        self.pid = pid
+        os.close(done_w)
+        if detached:
+            os.waitpid(pid, 0)  # the middle process, gone once it has forked
+        self.pid = int(_read_line(self._done))
 
     @property
     def mark(self) -> tuple[str, str]:
@@ -169,7 +189,13 @@ class Lifeline:
         self._send(b"q\n")  # a clean close: no sweep for marked processes needed
         os.close(self._write_fd)
         self._write_fd = -1
-        os.waitpid(self.pid, 0)
+        while os.read(self._done, 4096):  # EOF: the watchdog has exited
+            pass
+        os.close(self._done)
+        try:
+            os.waitpid(self.pid, 0)  # a zombie to reap, unless detached
+        except ChildProcessError:
+            pass
 
     def _send(self, message: bytes) -> None:
         os.write(self._write_fd, message)  # small writes to a pipe are atomic
@@ -205,15 +231,23 @@ def run_command(argv: list[str]) -> bool:
     return False
 
 
-def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
+def _watch(read_fd: int, done_fd: int, token: str, mask: set[int], owner: int) -> None:
     # Own session: a Ctrl-C or a kill of the launcher's process group must not take the
     # watchdog down before it has done its work; signals are ignored for the same reason.
     os.setsid()
     for sig in _OWNER_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    os.closerange(0, read_fd)
-    os.closerange(read_fd + 1, 4096)  # hold no pipe of the owner's open (its readers wait)
+    try:  # `ps` and `top` tell it from its owner (same command line: a fork)
+        with open("/proc/self/comm", "wb", buffering=0) as comm:
+            comm.write(WATCHDOG_NAME)
+    except OSError:
+        pass
+    owner_fd = _pidfd(owner)  # opened while the owner waits for our pid: still its own
+    os.write(done_fd, b"%d\n" % os.getpid())
+    keep = sorted(fd for fd in (read_fd, done_fd, owner_fd) if fd is not None)
+    for low, high in zip([0] + [fd + 1 for fd in keep], keep + [4096]):
+        os.closerange(low, high)  # hold no pipe of the owner's open (its readers wait)
     groups: set[int] = set()
     dirs: set[bytes] = set()
     cgroups: set[bytes] = set()
@@ -230,7 +264,7 @@ def _watch(read_fd: int, token: str, mask: set[int], owner: int) -> None:
     while True:
         now = time.monotonic()
         if beats and now - heard >= beats[-1]:  # silent past its timeout: frozen or stuck
-            _kill_owner(owner)
+            _kill_owner(owner, owner_fd)
             break
         if tracking and now >= walk_at:
             _learn([owner] if tracking[-1] else list(groups), known)
@@ -350,15 +384,38 @@ def _read(fd: int, timeout: float | None) -> bytes | None:
     return os.read(fd, 65536)
 
 
-def _kill_owner(owner: int) -> None:
+def _kill_owner(owner: int, owner_fd: int | None) -> None:
     """SIGKILL works on a stopped process too; the owner's own cleanup will never run, so
-    the watchdog's does, as after a SIGKILL of the owner. Only while the watchdog is still
-    its child: a dead owner's pid may be another process's by now."""
-    if os.getppid() == owner:
-        try:
+    the watchdog's does, as after a SIGKILL of the owner. Through the owner's pidfd, or
+    without one only while the watchdog is still its child: a dead owner's pid may be
+    another process's by now."""
+    try:
+        if owner_fd is not None:
+            signal.pidfd_send_signal(owner_fd, signal.SIGKILL)
+        elif os.getppid() == owner:
             os.kill(owner, signal.SIGKILL)
-        except OSError:
-            pass
+    except OSError:
+        pass
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of `pid` (Linux 5.3), None where the kernel has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _read_line(fd: int) -> bytes:
+    """One short line from a pipe (the watchdog's pid), read a byte at a time: nothing
+    after it is consumed."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            raise OSError("the lifeline's watchdog ended before it started")
+        line += byte
+    return line
 
 
 def _apply(buf: bytes, groups: set[int], dirs: set[bytes], cgroups: set[bytes],

@@ -52,6 +52,7 @@ from typing import Any
 
 from .callback import (CALLBACK_VARIABLE, STEP_VARIABLE, Caller, CallbackListener,
                        is_loopback, new_secret)
+from .containment import MARK
 
 STDERR_DATATYPE = 1  # asyncssh.EXTENDED_DATA_STDERR: how the session tells stderr apart
 # Variables a job step sets that describe the agent's task of its step, not the instances.
@@ -170,8 +171,13 @@ class SlurmAgents:
         self._steps.append(step)
         self._listener.learning()
         self._lookups.append(asyncio.ensure_future(self._learn(nodes)))
-        env = {**os.environ, CALLBACK_VARIABLE: self._listener.target(),
-               STEP_VARIABLE: str(step.number)}
+        # Without the launcher's helpers' mark: srun hands its environment to the agents
+        # (--export=ALL), and the launcher's watchdog, which SIGKILLs what carries that mark
+        # when the launcher dies, would kill every agent on its host, and the agent's own
+        # watchdog with it, before they stop their instances (left running, in their own
+        # sessions). srun itself is the launcher's child: its watchdog finds it all the same.
+        env = {**{k: v for k, v in os.environ.items() if k != MARK},
+               CALLBACK_VARIABLE: self._listener.target(), STEP_VARIABLE: str(step.number)}
         secret_line = self._secret.hex().encode() + b"\n"  # callback.read_secret's
         step.run(srun_argv(self._srun, nodes, command), env, secret_line)
         return dict(step.links)

@@ -523,6 +523,34 @@ def kill_marked(marker: str) -> None:
     kill_trees(lambda: [pid for pid in processes_with(marker) if pid != os.getpid()])
 
 
+def watchdog_of(owner: int) -> int:
+    """The lifeline watchdog of `owner` (poprun's is its child, an agent's is detached): the
+    process named WATCHDOG_NAME that holds the other end of one of `owner`'s pipes."""
+    from spawner.lifeline import WATCHDOG_NAME
+
+    pipes = _pipes(owner)
+    return next(pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                if _comm(pid) == WATCHDOG_NAME and pipes & _pipes(pid))
+
+
+def _pipes(pid: int) -> set[str]:
+    found = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("pipe:"):
+                    found.add(target)
+    return found
+
+
+def _comm(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/comm").read_bytes().strip()
+    except OSError:
+        return b""
+
+
 def wait_until(predicate, what: str, timeout: float = 20.0) -> None:
     """Poll `predicate` (every 20 ms) until true; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout

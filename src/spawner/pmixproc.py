@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import socket
 import sys
 import threading
@@ -157,6 +156,8 @@ class _Namespace:
     def from_spawner(self, kind: Kind, fields: dict[str, Any]) -> None:
         """FENCE_OUT, MODEX_DATA, MODEX_ASK, WORLD_END."""
         if kind is Kind.WORLD_END:
+            import shutil  # here: its import (compression modules) is not the start's
+
             self.ns.close()
             shutil.rmtree(pmixplan.nsdir(self.proc.server.tmpdir, self.kvsname),
                           ignore_errors=True)

@@ -121,14 +121,21 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
-
-from .containers import Container
 
 if TYPE_CHECKING:  # local.py (~half of this module's import) only where OUTPUT is decoded:
     from .local import Stream  # the PMIx server's process never decodes one
+
+
+def __getattr__(name: str):
+    """SpawnRequest, from its own module on first use (spawner/spawnrequest.py: dataclasses
+    and the containers' module are most of its import, which the PMIx server's process
+    would otherwise pay at its start)."""
+    if name == "SpawnRequest":
+        from .spawnrequest import SpawnRequest
+
+        return SpawnRequest
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # 5: HELLO's mktemp; 6: PMIx (WORLD's pmix, FENCE_*, MODEX_*), FACTS, HELLO's open_files,
 # STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: SPAWN's
@@ -283,53 +290,6 @@ class Control(NamedTuple):
 
 
 Frame = Output | Control
-
-
-@dataclass(frozen=True)
-class SpawnRequest:
-    """The fields of a SPAWN frame: one instance to start on the agent's host."""
-
-    key: int  # the launcher's name for the instance (its index)
-    argv: tuple[str, ...]
-    env_set: Mapping[str, str] = field(default_factory=dict)  # over the agent's environment
-    env_unset: tuple[str, ...] = ()  # removed from it (before env_set is applied)
-    cwd: str | None = None
-    merge_stderr: bool = False
-    cpus: tuple[int, ...] | None = None  # CPU binding there (None: not bound)
-    mems: tuple[int, ...] | None = None  # memory node binding there (None: not bound)
-    world: str | None = None  # the kvsname of the MPI world it joins (a WORLD frame's)
-    container: Container | None = None  # run inside it (spawner/containers.py)
-
-    def to_fields(self) -> dict[str, Any]:
-        return {"key": self.key, "argv": list(self.argv), "env_set": dict(self.env_set),
-                "env_unset": list(self.env_unset), "cwd": self.cwd,
-                "merge_stderr": self.merge_stderr,
-                "cpus": _list_or_none(self.cpus), "mems": _list_or_none(self.mems),
-                "world": self.world,
-                "container": None if self.container is None else self.container.to_fields()}
-
-    @classmethod
-    def from_fields(cls, fields: Mapping[str, Any]) -> SpawnRequest:
-        """Raises KeyError/TypeError/ValueError for a malformed request."""
-        argv = tuple(fields["argv"])
-        env_set = dict(fields.get("env_set") or {})
-        env_unset = tuple(fields.get("env_unset") or ())
-        strings = (*argv, *env_set, *env_set.values(), *env_unset)
-        if not argv or not all(isinstance(s, str) for s in strings):
-            raise TypeError("argv and environment must be non-empty lists/maps of strings")
-        return cls(key=int(fields["key"]), argv=argv, env_set=env_set, env_unset=env_unset,
-                   cwd=fields.get("cwd"), merge_stderr=bool(fields.get("merge_stderr")),
-                   cpus=_ints_or_none(fields.get("cpus")), mems=_ints_or_none(fields.get("mems")),
-                   world=fields.get("world"),
-                   container=Container.from_fields(fields.get("container")))
-
-
-def _list_or_none(values: tuple[int, ...] | None) -> list[int] | None:
-    return None if values is None else list(values)
-
-
-def _ints_or_none(values: Any) -> tuple[int, ...] | None:
-    return None if values is None else tuple(int(v) for v in values)
 
 
 # --- encoding ----------------------------------------------------------------------------

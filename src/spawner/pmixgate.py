@@ -18,6 +18,9 @@ transport left. So the gate takes the listening socket from libpmix:
   the Unix listener whatever happened to wait there) and never for the Unix listener, so
   that some instances never got through. The gate therefore moves each epoll registration
   of that descriptor in this process to the Unix listener (`_rewatch`), with its events;
+  and the select() thread, which may be inside select() on the TCP socket when the number
+  changes (its wait then ends only at its 2 s timeout, the first instances' MPI_Init with
+  it), is interrupted (`interrupt`) so that it selects on the number again;
 - each connection to the port is checked before a byte of it is read: the kernel's word on
   the peer socket's owner (the uid column of /proc/net/tcp or tcp6, which no user namespace
   or preload changes) must be ours, and the process holding that socket must be a descendant
@@ -36,10 +39,12 @@ the first namespace is registered (`shut_early`).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import select
 import selectors
+import signal
 import socket
 import struct
 import threading
@@ -48,6 +53,9 @@ from collections.abc import Callable, Iterable
 from . import procid
 
 LISTEN, ESTABLISHED = "0A", "01"
+# Interrupts libpmix's select() thread: handled (by nothing) in the server's process only,
+# where nothing else uses it; a select() is never restarted after a handler ran.
+WAKE_SIGNAL = signal.SIGURG
 MAX_ACCEPT_ROUND = 256  # connections accepted and checked per round: one table read each
 MAX_CLIENTS = 4096  # spliced connections at once (a job's instances, and their children)
 CHUNK = 1 << 16
@@ -190,6 +198,20 @@ def _rewatch(watchers: list[tuple[int, int]], fd: int, swap: Callable[[], None])
             ep.register(fd, events)
 
 
+def foreign_threads() -> list[int]:
+    """This process's threads that Python did not start (libpmix's), by kernel thread id."""
+    ours = {thread.native_id for thread in threading.enumerate()}
+    return [int(tid) for tid in os.listdir("/proc/self/task") if int(tid) not in ours]
+
+
+def interrupt(tids: Iterable[int]) -> None:
+    """WAKE_SIGNAL to each of threads `tids` of this process (its handler set): a select()
+    there returns EINTR, and libpmix's listen thread then selects again."""
+    tgkill = ctypes.CDLL(None, use_errno=True).tgkill
+    for tid in tids:
+        tgkill(os.getpid(), tid, WAKE_SIGNAL)  # a thread gone meanwhile: ESRCH, nothing to do
+
+
 # --- the gate ------------------------------------------------------------------------------
 
 class Refused(Exception):
@@ -221,6 +243,8 @@ class Gate:
             raise OSError(errno.ENOENT, f"libpmix's listening socket: {len(mine)} found")
         (self._libpmix_fd,) = mine.values()
         self._watchers = epoll_watchers(self._libpmix_fd, os.fstat(self._libpmix_fd).st_ino)
+        if not self._watchers:  # a select() thread: `interrupt` needs the handler set (here:
+            signal.signal(WAKE_SIGNAL, lambda *_: None)  # the main thread)
         self._public = socket.socket(fileno=os.dup(self._libpmix_fd))
         self._renew_inner()
         self._public.setblocking(False)
@@ -243,6 +267,8 @@ class Gate:
             inner.setblocking(not self._watchers)
             _rewatch(self._watchers, self._libpmix_fd,
                      lambda: os.dup2(inner.fileno(), self._libpmix_fd, inheritable=False))
+            if not self._watchers:
+                interrupt(foreign_threads())
         finally:
             inner.close()
 

@@ -425,3 +425,38 @@ def test_a_select_thread_waiting_on_libpmix_s_listener_is_woken_onto_the_gate_s(
         finally:
             kept.close()
             signal.signal(pmixgate.WAKE_SIGNAL, old)
+
+
+def test_sock_diag_names_a_connection_s_owner_as_the_kernel_s_table_does():
+    """spawner/sockdiag.py's exact lookup, against /proc/net/tcp (the gate's fallback) for
+    the same real loopback connection: our uid and the client socket's inode from both; a
+    socket that is not there is None; answers that are not the kernel's are refused."""
+    from spawner import pmixgate, sockdiag
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        with socket.create_connection(listener.getsockname()) as client:
+            server, _ = listener.accept()
+            with server:
+                diag = sockdiag.Diag()
+                try:
+                    # as the gate asks: the peer's socket, seen from the accepted one
+                    found = diag.lookup(server.getpeername(), server.getsockname(),
+                                        socket.AF_INET)
+                    assert found == (os.getuid(), os.fstat(client.fileno()).st_ino)
+                    with open("/proc/net/tcp") as f:
+                        table = pmixgate.parse_table(f.read())
+                    peer, ours = server.getpeername(), server.getsockname()
+                    key = (pmixgate.address_hex(*peer, socket.AF_INET),
+                           pmixgate.address_hex(*ours, socket.AF_INET))
+                    assert table[key][:2] == found
+                    assert diag.lookup(("127.0.0.1", 1), ("127.0.0.1", 2), socket.AF_INET) \
+                        is None
+                finally:
+                    diag.close()
+    for garbage in (b"", b"\0" * 15, sockdiag.NLMSG.pack(16, 99, 0, 7, 0),
+                    sockdiag.NLMSG.pack(20, sockdiag.NLMSG_ERROR, 0, 7, 0) + b"\xf3\xff\xff\xff",
+                    sockdiag.NLMSG.pack(16, sockdiag.SOCK_DIAG_BY_FAMILY, 0, 8, 0)):
+        with pytest.raises(sockdiag.Unavailable):
+            sockdiag.parse_answer(garbage, 7)

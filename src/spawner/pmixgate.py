@@ -22,8 +22,9 @@ transport left. So the gate takes the listening socket from libpmix:
   changes (its wait then ends only at its 2 s timeout, the first instances' MPI_Init with
   it), is interrupted (`interrupt`) so that it selects on the number again;
 - each connection to the port is checked before a byte of it is read: the kernel's word on
-  the peer socket's owner (the uid column of /proc/net/tcp or tcp6, which no user namespace
-  or preload changes) must be ours, and the process holding that socket must be a descendant
+  the peer socket's owner (its uid as sock_diag answers an exact lookup: spawner/sockdiag.py;
+  where that cannot answer, the same field in /proc/net/tcp or tcp6; no user namespace or
+  preload changes it) must be ours, and the process holding that socket must be a descendant
   of the server's owner (poprun or the agent, whose children are the instances; found
   through /proc/PID/task/*/children and /proc/PID/fd), or carry the job's mark in its
   environment (an instance in a container, whose processes are not the spawner's
@@ -50,7 +51,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterable
 
-from . import procid
+from . import procid, sockdiag
 
 LISTEN, ESTABLISHED = "0A", "01"
 # Interrupts libpmix's select() thread: handled (by nothing) in the server's process only,
@@ -86,8 +87,15 @@ def parse_table(text: str) -> dict[tuple[str, str], tuple[int, int, str]]:
     return found
 
 
-def listening_inodes(text: str) -> set[int]:
-    return {inode for (_, _), (_, inode, state) in parse_table(text).items() if state == LISTEN}
+def _tcp_listener(fd: int) -> bool:
+    """Whether descriptor `fd` of this process is a listening TCP socket."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            return (sock.family in (socket.AF_INET, socket.AF_INET6)
+                    and sock.type == socket.SOCK_STREAM
+                    and bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)))
+    except OSError:
+        return False
 
 
 def _tables() -> str:
@@ -232,13 +240,16 @@ class Gate:
         self._libpmix_fd = -1
         self._watchers: list[tuple[int, int]] = []  # libpmix's epoll on it: (epoll fd, events)
         self._sel = selectors.DefaultSelector()
+        try:
+            self._diag: sockdiag.Diag | None = sockdiag.Diag()
+        except sockdiag.Unavailable:
+            self._diag = None
         self._pipes: dict[int, _Splice] = {}
 
     def take(self) -> int:
         """Find libpmix's listening socket, keep it, and put the Unix listener under its
         descriptor; the port. Raises OSError where there is none."""
-        listening = listening_inodes(_tables())
-        mine = {inode: fd for inode, fd in socket_inodes("self").items() if inode in listening}
+        mine = {inode: fd for inode, fd in socket_inodes("self").items() if _tcp_listener(fd)}
         if len(mine) != 1:
             raise OSError(errno.ENOENT, f"libpmix's listening socket: {len(mine)} found")
         (self._libpmix_fd,) = mine.values()
@@ -324,18 +335,15 @@ class Gate:
             batch.append(conn)
         if not batch:
             return
-        table = parse_table(_tables())
-        family = self._public.family
+        tables: list[dict] = []  # /proc/net/tcp, read at most once a round (`_whose`)
         descendants = None
         unplaced: list[tuple[socket.socket, int, int]] = []  # ours, held outside the tree
         for conn in batch:
             try:
-                peer, ours = conn.getpeername(), conn.getsockname()
-                entry = table.get((address_hex(peer[0], peer[1], family),
-                                   address_hex(ours[0], ours[1], family)))
+                entry = self._whose(conn.getpeername(), conn.getsockname(), tables)
                 if entry is None:
                     raise Refused(None, "its socket is not in this network namespace's table")
-                uid, inode, _ = entry
+                uid, inode = entry
                 if uid != os.getuid():
                     raise Refused(uid, f"its socket belongs to uid {uid}")
                 if descendants is None:
@@ -353,6 +361,22 @@ class Gate:
                 self._refused(None, exc.strerror or str(exc))
         if unplaced:
             self._place(unplaced)
+
+    def _whose(self, peer: tuple, ours: tuple, tables: list[dict]) -> tuple[int, int] | None:
+        """(uid, inode) of the peer's socket, the kernel's word: sock_diag's exact lookup,
+        or /proc/net/tcp{,6} where sock_diag cannot answer (read once into `tables`)."""
+        family = self._public.family
+        if self._diag is not None:
+            try:
+                return self._diag.lookup(peer, ours, family)
+            except sockdiag.Unavailable:
+                self._diag.close()
+                self._diag = None
+        if not tables:
+            tables.append(parse_table(_tables()))
+        entry = tables[0].get((address_hex(peer[0], peer[1], family),
+                               address_hex(ours[0], ours[1], family)))
+        return None if entry is None else entry[:2]
 
     def _place(self, unplaced: list[tuple[socket.socket, int, int]]) -> None:
         """Connections of our uid held by no descendant: admitted where the holder carries

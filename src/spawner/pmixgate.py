@@ -57,7 +57,7 @@ LISTEN, ESTABLISHED = "0A", "01"
 # Interrupts libpmix's select() thread: handled (by nothing) in the server's process only,
 # where nothing else uses it; a select() is never restarted after a handler ran.
 WAKE_SIGNAL = signal.SIGURG
-MAX_ACCEPT_ROUND = 256  # connections accepted and checked per round: one table read each
+MAX_ACCEPT_ROUND = 256  # connections accepted and checked per round (at most one table read)
 MAX_CLIENTS = 4096  # spliced connections at once (a job's instances, and their children)
 CHUNK = 1 << 16
 HIGH_WATER = 4 << 20  # bytes waiting for one side before the other is no longer read

@@ -26,6 +26,10 @@ import threading
 from typing import Any
 
 from . import pmixplan
+# At the process's start, not at PMIX_SERVE: it is started before the job has a name, and
+# what it imports then is off the launch's path (ctypes and the gate's modules).
+from .pmixgate import Gate
+from .pmixserver import SERVER_MCA, PmixServer
 from .protocol import Control, FrameDecoder, Kind, ProtocolError, encode
 
 MAX_REFUSALS_TOLD = 64  # PMIX_REFUSED frames per process: one per uid, and at most these
@@ -98,9 +102,6 @@ class ServerProcess:
             self.post(Kind.REPLY, id=fields.get("id"), result=result)
 
     def _serve(self, fields: dict[str, Any]) -> dict[str, Any]:
-        from .pmixgate import Gate
-        from .pmixserver import SERVER_MCA, PmixServer
-
         os.environ.update(SERVER_MCA)
         tmpdir = str(fields["tmpdir"])
         self.server = PmixServer(str(fields["libpmix"]), tmpdir, str(fields["hostname"]),

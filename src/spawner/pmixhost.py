@@ -14,8 +14,9 @@ too, and it carries the lifeline's helpers mark: a SIGKILLed owner leaves none o
 
 The first server's process is started as soon as the launch knows it serves PMIx (right
 after the lifeline's fork), libpmix's server in it as soon as the job has a name, and the
-next attempt's as the previous one is cleaned up: their start (~70-90 ms of CPU here: Python,
-its imports and libpmix's initialisation) is off the launch's path.
+next attempt's as the previous one is cleaned up: their start (~60-110 ms of CPU on the
+loaded machine here: Python, its imports, libpmix's initialisation; bench/pmix_start_bench.py)
+is off the launch's path where the launch's own set-up takes longer.
 """
 
 from __future__ import annotations

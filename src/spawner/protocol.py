@@ -137,6 +137,7 @@ def __getattr__(name: str):
         return SpawnRequest
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 # 5: HELLO's mktemp; 6: PMIx (WORLD's pmix, FENCE_*, MODEX_*), FACTS, HELLO's open_files,
 # STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: SPAWN's
 # container (an agent that ignored it would start the instance bare), HELLO's kill_timeout,

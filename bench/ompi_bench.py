@@ -6,6 +6,7 @@ against Open MPI's own `mpirun` on the same program, with the same Open MPI: Deb
 
     python bench/ompi_bench.py                 # 15 reps, 4 and 8 ranks
     python bench/ompi_bench.py --sizes 4 --reps 5
+    python bench/ompi_bench.py --poprun ./a/poprun --other ./b/poprun   # two trees, A/B
 
 Sides, interleaved after one warm-up each (mpi_bench.py's way): floor (one singleton
 `from mpi4py import MPI`), poprun, mpirun; rank 0 prints the world's size, which must be N.
@@ -31,14 +32,20 @@ MPIRUN = "/usr/bin/mpirun"
 SIDES = ("floor", "poprun", "mpirun")
 
 
-def contenders(poprun: str, n: int, env: dict[str, str]) -> list[lb.Contender]:
+def contenders(poprun: str, n: int, env: dict[str, str],
+               other: str | None = None) -> list[lb.Contender]:
     rank = [PYTHON, "-c", mb.PROGRAM]
     floor = [PYTHON, "-c", mb.FLOOR_PROGRAM]
     pop = [poprun, "--num-instances", str(n), "--num-replicas", str(n), "--offline-mode=1", *rank]
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     mpirun = [MPIRUN, *root, "--oversubscribe", "-n", str(n), *rank]
+    # Another poprun (another tree), interleaved with the rest: on a loaded machine only
+    # sides measured in one round compare.
+    others = [] if other is None else [[other, *pop[1:]]]
     return [
         lb.Contender(lb.Side("floor", floor), lambda d: lb.run_quiet("floor", floor, mb.TIMEOUT_S, d, env)),
+        *[lb.Contender(lb.Side("other", argv), lambda d, argv=argv: mb.world_run(
+            "other", argv, n, env, d)) for argv in others],
         lb.Contender(lb.Side("poprun", pop), lambda d: mb.world_run("poprun", pop, n, env, d)),
         lb.Contender(lb.Side("mpirun", mpirun), lambda d: mb.world_run("mpirun", mpirun, n, env, d),
                      max_hangs=1),
@@ -50,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--sizes", default="4,8")
     p.add_argument("--poprun", default=None)
+    p.add_argument("--other", default=None, help="a second poprun, measured beside the first")
     args = p.parse_args(argv)
     if not (os.access(MPIRUN, os.X_OK) and os.access(PYTHON, os.X_OK)):
         print(f"ompi_bench: skipped: needs {MPIRUN} and {PYTHON} (apt-get install openmpi-bin "
@@ -59,14 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ompi_bench.") as name:
         tmp = Path(name)
         for k, n in enumerate(int(s) for s in args.sizes.split(",")):
-            group = contenders(poprun, n, dict(os.environ))
+            group = contenders(poprun, n, dict(os.environ), args.other)
             lb.interleave(group, args.reps, tmp / f"n{n}", f"ompi n={n}", warmup=(k == 0))
             sides = {c.side.name: c.side for c in group}
             for side in sides.values():
                 print(f"N={n:<3} {side.name:7} median {lb.ms(side.median)} "
                       f"({lb.ms(side.min)}-{lb.ms(side.max)}) {lb.counts(side)}")
-            if sides["poprun"].median and sides["mpirun"].median:
-                print(f"N={n:<3} poprun / mpirun: {sides['poprun'].median / sides['mpirun'].median:.2f}x")
+            for name in ("poprun", "other"):
+                if name in sides and sides[name].median and sides["mpirun"].median:
+                    print(f"N={n:<3} {name} / mpirun: "
+                          f"{sides[name].median / sides['mpirun'].median:.2f}x")
     return 0
 
 

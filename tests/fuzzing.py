@@ -1,6 +1,6 @@
-"""What the fuzz tests share (tests/test_fuzz_surfaces.py, tests/test_fuzz_peers.py): how much
-Hypothesis tries, and the watch on the event loop that every in-process fuzzer runs beside the
-surface it feeds.
+"""What the fuzz tests share (tests/test_fuzz_surfaces.py, tests/test_fuzz_peers.py,
+tests/test_pmix_fuzz.py): how much Hypothesis tries, and the watch on the event loop that
+every in-process fuzzer runs beside the surface it feeds.
 
 Reproducible: `derandomize=True` draws every test's examples from a seed fixed by the test's
 own name, so a run in CI tries exactly what a run here tried, and a failure reproduces by

@@ -178,6 +178,7 @@ def run_world(tmp_path, ompi, instances: int, program: str, *options: str):
     # poprun writes its result however the job ends: an empty file is poprun's fault
     assert written, f"no --result-json: exit {proc.returncode}: {proc.stderr.decode()[-3000:]}"
     result = json.loads(written)
+    assert result.get("mpi_worlds"), f"no world: {proc.stderr.decode()[-3000:]}"
     assert world_leftovers(result) == []  # however the job ended
     return proc, result
 
@@ -353,9 +354,35 @@ def test_a_killed_poprun_leaves_nothing(tmp_path, ompi):
         assert job.stdout.readline() == b"in\n"  # the world is up
         (name,) = [n for n in kvsnames(os.environ) if pmix_leftovers(n) and n not in before]
         assert len(pmix_leftovers(name)) == 2  # the server's directory, the segments'
+        (server,) = pmix_servers(job.pid)
         job.kill()
         job.wait(30)
     wait_until(lambda: not pmix_leftovers(name), "the watchdog to remove the world's files")
+    wait_until(lambda: not os.path.exists(f"/proc/{server}") or _zombie(server),
+               "the watchdog to kill the PMIx server's process")
+
+
+def pmix_servers(pid: int) -> list[int]:
+    """The PMIx server processes (spawner/pmixproc.py) poprun `pid` runs now."""
+    from spawner import procid
+
+    found = []
+    for child in procid.children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawner.pmixproc" in f.read():
+                    found.append(child)
+        except OSError:
+            continue
+    return found
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def test_reap_removes_a_recorded_pmix_world_s_directories():

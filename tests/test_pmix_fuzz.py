@@ -1,77 +1,236 @@
-"""Fuzzing what may reach poprun's PMIx service, bounded in time (docs/architecture.md, "The
-instances' worlds"): an instance's bytes to its host's PMIx server socket (libpmix's own
-listener: garbage, headers announcing huge messages, connections dropped midway), after
-which the real Open MPI world of the same instances must still form; and what an agent may
-send the launcher about a world's PMIx (FENCE_IN, MODEX_WANT, MODEX_GOT with any fields),
-which must never raise, never grow without bound, and leave a proper fence working.
+"""Fuzzing what may reach poprun's PMIx service, with Hypothesis (docs/architecture.md, "The
+instances' worlds"; spawner/pmixgate.py, spawner/pmixhost.py, run/pmixworld.py):
+
+- the raw listener from outside the job: any bytes, any number of connections at once (past
+  the gate's round of 256 accepts), sent and dropped or held idle, to the PMIx port of a
+  running job, whose real Open MPI world must then form with the same result and report as
+  untouched (every connection refused unread, at once);
+- the raw listener from inside the job: bytes a descendant of an instance sends libpmix
+  itself through the gate (noise, headers announcing huge messages, a client's first
+  message with lies in it), after which the world must still form;
+- what an agent may send the launcher about a world's PMIx (FENCE_IN, MODEX_WANT, MODEX_GOT,
+  PMIX_LOST with any fields), which must never raise, never grow without bound, and leave a
+  proper fence working.
+
+Reproducible: derandomized, no example database, bounded in examples (never in wall-clock
+time), no shrinking for the launches (a failure shows its example as generated). The Open
+MPI ones run with both Open MPIs (test_openmpi_world.py's `ompi`): skipped where one is
+missing, failed instead where POPRUN_REQUIRE_OPENMPI=1.
 """
 
 from __future__ import annotations
 
 import base64
-import random
+import json
+import os
+import socket
+import struct
+import subprocess
 import time
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from conftest import OFFLINE, run_poprun
-from requires import skip_or_fail
-from test_openmpi_world import OPEN_MPIS, _probe
+from conftest import OFFLINE, poprun_env, reaped
+from fuzzing import FAST, LAUNCHES
+from test_openmpi_world import ompi  # noqa: F401 - the fixture
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
-FUZZ_SECONDS = 3.0
+# Each example sends to a running job: bounded, reproducible, not shrunk (fuzzing.py).
+ON_A_JOB = settings(LAUNCHES, max_examples=15)
+IN_PROCESS = settings(FAST, max_examples=150)
+REFUSED_WITHIN = 5.0  # seconds for the gate to close a connection from outside the job
 
-GARBAGE = """
-import os, random, socket, struct, time
-uri = os.environ["PMIX_SERVER_URI2"].split(";", 1)[1]  # tcp4://127.0.0.1:<port>
-host, port = uri.split("//", 1)[1].rsplit(":", 1)
-rng = random.Random(1000 + int(os.environ["PMIX_RANK"]))
-end, sent = time.monotonic() + SECONDS, 0
-while time.monotonic() < end:
-    try:
-        s = socket.create_connection((host, int(port)), timeout=1)
-    except OSError:
-        continue
-    kind = rng.randrange(4)
-    if kind == 0:  # noise
-        data = rng.randbytes(rng.randrange(1, 2048))
-    elif kind == 1:  # a header that announces a huge message, then little
-        data = struct.pack("!IIII", rng.getrandbits(32), rng.getrandbits(32), 0xFFFFFFF0,
-                           rng.getrandbits(32)) + rng.randbytes(16)
-    elif kind == 2:  # what a client's first message could look like, with lies in it
-        data = (struct.pack("!I", rng.randrange(1 << 16)) + b"native\\0" +
-                os.environ["PMIX_NAMESPACE"].encode() + b"\\0" + struct.pack("!I", 7) +
-                rng.randbytes(rng.randrange(64)))
-    else:  # nothing: connect and drop
-        data = b""
-    try:
-        s.sendall(data)
-        s.settimeout(0.05)
-        s.recv(64)
-    except OSError:
-        pass
-    s.close()
-    sent += 1
+# Ranks say where their server is, wait for the test's go, then form their world.
+WORLD_AFTER_GO = r"""
+import os, sys, time
+relay = None
+if os.environ["PMIX_RANK"] == "0":
+    print("uri", os.environ["PMIX_SERVER_URI2"], os.environ["PMIX_NAMESPACE"], flush=True)
+    if len(sys.argv) > 2:  # a helper of the job's own, relaying the test's bytes to PMIx
+        import subprocess
+        relay = subprocess.Popen([sys.executable, "-c", sys.argv[3], sys.argv[2]])
+deadline = time.monotonic() + 240
+while not os.path.exists(sys.argv[1]):
+    assert time.monotonic() < deadline, "no go"
+    time.sleep(0.01)
+if relay is not None:
+    relay.kill()
+    relay.wait()
 from mpi4py import MPI
 c = MPI.COMM_WORLD
-print("after", sent > 0, c.Get_rank(), c.Get_size(), c.allreduce(1), flush=True)
-""".replace("SECONDS", repr(FUZZ_SECONDS))
+print("world", c.Get_rank(), c.Get_size(), c.allreduce(c.Get_rank() + 1), flush=True)
+"""
+
+# The relay: a descendant of instance 0, so the gate lets it through to libpmix. It takes
+# one example a connection on a Unix socket (JSON: the bytes, base64, and how long to hold
+# the PMIx connection afterwards), sends them to the PMIx port, and answers when done.
+RELAY = r"""
+import base64, json, os, socket, sys, time
+uri = os.environ["PMIX_SERVER_URI2"].split(";", 1)[1]
+host, port = uri.split("//", 1)[1].rsplit(":", 1)
+server = socket.socket(socket.AF_UNIX)
+server.bind(sys.argv[1] + ".tmp"); os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+server.listen(4)
+while True:
+    conn, _ = server.accept()
+    example = json.loads(conn.makefile().readline())
+    pmix = socket.create_connection((host, int(port)), timeout=5)
+    try:
+        pmix.sendall(base64.b64decode(example["data"]))
+        pmix.settimeout(example["hold"])
+        pmix.recv(65536)
+    except OSError:
+        pass
+    pmix.close()
+    conn.sendall(b"done\n")
+    conn.close()
+"""
 
 
-def test_garbage_on_the_pmix_socket_leaves_the_world_working():
-    version = next((v for v in sorted(OPEN_MPIS) if _probe(v) is None), None)
-    if version is None:
-        skip_or_fail("no Open MPI under mpi4py here", "POPRUN_REQUIRE_OPENMPI")
-    python, env = OPEN_MPIS[version]
-    started = time.monotonic()
-    proc = run_poprun(*OFFLINE, "--num-instances=3", "--num-replicas=3", *python, "-c",
-                      GARBAGE, timeout=150, env=env)
-    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
-    lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("after"))
-    assert lines == [f"after True {r} 3 3" for r in range(3)]
-    assert time.monotonic() - started < 120
+def _start(ompi, tmp_path, *relay: str):
+    python, env = ompi
+    go, out = tmp_path / "go", tmp_path / "r.json"
+    job = subprocess.Popen(
+        ompi.poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", f"--result-json={out}",
+                    *python, "-c", WORLD_AFTER_GO, str(go), *relay),
+        env=poprun_env({"POPRUN_NO_DASHBOARD": "1", **env}), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    _, uri, _ = job.stdout.readline().decode().split()
+    host, port = uri.split("//", 1)[1].rsplit(":", 1)
+    return job, go, out, (host, int(port))
 
+
+def _assert_untouched(job, go, out) -> str:
+    """Go: the world forms, and the job ends as one nobody touched."""
+    go.touch()
+    stdout, stderr = job.communicate(timeout=120)
+    stderr = stderr.decode()
+    assert job.returncode == 0, stderr[-3000:]
+    assert sorted(line.split() for line in stdout.decode().splitlines()
+                  if line.startswith("world")) == [["world", "0", "2", "3"],
+                                                    ["world", "1", "2", "3"]]
+    result = json.loads(out.read_text())
+    assert result["exit_code"] == 0 and result["root_cause"] is None
+    assert [i["exit_status"] for i in result["instances"]] == [0, 0]
+    # No error of poprun's and no report (libpmix's own complaints about bytes from the
+    # job's own processes, in its server's stderr, are libpmix's)
+    assert not [line for line in stderr.splitlines()
+                if " POPRUN [E] " in line or line.startswith("poprun:")], stderr
+    return stderr
+
+
+# PMIx's wire: a client's messages start with a header of four 32-bit numbers (pindex, tag,
+# nbytes, ...); its first one names its security mode, namespace and rank.
+HEADERS = st.builds(lambda a, b, n, d: struct.pack("!IIII", a, b, n, d),
+                    st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
+                    st.sampled_from([0, 1, 16, 1 << 20, 0x7FFFFFFF, 0xFFFFFFF0, 0xFFFFFFFF]),
+                    st.integers(0, 2**32 - 1))
+
+
+def _first_messages(nspace: str):
+    return st.builds(
+        lambda pindex, mode, ns, rank, rest: (struct.pack("!I", pindex) + mode + b"\0"
+                                              + ns + b"\0" + struct.pack("!I", rank) + rest),
+        st.integers(0, 1 << 16), st.sampled_from([b"native", b"munge", b"none", b""]),
+        st.sampled_from([nspace.encode(), b"", b"x" * 300]),
+        st.sampled_from([0, 1, 2, 0xFFFFFFFE, 0xFFFFFFFF]), st.binary(max_size=256))
+
+
+def _payloads(nspace: str):
+    return st.one_of(
+        st.binary(max_size=2048),
+        st.binary(min_size=60_000, max_size=300_000),  # past the gate's 64 KiB chunks
+        st.builds(bytes.__add__, HEADERS, st.binary(max_size=64)),
+        _first_messages(nspace),
+        st.just(b""))
+
+
+def test_the_pmix_port_refuses_everyone_outside_the_job_unread(tmp_path, ompi):
+    job, go, out, where = _start(ompi, tmp_path)
+    with reaped(job):
+        @ON_A_JOB
+        @given(connections=st.lists(st.tuples(_payloads("poprun"), st.booleans()),
+                                    min_size=1, max_size=8),
+               idle=st.integers(0, 300))
+        @example(connections=[(b"\0" * 300_000, True)], idle=300)  # past a round of accepts
+        def from_outside(connections, idle):
+            held = [socket.create_connection(where, timeout=REFUSED_WITHIN)
+                    for _ in range(idle)]  # idle ones: past one round of the gate's accepts
+            try:
+                for data, wait in connections:
+                    sock = socket.create_connection(where, timeout=REFUSED_WITHIN)
+                    with sock:
+                        try:
+                            sock.sendall(data)
+                        except OSError:
+                            pass  # closed while we sent: refused
+                        if wait:
+                            _assert_closed(sock)
+                for sock in held:
+                    _assert_closed(sock)
+            finally:
+                for sock in held:
+                    sock.close()
+
+        from_outside()
+        stderr = _assert_untouched(job, go, out)
+    assert "refused unread: no process of the job holds its socket" in stderr
+
+
+def _assert_closed(sock: socket.socket) -> None:
+    """The gate closed it without an answer (EOF or a reset), within REFUSED_WITHIN."""
+    sock.settimeout(REFUSED_WITHIN)
+    try:
+        assert sock.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+
+
+def test_what_the_job_s_own_processes_send_libpmix_leaves_the_world_working(tmp_path, ompi):
+    relay = tmp_path / "relay.sock"
+    job, go, out, _ = _start(ompi, tmp_path, str(relay), RELAY)
+    with reaped(job):
+        deadline = time.monotonic() + 60
+        while not relay.exists():
+            assert time.monotonic() < deadline and job.poll() is None, "no relay"
+            time.sleep(0.01)
+        nspace = _nspace_of(job.pid)
+
+        @ON_A_JOB
+        @given(data=_payloads(nspace), hold=st.sampled_from([0.0, 0.05, 0.3]))
+        def from_inside(data, hold):
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.settimeout(30)
+                sock.connect(str(relay))
+                sock.sendall(json.dumps({"data": base64.b64encode(data).decode(),
+                                         "hold": hold}).encode() + b"\n")
+                assert sock.makefile().readline() == "done\n"
+            assert job.poll() is None
+
+        from_inside()
+        _assert_untouched(job, go, out)
+
+
+def _nspace_of(pid: int) -> str:
+    """The job's namespace, from its record's worlds (poprun `pid`'s own child's
+    environment would do too)."""
+    from spawner import procid
+
+    for child in procid.descendants([pid]):
+        try:
+            with open(f"/proc/{child}/environ", "rb") as f:
+                for entry in f.read().split(b"\0"):
+                    if entry.startswith(b"PMIX_NAMESPACE="):
+                        return entry.split(b"=", 1)[1].decode()
+        except OSError:
+            continue
+    raise AssertionError("no instance with a PMIx namespace")
+
+
+# --- what an agent sends the launcher about PMIx ---------------------------------------------
 
 class _Agent:
     """A RemoteSpawner as PmixWorld uses it: its host and what it is told."""
@@ -94,33 +253,42 @@ class _Log:
         pass
 
 
-def _value(rng: random.Random):
-    return rng.choice([None, -1, 0, 1, 3, 2**40, "1", "x", [], [0, 1], [3, 2], [0, 0],
-                       [-1], ["a"], {}, 1.5, True, "QUJD", "!!notbase64", "A" * 1000,
-                       [0, 1, 2, 3], list(range(100))])
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=50) | st.sampled_from(["QUJD", "!!notbase64", "A" * 10_000]),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=5), inner,
+                                                                max_size=3),
+    max_leaves=20)
+RANKS = st.lists(st.integers(-2, 5), max_size=6) | st.just(list(range(1000)))
+FIELDS = st.fixed_dictionaries({}, optional={
+    "ranks": RANKS | JSON_VALUES, "seq": st.integers(-1, 2**40) | JSON_VALUES,
+    "data": st.binary(max_size=64).map(lambda b: base64.b64encode(b).decode()) | JSON_VALUES,
+    "id": st.integers(-1, 2**40) | JSON_VALUES, "rank": st.integers(-1, 8) | JSON_VALUES,
+    "status": st.integers(-200, 10) | JSON_VALUES, "error": JSON_VALUES})
+MESSAGES = st.lists(st.tuples(
+    st.sampled_from(["FENCE_IN", "MODEX_WANT", "MODEX_GOT", "PMIX_UNSERVED", "PMIX_LOST",
+                     "BOGUS"]), st.sampled_from(["h1", "h2"]), FIELDS), max_size=60)
 
 
-def test_what_an_agent_sends_about_pmix_never_breaks_the_launcher():
+@IN_PROCESS
+@given(messages=MESSAGES)
+def test_what_an_agent_sends_about_pmix_never_breaks_the_launcher(messages):
     from poprun.run.pmixworld import PmixWorld
     from spawner import pmixplan
 
     agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
-    log = _Log()
+    log, lost = _Log(), []
     world = PmixWorld("poprun-fuzz-0", ["h1", "h1", "h2", "h2"], agents, None,
-                      lambda *a: None, log)
-    rng = random.Random(7)
-    end = time.monotonic() + FUZZ_SECONDS
-    kinds = ["FENCE_IN", "MODEX_WANT", "MODEX_GOT", "PMIX_UNSERVED", "BOGUS"]
-    while time.monotonic() < end:
-        fields = {key: _value(rng) for key in rng.sample(
-            ["ranks", "seq", "data", "id", "rank", "status", "error"], rng.randrange(8))}
-        world.from_agent(agents[rng.choice(["h1", "h2"])], rng.choice(kinds), fields)
+                      lambda *a: None, lambda host, why: lost.append((host, why)), log)
+    for kind, host, fields in messages:
+        world.from_agent(agents[host], kind, fields)
     assert len(world._fences._open) <= pmixplan.MAX_OPEN_FENCES
     assert all(len(m) < 1000 for m in log.warnings)
+    assert all(len(why) <= 500 for _, why in lost)
     # A proper fence over the whole world still completes, with both hosts' data in order.
     for agent in agents.values():
         agent.told.clear()
-    ranks, seq = [0, 1, 2, 3], 10**6
+    ranks, seq = [0, 1, 2, 3], 10**12
     world.from_agent(agents["h2"], "FENCE_IN", {"ranks": ranks, "seq": seq,
                                                 "data": base64.b64encode(b"two").decode()})
     world.from_agent(agents["h1"], "FENCE_IN", {"ranks": ranks, "seq": seq,
@@ -134,7 +302,8 @@ def test_a_host_that_enters_a_fence_twice_or_for_others_fails_that_fence_only():
     from poprun.run.pmixworld import PmixWorld
 
     agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
-    world = PmixWorld("poprun-fuzz-1", ["h1", "h2"], agents, None, lambda *a: None, _Log())
+    world = PmixWorld("poprun-fuzz-1", ["h1", "h2"], agents, None, lambda *a: None,
+                      lambda *a: None, _Log())
     data = base64.b64encode(b"x").decode()
     world.from_agent(agents["h1"], "FENCE_IN", {"ranks": [0, 1], "seq": 0, "data": data})
     world.from_agent(agents["h1"], "FENCE_IN", {"ranks": [0, 1], "seq": 0, "data": data})
@@ -146,3 +315,148 @@ def test_a_host_that_enters_a_fence_twice_or_for_others_fails_that_fence_only():
     # The first entry stands: h2's own entry completes that fence for both.
     world.from_agent(agents["h2"], "FENCE_IN", {"ranks": [0, 1], "seq": 0, "data": data})
     assert agents["h1"].told[-1][1]["data"] == base64.b64encode(b"xx").decode()
+
+
+def test_the_kernel_s_socket_table_is_read_as_the_kernel_writes_it():
+    """pmixgate's reading of /proc/net/tcp, against this machine's own table: a socket we
+    listen on is found, with our uid, as LISTEN."""
+    from spawner import pmixgate
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        with open("/proc/net/tcp") as f:
+            table = pmixgate.parse_table(f.read())
+        key = (pmixgate.address_hex("127.0.0.1", port, socket.AF_INET), "00000000:0000")
+        uid, inode, state = table[key]
+        assert (uid, state) == (os.getuid(), pmixgate.LISTEN)
+        assert pmixgate.socket_inodes("self")[inode] == listener.fileno()
+
+
+def test_an_epoll_that_watched_libpmix_s_listener_watches_the_gate_s_unix_listener(tmp_path):
+    """What libpmix 5.0.5+'s libevent loop sees once the gate has put its Unix listener
+    under the TCP listener's descriptor (pmixgate._rewatch): a real epoll, registered as
+    libevent registers it (level-triggered EPOLLIN, the descriptor's number as its data),
+    is woken by a connection to the Unix listener and reports that number, and no longer by
+    one to the TCP port the gate keeps. Without the move it is the other way round (the
+    registration follows the TCP socket), which left instances outside the world."""
+    import select
+
+    from spawner import pmixgate
+
+    with socket.socket() as tcp, select.epoll() as loop:
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen(8)
+        fd = tcp.fileno()
+        loop.register(fd, select.EPOLLIN)
+        watchers = pmixgate.epoll_watchers(fd, os.fstat(fd).st_ino)
+        # the kernel adds EPOLLERR and EPOLLHUP to every registration
+        assert watchers == [(loop.fileno(), select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP)]
+        kept = socket.socket(fileno=os.dup(fd))  # the gate's: the port stays open
+        inner = socket.socket(socket.AF_UNIX)
+        inner.bind(str(tmp_path / "gate"))
+        inner.listen(8)
+        pmixgate._rewatch(watchers, fd, lambda: os.dup2(inner.fileno(), fd))
+        inner.close()
+        with kept, socket.create_connection(kept.getsockname()):
+            assert loop.poll(0.5) == []  # the TCP port's connection wakes nobody there
+            with socket.socket(socket.AF_UNIX) as client:
+                client.connect(str(tmp_path / "gate"))
+                assert loop.poll(5) == [(fd, select.EPOLLIN)]
+        assert pmixgate.epoll_watchers(fd, os.fstat(fd).st_ino) == watchers
+
+
+def test_an_epoll_s_fdinfo_is_read_as_the_kernel_writes_it():
+    from spawner import pmixgate
+
+    text = ("pos:\t0\nflags:\t02000002\nmnt_id:\t17\nino:\t1044\n"
+            "tfd:        6 events:       19 data:                6  pos:0 ino:414 sdev:10\n"
+            "tfd:       15 events:       19 data:     7f980000000f  pos:0 ino:4f8cd1 sdev:9\n"
+            "tfd:       x events: zz\n")
+    assert pmixgate.parse_epoll_fdinfo(text) == {6: (0x19, 0x414), 15: (0x19, 0x4f8cd1)}
+
+
+def test_a_select_thread_waiting_on_libpmix_s_listener_is_woken_onto_the_gate_s(tmp_path):
+    """libpmix's listen thread up to 4.2.8 (Debian's 4.2.2) select()s its listener's number;
+    one already inside select() when the gate puts its Unix listener under that number
+    waits on the TCP socket still, until its 2 s timeout: the first instances' MPI_Init
+    waited with it. `pmixgate.interrupt` ends that select() (EINTR), and the next one is on
+    the Unix listener. A Python thread's select.select stands in for libpmix's: the same
+    system call on the same number, retried after EINTR (PEP 475) as libpmix's loop does."""
+    import platform
+    import select
+    import signal
+    import threading
+
+    from spawner import pmixgate
+
+    selects = {"x86_64": {"23", "270"}, "aarch64": {"72"}}.get(platform.machine())
+    if selects is None:  # no switch: the machine's architecture
+        pytest.skip(f"select's system call number on {platform.machine()} is not known here")
+    old = signal.signal(pmixgate.WAKE_SIGNAL, lambda *_: None)
+    with socket.socket() as tcp, socket.socket(socket.AF_UNIX) as inner:
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen(8)
+        fd = tcp.fileno()
+        kept = socket.socket(fileno=os.dup(fd))  # the gate's: the port stays open
+        woke = []
+        waiter = threading.Thread(target=lambda: woke.append(select.select([fd], [], [], 60)),
+                                  daemon=True)
+        waiter.start()
+        try:
+            deadline = time.monotonic() + 30
+            while True:  # inside select(), on the TCP socket
+                with open(f"/proc/self/task/{waiter.native_id}/syscall") as f:
+                    if f.read().split()[0] in selects:
+                        break
+                assert time.monotonic() < deadline, "the thread never selected"
+                time.sleep(0.01)
+            inner.bind(str(tmp_path / "gate"))
+            inner.listen(8)
+            os.dup2(inner.fileno(), fd)
+            with socket.socket(socket.AF_UNIX) as client:
+                client.connect(str(tmp_path / "gate"))
+                waiter.join(0.5)
+                assert waiter.is_alive()  # its select() is on the TCP socket still
+                pmixgate.interrupt([waiter.native_id])
+                waiter.join(30)
+                assert woke == [([fd], [], [])]
+        finally:
+            kept.close()
+            signal.signal(pmixgate.WAKE_SIGNAL, old)
+
+
+def test_sock_diag_names_a_connection_s_owner_as_the_kernel_s_table_does():
+    """spawner/sockdiag.py's exact lookup, against /proc/net/tcp (the gate's fallback) for
+    the same real loopback connection: our uid and the client socket's inode from both; a
+    socket that is not there is None; answers that are not the kernel's are refused."""
+    from spawner import pmixgate, sockdiag
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        with socket.create_connection(listener.getsockname()) as client:
+            server, _ = listener.accept()
+            with server:
+                diag = sockdiag.Diag()
+                try:
+                    # as the gate asks: the peer's socket, seen from the accepted one
+                    found = diag.lookup(server.getpeername(), server.getsockname(),
+                                        socket.AF_INET)
+                    assert found == (os.getuid(), os.fstat(client.fileno()).st_ino)
+                    with open("/proc/net/tcp") as f:
+                        table = pmixgate.parse_table(f.read())
+                    peer, ours = server.getpeername(), server.getsockname()
+                    key = (pmixgate.address_hex(*peer, socket.AF_INET),
+                           pmixgate.address_hex(*ours, socket.AF_INET))
+                    assert table[key][:2] == found
+                    assert diag.lookup(("127.0.0.1", 1), ("127.0.0.1", 2), socket.AF_INET) \
+                        is None
+                finally:
+                    diag.close()
+    for garbage in (b"", b"\0" * 15, sockdiag.NLMSG.pack(16, 99, 0, 7, 0),
+                    sockdiag.NLMSG.pack(20, sockdiag.NLMSG_ERROR, 0, 7, 0) + b"\xf3\xff\xff\xff",
+                    sockdiag.NLMSG.pack(16, sockdiag.SOCK_DIAG_BY_FAMILY, 0, 8, 0)):
+        with pytest.raises(sockdiag.Unavailable):
+            sockdiag.parse_answer(garbage, 7)

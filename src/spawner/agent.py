@@ -509,6 +509,10 @@ class Agent:
         self._reply(request, {"path": request["path"]})
 
     def _spawn(self, fields: dict[str, Any]) -> None:
+        world = self._worlds.get(fields.get("world")) if isinstance(fields, dict) else None
+        if world is not None and not world.ready.done():  # its PMIx namespace first
+            world.ready.add_done_callback(lambda _: self._spawn(fields))  # in order
+            return
         try:
             request = SpawnRequest.from_fields(fields)
             pid = self._start(request)
@@ -590,10 +594,10 @@ class Agent:
         self._worlds[world.kvsname] = world
 
     def _pmix_host(self, pmix: dict[str, Any], hostname: str):
-        """This host's PMIx service (one per process: libpmix allows one server), with the
-        libpmix the launcher's user named, else the one found here (spawner/pmixfind.py),
-        once it passed its check (spawner/pmixcheck.py: ~10-20 ms, bounded). Raises
-        LookupError where there is none to serve with."""
+        """This host's PMIx service (a server process per world), with the libpmix the
+        launcher's user named, else the one found here (spawner/pmixfind.py), once it passed
+        its check (spawner/pmixcheck.py: ~10-20 ms, bounded). Raises LookupError where there
+        is none to serve with."""
         if self._pmix is None:
             from . import pmixcheck, pmixfind
             from .pmixhost import PmixHost
@@ -608,7 +612,7 @@ class Agent:
                 pmixcheck.Check(path).version()
             except pmixcheck.Unusable as exc:
                 raise LookupError(f"{path}: {exc}") from None
-            self._pmix = PmixHost(path, self._lifeline, hostname, self._loop)
+            self._pmix = PmixHost(path, self._lifeline, hostname, self._loop, warn=_log)
         return self._pmix
 
     def _end_world(self, fields: dict[str, Any]) -> None:

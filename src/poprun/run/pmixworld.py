@@ -1,13 +1,14 @@
 """Open MPI's world (PMIx) of one attempt, as the launcher serves and joins it
 (docs/architecture.md, "The instances' worlds").
 
-This host's instances are served by this host's PMIx server (spawner/pmixhost.py); every other
-host's by its agent's (spawner/agentworld.py). What crosses hosts comes here over the agents'
-connections, as for PMI-1: one FENCE_IN per host and fence (that host's instances' data),
-answered with FENCE_OUT once every host holding a participant has entered (their data in
-node order: spawner/pmixplan.FenceTable); a direct modex for a rank on another host goes to
-that host's agent (MODEX_ASK, answered MODEX_GOT) and back (MODEX_DATA). Fences are named by
-their participants and a sequence number per participant set, which every host counts alike.
+This host's instances are served by this host's PMIx server (spawner/pmixhost.py: a process
+of its own per attempt); every other host's by its agent's (spawner/agentworld.py). What
+crosses hosts comes here over the agents' connections, as for PMI-1: one FENCE_IN per host
+and fence (that host's instances' data), answered with FENCE_OUT once every host holding a
+participant has entered (their data in node order: spawner/pmixplan.FenceTable); a direct
+modex for a rank on another host goes to that host's agent (MODEX_ASK, answered MODEX_GOT)
+and back (MODEX_DATA). Fences are named by their participants and a sequence number per
+participant set, which every host counts alike.
 
 What an agent sends is checked (spawner/pmixplan.FenceError): a broken or hostile host's
 fence ends in an error for that fence's instances, never in an exception here.
@@ -15,30 +16,28 @@ fence ends in an error for that fence's instances, never in an exception here.
 
 from __future__ import annotations
 
-import base64
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 
+from poprun.errors import LaunchError
 from spawner import pmixplan
 
-SUCCESS, ERROR, ERR_NOT_FOUND = 0, -1, -46  # spawner/pmixserver.py's statuses
+SUCCESS, ERROR, ERR_NOT_FOUND = 0, -1, -46  # libpmix's statuses (spawner/pmixserver.py)
 MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in one world
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 class PmixWorld:
     """One attempt's PMIx namespace across hosts; `remote`: the agents by host."""
 
     def __init__(self, kvsname: str, hosts: Sequence[str], remote: Mapping[str, object],
-                 pmix, on_abort: Callable[[int, int, str], None], log) -> None:
+                 pmix, on_abort: Callable[[int, int, str], None],
+                 on_server_lost: Callable[[str, str], None], log) -> None:
         self.kvsname, self._remote, self._on_abort, self._log = kvsname, remote, on_abort, log
+        self._on_server_lost = on_server_lost
         self.names = list(dict.fromkeys(hosts))
         self._hosts = list(hosts)
         local = [h for h in self.names if h not in remote]
-        here = local[0] if local else self.names[0]
+        here = self.here = local[0] if local else self.names[0]
         self.world = pmixplan.world(kvsname, hosts, here)
         self._local_node = self.names.index(here) if local else None
         self._pmix = pmix
@@ -46,7 +45,20 @@ class PmixWorld:
         self._done: dict[pmixplan.FenceId, Callable[[int, bytes], None]] = {}  # local waiter
         self._ids = itertools.count(1)
         self._asks: dict[int, tuple] = {}  # our id -> (local done) or (agent, its id)
-        self.ns = pmix.open(self.world, self) if pmix is not None and local else None
+        self._local = bool(local)
+        self.ns = None  # the world's namespace on this host's server (spawner.pmixhost.Served)
+
+    async def open(self) -> None:
+        """Register the world on this host's server (a fresh one), before the instances
+        that need its variables start."""
+        from spawner.pmixhost import PmixServerError
+
+        if self._pmix is not None and self._local:
+            try:
+                self.ns = await self._pmix.open(self.world, self)
+            except PmixServerError as exc:
+                raise LaunchError(f"Open MPI's world (PMIx) cannot be served here: {exc}") \
+                    from None
 
     def world_fields(self, argv: Sequence[str]) -> dict:
         """What a WORLD frame tells the agents: serve PMIx too, with these node names (and
@@ -58,13 +70,13 @@ class PmixWorld:
 
     def unfinalized(self, rank: int) -> bool:
         """A local instance exited: had it joined the world here, and not left it properly
-        (no MPI_Finalize)? Said once."""
+        (no MPI_Finalize)? Said once (the server's word, read up to now: Served)."""
         if self.ns is None or not self.ns.unfinalized(rank):
             return False
         self.ns.finalized.add(rank)
         return True
 
-    # --- this host's server (spawner.pmixserver.Handler) ---------------------------------
+    # --- this host's server (spawner.pmixhost.Handler) -----------------------------------
 
     def fence(self, fence: pmixplan.FenceId, data: bytes, done) -> None:
         self._done[fence] = done
@@ -82,6 +94,9 @@ class PmixWorld:
     def abort(self, rank: int, status: int, message: str) -> None:
         self._on_abort(rank, status, pmixplan.abort_message(message))
 
+    def server_lost(self, reason: str) -> None:
+        self._on_server_lost(self.here, reason)
+
     # --- what the agents send ------------------------------------------------------------
 
     def from_agent(self, spawner, kind_name: str, fields: dict) -> None:
@@ -98,8 +113,9 @@ class PmixWorld:
                 self._wanted(spawner, int(fields["id"]), int(fields["rank"]))
             elif kind_name == "MODEX_GOT":
                 self._got(int(fields["id"]), int(fields["status"]),
-                          pmixplan.decode_data(fields["data"], pmixplan.MAX_MODEX)
-                          if fields.get("data") else b"")
+                          pmixplan.decode_data(fields.get("data") or "", pmixplan.MAX_MODEX))
+            elif kind_name == "PMIX_LOST":
+                self._on_server_lost(host, str(fields.get("error"))[:500])
             elif kind_name == "PMIX_UNSERVED":
                 self._log.warning(f"{host}: Open MPI's world is not served there: "
                                   f"{str(fields.get('error'))[:500]}")
@@ -130,7 +146,7 @@ class PmixWorld:
                 continue
             if error is None:
                 spawner.tell(_kind("FENCE_OUT"), kvsname=self.kvsname, ranks=list(fence.ranks),
-                             seq=fence.seq, data=_b64(blob))
+                             seq=fence.seq, data=pmixplan.b64(blob))
             else:
                 spawner.tell(_kind("FENCE_OUT"), kvsname=self.kvsname, ranks=list(fence.ranks),
                              seq=fence.seq, error=error)
@@ -144,13 +160,13 @@ class PmixWorld:
 
         def answer(status: int, data: bytes) -> None:
             spawner.tell(_kind("MODEX_DATA"), kvsname=self.kvsname, id=their_id,
-                         status=status, data=_b64(data))
+                         status=status, data=pmixplan.b64(data))
 
         if owner not in self._remote:
-            if self._pmix is None or self._pmix.server is None:
+            if self.ns is None:
                 answer(ERR_NOT_FOUND, b"")
             else:
-                self._pmix.server.dmodex_request(self.kvsname, rank, answer)
+                self._pmix.dmodex_request(self.ns, rank, answer)
             return
         if len(self._asks) >= MAX_ASKS:  # an owner that never answers: refuse, not grow
             answer(ERROR, b"")

@@ -359,6 +359,7 @@ class _Session:
         self.mpi_worlds: list[str] = []  # the kvsname of every attempt's MPI world
         self.libpmix = None  # the libpmix that serves Open MPI's world here (its check)
         self.pmix = None  # this host's PMIx service (spawner.pmixhost.PmixHost), if served
+        self._pmix_here = False  # ... and its instances here (a server here)
         # Each host on the network the user chose (plan/network.py); None without a choice.
         self.network: dict[str, HostNetwork] | None = None
         self.rendezvous = None  # Horovod's (run/rendezvous.Rendezvous), once hosts are open
@@ -394,6 +395,8 @@ class _Session:
         wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
         self.libpmix = self._find_libpmix()
         self.lifeline = Lifeline()
+        if self.libpmix is not None:  # its process starts now, its server once named below
+            self._start_pmix()
         if containment.is_subreaper():  # the poprun command: every child it starts is its own
             # ... so its helpers (an SSH ProxyCommand, srun, vipu) carry a mark of the lifeline's
             # too, one that the sweep after an attempt spares (the instances get the token).
@@ -411,6 +414,7 @@ class _Session:
         try:  # poprun writes every instance's files, remote ones too: here is the place
             self.job.router.check_directory()
         except OSError as exc:
+            self._close_pmix()
             self.lifeline.close()
             given = config.effective_output_filename
             # The path that failed may be a parent of the one given (a directory without
@@ -423,14 +427,15 @@ class _Session:
         await self._start_steps()
         try:
             await self._open_job_control()
-            if self.libpmix is not None:  # after the lifeline's fork; named by the job's id
-                self._start_pmix()
+            if self.pmix is not None:
+                self._serve_pmix()
             self._open_progress()
             # From here a stop signal is the job's: before any instance runs, it ends the launch.
             self._restore_signals = install_signal_handlers(self.loop, self.on_signal)
             if self.control is not None:
                 self.control.start_pruning(self.environ)
         except BaseException:
+            self._close_pmix()
             await self._close_fleet()  # __aexit__ will not run: the steps end here
             raise
         return self
@@ -445,23 +450,36 @@ class _Session:
                             self.log)
 
     def _start_pmix(self) -> None:
-        """This host's PMIx service, its server starting in a thread while the launch goes on
-        (after the lifeline's fork: spawner/pmixhost.py), once its libpmix passed its check
-        (run/world.usable_libpmix)."""
-        from poprun.run.world import usable_libpmix
+        """This host's PMIx service, its first server's process starting while the launch
+        goes on (spawner/pmixhost.py); libpmix's server in it once the library passed its
+        check (`_serve_pmix`)."""
         from spawner.pmixhost import PmixHost
 
-        path = usable_libpmix(self.libpmix, self.config, self.log)
-        if path is None:
-            self.libpmix = None
-            return
         local = [label for label in self.hosts.labels if label not in self.hosts.remote]
         # Named as the plan names this host: Open MPI finds itself in the node map so.
-        self.pmix = PmixHost(path, self.lifeline,
+        self.pmix = PmixHost(self.libpmix.path, self.lifeline,
                              local[0] if local else socket.gethostname(), self.loop,
-                             given=self.config.libpmix)
+                             given=self.config.libpmix, warn=self.log.warning)
+        self._pmix_here = bool(local)
         if local:
+            self.pmix.spawn()
+
+    def _serve_pmix(self) -> None:
+        """Once the job has a name and its libpmix passed its check (run/world.usable_libpmix:
+        a process of its own, started with the launch), libpmix's server starts in the
+        process started for it. A library that fails the check is never loaded: a bad
+        --libpmix is bad input (one line), one poprun found is not served (one warning)."""
+        from poprun.run.world import usable_libpmix
+
+        if usable_libpmix(self.libpmix, self.config, self.log) is None:
+            self._close_pmix()
+            self.pmix = self.libpmix = None
+        elif self._pmix_here:  # named by the job's id
             self.pmix.prestart(self._kvsname(0))
+
+    def _close_pmix(self) -> None:
+        if self.pmix is not None:
+            self.pmix.close()
 
     async def _start_steps(self) -> None:
         """Over Slurm, the agents' job steps are created now, not once the job's record and
@@ -710,10 +728,11 @@ class _Session:
         finished = self.loop.create_future()
         kvsname = self._kvsname(attempt)
         self.mpi_worlds.append(kvsname)
-        self.job.start(self.lifeline, lambda: finished.done() or finished.set_result(None),
-                       remote=self.fleet.spawners if self.fleet else None,
-                       kvsname=kvsname if self.config.mpi_worlds != "none" else None,
-                       pmix=self.pmix)
+        await self.job.start(self.lifeline,
+                             lambda: finished.done() or finished.set_result(None),
+                             remote=self.fleet.spawners if self.fleet else None,
+                             kvsname=kvsname if self.config.mpi_worlds != "none" else None,
+                             pmix=self.pmix)
         if self.fleet is not None:
             await self.job.spawn_remote()
         if not self.job.finished:
@@ -737,6 +756,8 @@ class _Session:
                          f"{self.config.restart_delay:g} s")
         previous = self.job
         previous.close(keep_output=True)  # its instances are gone; reap, sweep, keep files
+        if self.pmix is not None and previous.world_served_here:
+            self.pmix.prestart(self._kvsname(attempt))  # a fresh server, started meanwhile
         self.job = Job(self.config, self.environ, self.cwd, self.log, self.stdout_fd,
                        self.stderr_fd, self.loop, router=previous.router, events=self.events)
         self.job.on_interrupt = previous.on_interrupt
@@ -1035,7 +1056,7 @@ class _Session:
         errors = []
         for step in (lambda: self.progress and self.progress.close(),
                      self._close_fleet, self._close_dashboard, self.job.close,
-                     self.job.close_world, lambda: self.pmix and self.pmix.close(),
+                     self.job.close_world, self._close_pmix,
                      self._close_rendezvous,
                      self._restore_signals, self.cache.remove, self.lifeline.close,
                      self._release_partition, self._helpers_reaped,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 from collections.abc import Callable, Mapping
 
 from typing import TYPE_CHECKING
@@ -65,12 +64,6 @@ def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
                  "OPAL_PREFIX)")
         return None
     found = pmixfind.find(environ, program, config.libpmix)
-    if found is not None and _served_here_before():
-        log.warning("Open MPI's world (PMIx) is not served to this launch: libpmix serves "
-                    "one job per process, and this process served an earlier launch() one; "
-                    "its Open MPI instances would each be a world of one (run each launch in "
-                    "a process of its own, as the poprun command does)")
-        return None
     if found is None:
         log.warning(f"Open MPI is here ({ompi}) but no libpmix: its instances would each be "
                     "a world of one. Looked for " + ", ".join(pmixfind.candidates(
@@ -99,13 +92,6 @@ def usable_libpmix(check: pmixcheck.Check, config, log) -> str | None:
     return check.path
 
 
-def _served_here_before() -> bool:
-    """Whether this process started a PMIx server already (spawner/pmixserver.py: once per
-    process); its module is loaded only by a process that started one."""
-    server = sys.modules.get("spawner.pmixserver")
-    return server is not None and server.started_in_this_process()
-
-
 class MpiWorld:
     """One attempt's world for the plan's instances; `remote`: the agents (by host) of the
     hosts other than this one."""
@@ -113,7 +99,9 @@ class MpiWorld:
     def __init__(self, kvsname: str, launch_plan: LaunchPlan, loop: asyncio.AbstractEventLoop,
                  *, lifeline, remote: Mapping[str, object] | None = None,
                  on_abort: Callable[[int, int, str], None],
-                 on_lost: Callable[[int, bool], None], pmix=None, log=None) -> None:
+                 on_lost: Callable[[int, bool], None],
+                 on_server_lost: Callable[[str, str], None] | None = None, pmix=None,
+                 log=None) -> None:
         self.kvsname, self.loop, self._lifeline = kvsname, loop, lifeline
         self._plan, self._remote = launch_plan, dict(remote or {})
         self._on_abort, self._on_lost = on_abort, on_lost
@@ -132,7 +120,13 @@ class MpiWorld:
         if pmix is not None:  # before the instances start: they need its variables
             from poprun.run.pmixworld import PmixWorld
 
-            self.pmix = PmixWorld(kvsname, hosts, self._remote, pmix, on_abort, log)
+            self.pmix = PmixWorld(kvsname, hosts, self._remote, pmix, on_abort,
+                                  on_server_lost or (lambda host, reason: None), log)
+
+    async def ready(self) -> None:
+        """Wait until the instances can be spawned: Open MPI's world registered here."""
+        if self.pmix is not None:
+            await self.pmix.open()
 
     def variables(self, inst: InstancePlan) -> dict[str, str]:
         """What every instance is told, on any host (its host's spawner adds `PMI_FD` and
@@ -206,7 +200,8 @@ class MpiWorld:
         if frame.kind is Kind.MPI_LOST:
             self._on_lost(int(fields["key"]), bool(fields["initialized"]))
             return
-        if frame.kind in (Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED):
+        if frame.kind in (Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED,
+                          Kind.PMIX_LOST):
             if self.pmix is not None:
                 self.pmix.from_agent(spawner, frame.kind.name, fields)
             return

@@ -321,10 +321,10 @@ print("second", os.environ["PMIX_RANK"], flush=True)
 """
 
 # Per Open MPI: 10 in all. Before the server had a process of its own, this crashed or hung
-# poprun in 8 of 20 runs (issue 44: SIGSEGV in PMIx_server_finalize, 3 of 10 with Open MPI 5,
-# 4 of 10 with 4.1, and a hang); 10 clean runs at that rate would come by chance once in
-# ~165 (0.6 ** 10). The 50 runs the issue asks for take 4-5 minutes here, so they are run
-# by hand, not with the suite: POPRUN_PMIX_RESTART_RUNS=25.
+# poprun in 8 of 20 runs (SIGSEGV in PMIx_server_finalize: 3 of 10 with Open MPI 5, 4 of 10
+# with 4.1, and a hang); 10 clean runs at that rate would come by chance once in ~165
+# (0.6 ** 10). 50 runs take 4-5 minutes here, so they are run by hand, not with the suite:
+# POPRUN_PMIX_RESTART_RUNS=25.
 RESTART_RUNS = int(os.environ.get("POPRUN_PMIX_RESTART_RUNS", "5"))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -171,6 +172,12 @@ class _Namespace:
 
 
 def main(argv: list[str]) -> None:
+    # Stop signals are its spawner's business, never its own: Slurm signals every process
+    # of a job step (`scancel --signal TERM`, a preemption's warning: proctrack linuxproc),
+    # and a server that died of it lost its host's instances their world while they were
+    # still in their stop window. It ends with its link, or by its spawner's SIGKILL.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     link = socket.socket(fileno=int(argv[1]))
     link.setblocking(True)
     ServerProcess(link).run()

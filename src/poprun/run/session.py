@@ -606,8 +606,7 @@ class _Session:
         while True:
             await self._plan(caches, master, attempt=len(earlier))
             result = await self._run_attempt(len(earlier))
-            lost = self._quarantine({i.host: (i.lost, i.end_time) for i in result.instances
-                                     if i.lost})
+            lost = self._quarantine(result.host_faults())
             if not self._restarts(result, len(earlier)):
                 break
             earlier.append(result)
@@ -633,20 +632,22 @@ class _Session:
         """Hosts lost before the next attempt started anything there (the new Job heard)."""
         import time
 
-        return {host: (reason, time.time())
+        return {host: (f"lost: {reason}", time.time())
                 for host, reason in self.job.lost_before_start.items()}
 
     def _quarantine(self, found: Mapping[str, tuple[str, float]]) -> list[str]:
-        """The hosts lost (label -> why, when: their connection or agent gone, or silent
-        for --host-timeout: frozen): quarantined, never used again in this job even once
-        they answer (a host that failed once is likely to again, and a restart there would
-        spend the restarts), and remembered for later jobs. Their labels, in host order."""
-        lost = [label for label in self.hosts.labels if label in found]
+        """The remote hosts that failed the job (label -> why, when: LaunchResult.host_faults:
+        lost, frozen, or an instance there killed by the kernel's OOM killer): quarantined,
+        never used again in this job even once they answer (a host that failed once is likely
+        to again, and a restart there would spend the restarts), and remembered for later
+        jobs. Their labels, in host order."""
+        lost = [label for label in self.hosts.labels if label in found
+                and label in self.hosts.remote]  # this host runs poprun: never left out
         for label in lost:
             reason, at = found[label]
-            self.quarantined.append({"host": label, "reason": f"lost: {reason}",
-                                     "at": round(at, 3)})
-            self.log.warning(f"{label} quarantined for the rest of the job: lost ({reason})")
+            self.quarantined.append({"host": label, "reason": reason, "at": round(at, 3)})
+            kind, _, detail = reason.partition(": ")
+            self.log.warning(f"{label} quarantined for the rest of the job: {kind} ({detail})")
         self._remember_quarantine(self.quarantined[-len(lost):] if lost else [])
         return lost
 
@@ -671,14 +672,16 @@ class _Session:
 
     async def _recover(self, lost: list[str], caches: dict[str, str]
                        ) -> tuple[dict[str, str], str]:
-        """Hosts lost (and quarantined) in the last attempt, each replaced by a spare for
-        the next; LaunchError naming those no spare is left for (the job ends there)."""
+        """Hosts quarantined after the last attempt, each replaced by a spare for the next;
+        LaunchError naming those no spare is left for (the job ends there)."""
         if self.spares is not None:
             replaced, caches = await self._take_spares(lost, caches)
             lost = [label for label in lost if label not in replaced]
-        if lost:
-            raise LaunchError("\n".join(f"{label}: lost, and no spare host is left to take "
-                                        "its place (--spare-hosts)" for label in lost))
+        why = {q["host"]: q["reason"] for q in self.quarantined}
+        if lost:  # "lost", or why else it was quarantined
+            raise LaunchError("\n".join(
+                f"{label}: {'lost' if why[label].startswith('lost:') else f'quarantined ({why[label]})'}"
+                ", and no spare host is left to take its place (--spare-hosts)" for label in lost))
         return caches, await self._master_address()
 
     async def _take_spares(self, lost: list[str], caches: dict[str, str]

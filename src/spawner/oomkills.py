@@ -1,5 +1,5 @@
-"""Whether the kernel's out-of-memory killer ended an instance (docs/architecture.md, "Spare
-hosts and quarantine"): the evidence a host is quarantined on.
+"""Whether the kernel's out-of-memory killer ended an instance: the evidence its host is
+quarantined on (docs/architecture.md, "Errors and exit statuses": Restarts).
 
 A SIGKILL alone is no proof: poprun sends one after --kill-timeout, and a user, a scheduler or
 a watchdog may. The kernel counts its own kills per memory cgroup, `oom_kill` in cgroup v2's

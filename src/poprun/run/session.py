@@ -368,6 +368,9 @@ class _Session:
         self.host_differences: tuple = ()  # plan/alike.py's Differences among the hosts
         self._compare = False  # the hosts are to be compared before anything starts
         self._facts_here: asyncio.Future | None = None  # this host's facts, read on a thread
+        # Job hosts that failed their checks at the start, replaced by spares there (they are
+        # not compared: `_replace_failed`).
+        self._failed_checks: frozenset[str] = frozenset()
 
     async def __aenter__(self) -> _Session:
         config, log = self.config, self.log
@@ -689,15 +692,10 @@ class _Session:
         """Spares in the lost hosts' places for the next attempt (run/spares.py): the same
         instance indices, placement and environment; their caches made (a temporary one
         there, or the explicit path). Which host each replaced, and the caches."""
-        pairs = self.spares.take(lost, self.fleet)
+        pairs = self._substitute_spares(lost, "for the next attempt")
         if not pairs:
             return pairs, caches
-        self.hosts = self.hosts.substituted({
-            old: next(h for h in self.hosts.spares if str(h) == new)
-            for old, new in pairs.items()})
-        for old, new in pairs.items():
-            self.log.warning(f"{old} replaced by spare host {new} for the next attempt "
-                             f"({self.hosts.count(new)} instance(s))")
+        for new in pairs.values():
             self.fleet.spawners[new].new_attempt(self.job, self.job.on_host_lost)
         caches = {label: path for label, path in caches.items() if label not in pairs}
         spares = list(pairs.values())
@@ -708,6 +706,18 @@ class _Session:
             caches.update((label, explicit) for label in spares)
         self._choose_network()
         return pairs, caches
+
+    def _substitute_spares(self, failed: list[str], when: str) -> dict[str, str]:
+        """Spares in the `failed` hosts' places (as many as are ready), in the fleet and in
+        `hosts`, each said: failed label -> spare label."""
+        pairs = self.spares.take(failed, self.fleet)
+        self.hosts = self.hosts.substituted({
+            old: next(h for h in self.hosts.spares if str(h) == new)
+            for old, new in pairs.items()})
+        for old, new in pairs.items():
+            self.log.warning(f"{old} replaced by spare host {new} {when} "
+                             f"({self.hosts.count(new)} instance(s))")
+        return pairs
 
     async def _run_attempt(self, attempt: int) -> LaunchResult:
         finished = self.loop.create_future()
@@ -792,10 +802,11 @@ class _Session:
                 here.add_done_callback(lambda done: done.cancelled() or done.exception())
         standby = self._open_spares(ask)  # meanwhile: their problems are said, not raised
         try:
-            await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
-                                  program=host_program(self.config, self.program),
-                                  path=self.environ.get("PATH"), view=self.panel,
-                                  temp_dirs=self.mode is CacheMode.TEMPORARY, facts=ask)
+            failed = await self.fleet.open(
+                self.job, self.job.on_host_lost, cwd=self.cwd,
+                program=host_program(self.config, self.program), path=self.environ.get("PATH"),
+                view=self.panel, temp_dirs=self.mode is CacheMode.TEMPORARY, facts=ask,
+                keep_going=standby is not None)
         except BaseException:
             if standby is not None:  # what it opened is closed with the session
                 standby.cancel()
@@ -803,7 +814,26 @@ class _Session:
             raise
         if standby is not None:
             await standby
+        if failed:
+            await self._replace_failed(failed)
         self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))
+
+    async def _replace_failed(self, failed: Mapping[str, str]) -> None:
+        """Job hosts that failed their checks at the start (unreachable, no agent, no working
+        directory or program there...: Fleet.open's problems, one line each), where spares
+        stand by: each quarantined and its place given to a spare, compared and admitted
+        first. LaunchError with every problem, nothing quarantined, when the spares left
+        cannot take every place: a check every host fails is the job's, not a host's."""
+        self._failed_checks = frozenset(failed)
+        await self._compare_hosts()  # without them: the spares are admitted by it
+        if len(failed) > len(self.spares.ready):
+            raise LaunchError("\n".join(failed.values()))
+        import time
+
+        now = time.time()
+        self._quarantine({label: (f"checks: {_without_label(label, problem)}", now)
+                          for label, problem in failed.items()})
+        self._substitute_spares(list(failed), "from the start")
 
     def _open_spares(self, ask: dict | None) -> asyncio.Future | None:
         """The spare hosts connected and given agents while the job's hosts are (the same
@@ -830,12 +860,13 @@ class _Session:
         facts_here = await self._facts_here if self._facts_here is not None else None
         remote = await hostcheck.answers(self.fleet.spawners)
         waited = self.loop.time() - began
-        local = [label for label in self.hosts.labels if label not in self.hosts.remote]
+        labels = [label for label in self.hosts.labels if label not in self._failed_checks]
+        local = [label for label in labels if label not in self.hosts.remote]
         self.host_differences = hostcheck.compare(self.config, self.environ,
-                                                  self.hosts.labels, local, facts_here, remote)
+                                                  labels, local, facts_here, remote)
         if self.spares is not None:
             self.spares.admit(hostcheck.spare_differences(
-                self.config, self.environ, self.hosts.labels, local, facts_here, remote,
+                self.config, self.environ, labels, local, facts_here, remote,
                 await hostcheck.answers(self.spares.fleet.spawners)))
         self.log.debug(f"hosts compared ({len(self.host_differences)} difference(s)): waited "
                        f"{waited * 1000:.1f} ms for their facts, "
@@ -1107,6 +1138,11 @@ class _Session:
             self._result = replace(self._result, exit_code=OUTPUT_ERROR_STATUS,
                                    output_error=f"cannot write poprun's stderr: "
                                                 f"{lost.strerror or lost}")
+
+
+def _without_label(label: str, line: str) -> str:
+    """A host's problem line (`h2: ...`) without its label: a quarantine names the host."""
+    return line[len(label) + 2:] if line.startswith(f"{label}: ") else line
 
 
 def _recorded(differences: tuple) -> list[dict]:

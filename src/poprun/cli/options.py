@@ -151,7 +151,9 @@ OPTIONS: tuple[Opt, ...] = (
         "there (its count in the instance's memory cgroup says so, not the SIGKILL alone), "
         "the next attempt runs that host's instances (the same indices, replicas, placement "
         "and environment) on a spare, every other instance staying where it was; the host is "
-        "quarantined: never used again in the job"),
+        "quarantined: never used again in the job. A job host that fails its checks at the "
+        "start (unreachable, no working directory or program there) is replaced so from the "
+        "first attempt on"),
     Opt("spare-nodes", Kind.INT, "Under Slurm (without --host): the allocation's last this "
         "many nodes stand by as --spare-hosts do (needs --max-restarts); the job runs on the "
         "others: `salloc -N 5` with --spare-nodes 1 runs on 4 nodes. Not given, with "

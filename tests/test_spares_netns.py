@@ -12,10 +12,10 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from attempt_notes import noting, notes
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped
 from netns_hosts import start_netns_hosts
 from sshd_hosts import wait_until
@@ -26,26 +26,8 @@ HOST_TIMEOUT = 3.0  # seconds (--host-timeout)
 SLACK = 3.0  # seconds past it the loss may be noticed on a loaded machine
 # Notes, per attempt, the address its SSH connection reached (the host's on network a) and
 # when it wrote the note; attempt 0 then waits to be cut off, attempt 1 ends 0 once all noted.
-NOTES = """
-import json, os, sys, time, glob
-where = sys.argv[1]
-rank, attempt = os.environ["RANK"], int(os.environ.get("POPDIST_RESTART_COUNT", "0"))
-note = {"host": os.environ["POPRUN_SSH_CONNECTION"].split()[2], "at": time.time()}
-with open(f"{where}/{rank}-{attempt}.tmp", "w") as fh:
-    json.dump(note, fh)
-os.rename(f"{where}/{rank}-{attempt}.tmp", f"{where}/{rank}-{attempt}.json")
-deadline = time.monotonic() + 60
-while len(glob.glob(f"{where}/*-{attempt}.json")) < int(os.environ["WORLD_SIZE"]):
-    assert time.monotonic() < deadline, "the other instances' notes never came"
-    time.sleep(0.02)
-if attempt == 0:
-    time.sleep(300)
-"""
-
-
-def notes(where: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in where.glob("*.json")}
-
+NOTES = noting('{"host": os.environ["POPRUN_SSH_CONNECTION"].split()[2], "at": time.time()}',
+               "if attempt == 0:\n    time.sleep(300)\n")
 
 def test_a_host_whose_link_goes_down_is_lost_within_the_host_timeout_and_replaced(tmp_path):
     """h1 and h2 run the job, h3 stands by; h2's link on a goes down once both instances

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from attempt_notes import noting, notes
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprunctl
 from sshd_hosts import start_ssh_hosts, wait_until
 
@@ -27,26 +28,16 @@ pytestmark = pytest.mark.timeout(150)
 PY = sys.executable
 MEMORY_LIMIT = 192 << 20  # bytes: sshd's session and the agent fit, the instance outgrows it
 # Notes where it runs in each attempt; once all have noted, in attempt 0 rank 2 (on h2)
-# outgrows its host's memory (GROW) or waits to be killed (WAIT), the others wait to be
-# stopped; in later attempts every instance ends 0.
-NOTES = """
-import json, os, sys, time, glob
-where, how = sys.argv[1], sys.argv[2]
-rank, attempt = os.environ["RANK"], int(os.environ.get("POPDIST_RESTART_COUNT", "0"))
-note = {"host": os.environ["POPRUN_SSH_CONNECTION"].split()[2], "pid": os.getpid()}
-with open(f"{where}/{rank}-{attempt}.tmp", "w") as fh:
-    json.dump(note, fh)
-os.rename(f"{where}/{rank}-{attempt}.tmp", f"{where}/{rank}-{attempt}.json")
-deadline = time.monotonic() + 60
-while len(glob.glob(f"{where}/*-{attempt}.json")) < int(os.environ["WORLD_SIZE"]):
-    assert time.monotonic() < deadline, "the other instances' notes never came"
-    time.sleep(0.02)
-if attempt == 0 and rank == "2" and how == "grow":
+# outgrows its host's memory ("grow", its second argument) or waits to be killed ("wait"),
+# the others wait to be stopped; in later attempts every instance ends 0.
+NOTES = noting('{"host": os.environ["POPRUN_SSH_CONNECTION"].split()[2], "pid": os.getpid()}',
+               """
+if attempt == 0 and rank == "2" and sys.argv[2] == "grow":
     held = [bytearray(16 << 20) for _ in range(64)]  # touched: every page is charged
     sys.exit(5)  # 1 GiB and no OOM kill: the limit did not hold (the test fails, not the host)
 if attempt == 0:
     time.sleep(300)
-"""
+""")
 
 
 def _memory_cgroup_parent() -> tuple[str, str] | None:
@@ -95,10 +86,6 @@ def memory_limited(pid: int, limit: int) -> Iterator[Path]:
 
 def _emptied(path: Path) -> bool:
     return not (path / "cgroup.procs").read_text().split()
-
-
-def notes(where: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in where.glob("*.json")}
 
 
 def start(hosts, tmp_path: Path, how: str, *args: str) -> subprocess.Popen:

@@ -682,9 +682,10 @@ class _Session:
             lost = [label for label in lost if label not in replaced]
         why = {q["host"]: q["reason"] for q in self.quarantined}
         if lost:  # "lost", or why else it was quarantined
-            raise LaunchError("\n".join(
-                f"{label}: {'lost' if why[label].startswith('lost:') else f'quarantined ({why[label]})'}"
-                ", and no spare host is left to take its place (--spare-hosts)" for label in lost))
+            said = {label: "lost" if why[label].startswith("lost:")
+                    else f"quarantined ({why[label]})" for label in lost}
+            raise LaunchError("\n".join(f"{label}: {said[label]}, and no spare host is left to "
+                                        "take its place (--spare-hosts)" for label in lost))
         return caches, await self._master_address()
 
     async def _take_spares(self, lost: list[str], caches: dict[str, str]

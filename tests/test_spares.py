@@ -405,3 +405,21 @@ def test_a_check_every_host_fails_is_the_job_s_and_quarantines_none(tmp_path):
     assert "spare host skipped: h3: program 'no-such-program-x' not found" in done.stderr
     assert "quarantined" not in done.stderr and "replaced by spare" not in done.stderr
     assert hosts_listed.stdout.strip().lower() == "no quarantined hosts", hosts_listed
+
+
+def test_a_job_host_unreachable_at_the_start_is_replaced_by_the_spare(tmp_path):
+    """h2's sshd is gone before the job starts: the connection fails, h2 is quarantined
+    (the connection's failure the reason) and the spare h3 runs its instance."""
+    with start_ssh_hosts(3, tmp_path) as hosts:
+        hosts.kill_host(1)
+        done = subprocess.run(
+            poprun_argv(*OFFLINE, "-H", "h1,h2", "--spare-hosts", "h3", "--max-restarts=1",
+                        "--num-instances=2", "--num-replicas=2", "--quarantine-for=0",
+                        PY, "-c", SAY_WHERE),
+            env=poprun_env(hosts.env()), capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split("\n")[:2]) == ["ran 0 127.0.77.1", "ran 1 127.0.77.3"], \
+        (done.stdout, done.stderr)
+    assert re.search(r"h2 quarantined for the rest of the job: checks \(.*refused",
+                     done.stderr), done.stderr
+    assert "h2 replaced by spare host h3 from the start (1 instance(s))" in done.stderr

@@ -72,7 +72,8 @@ def memory_limited(pid: int, limit: int) -> Iterator[Path]:
             with contextlib.suppress(OSError):  # already on: fine
                 Path(parent, "cgroup.subtree_control").write_text("+memory")
             (path / "memory.max").write_text(str(limit))
-            (path / "memory.swap.max").write_text("0")
+            with contextlib.suppress(OSError):  # no swap accounting: no swap to limit
+                (path / "memory.swap.max").write_text("0")
         else:
             (path / "memory.limit_in_bytes").write_text(str(limit))
         (path / "cgroup.procs").write_text(str(pid))

@@ -76,6 +76,8 @@ def memory_limited(pid: int, limit: int) -> Iterator[Path]:
                 (path / "memory.swap.max").write_text("0")
         else:
             (path / "memory.limit_in_bytes").write_text(str(limit))
+            if (path / "memory.memsw.limit_in_bytes").exists():  # swap too, where counted
+                (path / "memory.memsw.limit_in_bytes").write_text(str(limit))
         (path / "cgroup.procs").write_text(str(pid))
         yield path
     finally:

@@ -36,6 +36,11 @@ from inside a session:
   that host's address on the first network (/etc/netns/<ns>/hosts, which ``ip netns exec``
   mounts over /etc/hosts), as a cluster node's name resolves to its own address.
 
+A test whose SSH must cross a network (a link taken down must cut a job's agent off) uses
+``with hosts.ssh_over("a"):`` instead: an sshd listens in each namespace on its host's address
+on a, and each alias names that address; only a launcher inside a host's namespace reaches
+them (``exec_argv``), and ``SSH_CONNECTION`` is then a real one.
+
 The links carry nothing but what the tests send, so that ``counters`` tell which network a job
 used: IPv6 is off in every namespace (autoconfiguration would send router solicitations and
 MLD reports) and the bridges do no multicast snooping (they would send IGMP reports).

@@ -36,6 +36,11 @@ from inside a session:
   that host's address on the first network (/etc/netns/<ns>/hosts, which ``ip netns exec``
   mounts over /etc/hosts), as a cluster node's name resolves to its own address.
 
+A test whose SSH must cross a network (a link taken down must cut a job's agent off) uses
+``with hosts.ssh_over("a"):`` instead: an sshd listens in each namespace on its host's address
+on a, and each alias names that address; only a launcher inside a host's namespace reaches
+them (``exec_argv``), and ``SSH_CONNECTION`` is then a real one.
+
 The links carry nothing but what the tests send, so that ``counters`` tell which network a job
 used: IPv6 is off in every namespace (autoconfiguration would send router solicitations and
 MLD reports) and the bridges do no multicast snooping (they would send IGMP reports).
@@ -165,6 +170,41 @@ class NetnsHosts:
         """``ssh`` argv running ``command`` (a remote shell string) on host ``i``; it works
         from any namespace (the ProxyCommand enters host i's)."""
         return ["ssh", "-F", str(self.ssh_config), f"h{i}", *command]
+
+    @contextlib.contextmanager
+    def ssh_over(self, net: str) -> Iterator[None]:
+        """SSH to every host crossing network ``net`` instead of the proxy's pipes: an sshd
+        listening in each host's namespace on its address there, and each alias's entry
+        naming that address (no ProxyCommand). Only from inside a host's namespace can it be
+        reached (``exec_argv``); taking a host's link on ``net`` down then cuts its
+        connections. The pipes' entries are back at the end."""
+        root, sshd = self.home.parent, require_sshd()
+        listeners = [subprocess.Popen(
+            self.exec_argv(i, sshd, "-D", "-f", str(root / f"h{i}" / "sshd_config"),
+                           "-E", str(root / f"h{i}" / f"sshd-{net}.log"),
+                           "-o", f"ListenAddress={self.addr(i, net)}:22", "-o", "PidFile=none"),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for i in range(1, self.n + 1)]
+        config, known = self.ssh_config.read_text(), self.client.known_hosts.read_text()
+        try:
+            self.ssh_config.write_text("".join(
+                self.client.host_entry(f"h{i}", HostName=self.addr(i, net), HostKeyAlias=f"h{i}")
+                for i in range(1, self.n + 1)))
+            for i in range(1, self.n + 1):
+                wait_until(lambda i=i: self._listening(i, net), f"h{i}'s sshd on {net}",
+                           READY_TIMEOUT)
+            yield
+        finally:
+            self.ssh_config.write_text(config)
+            self.client.known_hosts.write_text(known)
+            for proc in listeners:
+                proc.kill()
+                proc.wait()
+
+    def _listening(self, i: int, net: str) -> bool:
+        listed = _run([self.ip, "netns", "exec", self.namespace(i), "ss", "-Htln",
+                       f"src {self.addr(i, net)}"]).stdout
+        return f"{self.addr(i, net)}:22" in listed
 
     # --- links -----------------------------------------------------------------------------
     def set_link(self, i: int, net: str, up: bool) -> None:

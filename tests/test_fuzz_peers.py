@@ -76,9 +76,10 @@ def frame(kind: int, payload: bytes) -> bytes:
 # Field names the launcher reads, and values of every JSON type for them.
 FIELD_NAMES = ["key", "returncode", "error", "progress", "pid", "binding", "start", "id",
                "result", "usage", "traceback", "memory_binding_reason", "containment",
-               "kvsname", "count", "puts", "exitcode", "message", "initialized", "value"]
+               "kvsname", "count", "puts", "exitcode", "message", "initialized", "value",
+               "oom_kills"]
 json_values = st.sampled_from(  # each JSON type, and the values at its edges
-    [None, True, False, 0, 1, 3, -1, 2**31, 2**70, -2**70, 1.5, float("nan"), float("inf"),
+    [None, True, False, 0, 1, 3, -1, -9, 2**31, 2**70, -2**70, 1.5, float("nan"), float("inf"),
      "", "x", "2", "\udcff", [], [1], [1, 2], [1, None], [1.5, 2], ["a", "b"], [1, 2, 3],
      {}, {"a": 1}, {"type": "E", "message": "m"}, {"0": [1, 2]}, {"x": [1, 2]}])
 
@@ -194,6 +195,10 @@ def test_the_launcher_survives_anything_an_agent_sends(hostile, at, cuts, noise)
         if not spawner.lost and spawner._decoder.pending >= 4:  # a frame still coming
             assert struct.unpack(">I", spawner._decoder._buf[:4])[0] <= MAX_FRAME
         assert_in_order(sink.events)
+        # An OOM kill is believed of a SIGKILLed instance only, by a count (spawner/oomkills.py)
+        assert all(type(n) is int and n > 0 for n in spawner.oom_kills.values()), \
+            spawner.oom_kills
+        assert all(("exit", k, -9) in sink.events for k in spawner.oom_kills), sink.events
         if spawner.lost:
             assert len(lost) == 1 and ("not the agent protocol" in lost[0][1]
                                        or "rejected a message" in lost[0][1]), lost

@@ -152,6 +152,26 @@ def test_a_link_down_cuts_that_network_only(hosts: NetnsHosts) -> None:
         assert (r.returncode, r.stdout) == (0, "5\n"), r.stdout + r.stderr
 
 
+def test_ssh_over_a_network_crosses_it_and_a_link_down_cuts_it(hosts: NetnsHosts) -> None:
+    """NetnsHosts.ssh_over: from h1's namespace, SSH reaches h2 at its address on b (a real
+    TCP connection: SSH_CONNECTION names both ends); with h2's link on b down it cannot;
+    afterwards the pipes' entries are back."""
+    with hosts.ssh_over("b"):
+        r = run_in(hosts, 1, *hosts.ssh_argv(2, "echo $SSH_CONNECTION; ip netns identify"))
+        assert r.returncode == 0, r.stderr
+        connection, namespace = r.stdout.split("\n")[:2]
+        assert connection.split()[::2] == [hosts.addr(1, "b"), hosts.addr(2, "b")]
+        assert namespace == hosts.namespace(2)
+        hosts.set_link(2, "b", False)
+        try:
+            r = run_in(hosts, 1, "ssh", "-F", str(hosts.ssh_config), "-o", "ConnectTimeout=2",
+                       "h2", "true")
+            assert r.returncode == 255 and "timed out" in r.stderr, r.stderr
+        finally:
+            hosts.set_link(2, "b", True)
+    assert "ProxyCommand" in hosts.ssh_config.read_text()
+
+
 def test_counters_show_which_network_carried_the_traffic(hosts: NetnsHosts) -> None:
     with listening(hosts, 2, "b") as port:
         before = {(i, net): hosts.counters(i, net) for i in (1, 2) for net in ("a", "b")}

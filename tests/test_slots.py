@@ -151,6 +151,28 @@ def test_inside_a_slurm_allocation_hosts_and_counts_come_from_it():
     assert "(5 task(s); --num-instances=4 given wins)" in line
 
 
+def test_with_restarts_the_allocation_s_nodes_beyond_the_instances_are_spares():
+    """--num-instances filling the first nodes at Slurm's tasks per node, with --max-restarts:
+    those run the job (each its task count), the others stand by (docs/slurm.md). Without
+    restarts, with --spare-nodes 0, or where no first nodes hold exactly that many, as
+    before."""
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-4]",
+           "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_NTASKS": "8"}
+    args = ("--num-instances=4", "--num-replicas=4", "--launcher=ssh")
+    plan = dry_run(*args, "--max-restarts=1", PY, env=env)
+    assert placed(plan) == [("node1", 0, "2"), ("node1", 1, "2"), ("node2", 0, "2"),
+                            ("node2", 1, "2")]
+    assert plan["spares"] == ["node3", "node4"]
+    for before in ((), ("--max-restarts=1", "--spare-nodes=0")):  # an even share, as before
+        plan = dry_run(*args, *before, PY, env=env)
+        assert [i["host"] for i in plan["instances"]] == ["node1", "node2", "node3", "node4"]
+        assert plan["spares"] == []
+    uneven = dry_run(*args, "--max-restarts=1", PY,  # first nodes hold 2, 5, 8: none 4
+                     env={**env, "SLURM_TASKS_PER_NODE": "2,3(x3)"})
+    assert [i["host"] for i in uneven["instances"]] == ["node1", "node2", "node3", "node4"]
+    assert uneven["spares"] == []
+
+
 # The environment of `srun --ipus=4 poprun --num-instances=2 ...` inside a one-task step, as
 # ALCF's Graphcore user guide runs it.
 ONE_TASK_STEP = {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "gc-poplar-02",

@@ -430,17 +430,21 @@ def test_a_node_that_fails_mid_job_is_noticed_and_nothing_is_left(tmp_path):
         wait_until(lambda: not processes_with(str(go)), "every process of the job gone", 30)
 
 
-def test_a_spare_node_takes_over_a_node_that_fails(tmp_path):
-    """A 2-node job in a 3-node allocation (--spare-nodes 1): node3 stands by, its agent
-    started by a step of its own. node2's slurmd and slurmstepd are killed (its agent and
-    instance with them): the next attempt runs instance 1 on node3, node1's agent is the
-    same process throughout, and node2 is quarantined. (A cluster of its own: node2's
-    slurmd does not come back.)"""
+@pytest.mark.parametrize("spares", [
+    "--spare-nodes=1",  # said
+    "--num-instances=2",  # the allocation's node beyond the two instances' nodes: a spare
+], ids=["spare-nodes", "automatic"])
+def test_a_spare_node_takes_over_a_node_that_fails(tmp_path, spares):
+    """A 2-node job in a 3-node allocation (--spare-nodes 1, or without it: two instances at
+    one task per node need two nodes): node3 stands by, its agent started by a step of its
+    own. node2's slurmd and slurmstepd are killed (its agent and instance with them): the
+    next attempt runs instance 1 on node3, node1's agent is the same process throughout, and
+    node2 is quarantined. (A cluster of its own: node2's slurmd does not come back.)"""
     go = tmp_path / "go"
     out_json = tmp_path / "result.json"
     with required_slurm_cluster(3) as cluster:
         proc = cluster.popen(["salloc", "-N3", "--ntasks-per-node=1", *POPRUN, "-v",
-                              "--spare-nodes=1", "--max-restarts=1", "--restart-delay=0",
+                              spares, "--max-restarts=1", "--restart-delay=0",
                               "--quarantine-for=0", f"--result-json={out_json}",
                               "--num-replicas=2", PY, "-c", WAIT_FOR, str(go)],
                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -457,6 +461,8 @@ def test_a_spare_node_takes_over_a_node_that_fails(tmp_path):
         finally:
             go.write_text("")
     assert proc.returncode == 0, err
+    assert re.search(r"hosts: node1 \(1\), node2 \(1\) from the Slurm allocation .*over "
+                     r"slurm; spare hosts: node3\n", err), err
     assert "node2 quarantined for the rest of the job" in err, err
     assert "node2 replaced by spare host node3 for the next attempt (1 instance(s))" in err
     assert after["node1"] == before["node1"] and after["node3"] == before["node3"]

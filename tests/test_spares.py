@@ -346,3 +346,80 @@ def test_the_time_to_recover_benchmark_runs(tmp_path):
     runs = json.loads(written.read_text())["runs"]
     assert sorted(r["kind"] for r in runs) == ["drop", "freeze"]
     assert all(r["seconds"] > 0 for r in runs)
+
+
+SAY_WHERE = ("import os; print('ran', os.environ['RANK'], "
+             "os.environ['POPRUN_SSH_CONNECTION'].split()[2], flush=True)")
+
+
+def without_work_dir_on_h2(work: Path):
+    """h2's files: a tmpfs over `work`, so the job's working directory below it is missing
+    there (a disk not mounted on one host)."""
+    return lambda host: [["-t", "tmpfs", "-o", "size=64k", "tmpfs", str(work)]] \
+        if host.alias == "h2" else []
+
+
+def test_a_host_that_fails_its_checks_at_the_start_is_replaced_by_the_spare(tmp_path):
+    """h2 lacks the job's working directory: at the start it is quarantined (its check's
+    problem the reason) and the spare h3 runs its instance from the first attempt on."""
+    job_dir = tmp_path / "work" / "job"
+    job_dir.mkdir(parents=True)
+    out_json = tmp_path / "result.json"
+    with start_ssh_hosts(3, tmp_path, mounts=without_work_dir_on_h2(tmp_path / "work")) \
+            as hosts:
+        done = subprocess.run(
+            poprun_argv(*OFFLINE, "-H", "h1,h2", "--spare-hosts", "h3", "--max-restarts=1",
+                        "--num-instances=2", "--num-replicas=2", "--quarantine-for=0",
+                        f"--result-json={out_json}", PY, "-c", SAY_WHERE),
+            env=poprun_env(hosts.env()), cwd=job_dir, capture_output=True, text=True,
+            timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split("\n")[:2]) == ["ran 0 127.0.77.1", "ran 1 127.0.77.3"], \
+        (done.stdout, done.stderr)
+    assert (f"h2 quarantined for the rest of the job: checks (the working directory {job_dir} "
+            "does not exist there)") in done.stderr, done.stderr
+    assert "h2 replaced by spare host h3 from the start (1 instance(s))" in done.stderr
+    result = json.loads(out_json.read_text())
+    assert result["attempts"] == [] and [i["host"] for i in result["instances"]] == ["h1", "h3"]
+    [quarantined] = result["quarantined"]
+    assert quarantined["host"] == "h2" and quarantined["reason"] == \
+        f"checks: the working directory {job_dir} does not exist there"
+
+
+def test_a_check_every_host_fails_is_the_job_s_and_quarantines_none(tmp_path):
+    """A program found on no host (a typo): every host, the spare too, fails the same
+    check. That is the job's problem, not a host's: the launch is refused as without spares
+    (every host named, exit 2), and nothing is quarantined."""
+    state = tmp_path / "state"  # the quarantine's file: this test's own
+    state.mkdir(mode=0o700)
+    with start_ssh_hosts(3, tmp_path) as hosts:
+        env = {**hosts.env(), "XDG_RUNTIME_DIR": str(state)}
+        done = subprocess.run(
+            poprun_argv(*OFFLINE, "-H", "h1,h2", "--spare-hosts", "h3", "--max-restarts=1",
+                        "--num-instances=2", "--num-replicas=2", "no-such-program-x"),
+            env=poprun_env(env), capture_output=True, text=True, timeout=90)
+        hosts_listed = run_poprunctl("hosts", env=env, text=True)
+    assert done.returncode == 2, done.stderr
+    for host in ("h1", "h2"):
+        assert f"{host}: program 'no-such-program-x' not found" in done.stderr, done.stderr
+    assert "spare host skipped: h3: program 'no-such-program-x' not found" in done.stderr
+    assert "quarantined" not in done.stderr and "replaced by spare" not in done.stderr
+    assert hosts_listed.stdout.strip().lower() == "no quarantined hosts", hosts_listed
+
+
+def test_a_job_host_unreachable_at_the_start_is_replaced_by_the_spare(tmp_path):
+    """h2's sshd is gone before the job starts: the connection fails, h2 is quarantined
+    (the connection's failure the reason) and the spare h3 runs its instance."""
+    with start_ssh_hosts(3, tmp_path) as hosts:
+        hosts.kill_host(1)
+        done = subprocess.run(
+            poprun_argv(*OFFLINE, "-H", "h1,h2", "--spare-hosts", "h3", "--max-restarts=1",
+                        "--num-instances=2", "--num-replicas=2", "--quarantine-for=0",
+                        PY, "-c", SAY_WHERE),
+            env=poprun_env(hosts.env()), capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split("\n")[:2]) == ["ran 0 127.0.77.1", "ran 1 127.0.77.3"], \
+        (done.stdout, done.stderr)
+    assert re.search(r"h2 quarantined for the rest of the job: checks \(.*refused",
+                     done.stderr), done.stderr
+    assert "h2 replaced by spare host h3 from the start (1 instance(s))" in done.stderr

@@ -19,6 +19,7 @@ LOST_HOST_STATUS = 255  # the status of an instance whose host was lost (ssh's o
 # (`LaunchResult.requeue_verdict`). EX_CONFIG: what a scheduler's requeue must not retry
 # (docs/troubleshooting.md, "Exit statuses": the contract).
 DO_NOT_REQUEUE_STATUS = 78
+OOM_KILLED = "killed by the kernel's out-of-memory killer (SIGKILL)"
 
 
 def end_reason(*, output_error: str | None, stop_signal: int | None,
@@ -70,17 +71,20 @@ class InstanceResult:
     error: Mapping[str, Any] | None = None
     collateral: str | None = None  # why its failure looks like the root cause's consequence
     start_ticks: int | None = None  # its start in /proc's clock (spawner/procid.py)
+    # The kernel's OOM killer ended it: its SIGKILL came with a kill counted in its memory
+    # cgroup (spawner/oomkills.py). A host-level cause: its host is quarantined.
+    oom_killed: bool = False
 
     def __init__(self, index, host, pid, returncode, start_time, end_time, lines,
                  stderr_tail=(), stopped_by_poprun=False, lost=None, first_output_time=None,
-                 error=None, collateral=None, start_ticks=None):
+                 error=None, collateral=None, start_ticks=None, oom_killed=False):
         # by hand: one per instance (spawner/uncompiled.py)
         self.__dict__.update(
             index=index, host=host, pid=pid, returncode=returncode, start_time=start_time,
             end_time=end_time, lines=lines, stderr_tail=stderr_tail,
             stopped_by_poprun=stopped_by_poprun, lost=lost,
             first_output_time=first_output_time, error=error, collateral=collateral,
-            start_ticks=start_ticks)
+            start_ticks=start_ticks, oom_killed=oom_killed)
 
     @property
     def exit_status(self) -> int:
@@ -177,6 +181,21 @@ class LaunchResult:
                     f"an earlier one {max(steps[:-1])}")
         return None
 
+    def host_faults(self) -> dict[str, tuple[str, float]]:
+        """The hosts this attempt failed on through a fault of the host, not the program's
+        (quarantined: run/session.py): host -> (why, when), the first fault of each. Lost
+        ("lost: ...": its connection or agent gone, or silent for --host-timeout), or an
+        instance there killed by the kernel's OOM killer ("oom: instance N ...")."""
+        found: dict[str, tuple[str, float]] = {}
+        for inst in sorted(self.instances, key=lambda i: i.end_time):
+            if inst.host in found:
+                continue
+            if inst.lost:
+                found[inst.host] = (f"lost: {inst.lost}", inst.end_time)
+            elif inst.oom_killed:
+                found[inst.host] = (f"oom: instance {inst.index} {OOM_KILLED}", inst.end_time)
+        return found
+
     def failure_signature(self) -> tuple:
         """How this attempt failed, for `requeue_verdict`: the reason, the root cause's exit
         status and error (its type and message, where it reported one)."""
@@ -222,7 +241,7 @@ class LaunchResult:
             first = next(i for i in self.instances if i.index == self.root_cause)
             lines.append(("root", f"poprun: instance {first.index} (pid {first.pid} on "
                                   f"{first.host}) failed first: {_outcome(first)}"))
-            if first.returncode == -9 and not first.stopped_by_poprun:
+            if first.returncode == -9 and not first.stopped_by_poprun and not first.oom_killed:
                 lines.append(("hint", "poprun: poprun did not send that SIGKILL: perhaps the "
                                       "kernel's out-of-memory killer (see `dmesg`) or another "
                                       "user"))
@@ -356,6 +375,8 @@ def _stall_lines(stall: Mapping[str, Any]) -> list[tuple[str, str]]:
 def _outcome(inst: InstanceResult) -> str:
     if inst.lost:
         return f"lost with its host ({inst.lost})"
+    if inst.oom_killed:
+        return OOM_KILLED
     if inst.stopped_by_poprun and inst.returncode < 0:
         return f"terminated by poprun ({signal_name(-inst.returncode)})"
     if inst.error and inst.returncode != 0:

@@ -661,8 +661,10 @@ class Agent:
             world.exited(key)
         error = self._spawner.errors.get(key)  # sent only when there is one
         steps = self._spawner.progress(key)  # its last popdist.progress(), if it called it
+        oom = self._spawner.oom_kills.get(key)  # the kernel's OOM killer ended it (oomkills.py)
         self._outbox.send(encode(Kind.EXIT, key=key, returncode=returncode,
                                  **({"error": error} if error else {}),
+                                 **({"oom_kills": oom} if oom else {}),
                                  **({"progress": list(steps)} if steps else {})))
 
     def _on_pressure(self, pressed: bool) -> None:

@@ -35,6 +35,7 @@ from . import containment
 from .binding import bound, memory_binding_unavailable
 from .containment import Cgroups
 from .lifeline import Lifeline
+from .oomkills import OomWatch
 from .uncompiled import dataclass
 from .untrusted import read_regular
 
@@ -157,6 +158,10 @@ class LocalSpawner:
         # Each instance's uncaught exception, from the file popdist writes (read at its exit):
         # {type, message, file, line, function, traceback, time}.
         self.errors: dict[int, dict[str, Any]] = {}
+        # Each instance the kernel's OOM killer ended: how many processes it killed in the
+        # instance's memory cgroup while it ran (oomkills.py: the evidence, not the SIGKILL).
+        self.oom_kills: dict[int, int] = {}
+        self._oom = OomWatch()
         self._error_dir: str | None = None
         wanted = cgroups and os.environ.get(containment.CGROUPS_SWITCH) != "0"
         self._cgroups: Cgroups | bool | None = None if wanted and lifeline else False
@@ -202,6 +207,7 @@ class LocalSpawner:
         if self._lifeline:
             self._lifeline.add_group(proc.pid)
         child = _Child(spec, proc)
+        self._oom.started(spec.key, self.cgroup_of(spec.key))
         self._watch_removal(child, removal)
         self._children[spec.key] = child
         for pipe, stream in ((proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)):
@@ -410,6 +416,9 @@ class LocalSpawner:
             child.returncode = exit_status(child.spec.container, child.returncode)
         if child.returncode != 0:
             self._read_error(child.spec.key)
+        killed = self._oom.killed(child.spec.key, child.returncode)
+        if killed:
+            self.oom_kills[child.spec.key] = killed
 
     # --- containers that outlive their runtime's process (spawner/containers.py) ---------
 
@@ -475,6 +484,7 @@ class LocalSpawner:
             raise ValueError(f"key {key} already in use: it still runs")
         self._children.pop(key, None)
         self.errors.pop(key, None)
+        self.oom_kills.pop(key, None)
         if self._error_dir is not None:  # the next attempt starts from no progress
             try:
                 os.unlink(self._progress_file(key))

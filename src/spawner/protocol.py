@@ -74,10 +74,15 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              start: its start time (spawner/procid.py)
       SPAWN_FAILED {key, error}
       OUTPUT  key, stream, bytes             binary; blocks of whole lines, as LocalSpawner
-      EXIT    {key, returncode, error, progress}  after the last OUTPUT of that instance;
+      EXIT    {key, returncode, error, progress, oom_kills}
+                                             after the last OUTPUT of that instance;
                                              error: its uncaught exception (popdist/
                                              errorfile.py); progress (optional): its last
-                                             popdist.progress() [step, total]
+                                             popdist.progress() [step, total];
+                                             oom_kills (optional): it ended by SIGKILL
+                                             while the kernel's OOM killer killed this
+                                             many processes in its memory cgroup
+                                             (spawner/oomkills.py)
       STATS   {usage: {key: [cpu %, rss]},   every `stats` seconds, when HELLO gave it;
                progress: {key: [step, total]}}  progress (optional): popdist.progress()
       ALIVE   {}                             every `interval` seconds (the agent's heartbeat)

@@ -82,7 +82,8 @@ _WORLD_KINDS = frozenset({Kind.BARRIER_IN, Kind.GET, Kind.MPI_ABORT, Kind.MPI_LO
 # The fields the launcher reads of the agent's frames, and the types they must have.
 _INT, _TEXT, _MAP, _OPTIONAL_MAP = (int,), (str,), (dict,), (dict, type(None))
 _SHAPES: dict[Kind, dict[str, tuple[type, ...]]] = {
-    Kind.EXIT: {"key": _INT, "returncode": _INT, "error": _OPTIONAL_MAP},
+    Kind.EXIT: {"key": _INT, "returncode": _INT, "error": _OPTIONAL_MAP,
+                "oom_kills": (int, type(None))},
     Kind.STARTED: {"key": _INT, "pid": _INT, "binding": _OPTIONAL_MAP,
                    "start": (int, type(None))},
     Kind.SPAWN_FAILED: {"key": _INT, "error": _TEXT},
@@ -386,6 +387,7 @@ class RemoteSpawner:
         self.memory_binding_skipped: str | None = None
         self.containment = "unknown"  # how the agent catches escaped descendants (for -v)
         self.errors: dict[int, dict[str, Any]] = {}  # as LocalSpawner.errors, from EXIT
+        self.oom_kills: dict[int, int] = {}  # as LocalSpawner.oom_kills, from EXIT
         self.start_ticks: dict[int, int | None] = {}  # per instance, its start (procid.py)
         # Per instance, when its STARTED came (time.monotonic()): spawn_all returns only
         # once every instance of the host has started, and one may have printed before.
@@ -589,7 +591,8 @@ class RemoteSpawner:
         report the next attempt's events to `sink`."""
         if self.running():
             raise RuntimeError(f"{self.host}: instances of the last attempt still run")
-        for record in (self._pids, self._exited, self.errors, self.bindings, self._spawning,
+        for record in (self._pids, self._exited, self.errors, self.oom_kills, self.bindings,
+                       self._spawning,
                        self.start_ticks, self.started_at):
             record.clear()
         self._sink, self._on_lost = sink, on_lost
@@ -704,6 +707,8 @@ class RemoteSpawner:
                 error = checked(fields["error"])
                 if error is not None:
                     self.errors[fields["key"]] = error
+            if (fields.get("oom_kills") or 0) > 0 and fields["returncode"] == -signals.SIGKILL:
+                self.oom_kills[fields["key"]] = fields["oom_kills"]  # a count: only its sign
             on_progress = getattr(self._sink, "on_progress", None)
             if fields.get("progress") and on_progress:  # its last step, for the result
                 on_progress(fields["key"], *fields["progress"])

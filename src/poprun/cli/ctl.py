@@ -532,9 +532,10 @@ def hosts(release: Annotated[list[str] | None, typer.Option(
               "--release", help="Let this host back into your jobs now (repeatable)",
               show_default=False)] = None,
           as_json: JsonOpt = False) -> None:
-    """The hosts your jobs quarantined (lost, or frozen: silent for --host-timeout): left out
-    of your later jobs until the time shown (poprun --quarantine-for), their instances run on
-    a spare; with --release, let hosts back now."""
+    """The hosts your jobs quarantined (lost, frozen: silent for --host-timeout, an instance
+    OOM-killed there, or failing their checks at the start): left out of your later jobs
+    until the time shown (poprun --quarantine-for), their instances run on a spare; with
+    --release, let hosts back now."""
     from poprun.crash import state_dir_problem
     from poprun.jobctl import quarantine
 

@@ -147,13 +147,20 @@ OPTIONS: tuple[Opt, ...] = (
         "them (repeatable; needs --max-restarts). Each is connected at the start, given an "
         "agent and compared with the job's hosts (--compare-hosts): one unreachable or "
         "different is said and never used. When an attempt fails because a host was lost "
-        "or froze (silent for --host-timeout), the next attempt runs that host's instances (the same "
-        "indices, replicas, placement and environment) on a spare, every other instance "
-        "staying where it was; the host is quarantined: never used again in the job"),
+        "or froze (silent for --host-timeout), or the kernel's OOM killer killed an instance "
+        "there (its count in the instance's memory cgroup says so, not the SIGKILL alone), "
+        "the next attempt runs that host's instances (the same indices, replicas, placement "
+        "and environment) on a spare, every other instance staying where it was; the host is "
+        "quarantined: never used again in the job. A job host that fails its checks at the "
+        "start (unreachable, no working directory or program there) is replaced so from the "
+        "first attempt on"),
     Opt("spare-nodes", Kind.INT, "Under Slurm (without --host): the allocation's last this "
         "many nodes stand by as --spare-hosts do (needs --max-restarts); the job runs on the "
-        "others: `salloc -N 5` with --spare-nodes 1 runs on 4 nodes"),
-    Opt("quarantine-for", Kind.STR, "How long a host this job lost (or saw freeze) is left "
+        "others: `salloc -N 5` with --spare-nodes 1 runs on 4 nodes. Not given, with "
+        "--max-restarts: the nodes beyond those --num-instances fills at Slurm's tasks per "
+        "node stand by; 0: none do"),
+    Opt("quarantine-for", Kind.STR, "How long a host this job quarantined (lost, frozen, "
+        "an instance OOM-killed there) is left "
         "out of your later jobs: seconds, or 30m, 2h, 1d; 0: not remembered. A later job "
         "runs a quarantined host's instances on a spare, with a warning, and refuses in one "
         "line when it has none. `poprunctl hosts` lists them, `poprunctl hosts --release "

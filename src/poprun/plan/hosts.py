@@ -104,6 +104,29 @@ def spare_nodes(hosts: tuple[Host, ...], count: int, source: str
     return hosts[:-count], hosts[-count:]
 
 
+def nodes_beyond_need(environ: Mapping[str, str], num_instances: int
+                      ) -> tuple[tuple[Host, ...], tuple[Host, ...], str] | None:
+    """A Slurm allocation's nodes split into the job's and the spares: where its first nodes
+    hold exactly `num_instances` at Slurm's tasks per node, those run the job (each its task
+    count) and the nodes beyond stand by (docs/slurm.md, "Spare nodes and the stop window").
+    With where that came from, in words; None where no such split exists."""
+    nodelist = environ.get(SLURM_NODELIST, "").strip()
+    counts = environ.get(SLURM_TASKS_PER_NODE, "").strip()
+    if not nodelist or not counts:
+        return None
+    where = f"the Slurm allocation ({SLURM_NODELIST}={nodelist})"
+    found = parse_host_list(nodelist, where)
+    per_node = parse_tasks_per_node(counts, found, SLURM_TASKS_PER_NODE)
+    filled = list(itertools.accumulate(per_node))[:-1]  # all nodes: no spare
+    if num_instances not in filled:
+        return None
+    need = filled.index(num_instances) + 1
+    hosts = tuple(replace(h, slots=n) for h, n in zip(found, per_node))
+    return hosts[:need], hosts[need:], (
+        f"{where} with {SLURM_TASKS_PER_NODE}={counts} (--num-instances={num_instances} "
+        f"fills its first {need} node(s); the other {len(found) - need} stand by)")
+
+
 def read_host_file(path: str, source: str) -> str:
     """A host file's text: a regular file, at most MAX_HOST_FILE bytes, UTF-8."""
     from poprun.plan.files import read_small_file

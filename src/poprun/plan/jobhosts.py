@@ -13,7 +13,7 @@ from spawner.uncompiled import dataclass  # nothing compiled at import (spawner/
 from poprun.errors import ConfigError
 from poprun.plan.config import LaunchConfig
 from poprun.plan.hosts import (SLURM_JOB_ID, Host, instance_counts, is_local,
-                               job_hosts_and_source, spare_nodes)
+                               job_hosts_and_source, nodes_beyond_need, spare_nodes)
 from poprun.plan.planner import LOCALHOST
 from poprun.plan.pods import SECRET_FD_VARIABLE, SECRET_VARIABLE, Pod, contract_in, read_pod
 
@@ -40,6 +40,9 @@ class JobHosts:
         hosts, source = job_hosts_and_source(config.host_list, environ,
                                              config.num_instances if explicit else None)
         hosts, standby = spare_nodes(hosts, config.spare_nodes, source)
+        beyond = beyond_need(config, environ) if explicit else None
+        if beyond is not None:
+            hosts, standby, source = beyond
         if transport == "slurm" and not environ.get(SLURM_JOB_ID):
             raise ConfigError("--launcher slurm runs inside a Slurm allocation: start poprun "
                               "with `salloc -N <nodes> poprun ...` or from an `sbatch` script "
@@ -89,10 +92,11 @@ class JobHosts:
         return self.counts[self.labels.index(label)]
 
     def describe(self) -> str:
-        """`h1 (4), h2 (2) from --host, over ssh`, for -v."""
+        """`h1 (4), h2 (2) from --host, over ssh; spare hosts: h3`, for -v."""
         listed = ", ".join(f"{label} ({n})" for label, n in zip(self.labels, self.counts))
         over = f", over {self.transport}" if self.remote else ""
-        return f"{listed} from {self.source}{over}"
+        spares = f"; spare hosts: {', '.join(map(str, self.spares))}" if self.spares else ""
+        return f"{listed} from {self.source}{over}{spares}"
 
     def open_files_here(self, output_files: bool) -> int:
         """Descriptors the launcher holds at once for this job (spawner/fdlimit.py): a
@@ -141,6 +145,20 @@ def pair_spares(failed: Sequence[str], available: Sequence[str]) -> dict[str, st
     spares in theirs (the user's order is their preference). Failed hosts beyond the
     spares are left out: the caller ends the job on them."""
     return dict(zip(failed, available))
+
+
+def beyond_need(config: LaunchConfig, environ: Mapping[str, str]
+                ) -> tuple[tuple[Host, ...], tuple[Host, ...], str] | None:
+    """Under Slurm, the allocation's nodes beyond those the job's --num-instances fill stand
+    by as spares without --spare-nodes (plan/hosts.py, nodes_beyond_need): where a spare could
+    be used (--max-restarts) and the user named no hosts, spares or spare count of their own
+    (`--spare-nodes 0` keeps every node in the job, as before)."""
+    if (not config.max_restarts or config.host_list or config.spare_list
+            or config.given is None or "spare_nodes" in config.given  # None: all given
+            or config.mpi.npernode is not None
+            or not environ.get(SLURM_JOB_ID)):
+        return None
+    return nodes_beyond_need(environ, config.num_instances)
 
 
 def transport_of(config: LaunchConfig, environ: Mapping[str, str]) -> str:

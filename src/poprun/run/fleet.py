@@ -80,13 +80,16 @@ class Fleet:
 
     async def open(self, sink: Sink, on_lost: Callable[[str, str], None], *, cwd: str,
                    program: str, path: str | None, view=None, temp_dirs: bool = False,
-                   facts: dict | None = None) -> None:
+                   facts: dict | None = None, keep_going: bool = False) -> dict[str, str]:
         """Connect to every host and start its agent, each as soon as its host is connected
         (the others still connecting); raises LaunchError (every failing host named, one
         line each) with nothing started; the caller closes what was opened. `temp_dirs`:
         the launch will ask for `temp_dirs()`; each agent makes
         its directory as it answers HELLO, which spares a round trip per host. `facts`: what
-        each agent is asked to report of the job's dependencies (run/hostcheck.py)."""
+        each agent is asked to report of the job's dependencies (run/hostcheck.py).
+        `keep_going` (spares stand by to take a failing host's place): no host's failure
+        stops the others', and none is raised: per host that failed, why (one line naming
+        it), in host order; what it opened stays until `take_over` or `close`."""
         self._opened_at = time.monotonic()
         self._temp_prefix = CACHE_PREFIX if temp_dirs else None
         starting: dict[Host, asyncio.Task] = {}
@@ -97,21 +100,26 @@ class Fleet:
                 facts=facts))
 
         try:
-            failures = await self._connect(self.hosts, view, keep_going=False, on_open=start)
+            failures = await self._connect(self.hosts, view, keep_going=keep_going,
+                                           on_open=start)
         except BaseException:
             _cancel(starting.values())
             raise
-        if failures:  # at once, as before: agents still starting are closed with the rest
+        if failures and not keep_going:  # at once: agents still starting are closed too
             _cancel(starting.values())
             _raise_failures(failures)
-        outcomes = await asyncio.gather(*(starting[h] for h in self.hosts),  # host order
+        started = [h for h in self.hosts if h in starting]
+        outcomes = await asyncio.gather(*(starting[h] for h in started),  # host order
                                         return_exceptions=True)
         for outcome in outcomes:  # a bug, or a cancellation, is not a host's problem
             if isinstance(outcome, BaseException) and not isinstance(outcome, LaunchError):
                 raise outcome
-        problems = [str(o) for o in outcomes if isinstance(o, LaunchError)]
-        if problems:
-            raise LaunchError("\n".join(problems))
+        problems = {**{str(f.target): f.message for f in failures},
+                    **{str(h): str(o) for h, o in zip(started, outcomes)
+                       if isinstance(o, LaunchError)}}
+        if problems and not keep_going:
+            raise LaunchError("\n".join(problems.values()))
+        return {label: problems[label] for label in self._labels if label in problems}
 
     async def open_each(self, sink: Sink, *, cwd: str, program: str | None,
                         path: str | None, facts: dict | None = None) -> dict[str, object]:
@@ -167,7 +175,8 @@ class Fleet:
         standby.hosts = tuple(h for h in standby.hosts if h != new)
         standby._labels = [str(h) for h in standby.hosts]
         old = next(h for h in self.hosts if str(h) == lost)
-        self._retired.append((self.spawners.pop(lost), self.connections.pop(old)))
+        # (a host that failed at the start may have no agent, or no connection)
+        self._retired.append((self.spawners.pop(lost, None), self.connections.pop(old, None)))
         self.hosts = tuple(new if h == old else h for h in self.hosts)
         self._labels = [str(h) for h in self.hosts]
         self.counts[spare] = self.counts.pop(lost, 0)

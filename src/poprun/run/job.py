@@ -630,7 +630,8 @@ class Job:
                 stderr_tail=tuple(self.router.instances[i].stderr_tail),
                 stopped_by_poprun=r.signalled, lost=r.lost,
                 first_output_time=self._wall(self._marks["first_output"].get(i)),
-                error=self.spawner_of[i].errors.get(i))
+                error=self.spawner_of[i].errors.get(i),
+                oom_killed=bool(self.spawner_of[i].oom_kills.get(i)) and not r.signalled)
             for i, r in sorted(self.started.items()))
         instances = tuple(self._as_child_failed(self._as_aborted(inst))
                           for inst in instances)

@@ -369,6 +369,9 @@ class _Session:
         self.host_differences: tuple = ()  # plan/alike.py's Differences among the hosts
         self._compare = False  # the hosts are to be compared before anything starts
         self._facts_here: asyncio.Future | None = None  # this host's facts, read on a thread
+        # Job hosts that failed their checks at the start, replaced by spares there (they are
+        # not compared: `_replace_failed`).
+        self._failed_checks: frozenset[str] = frozenset()
 
     async def __aenter__(self) -> _Session:
         config, log = self.config, self.log
@@ -624,8 +627,7 @@ class _Session:
         while True:
             await self._plan(caches, master, attempt=len(earlier))
             result = await self._run_attempt(len(earlier))
-            lost = self._quarantine({i.host: (i.lost, i.end_time) for i in result.instances
-                                     if i.lost})
+            lost = self._quarantine(result.host_faults())
             if not self._restarts(result, len(earlier)):
                 break
             earlier.append(result)
@@ -651,20 +653,22 @@ class _Session:
         """Hosts lost before the next attempt started anything there (the new Job heard)."""
         import time
 
-        return {host: (reason, time.time())
+        return {host: (f"lost: {reason}", time.time())
                 for host, reason in self.job.lost_before_start.items()}
 
     def _quarantine(self, found: Mapping[str, tuple[str, float]]) -> list[str]:
-        """The hosts lost (label -> why, when: their connection or agent gone, or silent
-        for --host-timeout: frozen): quarantined, never used again in this job even once
-        they answer (a host that failed once is likely to again, and a restart there would
-        spend the restarts), and remembered for later jobs. Their labels, in host order."""
-        lost = [label for label in self.hosts.labels if label in found]
+        """The remote hosts that failed the job (label -> why, when: LaunchResult.host_faults:
+        lost, frozen, or an instance there killed by the kernel's OOM killer): quarantined,
+        never used again in this job even once they answer (a host that failed once is likely
+        to again, and a restart there would spend the restarts), and remembered for later
+        jobs. Their labels, in host order."""
+        lost = [label for label in self.hosts.labels if label in found
+                and label in self.hosts.remote]  # this host runs poprun: never left out
         for label in lost:
             reason, at = found[label]
-            self.quarantined.append({"host": label, "reason": f"lost: {reason}",
-                                     "at": round(at, 3)})
-            self.log.warning(f"{label} quarantined for the rest of the job: lost ({reason})")
+            self.quarantined.append({"host": label, "reason": reason, "at": round(at, 3)})
+            kind, _, detail = reason.partition(": ")
+            self.log.warning(f"{label} quarantined for the rest of the job: {kind} ({detail})")
         self._remember_quarantine(self.quarantined[-len(lost):] if lost else [])
         return lost
 
@@ -689,14 +693,17 @@ class _Session:
 
     async def _recover(self, lost: list[str], caches: dict[str, str]
                        ) -> tuple[dict[str, str], str]:
-        """Hosts lost (and quarantined) in the last attempt, each replaced by a spare for
-        the next; LaunchError naming those no spare is left for (the job ends there)."""
+        """Hosts quarantined after the last attempt, each replaced by a spare for the next;
+        LaunchError naming those no spare is left for (the job ends there)."""
         if self.spares is not None:
             replaced, caches = await self._take_spares(lost, caches)
             lost = [label for label in lost if label not in replaced]
-        if lost:
-            raise LaunchError("\n".join(f"{label}: lost, and no spare host is left to take "
-                                        "its place (--spare-hosts)" for label in lost))
+        why = {q["host"]: q["reason"] for q in self.quarantined}
+        if lost:  # "lost", or why else it was quarantined
+            said = {label: "lost" if why[label].startswith("lost:")
+                    else f"quarantined ({why[label]})" for label in lost}
+            raise LaunchError("\n".join(f"{label}: {said[label]}, and no spare host is left to "
+                                        "take its place (--spare-hosts)" for label in lost))
         return caches, await self._master_address()
 
     async def _take_spares(self, lost: list[str], caches: dict[str, str]
@@ -704,15 +711,10 @@ class _Session:
         """Spares in the lost hosts' places for the next attempt (run/spares.py): the same
         instance indices, placement and environment; their caches made (a temporary one
         there, or the explicit path). Which host each replaced, and the caches."""
-        pairs = self.spares.take(lost, self.fleet)
+        pairs = self._substitute_spares(lost, "for the next attempt")
         if not pairs:
             return pairs, caches
-        self.hosts = self.hosts.substituted({
-            old: next(h for h in self.hosts.spares if str(h) == new)
-            for old, new in pairs.items()})
-        for old, new in pairs.items():
-            self.log.warning(f"{old} replaced by spare host {new} for the next attempt "
-                             f"({self.hosts.count(new)} instance(s))")
+        for new in pairs.values():
             self.fleet.spawners[new].new_attempt(self.job, self.job.on_host_lost)
         caches = {label: path for label, path in caches.items() if label not in pairs}
         spares = list(pairs.values())
@@ -723,6 +725,18 @@ class _Session:
             caches.update((label, explicit) for label in spares)
         self._choose_network()
         return pairs, caches
+
+    def _substitute_spares(self, failed: list[str], when: str) -> dict[str, str]:
+        """Spares in the `failed` hosts' places (as many as are ready), in the fleet and in
+        `hosts`, each said: failed label -> spare label."""
+        pairs = self.spares.take(failed, self.fleet)
+        self.hosts = self.hosts.substituted({
+            old: next(h for h in self.hosts.spares if str(h) == new)
+            for old, new in pairs.items()})
+        for old, new in pairs.items():
+            self.log.warning(f"{old} replaced by spare host {new} {when} "
+                             f"({self.hosts.count(new)} instance(s))")
+        return pairs
 
     async def _run_attempt(self, attempt: int) -> LaunchResult:
         finished = self.loop.create_future()
@@ -810,10 +824,11 @@ class _Session:
                 here.add_done_callback(lambda done: done.cancelled() or done.exception())
         standby = self._open_spares(ask)  # meanwhile: their problems are said, not raised
         try:
-            await self.fleet.open(self.job, self.job.on_host_lost, cwd=self.cwd,
-                                  program=host_program(self.config, self.program),
-                                  path=self.environ.get("PATH"), view=self.panel,
-                                  temp_dirs=self.mode is CacheMode.TEMPORARY, facts=ask)
+            failed = await self.fleet.open(
+                self.job, self.job.on_host_lost, cwd=self.cwd,
+                program=host_program(self.config, self.program), path=self.environ.get("PATH"),
+                view=self.panel, temp_dirs=self.mode is CacheMode.TEMPORARY, facts=ask,
+                keep_going=standby is not None)
         except BaseException:
             if standby is not None:  # what it opened is closed with the session
                 standby.cancel()
@@ -821,7 +836,26 @@ class _Session:
             raise
         if standby is not None:
             await standby
+        if failed:
+            await self._replace_failed(failed)
         self.job.phases.update(self.fleet.phases(since=self.job.launch_mono))
+
+    async def _replace_failed(self, failed: Mapping[str, str]) -> None:
+        """Job hosts that failed their checks at the start (unreachable, no agent, no working
+        directory or program there...: Fleet.open's problems, one line each), where spares
+        stand by: each quarantined and its place given to a spare, compared and admitted
+        first. LaunchError with every problem, nothing quarantined, when the spares left
+        cannot take every place: a check every host fails is the job's, not a host's."""
+        self._failed_checks = frozenset(failed)
+        await self._compare_hosts()  # without them: the spares are admitted by it
+        if len(failed) > len(self.spares.ready):
+            raise LaunchError("\n".join(failed.values()))
+        import time
+
+        now = time.time()
+        self._quarantine({label: (f"checks: {_without_label(label, problem)}", now)
+                          for label, problem in failed.items()})
+        self._substitute_spares(list(failed), "from the start")
 
     def _open_spares(self, ask: dict | None) -> asyncio.Future | None:
         """The spare hosts connected and given agents while the job's hosts are (the same
@@ -848,12 +882,13 @@ class _Session:
         facts_here = await self._facts_here if self._facts_here is not None else None
         remote = await hostcheck.answers(self.fleet.spawners)
         waited = self.loop.time() - began
-        local = [label for label in self.hosts.labels if label not in self.hosts.remote]
+        labels = [label for label in self.hosts.labels if label not in self._failed_checks]
+        local = [label for label in labels if label not in self.hosts.remote]
         self.host_differences = hostcheck.compare(self.config, self.environ,
-                                                  self.hosts.labels, local, facts_here, remote)
+                                                  labels, local, facts_here, remote)
         if self.spares is not None:
             self.spares.admit(hostcheck.spare_differences(
-                self.config, self.environ, self.hosts.labels, local, facts_here, remote,
+                self.config, self.environ, labels, local, facts_here, remote,
                 await hostcheck.answers(self.spares.fleet.spawners)))
         self.log.debug(f"hosts compared ({len(self.host_differences)} difference(s)): waited "
                        f"{waited * 1000:.1f} ms for their facts, "
@@ -1125,6 +1160,11 @@ class _Session:
             self._result = replace(self._result, exit_code=OUTPUT_ERROR_STATUS,
                                    output_error=f"cannot write poprun's stderr: "
                                                 f"{lost.strerror or lost}")
+
+
+def _without_label(label: str, line: str) -> str:
+    """A host's problem line (`h2: ...`) without its label: a quarantine names the host."""
+    return line[len(label) + 2:] if line.startswith(f"{label}: ") else line
 
 
 def _recorded(differences: tuple) -> list[dict]:

@@ -145,9 +145,9 @@ def test_the_instance_runs_bound_in_its_directory_and_its_error_is_reported(runt
     error file (a control file named in the environment, its directory bound). Both
     instances raise: the one whose exit poprun sees second was often still in `podman run`'s
     removal of its container when poprun's SIGTERM came, and podman's signal proxy, with no
-    container left to forward it to, died of it: its own exception, the earlier, then read as
-    the SIGTERM (exit 143; 4 in 40 launches under load, none in 30 since). poprun now signals the program in
-    the container, not `podman run` (spawner/inside.py)."""
+    container left to forward it to, died of it: its own exception, the earlier, then read
+    as the SIGTERM (exit 143; 4 in 40 launches under load, none in 30 since). poprun now
+    signals the program in the container, not `podman run` (spawner/inside.py)."""
     bare = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2", PY, "-c", WHERE,
                       cwd=tmp_path)
     inside = run_in(runtime, tmp_path, 2, PY, "-c", WHERE)

@@ -148,6 +148,48 @@ def test_podman_s_128_plus_n_is_a_signal_as_for_a_bare_instance():
         assert C.exit_status(other, 143) == 143 and C.exit_status(other, -15) == -15
 
 
+def test_only_podman_writes_the_program_s_pid_for_the_spawner_to_signal_it():
+    argv, _ = C.wrap(C.Container("podman", "img"), ARGV, {}, "/w", name="n", pidfile="/e/n.pid")
+    assert "--pidfile=/e/n.pid" in argv[:argv.index("img")]
+    assert not any(a.startswith("--pidfile") for a in C.wrap(
+        C.Container("podman", "img"), ARGV, {}, "/w", name="n")[0])
+    assert C.SIGNALLED_INSIDE == {"podman"}
+
+
+def test_the_program_inside_is_told_by_its_environment(tmp_path):
+    """spawner/inside.py with real processes: the pid file names nothing yet (WAITING), a
+    live process without the instance's entry (runc's init: WAITING), the program (RUNNING),
+    a process that has exited (ENDED); a signal reaches the program's group."""
+    import signal
+    import subprocess
+
+    from spawner import inside
+
+    identity = b"POPDIST_ERROR_FILE=/e/3.json"
+    pidfile = tmp_path / "n.pid"
+    assert inside.state(str(pidfile), identity) == (inside.WAITING, None)
+    pidfile.write_text("")
+    assert inside.state(str(pidfile), identity) == (inside.WAITING, None)
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    init = subprocess.Popen(sleep, env={}, start_new_session=True)
+    program = subprocess.Popen(sleep, env={"POPDIST_ERROR_FILE": "/e/3.json"},
+                               start_new_session=True)
+    try:
+        pidfile.write_text(f"{init.pid}\n")
+        assert inside.state(str(pidfile), identity) == (inside.WAITING, None)
+        pidfile.write_text(str(program.pid))
+        assert inside.state(str(pidfile), identity) == (inside.RUNNING, program.pid)
+        inside.signal_program(program.pid, signal.SIGTERM)
+        assert program.wait(timeout=30) == -signal.SIGTERM
+        assert inside.state(str(pidfile), identity) == (inside.ENDED, None)
+    finally:
+        for proc in (init, program):
+            proc.kill()
+            proc.wait()
+    pidfile.write_text(str(init.pid))  # reaped: gone
+    assert inside.state(str(pidfile), identity) == (inside.ENDED, None)
+
+
 def test_only_podman_leaves_a_container_to_remove():
     assert C.cleanup(C.Container("podman", "img"), "poprun-1-3-x") == [
         "podman", "rm", "--force", "--ignore", "--time", "0", "poprun-1-3-x"]

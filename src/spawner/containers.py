@@ -40,6 +40,10 @@ from popdist.env import (AUTOREPORT_DIRECTORY, ERROR_FILE, EXECUTABLE_CACHE_PATH
 PROGRAMS = {"bwrap": "bwrap", "podman": "podman", "apptainer": "apptainer",
             "singularity": "singularity", "charliecloud": "ch-run", "enroot": "enroot"}
 NEEDS_IMAGE = frozenset(PROGRAMS) - {"bwrap"}
+# The runtimes whose process is not the program's ancestor (podman's is conmon's child): the
+# spawner signals the program itself, found by the pid file the runtime writes
+# (spawner/inside.py says why a signal to the runtime's process is not enough).
+SIGNALLED_INSIDE = frozenset({"podman"})
 RUNTIMES = tuple(PROGRAMS)
 PMI_FD = "PMI_FD"
 SHM = "/dev/shm"
@@ -124,12 +128,13 @@ def binds(env: Mapping[str, str], cwd: str) -> tuple[str, ...]:
 
 
 def wrap(container: Container, argv: Sequence[str], env: Mapping[str, str], cwd: str, *,
-         name: str, interactive: bool = False,
-         python: str = "python3") -> tuple[list[str], dict[str, str]]:
+         name: str, interactive: bool = False, python: str = "python3",
+         pidfile: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that start `argv` inside `container`, in `cwd`. `name`
     names the container where the runtime keeps one (podman), unique per start;
     `interactive`: the instance reads poprun's stdin; `python`: an interpreter on this
-    host (the spawner's own) for the one step a shell cannot do."""
+    host (the spawner's own) for the one step a shell cannot do; `pidfile`: where a runtime
+    of SIGNALLED_INSIDE writes the program's pid."""
     env = dict(env)
     mounts = binds(env, cwd)
     args = list(container.args)
@@ -137,7 +142,7 @@ def wrap(container: Container, argv: Sequence[str], env: Mapping[str, str], cwd:
         return _bwrap(container.image, args, argv, cwd, mounts), env
     if container.runtime == "podman":
         return _podman(container.image or "", args, argv, env, cwd, mounts, name,
-                       interactive, python), env
+                       interactive, python, pidfile), env
     if container.runtime in ("apptainer", "singularity"):
         return _apptainer(container.runtime, container.image or "", args, argv, cwd,
                           mounts), env
@@ -163,16 +168,19 @@ def _bwrap(image: str | None, args: list[str], argv: Sequence[str], cwd: str,
 
 
 def _podman(image: str, args: list[str], argv: Sequence[str], env: dict[str, str], cwd: str,
-            mounts: tuple[str, ...], name: str, interactive: bool, python: str) -> list[str]:
+            mounts: tuple[str, ...], name: str, interactive: bool, python: str,
+            pidfile: str | None) -> list[str]:
     """podman: removed at its end (`--rm`), in the host's network, IPC (/dev/shm) and pid
     namespaces (MPICH's ranks read each other's memory by pid, process_vm_readv; the
     instance is no pid 1, which would ignore SIGTERM; the stacks signal finds it), the
     environment passed by name (`-e NAME`: the values stay off the command line), the job's
     directories bound. Its PMI socket is moved to descriptor 3 on the way in (by `python`:
     a POSIX shell cannot name a descriptor above 9), the one place `--preserve-fds` can
-    pass it."""
+    pass it. `--pidfile`: where the spawner finds the program to signal."""
     out = ["podman", "run", "--rm", "--name", name, "--network=host", "--ipc=host",
            "--pid=host", "--log-driver=none", "-w", cwd]
+    if pidfile:
+        out.append(f"--pidfile={pidfile}")
     if interactive:
         out.append("-i")
     for path in mounts:
@@ -242,8 +250,9 @@ def exit_status(container: Container | None, returncode: int) -> int:
 def cleanup(container: Container, name: str) -> list[str] | None:
     """The command that removes the container `name` of `container`'s runtime whatever
     became of its processes, for the runtimes that keep one beside them (podman's record,
-    its mounts and its conmon, which outlive a SIGKILLed `podman run`); None: nothing to
-    remove once the processes are gone."""
+    its mounts and its conmon, which outlive a SIGKILLed `podman run`, and which a
+    `podman run` signalled while it makes the container leaves behind, exiting 0); None:
+    nothing to remove once the processes are gone. A no-op for one already removed."""
     if container.runtime == "podman":
         return ["podman", "rm", "--force", "--ignore", "--time", "0", name]
     return None

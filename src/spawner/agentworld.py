@@ -48,6 +48,9 @@ class AgentWorld:
         self.ranks = [int(r) for r in fields["ranks"]]
         if len(self._nodes) != self.size or not all(0 <= r < self.size for r in self.ranks):
             raise ValueError("WORLD: ranks and nodes do not fit its size")
+        # MPI_Comm_spawn_multiple's world: each command's processes have its appnum
+        self._appnums = {int(r): int(n) for r, n in dict(fields.get("appnums") or {}).items()
+                         if int(r) in self.ranks}
         self._send, self._lifeline = send, lifeline
         self._ends = PmiEnds(loop, self._start)
         self.server = None  # spawner.pmi.PmiServer, once an instance here has spoken
@@ -95,7 +98,8 @@ class AgentWorld:
         self.server = PmiServer(self.kvsname, self.size, local_ranks=self.ranks,
                                 process_mapping=process_mapping_for_ranks(self._nodes),
                                 upstream=self, on_abort=self._aborted, on_lost=self._lost,
-                                on_unserved=self._unserved, on_spawn=self._spawn)
+                                on_unserved=self._unserved, on_spawn=self._spawn,
+                                appnums=self._appnums)
         for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
 

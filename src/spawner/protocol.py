@@ -29,8 +29,10 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              gives its instances before SIGKILL
       MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
       MKDIR   {id, path}                     a directory (and parents) that is kept
-      SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world,
+      SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world, rank,
                container: {runtime, image, args} or null (spawner/containers.py)}
+                                             rank: its rank in `world` (absent: `key`; a
+                                             spawned process's key is not its rank)
       SIGNAL  {key (null: every instance), signal (name, e.g. "SIGTERM")}
       HEARTBEAT {last?}                      every `interval` seconds; last: true, the launcher's
                                              goodbye before its stream ends (pod mode)
@@ -39,7 +41,9 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              their SPAWNs, which name it); nodes: each rank's
                                              host; pmix (absent: none): {names: the hosts'
                                              names, libpmix: a path the user gave or null,
-                                             argv: the program's} Open MPI's world served too
+                                             argv: the program's} Open MPI's world served too;
+                                             appnums (absent: all 0): {rank: appnum} where
+                                             they differ (MPI_Comm_spawn_multiple's worlds)
       WORLD_END {kvsname}                    the world's instances are gone: clean up after it
       BARRIER_OUT {kvsname, puts | error}    the job-wide barrier is complete: its puts
       VALUE   {kvsname, id, value}           answers GET (value null: absent)
@@ -118,7 +122,8 @@ from .local import Stream
 # STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: SPAWN's
 # container (an agent that ignored it would start the instance bare), HELLO's kill_timeout,
 # NAME, NAMED, PMI_UNSERVED, SPAWN_ASK, SPAWNED_ANSWER (MPI's published names and spawns,
-# PMI-1 commands not served)
+# PMI-1 commands not served), SPAWN's rank and WORLD's appnums (spawned processes on the
+# agents' hosts: unreleased still, so the same 7)
 PROTOCOL_VERSION = 7
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
@@ -258,6 +263,7 @@ class SpawnRequest:
     cpus: tuple[int, ...] | None = None  # CPU binding there (None: not bound)
     mems: tuple[int, ...] | None = None  # memory node binding there (None: not bound)
     world: str | None = None  # the kvsname of the MPI world it joins (a WORLD frame's)
+    rank: int | None = None  # its rank in `world` (None: `key`, as for the instances)
     container: Container | None = None  # run inside it (spawner/containers.py)
 
     def to_fields(self) -> dict[str, Any]:
@@ -265,7 +271,7 @@ class SpawnRequest:
                 "env_unset": list(self.env_unset), "cwd": self.cwd,
                 "merge_stderr": self.merge_stderr,
                 "cpus": _list_or_none(self.cpus), "mems": _list_or_none(self.mems),
-                "world": self.world,
+                "world": self.world, "rank": self.rank,
                 "container": None if self.container is None else self.container.to_fields()}
 
     @classmethod
@@ -281,6 +287,7 @@ class SpawnRequest:
                    cwd=fields.get("cwd"), merge_stderr=bool(fields.get("merge_stderr")),
                    cpus=_ints_or_none(fields.get("cpus")), mems=_ints_or_none(fields.get("mems")),
                    world=fields.get("world"),
+                   rank=None if fields.get("rank") is None else int(fields["rank"]),
                    container=Container.from_fields(fields.get("container")))
 
 

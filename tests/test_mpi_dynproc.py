@@ -3,8 +3,10 @@ names published by one instance are found by another, on this host and across
 two sshd hosts, and connect them; a PMI-1 command poprun does not serve is answered at once
 and said at -v (a raw PMI_FD client: MPICH sends none); MPI_Comm_spawn and
 MPI_Comm_spawn_multiple start their children under poprun, with their arguments and info
-keys; mpi4py.futures' MPIPoolExecutor works, and a killed poprun leaves none of its workers;
-a spawn storm is refused with an MPI error and the job goes on.
+keys, on the job's hosts (a parent on one sshd host, children on another, where the `host`
+info key says or spread as Hydra spreads them); mpi4py.futures' MPIPoolExecutor works, and a
+killed poprun leaves none of its workers, on any host; a spawn storm is refused with an MPI
+error and the job goes on.
 
 They skip without mpi4py and MPICH, and fail instead where POPRUN_REQUIRE_MPI=1 (CI).
 """
@@ -211,7 +213,8 @@ def test_a_killed_poprun_leaves_none_of_the_pool_s_workers(tmp_path, job_state):
             ("2,0", 0, None), ("2,1", 0, None), ("2,2", 0, None)]
         assert set(workers) <= {c["pid"] for c in shown["spawned"]}
         text = run_poprunctl("show", listed["id"], env=job_state, text=True).stdout
-        assert f"spawned [2,0] by instance 0: pid {shown['spawned'][0]['pid']}, running" in text
+        assert (f"spawned [2,0] by instance 0: pid {shown['spawned'][0]['pid']} on localhost, "
+                "running") in text
         job.kill()
         job.wait(30)
     wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers),
@@ -398,6 +401,8 @@ def test_a_killed_poprun_leaves_none_of_the_workers_on_another_host(two_hosts, t
         assert [(c["tag"], c["host"], c["exit_status"]) for c in shown["spawned"]] == [
             ("2,0", "h2", None), ("2,1", "h2", None), ("2,2", "h2", None)]
         assert set(workers) <= {c["pid"] for c in shown["spawned"]}
+        text = run_poprunctl("show", listed["id"], env=job_state, text=True).stdout
+        assert f"spawned [2,2] by instance 0: pid {shown['spawned'][2]['pid']} on h2" in text
         job.kill()
         job.wait(30)
     wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers),

@@ -7,7 +7,9 @@ answers them, and goes to the launcher only where the world is bigger than this 
 BARRIER_IN per barrier for all of this host's instances (with their puts), answered by
 BARRIER_OUT with every put of that epoch; a GET for a key this host has not seen; a NAME to
 publish, unpublish or look up (the job's names are the launcher's: spawner/pminames.py); a
-SPAWN_ASK for an instance's MPI_Comm_spawn (the launcher starts the children); an
+SPAWN_ASK for an instance's MPI_Comm_spawn (the launcher starts the children, here too: a
+spawned world's ranks on this host are served by an AgentWorld of its own, its SPAWNs naming
+each child's rank, its WORLD frame their appnums); an
 instance's MPI_ABORT or a connection closed before MPI_Finalize (MPI_LOST), for the job to act
 on; PMI_UNSERVED, for the launcher's -v line, where a command was answered with an error.
 What MPICH leaves in /dev/shm is removed when the launcher ends the world (WORLD_END), when

@@ -173,8 +173,46 @@ class LocalSpawner:
 
     def spawn(self, spec: ProcessSpec) -> int:
         """Start one process; returns its pid. Raises OSError when it cannot be started."""
-        # The binding is set on this thread around the fork, so the child has it before its
-        # first instruction without a pre-exec hook (which would force the slow fork path).
+        argv, env, removal = self._prepare(spec)
+        return self._register(spec, *_popen(spec, argv, env), removal)
+
+    async def spawn_many(self, specs: Sequence[ProcessSpec]) -> list[int | OSError]:
+        """Start these processes at once; for each, its pid or why it could not start.
+        Popen returns only once its child has exec'd (vfork): one after another, each start
+        waits for the one before to be scheduled, which a loaded host makes slow; in threads
+        they overlap, as Hydra's proxy forks every process before any of them runs
+        (MPI_Comm_spawn's children: bench/spawn_bench.py)."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        prepared: list[tuple[Sequence[str], dict[str, str], list[str] | None] | OSError] = []
+        for spec in specs:
+            try:
+                prepared.append(self._prepare(spec))
+            except OSError as exc:
+                prepared.append(exc)
+        started = await asyncio.gather(*(
+            loop.run_in_executor(None, _popen, spec, ready[0], ready[1])
+            for spec, ready in zip(specs, prepared) if not isinstance(ready, OSError)),
+            return_exceptions=True)
+        outcomes: list[int | OSError] = []
+        for spec, ready in zip(specs, prepared):
+            if isinstance(ready, OSError):
+                outcomes.append(ready)
+                continue
+            done = started.pop(0)
+            if isinstance(done, BaseException):
+                if not isinstance(done, OSError):
+                    raise done
+                outcomes.append(done)
+            else:
+                outcomes.append(self._register(spec, *done, ready[2]))
+        return outcomes
+
+    def _prepare(self, spec: ProcessSpec
+                 ) -> tuple[Sequence[str], dict[str, str], list[str] | None]:
+        """`spec`'s argv and environment as they start it (contained, in its container),
+        and what removes its container; OSError where its program cannot run."""
         env = dict(spec.env)
         if self._lifeline:
             env[containment.MARK] = self._lifeline.token
@@ -190,13 +228,11 @@ class LocalSpawner:
             # its helpers are found by their ancestry only
             self._lifeline.track_descendants(containment.is_subreaper())
             self._tracking = True
-        with bound(spec.cpus, spec.mems) as memory_bound:
-            proc = subprocess.Popen(
-                argv, env=env, cwd=spec.cwd,
-                stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT if spec.merge_stderr else subprocess.PIPE,
-                start_new_session=True, close_fds=True, pass_fds=spec.pass_fds, bufsize=0)
+        return argv, env, removal
+
+    def _register(self, spec: ProcessSpec, proc: subprocess.Popen, memory_bound: bool,
+                  removal: list[str] | None) -> int:
+        """Watch a started process: its group for the lifeline, its pipes, its exit."""
         if spec.mems and not memory_bound:
             self.memory_binding_skipped = memory_binding_unavailable() or "not possible here"
         if self._lifeline:
@@ -554,6 +590,21 @@ class LocalSpawner:
             containment.reap_children(
                 keep=frozenset([self._lifeline.pid] if self._lifeline else []),
                 spare=containment.helpers_mark(self._lifeline.token) if self._lifeline else None)
+
+
+def _popen(spec: ProcessSpec, argv: Sequence[str], env: dict[str, str]
+           ) -> tuple[subprocess.Popen, bool]:
+    """Start `argv` as `spec` says (on any thread); and whether its memory binding held.
+    The binding is set on the calling thread around the fork, so the child has it before
+    its first instruction without a pre-exec hook (which would force the slow fork path)."""
+    with bound(spec.cpus, spec.mems) as memory_bound:
+        proc = subprocess.Popen(
+            argv, env=env, cwd=spec.cwd,
+            stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if spec.merge_stderr else subprocess.PIPE,
+            start_new_session=True, close_fds=True, pass_fds=spec.pass_fds, bufsize=0)
+    return proc, memory_bound
 
 
 def _in_container(spec: ProcessSpec, env: dict[str, str]

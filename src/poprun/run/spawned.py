@@ -146,10 +146,9 @@ class Spawned:
             (theirs.setdefault(process.host, []) if process.host in self._job.remote
              else mine).append((key, process))
         try:
-            self._start_here(world, mine)
-            outcomes = await asyncio.gather(*(self._start_there(world, host, started)
-                                              for host, started in theirs.items()),
-                                            return_exceptions=True)
+            outcomes = await asyncio.gather(self._start_here(world, mine), *(
+                self._start_there(world, host, started) for host, started in theirs.items()),
+                return_exceptions=True)
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -159,21 +158,36 @@ class Spawned:
                 raise
             raise PmiError(f"cannot start {placed[0].argv[0]}: "
                            f"{getattr(exc, 'strerror', None) or exc}") from None
+        if self._job.stop_reason != "success":  # it began to stop while these started
+            self._abandon(keys)
+            raise PmiError(f"spawn refused: the job is stopping ({self._job.stop_reason})")
         return keys
 
-    def _start_here(self, world: MpiWorld, mine: list[tuple[int, pmispawn.Placed]]) -> None:
+    async def _start_here(self, world: MpiWorld,
+                          mine: list[tuple[int, pmispawn.Placed]]) -> None:
+        """On this host, all at once (LocalSpawner.spawn_many: not one start waiting for
+        the one before)."""
         job = self._job
         job.local.reserve(key for key, _ in mine)
-        for key, process in mine:
-            env, pmi_end = world.attach(process.rank, job.environ)
-            spec = ProcessSpec(key=key, argv=process.argv, env={**job.environ, **env},
-                               cwd=os.path.join(job.cwd, process.wdir or ""),
-                               merge_stderr=job.config.effective_merge_stderr,
-                               pass_fds=(pmi_end.fileno(),))
-            try:
-                self.children[key].pid = job.local.spawn(spec)
-            finally:
+        specs, ends = [], []
+        try:
+            for key, process in mine:
+                env, pmi_end = world.attach(process.rank, job.environ)
+                ends.append(pmi_end)
+                specs.append(ProcessSpec(key=key, argv=process.argv, env={**job.environ, **env},
+                                         cwd=os.path.join(job.cwd, process.wdir or ""),
+                                         merge_stderr=job.config.effective_merge_stderr,
+                                         pass_fds=(pmi_end.fileno(),)))
+            outcomes = await job.local.spawn_many(specs)
+        finally:
+            for pmi_end in ends:  # the children have their copies
                 pmi_end.close()
+        for (key, _), outcome in zip(mine, outcomes):
+            if not isinstance(outcome, OSError):
+                self.children[key].pid = outcome
+        for outcome in outcomes:
+            if isinstance(outcome, OSError):
+                raise outcome
 
     async def _start_there(self, world: MpiWorld, host: str,
                            started: list[tuple[int, pmispawn.Placed]]) -> None:

@@ -21,7 +21,11 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import launch_bench as lb  # noqa: E402 (its bytecode cache rule: python_env)
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 # Each worker notes when its process began (before Python's imports: the launcher's part ends
@@ -40,7 +44,7 @@ inter.Disconnect()
 TIMEOUT_S = 120.0
 
 
-def side(name: str, workers: int) -> tuple[float, float]:
+def side(name: str, workers: int, env: dict[str, str]) -> tuple[float, float]:
     """One run of `name` ("poprun" or "mpiexec"): the parent's seconds, and those until the
     last worker's process began."""
     program = [sys.executable, "-c", PARENT, str(workers)]
@@ -50,8 +54,6 @@ def side(name: str, workers: int) -> tuple[float, float]:
     else:
         argv = [shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec",
                 "-n", "1", *program]
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "POPRUN_NO_DASHBOARD": "1"}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     lines = [line for line in done.stdout.splitlines() if line.startswith("spawned ")]
     if done.returncode != 0 or not lines:
@@ -66,11 +68,18 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args()
     times: dict[str, list[tuple[float, float]]] = {"poprun": [], "mpiexec": []}
-    for name in times:  # one warm-up each (page cache)
-        side(name, args.workers)
-    for _ in range(args.reps):
-        for name in times:
-            times[name].append(side(name, args.workers))
+    with tempfile.TemporaryDirectory(prefix="spawn_bench.") as tmp:
+        # Where PYTHONDONTWRITEBYTECODE is set (this sandbox), a private bytecode cache,
+        # filled by the warm-up: the launcher's first spawn would compile its modules again
+        # every run otherwise (launch_bench.python_env), which a user's install never does.
+        pycache = Path(tmp) / "pycache" if os.environ.get(lb.BYTECODE_VAR) else None
+        env = {**lb.python_env(dict(os.environ), pycache), "POPRUN_NO_DASHBOARD": "1",
+               "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        for name in times:  # one warm-up each (page cache, bytecode)
+            side(name, args.workers, env)
+        for _ in range(args.reps):
+            for name in times:
+                times[name].append(side(name, args.workers, env))
     for name, found in times.items():
         for what, values in (("spawn", [t for t, _ in found]),
                              ("last worker began", [b for _, b in found])):

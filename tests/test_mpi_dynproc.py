@@ -197,30 +197,39 @@ def test_an_mpi_pool_of_three_workers_gives_the_right_results(tmp_path):
     assert 1 <= len(workers.split()[1:]) <= 3
 
 
-def test_a_killed_poprun_leaves_none_of_the_pool_s_workers(tmp_path, job_state):
-    """poprunctl shows the workers while they run; a SIGKILL of poprun leaves none, nor
-    what MPICH made in /dev/shm for their world."""
+def killed_with_its_pool(tmp_path, job_state, options: tuple[str, ...],
+                         env: dict[str, str], host: str | None = None) -> tuple[dict, str]:
+    """poprun `options` running an MPI pool that hangs (its workers on `host`), SIGKILLed
+    once poprunctl has shown the workers, all alive then: (what `show --json` said, what
+    `show` said). Returns once none of the workers is left, nor their world's segment."""
     with reaped(subprocess.Popen(
-            poprun_argv(*OFFLINE, "--num-instances=1", sys.executable, pool(tmp_path, True)),
-            env=poprun_env({**job_state, "POPRUN_NO_DASHBOARD": "1"}), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE)) as job:
+            poprun_argv(*OFFLINE, *options, sys.executable, pool(tmp_path, True, host)),
+            env=poprun_env({**env, **job_state, "POPRUN_NO_DASHBOARD": "1"}),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)) as job:
         assert job.stdout.readline().startswith(b"squares")
         workers = [int(p) for p in job.stdout.readline().split()[1:]]
         assert workers and all(os.path.exists(f"/proc/{p}") for p in workers)
         [listed] = json.loads(run_poprunctl("list", "--json", env=job_state).stdout)["jobs"]
         shown = json.loads(run_poprunctl("show", "--json", listed["id"], env=job_state).stdout)
-        assert [(c["tag"], c["spawned_by"], c["exit_status"]) for c in shown["spawned"]] == [
-            ("2,0", 0, None), ("2,1", 0, None), ("2,2", 0, None)]
-        assert set(workers) <= {c["pid"] for c in shown["spawned"]}
         text = run_poprunctl("show", listed["id"], env=job_state, text=True).stdout
-        assert (f"spawned [2,0] by instance 0: pid {shown['spawned'][0]['pid']} on localhost, "
-                "running") in text
         job.kill()
         job.wait(30)
+    assert set(workers) <= {c["pid"] for c in shown["spawned"]}
     wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers),
-               "the lifeline to kill the spawned workers")
+               "the lifelines to kill the spawned workers")
     kvsname = shown["spawned"][0]["kvsname"]  # and their world's segment goes too
     wait_until(lambda: not mpich_shm_leftovers(kvsname), "the watchdog to remove the segment")
+    return shown, text
+
+
+def test_a_killed_poprun_leaves_none_of_the_pool_s_workers(tmp_path, job_state):
+    """poprunctl shows the workers while they run; a SIGKILL of poprun leaves none, nor
+    what MPICH made in /dev/shm for their world."""
+    shown, text = killed_with_its_pool(tmp_path, job_state, ("--num-instances=1",), {})
+    assert [(c["tag"], c["spawned_by"], c["exit_status"]) for c in shown["spawned"]] == [
+        ("2,0", 0, None), ("2,1", 0, None), ("2,2", 0, None)]
+    assert (f"spawned [2,0] by instance 0: pid {shown['spawned'][0]['pid']} on localhost, "
+            "running") in text
 
 
 STORM = """
@@ -388,24 +397,9 @@ def test_a_killed_poprun_leaves_none_of_the_workers_on_another_host(two_hosts, t
     """An MPI pool on h2 for instance 0 here (mpi4py.futures' `mpi_info`): poprunctl shows
     its workers there; a SIGKILL of poprun leaves none (h2's agent's lifeline), nor their
     world's segment."""
-    with reaped(subprocess.Popen(
-            poprun_argv(*OFFLINE, "-H", "localhost,h2", "--num-instances=2",
-                        "--num-replicas=2", sys.executable, pool(tmp_path, True, "h2")),
-            env=poprun_env({**two_hosts.env(), **job_state, "POPRUN_NO_DASHBOARD": "1"}),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE)) as job:
-        assert job.stdout.readline().startswith(b"squares")
-        workers = [int(p) for p in job.stdout.readline().split()[1:]]
-        assert workers and all(os.path.exists(f"/proc/{p}") for p in workers)
-        [listed] = json.loads(run_poprunctl("list", "--json", env=job_state).stdout)["jobs"]
-        shown = json.loads(run_poprunctl("show", "--json", listed["id"], env=job_state).stdout)
-        assert [(c["tag"], c["host"], c["exit_status"]) for c in shown["spawned"]] == [
-            ("2,0", "h2", None), ("2,1", "h2", None), ("2,2", "h2", None)]
-        assert set(workers) <= {c["pid"] for c in shown["spawned"]}
-        text = run_poprunctl("show", listed["id"], env=job_state, text=True).stdout
-        assert f"spawned [2,2] by instance 0: pid {shown['spawned'][2]['pid']} on h2" in text
-        job.kill()
-        job.wait(30)
-    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers),
-               "h2's lifeline to kill the spawned workers")
-    kvsname = shown["spawned"][0]["kvsname"]
-    wait_until(lambda: not mpich_shm_leftovers(kvsname), "the watchdog to remove the segment")
+    shown, text = killed_with_its_pool(
+        tmp_path, job_state, ("-H", "localhost,h2", "--num-instances=2", "--num-replicas=2"),
+        two_hosts.env(), "h2")
+    assert [(c["tag"], c["host"], c["exit_status"]) for c in shown["spawned"]] == [
+        ("2,0", "h2", None), ("2,1", "h2", None), ("2,2", "h2", None)]
+    assert f"spawned [2,2] by instance 0: pid {shown['spawned'][2]['pid']} on h2" in text

@@ -96,9 +96,10 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       PMIX_UNSERVED {kvsname, error}         Open MPI's world cannot be served here
       NAME    {kvsname, id, op, service, port}  publish, unpublish or look up a name in
                                              the job's table (spawner/pminames.py)
-      SPAWN_ASK {kvsname, id, key, request}  instance `key` here called MPI_Comm_spawn:
-                                             request {commands: [{execname, nprocs, args,
-                                             info}], preput}; the launcher starts them
+      SPAWN_ASK {kvsname, id, key, request}  rank `key` of that world, here, called
+                                             MPI_Comm_spawn: request {commands: [{execname,
+                                             nprocs, args, info}], preput}; the launcher
+                                             starts them (on any of the job's hosts)
       PMI_UNSERVED {kvsname, key, cmd, why}  a PMI-1 command of instance `key` was answered
                                              with an error: why (for the launcher's -v)
       (spawner/agentworld.py: the agent's side of a world; poprun/run/world.py the launcher's)

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""The cost of MPI_Comm_spawn (issue 49): one mpi4py instance spawns N workers (which meet it
-in one Barrier over the intercommunicator and disconnect), under poprun, which starts the
-children and serves their world itself (src/poprun/run/spawned.py), against MPICH's own
-`mpiexec` (Hydra) from the same `mpich` wheel. The time is the parent's own, from just
-before MPI_Comm_spawn to the end of that Barrier: the launcher's start-up is not in it.
+"""The cost of MPI_Comm_spawn (issue 49): one mpi4py instance spawns N workers (which hand it,
+in one gather over the intercommunicator, when their processes began, and disconnect),
+under poprun, which starts the children and serves their world itself
+(src/poprun/run/spawned.py), against MPICH's own `mpiexec` (Hydra) from the same `mpich`
+wheel. The time is the parent's own, from just before MPI_Comm_spawn to the end of that
+gather (the launcher's start-up is not in it), and the part of it until the last worker's
+process began (the launcher's share: the rest is Python's and MPICH's start in the workers).
 
     python bench/spawn_bench.py                 # 8 workers, 9 reps
     python bench/spawn_bench.py --workers 4 --reps 5
@@ -19,24 +21,32 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import launch_bench as lb  # noqa: E402 (its bytecode cache rule: python_env)
+
 SRC = str(Path(__file__).resolve().parent.parent / "src")
-CHILD = ("from mpi4py import MPI; p = MPI.Comm.Get_parent(); p.Barrier(); p.Disconnect()")
+# Each worker notes when its process began (before Python's imports: the launcher's part ends
+# there) and hands it to the parent over the intercommunicator.
+CHILD = ("import time; began = time.time(); from mpi4py import MPI; "
+         "p = MPI.Comm.Get_parent(); p.gather(began, root=0); p.Disconnect()")
 PARENT = f"""
 import sys, time
 from mpi4py import MPI
-start = time.perf_counter()
+wall, start = time.time(), time.perf_counter()
 inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-c", {CHILD!r}], maxprocs=int(sys.argv[1]))
-inter.Barrier()
-print("spawned", time.perf_counter() - start, flush=True)
+began = inter.gather(None, root=MPI.ROOT)
+print("spawned", time.perf_counter() - start, max(began) - wall, flush=True)
 inter.Disconnect()
 """
 TIMEOUT_S = 120.0
 
 
-def side(name: str, workers: int) -> float:
-    """One run of `name` ("poprun" or "mpiexec"): the parent's seconds."""
+def side(name: str, workers: int, env: dict[str, str]) -> tuple[float, float]:
+    """One run of `name` ("poprun" or "mpiexec"): the parent's seconds, and those until the
+    last worker's process began."""
     program = [sys.executable, "-c", PARENT, str(workers)]
     if name == "poprun":
         argv = [sys.executable, "-m", "poprun", "--offline-mode=yes", "--num-instances=1",
@@ -44,13 +54,12 @@ def side(name: str, workers: int) -> float:
     else:
         argv = [shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec",
                 "-n", "1", *program]
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "POPRUN_NO_DASHBOARD": "1"}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     lines = [line for line in done.stdout.splitlines() if line.startswith("spawned ")]
     if done.returncode != 0 or not lines:
         raise SystemExit(f"{name}: status {done.returncode}: {done.stderr[-2000:]}")
-    return float(lines[0].split()[1])
+    _, total, launched = lines[0].split()
+    return float(total), float(launched)
 
 
 def main() -> None:
@@ -58,15 +67,25 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args()
-    times: dict[str, list[float]] = {"poprun": [], "mpiexec": []}
-    for name in times:  # one warm-up each (page cache)
-        side(name, args.workers)
-    for _ in range(args.reps):
-        for name in times:
-            times[name].append(side(name, args.workers))
+    times: dict[str, list[tuple[float, float]]] = {"poprun": [], "mpiexec": []}
+    with tempfile.TemporaryDirectory(prefix="spawn_bench.") as tmp:
+        # Where PYTHONDONTWRITEBYTECODE is set (this sandbox), a private bytecode cache,
+        # filled by the warm-up: the launcher's first spawn would compile its modules again
+        # every run otherwise (launch_bench.python_env), which a user's install never does.
+        pycache = Path(tmp) / "pycache" if os.environ.get(lb.BYTECODE_VAR) else None
+        env = {**lb.python_env(dict(os.environ), pycache), "POPRUN_NO_DASHBOARD": "1",
+               "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        for name in times:  # one warm-up each (page cache, bytecode)
+            side(name, args.workers, env)
+        for _ in range(args.reps):
+            for name in times:
+                times[name].append(side(name, args.workers, env))
     for name, found in times.items():
-        print(f"{name:8} spawn of {args.workers}: median {statistics.median(found):.3f} s "
-              f"(min {min(found):.3f}, max {max(found):.3f}, {args.reps} reps)")
+        for what, values in (("spawn", [t for t, _ in found]),
+                             ("last worker began", [b for _, b in found])):
+            print(f"{name:8} {what} of {args.workers}: median "
+                  f"{statistics.median(values):.3f} s (min {min(values):.3f}, max "
+                  f"{max(values):.3f}, {args.reps} reps)")
 
 
 if __name__ == "__main__":

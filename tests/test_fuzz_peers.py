@@ -238,18 +238,8 @@ def test_a_stray_print_after_the_greeting_gives_the_agent_up_at_once():
 
 # --- an agent's frames about the MPI world it serves (poprun/run/world.py) --------------------
 
-class Plan:
-    """The little of a LaunchPlan an MpiWorld reads: ranks 0-1 here, 2-4 on host h9."""
-
-    def __init__(self) -> None:
-        from types import SimpleNamespace
-
-        self.instances = [SimpleNamespace(index=i, host="localhost" if i < 2 else "h9",
-                                          local_index=i if i < 2 else i - 2, argv=("x",))
-                          for i in range(5)]
-
-    def on_host(self, host: str):
-        return [inst for inst in self.instances if inst.host == host]
+# The world's ranks' hosts: ranks 0-1 here, 2-4 on host h9.
+HOSTS = ["localhost"] * 2 + ["h9"] * 3
 
 
 world_fields = st.fixed_dictionaries(
@@ -277,7 +267,7 @@ def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
         aborts, lost, told = [], [], []
         spawner = type("Spawner", (), {"host": "h9", "tell": lambda self, kind, **f:
                                        told.append((kind, f))})()
-        world = MpiWorld("poprun-fuzz-9", Plan(), loop, lifeline=None,
+        world = MpiWorld("poprun-fuzz-9", HOSTS, loop, lifeline=None,
                          on_abort=lambda *a: aborts.append(a), on_lost=lambda *a: lost.append(a))
         async with ticking():
             for name, fields in frames:

@@ -5,7 +5,8 @@ wheel) it ran 2,127 tests here with 8 failures, all `test_mpiabi`'s Fortran type
 (MPICH's own: `testGetFortranInfo`), in 244 s; poprun must give those failures and no
 others, its spawn, name and connect/accept tests included (measured: 191 s).
 
-It runs minutes, so it has a test of its own. It skips without mpi4py over MPICH or without
+Its dynamic-process tests (test_spawn, test_dynproc) run again with one instance on each of two
+sshd hosts, their children spread over both. It runs minutes, so it has a test of its own. It skips without mpi4py over MPICH or without
 PyPI, and fails instead where POPRUN_REQUIRE_MPI=1 (CI).
 """
 
@@ -18,9 +19,9 @@ import tarfile
 
 import pytest
 
-from conftest import OFFLINE, run_poprun
+from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun
 from requires import skip_or_fail
-from test_mpi_world import mpich  # noqa: F401 (fixture)
+from test_mpi_world import mpich, two_hosts  # noqa: F401 (fixtures)
 
 MPI4PY = "4.1.2"
 # What fails under Hydra (MPICH's own: it has no Fortran types), per rank.
@@ -55,3 +56,19 @@ def test_mpi4py_s_suite_fails_under_poprun_only_as_under_hydra(suite):
               for line in (out + err).splitlines() if re.match(r"(FAIL|ERROR): ", line)}
     assert failed == HYDRA_FAILURES, (out + err)[-3000:]
     assert re.search(r"instance \d: spawned \d+ process", err)  # spawn tests ran, served
+
+
+@pytest.mark.timeout(700)
+def test_mpi4py_s_dynamic_process_tests_pass_across_two_hosts(suite, two_hosts):
+    """One instance on each of h1 and h2: the spawned children go to both (Hydra's
+    placement over the job's hosts), parents and children connect across hosts."""
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, "-v", "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                    sys.executable, "test/main.py", "-q", "-i", "test_spawn", "-i",
+                    "test_dynproc"),
+        cwd=suite, env=poprun_env(two_hosts.env()), capture_output=True, timeout=640)
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    ran = [int(n) for n in re.findall(r"^Ran (\d+) tests", out + err, re.M)]
+    assert proc.returncode == 0 and len(ran) == 2 and min(ran) >= 40, (out + err)[-3000:]
+    assert not re.search(r"^(FAIL|ERROR): ", out + err, re.M), (out + err)[-3000:]
+    assert re.search(r"spawned \d+ process\(es\) in world \S+ on (h1, h2|h2, h1),", err)

@@ -3,8 +3,10 @@ names published by one instance are found by another, on this host and across
 two sshd hosts, and connect them; a PMI-1 command poprun does not serve is answered at once
 and said at -v (a raw PMI_FD client: MPICH sends none); MPI_Comm_spawn and
 MPI_Comm_spawn_multiple start their children under poprun, with their arguments and info
-keys; mpi4py.futures' MPIPoolExecutor works, and a killed poprun leaves none of its workers;
-a spawn storm is refused with an MPI error and the job goes on.
+keys, on the job's hosts (a parent on one sshd host, children on another, where the `host`
+info key says or spread as Hydra spreads them); mpi4py.futures' MPIPoolExecutor works, and a
+killed poprun leaves none of its workers, on any host; a spawn storm is refused with an MPI
+error and the job goes on.
 
 They skip without mpi4py and MPICH, and fail instead where POPRUN_REQUIRE_MPI=1 (CI).
 """
@@ -158,6 +160,7 @@ def test_spawn_multiple_gives_each_command_its_arguments_appnum_and_info(tmp_pat
 
 POOL = """
 import os, time
+from mpi4py import MPI
 from mpi4py.futures import MPIPoolExecutor
 
 def work(x):
@@ -167,7 +170,9 @@ def wait(_):
     time.sleep(120)
 
 if __name__ == "__main__":
-    with MPIPoolExecutor(max_workers=3) as pool:
+    if MPI.COMM_WORLD.Get_rank() > 0:  # one pool, instance 0's
+        raise SystemExit
+    with MPIPoolExecutor(max_workers=3, mpi_info={info}) as pool:
         results = list(pool.map(work, range(12), chunksize=1))
         print("squares", [r for r, _ in results], flush=True)
         print("workers", " ".join(str(p) for p in sorted({{p for _, p in results}})), flush=True)
@@ -176,10 +181,11 @@ if __name__ == "__main__":
 """
 
 
-def pool(tmp_path, hang: bool) -> str:
-    """The pool's program, in a file (its workers import their functions from it)."""
+def pool(tmp_path, hang: bool, host: str | None = None) -> str:
+    """The pool's program, in a file (its workers import their functions from it); its
+    workers on `host` (None: where poprun places them)."""
     script = tmp_path / "pool.py"
-    script.write_text(POOL.format(hang=hang))
+    script.write_text(POOL.format(hang=hang, info=None if host is None else {"host": host}))
     return str(script)
 
 
@@ -191,29 +197,39 @@ def test_an_mpi_pool_of_three_workers_gives_the_right_results(tmp_path):
     assert 1 <= len(workers.split()[1:]) <= 3
 
 
-def test_a_killed_poprun_leaves_none_of_the_pool_s_workers(tmp_path, job_state):
-    """poprunctl shows the workers while they run; a SIGKILL of poprun leaves none, nor
-    what MPICH made in /dev/shm for their world."""
+def killed_with_its_pool(tmp_path, job_state, options: tuple[str, ...],
+                         env: dict[str, str], host: str | None = None) -> tuple[dict, str]:
+    """poprun `options` running an MPI pool that hangs (its workers on `host`), SIGKILLed
+    once poprunctl has shown the workers, all alive then: (what `show --json` said, what
+    `show` said). Returns once none of the workers is left, nor their world's segment."""
     with reaped(subprocess.Popen(
-            poprun_argv(*OFFLINE, "--num-instances=1", sys.executable, pool(tmp_path, True)),
-            env=poprun_env({**job_state, "POPRUN_NO_DASHBOARD": "1"}), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE)) as job:
+            poprun_argv(*OFFLINE, *options, sys.executable, pool(tmp_path, True, host)),
+            env=poprun_env({**env, **job_state, "POPRUN_NO_DASHBOARD": "1"}),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)) as job:
         assert job.stdout.readline().startswith(b"squares")
         workers = [int(p) for p in job.stdout.readline().split()[1:]]
         assert workers and all(os.path.exists(f"/proc/{p}") for p in workers)
         [listed] = json.loads(run_poprunctl("list", "--json", env=job_state).stdout)["jobs"]
         shown = json.loads(run_poprunctl("show", "--json", listed["id"], env=job_state).stdout)
-        assert [(c["tag"], c["spawned_by"], c["exit_status"]) for c in shown["spawned"]] == [
-            ("2,0", 0, None), ("2,1", 0, None), ("2,2", 0, None)]
-        assert set(workers) <= {c["pid"] for c in shown["spawned"]}
         text = run_poprunctl("show", listed["id"], env=job_state, text=True).stdout
-        assert f"spawned [2,0] by instance 0: pid {shown['spawned'][0]['pid']}, running" in text
         job.kill()
         job.wait(30)
+    assert set(workers) <= {c["pid"] for c in shown["spawned"]}
     wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers),
-               "the lifeline to kill the spawned workers")
+               "the lifelines to kill the spawned workers")
     kvsname = shown["spawned"][0]["kvsname"]  # and their world's segment goes too
     wait_until(lambda: not mpich_shm_leftovers(kvsname), "the watchdog to remove the segment")
+    return shown, text
+
+
+def test_a_killed_poprun_leaves_none_of_the_pool_s_workers(tmp_path, job_state):
+    """poprunctl shows the workers while they run; a SIGKILL of poprun leaves none, nor
+    what MPICH made in /dev/shm for their world."""
+    shown, text = killed_with_its_pool(tmp_path, job_state, ("--num-instances=1",), {})
+    assert [(c["tag"], c["spawned_by"], c["exit_status"]) for c in shown["spawned"]] == [
+        ("2,0", 0, None), ("2,1", 0, None), ("2,2", 0, None)]
+    assert (f"spawned [2,0] by instance 0: pid {shown['spawned'][0]['pid']} on localhost, "
+            "running") in text
 
 
 STORM = """
@@ -288,12 +304,102 @@ def test_an_instance_on_another_host_spawns_children_on_poprun_s_host(two_hosts,
     assert "instance 3: spawned 2 process(es)" in err
 
 
-def test_a_spawn_where_poprun_s_host_runs_no_instance_is_an_mpi_error(two_hosts, tmp_path):
-    program = ("import sys\nfrom mpi4py import MPI\ntry:\n"
-               "    MPI.COMM_SELF.Spawn(sys.executable, args=['-c', 'pass'], maxprocs=1)\n"
+# Instance 0 (on h1) spawns: 2 copies of one command on the host its info key names
+# (`host_info`), and 3 of another placed by default (the job's hosts' slots, in turn: h1, h1,
+# h2). Each child says its world, appnum and host (its sshd's address, in the SSH_CONNECTION
+# its agent passes on), and adds to a sum over the intercommunicator.
+ON_HOSTS = """
+import os, sys
+from mpi4py import MPI
+parent = MPI.Comm.Get_parent()
+if parent == MPI.COMM_NULL:
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        there = MPI.Info.Create()
+        there.Set("host", {host_info!r})
+        inter = MPI.COMM_SELF.Spawn_multiple(
+            [sys.executable] * 2, args=[[sys.argv[1], "named"], [sys.argv[1], "spread"]],
+            maxprocs=[2, 3], info=[there, MPI.INFO_NULL])
+        print("parent", inter.Get_remote_size(), inter.reduce(None, op=MPI.SUM, root=MPI.ROOT),
+              flush=True)
+        inter.Disconnect()
+    MPI.COMM_WORLD.Barrier()
+"""
+ON_HOSTS_CHILD = """
+import os, sys
+from mpi4py import MPI
+world, parent = MPI.COMM_WORLD, MPI.Comm.Get_parent()
+print("child", world.Get_rank(), world.Get_size(), world.Get_attr(MPI.APPNUM), sys.argv[1],
+      os.environ["POPRUN_SSH_CONNECTION"].split()[2], flush=True)
+world.Barrier()
+parent.reduce(world.Get_rank() + 1, op=MPI.SUM, root=0)
+parent.Disconnect()
+"""
+
+
+@pytest.mark.parametrize("host_info", ["h2", "h2:2"])
+def test_a_parent_on_one_host_spawns_children_on_another(two_hosts, tmp_path, host_info):
+    """The `host` info key puts a command's processes on h2 (as Hydra reads it, `h2:2`
+    too), the default spreads the other's over both hosts; one world across them, connected
+    to their parent on h1; tagged, in the result with their hosts, and all exit 0."""
+    child = tmp_path / "child.py"
+    child.write_text(ON_HOSTS_CHILD)
+    proc, result = run_across(two_hosts, tmp_path, "h1,h2",
+                              ON_HOSTS.format(host_info=host_info), "--tag-output",
+                              program_args=(str(child),))
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    h1, h2 = (host.addr for host in two_hosts.hosts)
+    assert sorted(proc.stdout.decode().splitlines()) == ["[1,0]<stdout>:parent 5 15"] + [
+        f"[2,{r}]<stdout>:child {r} 5 {app} {word} {addr}" for r, app, word, addr in [
+            (0, 0, "named", h2), (1, 0, "named", h2), (2, 1, "spread", h1),
+            (3, 1, "spread", h1), (4, 1, "spread", h2)]]
+    assert [(c["tag"], c["spawned_by"], c["host"], c["exit_status"])
+            for c in result["spawned"]] == [
+        ("2,0", 0, "h2", 0), ("2,1", 0, "h2", 0), ("2,2", 0, "h1", 0), ("2,3", 0, "h1", 0),
+        ("2,4", 0, "h2", 0)]
+    assert "instance 0: spawned 5 process(es) in world" in err and " on h2, h1," in err
+    kvsname = result["spawned"][0]["kvsname"]
+    assert mpich_shm_leftovers(kvsname) == []
+
+
+def test_a_spawn_on_a_host_that_is_not_the_job_s_is_an_mpi_error(two_hosts, tmp_path):
+    program = ("import sys\nfrom mpi4py import MPI\ninfo = MPI.Info.Create()\n"
+               "info.Set('host', 'elsewhere')\ntry:\n"
+               "    MPI.COMM_SELF.Spawn(sys.executable, args=['-c', 'pass'], info=info)\n"
                "except MPI.Exception:\n    print('refused', flush=True)\n")
     proc, _ = run_across(two_hosts, tmp_path, "h1,h2", program)
     err = proc.stderr.decode()
     assert proc.returncode == 0, err[-3000:]
     assert proc.stdout.decode().splitlines() == ["refused"] * 4
-    assert "poprun's host runs none of the job's instances" in err
+    assert "spawn on elsewhere: not one of the job's hosts" in err
+
+
+def test_a_child_failing_on_another_host_is_the_root_cause(two_hosts, tmp_path):
+    """Instance 0 on h1 spawns a child on h2 that exits 3: the job ends 3, instance 0 its
+    root cause."""
+    child = "import sys; from mpi4py import MPI; MPI.Comm.Get_parent().Barrier(); sys.exit(3)"
+    program = ("import sys, time\nfrom mpi4py import MPI\n"
+               "if MPI.COMM_WORLD.Get_rank() == 0:\n"
+               "    info = MPI.Info.Create()\n    info.Set('host', 'h2')\n"
+               f"    MPI.COMM_SELF.Spawn(sys.executable, args=['-c', {child!r}], "
+               "info=info).Barrier()\ntime.sleep(60)\n")
+    proc, result = run_across(two_hosts, tmp_path, "h1,h2", program)
+    err = proc.stderr.decode()
+    assert proc.returncode == 3, err[-3000:]
+    assert re.search(r"instance 0 \(pid \d+ on h1\) failed first: MPI_Comm_spawn: its "
+                     r"spawned process \[2,0\] exited with 3", err), err[-3000:]
+    assert result["root_cause"] == 0
+    assert [(c["host"], c["exit_status"]) for c in result["spawned"]] == [("h2", 3)]
+
+
+def test_a_killed_poprun_leaves_none_of_the_workers_on_another_host(two_hosts, tmp_path,
+                                                                     job_state):
+    """An MPI pool on h2 for instance 0 here (mpi4py.futures' `mpi_info`): poprunctl shows
+    its workers there; a SIGKILL of poprun leaves none (h2's agent's lifeline), nor their
+    world's segment."""
+    shown, text = killed_with_its_pool(
+        tmp_path, job_state, ("-H", "localhost,h2", "--num-instances=2", "--num-replicas=2"),
+        two_hosts.env(), "h2")
+    assert [(c["tag"], c["host"], c["exit_status"]) for c in shown["spawned"]] == [
+        ("2,0", "h2", None), ("2,1", "h2", None), ("2,2", "h2", None)]
+    assert f"spawned [2,2] by instance 0: pid {shown['spawned'][2]['pid']} on h2" in text

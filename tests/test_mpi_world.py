@@ -217,14 +217,16 @@ print(f"world rank={rank} size={size} sum={total.min():g}-{total.max():g} bcast=
 """
 
 
-def run_across(hosts, tmp_path, host_list: str, program: str, *options: str):
+def run_across(hosts, tmp_path, host_list: str, program: str, *options: str,
+               program_args: tuple[str, ...] = ()):
     """poprun over sshd hosts with a --result-json, as run_world: (the process, the result).
     However the job ended, none of its worlds left a segment in /dev/shm (one for every
     test host: they share this machine's)."""
     out = tmp_path / "r.json"
     proc = subprocess.run(
         poprun_argv(*OFFLINE, "-v", "-H", host_list, "--num-instances=4", "--num-replicas=4",
-                    *options, f"--result-json={out}", sys.executable, "-c", program),
+                    *options, f"--result-json={out}", sys.executable, "-c", program,
+                    *program_args),
         env=poprun_env(hosts.env()), capture_output=True, timeout=100)
     result = json.loads(out.read_text()) if out.exists() else None
     for names in ((result or {}).get("mpi_worlds") or {}).values():

@@ -598,6 +598,63 @@ def test_a_batch_s_cgroups_are_made_before_its_first_spawn():
     assert not os.path.exists(root)
 
 
+@pytest.mark.timeout(60)
+def test_a_batch_started_at_once_is_contained_and_watched_as_one_started_alone():
+    """LocalSpawner.spawn_many (MPI_Comm_spawn's children, their starts overlapping in
+    threads): each process in its own cgroup from its start (where this host gives cgroups),
+    its output and exit reach the sink; one that cannot start is its OSError, the others
+    run; the lifeline removes the cgroups."""
+    import asyncio
+
+    from spawner.containment import cgroup_root
+    from spawner.lifeline import Lifeline
+    from spawner.local import LocalSpawner
+
+    show = 'while read -r l; do last=$l; done </proc/self/cgroup; echo "$last"; exit "$1"'
+    outputs: dict[int, bytes] = {}
+    exits: dict[int, int] = {}
+
+    class Sink:
+        def __init__(self):
+            self.all_exited = asyncio.Event()
+
+        def on_output(self, key, stream, data):
+            outputs[key] = outputs.get(key, b"") + data
+
+        def on_exit(self, key, returncode):
+            exits[key] = returncode
+            if len(exits) == 3:
+                self.all_exited.set()
+
+    async def main():
+        sink = Sink()
+        spawner = LocalSpawner(sink, asyncio.get_running_loop(), lifeline)
+        keys = [10, 11, 12, 13]
+        spawner.reserve(keys)
+        outcomes = await spawner.spawn_many([
+            ProcessSpec(key, ("/nonexistent/program",) if key == 12 else
+                        ("sh", "-c", show, "sh", str(key - 10)), dict(os.environ))
+            for key in keys])
+        await asyncio.wait_for(sink.all_exited.wait(), 30)
+        spawner.close()
+        return outcomes
+
+    lifeline = Lifeline()
+    root = cgroup_root(lifeline.token)
+    try:
+        outcomes = asyncio.run(main())
+    finally:
+        lifeline.close()
+    assert [type(o) for o in outcomes] == [int, int, FileNotFoundError, int]
+    assert exits == {10: 0, 11: 1, 13: 3}
+    for key in (10, 11, 13):
+        if cgroups_here():
+            assert outputs[key].decode().strip().endswith(f"/i{key}")
+        else:
+            assert outputs[key].startswith(b"0::")
+    assert root is None or not os.path.exists(root)
+
+
 @pytest.mark.timeout(120)
 def test_a_helper_that_escapes_at_once_dies_with_a_sigkilled_poprun(tmp):
     """The instance's first act is a helper in a new session with an empty

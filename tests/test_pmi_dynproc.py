@@ -1,8 +1,8 @@
 """MPI's dynamic-process commands of PMI-1, against fake clients over real sockets:
 every command poprun does not serve is answered at once with an error (and said), names are
 published, looked up and unpublished in the job's table (an agent's through its upstream),
-and MPICH's multi-line spawn message is read, bounded, and parsed (spawner/pmi.py,
-spawner/pminames.py, spawner/pmispawn.py); fuzzed (Hypothesis) into the server and into a real
+and MPICH's multi-line spawn message is read, bounded, parsed and its processes placed on
+the job's hosts (spawner/pmi.py, spawner/pminames.py, spawner/pmispawn.py); fuzzed (Hypothesis) into the server and into a real
 launch, where nothing an instance writes makes poprun fail. The real MPICH + mpi4py programs are
 tests/test_mpi_dynproc.py's.
 
@@ -94,6 +94,67 @@ def test_a_message_ends_only_at_its_last_endcmd_and_is_bounded():
 def test_a_bad_or_oversized_spawn_is_refused(message, why):
     with pytest.raises(pmi.PmiError, match=why):
         read(message)
+
+
+JOB_HOSTS = [("h1", 2), ("h2", 2)]  # the job's hosts and their instance counts
+
+
+def resolve(name: str) -> str | None:
+    """The job's hosts as -H names them, and h1 by another name of its own."""
+    return {"h1": "h1", "h2": "h2", "node1.example": "h1"}.get(name)
+
+
+def hosts_of(message: str) -> list[tuple[str, int, int]]:
+    placed, _ = pmispawn.place(read(message), JOB_HOSTS, resolve)
+    assert [p.rank for p in placed] == list(range(len(placed)))
+    return [(p.host, p.appnum, p.rank) for p in placed]
+
+
+@T(5)
+def test_children_fill_the_job_s_hosts_slots_in_turn_as_hydra_places_them():
+    assert hosts_of(spawn_message(("a", 5, [], []))) == [
+        ("h1", 0, 0), ("h1", 0, 1), ("h2", 0, 2), ("h2", 0, 3), ("h1", 0, 4)]
+    # the default placement goes on from one command to the next; a named list has its own
+    assert hosts_of(spawn_message(("a", 1, [], []), ("b", 2, [], [("host", "h2")]),
+                                  ("c", 2, [], []))) == [
+        ("h1", 0, 0), ("h2", 1, 1), ("h2", 1, 2), ("h1", 2, 3), ("h2", 2, 4)]
+
+
+@pytest.mark.parametrize("value, hosts", [
+    ("h2", ["h2"] * 3),
+    ("h1,h2", ["h1", "h2", "h1"]),
+    ("h2:2, node1.example", ["h2", "h2", "h1"]),
+    (" h1 ,", ["h1"] * 3),
+])
+@T(5)
+def test_the_host_info_key_names_the_job_s_hosts_and_their_slots(value, hosts):
+    for key in ("host", "hosts"):
+        assert [h for h, _, _ in hosts_of(spawn_message(("a", 3, [], [(key, value)])))] == hosts
+
+
+@pytest.mark.parametrize("value, why", [
+    ("elsewhere", "spawn on elsewhere: not one of the job's hosts"),
+    ("h1,elsewhere", "spawn on elsewhere: not one of the job's hosts"),
+    ("h2:0", "slots are 1..256"), ("h2:x", "slots are 1..256"), ("h2:257", "slots are"),
+    (",", "names no host"),
+])
+@T(5)
+def test_a_host_info_key_that_is_not_the_job_s_hosts_is_refused(value, why):
+    with pytest.raises(pmi.PmiError, match=why):
+        hosts_of(spawn_message(("a", 1, [], [("host", value)])))
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.text(max_size=80), st.integers(1, pmispawn.SPAWN_MAX))
+def test_any_host_info_value_places_on_the_job_s_hosts_or_is_refused(value, nprocs):
+    """What an instance writes as `host` (hostile input): each process on one of the job's
+    hosts, or a PmiError, nothing else."""
+    request = pmispawn.SpawnRequest([pmispawn.Command("a", nprocs, [], {"host": value})], {})
+    try:
+        placed, _ = pmispawn.place(request, JOB_HOSTS, resolve)
+    except pmi.PmiError:
+        return
+    assert len(placed) == nprocs and {p.host for p in placed} <= {"h1", "h2"}
 
 
 @T(5)

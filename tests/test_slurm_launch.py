@@ -1,7 +1,8 @@
 """`poprun --launcher slurm` on a real Slurm cluster (tests/slurm_cluster.py: munged,
 slurmctld and two slurmd on this machine; three or four where a test says so): poprun runs
 under `salloc` and `sbatch`, one job step starts every node's agent and each calls back,
-instances run on every node with the right environment, output arrives tagged, a failing
+instances run on every node with the right environment (and the processes they spawn with
+MPI_Comm_spawn, on another node), output arrives tagged, a failing
 instance's status propagates, a lost node is noticed and restarted with a step of its own,
 `scancel` leaves no process behind."""
 
@@ -85,6 +86,26 @@ def test_an_mpi_world_spans_both_nodes(cluster):
     worlds = sorted(line.split()[:4] for line in done.stdout.splitlines()
                     if line.startswith("world"))
     assert worlds == [["world", str(r), "4", "10"] for r in range(4)]
+
+
+def test_an_instance_spawns_children_on_the_other_node(cluster):
+    """Instance 0 on node1 spawns two children on node2 (the `host` info key): node2's
+    agent starts them and serves their world; they connect to their parent across nodes."""
+    require_module("mpi4py", "POPRUN_REQUIRE_MPI")
+    child = ("import os; from mpi4py import MPI; p = MPI.Comm.Get_parent(); "
+             "print('child', MPI.COMM_WORLD.Get_rank(), os.environ['SLURMD_NODENAME'], "
+             "flush=True); p.reduce(MPI.COMM_WORLD.Get_rank() + 1, root=0); p.Disconnect()")
+    program = ("import os, sys\nfrom mpi4py import MPI\nif MPI.COMM_WORLD.Get_rank() == 0:\n"
+               "    info = MPI.Info.Create()\n    info.Set('host', 'node2')\n"
+               f"    inter = MPI.COMM_SELF.Spawn(sys.executable, ['-c', {child!r}], 2, info)\n"
+               "    print('parent', os.environ['SLURMD_NODENAME'], "
+               "inter.reduce(None, root=MPI.ROOT), flush=True)\n    inter.Disconnect()\n")
+    done = cluster.run(["salloc", "-N2", "--ntasks-per-node=1", *POPRUN, "--num-replicas=2",
+                        "--tag-output", PY, "-c", program], env=env(), timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [
+        "[1,0]<stdout>:parent node1 3", "[2,0]<stdout>:child 0 node2",
+        "[2,1]<stdout>:child 1 node2"]
 
 
 def test_a_failing_instance_ends_the_job_and_its_status_propagates(cluster):

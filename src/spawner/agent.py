@@ -536,7 +536,8 @@ class Agent:
         env = instance_environ(request.env_set, request.env_unset)
         pmi_end = None
         if request.world is not None:
-            world_env, pmi_end = self._worlds[request.world].attach(request.key, env)
+            rank = request.key if request.rank is None else request.rank
+            world_env, pmi_end = self._worlds[request.world].attach(rank, env)
             env.update(world_env)
         try:
             return self._spawner.spawn(ProcessSpec(

@@ -7,7 +7,9 @@ answers them, and goes to the launcher only where the world is bigger than this 
 BARRIER_IN per barrier for all of this host's instances (with their puts), answered by
 BARRIER_OUT with every put of that epoch; a GET for a key this host has not seen; a NAME to
 publish, unpublish or look up (the job's names are the launcher's: spawner/pminames.py); a
-SPAWN_ASK for an instance's MPI_Comm_spawn (the launcher starts the children); an
+SPAWN_ASK for an instance's MPI_Comm_spawn (the launcher starts the children, here too: a
+spawned world's ranks on this host are served by an AgentWorld of its own, its SPAWNs naming
+each child's rank, its WORLD frame their appnums); an
 instance's MPI_ABORT or a connection closed before MPI_Finalize (MPI_LOST), for the job to act
 on; PMI_UNSERVED, for the launcher's -v line, where a command was answered with an error.
 What MPICH leaves in /dev/shm is removed when the launcher ends the world (WORLD_END), when
@@ -49,6 +51,9 @@ class AgentWorld:
         self.ranks = [int(r) for r in fields["ranks"]]
         if len(self._nodes) != self.size or not all(0 <= r < self.size for r in self.ranks):
             raise ValueError("WORLD: ranks and nodes do not fit its size")
+        # MPI_Comm_spawn_multiple's world: each command's processes have its appnum
+        self._appnums = {int(r): int(n) for r, n in dict(fields.get("appnums") or {}).items()
+                         if int(r) in self.ranks}
         self._send, self._lifeline = send, lifeline
         self._ends = PmiEnds(loop, self._start)
         self.server = None  # spawner.pmi.PmiServer, once an instance here has spoken
@@ -104,7 +109,8 @@ class AgentWorld:
         self.server = PmiServer(self.kvsname, self.size, local_ranks=self.ranks,
                                 process_mapping=process_mapping_for_ranks(self._nodes),
                                 upstream=self, on_abort=self._aborted, on_lost=self._lost,
-                                on_unserved=self._unserved, on_spawn=self._spawn)
+                                on_unserved=self._unserved, on_spawn=self._spawn,
+                                appnums=self._appnums)
         for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
 

@@ -129,6 +129,11 @@ def resolve_program(name: str, path: str | None, cwd: str) -> str | None:
     return local if os.path.isfile(local) and os.access(local, os.X_OK) else None
 
 
+# What a start needs once prepared (LocalSpawner._prepare): argv, environment, the command
+# that removes its container, and where its program is found inside the container.
+_Prepared = tuple[Sequence[str], dict[str, str], "list[str] | None", "tuple[str, bytes] | None"]
+
+
 class _Child:
     __slots__ = ("spec", "proc", "pidfd", "open_fds", "pending", "grown", "returncode",
                  "reported", "removal", "inside", "held")
@@ -184,8 +189,47 @@ class LocalSpawner:
 
     def spawn(self, spec: ProcessSpec) -> int:
         """Start one process; returns its pid. Raises OSError when it cannot be started."""
-        # The binding is set on this thread around the fork, so the child has it before its
-        # first instruction without a pre-exec hook (which would force the slow fork path).
+        argv, env, removal, inside = self._prepare(spec)
+        return self._register(spec, *_popen(spec, argv, env), removal, inside)
+
+    async def spawn_many(self, specs: Sequence[ProcessSpec]) -> list[int | OSError]:
+        """Start these processes at once; for each, its pid or why it could not start.
+        Popen returns only once its child has exec'd (vfork): one after another, each start
+        waits for the one before to be scheduled, which a loaded host makes slow; in threads
+        they overlap, as Hydra's proxy forks every process before any of them runs
+        (MPI_Comm_spawn's children: bench/spawn_bench.py)."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        prepared: list[_Prepared | OSError] = []
+        for spec in specs:
+            try:
+                prepared.append(self._prepare(spec))
+            except OSError as exc:
+                prepared.append(exc)
+        started = await asyncio.gather(*(
+            loop.run_in_executor(None, _popen, spec, ready[0], ready[1])
+            for spec, ready in zip(specs, prepared) if not isinstance(ready, OSError)),
+            return_exceptions=True)
+        outcomes: list[int | OSError] = []
+        for spec, ready in zip(specs, prepared):
+            if isinstance(ready, OSError):
+                outcomes.append(ready)
+                continue
+            done = started.pop(0)
+            if isinstance(done, BaseException):
+                if not isinstance(done, OSError):
+                    raise done
+                outcomes.append(done)
+            else:
+                outcomes.append(self._register(spec, *done, ready[2], ready[3]))
+        return outcomes
+
+    def _prepare(self, spec: ProcessSpec) -> _Prepared:
+        """`spec`'s argv and environment as they start it (contained, in its container),
+        what removes its container, and where to find the program inside it (`_Child.
+        inside`, for a runtime that is not its ancestor); OSError where its program cannot
+        run."""
         env = dict(spec.env)
         if self._lifeline:
             env[containment.MARK] = self._lifeline.token
@@ -201,13 +245,12 @@ class LocalSpawner:
             # its helpers are found by their ancestry only
             self._lifeline.track_descendants(containment.is_subreaper())
             self._tracking = True
-        with bound(spec.cpus, spec.mems) as memory_bound:
-            proc = subprocess.Popen(
-                argv, env=env, cwd=spec.cwd,
-                stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT if spec.merge_stderr else subprocess.PIPE,
-                start_new_session=True, close_fds=True, pass_fds=spec.pass_fds, bufsize=0)
+        inside = (pidfile, f"{ERROR_FILE}={env[ERROR_FILE]}".encode()) if pidfile else None
+        return argv, env, removal, inside
+
+    def _register(self, spec: ProcessSpec, proc: subprocess.Popen, memory_bound: bool,
+                  removal: list[str] | None, inside: tuple[str, bytes] | None) -> int:
+        """Watch a started process: its group for the lifeline, its pipes, its exit."""
         if spec.mems and not memory_bound:
             self.memory_binding_skipped = memory_binding_unavailable() or "not possible here"
         if self._lifeline:
@@ -215,8 +258,7 @@ class LocalSpawner:
         child = _Child(spec, proc)
         self._oom.started(spec.key, self.cgroup_of(spec.key))
         self._watch_removal(child, removal)
-        if pidfile:
-            child.inside = (pidfile, f"{ERROR_FILE}={env[ERROR_FILE]}".encode())
+        child.inside = inside
         self._children[spec.key] = child
         for pipe, stream in ((proc.stdout, Stream.STDOUT), (proc.stderr, Stream.STDERR)):
             if pipe is None:
@@ -597,6 +639,21 @@ class LocalSpawner:
             containment.reap_children(
                 keep=frozenset([self._lifeline.pid] if self._lifeline else []),
                 spare=containment.helpers_mark(self._lifeline.token) if self._lifeline else None)
+
+
+def _popen(spec: ProcessSpec, argv: Sequence[str], env: dict[str, str]
+           ) -> tuple[subprocess.Popen, bool]:
+    """Start `argv` as `spec` says (on any thread); and whether its memory binding held.
+    The binding is set on the calling thread around the fork, so the child has it before
+    its first instruction without a pre-exec hook (which would force the slow fork path)."""
+    with bound(spec.cpus, spec.mems) as memory_bound:
+        proc = subprocess.Popen(
+            argv, env=env, cwd=spec.cwd,
+            stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if spec.merge_stderr else subprocess.PIPE,
+            start_new_session=True, close_fds=True, pass_fds=spec.pass_fds, bufsize=0)
+    return proc, memory_bound
 
 
 def _in_container(spec: ProcessSpec, env: dict[str, str], private_dir: Callable[[], str]

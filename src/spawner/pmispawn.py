@@ -35,6 +35,8 @@ job at once): a spawn storm is refused with an error, never a fork bomb.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from .pmiwire import PmiError, unescape
 
 # A spawn message's lines and bytes: a command's argv and info keys fit many times over
@@ -171,39 +173,69 @@ def spawn_reply(rc: int, errcodes: int = 0, msg: str | None = None) -> dict[str,
 
 
 class Placed:
-    """One process to start: its argv, working directory (None: the job's), appnum, and
-    rank in the new world."""
+    """One process to start: its host (the job's name for it), argv, working directory
+    (None: the job's), appnum, and rank in the new world."""
 
-    __slots__ = ("argv", "wdir", "appnum", "rank")
+    __slots__ = ("host", "argv", "wdir", "appnum", "rank")
 
-    def __init__(self, argv: list[str], wdir: str | None, appnum: int, rank: int) -> None:
-        self.argv, self.wdir, self.appnum, self.rank = argv, wdir, appnum, rank
+    def __init__(self, host: str, argv: list[str], wdir: str | None, appnum: int,
+                 rank: int) -> None:
+        self.host, self.argv, self.wdir, self.appnum, self.rank = host, argv, wdir, appnum, rank
 
 
-def place(request: SpawnRequest, here: set[str], job_hosts: set[str]
-          ) -> tuple[list[Placed], list[str]]:
+def place(request: SpawnRequest, slots: Sequence[tuple[str, int]],
+          resolve: Callable[[str], str | None]) -> tuple[list[Placed], list[str]]:
     """The processes of `request` as Hydra places them (its pmiserv_spawn.c: `path` before
-    the execname, `wdir`, `host`/`hosts`), on this host, whose names are `here`; and the
-    info keys ignored (said at -v). A `host` of the job's other hosts, or of none of its
-    hosts, is refused (PmiError): children start only on the launcher's host so far."""
+    the execname, `wdir`; HYDU_create_proxy_list: each host's slots filled in turn, round
+    and round), and the info keys ignored (said at -v).
+
+    `slots`: the job's hosts in order, each with its count of instances (the node list and
+    cores mpiexec would have had): the default. A command's `host`/`hosts` info key names
+    others: a comma list of the job's hosts, each ``name`` or ``name:n`` (n slots, Hydra's
+    host-file syntax); `resolve` gives the job's name for one (None: not one of the job's
+    hosts, refused with PmiError: poprun starts processes only where its agents run). The
+    placement over one list goes on from one command to the next."""
     placed: list[Placed] = []
     ignored: list[str] = []
+    cursors: dict[tuple[str, ...], int] = {}
     for appnum, command in enumerate(request.commands):
         info = command.info
-        for host in ",".join(info[k] for k in ("host", "hosts") if k in info).split(","):
-            host = host.strip()
-            if host and host not in here:
-                raise PmiError(f"spawn on {host}: " + (
-                    "spawned processes start only on poprun's own host so far"
-                    if host in job_hosts else "not one of the job's hosts"))
+        asked = ",".join(info[k] for k in ("host", "hosts") if k in info)
+        ring = _ring(_host_slots(asked, resolve) if asked.strip() else slots)
         ignored += [key for key in info if key not in INFO_KEYS]
         execname = command.execname
         if info.get("path") and "/" not in execname:
             execname = info["path"].rstrip("/") + "/" + execname
         for _ in range(command.nprocs):
-            placed.append(Placed([execname, *command.args], info.get("wdir") or None, appnum,
-                                 len(placed)))
+            at = cursors.get(ring, 0)
+            cursors[ring] = at + 1
+            placed.append(Placed(ring[at % len(ring)], [execname, *command.args],
+                                 info.get("wdir") or None, appnum, len(placed)))
     return placed, ignored
+
+
+def _host_slots(asked: str, resolve: Callable[[str], str | None]) -> list[tuple[str, int]]:
+    """A `host` info value as (the job's host, slots) pairs; PmiError where it names a host
+    that is not the job's or slots that are not 1..SPAWN_MAX."""
+    found = []
+    for entry in asked.split(",")[:SPAWN_MAX]:
+        name, sep, count = entry.strip().partition(":")
+        if not name:
+            continue
+        host = resolve(name)
+        if host is None:
+            raise PmiError(f"spawn on {name[:64]}: not one of the job's hosts")
+        if sep and not (count.isdigit() and 1 <= int(count) <= SPAWN_MAX):
+            raise PmiError(f"spawn on {entry.strip()[:80]}: slots are 1..{SPAWN_MAX}")
+        found.append((host, int(count) if sep else 1))
+    if not found:
+        raise PmiError("spawn: the host info key names no host")
+    return found
+
+
+def _ring(slots: Sequence[tuple[str, int]]) -> tuple[str, ...]:
+    """Each slot's host, in order: the k-th process goes to slot k, round and round."""
+    return tuple(host for host, count in slots for _ in range(count))
 
 
 def request_json(request: SpawnRequest) -> dict:

@@ -29,8 +29,10 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              gives its instances before SIGKILL
       MKTEMP  {id, prefix}                   a 0700 temp dir, removed when the agent ends
       MKDIR   {id, path}                     a directory (and parents) that is kept
-      SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world,
+      SPAWN   {key, argv, env_set, env_unset, cwd, merge_stderr, cpus, mems, world, rank,
                container: {runtime, image, args} or null (spawner/containers.py)}
+                                             rank: its rank in `world` (absent: `key`; a
+                                             spawned process's key is not its rank)
       SIGNAL  {key (null: every instance), signal (name, e.g. "SIGTERM")}
       HEARTBEAT {last?}                      every `interval` seconds; last: true, the launcher's
                                              goodbye before its stream ends (pod mode)
@@ -39,7 +41,9 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              their SPAWNs, which name it); nodes: each rank's
                                              host; pmix (absent: none): {names: the hosts'
                                              names, libpmix: a path the user gave or null,
-                                             argv: the program's} Open MPI's world served too
+                                             argv: the program's} Open MPI's world served too;
+                                             appnums (absent: all 0): {rank: appnum} where
+                                             they differ (MPI_Comm_spawn_multiple's worlds)
       WORLD_END {kvsname}                    the world's instances are gone: clean up after it
       BARRIER_OUT {kvsname, puts | error}    the job-wide barrier is complete: its puts
       VALUE   {kvsname, id, value}           answers GET (value null: absent)
@@ -97,9 +101,10 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       PMIX_UNSERVED {kvsname, error}         Open MPI's world cannot be served here
       NAME    {kvsname, id, op, service, port}  publish, unpublish or look up a name in
                                              the job's table (spawner/pminames.py)
-      SPAWN_ASK {kvsname, id, key, request}  instance `key` here called MPI_Comm_spawn:
-                                             request {commands: [{execname, nprocs, args,
-                                             info}], preput}; the launcher starts them
+      SPAWN_ASK {kvsname, id, key, request}  rank `key` of that world, here, called
+                                             MPI_Comm_spawn: request {commands: [{execname,
+                                             nprocs, args, info}], preput}; the launcher
+                                             starts them (on any of the job's hosts)
       PMI_UNSERVED {kvsname, key, cmd, why}  a PMI-1 command of instance `key` was answered
                                              with an error: why (for the launcher's -v)
       PMIX_LOST {kvsname, error}             this host's PMIx server died (error: how)
@@ -147,8 +152,9 @@ def __getattr__(name: str):
 # STARTED's memory_binding_reason, the Slurm step's call-back (no StepAck); 7: SPAWN's
 # container (an agent that ignored it would start the instance bare), HELLO's kill_timeout,
 # NAME, NAMED, PMI_UNSERVED, SPAWN_ASK, SPAWNED_ANSWER (MPI's published names and spawns,
-# PMI-1 commands not served), and the PMIx server in a process of its own (PMIX_LOST;
-# PMIX_SERVE..PMIX_REFUSED on its link)
+# PMI-1 commands not served), the PMIx server in a process of its own (PMIX_LOST;
+# PMIX_SERVE..PMIX_REFUSED on its link), SPAWN's rank and WORLD's appnums (spawned processes
+# on the agents' hosts)
 PROTOCOL_VERSION = 7
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind

@@ -392,9 +392,10 @@ class RemoteSpawner:
         # Per instance, when its STARTED came (time.monotonic()): spawn_all returns only
         # once every instance of the host has started, and one may have printed before.
         self.started_at: dict[int, float] = {}
-        # The launcher's side of the MPI world served here (poprun/run/world.py): called
-        # with each of the agent's BARRIER_IN, GET, MPI_ABORT and MPI_LOST frames.
-        self.on_world: Callable[[RemoteSpawner, Control], None] | None = None
+        # The launcher's side of each MPI world served here (poprun/run/world.py), by
+        # kvsname: the instances' and those of their spawns (run/spawned.py). Called with
+        # each of the agent's frames about that world (_WORLD_KINDS).
+        self._worlds: dict[str, Callable[[RemoteSpawner, Control], None]] = {}
 
     # --- starting ---------------------------------------------------------------------
 
@@ -545,8 +546,14 @@ class RemoteSpawner:
                    **fields: Any) -> None:
         """WORLD: the agent serves an MPI world's PMI for its ranks here (spawner.agentworld);
         its requests go to `on_world`. Send before the SPAWNs that join it."""
-        self.on_world = on_world
+        self._worlds[fields["kvsname"]] = on_world
         self._send(encode(Kind.WORLD, **fields))
+
+    def end_world(self, kvsname: str) -> None:
+        """WORLD_END: the world's processes are gone; what the agent still says of it is
+        dropped."""
+        if self._worlds.pop(kvsname, None) is not None:
+            self.tell(Kind.WORLD_END, kvsname=kvsname)
 
     def tell(self, kind: Kind, **fields: Any) -> None:
         """A frame that needs no answer (a world's WORLD_END, BARRIER_OUT, VALUE): dropped
@@ -729,8 +736,9 @@ class RemoteSpawner:
         elif frame.kind is Kind.ALIVE:
             pass  # its arrival is the news (_on_data noted the time)
         elif frame.kind in _WORLD_KINDS:
-            if self.on_world is not None:
-                self.on_world(self, frame)
+            on_world = self._worlds.get(fields["kvsname"])
+            if on_world is not None:  # else a world that has ended
+                on_world(self, frame)
         elif frame.kind is Kind.STATS:  # for a sink that shows them (the dashboard)
             on_usage = getattr(self._sink, "on_usage", None)
             # (an instance of an attempt before this one is no longer the sink's)

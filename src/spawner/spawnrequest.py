@@ -25,6 +25,7 @@ class SpawnRequest:
     cpus: tuple[int, ...] | None = None  # CPU binding there (None: not bound)
     mems: tuple[int, ...] | None = None  # memory node binding there (None: not bound)
     world: str | None = None  # the kvsname of the MPI world it joins (a WORLD frame's)
+    rank: int | None = None  # its rank in `world` (None: `key`, as for the instances)
     container: Container | None = None  # run inside it (spawner/containers.py)
 
     def to_fields(self) -> dict[str, Any]:
@@ -32,7 +33,7 @@ class SpawnRequest:
                 "env_unset": list(self.env_unset), "cwd": self.cwd,
                 "merge_stderr": self.merge_stderr,
                 "cpus": _list_or_none(self.cpus), "mems": _list_or_none(self.mems),
-                "world": self.world,
+                "world": self.world, "rank": self.rank,
                 "container": None if self.container is None else self.container.to_fields()}
 
     @classmethod
@@ -48,6 +49,7 @@ class SpawnRequest:
                    cwd=fields.get("cwd"), merge_stderr=bool(fields.get("merge_stderr")),
                    cpus=_ints_or_none(fields.get("cpus")), mems=_ints_or_none(fields.get("mems")),
                    world=fields.get("world"),
+                   rank=None if fields.get("rank") is None else int(fields["rank"]),
                    container=Container.from_fields(fields.get("container")))
 
 

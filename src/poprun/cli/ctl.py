@@ -308,7 +308,8 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
         status = child.get("exit_status")
         console.print(_printable(
             f"spawned [{child.get('tag')}] by instance {child.get('spawned_by')}: pid "
-            f"{child.get('pid')}, " + ("running" if status is None else f"exited {status}")),
+            f"{child.get('pid')}" + (f" on {child['host']}" if child.get("host") else "")
+            + ", " + ("running" if status is None else f"exited {status}")),
             markup=False, highlight=False)
 
 

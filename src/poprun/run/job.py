@@ -147,11 +147,11 @@ class Job:
         if kvsname:
             from poprun.run.world import MpiWorld
 
-            self.world = MpiWorld(kvsname, self.plan, self.loop, lifeline=lifeline,
-                                  remote=self.remote, on_abort=self.on_mpi_abort,
-                                  on_lost=self.on_mpi_lost,
+            self.world = MpiWorld(kvsname, [inst.host for inst in self.plan.instances],
+                                  self.loop, lifeline=lifeline, remote=self.remote,
+                                  on_abort=self.on_mpi_abort, on_lost=self.on_mpi_lost,
                                   on_server_lost=self.on_world_server_lost, pmix=pmix,
-                                  log=self.log)
+                                  argv=self.plan.instances[0].argv, log=self.log)
             self.world.on_spawn = self._spawn_children
             count = len({inst.host for inst in self.plan.instances})
             hosts = f" on {count} hosts" if count > 1 else ""
@@ -192,7 +192,7 @@ class Job:
             env = planning.instance_environ(self.environ, inst, self.plan)
             pmi_end = None
             if self.world is not None:
-                world_env, pmi_end = self.world.attach(inst, env)
+                world_env, pmi_end = self.world.attach(inst.index, env)
                 env.update(world_env)
             spec = ProcessSpec(
                 key=inst.index, argv=inst.argv, cwd=self.cwd, merge_stderr=merge, env=env,
@@ -232,7 +232,7 @@ class Job:
             world.open_remote()
 
         def request(inst: InstancePlan) -> SpawnRequest:
-            env = inst.env if world is None else {**inst.env, **world.variables(inst)}
+            env = inst.env if world is None else {**inst.env, **world.variables(inst.index)}
             return SpawnRequest(key=inst.index, argv=inst.argv, env_set=env,
                                 env_unset=self.plan.unset_env, cwd=self.cwd, merge_stderr=merge,
                                 cpus=inst.cpus, mems=inst.mems,
@@ -323,8 +323,11 @@ class Job:
 
     # --- spawner sink -----------------------------------------------------------------
 
+    def _is_spawned(self, key: int) -> bool:
+        return self.spawned is not None and key in self.spawned.children
+
     def on_output(self, key: int, stream: Stream, data: bytes) -> None:
-        if self.spawned is not None and key in self.spawned.children:
+        if self._is_spawned(key):
             self.spawned.on_output(key, stream, data)
             return
         first_output = self._marks["first_output"]
@@ -341,10 +344,14 @@ class Job:
         """A remote agent's sample of an instance's CPU and memory (every STATS_INTERVAL)."""
         from spawner.procstat import Usage  # remote launches only: a local one never samples
 
+        if self._is_spawned(key):  # the views count the instances only
+            return
         self.events.usage(key, Usage(cpu_percent, rss))
 
     def on_progress(self, key: int, step: int, total: int | None) -> None:
         """A remote agent's sample of an instance's popdist.progress()."""
+        if self._is_spawned(key):
+            return
         self._steps[key] = step
         self.events.stepped(key, step, total, self.loop.time())
 
@@ -370,7 +377,7 @@ class Job:
         self.events.progress(report)
 
     def on_exit(self, key: int, returncode: int) -> None:
-        if self.spawned is not None and key in self.spawned.children:
+        if self._is_spawned(key):
             self.spawned.on_exit(key, returncode)
             self._maybe_finish()
             return
@@ -402,6 +409,8 @@ class Job:
             self.log.warning(f"{host}: lost the connection to the host ({reason})")
             return
         lost = sorted(k for k in spawner.unaccounted() if k not in self.done)
+        if self.spawned is not None:  # its spawned processes are gone too
+            lost = self.spawned.host_lost(lost, reason)
         self.events.host_lost(host, lost, self.loop.time())
         self.log.error(f"{host}: lost the connection to the host ({reason}); "
                        f"{len(lost)} instance(s) there are gone")

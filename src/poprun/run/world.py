@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from typing import TYPE_CHECKING
 
@@ -31,8 +31,6 @@ from popdist import env as E
 from poprun.errors import ConfigError
 from poprun.text import shown_text
 from spawner.pmiends import PmiEnds
-
-from poprun.plan.planner import InstancePlan, LaunchPlan
 
 if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agents in it
     from spawner import pmixcheck
@@ -93,25 +91,32 @@ def usable_libpmix(check: pmixcheck.Check, config, log) -> str | None:
 
 
 class MpiWorld:
-    """One attempt's world for the plan's instances; `remote`: the agents (by host) of the
-    hosts other than this one."""
+    """One PMI-1 world served from here: the instances' (one per attempt), or one their
+    MPI_Comm_spawn made (run/spawned.py: `spawned`, its job's `names`, its ranks' `appnums`).
+    `hosts`: each rank's host; `remote`: the agents (by host) of the hosts other than this
+    one that run some of its ranks. `argv`: the program, for Open MPI's world (`pmix`)."""
 
-    def __init__(self, kvsname: str, launch_plan: LaunchPlan, loop: asyncio.AbstractEventLoop,
+    def __init__(self, kvsname: str, hosts: Sequence[str], loop: asyncio.AbstractEventLoop,
                  *, lifeline, remote: Mapping[str, object] | None = None,
                  on_abort: Callable[[int, int, str], None],
                  on_lost: Callable[[int, bool], None],
                  on_server_lost: Callable[[str, str], None] | None = None, pmix=None,
-                 log=None) -> None:
+                 argv: Sequence[str] = (),
+                 log=None, names=None, appnums: Mapping[int, int] | None = None,
+                 spawned: bool = False,
+                 on_unserved: Callable[[int, str, str], None] | None = None) -> None:
         self.kvsname, self.loop, self._lifeline = kvsname, loop, lifeline
-        self._plan, self._remote = launch_plan, dict(remote or {})
+        self._hosts, self._remote = list(hosts), dict(remote or {})
         self._on_abort, self._on_lost = on_abort, on_lost
-        hosts = [inst.host for inst in launch_plan.instances]
-        self._local_size = {host: hosts.count(host) for host in set(hosts)}
-        order = list(dict.fromkeys(hosts))
-        self._nodes = [order.index(host) for host in hosts]  # each rank's host
+        self._local_size = {host: self._hosts.count(host) for host in set(self._hosts)}
+        self._local_index = _local_indices(self._hosts)  # each rank's place on its host
+        order = list(dict.fromkeys(self._hosts))
+        self._nodes = [order.index(host) for host in self._hosts]  # each rank's host
         self._ends = PmiEnds(loop, self._start_server)
-        self._log = log
-        self.names = None  # the job's published names (spawner/pminames.py), once served
+        self._log, self._argv, self._spawned = log, list(argv), spawned
+        self._appnums = dict(appnums or {})
+        self._on_unserved = on_unserved or self.unserved
+        self.names = names  # the job's published names (spawner/pminames.py), once served
         self.on_spawn = None  # the job's MPI_Comm_spawn (Job._spawn_children: run/spawned.py)
         self._tasks: set[asyncio.Task] = set()
         self.server = None  # spawner.pmi.PmiServer, once an instance or an agent has spoken
@@ -120,7 +125,7 @@ class MpiWorld:
         if pmix is not None:  # before the instances start: they need its variables
             from poprun.run.pmixworld import PmixWorld
 
-            self.pmix = PmixWorld(kvsname, hosts, self._remote, pmix, on_abort,
+            self.pmix = PmixWorld(kvsname, self._hosts, self._remote, pmix, on_abort,
                                   on_server_lost or (lambda host, reason: None), log)
 
     async def ready(self) -> None:
@@ -128,23 +133,31 @@ class MpiWorld:
         if self.pmix is not None:
             await self.pmix.open()
 
-    def variables(self, inst: InstancePlan) -> dict[str, str]:
-        """What every instance is told, on any host (its host's spawner adds `PMI_FD` and
-        `PMI_HOSTNAME`)."""
-        return {E.PMI_RANK: str(inst.index), E.PMI_SIZE: str(len(self._plan.instances)),
-                E.MPI_LOCALRANKID: str(inst.local_index),
-                E.MPI_LOCALNRANKS: str(self._local_size[inst.host])}
+    @property
+    def size(self) -> int:
+        return len(self._hosts)
 
-    def attach(self, inst: InstancePlan, environ: Mapping[str, str] | None = None
+    def ranks_on(self, host: str) -> list[int]:
+        return [rank for rank, h in enumerate(self._hosts) if h == host]
+
+    def variables(self, rank: int) -> dict[str, str]:
+        """What every rank is told, on any host (its host's spawner adds `PMI_FD` and
+        `PMI_HOSTNAME`); a spawned world's, that it was (`PMI_SPAWNED`)."""
+        return {E.PMI_RANK: str(rank), E.PMI_SIZE: str(self.size),
+                E.MPI_LOCALRANKID: str(self._local_index[rank]),
+                E.MPI_LOCALNRANKS: str(self._local_size[self._hosts[rank]]),
+                **({E.PMI_SPAWNED: "1"} if self._spawned else {})}
+
+    def attach(self, rank: int, environ: Mapping[str, str] | None = None
                ) -> tuple[dict[str, str], socket.socket]:
-        """A local instance's end of its PMI socket (to inherit, then close here) and every
+        """A local rank's end of its PMI socket (to inherit, then close here) and every
         variable that points it there, and to the PMIx server where one is served (what
-        `environ`, the instance's own, sets wins)."""
-        theirs = (self.server.attach(inst.index) if self.server is not None
-                  else self._ends.attach(inst.index))
-        pmix = (self.pmix.instance_env(inst.index, environ)
+        `environ`, the process's own, sets wins)."""
+        theirs = (self.server.attach(rank) if self.server is not None
+                  else self._ends.attach(rank))
+        pmix = (self.pmix.instance_env(rank, environ)
                 if self.pmix is not None and self.pmix.ns is not None else {})
-        return {**self.variables(inst), E.PMI_FD: str(theirs.fileno()),
+        return {**self.variables(rank), E.PMI_FD: str(theirs.fileno()),
                 E.PMI_HOSTNAME: socket.gethostname(), **pmix}, theirs
 
     def exited(self, rank: int) -> None:
@@ -155,30 +168,38 @@ class MpiWorld:
 
     def open_remote(self) -> None:
         """Tell each agent which of the world's ranks run there (before their SPAWNs)."""
-        size = len(self._plan.instances)
-        pmix = self.pmix.world_fields(self._plan.instances[0].argv) if self.pmix else None
+        pmix = self.pmix.world_fields(self._argv) if self.pmix else None
         for host, spawner in self._remote.items():
-            spawner.open_world(self._from_agent, kvsname=self.kvsname, size=size,
-                               ranks=[inst.index for inst in self._plan.on_host(host)],
-                               nodes=self._nodes, pmix=pmix)
+            ranks = self.ranks_on(host)
+            appnums = {str(r): self._appnums[r] for r in ranks if self._appnums.get(r)}
+            spawner.open_world(self._from_agent, kvsname=self.kvsname, size=self.size,
+                               ranks=ranks, nodes=self._nodes, pmix=pmix,
+                               **({"appnums": appnums} if appnums else {}))
+
+    def start(self) -> None:
+        """Serve now, not when a rank first speaks (a spawned world: its preput keys go in
+        before its processes start)."""
+        if self.server is None:
+            self._start_server()
 
     def _start_server(self) -> None:
         from spawner import pmi
 
-        local = [inst.index for inst in self._plan.instances if inst.host not in self._remote]
+        local = [rank for rank, host in enumerate(self._hosts) if host not in self._remote]
         # Before MPICH makes its segment here (its MPI_Init speaks PMI first): a poprun
         # killed outright leaves nothing in /dev/shm either (spawner/lifeline.py).
         self._cleans_here = bool(local)
         if self._cleans_here and self._lifeline is not None:
             self._lifeline.add_mpi_world(self.kvsname)
-        from spawner.pminames import NameService
+        if self.names is None:  # the instances' world: the job's names start here
+            from spawner.pminames import NameService
 
-        self.names = NameService()
+            self.names = NameService()
         self.server = pmi.PmiServer(
-            self.kvsname, len(self._plan.instances), local_ranks=local,
+            self.kvsname, self.size, local_ranks=local,
             on_abort=self._on_abort, on_lost=self._on_lost,
             process_mapping=pmi.process_mapping_for_ranks(self._nodes), names=self.names,
-            on_unserved=self.unserved, on_spawn=self.on_spawn)
+            on_unserved=self._on_unserved, on_spawn=self.on_spawn, appnums=self._appnums)
         for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
 
@@ -192,7 +213,7 @@ class MpiWorld:
         fields = frame.fields
         if fields.get("kvsname") != self.kvsname:
             return  # the world of an attempt that has ended
-        _check_from_agent(frame.kind, fields, self._plan.on_host(spawner.host))
+        _check_from_agent(frame.kind, fields, set(self.ranks_on(spawner.host)))
         if frame.kind is Kind.MPI_ABORT:
             self._on_abort(int(fields["key"]), int(fields["exitcode"]),
                            str(fields.get("message", "")))
@@ -206,7 +227,8 @@ class MpiWorld:
                 self.pmix.from_agent(spawner, frame.kind.name, fields)
             return
         if frame.kind is Kind.PMI_UNSERVED:
-            self.unserved(int(fields["key"]), str(fields.get("cmd")), str(fields.get("why")))
+            self._on_unserved(int(fields["key"]), str(fields.get("cmd")),
+                              str(fields.get("why")))
             return
         if self.server is None:
             self._start_server()
@@ -230,7 +252,8 @@ class MpiWorld:
             task.add_done_callback(self._tasks.discard)
 
     async def _spawn_for(self, spawner, fields) -> None:
-        """An agent's instance called MPI_Comm_spawn: its children start here."""
+        """A rank on an agent's host called MPI_Comm_spawn: the launcher starts the
+        children (run/spawned.py)."""
         from spawner.pmi import PmiError
         from spawner.pmispawn import request_from_json, spawn_reply
         from spawner.protocol import Kind
@@ -238,7 +261,7 @@ class MpiWorld:
         try:
             request = request_from_json(fields.get("request"))
             rank = int(fields["key"])
-            if not 0 <= rank < len(self._plan.instances) or self.on_spawn is None:
+            if not 0 <= rank < self.size or self.on_spawn is None:
                 raise PmiError("spawn: not served")
         except (PmiError, ValueError, TypeError) as exc:
             reply = spawn_reply(1, msg=str(exc))
@@ -273,18 +296,14 @@ class MpiWorld:
         self._ends.close()
         if self.pmix is not None:
             self.pmix.close()
-        if self._remote:
-            from spawner.protocol import Kind
-
         for spawner in self._remote.values():
-            spawner.tell(Kind.WORLD_END, kvsname=self.kvsname)
-            spawner.on_world = None
+            spawner.end_world(self.kvsname)
         for task in list(self._tasks):
             task.cancel()
         if self.server is None:
             return []
         await self.server.close()
-        if not self._cleans_here:  # none of its instances ran here
+        if not self._cleans_here:  # none of its ranks ran here
             return []
         from spawner.reaphere import remove_mpich_shm
 
@@ -294,12 +313,19 @@ class MpiWorld:
         return removed
 
 
-def _check_from_agent(kind, fields: Mapping, here) -> None:
+def _local_indices(hosts: Sequence[str]) -> list[int]:
+    seen: dict[str, int] = {}
+    indices = []
+    for host in hosts:
+        indices.append(seen.get(host, 0))
+        seen[host] = indices[-1] + 1
+    return indices
+
+
+def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:
     """That an agent's world frame names a rank of its own host and has its fields' types
     (spawner/protocol.py); ProtocolError if not."""
     from spawner.protocol import Kind, ProtocolError
-
-    ranks = {inst.index for inst in here}
 
     def has(name: str, *types: type) -> bool:
         value = fields.get(name)

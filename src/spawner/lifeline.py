@@ -86,6 +86,13 @@ class Lifeline:
         self.pid = pid
 
     @property
+    def write_fd(self) -> int:
+        """The pipe's write end (-1 once closed). A process that starts the owner's
+        instances for it holds it too (spawner/sessionleader.py), so that the watchdog
+        hears of the owner's death only once every instance it was starting has exec'd."""
+        return self._write_fd
+
+    @property
     def mark(self) -> tuple[str, str]:
         """The environment variable and value every watched instance gets."""
         return MARK, self.token

@@ -35,6 +35,7 @@ from . import containment
 from .binding import bound, memory_binding_unavailable
 from .containment import Cgroups
 from .lifeline import Lifeline
+from .sessionleader import SessionLeader, Started, Unavailable
 from .uncompiled import dataclass
 from .untrusted import read_regular
 
@@ -131,7 +132,7 @@ class _Child:
     __slots__ = ("spec", "proc", "pidfd", "open_fds", "pending", "grown", "returncode",
                  "reported", "removal")
 
-    def __init__(self, spec: ProcessSpec, proc: subprocess.Popen) -> None:
+    def __init__(self, spec: ProcessSpec, proc: subprocess.Popen | Started) -> None:
         self.spec = spec
         self.proc = proc
         self.pidfd = -1
@@ -168,6 +169,9 @@ class LocalSpawner:
         # memory_binding_unavailable), for the caller's one warning; the CPU binding is in
         # force regardless. None: nothing skipped.
         self.memory_binding_skipped: str | None = None
+        # Starts the instances in one session (sessionleader.py), on the first spawn;
+        # False: this host refused it, each instance gets a session of its own.
+        self._leader: SessionLeader | bool | None = None
 
     # --- starting ---------------------------------------------------------------------
 
@@ -190,13 +194,7 @@ class LocalSpawner:
             # its helpers are found by their ancestry only
             self._lifeline.track_descendants(containment.is_subreaper())
             self._tracking = True
-        with bound(spec.cpus, spec.mems) as memory_bound:
-            proc = subprocess.Popen(
-                argv, env=env, cwd=spec.cwd,
-                stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT if spec.merge_stderr else subprocess.PIPE,
-                start_new_session=True, close_fds=True, pass_fds=spec.pass_fds, bufsize=0)
+        proc, memory_bound = self._start(spec, argv, env)
         if spec.mems and not memory_bound:
             self.memory_binding_skipped = memory_binding_unavailable() or "not possible here"
         if self._lifeline:
@@ -215,6 +213,31 @@ class LocalSpawner:
             self._loop.add_reader(fd, self._on_readable, child, fd)
         self._watch_exit(child)
         return proc.pid
+
+    def _start(self, spec: ProcessSpec, argv: Sequence[str], env: dict[str, str]
+               ) -> tuple[subprocess.Popen | Started, bool]:
+        """Start `argv` in this spawner's session, in a process group of its own
+        (sessionleader.py); where this host cannot, in a session of its own."""
+        if self._leader is None:
+            holds = [self._lifeline.write_fd] if self._lifeline else []
+            self._leader = SessionLeader(keep=[fd for fd in holds if fd >= 0])
+        if self._leader:
+            try:
+                return self._leader.start(argv, env, spec.cwd, stdin=0 if spec.inherit_stdin
+                                          else None, merge_stderr=spec.merge_stderr,
+                                          pass_fds=spec.pass_fds, cpus=spec.cpus,
+                                          mems=spec.mems)
+            except Unavailable:
+                self._leader.close()
+                self._leader = False
+        with bound(spec.cpus, spec.mems) as memory_bound:
+            return subprocess.Popen(
+                argv, env=env, cwd=spec.cwd,
+                stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT if spec.merge_stderr else subprocess.PIPE,
+                start_new_session=True, close_fds=True, pass_fds=spec.pass_fds,
+                bufsize=0), memory_bound
 
     def _grow(self, child: _Child, fd: int) -> None:
         """Grow a new pipe to PIPE_SIZE, within the budget; where the kernel refuses (above
@@ -537,6 +560,9 @@ class LocalSpawner:
     def _sweep(self) -> None:
         """The final sweep: whatever the instances started that outlived them, even outside
         their process groups, is killed (and reaped, where orphans come to us)."""
+        if self._leader:  # a later spawn (the agent's next attempt) forks a new one
+            self._leader.close()
+            self._leader = None
         if self._error_dir is not None:
             shutil.rmtree(self._error_dir, ignore_errors=True)
             if self._lifeline:

@@ -169,15 +169,17 @@ def _run_spawner(specs, timeout: float = TIMEOUT) -> _Sink:
 
 def test_the_spawner_passes_descriptors_and_stdin_and_reports_signals(tmp_path: Path):
     """What Popen gave each instance, the session leader gives too: stdin (the launcher's
-    or /dev/null), a passed descriptor at its own number, the working directory, stderr
-    merged or not, an exit by signal as a negative status."""
+    or /dev/null), a passed descriptor at its own number, the working directory, its CPU
+    binding, stderr merged or not, an exit by signal as a negative status."""
     read_end, write_end = os.pipe()
     os.set_inheritable(write_end, False)
     show = ("import os, sys; os.write(%d, b'passed'); print(os.getcwd()); "
-            "print(sys.stdin.read() == '', file=sys.stderr)" % write_end)
+            "print(sys.stdin.read() == '', file=sys.stderr); "
+            "print(sorted(os.sched_getaffinity(0)))" % write_end)
+    cpu = max(os.sched_getaffinity(0))
     sink = _run_spawner([
         ProcessSpec(1, (PY, "-c", show), dict(os.environ), cwd=str(tmp_path),
-                    pass_fds=(write_end,)),
+                    pass_fds=(write_end,), cpus=(cpu,)),
         ProcessSpec(2, (PY, "-c", "import os; os.kill(os.getpid(), 15)"), dict(os.environ),
                     merge_stderr=True),
     ])
@@ -185,7 +187,7 @@ def test_the_spawner_passes_descriptors_and_stdin_and_reports_signals(tmp_path: 
     assert os.read(read_end, 100) == b"passed"
     os.close(read_end)
     assert sink.exits == {1: 0, 2: -signal.SIGTERM}
-    assert sink.output[1] == f"{tmp_path}\nTrue\n".encode()
+    assert sink.output[1] == f"{tmp_path}\n[{cpu}]\nTrue\n".encode()  # bound from the start
 
 
 @pytest.mark.parametrize("spec, error", [

@@ -231,9 +231,9 @@ def _start(syscall, clone: int, request, fds: list[int]) -> tuple[int, int, int,
         with bound(cpus, mems) as memory_bound:  # the clone inherits this thread's binding
             pid = syscall(*map(c_long, (clone, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0))) \
                 if clone > 0 else -1
+            if pid == 0:  # the instance, bound (not past the block: that unbinds)
+                _become(argv, env, cwd, dict(zip(places, fds)), error_w)
             refused = _errno() if pid < 0 else 0
-        if pid == 0:  # the instance: the spawner's child, in our session
-            _become(argv, env, cwd, dict(zip(places, fds)), error_w)
         if pid < 0:
             return -1, _CLONE, refused, 0
         os.close(error_w)

@@ -139,9 +139,11 @@ class _Sink:
     def __init__(self) -> None:
         self.output: dict[int, bytearray] = {}
         self.exits: dict[int, int] = {}
+        self.streams: dict[tuple[int, int], bytearray] = {}  # (key, 1 or 2): what it wrote there
 
     def on_output(self, key, stream, data) -> None:
         self.output.setdefault(key, bytearray()).extend(data)
+        self.streams.setdefault((key, int(stream)), bytearray()).extend(data)
 
     def on_exit(self, key, returncode) -> None:
         self.exits[key] = returncode
@@ -187,7 +189,8 @@ def test_the_spawner_passes_descriptors_and_stdin_and_reports_signals(tmp_path: 
     assert os.read(read_end, 100) == b"passed"
     os.close(read_end)
     assert sink.exits == {1: 0, 2: -signal.SIGTERM}
-    assert sink.output[1] == f"{tmp_path}\n[{cpu}]\nTrue\n".encode()  # bound from the start
+    assert sink.streams[1, 1] == f"{tmp_path}\n[{cpu}]\n".encode()  # bound from the start
+    assert sink.streams[1, 2] == b"True\n"  # stdin: /dev/null
 
 
 @pytest.mark.parametrize("spec, error", [

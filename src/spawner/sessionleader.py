@@ -180,6 +180,11 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes:
 
 
 def _lead(sock: socket.socket, keep: Collection[int], mask) -> None:
+    import gc
+
+    # The spawner's objects stay as they were forked: a collection here could finalize one
+    # (a socket, a file) and close a descriptor number the leader has since reused.
+    gc.disable()
     os.setsid()  # a new session, without a terminal, and a new autogroup
     signal.set_wakeup_fd(-1)  # the spawner's event loop's, which is not ours
     for sig in _STOP_SIGNALS:

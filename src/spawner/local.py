@@ -1,9 +1,11 @@
 """Starting, watching and stopping processes on this host.
 
-Each process gets its own session (so its own process group: a signal to the group reaches the
-dataloader workers it starts), pipes for stdout and stderr, and a pidfd that tells the event
-loop when it exits. Nothing runs in Python between fork and exec, which keeps spawning on the
-fast vfork path (docs/architecture.md, "Measured reasons"); the lifeline (see lifeline.py) does the orphan duty instead.
+Each process gets a process group of its own (a signal to the group reaches the dataloader
+workers it starts) in the one session the spawner's processes share (sessionleader.py: so
+they share one scheduling autogroup and none has a controlling terminal), pipes for stdout and
+stderr, and a pidfd that tells the event loop when it exits. Nothing runs in Python between
+fork and exec in this process (docs/architecture.md, "Measured reasons"); the lifeline (see
+lifeline.py) does the orphan duty instead.
 
 Output is delivered as blocks of whole lines: a block always ends with `\\n` or `\\r`, so a
 consumer can tag or interleave blocks without splitting a line. Two kinds of block end without

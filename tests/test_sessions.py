@@ -197,6 +197,7 @@ def test_the_spawner_passes_descriptors_and_stdin_and_reports_signals(tmp_path: 
     (dict(argv=("no-such-program-here",)), FileNotFoundError),
     (dict(argv=("true",), cwd="/no/such/dir"), FileNotFoundError),
     (dict(argv=("/dev/null",)), PermissionError),
+    (dict(argv=("true",), cpus=(4095,)), OSError),  # a binding refused, in the leader
 ])
 def test_a_start_that_fails_is_raised_as_popen_would(spec, error):
     import asyncio

@@ -45,11 +45,12 @@ from collections.abc import Collection, Mapping, Sequence
 CLONE_PARENT = 0x00008000
 _HEADER = struct.Struct("=I")  # the request's length; its descriptors come with this
 _REPLY = struct.Struct("=iiii")  # pid, what failed (_OK...), errno, memory bound (0/1)
-_OK, _CHDIR, _EXEC, _CLONE = range(4)
+_OK, _CHDIR, _EXEC, _CLONE, _SETUP = range(5)  # _SETUP: the leader's own step (a binding)
 _ERROR = struct.Struct("=ii")  # from the new process before its exec: what failed, errno
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # Python ignores these itself; an exec keeps an ignored signal ignored, so they are reset.
 _RESET_SIGNALS = (*_STOP_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ)
+_REFUSED = (errno.EPERM, errno.ENOSYS, errno.EINVAL)  # a clone that will never work here
 MAX_FDS = 64  # descriptors one start may pass (stdin, stdout, stderr, the PMI socket...)
 
 
@@ -119,9 +120,14 @@ class SessionLeader:
             request = marshal.dumps((list(argv), dict(env), cwd, list(places),
                                      list(cpus) if cpus is not None else None,
                                      list(mems) if mems is not None else None))
-            _send(self._sock, _HEADER.pack(len(request)) + request, list(places.values()))
-            pid, failed, code, memory_bound = _REPLY.unpack(_receive_exactly(
-                self._sock, _REPLY.size))
+            try:
+                _send(self._sock, _HEADER.pack(len(request)) + request,
+                      list(places.values()))
+                reply = _receive_exactly(self._sock, _REPLY.size)
+            except (OSError, EOFError):
+                raise OSError(errno.EPIPE, f"the session leader (pid {self.pid}) has ended "
+                                           "(an internal error)") from None
+            pid, failed, code, memory_bound = _REPLY.unpack(reply)
         except BaseException:
             for fd in (out_r, err_r):
                 if fd >= 0:
@@ -139,6 +145,8 @@ class SessionLeader:
                 os.waitpid(pid, 0)  # ours, exited before its exec
             if failed == _CLONE:
                 raise Unavailable(code, f"clone(CLONE_PARENT): {os.strerror(code)}")
+            if failed == _SETUP:
+                raise OSError(code, os.strerror(code))
             raise OSError(code, os.strerror(code), cwd if failed == _CHDIR else argv[0])
         return (Started(pid, open(out_r, "rb", buffering=0),
                         open(err_r, "rb", buffering=0) if err_r >= 0 else None),
@@ -221,7 +229,8 @@ def _clone_number() -> int:
     import platform
 
     # The clone system call's number, where the os module does not have it.
-    return {"x86_64": 56, "aarch64": 220, "ppc64le": 120, "s390x": 120}.get(
+    # Where the arguments come in clone's usual order (flags first; s390's differs).
+    return {"x86_64": 56, "aarch64": 220, "riscv64": 220, "ppc64le": 120}.get(
         platform.machine(), -1)
 
 
@@ -231,7 +240,10 @@ def _start(syscall, clone: int, request, fds: list[int]) -> tuple[int, int, int,
 
     from .binding import bound
 
-    error_r, error_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        error_r, error_w = os.pipe2(os.O_CLOEXEC)
+    except OSError as exc:
+        return -1, _SETUP, exc.errno or errno.EIO, 0
     try:
         with bound(cpus, mems) as memory_bound:  # the clone inherits this thread's binding
             pid = syscall(*map(c_long, (clone, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0))) \
@@ -239,15 +251,21 @@ def _start(syscall, clone: int, request, fds: list[int]) -> tuple[int, int, int,
             if pid == 0:  # the instance, bound (not past the block: that unbinds)
                 _become(argv, env, cwd, dict(zip(places, fds)), error_w)
             refused = _errno() if pid < 0 else 0
-        if pid < 0:
-            return -1, _CLONE, refused, 0
+        if pid < 0:  # refused for good (a seccomp filter), or for now (EAGAIN: limits)
+            os.close(error_r)
+            return -1, _CLONE if refused in _REFUSED else _SETUP, refused, 0
         os.close(error_w)
         error_w = -1
+    except OSError as exc:  # refused before the clone (a binding outside the cpuset)
+        os.close(error_r)
+        return -1, _SETUP, exc.errno or errno.EIO, 0
+    finally:
+        if error_w >= 0:
+            os.close(error_w)
+    try:
         failed = _read_error(error_r)  # until its exec closes the pipe
     finally:
         os.close(error_r)
-        if error_w >= 0:
-            os.close(error_w)
     return pid, *(failed or (_OK, 0)), int(bool(memory_bound))
 
 

@@ -35,6 +35,7 @@ the spawner falls back to a session per instance, as before.
 from __future__ import annotations
 
 import errno
+import fcntl  # here, not in the new process: an import there costs ~10 ms on a loaded host
 import marshal
 import os
 import signal
@@ -42,11 +43,14 @@ import socket
 import struct
 from collections.abc import Collection, Mapping, Sequence
 
+from .binding import bound
+
 CLONE_PARENT = 0x00008000
 _HEADER = struct.Struct("=I")  # the request's length; its descriptors come with this
 _REPLY = struct.Struct("=iiii")  # pid, what failed (_OK...), errno, memory bound (0/1)
 _OK, _CHDIR, _EXEC, _CLONE, _SETUP = range(5)  # _SETUP: the leader's own step (a binding)
 _ERROR = struct.Struct("=ii")  # from the new process before its exec: what failed, errno
+_EXEC_PIPE = -1  # the place of the pipe that its exec closes (and its failure is written to)
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 # Python ignores these itself; an exec keeps an ignored signal ignored, so they are reset.
 _RESET_SIGNALS = (*_STOP_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ)
@@ -111,10 +115,13 @@ class SessionLeader:
         directory that is not there), Unavailable where the kernel refuses."""
         if self._sock is None:
             raise OSError(errno.EBADF, "the session leader is closed")
+        # The exec's error comes to us: the leader replies once it has cloned, and the
+        # new process's exec closes this pipe (one hand-over fewer on a loaded host).
+        exec_r, exec_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC) if not merge_stderr else (-1, out_w)
         try:
-            places = {1: out_w, 2: err_w, **{fd: fd for fd in pass_fds}}
+            places = {_EXEC_PIPE: exec_w, 1: out_w, 2: err_w, **{fd: fd for fd in pass_fds}}
             if stdin is not None:
                 places[0] = stdin
             request = marshal.dumps((list(argv), dict(env), cwd, list(places),
@@ -123,20 +130,24 @@ class SessionLeader:
             try:
                 _send(self._sock, _HEADER.pack(len(request)) + request,
                       list(places.values()))
+                os.close(exec_w)
+                exec_w = -1
                 reply = _receive_exactly(self._sock, _REPLY.size)
             except (OSError, EOFError):
                 raise OSError(errno.EPIPE, f"the session leader (pid {self.pid}) has ended "
                                            "(an internal error)") from None
             pid, failed, code, memory_bound = _REPLY.unpack(reply)
+            if failed == _OK:  # until its exec (or its failure) closes the pipe
+                failed, code = _read_error(exec_r) or (_OK, 0)
         except BaseException:
             for fd in (out_r, err_r):
                 if fd >= 0:
                     os.close(fd)
             raise
         finally:
-            os.close(out_w)
-            if err_w != out_w:
-                os.close(err_w)
+            for fd in {exec_w, out_w, err_w} - {-1}:
+                os.close(fd)
+            os.close(exec_r)
         if failed != _OK:
             for fd in (out_r, err_r):
                 if fd >= 0:
@@ -205,7 +216,12 @@ def _lead(sock: socket.socket, keep: Collection[int], mask) -> None:
     import ctypes
 
     syscall = ctypes.PyDLL(None, use_errno=True).syscall  # keeps the GIL: no thread here
-    clone = _clone_number()
+    number = _clone_number()
+    arguments = [ctypes.c_long(n) for n in (number, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0)]
+
+    def clone() -> int:  # fork's return values: 0 in the new process, else its pid or -1
+        return syscall(*arguments) if number > 0 else -1
+
     while True:
         try:
             header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
@@ -216,7 +232,7 @@ def _lead(sock: socket.socket, keep: Collection[int], mask) -> None:
         try:
             header += _receive_exactly(sock, _HEADER.size - len(header))
             request = marshal.loads(_receive_exactly(sock, _HEADER.unpack(header)[0]))
-            reply = _start(syscall, clone, request, fds)
+            reply = _start(clone, request, fds)
         except EOFError:
             return
         finally:
@@ -234,39 +250,21 @@ def _clone_number() -> int:
         platform.machine(), -1)
 
 
-def _start(syscall, clone: int, request, fds: list[int]) -> tuple[int, int, int, int]:
+def _start(clone, request, fds: list[int]) -> tuple[int, int, int, int]:
+    """Clone the new process (it execs on its own); the reply: (pid, _OK or what failed,
+    errno, memory bound)."""
     argv, env, cwd, places, cpus, mems = request
-    from ctypes import c_long
-
-    from .binding import bound
-
-    try:
-        error_r, error_w = os.pipe2(os.O_CLOEXEC)
-    except OSError as exc:
-        return -1, _SETUP, exc.errno or errno.EIO, 0
     try:
         with bound(cpus, mems) as memory_bound:  # the clone inherits this thread's binding
-            pid = syscall(*map(c_long, (clone, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0))) \
-                if clone > 0 else -1
+            pid = clone()
             if pid == 0:  # the instance, bound (not past the block: that unbinds)
-                _become(argv, env, cwd, dict(zip(places, fds)), error_w)
+                _become(argv, env, cwd, dict(zip(places, fds)))
             refused = _errno() if pid < 0 else 0
-        if pid < 0:  # refused for good (a seccomp filter), or for now (EAGAIN: limits)
-            os.close(error_r)
-            return -1, _CLONE if refused in _REFUSED else _SETUP, refused, 0
-        os.close(error_w)
-        error_w = -1
     except OSError as exc:  # refused before the clone (a binding outside the cpuset)
-        os.close(error_r)
         return -1, _SETUP, exc.errno or errno.EIO, 0
-    finally:
-        if error_w >= 0:
-            os.close(error_w)
-    try:
-        failed = _read_error(error_r)  # until its exec closes the pipe
-    finally:
-        os.close(error_r)
-    return pid, *(failed or (_OK, 0)), int(bool(memory_bound))
+    if pid < 0:  # refused for good (a seccomp filter), or for now (EAGAIN: limits)
+        return -1, _CLONE if refused in _REFUSED else _SETUP, refused, 0
+    return pid, _OK, 0, int(bool(memory_bound))
 
 
 def _errno() -> int:
@@ -285,10 +283,11 @@ def _read_error(fd: int) -> tuple[int, int] | None:
     return _ERROR.unpack(data)
 
 
-def _become(argv: list[str], env: dict[str, str], cwd: str | None, places: dict[int, int],
-            error_w: int) -> None:
+def _become(argv: list[str], env: dict[str, str], cwd: str | None,
+            places: dict[int, int]) -> None:
     """In the new process: a group of its own, its descriptors, then exec. Never returns."""
     step = _CHDIR
+    error_w = places.pop(_EXEC_PIPE)
     try:
         os.setpgid(0, 0)
         if 0 not in places:
@@ -317,8 +316,6 @@ def _become(argv: list[str], env: dict[str, str], cwd: str | None, places: dict[
 
 
 def _dup_above(fd: int, lowest: int) -> int:
-    import fcntl
-
     return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, lowest)
 
 

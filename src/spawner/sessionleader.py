@@ -41,8 +41,9 @@ import os
 import signal
 import socket
 import struct
-import sys
 from collections.abc import Collection, Mapping, Sequence
+
+from .binding import bound
 
 CLONE_PARENT = 0x00008000
 _HEADER = struct.Struct("=I")  # the request's length; its descriptors come with this
@@ -82,24 +83,25 @@ class SessionLeader:
     """The spawner's side. Not thread-safe: one thread starts processes through it."""
 
     def __init__(self, keep: Collection[int] = ()) -> None:
-        """Start the leader; `keep`: descriptors it holds besides its socket."""
-        import subprocess
-
+        """Fork the leader; `keep`: descriptors it holds besides its socket."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds = [theirs.fileno(), *keep]
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
-            # A fresh interpreter, not a fork of this process: each clone copies the leader's
-            # page tables, and a fork of the launcher made every start ~1.5 ms of CPU dearer
-            # (docs/architecture.md, "One session per host and attempt"). -I -S: nothing of
-            # the user's environment runs in it; it imports from this process's sys.path.
-            self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _MAIN, os.pathsep.join(sys.path),
-                 ",".join(map(str, fds))],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=fds,
-                start_new_session=True)  # setsid: a session and an autogroup of its own
+            pid = os.fork()
+            if pid == 0:  # the leader; it never returns from here
+                try:
+                    mine.close()
+                    _lead(theirs, keep, blocked)
+                except BaseException:  # noqa: BLE001 - the spawner sees EOF and says so
+                    import traceback
+
+                    traceback.print_exc()
+                finally:
+                    os._exit(0)
         finally:
-            theirs.close()
-        self.pid = self._proc.pid
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        theirs.close()
+        self.pid = pid
         self._sock: socket.socket | None = mine
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, *,
@@ -167,8 +169,14 @@ class SessionLeader:
             return
         self._sock.close()
         self._sock = None
-        self._proc.kill()
-        self._proc.wait()
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
 
 
 def _send(sock: socket.socket, data: bytes, fds: list[int]) -> None:
@@ -190,21 +198,21 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes:
 # --- the leader --------------------------------------------------------------------------------
 
 
-# What the leader's interpreter runs: argv[1] the spawner's sys.path (as PYTHONPATH spells
-# it), argv[2] its socket's descriptor and those it keeps.
-_MAIN = ("import os, sys; sys.path[:0] = sys.argv[1].split(os.pathsep); "
-         "from spawner.sessionleader import main; main(sys.argv[2])")
+def _lead(sock: socket.socket, keep: Collection[int], mask) -> None:
+    import gc
 
-
-def main(fds: str) -> None:
-    """The leader: start what the spawner asks for until it closes its socket or dies."""
-    sock_fd, *_ = map(int, fds.split(","))
-    for sig in _STOP_SIGNALS:  # a scheduler that signals every process of the job must not
-        signal.signal(sig, signal.SIG_IGN)  # leave the next attempt without its leader
-    _lead(socket.socket(fileno=sock_fd))
-
-
-def _lead(sock: socket.socket) -> None:
+    # The spawner's objects stay as they were forked: a collection here could finalize one
+    # (a socket, a file) and close a descriptor number the leader has since reused.
+    gc.disable()
+    os.setsid()  # a new session, without a terminal, and a new autogroup
+    signal.set_wakeup_fd(-1)  # the spawner's event loop's, which is not ours
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    _close_all_but({0, 1, 2, sock.fileno(), *keep})
     import ctypes
 
     syscall = ctypes.PyDLL(None, use_errno=True).syscall  # keeps the GIL: no thread here
@@ -247,7 +255,7 @@ def _start(clone, request, fds: list[int]) -> tuple[int, int, int, int]:
     errno, memory bound)."""
     argv, env, cwd, places, cpus, mems = request
     try:
-        with _bound(cpus, mems) as memory_bound:  # the clone inherits this thread's binding
+        with bound(cpus, mems) as memory_bound:  # the clone inherits this thread's binding
             pid = clone()
             if pid == 0:  # the instance, bound (not past the block: that unbinds)
                 _become(argv, env, cwd, dict(zip(places, fds)))
@@ -257,17 +265,6 @@ def _start(clone, request, fds: list[int]) -> tuple[int, int, int, int]:
     if pid < 0:  # refused for good (a seccomp filter), or for now (EAGAIN: limits)
         return -1, _CLONE if refused in _REFUSED else _SETUP, refused, 0
     return pid, _OK, 0, int(bool(memory_bound))
-
-
-def _bound(cpus, mems):
-    """binding.bound, imported only where a binding is asked for (a lighter start)."""
-    if not cpus and not mems:
-        import contextlib
-
-        return contextlib.nullcontext(False)
-    from .binding import bound
-
-    return bound(cpus, mems)
 
 
 def _errno() -> int:

@@ -244,8 +244,8 @@ def _lead(sock: socket.socket, keep: Collection[int], mask) -> None:
 def _clone_number() -> int:
     import platform
 
-    # The clone system call's number, where the os module does not have it.
-    # Where the arguments come in clone's usual order (flags first; s390's differs).
+    # The clone system call's number (the os module has none), on the machines whose clone
+    # takes its flags first (s390's does not); elsewhere -1: refused, as a seccomp filter would.
     return {"x86_64": 56, "aarch64": 220, "riscv64": 220, "ppc64le": 120}.get(
         platform.machine(), -1)
 
@@ -286,7 +286,7 @@ def _read_error(fd: int) -> tuple[int, int] | None:
 def _become(argv: list[str], env: dict[str, str], cwd: str | None,
             places: dict[int, int]) -> None:
     """In the new process: a group of its own, its descriptors, then exec. Never returns."""
-    step = _CHDIR
+    step = _SETUP
     error_w = places.pop(_EXEC_PIPE)
     try:
         os.setpgid(0, 0)
@@ -302,6 +302,7 @@ def _become(argv: list[str], env: dict[str, str], cwd: str | None,
         for sig in _RESET_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        step = _CHDIR
         if cwd:
             os.chdir(cwd)
         step = _EXEC

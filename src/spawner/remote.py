@@ -396,6 +396,9 @@ class RemoteSpawner:
         # kvsname: the instances' and those of their spawns (run/spawned.py). Called with
         # each of the agent's frames about that world (_WORLD_KINDS).
         self._worlds: dict[str, Callable[[RemoteSpawner, Control], None]] = {}
+        # Its world requests refused for naming a rank that does not run there (the first
+        # is said: poprun/run/world.py's MpiWorld._refuse)
+        self.refused = 0
 
     # --- starting ---------------------------------------------------------------------
 
@@ -737,8 +740,10 @@ class RemoteSpawner:
             pass  # its arrival is the news (_on_data noted the time)
         elif frame.kind in _WORLD_KINDS:
             on_world = self._worlds.get(fields["kvsname"])
-            if on_world is not None:  # else a world that has ended
+            if on_world is not None:
                 on_world(self, frame)
+            else:  # a world that has ended, or none this agent serves
+                self._no_world(frame)
         elif frame.kind is Kind.STATS:  # for a sink that shows them (the dashboard)
             on_usage = getattr(self._sink, "on_usage", None)
             # (an instance of an attempt before this one is no longer the sink's)
@@ -792,6 +797,22 @@ class RemoteSpawner:
                     if not (key.isdigit() and pair(value)):
                         return f"its {name} of {key[:20]!r} is not an instance's pair"
         return None
+
+    def _no_world(self, frame: Control) -> None:
+        """A world frame for a kvsname not served here (the world has ended, or never ran
+        there): dropped, a request answered with an error (its rank, if any, must not wait:
+        MPI_Comm_spawn or the name call fails)."""
+        fields = frame.fields
+        if type(fields.get("id")) is not int:
+            return
+        if frame.kind is Kind.SPAWN_ASK:
+            from .pmispawn import spawn_reply
+
+            self.tell(Kind.SPAWNED_ANSWER, kvsname=fields["kvsname"], id=fields["id"],
+                      reply=spawn_reply(1, msg="spawn: no such MPI world here"))
+        elif frame.kind is Kind.NAME:
+            self.tell(Kind.NAMED, kvsname=fields["kvsname"], id=fields["id"], rc=1,
+                      value="no_such_world")
 
     @staticmethod
     def _resolve(future: asyncio.Future | None, result: Any) -> None:

@@ -44,7 +44,9 @@ class PmixWorld:
         self._fences = pmixplan.FenceTable(self.world)
         self._done: dict[pmixplan.FenceId, Callable[[int, bytes], None]] = {}  # local waiter
         self._ids = itertools.count(1)
-        self._asks: dict[int, tuple] = {}  # our id -> (local done) or (agent, its id)
+        # our MODEX_ASK's id -> (who waits for the data, the host asked: only its agent
+        # answers it)
+        self._asks: dict[int, tuple[Callable[[int, bytes], None], str]] = {}
         self._local = bool(local)
         self.ns = None  # the world's namespace on this host's server (spawner.pmixhost.Served)
 
@@ -88,7 +90,7 @@ class PmixWorld:
             done(ERR_NOT_FOUND, b"")
             return
         ask = next(self._ids)
-        self._asks[ask] = (done,)
+        self._asks[ask] = (done, self._hosts[rank])
         spawner.tell(_kind("MODEX_ASK"), kvsname=self.kvsname, id=ask, rank=rank)
 
     def abort(self, rank: int, status: int, message: str) -> None:
@@ -112,7 +114,7 @@ class PmixWorld:
             elif kind_name == "MODEX_WANT":
                 self._wanted(spawner, int(fields["id"]), int(fields["rank"]))
             elif kind_name == "MODEX_GOT":
-                self._got(int(fields["id"]), int(fields["status"]),
+                self._got(host, int(fields["id"]), int(fields["status"]),
                           pmixplan.decode_data(fields.get("data") or "", pmixplan.MAX_MODEX))
             elif kind_name == "PMIX_LOST":
                 self._on_server_lost(host, str(fields.get("error"))[:500])
@@ -172,12 +174,15 @@ class PmixWorld:
             answer(ERROR, b"")
             return
         ask = next(self._ids)
-        self._asks[ask] = (answer,)
+        self._asks[ask] = (answer, owner)
         self._remote[owner].tell(_kind("MODEX_ASK"), kvsname=self.kvsname, id=ask, rank=rank)
 
-    def _got(self, ask: int, status: int, data: bytes) -> None:
-        waiting = self._asks.pop(ask, None)
-        if waiting is not None:
+    def _got(self, host: str, ask: int, status: int, data: bytes) -> None:
+        """`host`'s agent answers a MODEX_ASK: one sent to another host is not its to
+        answer (ignored, the ask left for its owner)."""
+        waiting = self._asks.get(ask)
+        if waiting is not None and waiting[1] == host:
+            del self._asks[ask]
             waiting[0](status, data)
 
     def close(self) -> None:

@@ -213,7 +213,12 @@ class MpiWorld:
         fields = frame.fields
         if fields.get("kvsname") != self.kvsname:
             return  # the world of an attempt that has ended
-        _check_from_agent(frame.kind, fields, set(self.ranks_on(spawner.host)))
+        ranks = set(self.ranks_on(spawner.host))
+        _check_from_agent(frame.kind, fields, ranks)
+        if frame.kind in (Kind.SPAWN_ASK, Kind.NAME, Kind.PMI_UNSERVED) and (
+                not ranks or frame.kind is not Kind.NAME and fields["key"] not in ranks):
+            self._refuse(spawner, frame)
+            return
         if frame.kind is Kind.MPI_ABORT:
             self._on_abort(int(fields["key"]), int(fields["exitcode"]),
                            str(fields.get("message", "")))
@@ -227,7 +232,7 @@ class MpiWorld:
                 self.pmix.from_agent(spawner, frame.kind.name, fields)
             return
         if frame.kind is Kind.PMI_UNSERVED:
-            self._on_unserved(int(fields["key"]), str(fields.get("cmd")),
+            self._on_unserved(fields["key"], str(fields.get("cmd")),
                               str(fields.get("why")))
             return
         if self.server is None:
@@ -251,6 +256,29 @@ class MpiWorld:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _refuse(self, spawner, frame: Control) -> None:
+        """A request for a rank that does not run on the agent's host (another host's, or
+        none of this world's) is the agent's host speaking for others: answered with an
+        error where its rank waits for one (MPI_Comm_spawn or the name call fails), and
+        nothing done. Said once per host (spawner.refused counts them), not once a frame."""
+        from spawner.pmispawn import spawn_reply
+        from spawner.protocol import Kind
+
+        key = frame.fields.get("key")  # NAME names none: its host runs none of the world
+        what = f"rank {key}" if key is not None else "a rank"
+        if frame.kind is Kind.SPAWN_ASK:
+            spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=frame.fields["id"],
+                         reply=spawn_reply(1, msg="spawn: not one of this host's ranks"))
+        elif frame.kind is Kind.NAME:
+            spawner.tell(Kind.NAMED, kvsname=self.kvsname, id=frame.fields["id"], rc=1,
+                         value="not_one_of_this_hosts_ranks")
+        spawner.refused += 1
+        if spawner.refused == 1 and self._log is not None:
+            self._log.warning(
+                f"{spawner.host}: its agent sent a {frame.kind.name} for {what} of MPI world "
+                f"{self.kvsname}, which does not run there: refused (its host speaks only for "
+                "its own ranks; its other such requests are refused too, not said again)")
+
     async def _spawn_for(self, spawner, fields) -> None:
         """A rank on an agent's host called MPI_Comm_spawn: the launcher starts the
         children (run/spawned.py)."""
@@ -260,8 +288,8 @@ class MpiWorld:
 
         try:
             request = request_from_json(fields.get("request"))
-            rank = int(fields["key"])
-            if not 0 <= rank < self.size or self.on_spawn is None:
+            rank = fields["key"]  # one of the agent's host's ranks (_from_agent)
+            if self.on_spawn is None:
                 raise PmiError("spawn: not served")
         except (PmiError, ValueError, TypeError) as exc:
             reply = spawn_reply(1, msg=str(exc))
@@ -323,8 +351,9 @@ def _local_indices(hosts: Sequence[str]) -> list[int]:
 
 
 def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:
-    """That an agent's world frame names a rank of its own host and has its fields' types
-    (spawner/protocol.py); ProtocolError if not."""
+    """That an agent's world frame has its fields' types (spawner/protocol.py) and, where
+    it reports on a rank (an abort, a loss), names one of its own host's; ProtocolError if
+    not."""
     from spawner.protocol import Kind, ProtocolError
 
     def has(name: str, *types: type) -> bool:
@@ -337,6 +366,10 @@ def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:
             else has("initialized", bool))
     elif kind is Kind.GET:
         ok = has("id", int) and has("key", str)
+    elif kind in (Kind.SPAWN_ASK, Kind.PMI_UNSERVED):  # whose rank: MpiWorld._refuse
+        ok = has("key", int) and (kind is Kind.PMI_UNSERVED or has("id", int))
+    elif kind is Kind.NAME:
+        ok = has("id", int)
     elif kind is Kind.BARRIER_IN:
         ok = (has("count", int) and 0 < fields["count"] <= len(ranks) and has("puts", dict)
               and all(isinstance(v, str) for v in fields["puts"].values()))

@@ -253,6 +253,140 @@ def test_names_are_the_job_s_across_the_root_and_an_agent():
     run(main())
 
 
+# ============================================ an agent's requests, as the launcher reads them
+
+class Warnings:
+    """The job's log, as MpiWorld uses it: its warnings kept."""
+
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
+
+    def warning(self, msg: str) -> None:
+        self.warnings.append(msg)
+
+    def info(self, msg: str) -> None:
+        pass
+
+    debug = info
+
+
+def answers(spawner) -> list:
+    """What the launcher wrote to the agent after its WORLD frames: (kind name, fields)."""
+    from spawner.protocol import Control, FrameDecoder
+
+    frames = FrameDecoder().feed(bytes(spawner._chan.written))
+    return [(f.kind.name, f.fields) for f in frames
+            if type(f) is Control and f.kind.name != "WORLD"]
+
+
+# The instances' world of the launcher's host (ranks 0-1) and host h9 (ranks 2-4), and a world
+# spawned on the launcher's host only.
+HOSTS = ["localhost"] * 2 + ["h9"] * 3
+KVS, SPAWNED_KVS = "poprun-frames-0", "poprun-frames-0-spawn1"
+
+
+@T(15)
+def test_an_agent_speaks_only_for_the_ranks_of_its_own_host():
+    """A real RemoteSpawner for host h9, fed its agent's frames, and the launcher's worlds
+    behind it (docs/architecture.md, "Hostile input"). A SPAWN_ASK or NAME for a rank of
+    another host, of none, or of a world that does not run on h9 (or does not exist) is
+    answered with an error at once, and nothing is spawned, published or said for it but one
+    warning naming h9; h9's own ranks are served as before, and the agent is not given up."""
+    from poprun.run.world import MpiWorld
+    from spawner.protocol import MAGIC, Kind, encode
+    from test_fuzz_peers import spawner_under_test
+
+    request = pmispawn.request_json(read(spawn_message(("true", 1, [], []))))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        spawner, session, _, lost, crashes = spawner_under_test(loop)
+        log, spawned, unserved = Warnings(), [], []
+
+        async def on_spawn(rank, request):
+            spawned.append(rank)
+            return pmispawn.spawn_reply(0, request.total)
+
+        world = MpiWorld(KVS, HOSTS, loop, lifeline=None, remote={"h9": spawner}, log=log,
+                         on_abort=lambda *a: None, on_lost=lambda *a: None,
+                         on_unserved=lambda *a: unserved.append(a))
+        world.on_spawn = on_spawn
+        world.open_remote()
+        world.start()  # the job's names start with the instances' world
+        other = MpiWorld(SPAWNED_KVS, ["localhost"], loop, lifeline=None, log=log,
+                         on_abort=lambda *a: None, on_lost=lambda *a: None, names=world.names)
+        other.on_spawn = on_spawn
+        other.start()
+
+        def agent_says(kind, **fields):
+            session.data_received(encode(kind, **fields), None)
+
+        session.data_received(MAGIC, None)  # the agent's greeting
+
+        agent_says(Kind.SPAWN_ASK, kvsname=KVS, id=1, key=0, request=request)  # rank 0: here
+        agent_says(Kind.SPAWN_ASK, kvsname=KVS, id=2, key=7, request=request)  # of no world
+        agent_says(Kind.SPAWN_ASK, kvsname=SPAWNED_KVS, id=3, key=0, request=request)
+        agent_says(Kind.SPAWN_ASK, kvsname="poprun-nonesuch", id=4, key=2, request=request)
+        agent_says(Kind.NAME, kvsname=SPAWNED_KVS, id=5, op="publish", service="s", port="p")
+        agent_says(Kind.NAME, kvsname="poprun-nonesuch", id=6, op="lookup", service="s")
+        agent_says(Kind.PMI_UNSERVED, kvsname=KVS, key=1, cmd="frobnicate", why="no")
+        for _ in range(3):
+            await asyncio.sleep(0)
+        told = answers(spawner)
+        assert [(k, f["id"]) for k, f in told] == [
+            ("SPAWNED_ANSWER", 1), ("SPAWNED_ANSWER", 2), ("SPAWNED_ANSWER", 3),
+            ("SPAWNED_ANSWER", 4), ("NAMED", 5), ("NAMED", 6)], told
+        assert all(f.get("reply", f).get("rc") == 1 for _, f in told), told
+        assert spawned == [] and len(world.names) == 0 and unserved == []
+        [warning] = log.warnings
+        assert warning.startswith("h9: ") and "SPAWN_ASK for rank 0" in warning, warning
+        # h9's own ranks: served, and nothing more said
+        spawner._chan.written.clear()
+        agent_says(Kind.SPAWN_ASK, kvsname=KVS, id=7, key=3, request=request)
+        agent_says(Kind.NAME, kvsname=KVS, id=8, op="publish", service="s", port="p")
+        agent_says(Kind.PMI_UNSERVED, kvsname=KVS, key=4, cmd="frobnicate", why="no")
+        agent_says(Kind.SPAWN_ASK, kvsname=KVS, id=9, key=1, request=request)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert answers(spawner) == [
+            ("NAMED", {"kvsname": KVS, "id": 8, "rc": 0, "value": ""}),
+            ("SPAWNED_ANSWER", {"kvsname": KVS, "id": 9, "reply": {
+                "rc": 1, "msg": "spawn: not one of this host's ranks"}}),
+            ("SPAWNED_ANSWER", {"kvsname": KVS, "id": 7, "reply": {"rc": 0, "errcodes": "0"}})]
+        assert spawned == [3] and unserved == [(4, "frobnicate", "no")]
+        assert len(log.warnings) == 1 and spawner.refused == 4 and spawner.lost is None
+        assert not lost and not crashes, crashes
+        await other.close()
+        await world.close()
+    run(main())
+
+
+@T(15)
+def test_a_world_refuses_a_name_asked_from_a_host_it_does_not_run_on():
+    """MpiWorld's own check, whatever routed the frame there: a NAME from a host with none of
+    the world's ranks is answered rc=1 and publishes nothing."""
+    from poprun.run.world import MpiWorld
+    from spawner.protocol import Control, Kind
+
+    async def main():
+        told = []
+        h7 = type("Spawner", (), {"host": "h7", "refused": 0, "tell": lambda self, kind, **f:
+                                  told.append((kind, f))})()
+        world = MpiWorld(KVS, HOSTS, asyncio.get_running_loop(), lifeline=None,
+                         on_abort=lambda *a: None, on_lost=lambda *a: None, log=Warnings())
+        world._from_agent(h7, Control(Kind.NAME, {"kvsname": KVS, "id": 1, "op": "publish",
+                                                  "service": "s", "port": "p"}))
+        assert told == [(Kind.NAMED, {"kvsname": KVS, "id": 1, "rc": 1,
+                                      "value": "not_one_of_this_hosts_ranks"})]
+        assert world.names is None or len(world.names) == 0
+        assert world._log.warnings == [
+            f"h7: its agent sent a NAME for a rank of MPI world {KVS}, which does not run "
+            "there: refused (its host speaks only for its own ranks; its other such requests "
+            "are refused too, not said again)"]
+        await world.close()
+    run(main())
+
+
 # ===================================================================== fuzzing
 
 SPAWN_WORDS = [b"mcmd=spawn", b"endcmd", b"nprocs=", b"execname=", b"totspawns=",

@@ -317,6 +317,25 @@ def test_a_host_that_enters_a_fence_twice_or_for_others_fails_that_fence_only():
     assert agents["h1"].told[-1][1]["data"] == base64.b64encode(b"xx").decode()
 
 
+def test_only_the_host_asked_for_a_rank_s_data_answers_for_it():
+    """h1 wants rank 2's data: the launcher asks h3, its owner (MODEX_ASK). h2 answering that
+    ask (guessing its id) is ignored; h3's answer reaches h1."""
+    from poprun.run.pmixworld import PmixWorld
+
+    agents = {h: _Agent(h) for h in ("h1", "h2", "h3")}
+    world = PmixWorld("poprun-fuzz-2", ["h1", "h2", "h3"], agents, None, lambda *a: None,
+                      lambda *a: None, _Log())
+    world.from_agent(agents["h1"], "MODEX_WANT", {"id": 5, "rank": 2})
+    [(kind, ask)] = agents["h3"].told
+    assert kind == "MODEX_ASK" and ask["rank"] == 2
+    forged, real = (base64.b64encode(data).decode() for data in (b"forged", b"real"))
+    world.from_agent(agents["h2"], "MODEX_GOT", {"id": ask["id"], "status": 0, "data": forged})
+    assert agents["h1"].told == []
+    world.from_agent(agents["h3"], "MODEX_GOT", {"id": ask["id"], "status": 0, "data": real})
+    assert agents["h1"].told == [("MODEX_DATA", {"kvsname": "poprun-fuzz-2", "id": 5,
+                                                 "status": 0, "data": real})]
+
+
 def test_the_kernel_s_socket_table_is_read_as_the_kernel_writes_it():
     """pmixgate's reading of /proc/net/tcp, against this machine's own table: a socket we
     listen on is found, with our uid, as LISTEN."""

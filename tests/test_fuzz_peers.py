@@ -242,46 +242,106 @@ def test_a_stray_print_after_the_greeting_gives_the_agent_up_at_once():
 HOSTS = ["localhost"] * 2 + ["h9"] * 3
 
 
+SPAWN_REQUEST = {"commands": [{"execname": "true", "nprocs": 1, "args": [], "info": {}}],
+                 "preput": {}}
 world_fields = st.fixed_dictionaries(
     {"kvsname": st.sampled_from(["poprun-fuzz-9", "other"])},
     optional={"key": st.sampled_from([0, 2, 4, 5, -1, "2", True, None, 2**70]),
               "count": st.sampled_from([0, 1, 3, 4, -1, "3", None, 2**70]),
               "puts": st.sampled_from([{}, {"k": "v"}, {"k": 1}, [], None, "x"]),
-              "id": st.sampled_from([1, "1", None]), "exitcode": json_values,
-              "message": json_values, "initialized": json_values, "value": json_values})
+              "id": st.sampled_from([1, 2, "1", None]), "exitcode": json_values,
+              "message": json_values, "initialized": json_values, "value": json_values,
+              "request": st.sampled_from([SPAWN_REQUEST, {}, None, "x"]),
+              "op": st.sampled_from(["publish", "lookup", "unpublish", "x", None]),
+              "service": st.sampled_from(["s", "", None, 1]),
+              "port": st.sampled_from(["p", "", None]), "cmd": json_values,
+              "why": json_values})
 
 
-@settings(FAST, max_examples=100)
-@given(st.lists(st.tuples(st.sampled_from(["BARRIER_IN", "GET", "MPI_ABORT", "MPI_LOST"]),
+class Warnings:
+    """The job's log, as MpiWorld uses it: its warnings kept."""
+
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
+
+    def warning(self, msg: str) -> None:
+        self.warnings.append(msg)
+
+    def info(self, msg: str) -> None:
+        pass
+
+
+class FakeAgent:
+    """A RemoteSpawner as MpiWorld uses it: its host, what it is told, its refusals."""
+
+    def __init__(self, host: str) -> None:
+        self.host, self.told, self.refused = host, [], 0
+
+    def tell(self, kind, **fields) -> None:
+        self.told.append((kind, fields))
+
+
+@settings(FAST, max_examples=200)
+@given(st.lists(st.tuples(st.sampled_from(["h9", "h7"]),
+                          st.sampled_from(["BARRIER_IN", "GET", "MPI_ABORT", "MPI_LOST",
+                                           "SPAWN_ASK", "NAME", "PMI_UNSERVED"]),
                           world_fields), max_size=8))
 def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
-    """Every world frame of host h9's agent, as the launcher's world reads them: one that
-    names a rank of another host, or has a field of the wrong type, is a ProtocolError (its
-    spawner gives the agent up); the others reach the world, an abort or a loss naming one
-    of h9's ranks, with its numbers."""
+    """Every world frame of host h9's agent (ranks 2-4) or h7's (none of the world's), as the
+    launcher's world reads them: one that has a field of the wrong type, or reports an abort
+    or a loss of a rank of another host, is a ProtocolError (its spawner gives the agent up);
+    a request for another host's rank, a rank of none, or from h7 (SPAWN_ASK, NAME) is
+    answered with an error and does nothing (PMI_UNSERVED: dropped), said once per host; the
+    others reach the world with h9's ranks, and every request taken is answered once."""
     from poprun.run.world import MpiWorld
     from spawner.protocol import Control, Kind, ProtocolError
 
     async def main():
         loop = asyncio.get_running_loop()
-        aborts, lost, told = [], [], []
-        spawner = type("Spawner", (), {"host": "h9", "tell": lambda self, kind, **f:
-                                       told.append((kind, f))})()
-        world = MpiWorld("poprun-fuzz-9", HOSTS, loop, lifeline=None,
-                         on_abort=lambda *a: aborts.append(a), on_lost=lambda *a: lost.append(a))
+        aborts, lost, spawned, unserved, log = [], [], [], [], Warnings()
+        agents = {host: FakeAgent(host) for host in ("h9", "h7")}
+
+        async def on_spawn(rank, request):
+            spawned.append(rank)
+            return {"rc": 0, "errcodes": "0"}
+
+        world = MpiWorld("poprun-fuzz-9", HOSTS, loop, lifeline=None, log=log,
+                         on_abort=lambda *a: aborts.append(a), on_lost=lambda *a: lost.append(a),
+                         on_unserved=lambda *a: unserved.append(a))
+        world.on_spawn = on_spawn
+        taken = []  # the requests the world took: (agent, kind, id)
         async with ticking():
-            for name, fields in frames:
+            for host, name, fields in frames:
                 try:
-                    world._from_agent(spawner, Control(Kind[name], dict(fields)))
+                    world._from_agent(agents[host], Control(Kind[name], dict(fields)))
                 except ProtocolError:
                     event("refused")
+                    continue
+                if name in ("SPAWN_ASK", "NAME") and fields["kvsname"] == world.kvsname:
+                    taken.append((host, name, fields["id"]))
+                await asyncio.sleep(0)
+            for _ in range(3):  # the spawns' answers
                 await asyncio.sleep(0)
         assert all(rank in (2, 3, 4) and type(code) is int and type(message) is str
                    for rank, code, message in aborts), aborts
         assert all(rank in (2, 3, 4) and type(initialized) is bool
                    for rank, initialized in lost), lost
-        for kind, fields in told:
-            assert kind in (Kind.VALUE, Kind.BARRIER_OUT), told
+        assert all(rank in (2, 3, 4) for rank in spawned), spawned
+        assert all(rank in (2, 3, 4) for rank, _, _ in unserved), unserved
+        answered = sorted((host, kind.name, fields["id"]) for host, agent in agents.items()
+                          for kind, fields in agent.told
+                          if kind in (Kind.SPAWNED_ANSWER, Kind.NAMED))
+        assert answered == sorted((host, {"SPAWN_ASK": "SPAWNED_ANSWER"}.get(name, "NAMED"),
+                                   ask) for host, name, ask in taken), (answered, taken)
+        for kind, fields in agents["h7"].told:  # h7 runs none of the world: refused, all
+            assert fields.get("rc", fields.get("reply", {}).get("rc")) == 1, fields
+        for host, agent in agents.items():  # a refusal is said once per host
+            said = [w for w in log.warnings if w.startswith(f"{host}: ")]
+            assert len(said) == min(agent.refused, 1), (said, agent.refused)
+            if agent.refused:
+                event(f"{host}'s requests refused")
+        assert all(kind in (Kind.VALUE, Kind.BARRIER_OUT, Kind.SPAWNED_ANSWER, Kind.NAMED)
+                   for agent in agents.values() for kind, _ in agent.told)
         await world.close()
 
     run(main())

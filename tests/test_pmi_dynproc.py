@@ -339,12 +339,12 @@ SPAWN = pmispawn.request_json(read(spawn_message(("true", 1, [], []))))
         "unserved-of-another-hosts-rank"])
 @T(15)
 def test_an_agent_speaks_only_for_the_ranks_of_its_own_host(kind, fields, answer, said):
-    """docs/architecture.md, "What arrives is hostile input": a SPAWN_ASK, NAME or PMI_UNSERVED of h9's agent
-    for a rank of another host, of none, or of a world that does not run on h9 (or does not
-    exist) is answered with an error at once where its rank waits, and nothing is spawned,
-    published or said for it but one warning naming h9 (a kvsname it does not serve is
-    answered as one of a world that has ended is). Twice, said once; the agent is kept, and
-    its own ranks are served as before."""
+    """docs/architecture.md, "What arrives is hostile input": a SPAWN_ASK, NAME or
+    PMI_UNSERVED of h9's agent for a rank of another host, of none, or of a world that does
+    not run on h9 (or does not exist) is answered with an error at once where its rank
+    waits, and nothing is spawned, published or said for it but one warning naming h9 (a
+    kvsname it does not serve is answered as one of a world that has ended is). Twice, said
+    once; the agent is kept, and its own ranks are served as before."""
     from spawner.protocol import Kind, encode
 
     async def main():

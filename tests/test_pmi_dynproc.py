@@ -382,9 +382,10 @@ def test_an_agent_speaks_only_for_the_ranks_of_its_own_host(kind, fields, answer
 
 
 @T(15)
-def test_a_world_refuses_a_name_asked_from_a_host_it_does_not_run_on():
-    """MpiWorld's own check, whatever routed the frame there: a NAME from a host with none of
-    the world's ranks is answered rc=1 and publishes nothing."""
+def test_a_world_refuses_a_name_or_a_key_asked_from_a_host_it_does_not_run_on():
+    """MpiWorld's own check, whatever routed the frames there: a NAME or GET from a host with
+    none of the world's ranks is answered as refused (rc=1, no value), publishes nothing and
+    is said once."""
     from poprun.run.world import MpiWorld
     from spawner.protocol import Control, Kind
 
@@ -394,11 +395,15 @@ def test_a_world_refuses_a_name_asked_from_a_host_it_does_not_run_on():
                                   told.append((kind, f))})()
         world = MpiWorld(KVS, HOSTS, asyncio.get_running_loop(), lifeline=None,
                          on_abort=lambda *a: None, on_lost=lambda *a: None, log=Warnings())
+        world.start()
+        world.server.kvs.update({"k": "v"})
         world._from_agent(h7, Control(Kind.NAME, {"kvsname": KVS, "id": 1, "op": "publish",
                                                   "service": "s", "port": "p"}))
+        world._from_agent(h7, Control(Kind.GET, {"kvsname": KVS, "id": 2, "key": "k"}))
         assert told == [(Kind.NAMED, {"kvsname": KVS, "id": 1, "rc": 1,
-                                      "value": "not_one_of_this_hosts_ranks"})]
-        assert world.names is None or len(world.names) == 0
+                                      "value": "not_one_of_this_hosts_ranks"}),
+                        (Kind.VALUE, {"kvsname": KVS, "id": 2, "value": None})]
+        assert len(world.names) == 0
         assert world._log.warnings == [
             f"h7: its agent sent a NAME for a rank of MPI world {KVS}, which does not run "
             "there: refused (its host speaks only for its own ranks; its other such requests "

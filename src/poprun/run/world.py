@@ -215,8 +215,7 @@ class MpiWorld:
             return  # the world of an attempt that has ended
         ranks = set(self.ranks_on(spawner.host))
         _check_from_agent(frame.kind, fields, ranks)
-        if frame.kind in (Kind.SPAWN_ASK, Kind.NAME, Kind.PMI_UNSERVED) and (
-                not ranks or frame.kind is not Kind.NAME and fields["key"] not in ranks):
+        if not _for_own_ranks(frame.kind, fields, ranks):
             self._refuse(spawner, frame)
             return
         if frame.kind is Kind.MPI_ABORT:
@@ -258,9 +257,9 @@ class MpiWorld:
 
     def _refuse(self, spawner, frame: Control) -> None:
         """A request for a rank that does not run on the agent's host (another host's, or
-        none of this world's) is the agent's host speaking for others: answered with an
-        error where its rank waits for one (MPI_Comm_spawn or the name call fails), and
-        nothing done. Said once per host (spawner.refused counts them), not once a frame."""
+        none of this world's: `_for_own_ranks`) is the agent's host speaking for others:
+        answered with an error where its rank waits for one (MPI_Comm_spawn, the name call
+        or the get fails), and nothing done. Said once per host (spawner.refused counts them), not once a frame."""
         from spawner.pmispawn import spawn_reply
         from spawner.protocol import Kind
 
@@ -272,6 +271,8 @@ class MpiWorld:
         elif frame.kind is Kind.NAME:
             spawner.tell(Kind.NAMED, kvsname=self.kvsname, id=frame.fields["id"], rc=1,
                          value="not_one_of_this_hosts_ranks")
+        elif frame.kind is Kind.GET:  # not found: MPICH's PMI_KVS_Get fails
+            spawner.tell(Kind.VALUE, kvsname=self.kvsname, id=frame.fields["id"], value=None)
         spawner.refused += 1
         if spawner.refused == 1 and self._log is not None:
             self._log.warning(
@@ -348,6 +349,17 @@ def _local_indices(hosts: Sequence[str]) -> list[int]:
         indices.append(seen.get(host, 0))
         seen[host] = indices[-1] + 1
     return indices
+
+
+def _for_own_ranks(kind, fields: Mapping, ranks: set[int]) -> bool:
+    """Whether an agent's request (its types checked) is for its own host's ranks: a spawn
+    or an unserved command names one; a name or a key is asked for them (from a host that
+    runs some of the world)."""
+    from spawner.protocol import Kind
+
+    if kind in (Kind.SPAWN_ASK, Kind.PMI_UNSERVED):
+        return fields["key"] in ranks
+    return bool(ranks) or kind not in (Kind.NAME, Kind.GET)
 
 
 def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:

@@ -270,6 +270,8 @@ class Warnings:
     def info(self, msg: str) -> None:
         pass
 
+    debug = info
+
 
 class FakeAgent:
     """A RemoteSpawner as MpiWorld uses it: its host, what it is told, its refusals."""

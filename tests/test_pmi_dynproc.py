@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from spawner import pmi, pminames, pmispawn
 from conftest import OFFLINE, run_poprun
 from test_fuzz_surfaces import ABORTER as WRITES  # writes its argument's bytes to PMI_FD
+from test_fuzz_peers import Warnings
 from test_pmi import Client, run
 
 T = pytest.mark.timeout
@@ -254,21 +255,6 @@ def test_names_are_the_job_s_across_the_root_and_an_agent():
 
 
 # ============================================ an agent's requests, as the launcher reads them
-
-class Warnings:
-    """The job's log, as MpiWorld uses it: its warnings kept."""
-
-    def __init__(self) -> None:
-        self.warnings: list[str] = []
-
-    def warning(self, msg: str) -> None:
-        self.warnings.append(msg)
-
-    def info(self, msg: str) -> None:
-        pass
-
-    debug = info
-
 
 def answers(spawner) -> list:
     """What the launcher wrote to the agent after its WORLD frames: (kind name, fields)."""

@@ -318,10 +318,11 @@ SPAWN = pmispawn.request_json(read(spawn_message(("true", 1, [], []))))
      ("NAMED", {"rc": 1, "value": "no_such_world"}), None),
     ("NAME", {"kvsname": "poprun-nonesuch", "op": "lookup", "service": "s"},
      ("NAMED", {"rc": 1, "value": "no_such_world"}), None),
+    ("GET", {"kvsname": "poprun-nonesuch", "key": "k"}, ("VALUE", {"value": None}), None),
     ("PMI_UNSERVED", {"kvsname": KVS, "key": 1, "cmd": "frobnicate", "why": "no"}, None,
      "PMI_UNSERVED for rank 1 of MPI world " + KVS),
 ], ids=["spawn-for-another-hosts-rank", "spawn-for-no-rank", "spawn-in-a-world-not-there",
-        "spawn-in-no-world", "name-in-a-world-not-there", "name-in-no-world",
+        "spawn-in-no-world", "name-in-a-world-not-there", "name-in-no-world", "get-in-no-world",
         "unserved-of-another-hosts-rank"])
 @T(15)
 def test_an_agent_speaks_only_for_the_ranks_of_its_own_host(kind, fields, answer, said):

@@ -801,7 +801,7 @@ class RemoteSpawner:
     def _no_world(self, frame: Control) -> None:
         """A world frame for a kvsname not served here (the world has ended, or never ran
         there): dropped, a request answered with an error (its rank, if any, must not wait:
-        MPI_Comm_spawn or the name call fails)."""
+        MPI_Comm_spawn, the name call or the get fails)."""
         fields = frame.fields
         if type(fields.get("id")) is not int:
             return
@@ -813,6 +813,8 @@ class RemoteSpawner:
         elif frame.kind is Kind.NAME:
             self.tell(Kind.NAMED, kvsname=fields["kvsname"], id=fields["id"], rc=1,
                       value="no_such_world")
+        elif frame.kind is Kind.GET:
+            self.tell(Kind.VALUE, kvsname=fields["kvsname"], id=fields["id"], value=None)
 
     @staticmethod
     def _resolve(future: asyncio.Future | None, result: Any) -> None:

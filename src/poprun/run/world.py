@@ -259,11 +259,13 @@ class MpiWorld:
         """A request for a rank that does not run on the agent's host (another host's, or
         none of this world's: `_for_own_ranks`) is the agent's host speaking for others:
         answered with an error where its rank waits for one (MPI_Comm_spawn, the name call
-        or the get fails), and nothing done. Said once per host (spawner.refused counts them), not once a frame."""
+        or the get fails), and nothing done. Said once per host (spawner.refused counts
+        them), not once a frame."""
         from spawner.pmispawn import spawn_reply
         from spawner.protocol import Kind
 
-        key = frame.fields.get("key")  # NAME names none: its host runs none of the world
+        key = frame.fields.get("key")  # of a SPAWN_ASK or PMI_UNSERVED; NAME and GET name
+        # none (refused: the host runs none of the world)
         what = f"rank {key}" if key is not None else "a rank"
         if frame.kind is Kind.SPAWN_ASK:
             spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=frame.fields["id"],

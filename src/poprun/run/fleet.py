@@ -54,6 +54,7 @@ class Fleet:
         self.connections: dict[Host, object] = {}
         self._slurm = None  # over Slurm: spawner.srun.SlurmAgents, the steps and listener
         self._pods = None  # in pod mode: spawner.podagents.PodAgents
+        self._pods_of = self  # the fleet whose PodAgents listens (standby: the job's)
         self.spawners: dict[str, RemoteSpawner] = {}
         self._timings: dict[Host, object] = {}  # per host: how its connection went
         self._opened_at = 0.0  # time.monotonic(), for phases()
@@ -70,6 +71,13 @@ class Fleet:
         return cls([h for h in hosts.hosts if str(h) in hosts.remote], config, log,
                    hosts.transport, dict(zip(hosts.labels, hosts.counts)),
                    (hosts.pod, pod_secret()) if hosts.pod is not None else None)
+
+    def standby(self, hosts: Sequence[Host]) -> Fleet:
+        """A fleet for the spare `hosts`, over this one's transport. In pod mode it shares
+        this fleet's listener: every pod's agent calls the leader's one port."""
+        fleet = Fleet(hosts, self.config, self.log, self.transport, pod=self.pod)
+        fleet._pods_of = self
+        return fleet
 
     def start_steps(self) -> None:
         """Over Slurm, the job step that starts every node's agent created now, before
@@ -371,6 +379,10 @@ class Fleet:
     def _pod_links(self, hosts: Sequence[Host]) -> dict[Host, object]:
         """The other pods' links: each waits for its pod's agent to call (a host lost and
         reopened waits for its pod's next agent)."""
+        return {host: self._pods_of._pod_agents().link(host.name) for host in hosts}
+
+    def _pod_agents(self):
+        """This (the job's) fleet's listener for the other pods' agents, opened once."""
         pod, secret = self.pod
         if self._pods is None:
             from spawner.podagents import PodAgents
@@ -384,7 +396,7 @@ class Fleet:
                 raise LaunchError(f"--launcher pod: cannot listen on port {pod.port} for the "
                                   f"other pods' agents: {exc.strerror or exc}") from None
             self.log.info(f"waiting for {pod.count - 1} pod(s)' agents on port {pod.port}")
-        return {host: self._pods.link(host.name) for host in hosts}
+        return self._pods
 
     def reach_back_choice(self) -> str | None:
         """This machine's address on the network the user chose, if any: where agents

@@ -127,7 +127,7 @@ def test_a_plain_indexed_job_is_no_pod_contract():
      "--spare-nodes: nothing could use them"),
     (("--launcher=pod", "--spare-nodes=1", "--max-restarts=1", "--num-instances=1", "true"),
      "a spare pod replaces a follower"),
-    (("--launcher=pod", "--spare-hosts=h9", "--max-restarts=1", "--num-instances=2", "true"),
+    (("--launcher=pod", "--spare-hosts=h9", "--max-restarts=1", "--num-instances=1", "true"),
      "give --spare-nodes K"),
 ])
 def test_what_pod_mode_refuses_is_one_line(args, fragment):
@@ -335,7 +335,8 @@ def test_spare_pods_are_the_contract_s_last():
     from poprun.plan.config import LaunchConfig
     from poprun.plan.jobhosts import JobHosts
 
-    config = LaunchConfig(program=["true"], num_instances=4, launcher="pod", spare_nodes=2,
+    config = LaunchConfig(program=["true"], num_instances=4, num_replicas=4, launcher="pod",
+                          spare_nodes=2,
                           max_restarts=1)
     hosts = JobHosts.of(config, volcano_env(4, 0))
     assert [str(h) for h in hosts.hosts] == ["vc-worker-0.vc", "vc-worker-1.vc"]

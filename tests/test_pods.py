@@ -347,27 +347,33 @@ def test_spare_pods_are_the_contract_s_last():
 def test_a_follower_killed_fails_over_to_a_spare_pod(hosts, tmp_path):
     """3 pods, the last a spare (--spare-nodes 1): pod 1's agent is SIGKILLed mid-job; the
     next attempt runs its instance (index 1) on pod 2, pod 1 quarantined, and the job ends 0.
-    The spare's agent called the leader's one port at the start and stood by."""
+    The spare's agent called the leader's one port at the start and stood by. A new pod 1
+    (Kubernetes' replacement) calling meanwhile is told goodbye: it exits 0, unused."""
     marks = tmp_path / "started"
     marks.mkdir()
+    go = tmp_path / "go"
     script = (f"n=${{POPDIST_RESTART_COUNT:-0}}; echo $$ $(ip netns identify) > "
               f"{marks}/$RANK-$n.tmp && mv {marks}/$RANK-$n.tmp {marks}/$RANK-$n; "
-              "[ $n = 0 ] && exec sleep 600; exit 0")
-    procs = start_pods(hosts, "volcano", 3, "--num-instances=2", "--num-replicas=2",
-                       "--spare-nodes=1", "--max-restarts=1", "--quarantine-for=0",
-                       "sh", "-c", script)
-    leader, lost, spare = procs
+              f"[ $n = 0 ] && exec sleep 600; while [ ! -e {go} ]; do sleep 0.05; done")
+    args = ("--num-instances=2", "--num-replicas=2", "--spare-nodes=1", "--max-restarts=1",
+            "--quarantine-for=0", "sh", "-c", script)
+    leader, lost, spare = start_pods(hosts, "volcano", 3, *args)
     from sshd_hosts import wait_until
 
-    with reaped(lost):
-        wait_until(lambda: len(list(marks.glob("?-0"))) == 2, "attempt 0 started",
+    with reaped(leader), reaped(spare):
+        with reaped(lost):
+            wait_until(lambda: len(list(marks.glob("?-0"))) == 2, "attempt 0 started",
+                       timeout=WAIT)
+            first = {p.name: p.read_text().split() for p in marks.glob("?-0")}
+            lost.send_signal(signal.SIGKILL)  # the pod's poprun: its agent (run/podmode.py)
+            lost.communicate(timeout=WAIT)
+        wait_until(lambda: len(list(marks.glob("?-1"))) == 2, "attempt 1 started",
                    timeout=WAIT)
-        first = {p.name: p.read_text().split() for p in marks.glob("?-0")}
-        lost.send_signal(signal.SIGKILL)  # the pod's poprun: its agent (run/podmode.py)
-        lost.communicate(timeout=WAIT)
-    results = finish([leader, spare])
+        [(again, _, again_err)] = finish(start_pods(hosts, "volcano", 3, *args, which=[1]))
+        go.touch()
+        results = finish([leader, spare])
     assert [r[0] for r in results] == [0, 0], [r[2] for r in results]
-    assert lost.returncode == -signal.SIGKILL
+    assert (lost.returncode, again) == (-signal.SIGKILL, 0), again_err
     seen = {p.name: p.read_text().split() for p in marks.glob("?-?")}
     assert sorted(seen) == ["0-0", "0-1", "1-0", "1-1"], results[0][2]
     assert [first["0-0"][1], first["1-0"][1]] == [hosts.namespace(1), hosts.namespace(2)]
@@ -376,5 +382,6 @@ def test_a_follower_killed_fails_over_to_a_spare_pod(hosts, tmp_path):
     assert ("vc-worker-1.vc replaced by spare host vc-worker-2.vc for the next attempt "
             "(1 instance(s))") in lead_err
     assert "vc-worker-1.vc quarantined for the rest of the job: lost (" in lead_err
+    assert "vc-worker-1.vc: its agent called, but a spare pod took its place" in lead_err
     wait_until(lambda: not os.path.exists(f"/proc/{first['1-0'][0]}"),
                "the lost pod's instance ended", timeout=10)

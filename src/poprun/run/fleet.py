@@ -183,6 +183,8 @@ class Fleet:
         standby.hosts = tuple(h for h in standby.hosts if h != new)
         standby._labels = [str(h) for h in standby.hosts]
         old = next(h for h in self.hosts if str(h) == lost)
+        if self._pods is not None:  # the lost pod's replacement, should it call, is not used
+            self._pods.retire(lost)
         # (a host that failed at the start may have no agent, or no connection)
         self._retired.append((self.spawners.pop(lost, None), self.connections.pop(old, None)))
         self.hosts = tuple(new if h == old else h for h in self.hosts)

@@ -158,7 +158,9 @@ OPTIONS: tuple[Opt, ...] = (
         "many nodes stand by as --spare-hosts do (needs --max-restarts); the job runs on the "
         "others: `salloc -N 5` with --spare-nodes 1 runs on 4 nodes. Not given, with "
         "--max-restarts: the nodes beyond those --num-instances fills at Slurm's tasks per "
-        "node stand by; 0: none do"),
+        "node stand by; 0: none do. In pod mode (--launcher pod): the job's last this many "
+        "pods stand by, each taking a lost follower pod's instances (pod 0 leads and is never "
+        "replaced)"),
     Opt("quarantine-for", Kind.STR, "How long a host this job quarantined (lost, frozen, "
         "an instance OOM-killed there) is left "
         "out of your later jobs: seconds, or 30m, 2h, 1d; 0: not remembered. A later job "

@@ -471,8 +471,8 @@ def build_config(parsed: Parsed) -> LaunchConfig:
         entries = options.get("hosts", ())
         hosts, source = listed_hosts(entries)
         standby = options.get("spare_nodes")
-        # The job's nodes; too few (or pods: not listed here) are JobHosts.of's to refuse.
-        if isinstance(standby, int) and 0 < standby < len(hosts) and not entries:
+        # The job's nodes (pods are not listed here: JobHosts.of divides them).
+        if isinstance(standby, int) and standby > 0 and hosts and not entries:
             hosts = spare_nodes(hosts, standby, source)[0]
         counted, counted_from = counted_instances(hosts, source, os.environ,
                                                   listed=bool(entries) or bool(standby),

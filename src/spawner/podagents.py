@@ -88,15 +88,16 @@ class PodAgents:
     def _on_agent(self, identity: dict[str, Any], caller: Caller
                   ) -> PodLink | _Dismissed | None:
         label = identity["node"]
-        if label in self._retired and str(identity.get("task")) == str(self._pods.get(label)):
+        ours = identity.get("step") == STEP and str(identity.get("task")) == str(
+            self._pods.get(label))  # this pod's agent, by what it says of itself
+        if ours and label in self._retired:
             self._note(f"{label}: its agent called, but a spare pod took its place for the "
                        "rest of the job: told goodbye")
             caller.transport.write(encode(Kind.HEARTBEAT, last=True))
             caller.transport.close()  # once written (Caller aborts where it gets None)
             return _Dismissed()
         link = self.links.get(label)
-        if (identity.get("step") != STEP or str(identity.get("task")) != str(self._pods.get(label))
-                or link is None or not link.take(caller)):
+        if not ours or link is None or not link.take(caller):
             self._note(f"a pod's agent called as {label!r} (pod {identity.get('task')!r}), "
                        "which no pod waiting for its agent is: closed")
             return None

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -382,6 +383,38 @@ def test_a_follower_killed_fails_over_to_a_spare_pod(hosts, tmp_path):
     assert ("vc-worker-1.vc replaced by spare host vc-worker-2.vc for the next attempt "
             "(1 instance(s))") in lead_err
     assert "vc-worker-1.vc quarantined for the rest of the job: lost (" in lead_err
-    assert "vc-worker-1.vc: its agent called, but a spare pod took its place" in lead_err
+    assert "vc-worker-1.vc: its agent called, but the pod is quarantined" in lead_err
     wait_until(lambda: not os.path.exists(f"/proc/{first['1-0'][0]}"),
                "the lost pod's instance ended", timeout=10)
+
+
+def test_a_pod_quarantined_earlier_is_left_out_for_a_spare_pod(hosts, job_state, tmp_path):
+    """Pod 1 is quarantined by an earlier job (the state directory's file): the job runs its
+    instance on the spare pod 2 from the start, and pod 1's agent is told goodbye (exit 0).
+    The instances wait until the leader said so (its pod may call late under load)."""
+    from poprun.jobctl import quarantine
+
+    quarantine.add([quarantine.Entry("vc-worker-1.vc", "lost: earlier", 1.0, 2e9, "j")],
+                   now=10)
+    go = tmp_path / "go"
+    procs = start_pods(hosts, "volcano", 3, "--num-instances=2", "--num-replicas=2",
+                       "--spare-nodes=1", "--max-restarts=1", "sh", "-c",
+                       f'while [ ! -e {go} ]; do sleep 0.05; done; exec "$0" -c "$1" "$2"',
+                       sys.executable, INSTANCE, SECRET)
+    said = []
+    bound = threading.Timer(WAIT, go.touch)  # never said: the job goes on, the test fails
+    bound.start()
+    try:
+        with reaped(procs[0]):
+            while not said or ("quarantined, out of the job" not in said[-1] and said[-1]):
+                said.append(procs[0].stderr.readline())
+            go.touch()
+            results = finish(procs)
+    finally:
+        bound.cancel()
+    assert [r[0] for r in results] == [0, 0, 0], [r[2] for r in results]
+    lead_err = "".join(said) + results[0][2]
+    assert "vc-worker-1.vc left out: quarantined (lost: earlier; until " in lead_err
+    assert "vc-worker-1.vc: its agent called, but the pod is quarantined" in lead_err
+    assert sorted(line for line in results[0][1].splitlines() if line.startswith("rank")) == [
+        f"rank 0 in {hosts.namespace(1)} leaks []", f"rank 1 in {hosts.namespace(3)} leaks []"]

@@ -80,9 +80,10 @@ class PodAgents:
         return link
 
     def retire(self, label: str) -> None:
-        """`label`'s place was given to a spare pod for the rest of the job: a pod that
-        calls as it later (Kubernetes' replacement of the lost pod) is told goodbye, so its
-        agent exits 0 and the controller does not make it again and again."""
+        """`label` is out of the job for good (quarantined: a spare pod took its place, or
+        it was left out from the start): a pod that calls as it (Kubernetes' replacement of
+        a lost pod) is told goodbye, so its agent exits 0 and the controller does not make
+        it again and again."""
         self._retired.add(label)
 
     def _on_agent(self, identity: dict[str, Any], caller: Caller
@@ -91,8 +92,8 @@ class PodAgents:
         ours = identity.get("step") == STEP and str(identity.get("task")) == str(
             self._pods.get(label))  # this pod's agent, by what it says of itself
         if ours and label in self._retired:
-            self._note(f"{label}: its agent called, but a spare pod took its place for the "
-                       "rest of the job: told goodbye")
+            self._note(f"{label}: its agent called, but the pod is quarantined, out of the "
+                       "job: told goodbye")
             caller.transport.write(encode(Kind.HEARTBEAT, last=True))
             caller.transport.close()  # once written (Caller aborts where it gets None)
             return _Dismissed()

@@ -55,6 +55,7 @@ class Fleet:
         self._slurm = None  # over Slurm: spawner.srun.SlurmAgents, the steps and listener
         self._pods = None  # in pod mode: spawner.podagents.PodAgents
         self._pods_of = self  # the fleet whose PodAgents listens (standby: the job's)
+        self._pods_out: set[str] = set()  # pods not in the job: their agents told goodbye
         self.spawners: dict[str, RemoteSpawner] = {}
         self._timings: dict[Host, object] = {}  # per host: how its connection went
         self._opened_at = 0.0  # time.monotonic(), for phases()
@@ -68,9 +69,12 @@ class Fleet:
     @classmethod
     def of(cls, hosts: JobHosts, config: LaunchConfig, log: Log) -> Fleet:
         """The job's hosts that need a connection, over the transport JobHosts chose."""
-        return cls([h for h in hosts.hosts if str(h) in hosts.remote], config, log,
-                   hosts.transport, dict(zip(hosts.labels, hosts.counts)),
-                   (hosts.pod, pod_secret()) if hosts.pod is not None else None)
+        fleet = cls([h for h in hosts.hosts if str(h) in hosts.remote], config, log,
+                    hosts.transport, dict(zip(hosts.labels, hosts.counts)),
+                    (hosts.pod, pod_secret()) if hosts.pod is not None else None)
+        if hosts.pod is not None:  # pods left out (quarantined by an earlier job)
+            fleet._pods_out = set(hosts.pod.labels) - {*hosts.labels, *map(str, hosts.spares)}
+        return fleet
 
     def standby(self, hosts: Sequence[Host]) -> Fleet:
         """A fleet for the spare `hosts`, over this one's transport. In pod mode it shares
@@ -398,6 +402,8 @@ class Fleet:
                 raise LaunchError(f"--launcher pod: cannot listen on port {pod.port} for the "
                                   f"other pods' agents: {exc.strerror or exc}") from None
             self.log.info(f"waiting for {pod.count - 1} pod(s)' agents on port {pod.port}")
+            for label in self._pods_out:
+                self._pods.retire(label)
         return self._pods
 
     def reach_back_choice(self) -> str | None:

@@ -68,10 +68,7 @@ def test_the_jobset():
     jobset = manifests()["JobSet"]
     rules = jobset["spec"]["failurePolicy"]["rules"]
     assert rules == [{"action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]
-    (replicated,) = jobset["spec"]["replicatedJobs"]
-    job = {"apiVersion": "batch/v1", "kind": "Job",
-           "metadata": {"name": f"{jobset['metadata']['name']}-{replicated['name']}-0"},
-           **replicated["template"]}
+    job = jobset_job(jobset)
     valid(job)
     spec = job["spec"]
     assert spec["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy needs it
@@ -87,6 +84,30 @@ def test_the_jobset():
         pod = read_pod({**env, "JOB_COMPLETION_INDEX": str(i),
                         "HOSTNAME": f"{job['metadata']['name']}-{i}"})
         assert (pod.count, pod.index, pod.leader) == (4, i, "train-node-0-0.train")
+
+
+def jobset_job(jobset: dict) -> dict:
+    """The JobSet's (one) Job, as a batch/v1 Job the bundled schemas know."""
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": f"{jobset['metadata']['name']}-{replicated['name']}-0"},
+            **replicated["template"]}
+
+
+def test_the_spare_pods_failure_policy():
+    """The "Spare pods" section's podFailurePolicy, in the JobSet's Job with backoffLimit K
+    (1 spare pod), is valid; a follower killed (137) is counted, any other failure of the
+    leader's ends the Job (the leader decided the restarts already)."""
+    section = PAGE.read_text().split("\n## Spare pods\n")[1].split("\n## ")[0]
+    (block,) = re.findall(r"```text\n(podFailurePolicy:.*?)```", section, re.S)
+    policy = yaml.safe_load(block)["podFailurePolicy"]
+    job = jobset_job(manifests()["JobSet"])
+    job["spec"] = {**job["spec"], "podFailurePolicy": policy, "backoffLimit": 1}
+    valid(job)
+    exits = [(r["action"], r["onExitCodes"]["operator"], r["onExitCodes"]["values"])
+             for r in policy["rules"] if "onExitCodes" in r]
+    assert exits == [("FailJob", "In", [2, 70]), ("Ignore", "In", [69]),
+                     ("Count", "In", [137]), ("FailJob", "NotIn", [0])]
 
 
 def test_the_trainjob():

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -122,6 +123,13 @@ def test_a_plain_indexed_job_is_no_pod_contract():
      "--host cannot be given"),
     (("--launcher=pod", "--check"), "--check does not run in pod mode"),
     (("--launcher=pod", "--pod-timeout=0", "true"), "--pod-timeout must be positive"),
+    # Spare pods with nothing that could use them: no restarts, or no follower to replace.
+    (("--launcher=pod", "--spare-nodes=1", "--num-instances=1", "true"),
+     "--spare-nodes: nothing could use them"),
+    (("--launcher=pod", "--spare-nodes=1", "--max-restarts=1", "--num-instances=1", "true"),
+     "a spare pod replaces a follower"),
+    (("--launcher=pod", "--spare-hosts=h9", "--max-restarts=1", "--num-instances=1", "true"),
+     "give --spare-nodes K"),
 ])
 def test_what_pod_mode_refuses_is_one_line(args, fragment):
     done = run_poprun(*OFFLINE, *args, env={**lws_env(2, 0), "POPRUN_POD_SECRET": SECRET})
@@ -320,3 +328,93 @@ def test_the_secret_from_a_file(hosts, tmp_path):
     assert "pod mode: pod 1 of 2 (Volcano: VC_TASK_INDEX, VC_WORKER_HOSTS)" in follower[2]
     assert sorted(line for line in lead[1].splitlines() if line.startswith("rank")) == [
         f"rank {r} in {hosts.namespace(r + 1)} leaks []" for r in range(2)]
+
+
+def test_spare_pods_are_the_contract_s_last():
+    """--spare-nodes K in pod mode: the last K pods stand by; the job's instances are
+    divided among the others (pure: JobHosts from a pod's environment)."""
+    from poprun.plan.config import LaunchConfig
+    from poprun.plan.jobhosts import JobHosts
+
+    config = LaunchConfig(program=["true"], num_instances=4, num_replicas=4, launcher="pod",
+                          spare_nodes=2,
+                          max_restarts=1)
+    hosts = JobHosts.of(config, volcano_env(4, 0))
+    assert [str(h) for h in hosts.hosts] == ["vc-worker-0.vc", "vc-worker-1.vc"]
+    assert [str(h) for h in hosts.spares] == ["vc-worker-2.vc", "vc-worker-3.vc"]
+    assert hosts.remote == {"vc-worker-1.vc"} and hosts.counts == (2, 2)
+
+
+def test_a_follower_killed_fails_over_to_a_spare_pod(hosts, tmp_path):
+    """3 pods, the last a spare (--spare-nodes 1): pod 1's agent is SIGKILLed mid-job; the
+    next attempt runs its instance (index 1) on pod 2, pod 1 quarantined, and the job ends 0.
+    The spare's agent called the leader's one port at the start and stood by. A new pod 1
+    (Kubernetes' replacement) calling meanwhile is told goodbye: it exits 0, unused."""
+    marks = tmp_path / "started"
+    marks.mkdir()
+    go = tmp_path / "go"
+    script = (f"n=${{POPDIST_RESTART_COUNT:-0}}; echo $$ $(ip netns identify) > "
+              f"{marks}/$RANK-$n.tmp && mv {marks}/$RANK-$n.tmp {marks}/$RANK-$n; "
+              f"[ $n = 0 ] && exec sleep 600; while [ ! -e {go} ]; do sleep 0.05; done")
+    args = ("--num-instances=2", "--num-replicas=2", "--spare-nodes=1", "--max-restarts=1",
+            "--quarantine-for=0", "sh", "-c", script)
+    leader, lost, spare = start_pods(hosts, "volcano", 3, *args)
+    from sshd_hosts import wait_until
+
+    with reaped(leader), reaped(spare):
+        with reaped(lost):
+            wait_until(lambda: len(list(marks.glob("?-0"))) == 2, "attempt 0 started",
+                       timeout=WAIT)
+            first = {p.name: p.read_text().split() for p in marks.glob("?-0")}
+            lost.send_signal(signal.SIGKILL)  # the pod's poprun: its agent (run/podmode.py)
+            lost.communicate(timeout=WAIT)
+        wait_until(lambda: len(list(marks.glob("?-1"))) == 2, "attempt 1 started",
+                   timeout=WAIT)
+        [(again, _, again_err)] = finish(start_pods(hosts, "volcano", 3, *args, which=[1]))
+        go.touch()
+        results = finish([leader, spare])
+    assert [r[0] for r in results] == [0, 0], [r[2] for r in results]
+    assert (lost.returncode, again) == (-signal.SIGKILL, 0), again_err
+    seen = {p.name: p.read_text().split() for p in marks.glob("?-?")}
+    assert sorted(seen) == ["0-0", "0-1", "1-0", "1-1"], results[0][2]
+    assert [first["0-0"][1], first["1-0"][1]] == [hosts.namespace(1), hosts.namespace(2)]
+    assert [seen["0-1"][1], seen["1-1"][1]] == [hosts.namespace(1), hosts.namespace(3)]
+    lead_err = results[0][2]
+    assert ("vc-worker-1.vc replaced by spare host vc-worker-2.vc for the next attempt "
+            "(1 instance(s))") in lead_err
+    assert "vc-worker-1.vc quarantined for the rest of the job: lost (" in lead_err
+    assert "vc-worker-1.vc: its agent called, but the pod is quarantined" in lead_err
+    wait_until(lambda: not os.path.exists(f"/proc/{first['1-0'][0]}"),
+               "the lost pod's instance ended", timeout=10)
+
+
+def test_a_pod_quarantined_earlier_is_left_out_for_a_spare_pod(hosts, job_state, tmp_path):
+    """Pod 1 is quarantined by an earlier job (the state directory's file): the job runs its
+    instance on the spare pod 2 from the start, and pod 1's agent is told goodbye (exit 0).
+    The instances wait until the leader said so (its pod may call late under load)."""
+    from poprun.jobctl import quarantine
+
+    quarantine.add([quarantine.Entry("vc-worker-1.vc", "lost: earlier", 1.0, 2e9, "j")],
+                   now=10)
+    go = tmp_path / "go"
+    procs = start_pods(hosts, "volcano", 3, "--num-instances=2", "--num-replicas=2",
+                       "--spare-nodes=1", "--max-restarts=1", "sh", "-c",
+                       f'while [ ! -e {go} ]; do sleep 0.05; done; exec "$0" -c "$1" "$2"',
+                       sys.executable, INSTANCE, SECRET)
+    said = []
+    bound = threading.Timer(WAIT, go.touch)  # never said: the job goes on, the test fails
+    bound.start()
+    try:
+        with reaped(procs[0]):
+            while not said or ("quarantined, out of the job" not in said[-1] and said[-1]):
+                said.append(procs[0].stderr.readline())
+            go.touch()
+            results = finish(procs)
+    finally:
+        bound.cancel()
+    assert [r[0] for r in results] == [0, 0, 0], [r[2] for r in results]
+    lead_err = "".join(said) + results[0][2]
+    assert "vc-worker-1.vc left out: quarantined (lost: earlier; until " in lead_err
+    assert "vc-worker-1.vc: its agent called, but the pod is quarantined" in lead_err
+    assert sorted(line for line in results[0][1].splitlines() if line.startswith("rank")) == [
+        f"rank 0 in {hosts.namespace(1)} leaks []", f"rank 1 in {hosts.namespace(3)} leaks []"]

@@ -4,7 +4,8 @@ Every pod of a Kubernetes job runs the same poprun command; pod 0 leads and the 
 start an agent that dials the leader's known port (poprun/plan/pods.py) and proves the job's
 secret (spawner/callback.py: the handshake and listener Slurm's agents use). Nothing is
 started here: the pods are there already, and each link waits for its pod's call, as long as
-`--pod-timeout` allows (pods start when their node has pulled the image). A link is the
+`--pod-timeout` allows (pods start when their node has pulled the image). Spare pods'
+links (--spare-nodes) are this listener's too: every pod dials the one port. A link is the
 connection RemoteSpawner drives (spawner/srun.py's NodeLink); the peer's address is the pod's
 (its IP: what the other pods reach it at, unlike a Slurm node's name).
 """
@@ -39,6 +40,20 @@ class PodLink(NodeLink):
         return super().get_extra_info(name, default)
 
 
+class _Dismissed:
+    """The receiver of a retired pod's call, closing after its goodbye: what it still
+    sends is dropped."""
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> None:
+        pass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        pass
+
+
 class PodAgents:
     """The leader's listener and a link per follower pod (`pods`: label -> index)."""
 
@@ -51,6 +66,9 @@ class PodAgents:
         self._serving = asyncio.ensure_future(self._listener.serve())
         self._command, self._timeout = command, timeout
         self.links: dict[str, PodLink] = {}
+        self._retired: set[str] = set()  # pods whose place a spare pod took (`retire`)
+        for label in self._pods:  # every pod's call held from the first: a spare pod's too
+            self.link(label)
 
     def link(self, label: str) -> PodLink:
         """The link waiting for `label`'s agent: a new one where the last one's call came
@@ -61,11 +79,26 @@ class PodAgents:
             link.call_timeout = self._timeout
         return link
 
-    def _on_agent(self, identity: dict[str, Any], caller: Caller) -> PodLink | None:
+    def retire(self, label: str) -> None:
+        """`label` is out of the job for good (quarantined: a spare pod took its place, or
+        it was left out from the start): a pod that calls as it (Kubernetes' replacement of
+        a lost pod) is told goodbye, so its agent exits 0 and the controller does not make
+        it again and again."""
+        self._retired.add(label)
+
+    def _on_agent(self, identity: dict[str, Any], caller: Caller
+                  ) -> PodLink | _Dismissed | None:
         label = identity["node"]
+        ours = identity.get("step") == STEP and str(identity.get("task")) == str(
+            self._pods.get(label))  # this pod's agent, by what it says of itself
+        if ours and label in self._retired:
+            self._note(f"{label}: its agent called, but the pod is quarantined, out of the "
+                       "job: told goodbye")
+            caller.transport.write(encode(Kind.HEARTBEAT, last=True))
+            caller.transport.close()  # once written (Caller aborts where it gets None)
+            return _Dismissed()
         link = self.links.get(label)
-        if (identity.get("step") != STEP or str(identity.get("task")) != str(self._pods.get(label))
-                or link is None or not link.take(caller)):
+        if not ours or link is None or not link.take(caller):
             self._note(f"a pod's agent called as {label!r} (pod {identity.get('task')!r}), "
                        "which no pod waiting for its agent is: closed")
             return None

@@ -158,7 +158,9 @@ OPTIONS: tuple[Opt, ...] = (
         "many nodes stand by as --spare-hosts do (needs --max-restarts); the job runs on the "
         "others: `salloc -N 5` with --spare-nodes 1 runs on 4 nodes. Not given, with "
         "--max-restarts: the nodes beyond those --num-instances fills at Slurm's tasks per "
-        "node stand by; 0: none do"),
+        "node stand by; 0: none do. In pod mode (--launcher pod): the job's last this many "
+        "pods stand by, each taking a lost follower pod's instances (pod 0 leads and is never "
+        "replaced)"),
     Opt("quarantine-for", Kind.STR, "How long a host this job quarantined (lost, frozen, "
         "an instance OOM-killed there) is left "
         "out of your later jobs: seconds, or 30m, 2h, 1d; 0: not remembered. A later job "
@@ -469,7 +471,8 @@ def build_config(parsed: Parsed) -> LaunchConfig:
         entries = options.get("hosts", ())
         hosts, source = listed_hosts(entries)
         standby = options.get("spare_nodes")
-        if isinstance(standby, int) and standby > 0 and not entries:  # the job's nodes
+        # The job's nodes (pods are not listed here: JobHosts.of divides them).
+        if isinstance(standby, int) and standby > 0 and hosts and not entries:
             hosts = spare_nodes(hosts, standby, source)[0]
         counted, counted_from = counted_instances(hosts, source, os.environ,
                                                   listed=bool(entries) or bool(standby),

@@ -25,6 +25,7 @@ from typing import Any
 from popdist.env import NOT_FORWARDED
 from spawner.uncompiled import dataclass
 
+from poprun.plan.pods import INDEX_VARIABLES
 from poprun.text import cut, fold_hosts, size
 
 MIN_FREE = 1 << 30  # bytes: less free where the cache or temp files go is worth a warning
@@ -36,8 +37,9 @@ KIND_CHARS = 40  # of what a host says its file is, when no regular file ("FIFO"
 MAX_TEXT = 4096  # characters of any string taken from a host
 MAX_ITEMS = 10_000  # entries of any mapping taken from a host
 # Variables that differ by design from host to host or session to session, besides
-# NOT_FORWARDED: the user's base directories, the shell's level and terminal.
-PER_HOST = (*NOT_FORWARDED, "XDG_*", "SHLVL", "TERM", "COLUMNS", "LINES", "*_SDK_ENABLED")
+# NOT_FORWARDED: the user's base directories, the shell's level and terminal, a pod's place.
+PER_HOST = (*NOT_FORWARDED, "XDG_*", "SHLVL", "TERM", "COLUMNS", "LINES", "*_SDK_ENABLED",
+            *INDEX_VARIABLES)
 
 
 @dataclass(frozen=True)

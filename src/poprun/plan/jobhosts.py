@@ -74,14 +74,24 @@ class JobHosts:
 
     @classmethod
     def _pods(cls, config: LaunchConfig, pod: Pod) -> JobHosts:
-        """Pod 0's view: every pod a host, itself local, divided among as hosts are."""
+        """Pod 0's view: every pod a host, itself local, divided among as hosts are; with
+        --spare-nodes K, the last K pods stand by (docs/kubernetes.md, "Spare pods")."""
         if config.host_list:
             raise ConfigError("--launcher pod takes its hosts from the pod contract: "
                               "--host cannot be given with it")
-        hosts = tuple(Host(label) for label in pod.labels)
+        if config.spare_list:
+            raise ConfigError("--spare-hosts: in pod mode the spares are pods of the job: "
+                              "give --spare-nodes K (its last K pods stand by)")
         source = f"the pods ({pod.contract})"
+        hosts, spares = spare_nodes(tuple(Host(label) for label in pod.labels),
+                                    config.spare_nodes, source)
+        if spares and len(hosts) < 2:  # a spare takes a follower's place, never pod 0's
+            raise ConfigError(f"--spare-nodes {config.spare_nodes}: {source} has "
+                              f"{pod.count} pod(s): a spare pod replaces a follower, and "
+                              "this leaves none (pod 0 leads, it is never replaced)")
         counts = instance_counts(hosts, config.num_instances, source, config.mpi.npernode)
-        return cls(hosts, frozenset(pod.labels[1:]), counts, source, "pod", pod=pod)
+        remote = frozenset(str(h) for h in hosts[1:])
+        return cls(hosts, remote, counts, source, "pod", spares, pod=pod)
 
     @property
     def labels(self) -> tuple[str, ...]:

@@ -32,6 +32,10 @@ PORT_VARIABLE = "POPRUN_POD_PORT"
 PODS_VARIABLE = "POPRUN_PODS"  # JobSet: the pods of the Job (its parallelism)
 SUBDOMAIN_VARIABLE = "POPRUN_POD_SUBDOMAIN"
 MAX_PODS = 10_000
+# Each pod's place, set by its contract: they differ from pod to pod by design (so hosts
+# compared, a spare pod among them, are not told apart by them: plan/alike.py, PER_HOST).
+INDEX_VARIABLES = ("PET_NODE_RANK", "LWS_WORKER_INDEX", "VC_TASK_INDEX",
+                   "JOB_COMPLETION_INDEX")
 _VOLCANO_HOSTS = re.compile(r"VC_([A-Z0-9_]+)_HOSTS")
 _JOBSET_HOSTNAME = re.compile(r"(.+-\d+)-(\d+)")  # <jobset>-<job>-<job index>-<pod index>
 _NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")  # a DNS name or address

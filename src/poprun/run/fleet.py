@@ -54,6 +54,8 @@ class Fleet:
         self.connections: dict[Host, object] = {}
         self._slurm = None  # over Slurm: spawner.srun.SlurmAgents, the steps and listener
         self._pods = None  # in pod mode: spawner.podagents.PodAgents
+        self._pods_of = self  # the fleet whose PodAgents listens (standby: the job's)
+        self._pods_out: set[str] = set()  # pods not in the job: their agents told goodbye
         self.spawners: dict[str, RemoteSpawner] = {}
         self._timings: dict[Host, object] = {}  # per host: how its connection went
         self._opened_at = 0.0  # time.monotonic(), for phases()
@@ -67,9 +69,19 @@ class Fleet:
     @classmethod
     def of(cls, hosts: JobHosts, config: LaunchConfig, log: Log) -> Fleet:
         """The job's hosts that need a connection, over the transport JobHosts chose."""
-        return cls([h for h in hosts.hosts if str(h) in hosts.remote], config, log,
-                   hosts.transport, dict(zip(hosts.labels, hosts.counts)),
-                   (hosts.pod, pod_secret()) if hosts.pod is not None else None)
+        fleet = cls([h for h in hosts.hosts if str(h) in hosts.remote], config, log,
+                    hosts.transport, dict(zip(hosts.labels, hosts.counts)),
+                    (hosts.pod, pod_secret()) if hosts.pod is not None else None)
+        if hosts.pod is not None:  # pods left out (quarantined by an earlier job)
+            fleet._pods_out = set(hosts.pod.labels) - {*hosts.labels, *map(str, hosts.spares)}
+        return fleet
+
+    def standby(self, hosts: Sequence[Host]) -> Fleet:
+        """A fleet for the spare `hosts`, over this one's transport. In pod mode it shares
+        this fleet's listener: every pod's agent calls the leader's one port."""
+        fleet = Fleet(hosts, self.config, self.log, self.transport, pod=self.pod)
+        fleet._pods_of = self
+        return fleet
 
     def start_steps(self) -> None:
         """Over Slurm, the job step that starts every node's agent created now, before
@@ -175,6 +187,8 @@ class Fleet:
         standby.hosts = tuple(h for h in standby.hosts if h != new)
         standby._labels = [str(h) for h in standby.hosts]
         old = next(h for h in self.hosts if str(h) == lost)
+        if self._pods is not None:  # the lost pod's replacement, should it call, is not used
+            self._pods.retire(lost)
         # (a host that failed at the start may have no agent, or no connection)
         self._retired.append((self.spawners.pop(lost, None), self.connections.pop(old, None)))
         self.hosts = tuple(new if h == old else h for h in self.hosts)
@@ -371,6 +385,10 @@ class Fleet:
     def _pod_links(self, hosts: Sequence[Host]) -> dict[Host, object]:
         """The other pods' links: each waits for its pod's agent to call (a host lost and
         reopened waits for its pod's next agent)."""
+        return {host: self._pods_of._pod_agents().link(host.name) for host in hosts}
+
+    def _pod_agents(self):
+        """This (the job's) fleet's listener for the other pods' agents, opened once."""
         pod, secret = self.pod
         if self._pods is None:
             from spawner.podagents import PodAgents
@@ -384,7 +402,9 @@ class Fleet:
                 raise LaunchError(f"--launcher pod: cannot listen on port {pod.port} for the "
                                   f"other pods' agents: {exc.strerror or exc}") from None
             self.log.info(f"waiting for {pod.count - 1} pod(s)' agents on port {pod.port}")
-        return {host: self._pods.link(host.name) for host in hosts}
+            for label in self._pods_out:
+                self._pods.retire(label)
+        return self._pods
 
     def reach_back_choice(self) -> str | None:
         """This machine's address on the network the user chose, if any: where agents

@@ -864,7 +864,7 @@ class _Session:
             return None
         from poprun.run.spares import SparePool
 
-        self.spares = SparePool(self.hosts, self.config, self.log)
+        self.spares = SparePool(self.hosts, self.fleet, self.log)
         return asyncio.ensure_future(self.spares.open(
             self.job, cwd=self.cwd, program=host_program(self.config, self.program),
             path=self.environ.get("PATH"), facts=ask))

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from poprun.log import Log
-from poprun.plan.config import LaunchConfig
 from poprun.plan.jobhosts import JobHosts, pair_spares
 from poprun.run.fleet import Fleet
 
@@ -22,8 +21,8 @@ from poprun.run.fleet import Fleet
 class SparePool:
     """The spares' agents (a Fleet of their own), and which of them may take a place."""
 
-    def __init__(self, hosts: JobHosts, config: LaunchConfig, log: Log) -> None:
-        self.fleet = Fleet(hosts.spares, config, log, hosts.transport)
+    def __init__(self, hosts: JobHosts, jobs: Fleet, log: Log) -> None:
+        self.fleet = jobs.standby(hosts.spares)  # `jobs`: the job hosts' fleet
         self.log = log
         self.ready: list[str] = []  # standing by and admitted, in the user's order
         self._compared = False  # ready only once compared (or when nothing compares)

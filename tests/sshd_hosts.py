@@ -523,6 +523,19 @@ def kill_marked(marker: str) -> None:
     kill_trees(lambda: [pid for pid in processes_with(marker) if pid != os.getpid()])
 
 
+def freeze(pids: list[int]) -> None:
+    """SIGSTOP each of `pids`: a host (its agent, sshd) that no longer acts."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+
+
+def thaw(pids: list[int]) -> None:
+    """SIGCONT each of `pids` still there (a test's `finally`)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
 def watchdog_of(owner: int) -> int:
     """The lifeline watchdog of `owner` (poprun's is its child, an agent's is detached): the
     process named WATCHDOG_NAME that holds the other end of one of `owner`'s pipes."""

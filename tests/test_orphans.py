@@ -22,8 +22,8 @@ import pytest
 from spawner.local import ProcessSpec
 
 from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun, wait_started
-from sshd_hosts import (instances_with, kill_marked, processes_with, start_ssh_hosts, wait_until,
-                        watchdog_of)
+from sshd_hosts import (freeze, instances_with, kill_marked, processes_with, start_ssh_hosts,
+                        thaw, wait_until, watchdog_of)
 
 PY = sys.executable
 SLEEPER = "import time; print('ready', flush=True); time.sleep(300)"
@@ -388,11 +388,7 @@ def test_a_frozen_path_ends_the_hosts_instances_within_the_host_timeout(hosts, t
         wait_until(lambda: not (remote_caches(hosts) - before), "the hosts' caches to go", 5)
         _, err = proc.communicate(timeout=30)
     finally:
-        for pid in frozen:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        thaw(frozen)
         proc.kill()
         proc.wait()
         kill_marked(mark)  # what a failed test left: h2's instances
@@ -422,19 +418,6 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text()
     except OSError:
         return ""
-
-
-def freeze(pids: list[int]) -> None:
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-
-
-def thaw(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.timeout(90)

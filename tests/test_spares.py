@@ -19,7 +19,7 @@ import pytest
 
 from conftest import (OFFLINE, assert_usage_error, poprun_argv, poprun_env, reaped,
                       run_poprunctl)
-from sshd_hosts import start_ssh_hosts, wait_until
+from sshd_hosts import freeze, start_ssh_hosts, thaw, wait_until
 
 pytestmark = pytest.mark.timeout(150)
 PY = sys.executable
@@ -125,19 +125,14 @@ def test_a_frozen_host_is_replaced_by_the_spare_after_the_host_timeout(tmp_path)
             frozen = [first["2-0"]["agent"]] + [
                 pid for pid in hosts.sshd_pids(1) if pid != hosts.hosts[1].proc.pid]
             try:
-                for pid in frozen:
-                    os.kill(pid, signal.SIGSTOP)
+                freeze(frozen)
                 frozen_at = time.monotonic()
                 wait_until(lambda: {f"{r}-1" for r in range(4)} <= set(
                     notes(tmp_path / "notes")), "attempt 1 to run", timeout=60)
                 recovered = time.monotonic() - frozen_at
                 _, err = job.communicate(timeout=60)
             finally:
-                for pid in frozen:
-                    try:
-                        os.kill(pid, signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass
+                thaw(frozen)
     err = err.decode()
     assert job.returncode == 0, err
     assert re.search(r"h2: lost the connection to the host \(no word from the agent for "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The cost of wiring up an MPI world (issue 24, point 6): N local ranks of an mpi4py program
 (MPI_Init, one Barrier, Finalize) under poprun, which serves the world itself over PMI-1
-(src/poprun/run/world.py), against MPICH's own `mpiexec` (Hydra) from the same `mpich` wheel.
+(src/poprun/run/worlds/pmi1.py), against MPICH's own `mpiexec` (Hydra) from the same `mpich` wheel.
 
     python bench/mpi_bench.py                  # 15 reps, 4 and 16 ranks
     python bench/mpi_bench.py --sizes 16 --reps 5

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The cost of wiring up Open MPI's world: N local ranks of an mpi4py program (MPI_Init, one
-Barrier, Finalize) under poprun, which serves their PMIx itself (src/spawner/pmixserver.py),
+Barrier, Finalize) under poprun, which serves their PMIx itself (src/spawner/worlds/pmixserver.py),
 against Open MPI's own `mpirun` on the same program, with the same Open MPI: Debian's 4.1
 (`/usr/bin/mpirun`, `/usr/bin/python3` with python3-mpi4py).
 

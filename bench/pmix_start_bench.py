@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What a PMIx server's process costs to start (src/spawner/pmixhost.py, docs/architecture.md,
+"""What a PMIx server's process costs to start (src/spawner/worlds/pmixhost.py, docs/architecture.md,
 "The instances' worlds"): from `PmixHost.prestart` to its answer to PMIX_SERVE (libpmix's
 server up, the gate in place), then to PMIX_OPEN's (a world of 4 ranks registered: what the
 instances wait for), as wall time, and the process's own CPU (its rusage once reaped).
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--libpmix", default=None)
     args = p.parse_args(argv)
-    from spawner import pmixfind, pmixhost, pmixplan
+    from spawner.worlds import pmixfind, pmixhost, pmixplan
 
     path = args.libpmix or pmixfind.find(os.environ, [sys.executable])
     if path is None:

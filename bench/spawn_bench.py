@@ -2,7 +2,7 @@
 """The cost of MPI_Comm_spawn (issue 49): one mpi4py instance spawns N workers (which hand it,
 in one gather over the intercommunicator, when their processes began, and disconnect),
 under poprun, which starts the children and serves their world itself
-(src/poprun/run/spawned.py), against MPICH's own `mpiexec` (Hydra) from the same `mpich`
+(src/poprun/run/worlds/spawn.py), against MPICH's own `mpiexec` (Hydra) from the same `mpich`
 wheel. The time is the parent's own, from just before MPI_Comm_spawn to the end of that
 gather (the launcher's start-up is not in it), and the part of it until the last worker's
 process began (the launcher's share: the rest is Python's and MPICH's start in the workers).

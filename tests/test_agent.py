@@ -397,7 +397,7 @@ def test_a_garbled_stream_ends_the_agent_and_its_instances(agent):
     wait_until(lambda: not alive(started.fields["pid"]), "the instance to be killed")
 
 
-# A PMI-1 client as MPICH's speaks it (spawner/pmi.py): init, a put, a barrier, gets of
+# A PMI-1 client as MPICH's speaks it (spawner/worlds/pmi1.py): init, a put, a barrier, gets of
 # every rank's key (rank 0's put on another host), then finalize, abort or nothing.
 PMI_CLIENT = textwrap.dedent("""
     import os, socket, sys
@@ -422,7 +422,7 @@ PMI_CLIENT = textwrap.dedent("""
 
 
 def test_a_world_s_ranks_here_go_to_the_launcher_once_per_barrier(agent):
-    """The agent serves the PMI of the world's ranks on its host (spawner/agentworld.py):
+    """The agent serves the PMI of the world's ranks on its host (spawner/worlds/nodeworld.py):
     one BARRIER_IN for both, with both puts; BARRIER_OUT's puts answer their gets of a key
     put on another host; abort and a connection closed unfinalized are reported."""
     agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__, python=[3, 11])

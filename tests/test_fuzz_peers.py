@@ -236,7 +236,7 @@ def test_a_stray_print_after_the_greeting_gives_the_agent_up_at_once():
     run(main())
 
 
-# --- an agent's frames about the MPI world it serves (poprun/run/world.py) --------------------
+# --- an agent's frames about the MPI world it serves (poprun/run/worlds/pmi1.py) --------------------
 
 # The world's ranks' hosts: ranks 0-1 here, 2-4 on host h9.
 HOSTS = ["localhost"] * 2 + ["h9"] * 3
@@ -295,7 +295,7 @@ def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
     a request for another host's rank, a rank of none, or from h7 (SPAWN_ASK, NAME, GET) is
     answered with an error and does nothing (PMI_UNSERVED: dropped), said once per host; the
     others reach the world with h9's ranks, and every request taken is answered once."""
-    from poprun.run.world import MpiWorld
+    from poprun.run.worlds.pmi1 import MpiWorld
     from spawner.protocol import Control, Kind, ProtocolError
 
     async def main():

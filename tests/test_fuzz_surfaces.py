@@ -71,11 +71,11 @@ pmi_lines = wire(PMI_WORDS)
 @FAST
 @given(pmi_lines)
 def test_any_pmi_line_parses_or_is_refused(line):
-    from spawner import pmi
+    from spawner.worlds import pmi1
 
     try:
-        cmd, args = pmi.parse(line)
-    except pmi.PmiError:
+        cmd, args = pmi1.parse(line)
+    except pmi1.PmiError:
         return
     assert cmd and all(isinstance(k, str) for k in args)
 
@@ -85,12 +85,12 @@ def test_any_pmi_line_parses_or_is_refused(line):
 def test_a_pmi_server_survives_any_lines(lines):
     """What an instance writes to its PMI socket, straight into the server: it answers or
     drops the connection, and reports an abort's code as the number it was given."""
-    from spawner import pmi
+    from spawner.worlds import pmi1
 
     aborts, lost = [], []
 
     async def main():
-        server = pmi.PmiServer("poprun-fuzz-0", 1, on_abort=lambda *a: aborts.append(a),
+        server = pmi1.PmiServer("poprun-fuzz-0", 1, on_abort=lambda *a: aborts.append(a),
                                on_lost=lambda *a: lost.append(a))
         ours = server.attach(0)
         reader, writer = await asyncio.open_unix_connection(sock=ours)
@@ -165,7 +165,7 @@ class PmiClient:
         return cls(*await asyncio.open_unix_connection(sock=sock))
 
     async def ask(self, line: str) -> dict:
-        from spawner.pmi import parse
+        from spawner.worlds.pmi1 import parse
 
         self.writer.write(line.encode() + b"\n")
         reply = await self.reader.readline()
@@ -203,7 +203,7 @@ class PmiClient:
 @given(st.integers(2, 4), st.data())
 @pytest.mark.parametrize("mode", ["root", "agent"])
 def test_pmi_ranks_get_their_values_whatever_one_rank_sends(mode, size, data):
-    from spawner.pmi import KEYS_PER_RANK, LocalUpstream, PmiServer
+    from spawner.worlds.pmi1 import KEYS_PER_RANK, LocalUpstream, PmiServer
 
     kvsname = "poprun-fuzz-7"
     hostile = data.draw(st.integers(0, size - 1), label="hostile rank")
@@ -266,7 +266,7 @@ def test_a_hosts_barrier_batch_is_bounded_as_a_whole(before, past):
     """A host's BARRIER_IN carries every put of its instances since the last barrier: the
     world's bound (KEYS_PER_RANK x size) holds for the batch as a whole, as for the puts of
     one instance; a batch that would take the world past it is refused whole."""
-    from spawner.pmi import KEYS_PER_RANK, PmiError, PmiServer
+    from spawner.worlds.pmi1 import KEYS_PER_RANK, PmiError, PmiServer
 
     size = 2
     keys_max = KEYS_PER_RANK * size
@@ -332,7 +332,7 @@ requests = wire(HTTP_WORDS)
 @FAST
 @given(requests)
 def test_any_request_head_parses_or_is_a_4xx(head):
-    from poprun.run.rendezvous import MAX_VALUE, BadRequest, parse_head
+    from poprun.run.worlds.horovod import MAX_VALUE, BadRequest, parse_head
 
     try:
         method, scope, key, length = parse_head(head)
@@ -346,7 +346,7 @@ def test_any_request_head_parses_or_is_a_4xx(head):
 @given(st.lists(st.tuples(st.sampled_from(["put", "delete"]), st.sampled_from(["global", "p"]),
                           st.sampled_from("0123"), st.binary(max_size=3000)), max_size=40))
 def test_the_store_keeps_its_account_and_its_bound(operations):
-    from poprun.run.rendezvous import Store, _cost
+    from poprun.run.worlds.horovod import Store, _cost
 
     store = Store({"global": 2}, limit=20_000)
     for op, scope, key, value in operations:
@@ -366,7 +366,7 @@ def test_a_delete_counts_only_for_a_rank_of_its_scope(deletes):
     """Horovod's ranks each DELETE their own rank's key (its number) when done with a scope,
     and the last one empties it: a DELETE of any other name (from anyone who reaches the
     port) counts for nothing, and a rank's second counts once."""
-    from poprun.run.rendezvous import Store
+    from poprun.run.worlds.horovod import Store
 
     sizes = {"global": 3, "local_h": 2}
     store, done = Store(sizes), {scope: set() for scope in sizes}
@@ -438,7 +438,7 @@ def http_requests(draw):
     """One request: a method, a path, headers (one padding header making the head
     `head_size` long), a Content-Length (none, several, any text) and a body that may be
     shorter or longer than it says."""
-    from poprun.run.rendezvous import MAX_HEAD, MAX_VALUE
+    from poprun.run.worlds.horovod import MAX_HEAD, MAX_VALUE
 
     method = draw(st.sampled_from([b"GET", b"PUT", b"DELETE", b"POST", b"get", b"PUT  "]))
     scope = draw(st.sampled_from([b"p", b"q", b"x" * 300, b"", b"a b", b"\xff", b"p/q"]))
@@ -473,7 +473,7 @@ async def ask(address, data: bytes) -> bytes:
 def expected(head: bytes, body: bytes, store) -> set[int | None]:
     """The statuses the server may answer `head` + `body` with (None: no reply), from the
     pure parser and the store's state: the server's part is to apply them, bounded."""
-    from poprun.run.rendezvous import MAX_HEAD, BadRequest, _cost, parse_head
+    from poprun.run.worlds.horovod import MAX_HEAD, BadRequest, _cost, parse_head
 
     if len(head) > MAX_HEAD:  # refused before it is parsed: 400, unless reset first
         return {400, None}
@@ -512,7 +512,7 @@ def test_the_rendezvous_holds_its_limits_and_its_store(batch):
     1 KiB values under new keys, sent at once. Throughout, the loop keeps ticking, the store's
     account is what it holds and never past its limit, what honest ranks put is still there,
     and a request of Horovod's is answered as before."""
-    from poprun.run.rendezvous import Rendezvous, Store, _cost
+    from poprun.run.worlds.horovod import Rendezvous, Store, _cost
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""Horovod's Gloo world: the rendezvous poprun serves (run/rendezvous.py) and
+"""Horovod's Gloo world: the rendezvous poprun serves (run/worlds/horovod.py) and
 the variables `horovodrun --gloo` sets (popdist/env.py). The store and the ranks are pure
 tests; the protocol is checked with a plain-Python HTTP client speaking as horovod's C++
 client does (http_store.cc: a connection per request, 404 polled); real horovod
@@ -20,7 +20,7 @@ from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun
 from popdist import env as E
 from poprun.plan.config import LaunchConfig
 from poprun.plan.planner import plan
-from poprun.run.rendezvous import (ENTRY_COST, MAX_VALUE, BadRequest, Rendezvous, Store,
+from poprun.run.worlds.horovod import (ENTRY_COST, MAX_VALUE, BadRequest, Rendezvous, Store,
                                    parse_head, scope_sizes)
 from requires import skip_or_fail
 from sshd_hosts import start_ssh_hosts

@@ -1,4 +1,4 @@
-"""A libpmix is checked before poprun serves Open MPI's world with it (spawner/pmixcheck.py,
+"""A libpmix is checked before poprun serves Open MPI's world with it (spawner/worlds/pmixcheck.py,
 docs/architecture.md "The instances' worlds"): a `--libpmix` that is not a readable libpmix
 of a tested version (4.2 to 5.0) is one line and exit 2, before anything starts; one poprun
 found itself falls back to PMI-1 with one warning.
@@ -20,7 +20,7 @@ import pytest
 from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun
 from requires import skip_or_fail
 from sshd_hosts import in_mount_namespace, require_mount_namespaces
-from spawner import pmixcheck, pmixfind
+from spawner.worlds import pmixcheck, pmixfind
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -126,7 +126,7 @@ def test_the_server_itself_refuses_an_untested_version(tmp_path):
     (MODULE_SLOTS holds for 4.2 and 5.0 only). In a process of its own: it loads the copy."""
     path = saying(b"3.2.2rc2", tmp_path)
     done = subprocess.run([sys.executable, "-c", (
-        "import sys\nfrom spawner.pmixserver import PmixError, _checked_lib\n"
+        "import sys\nfrom spawner.worlds.pmixserver import PmixError, _checked_lib\n"
         "for path in sys.argv[1:]:\n    try:\n        _checked_lib(path)\n"
         "    except PmixError as exc:\n        print(exc)\n    else:\n        print('served')\n"),
         path, libz(), require_system_libpmix()],
@@ -171,12 +171,12 @@ def test_a_found_libpmix_that_fails_its_check_falls_back_to_pmi1_with_one_warnin
 
 
 def test_the_check_looks_for_every_function_the_server_binds():
-    """pmixcheck.SYMBOLS and the functions spawner/pmixserver.py's _Lib binds are one list:
+    """pmixcheck.SYMBOLS and the functions spawner/worlds/pmixserver.py's _Lib binds are one list:
     a function added to the server and not to the check would crash a launch instead of
     refusing the library in one line."""
     import re
 
-    from spawner import pmixserver
+    from spawner.worlds import pmixserver
 
     source = open(pmixserver.__file__).read()
     bound = set(re.findall(r'^\s+"(PMIx_\w+)": \(', source, re.M))

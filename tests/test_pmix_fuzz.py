@@ -1,5 +1,5 @@
 """Fuzzing what may reach poprun's PMIx service, with Hypothesis (docs/architecture.md, "The
-instances' worlds"; spawner/pmixgate.py, spawner/pmixhost.py, run/pmixworld.py):
+instances' worlds"; spawner/worlds/pmixgate.py, spawner/worlds/pmixhost.py, run/worlds/pmix.py):
 
 - the raw listener from outside the job: any bytes, any number of connections at once (past
   the gate's round of 256 accepts), sent and dropped or held idle, to the PMIx port of a
@@ -273,8 +273,8 @@ MESSAGES = st.lists(st.tuples(
 @IN_PROCESS
 @given(messages=MESSAGES)
 def test_what_an_agent_sends_about_pmix_never_breaks_the_launcher(messages):
-    from poprun.run.pmixworld import PmixWorld
-    from spawner import pmixplan
+    from poprun.run.worlds.pmix import PmixWorld
+    from spawner.worlds import pmixplan
 
     agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
     log, lost = _Log(), []
@@ -299,7 +299,7 @@ def test_what_an_agent_sends_about_pmix_never_breaks_the_launcher(messages):
 
 
 def test_a_host_that_enters_a_fence_twice_or_for_others_fails_that_fence_only():
-    from poprun.run.pmixworld import PmixWorld
+    from poprun.run.worlds.pmix import PmixWorld
 
     agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
     world = PmixWorld("poprun-fuzz-1", ["h1", "h2"], agents, None, lambda *a: None,
@@ -320,7 +320,7 @@ def test_a_host_that_enters_a_fence_twice_or_for_others_fails_that_fence_only():
 def test_only_the_host_asked_for_a_rank_s_data_answers_for_it():
     """h1 wants rank 2's data: the launcher asks h3, its owner (MODEX_ASK). h2 answering that
     ask (guessing its id) is ignored; h3's answer reaches h1."""
-    from poprun.run.pmixworld import PmixWorld
+    from poprun.run.worlds.pmix import PmixWorld
 
     agents = {h: _Agent(h) for h in ("h1", "h2", "h3")}
     world = PmixWorld("poprun-fuzz-2", ["h1", "h2", "h3"], agents, None, lambda *a: None,
@@ -339,7 +339,7 @@ def test_only_the_host_asked_for_a_rank_s_data_answers_for_it():
 def test_the_kernel_s_socket_table_is_read_as_the_kernel_writes_it():
     """pmixgate's reading of /proc/net/tcp, against this machine's own table: a socket we
     listen on is found, with our uid, as LISTEN."""
-    from spawner import pmixgate
+    from spawner.worlds import pmixgate
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -362,7 +362,7 @@ def test_an_epoll_that_watched_libpmix_s_listener_watches_the_gate_s_unix_listen
     registration follows the TCP socket), which left instances outside the world."""
     import select
 
-    from spawner import pmixgate
+    from spawner.worlds import pmixgate
 
     with socket.socket() as tcp, select.epoll() as loop:
         tcp.bind(("127.0.0.1", 0))
@@ -387,7 +387,7 @@ def test_an_epoll_that_watched_libpmix_s_listener_watches_the_gate_s_unix_listen
 
 
 def test_an_epoll_s_fdinfo_is_read_as_the_kernel_writes_it():
-    from spawner import pmixgate
+    from spawner.worlds import pmixgate
 
     text = ("pos:\t0\nflags:\t02000002\nmnt_id:\t17\nino:\t1044\n"
             "tfd:        6 events:       19 data:                6  pos:0 ino:414 sdev:10\n"
@@ -408,7 +408,7 @@ def test_a_select_thread_waiting_on_libpmix_s_listener_is_woken_onto_the_gate_s(
     import signal
     import threading
 
-    from spawner import pmixgate
+    from spawner.worlds import pmixgate
 
     selects = {"x86_64": {"23", "270"}, "aarch64": {"72"}}.get(platform.machine())
     if selects is None:  # no switch: the machine's architecture
@@ -447,10 +447,10 @@ def test_a_select_thread_waiting_on_libpmix_s_listener_is_woken_onto_the_gate_s(
 
 
 def test_sock_diag_names_a_connection_s_owner_as_the_kernel_s_table_does():
-    """spawner/sockdiag.py's exact lookup, against /proc/net/tcp (the gate's fallback) for
+    """spawner/worlds/sockdiag.py's exact lookup, against /proc/net/tcp (the gate's fallback) for
     the same real loopback connection: our uid and the client socket's inode from both; a
     socket that is not there is None; answers that are not the kernel's are refused."""
-    from spawner import pmixgate, sockdiag
+    from spawner.worlds import pmixgate, sockdiag
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

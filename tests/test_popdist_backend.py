@@ -1,5 +1,5 @@
 """popdist's backend: popdist.init() joins the job's MPI world that poprun
-serves (PMI-1 on the instance's socket, run/world.py), isBackendInitialized() says whether
+serves (PMI-1 on the instance's socket, run/worlds/pmi1.py), isBackendInitialized() says whether
 this instance is in it, finalizeBackend() leaves it (an exit handler does at the latest).
 Real processes under poprun; with MPICH (mpi4py) on the same socket where installed.
 """
@@ -110,7 +110,7 @@ def test_descendants_of_an_instance_are_not_in_its_world():
 
 
 def test_instances_on_two_hosts_join_one_world(tmp_path):
-    """Across hosts each host's agent serves its instances' sockets (run/world.py)."""
+    """Across hosts each host's agent serves its instances' sockets (run/worlds/pmi1.py)."""
     from conftest import poprun_argv, poprun_env
     from sshd_hosts import start_ssh_hosts
 

@@ -75,7 +75,7 @@ def test_a_slurm_launch_imports_no_asyncssh(cluster):
 
 def test_an_mpi_world_spans_both_nodes(cluster):
     """Each node's agent (a job step) serves its instances' PMI and meets the other's
-    through poprun (spawner/agentworld.py), as over SSH."""
+    through poprun (spawner/worlds/nodeworld.py), as over SSH."""
     require_module("mpi4py", "POPRUN_REQUIRE_MPI")
     program = ("from mpi4py import MPI; c = MPI.COMM_WORLD; "
                "print('world', c.Get_rank(), c.Get_size(), c.allreduce(c.Get_rank() + 1), "

@@ -7,7 +7,7 @@ sessions ask before calling `popdist.init()` themselves); `finalizeBackend()` fi
 (graphcore/tensorflow's PopDistStrategy tests call it). Frameworks then run their host
 collectives (allreduce, broadcast) over that MPI world.
 
-Here that world is the one poprun serves the job over PMI-1 (run/world.py), which MPICH
+Here that world is the one poprun serves the job over PMI-1 (run/worlds/pmi1.py), which MPICH
 programs join at MPI_Init. `initialize()` joins it as they do, on the instance's own socket
 (`PMI_FD`): `init` (answered `response_to_init rc=0`), then `get_my_kvsname` (the world's
 name); `finalize()` leaves it (`finalize`, answered `finalize_ack`), and an exit handler
@@ -23,7 +23,7 @@ MPI_Init makes a world of one whatever the PMI-1 world holds: popdist then claim
 either (`initialize()` returns False, `initialized()` is False, also when Open MPI is loaded
 after `popdist.init()`), so that the backend agrees with the world the frameworks' MPI has.
 
-Without a world (outside poprun; a job whose instances get none, see run/world.py; a
+Without a world (outside poprun; a job whose instances get none, see run/worlds/pmi1.py; a
 process poprun did not start itself, which lacks the socket) there is nothing to join:
 `initialize()` returns False and the backend stays uninitialised.
 """

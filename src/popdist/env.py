@@ -69,7 +69,7 @@ OMPI_SIZE = "OMPI_COMM_WORLD_SIZE"
 OMPI_LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
 OMPI_LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
 
-# --- An MPI world over PMI-1 (spawner/pmi.py), as MPICH's Hydra sets it ------------------
+# --- An MPI world over PMI-1 (spawner/worlds/pmi1.py), as MPICH's Hydra sets it ------------------
 PMI_FD = "PMI_FD"  # the instance's end of a socket to poprun's PMI server
 PMI_RANK = "PMI_RANK"
 # Set (with the other PMIX_* variables) where poprun serves the instance Open MPI's world.
@@ -78,7 +78,7 @@ PMI_SIZE = "PMI_SIZE"
 PMI_HOSTNAME = "PMI_HOSTNAME"  # MPICH's ofi netmod picks its network card by it
 MPI_LOCALRANKID = "MPI_LOCALRANKID"
 MPI_LOCALNRANKS = "MPI_LOCALNRANKS"
-PMI_SPAWNED = "PMI_SPAWNED"  # 1: a process MPI_Comm_spawn started (run/spawned.py)
+PMI_SPAWNED = "PMI_SPAWNED"  # 1: a process MPI_Comm_spawn started (run/worlds/spawn.py)
 
 # --- Horovod's Gloo world, as `horovodrun --gloo` sets it (horovod/runner/gloo_run.py) -------
 HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"  # the same for every instance of a host (its scope)
@@ -88,7 +88,7 @@ HOROVOD_LOCAL_RANK = "HOROVOD_LOCAL_RANK"
 HOROVOD_LOCAL_SIZE = "HOROVOD_LOCAL_SIZE"
 HOROVOD_CROSS_RANK = "HOROVOD_CROSS_RANK"  # the host's index among those with this local rank
 HOROVOD_CROSS_SIZE = "HOROVOD_CROSS_SIZE"
-HOROVOD_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"  # poprun's rendezvous (run/rendezvous.py)
+HOROVOD_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"  # poprun's rendezvous (run/worlds/horovod.py)
 HOROVOD_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 HOROVOD_CONTROLLER = "HOROVOD_CONTROLLER"
 HOROVOD_CPU_OPERATIONS = "HOROVOD_CPU_OPERATIONS"  # else a Gloo-only build defaults to MPI's

@@ -124,7 +124,7 @@ class LaunchResult:
     quarantined: tuple[Mapping[str, Any], ...] = ()
     # The highest step any instance gave popdist.progress() in this attempt; None: none did.
     highest_step: int | None = None
-    # The processes the instances started with MPI_Comm_spawn (run/spawned.py), in order:
+    # The processes the instances started with MPI_Comm_spawn (run/worlds/spawn.py), in order:
     # {tag: "2,0", spawned_by: instance, host, pid, exit_status (null: still running),
     # kvsname}.
     spawned: tuple[Mapping[str, Any], ...] = ()

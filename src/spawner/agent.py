@@ -368,8 +368,8 @@ class Agent:
                           Kind.MODEX_ASK: partial(self._to_world, Kind.MODEX_ASK),
                           Kind.MODEX_DATA: partial(self._to_world, Kind.MODEX_DATA),
                           Kind.PROBE: self._probe, Kind.FACTS: self._facts}
-        self._worlds: dict[str, Any] = {}  # kvsname -> spawner.agentworld.AgentWorld
-        self._pmix = None  # this host's PMIx service (spawner.pmixhost), once a world needs it
+        self._worlds: dict[str, Any] = {}  # kvsname -> spawner.worlds.nodeworld.AgentWorld
+        self._pmix = None  # this host's PMIx service (spawner.worlds.pmixhost), once a world needs it
         self._facts_read: hostfacts.Reading | None = None  # what HELLO's `facts` asked
         self._last_heard = time.monotonic()
         # The launcher's --kill-timeout (HELLO's `kill_timeout`): what a SIGTERM of this
@@ -585,10 +585,10 @@ class Agent:
         self._reply(request, {"ok": error is None, "error": error,
                               "seconds": round(time.monotonic() - started, 6)})
 
-    # --- MPI worlds (spawner/agentworld.py) -------------------------------------------
+    # --- MPI worlds (spawner/worlds/nodeworld.py) -------------------------------------------
 
     def _open_world(self, fields: dict[str, Any]) -> None:
-        from .agentworld import AgentWorld
+        from .worlds.nodeworld import AgentWorld
 
         world = AgentWorld(self._loop, fields, self._outbox.send, self._lifeline,
                            self._pmix_host)
@@ -596,12 +596,12 @@ class Agent:
 
     def _pmix_host(self, pmix: dict[str, Any], hostname: str):
         """This host's PMIx service (a server process per world), with the libpmix the
-        launcher's user named, else the one found here (spawner/pmixfind.py), once it passed
-        its check (spawner/pmixcheck.py: ~10-20 ms, bounded). Raises LookupError where there
+        launcher's user named, else the one found here (spawner/worlds/pmixfind.py), once it passed
+        its check (spawner/worlds/pmixcheck.py: ~10-20 ms, bounded). Raises LookupError where there
         is none to serve with."""
         if self._pmix is None:
-            from . import pmixcheck, pmixfind
-            from .pmixhost import PmixHost
+            from .worlds import pmixcheck, pmixfind
+            from .worlds.pmixhost import PmixHost
 
             argv = [str(a) for a in pmix.get("argv") or []]
             given = pmix.get("libpmix")

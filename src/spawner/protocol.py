@@ -100,7 +100,7 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       MODEX_GOT {kvsname, id, status, data}  answers MODEX_ASK
       PMIX_UNSERVED {kvsname, error}         Open MPI's world cannot be served here
       NAME    {kvsname, id, op, service, port}  publish, unpublish or look up a name in
-                                             the job's table (spawner/pminames.py)
+                                             the job's table (spawner/worlds/mpinames.py)
       SPAWN_ASK {kvsname, id, key, request}  rank `key` of that world, here, called
                                              MPI_Comm_spawn: request {commands: [{execname,
                                              nprocs, args, info}], preput}; the launcher
@@ -108,10 +108,10 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       PMI_UNSERVED {kvsname, key, cmd, why}  a PMI-1 command of instance `key` was answered
                                              with an error: why (for the launcher's -v)
       PMIX_LOST {kvsname, error}             this host's PMIx server died (error: how)
-      (spawner/agentworld.py: the agent's side of a world; poprun/run/world.py the launcher's)
+      (spawner/worlds/nodeworld.py: the agent's side of a world; poprun/run/worlds/pmi1.py the launcher's)
       INTERNAL {error, traceback}            a bug in the agent: it kills its instances,
                                              removes its temp dirs and exits with status 70
-    spawner -> its PMIx server's process (a socket pair; spawner/pmixhost.py)
+    spawner -> its PMIx server's process (a socket pair; spawner/worlds/pmixhost.py)
       PMIX_SERVE {id, libpmix, tmpdir, hostname, owner, mark}  start libpmix's server; who
                                              may connect: owner's descendants, and processes
                                              with mark (NAME=token) in their environment
@@ -254,7 +254,7 @@ class Kind(enum.IntEnum):
     PMIX_LOST = 39
     """Agent: this host's PMIx server died while its instances ran (why: its signal)."""
     # The link between a host's spawner (poprun or an agent) and its PMIx server's process
-    # (spawner/pmixhost.py, spawner/pmixproc.py). Also on it, as between hosts: FENCE_IN,
+    # (spawner/worlds/pmixhost.py, spawner/worlds/pmixproc.py). Also on it, as between hosts: FENCE_IN,
     # FENCE_OUT, MODEX_WANT, MODEX_DATA, MODEX_ASK, MODEX_GOT, MPI_ABORT, WORLD_END, REPLY
     # and FAILED.
     PMIX_SERVE = 40

@@ -73,7 +73,7 @@ DEADLINE_SLACK = 0.005  # seconds past a silence's deadline at which it is looke
 STDERR_TAIL = 4096  # bytes of the agent's stderr kept for error messages
 
 
-# The agent's frames about an MPI world it serves (spawner.agentworld).
+# The agent's frames about an MPI world it serves (spawner.worlds.nodeworld).
 _WORLD_KINDS = frozenset({Kind.BARRIER_IN, Kind.GET, Kind.MPI_ABORT, Kind.MPI_LOST,
                           Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED,
                           Kind.NAME, Kind.PMI_UNSERVED, Kind.SPAWN_ASK})
@@ -392,12 +392,12 @@ class RemoteSpawner:
         # Per instance, when its STARTED came (time.monotonic()): spawn_all returns only
         # once every instance of the host has started, and one may have printed before.
         self.started_at: dict[int, float] = {}
-        # The launcher's side of each MPI world served here (poprun/run/world.py), by
-        # kvsname: the instances' and those of their spawns (run/spawned.py). Called with
+        # The launcher's side of each MPI world served here (poprun/run/worlds/pmi1.py), by
+        # kvsname: the instances' and those of their spawns (run/worlds/spawn.py). Called with
         # each of the agent's frames about that world (_WORLD_KINDS).
         self._worlds: dict[str, Callable[[RemoteSpawner, Control], None]] = {}
         # Its world requests refused for naming a rank that does not run there (the first
-        # is said: poprun/run/world.py's MpiWorld._refuse)
+        # is said: poprun/run/worlds/pmi1.py's MpiWorld._refuse)
         self.refused = 0
 
     # --- starting ---------------------------------------------------------------------
@@ -547,7 +547,7 @@ class RemoteSpawner:
 
     def open_world(self, on_world: Callable[[RemoteSpawner, Control], None],
                    **fields: Any) -> None:
-        """WORLD: the agent serves an MPI world's PMI for its ranks here (spawner.agentworld);
+        """WORLD: the agent serves an MPI world's PMI for its ranks here (spawner.worlds.nodeworld);
         its requests go to `on_world`. Send before the SPAWNs that join it."""
         self._worlds[fields["kvsname"]] = on_world
         self._send(encode(Kind.WORLD, **fields))
@@ -806,7 +806,7 @@ class RemoteSpawner:
         if type(fields.get("id")) is not int:
             return
         if frame.kind is Kind.SPAWN_ASK:
-            from .pmispawn import spawn_reply
+            from .worlds.pmi1spawn import spawn_reply
 
             self.tell(Kind.SPAWNED_ANSWER, kvsname=fields["kvsname"], id=fields["id"],
                       reply=spawn_reply(1, msg="spawn: no such MPI world here"))

@@ -1,6 +1,6 @@
 """The fields of a SPAWN frame (spawner/protocol.py): one instance to start on an agent's
 host. Apart from the framing, so that what only frames (the PMIx server's process:
-spawner/pmixproc.py) starts without dataclasses and the containers' module; protocol.py
+spawner/worlds/pmixproc.py) starts without dataclasses and the containers' module; protocol.py
 still names it (`from spawner.protocol import SpawnRequest`)."""
 
 from __future__ import annotations

@@ -304,7 +304,7 @@ def show(job: JobArg, as_json: JsonOpt = False) -> None:
                       else str(row["lines"]), duration(row.get("idle")),
                       _printable(row.get("last_line") or ""))
     console.print(table)
-    for child in spawned:  # MPI_Comm_spawn's processes (run/spawned.py)
+    for child in spawned:  # MPI_Comm_spawn's processes (run/worlds/spawn.py)
         status = child.get("exit_status")
         console.print(_printable(
             f"spawned [{child.get('tag')}] by instance {child.get('spawned_by')}: pid "

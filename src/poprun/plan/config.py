@@ -43,7 +43,7 @@ LAUNCHERS = ("ssh", "slurm", "pod")  # how agents reach remote hosts (--launcher
 DEFAULT_POD_TIMEOUT = 300.0
 REMOTE_INSTALL = ("auto", "never")
 # --mpi-worlds: auto serves PMI-1 (MPICH) always and PMIx (Open MPI) where a libpmix is found
-# (run/world.py); pmi1: PMI-1 only; none: no world (each MPI instance is a world of one) and
+# (run/worlds/pmi1.py); pmi1: PMI-1 only; none: no world (each MPI instance is a world of one) and
 # no Horovod rendezvous (run/session.py).
 MPI_WORLDS = ("auto", "pmi1", "none")
 MAX_COUNT = 1 << 20  # replicas, IPUs per replica, ILDs, SSH fan-out: beyond any IPU system
@@ -107,7 +107,7 @@ class LaunchConfig:
     # refuse to start (an error), or do not compare them.
     compare_hosts: str = "warn"
     mpi_worlds: str = "auto"  # MPI_WORLDS: which worlds the instances are served
-    libpmix: str | None = None  # the libpmix to serve PMIx with; None: found (spawner.pmixfind)
+    libpmix: str | None = None  # the libpmix to serve PMIx with; None: found (spawner.worlds.pmixfind)
     distribute_ssh_key: bool = False
     distribute_ssh_key_path: str | None = None  # the key's folder; None: ~/.ssh
     distribute_ssh_key_type: str | None = None  # set: generate a key of this type first

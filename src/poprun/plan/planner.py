@@ -172,7 +172,7 @@ def plan(
     `--process-placement` says (None: unknown, unbound). `restart_count`: the attempt, when
     restarts are enabled (instances then see it). `counts`: instances per host, in host order
     (None: the same on every host); instance indices run in contiguous blocks per host.
-    `rendezvous`: the address and port of Horovod's Gloo rendezvous (run/rendezvous.py).
+    `rendezvous`: the address and port of Horovod's Gloo rendezvous (run/worlds/horovod.py).
     `interfaces`: per host, its interface on the network the user chose (plan/network.py),
     named to the collectives' libraries. `partition_step`: a dry run's view of the partition
     (its variables then come from it, unless `partition_env` gives the real ones)."""

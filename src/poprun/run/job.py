@@ -102,8 +102,8 @@ class Job:
         self.lost_before_start: dict[str, str] = {}
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
         self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
-        self.world = None  # the instances' MPI world (run/world.MpiWorld), where served
-        self.spawned = None  # what its instances spawned (run/spawned.Spawned), once they do
+        self.world = None  # the instances' MPI world (run/worlds/pmi1.MpiWorld), where served
+        self.spawned = None  # what its instances spawned (run/worlds/spawn.Spawned), once they do
         # instance -> why a process it spawned failed and its status, for the first failure
         self._child_failures: dict[int, tuple[str, int]] = {}
         self._lifeline: Lifeline | None = None
@@ -139,13 +139,13 @@ class Job:
         """Start this host's instances; with `remote` spawners (by host), `spawn_remote()`
         starts theirs. `on_finished` is called once every instance has exited (or was lost)
         and its output has been delivered. `kvsname`: the name of the instances' MPI world
-        (run/world.py); `pmix`: this host's PMIx service (spawner.pmixhost), where Open MPI's
+        (run/worlds/pmi1.py); `pmix`: this host's PMIx service (spawner.worlds.pmixhost), where Open MPI's
         world is served too."""
         self.on_finished, self.remote = on_finished, remote or {}
         self.local = LocalSpawner(self, self.loop, lifeline)
         self._lifeline = lifeline
         if kvsname:
-            from poprun.run.world import MpiWorld
+            from poprun.run.worlds.pmi1 import MpiWorld
 
             self.world = MpiWorld(kvsname, [inst.host for inst in self.plan.instances],
                                   self.loop, lifeline=lifeline, remote=self.remote,
@@ -482,9 +482,9 @@ class Job:
             self._stop(signal.SIGTERM)
 
     async def _spawn_children(self, rank: int, request) -> dict:
-        """Instance `rank`'s MPI_Comm_spawn (run/spawned.py): the spawn_result fields."""
+        """Instance `rank`'s MPI_Comm_spawn (run/worlds/spawn.py): the spawn_result fields."""
         if self.spawned is None:
-            from poprun.run.spawned import Spawned
+            from poprun.run.worlds.spawn import Spawned
 
             self.spawned = Spawned(self, self.world.kvsname, self._lifeline,
                                    self.world.names, self.world.unserved)

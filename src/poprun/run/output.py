@@ -437,7 +437,7 @@ def render_tag(key: int | tuple[int, ...], stream: Stream, colour_system=None) -
     ANSI codes, the tag, a reset; the output's own colours after it are left alone. A
     folded line's tag has its set of instances in the same place, `[1,0-62]<stdout>:`."""
     name = "stdout" if stream is Stream.STDOUT else "stderr"
-    # A spawned process's key is its whole label, `2,0` (run/spawned.py): Open MPI's tag.
+    # A spawned process's key is its whole label, `2,0` (run/worlds/spawn.py): Open MPI's tag.
     label = key if type(key) is str else "1," + tag_label(key)
     if colour_system is None:
         return b"[%s]<%s>:" % (label.encode(), name.encode())

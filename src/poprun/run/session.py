@@ -358,11 +358,11 @@ class _Session:
         self.progress = None  # the progress watch (jobctl/progress.ProgressWatch)
         self.mpi_worlds: list[str] = []  # the kvsname of every attempt's MPI world
         self.libpmix = None  # the libpmix that serves Open MPI's world here (its check)
-        self.pmix = None  # this host's PMIx service (spawner.pmixhost.PmixHost), if served
+        self.pmix = None  # this host's PMIx service (spawner.worlds.pmixhost.PmixHost), if served
         self._pmix_here = False  # ... and its instances here (a server here)
         # Each host on the network the user chose (plan/network.py); None without a choice.
         self.network: dict[str, HostNetwork] | None = None
-        self.rendezvous = None  # Horovod's (run/rendezvous.Rendezvous), once hosts are open
+        self.rendezvous = None  # Horovod's (run/worlds/horovod.Rendezvous), once hosts are open
         self._own_id: str | None = None  # the job's id when it has no record
         self._leaves: dict[str, list[dict]] = {}  # per remote host, its agents' (for reap)
         self._boot_ids: dict[str, object] = {}  # per remote host, its last agent's boot id
@@ -445,18 +445,18 @@ class _Session:
 
     def _find_libpmix(self):
         """The libpmix that serves Open MPI's world on this host, where the job may use one
-        (run/world.find_libpmix): its server must be up before the instances start. Where
+        (run/worlds/pmi1.find_libpmix): its server must be up before the instances start. Where
         Open MPI is there and no libpmix, said now, not after a wrong result."""
-        from poprun.run.world import find_libpmix
+        from poprun.run.worlds.pmi1 import find_libpmix
 
         return find_libpmix(self.config, self.environ, self.program, sum(self.hosts.counts),
                             self.log)
 
     def _start_pmix(self) -> None:
         """This host's PMIx service, its first server's process starting while the launch
-        goes on (spawner/pmixhost.py); libpmix's server in it once the library passed its
+        goes on (spawner/worlds/pmixhost.py); libpmix's server in it once the library passed its
         check (`_serve_pmix`)."""
-        from spawner.pmixhost import PmixHost
+        from spawner.worlds.pmixhost import PmixHost
 
         local = [label for label in self.hosts.labels if label not in self.hosts.remote]
         # Named as the plan names this host: Open MPI finds itself in the node map so.
@@ -468,11 +468,11 @@ class _Session:
             self.pmix.spawn()
 
     def _serve_pmix(self) -> None:
-        """Once the job has a name and its libpmix passed its check (run/world.usable_libpmix:
+        """Once the job has a name and its libpmix passed its check (run/worlds/pmi1.usable_libpmix:
         a process of its own, started with the launch), libpmix's server starts in the
         process started for it. A library that fails the check is never loaded: a bad
         --libpmix is bad input (one line), one poprun found is not served (one warning)."""
-        from poprun.run.world import usable_libpmix
+        from poprun.run.worlds.pmi1 import usable_libpmix
 
         if usable_libpmix(self.libpmix, self.config, self.log) is None:
             self._close_pmix()
@@ -581,7 +581,7 @@ class _Session:
                 "port": partition.port, "timeout": partition.timeout,
                 "executable": partition.executable},
             "output_dir": output_files(self.config.effective_output_filename, self.cwd)[0],
-            # Every host's instances join them (run/world.py): what reap removes from
+            # Every host's instances join them (run/worlds/pmi1.py): what reap removes from
             # /dev/shm on each.
             "mpi_worlds": {label: list(self.mpi_worlds) for label in labels}
             if self.mpi_worlds else {},
@@ -930,11 +930,11 @@ class _Session:
                                   for label, n in self.network.items()))
 
     def _open_rendezvous(self) -> None:
-        """Horovod's Gloo rendezvous (run/rendezvous.py), on this machine's address as the
+        """Horovod's Gloo rendezvous (run/worlds/horovod.py), on this machine's address as the
         hosts reach it (on the chosen network, where it has one); none (said at -v) where
         it cannot listen there, or where `--mpi-worlds none` turned every world off (then
         poprun listens on no port at all)."""
-        from poprun.run.rendezvous import Rendezvous
+        from poprun.run.worlds.horovod import Rendezvous
 
         if self.config.mpi_worlds == "none":
             self.log.info("no Horovod rendezvous: --mpi-worlds none")

@@ -51,7 +51,8 @@ import struct
 import threading
 from collections.abc import Callable, Iterable
 
-from . import procid, sockdiag
+from .. import procid
+from . import sockdiag
 
 LISTEN, ESTABLISHED = "0A", "01"
 # Interrupts libpmix's select() thread: handled (by nothing) in the server's process only,

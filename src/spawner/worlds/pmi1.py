@@ -109,7 +109,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from popdist.env import PMI_FD, PMI_RANK, PMI_SIZE
 
-from .pmiwire import PmiError, escape, unescape
+from .pmi1wire import PmiError, escape, unescape
 
 __all__ = [
     "PmiError", "parse", "format_cmd", "escape", "unescape",
@@ -509,7 +509,7 @@ class PmiServer:
         self._tasks: set = set()
         self._closing = False
         if names is None and upstream is None:
-            from .pminames import NameService
+            from .mpinames import NameService
             names = NameService()
         self.names = names if names is not None else upstream
         self.on_spawn, self.on_unserved = on_spawn, on_unserved
@@ -749,7 +749,7 @@ class PmiServer:
         """A multi-line command (MPICH sends only ``mcmd=spawn``): read to its end, bounded,
         and answer it; one that breaks the bounds is answered rc=1 and the connection
         dropped (its rest cannot be told from the next command)."""
-        from .pmispawn import McmdReader, parse_spawn
+        from .pmi1spawn import McmdReader, parse_spawn
 
         message = McmdReader()
         line = first

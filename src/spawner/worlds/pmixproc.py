@@ -31,7 +31,7 @@ from . import pmixplan
 # what it imports then is off the launch's path (ctypes and the gate's modules).
 from .pmixgate import Gate
 from .pmixserver import SERVER_MCA, PmixServer
-from .protocol import Control, FrameDecoder, Kind, ProtocolError, encode
+from ..protocol import Control, FrameDecoder, Kind, ProtocolError, encode
 
 MAX_REFUSALS_TOLD = 64  # PMIX_REFUSED frames per process: one per uid, and at most these
 

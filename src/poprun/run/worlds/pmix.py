@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 
 from poprun.errors import LaunchError
-from spawner import pmixplan
+from spawner.worlds import pmixplan
 
 SUCCESS, ERROR, ERR_NOT_FOUND = 0, -1, -46  # libpmix's statuses (spawner/pmixserver.py)
 MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in one world
@@ -53,7 +53,7 @@ class PmixWorld:
     async def open(self) -> None:
         """Register the world on this host's server (a fresh one), before the instances
         that need its variables start."""
-        from spawner.pmixhost import PmixServerError
+        from spawner.worlds.pmixhost import PmixServerError
 
         if self._pmix is not None and self._local:
             try:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .pmiwire import PmiError, unescape
+from .pmi1wire import PmiError, unescape
 
 # A spawn message's lines and bytes: a command's argv and info keys fit many times over
 # (Hydra has no bound; MPICH's own limit on one PMI message is its 1 MiB read buffer).

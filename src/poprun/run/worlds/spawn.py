@@ -24,10 +24,10 @@ import os
 import signal
 import socket
 
-from poprun.run.world import MpiWorld
-from spawner import pmispawn
+from poprun.run.worlds.pmi1 import MpiWorld
+from spawner.worlds import pmi1spawn
 from spawner.local import ProcessSpec, Stream
-from spawner.pmi import KeyValueSpace, PmiError
+from spawner.worlds.pmi1 import KeyValueSpace, PmiError
 
 
 class Child:
@@ -63,40 +63,40 @@ class Spawned:
     def for_world(self, origin: int | None = None):
         """The on_spawn of a world's server: the instances' (`origin` None: the spawning
         rank is the instance) or a spawned world's (its processes' instance)."""
-        async def on_spawn(rank: int, request: pmispawn.SpawnRequest) -> dict:
+        async def on_spawn(rank: int, request: pmi1spawn.SpawnRequest) -> dict:
             return await self.spawn(rank if origin is None else origin, request)
         return on_spawn
 
-    async def spawn(self, origin: int, request: pmispawn.SpawnRequest) -> dict:
+    async def spawn(self, origin: int, request: pmi1spawn.SpawnRequest) -> dict:
         """Start `request` for instance `origin`; the spawn_result fields."""
         log = self._job.log
         try:
             if self._job.stop_reason != "success":  # its stop would miss them
                 raise PmiError(f"spawn refused: the job is stopping ({self._job.stop_reason})")
-            placed, ignored = pmispawn.place(request, self._slots(), self._resolve)
-            if len(self.alive()) + len(placed) > pmispawn.SPAWNED_MAX:
+            placed, ignored = pmi1spawn.place(request, self._slots(), self._resolve)
+            if len(self.alive()) + len(placed) > pmi1spawn.SPAWNED_MAX:
                 raise PmiError(f"spawn of {len(placed)} refused: the job has "
                                f"{len(self.alive())} spawned processes alive, at most "
-                               f"{pmispawn.SPAWNED_MAX} taken")
+                               f"{pmi1spawn.SPAWNED_MAX} taken")
             self._check(placed, request.preput)
             number = len(self._worlds) + 2  # the tag's job number: the instances are 1
             world = self._world(origin, number, placed, request.preput)
         except PmiError as exc:
-            return pmispawn.spawn_reply(1, msg=str(exc))
+            return pmi1spawn.spawn_reply(1, msg=str(exc))
         for key in sorted(set(ignored)):
             log.info(f"instance {origin}: spawn info key {key!r} ignored (poprun acts on "
-                     f"{', '.join(pmispawn.INFO_KEYS)})")
+                     f"{', '.join(pmi1spawn.INFO_KEYS)})")
         try:
             keys = await self._start(origin, number, world, placed)
         except PmiError as exc:
-            return pmispawn.spawn_reply(1, msg=str(exc))
+            return pmi1spawn.spawn_reply(1, msg=str(exc))
         hosts = ", ".join(dict.fromkeys(p.host for p in placed))
         log.info(f"instance {origin}: spawned {len(placed)} process(es) in world "
                  f"{world.kvsname} on {hosts}, tagged [{number},*] (pids "
                  f"{', '.join(str(self.children[k].pid) for k in keys)})")
-        return pmispawn.spawn_reply(0, len(placed))
+        return pmi1spawn.spawn_reply(0, len(placed))
 
-    def _check(self, placed: list[pmispawn.Placed], preput: dict[str, str]) -> None:
+    def _check(self, placed: list[pmi1spawn.Placed], preput: dict[str, str]) -> None:
         """What can be refused before anything starts: a preput key MPICH's client could not
         have sent, a working directory missing here (another host's is its agent's to say)."""
         for key, value in preput.items():
@@ -108,7 +108,7 @@ class Spawned:
                     and not os.path.isdir(os.path.join(self._job.cwd, process.wdir))):
                 raise PmiError(f"spawn: wdir {process.wdir}: no such directory")
 
-    def _world(self, origin: int, number: int, placed: list[pmispawn.Placed],
+    def _world(self, origin: int, number: int, placed: list[pmi1spawn.Placed],
                preput: dict[str, str]) -> MpiWorld:
         job = self._job
         hosts = [p.host for p in placed]
@@ -133,13 +133,13 @@ class Spawned:
         return world
 
     async def _start(self, origin: int, number: int, world: MpiWorld,
-                     placed: list[pmispawn.Placed]) -> list[int]:
+                     placed: list[pmi1spawn.Placed]) -> list[int]:
         """Start every process of the spawn, this host's and the agents' at once; the keys.
         One that cannot start fails the spawn (PmiError): the others are killed, as they
         would wait for it in MPI_Init."""
         keys = [next(self._keys) for _ in placed]
-        mine: list[tuple[int, pmispawn.Placed]] = []
-        theirs: dict[str, list[tuple[int, pmispawn.Placed]]] = {}
+        mine: list[tuple[int, pmi1spawn.Placed]] = []
+        theirs: dict[str, list[tuple[int, pmi1spawn.Placed]]] = {}
         for key, process in zip(keys, placed):
             self.children[key] = Child(f"{number},{process.rank}", origin, world.kvsname,
                                        process.host)
@@ -164,7 +164,7 @@ class Spawned:
         return keys
 
     async def _start_here(self, world: MpiWorld,
-                          mine: list[tuple[int, pmispawn.Placed]]) -> None:
+                          mine: list[tuple[int, pmi1spawn.Placed]]) -> None:
         """On this host, all at once (LocalSpawner.spawn_many: not one start waiting for
         the one before)."""
         job = self._job
@@ -190,7 +190,7 @@ class Spawned:
                 raise outcome
 
     async def _start_there(self, world: MpiWorld, host: str,
-                           started: list[tuple[int, pmispawn.Placed]]) -> None:
+                           started: list[tuple[int, pmi1spawn.Placed]]) -> None:
         """Through `host`'s agent, as the instances there: the environment every instance
         of the job is given over the agent's (less what the plan unsets), and the world's."""
         from spawner.protocol import SpawnRequest

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import pmixplan
-from .protocol import Kind
+from ..protocol import Kind
 
 ERROR = -1  # PMIx's PMIX_ERROR: a fence or a request nobody is left to complete
 Done = Callable[[int, bytes], None]

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 from popdist import env as E
 from poprun.errors import ConfigError
 from poprun.text import shown_text
-from spawner.pmiends import PmiEnds
+from spawner.worlds.pmi1ends import PmiEnds
 
 if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agents in it
-    from spawner import pmixcheck
+    from spawner.worlds import pmixcheck
     from spawner.protocol import Control
 
 
@@ -46,7 +46,7 @@ def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
     now, in a process of its own (spawner/pmixcheck.py); `usable_libpmix` waits for it. A
     --libpmix that is no file is bad input; Open MPI without any libpmix, a warning before
     anything starts."""
-    from spawner import pmixcheck, pmixfind
+    from spawner.worlds import pmixcheck, pmixfind
 
     problem = pmixcheck.file_problem(config.libpmix) if config.libpmix else None
     if problem is not None:
@@ -76,7 +76,7 @@ def usable_libpmix(check: pmixcheck.Check, config, log) -> str | None:
     fails it: the user's --libpmix is bad input (one line, nothing started); one poprun
     found is not served, said once, and Open MPI's instances get PMI-1 only (each a world
     of one, as with --mpi-worlds pmi1)."""
-    from spawner import pmixcheck
+    from spawner.worlds import pmixcheck
 
     try:
         check.version()
@@ -123,7 +123,7 @@ class MpiWorld:
         self._cleans_here = False  # MPICH may leave segments on this host (local instances)
         self.pmix = None  # Open MPI's world (run/pmixworld.PmixWorld), where PMIx is served
         if pmix is not None:  # before the instances start: they need its variables
-            from poprun.run.pmixworld import PmixWorld
+            from poprun.run.worlds.pmix import PmixWorld
 
             self.pmix = PmixWorld(kvsname, self._hosts, self._remote, pmix, on_abort,
                                   on_server_lost or (lambda host, reason: None), log)
@@ -183,7 +183,7 @@ class MpiWorld:
             self._start_server()
 
     def _start_server(self) -> None:
-        from spawner import pmi
+        from spawner.worlds import pmi1
 
         local = [rank for rank, host in enumerate(self._hosts) if host not in self._remote]
         # Before MPICH makes its segment here (its MPI_Init speaks PMI first): a poprun
@@ -192,13 +192,13 @@ class MpiWorld:
         if self._cleans_here and self._lifeline is not None:
             self._lifeline.add_mpi_world(self.kvsname)
         if self.names is None:  # the instances' world: the job's names start here
-            from spawner.pminames import NameService
+            from spawner.worlds.mpinames import NameService
 
             self.names = NameService()
-        self.server = pmi.PmiServer(
+        self.server = pmi1.PmiServer(
             self.kvsname, self.size, local_ranks=local,
             on_abort=self._on_abort, on_lost=self._on_lost,
-            process_mapping=pmi.process_mapping_for_ranks(self._nodes), names=self.names,
+            process_mapping=pmi1.process_mapping_for_ranks(self._nodes), names=self.names,
             on_unserved=self._on_unserved, on_spawn=self.on_spawn, appnums=self._appnums)
         for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
@@ -261,7 +261,7 @@ class MpiWorld:
         answered with an error where its rank waits for one (MPI_Comm_spawn, the name call
         or the get fails), and nothing done. Said once per host (spawner.refused counts
         them), not once a frame."""
-        from spawner.pmispawn import spawn_reply
+        from spawner.worlds.pmi1spawn import spawn_reply
         from spawner.protocol import Kind
 
         key = frame.fields.get("key")  # of a SPAWN_ASK or PMI_UNSERVED; NAME and GET name
@@ -285,8 +285,8 @@ class MpiWorld:
     async def _spawn_for(self, spawner, fields) -> None:
         """A rank on an agent's host called MPI_Comm_spawn: the launcher starts the
         children (run/spawned.py)."""
-        from spawner.pmi import PmiError
-        from spawner.pmispawn import request_from_json, spawn_reply
+        from spawner.worlds.pmi1 import PmiError
+        from spawner.worlds.pmi1spawn import request_from_json, spawn_reply
         from spawner.protocol import Kind
 
         try:
@@ -308,7 +308,7 @@ class MpiWorld:
                            f"with an error: {shown_text(why)[:200]}")
 
     async def _barrier(self, spawner, count: int, puts: dict[str, str]) -> None:
-        from spawner.pmi import PmiError
+        from spawner.worlds.pmi1 import PmiError
         from spawner.protocol import Kind
 
         try:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import pmixplan
-from .protocol import Control, FrameDecoder, Kind, ProtocolError, encode
+from ..protocol import Control, FrameDecoder, Kind, ProtocolError, encode
 
 SUCCESS, ERROR = 0, -1  # PMIx statuses (spawner/pmixserver.py)
 START_TIMEOUT = 30.0  # seconds for a server to start and to register a world
@@ -94,12 +94,12 @@ class _Server:
         env["PYTHONPATH"] = os.pathsep.join(
             [_source_root(), *filter(None, [env.get("PYTHONPATH")])])
         if host._lifeline is not None:  # spared between attempts, killed with the owner
-            from .containment import MARK, helpers_mark
+            from ..containment import MARK, helpers_mark
 
             env[MARK] = helpers_mark(host._lifeline.token)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-S", "-m", "spawner.pmixproc", str(theirs.fileno())],
+                [sys.executable, "-S", "-m", "spawner.worlds.pmixproc", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                 process_group=0)
         finally:
@@ -370,7 +370,7 @@ class PmixHost:
         self._next.serve(kvsname)
 
     def _make_dir(self, kvsname: str, tmp: bool) -> str:
-        from .reaphere import pmix_prefixes
+        from ..reaphere import pmix_prefixes
 
         prefix = pmix_prefixes(kvsname)[0 if tmp else 1]
         parent, name = os.path.dirname(prefix), os.path.basename(prefix)

@@ -36,8 +36,8 @@ from typing import Any
 
 from popdist.env import PMI_FD, PMI_HOSTNAME
 
-from .pmiends import PmiEnds
-from .protocol import Kind, encode
+from .pmi1ends import PmiEnds
+from ..protocol import Kind, encode
 
 
 class AgentWorld:
@@ -102,7 +102,7 @@ class AgentWorld:
                 **pmix}, theirs
 
     def _start(self) -> None:
-        from .pmi import PmiServer, process_mapping_for_ranks
+        from .pmi1 import PmiServer, process_mapping_for_ranks
 
         if self._lifeline is not None:  # before MPICH makes its segment (spawner/lifeline.py)
             self._lifeline.add_mpi_world(self.kvsname)
@@ -136,7 +136,7 @@ class AgentWorld:
 
     async def _spawn(self, rank: int, request) -> dict:
         """An instance here called MPI_Comm_spawn: the launcher starts the children."""
-        from .pmispawn import request_json
+        from .pmi1spawn import request_json
 
         ask = next(self._ids)
         future = self._asks[ask] = asyncio.get_running_loop().create_future()
@@ -180,7 +180,7 @@ class AgentWorld:
 
     def answered(self, kind: Kind, fields: dict[str, Any]) -> None:
         """BARRIER_OUT or VALUE from the launcher (or PMIx's answers)."""
-        from .pmi import PmiError
+        from .pmi1 import PmiError
 
         if kind in (Kind.FENCE_OUT, Kind.MODEX_DATA, Kind.MODEX_ASK):
             self._pmix_answered(kind, fields)
@@ -235,7 +235,7 @@ class AgentWorld:
         self._close_pmix()
         if self.server is None:  # nobody spoke: MPICH made nothing
             return
-        from .reaphere import remove_mpich_shm
+        from ..reaphere import remove_mpich_shm
 
         remove_mpich_shm(self.kvsname)
         if self._lifeline is not None:

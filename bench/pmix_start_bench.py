@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""What a PMIx server's process costs to start (src/spawner/worlds/pmixhost.py, docs/architecture.md,
+"""What a PMIx server's process costs to start (src/spawner/worlds/pmixhost.py,
+docs/architecture.md,
 "The instances' worlds"): from `PmixHost.prestart` to its answer to PMIX_SERVE (libpmix's
 server up, the gate in place), then to PMIX_OPEN's (a world of 4 ranks registered: what the
 instances wait for), as wall time, and the process's own CPU (its rusage once reaped).

@@ -236,7 +236,7 @@ def test_a_stray_print_after_the_greeting_gives_the_agent_up_at_once():
     run(main())
 
 
-# --- an agent's frames about the MPI world it serves (poprun/run/worlds/pmi1.py) --------------------
+# --- an agent's frames about the MPI world it serves (poprun/run/worlds/pmi1.py) -----------------
 
 # The world's ranks' hosts: ranks 0-1 here, 2-4 on host h9.
 HOSTS = ["localhost"] * 2 + ["h9"] * 3

@@ -194,7 +194,7 @@ def test_a_program_without_mpi_is_untouched_by_the_world():
     assert sorted(proc.stdout.decode().split("\n")[:2]) == ["0 2 2", "1 2 2"]
 
 
-# --- across hosts: each agent serves its own instances and forwards (spawner/worlds/nodeworld.py) --
+# --- across hosts: each agent serves its own instances and forwards (worlds/nodeworld.py) --
 
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):

@@ -472,7 +472,7 @@ def test_open_mpi_without_a_libpmix_is_said_before_anything_starts(monkeypatch):
     assert pmixfind.system_candidates()[0] in line and "apt-get install libpmix2" in line
 
 
-# --- across hosts: each agent serves PMIx for its instances (spawner/worlds/nodeworld.py) ----------
+# --- across hosts: each agent serves PMIx for its instances (spawner/worlds/nodeworld.py) --------
 
 ACROSS = """
 from array import array

@@ -2,9 +2,9 @@
 every command poprun does not serve is answered at once with an error (and said), names are
 published, looked up and unpublished in the job's table (an agent's through its upstream),
 and MPICH's multi-line spawn message is read, bounded, parsed and its processes placed on
-the job's hosts (spawner/worlds/pmi1.py, spawner/worlds/mpinames.py, spawner/worlds/pmi1spawn.py); fuzzed (Hypothesis) into the server and into a real
-launch, where nothing an instance writes makes poprun fail. The real MPICH + mpi4py programs are
-tests/test_mpi_dynproc.py's.
+the job's hosts (spawner/worlds/pmi1.py, mpinames.py, pmi1spawn.py); fuzzed (Hypothesis)
+into the server and into a real launch, where nothing an instance writes makes poprun fail.
+The real MPICH + mpi4py programs are tests/test_mpi_dynproc.py's.
 
 The wire format is MPICH's client's (pmodels/mpich src/pmi/src/pmi_wire.c: PMIU_msg_set_query_spawn,
 PMIU_cmd_output_v1_mcmd; src/pmi/maint/pmi-1.1.txt), written out here as MPICH writes it.

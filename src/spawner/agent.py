@@ -369,7 +369,8 @@ class Agent:
                           Kind.MODEX_DATA: partial(self._to_world, Kind.MODEX_DATA),
                           Kind.PROBE: self._probe, Kind.FACTS: self._facts}
         self._worlds: dict[str, Any] = {}  # kvsname -> spawner.worlds.nodeworld.AgentWorld
-        self._pmix = None  # this host's PMIx service (spawner.worlds.pmixhost), once a world needs it
+        # this host's PMIx service (spawner.worlds.pmixhost), once a world needs it
+        self._pmix = None
         self._facts_read: hostfacts.Reading | None = None  # what HELLO's `facts` asked
         self._last_heard = time.monotonic()
         # The launcher's --kill-timeout (HELLO's `kill_timeout`): what a SIGTERM of this

@@ -84,7 +84,7 @@ class ProcessSpec:
     inherit_stdin: bool = False  # otherwise stdin is /dev/null
     cpus: tuple[int, ...] | None = None  # CPU binding (None: not bound)
     mems: tuple[int, ...] | None = None  # memory node binding (None: not bound)
-    pass_fds: tuple[int, ...] = ()  # descriptors it inherits (its PMI socket: spawner/worlds/pmi1.py)
+    pass_fds: tuple[int, ...] = ()  # descriptors it inherits (its PMI socket: worlds/pmi1.py)
     container: Container | None = None  # run inside it (spawner/containers.py)
 
     def __init__(self, key, argv, env, cwd=None, merge_stderr=False, inherit_stdin=False,

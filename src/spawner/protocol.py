@@ -108,7 +108,8 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       PMI_UNSERVED {kvsname, key, cmd, why}  a PMI-1 command of instance `key` was answered
                                              with an error: why (for the launcher's -v)
       PMIX_LOST {kvsname, error}             this host's PMIx server died (error: how)
-      (spawner/worlds/nodeworld.py: the agent's side of a world; poprun/run/worlds/pmi1.py the launcher's)
+      (spawner/worlds/nodeworld.py: the agent's side of a world;
+       poprun/run/worlds/pmi1.py the launcher's)
       INTERNAL {error, traceback}            a bug in the agent: it kills its instances,
                                              removes its temp dirs and exits with status 70
     spawner -> its PMIx server's process (a socket pair; spawner/worlds/pmixhost.py)
@@ -254,9 +255,9 @@ class Kind(enum.IntEnum):
     PMIX_LOST = 39
     """Agent: this host's PMIx server died while its instances ran (why: its signal)."""
     # The link between a host's spawner (poprun or an agent) and its PMIx server's process
-    # (spawner/worlds/pmixhost.py, spawner/worlds/pmixproc.py). Also on it, as between hosts: FENCE_IN,
-    # FENCE_OUT, MODEX_WANT, MODEX_DATA, MODEX_ASK, MODEX_GOT, MPI_ABORT, WORLD_END, REPLY
-    # and FAILED.
+    # (spawner/worlds/pmixhost.py, spawner/worlds/pmixproc.py). Also on it, as between
+    # hosts: FENCE_IN, FENCE_OUT, MODEX_WANT, MODEX_DATA, MODEX_ASK, MODEX_GOT, MPI_ABORT,
+    # WORLD_END, REPLY and FAILED.
     PMIX_SERVE = 40
     """Spawner: start libpmix's server. Answered by REPLY {version} or FAILED."""
     PMIX_OPEN = 41

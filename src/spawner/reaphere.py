@@ -89,7 +89,7 @@ def reap_here(job: dict) -> list[dict]:
 
 
 def pmix_prefixes(kvsname: str) -> tuple[str, str]:
-    """Where a PMIx world of poprun's keeps its files (spawner/worlds/pmixhost.py), as path prefixes:
+    """Where a PMIx world of poprun's keeps its files (worlds/pmixhost.py), as path prefixes:
     the job's server directory in the temp dir (`poprun-<job>-pmix-*`, the kvsname being
     `poprun-<job>-<attempt>`) and the world's segment directory (`/dev/shm/<kvsname>-pmix-*`)."""
     import tempfile

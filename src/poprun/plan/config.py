@@ -107,7 +107,7 @@ class LaunchConfig:
     # refuse to start (an error), or do not compare them.
     compare_hosts: str = "warn"
     mpi_worlds: str = "auto"  # MPI_WORLDS: which worlds the instances are served
-    libpmix: str | None = None  # the libpmix to serve PMIx with; None: found (spawner.worlds.pmixfind)
+    libpmix: str | None = None  # the libpmix to serve PMIx with; None: found (worlds.pmixfind)
     distribute_ssh_key: bool = False
     distribute_ssh_key_path: str | None = None  # the key's folder; None: ~/.ssh
     distribute_ssh_key_type: str | None = None  # set: generate a key of this type first

@@ -139,8 +139,8 @@ class Job:
         """Start this host's instances; with `remote` spawners (by host), `spawn_remote()`
         starts theirs. `on_finished` is called once every instance has exited (or was lost)
         and its output has been delivered. `kvsname`: the name of the instances' MPI world
-        (run/worlds/pmi1.py); `pmix`: this host's PMIx service (spawner.worlds.pmixhost), where Open MPI's
-        world is served too."""
+        (run/worlds/pmi1.py); `pmix`: this host's PMIx service
+        (spawner.worlds.pmixhost), where Open MPI's world is served too."""
         self.on_finished, self.remote = on_finished, remote or {}
         self.local = LocalSpawner(self, self.loop, lifeline)
         self._lifeline = lifeline

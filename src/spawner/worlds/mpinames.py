@@ -20,7 +20,7 @@ from __future__ import annotations
 # handful of service names, one per server it runs).
 NAMES_MAX = 1024
 # The longest service name and port name taken: MPICH's MPI_MAX_PORT_NAME is 1024 and its
-# PMI-1 values are at most vallen_max (spawner/pmi.py's VALLEN_MAX, 1024) long.
+# PMI-1 values are at most vallen_max (spawner/worlds/pmi1.py's VALLEN_MAX, 1024) long.
 SERVICE_MAX = 256
 PORT_MAX = 1024
 
@@ -56,7 +56,7 @@ class NameService:
         return 0, ""
 
     async def name(self, op: str, service: str, port: str = "") -> tuple[int, str]:
-        """What spawner.pmi.PmiServer awaits (an agent's upstream asks the launcher)."""
+        """What spawner.worlds.pmi1.PmiServer awaits (an agent's upstream asks the launcher)."""
         return self.answer(op, service, port)
 
     def __len__(self) -> int:

@@ -2,11 +2,11 @@
 through the launcher (docs/architecture.md, "The instances' worlds").
 
 The launcher's WORLD frame says which of its ranks run here. Each gets a PMI socket (its end
-watched until it speaks: spawner/pmiends.py); then an agent-mode PmiServer (spawner/pmi.py)
+watched until it speaks: worlds/pmi1ends.py); then an agent-mode PmiServer (worlds/pmi1.py)
 answers them, and goes to the launcher only where the world is bigger than this host: ONE
 BARRIER_IN per barrier for all of this host's instances (with their puts), answered by
 BARRIER_OUT with every put of that epoch; a GET for a key this host has not seen; a NAME to
-publish, unpublish or look up (the job's names are the launcher's: spawner/pminames.py); a
+publish, unpublish or look up (the job's names are the launcher's: worlds/mpinames.py); a
 SPAWN_ASK for an instance's MPI_Comm_spawn (the launcher starts the children, here too: a
 spawned world's ranks on this host are served by an AgentWorld of its own, its SPAWNs naming
 each child's rank, its WORLD frame their appnums); an
@@ -16,9 +16,9 @@ What MPICH leaves in /dev/shm is removed when the launcher ends the world (WORLD
 the agent ends, and by its lifeline's watchdog when the agent is killed outright.
 
 Where the WORLD frame asks for it, Open MPI's world is served here too: a PMIx server of its
-own (spawner/pmixhost.py, a process per world) registers the world's namespace, the SPAWNs
+own (spawner/worlds/pmixhost.py, a process per world) registers the world's namespace, the SPAWNs
 wait for it (`ready`), each instance gets its PMIX_* variables, and what crosses hosts goes
-to the launcher (run/pmixworld.py):
+to the launcher (run/worlds/pmix.py):
 ONE FENCE_IN per fence for this host's instances (answered by FENCE_OUT with every host's
 data), MODEX_WANT for a rank on another host (answered by MODEX_DATA), MODEX_GOT answering the
 launcher's MODEX_ASK for a rank here. Where no libpmix is found or the server does not
@@ -56,14 +56,14 @@ class AgentWorld:
                          if int(r) in self.ranks}
         self._send, self._lifeline = send, lifeline
         self._ends = PmiEnds(loop, self._start)
-        self.server = None  # spawner.pmi.PmiServer, once an instance here has spoken
+        self.server = None  # spawner.worlds.pmi1.PmiServer, once an instance here has spoken
         self._barrier: asyncio.Future | None = None
         self._gets: dict[int, asyncio.Future] = {}
         # NAME and SPAWN_ASK frames awaiting their NAMED and SPAWNED_ANSWER
         self._asks: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._pmix = None  # this host's PMIx service, where Open MPI's world is served too
-        self.pmix_ns = None  # the world's namespace on it (spawner.pmixhost.Served)
+        self.pmix_ns = None  # the world's namespace on it (spawner.worlds.pmixhost.Served)
         from .pmixuplink import Uplink
 
         # Its PMIx fences and requests to the launcher (where Open MPI's world is served)
@@ -114,7 +114,7 @@ class AgentWorld:
         for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
 
-    # --- the launcher, as the agent-mode server's upstream (spawner.pmi.Upstream) -------
+    # --- the launcher, as the agent-mode server's upstream (spawner.worlds.pmi1.Upstream) -------
 
     async def barrier(self, count: int, puts: dict[str, str]) -> dict[str, str]:
         self._barrier = asyncio.get_running_loop().create_future()
@@ -147,7 +147,7 @@ class AgentWorld:
     def _unserved(self, rank: int, cmd: str, why: str) -> None:
         self._send(encode(Kind.PMI_UNSERVED, kvsname=self.kvsname, key=rank, cmd=cmd, why=why))
 
-    # --- this host's PMIx server (spawner.pmixhost.Handler) -----------------------------
+    # --- this host's PMIx server (spawner.worlds.pmixhost.Handler) -----------------------------
 
     def fence(self, fence, data: bytes, done: Callable[[int, bytes], None]) -> None:
         self._uplink.fence(fence, data, done)
@@ -171,7 +171,7 @@ class AgentWorld:
 
     def _pmix_answered(self, kind: Kind, fields: dict[str, Any]) -> None:
         """FENCE_OUT, MODEX_DATA, MODEX_ASK from the launcher (their data decoded as the
-        launcher decodes the agents': spawner/pmixuplink.py)."""
+        launcher decodes the agents': spawner/worlds/pmixuplink.py)."""
         if kind is not Kind.MODEX_ASK:
             self._uplink.answered(kind, fields)
         elif self.pmix_ns is not None:

@@ -45,10 +45,10 @@ pmi_util.c, src/pmi/maint/pmi-1.1.txt, src/pm/hydra/proxy/pmip_pmi.c):
   barrier_in                                   barrier_out rc=0   (when everybody has entered)
   finalize                                     finalize_ack rc=0
   abort exitcode= message=                     (no reply; see below: the launcher must kill)
-  publish_name service= port=                  publish_result rc=0   (spawner/pminames.py)
+  publish_name service= port=                  publish_result rc=0   (spawner/worlds/mpinames.py)
   unpublish_name service=                      unpublish_result rc=0
   lookup_name service=                         lookup_result rc=0 port=<p>
-  mcmd=spawn ... endcmd  (several lines)       spawn_result rc=0 errcodes=0,...  (pmispawn.py)
+  mcmd=spawn ... endcmd  (several lines)       spawn_result rc=0 errcodes=0,...  (pmi1spawn.py)
   anything else                                <its reply name> rc=1 msg=<why>, at once
   ==========================================  =====================================================
 
@@ -143,7 +143,7 @@ _UNSUPPORTED_REPLIES = {
     "initack": "initack",
     "singinit": "singinit_info",
 }
-# Name publishing (spawner/pminames.py): the query, its operation and reply.
+# Name publishing (spawner/worlds/mpinames.py): the query, its operation and reply.
 _NAME_QUERIES = {"publish_name": ("publish", "publish_result"),
                  "unpublish_name": ("unpublish", "unpublish_result"),
                  "lookup_name": ("lookup", "lookup_result")}
@@ -414,7 +414,7 @@ class Upstream:
         """Look up a key this host has not seen (None if absent)."""
 
     async def name(self, op: str, service: str, port: str = "") -> Tuple[int, str]:
-        """Publish, unpublish or look up a name in the job's table (spawner/pminames.py):
+        """Publish, unpublish or look up a name in the job's table (spawner/worlds/mpinames.py):
         (0, the port for a lookup) or (rc, why)."""
 
 
@@ -463,10 +463,10 @@ class PmiServer:
     ``on_unserved(rank, cmd, why)`` when a command is answered with an error
     (not served, refused, malformed: for the launcher's -v line).
 
-    ``names``: the job's published names (spawner/pminames.py; an agent's
+    ``names``: the job's published names (spawner/worlds/mpinames.py; an agent's
     ``upstream`` by default, else a table of this server's own).
     ``on_spawn(rank, request)``: an awaitable that starts a spawn's
-    processes (spawner/pmispawn.py's SpawnRequest) and returns the
+    processes (spawner/worlds/pmi1spawn.py's SpawnRequest) and returns the
     ``spawn_result`` fields; without it spawn is answered rc=1.
     ``appnums``: each rank's appnum where they differ (MPI_Comm_spawn_multiple).
     """

@@ -2,8 +2,8 @@
 
 A job that does not use MPI must pay nothing measurable for the world poprun offers it
 (docs/architecture.md, "The instances' worlds"): each instance gets one end of a socket pair,
-and this host's end is only watched. The PMI server (spawner/pmi.py, and the import of it) is
-made when an instance first writes, on the launcher and on an agent alike; an end whose
+and this host's end is only watched. The PMI server (worlds/pmi1.py, and the import of it)
+is made when an instance first writes, on the launcher and on an agent alike; an end whose
 instance exits without a word is closed and forgotten.
 """
 

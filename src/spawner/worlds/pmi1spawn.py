@@ -1,5 +1,5 @@
 """MPI_Comm_spawn[_multiple] over PMI-1: the request MPICH sends, read and checked; pure, no
-I/O (docs/architecture.md, "The instances' worlds"). run/spawned.py starts what it asks for.
+I/O (docs/architecture.md, "The instances' worlds"). run/worlds/spawn.py starts what it asks for.
 
 MPICH's client (pmodels/mpich src/pmi/src/pmi_wire.c PMIU_msg_set_query_spawn and
 PMIU_cmd_output_v1_mcmd) sends one message of several lines, one ``key=value`` a line, one

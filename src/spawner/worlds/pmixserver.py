@@ -6,7 +6,7 @@ against Debian's libpmix-dev 4.2.2 headers: pmix_proc_t 260 bytes, rank at 256;
 pmix_info_t 552, flags at 512, value (32 bytes) at 520; the module's abort, fence_nb,
 direct_modex and job_control at 16, 24, 32 and 152).
 
-This runs only in the PMIx server's own process (spawner/pmixproc.py), never in poprun or
+This runs only in the PMIx server's own process (spawner/worlds/pmixproc.py), never in poprun or
 an agent: libpmix allows one server per process, once (PMIx_server_init again, after
 PMIx_server_finalize or beside a running server, aborts the whole process), its thread can
 wedge, and its fence tracker can be freed twice (docs/architecture.md). It runs its own
@@ -18,9 +18,9 @@ through the callback libpmix gave. Data we hand libpmix (a fence's or a direct m
 result) must live until libpmix calls our release function, so it is kept in `_held` until
 then. The process never calls PMIx_server_finalize: it is killed instead.
 
-What a namespace's keys are is planned in spawner/pmixplan.py (pure); what crosses hosts
-is the owner's (spawner/pmixhost.py, and through it poprun/run/pmixworld.py and
-spawner/agentworld.py).
+What a namespace's keys are is planned in spawner/worlds/pmixplan.py (pure); what crosses hosts
+is the owner's (spawner/worlds/pmixhost.py, and through it poprun/run/worlds/pmix.py and
+spawner/worlds/nodeworld.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ SUCCESS, ERROR, ERR_NOT_SUPPORTED, ERR_NOT_FOUND = 0, -1, -47, -46
 OPERATION_SUCCEEDED = -157  # an upcall that finished at once
 # 28 functions in 4.2, 29 in 5.0; the table only grows at its end. Safe because only those
 # versions are served: start() refuses any other before PMIx_server_init reads the table
-# (spawner/pmixcheck.TESTED; a later one may have outgrown it).
+# (spawner/worlds/pmixcheck.TESTED; a later one may have outgrown it).
 MODULE_SLOTS = 32
 # Indices in pmix_server_module_t.
 _CONNECTED, _FINALIZED, _ABORT, _FENCE, _DMODEX, _JOB_CONTROL = 0, 1, 2, 3, 4, 19
@@ -125,7 +125,7 @@ class _Lib:
 def _checked_lib(path: str) -> _Lib:
     """libpmix loaded, every function there, of a version whose layouts and module table
     are those above (the user-facing check ran earlier, in a process of its own:
-    spawner/pmixcheck.py)."""
+    spawner/worlds/pmixcheck.py)."""
     from . import pmixcheck
 
     try:
@@ -314,9 +314,9 @@ class PmixServer:
 
 
 # The server's own security mode: "native" (over TCP it trusts the uid a client claims: who
-# may connect at all is spawner/pmixgate.py's); under munge libpmix would otherwise offer a
+# may connect at all is spawner/worlds/pmixgate.py's); under munge libpmix would otherwise offer a
 # mode the wheel's client complains about. Set in the server process's environment
-# (spawner/pmixproc.py): libpmix reads its MCA parameters there.
+# (spawner/worlds/pmixproc.py): libpmix reads its MCA parameters there.
 SERVER_MCA = {"PMIX_MCA_psec": "native"}
 
 

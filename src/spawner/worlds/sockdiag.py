@@ -1,6 +1,6 @@
 """The kernel's word on a TCP socket of this network namespace: its owner's uid and its inode,
 looked up by its addresses with sock_diag (netlink's NETLINK_SOCK_DIAG, an exact lookup:
-what `ss` asks), for spawner/pmixgate.py.
+what `ss` asks), for spawner/worlds/pmixgate.py.
 
 /proc/net/tcp says the same (both are the kernel's sock_i_uid), but reading it walks every
 bucket of the machine's TCP hash tables: 30-170 ms a read on a loaded 2-core machine here,

@@ -2,10 +2,10 @@
 poprun serves itself. MPICH-family programs (the `mpich` wheel under mpi4py, Intel MPI,
 MVAPICH) find their world through PMI-1: each instance gets one end of a socket pair from its
 host's spawner (`PMI_FD`, `PMI_RANK`, `PMI_SIZE`, and the variables Hydra adds) and a PMI
-server (spawner/pmi.py) answers its puts, gets and barriers. Ranks are instance indices.
+server (spawner/worlds/pmi1.py) answers its puts, gets and barriers. Ranks are instance indices.
 
 This host's instances are served here. On every other host the agent serves its own
-(spawner/agentworld.py) and comes here only for what crosses hosts, over the connection it
+(spawner/worlds/nodeworld.py) and comes here only for what crosses hosts, over the connection it
 already has: one BARRIER_IN per host and barrier, a GET for a key it has not seen, an abort or
 a lost connection. This server holds the job's key-value space and the world-wide barrier.
 
@@ -39,11 +39,11 @@ if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agen
 
 def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
                  log) -> pmixcheck.Check | None:
-    """The libpmix to serve Open MPI's world with here (spawner/pmixfind.py), where the job
+    """The libpmix to serve Open MPI's world with here (spawner/worlds/pmixfind.py), where the job
     may use one: several `instances`, --mpi-worlds auto, a program that may start Open MPI
     and an Open MPI there for it (or a --libpmix given): the server's start costs every
     launch that has one (docs/architecture.md, "The instances' worlds"). Its check starts
-    now, in a process of its own (spawner/pmixcheck.py); `usable_libpmix` waits for it. A
+    now, in a process of its own (spawner/worlds/pmixcheck.py); `usable_libpmix` waits for it. A
     --libpmix that is no file is bad input; Open MPI without any libpmix, a warning before
     anything starts."""
     from spawner.worlds import pmixcheck, pmixfind
@@ -92,7 +92,7 @@ def usable_libpmix(check: pmixcheck.Check, config, log) -> str | None:
 
 class MpiWorld:
     """One PMI-1 world served from here: the instances' (one per attempt), or one their
-    MPI_Comm_spawn made (run/spawned.py: `spawned`, its job's `names`, its ranks' `appnums`).
+    MPI_Comm_spawn made (run/worlds/spawn.py: `spawned`, its job's `names`, its ranks' `appnums`).
     `hosts`: each rank's host; `remote`: the agents (by host) of the hosts other than this
     one that run some of its ranks. `argv`: the program, for Open MPI's world (`pmix`)."""
 
@@ -116,12 +116,12 @@ class MpiWorld:
         self._log, self._argv, self._spawned = log, list(argv), spawned
         self._appnums = dict(appnums or {})
         self._on_unserved = on_unserved or self.unserved
-        self.names = names  # the job's published names (spawner/pminames.py), once served
-        self.on_spawn = None  # the job's MPI_Comm_spawn (Job._spawn_children: run/spawned.py)
+        self.names = names  # the job's published names (spawner/worlds/mpinames.py), once served
+        self.on_spawn = None  # the job's MPI_Comm_spawn (Job._spawn_children: run/worlds/spawn.py)
         self._tasks: set[asyncio.Task] = set()
-        self.server = None  # spawner.pmi.PmiServer, once an instance or an agent has spoken
+        self.server = None  # spawner.worlds.pmi1.PmiServer, once an instance or an agent has spoken
         self._cleans_here = False  # MPICH may leave segments on this host (local instances)
-        self.pmix = None  # Open MPI's world (run/pmixworld.PmixWorld), where PMIx is served
+        self.pmix = None  # Open MPI's world (run/worlds/pmix.PmixWorld), where PMIx is served
         if pmix is not None:  # before the instances start: they need its variables
             from poprun.run.worlds.pmix import PmixWorld
 
@@ -284,7 +284,7 @@ class MpiWorld:
 
     async def _spawn_for(self, spawner, fields) -> None:
         """A rank on an agent's host called MPI_Comm_spawn: the launcher starts the
-        children (run/spawned.py)."""
+        children (run/worlds/spawn.py)."""
         from spawner.worlds.pmi1 import PmiError
         from spawner.worlds.pmi1spawn import request_from_json, spawn_reply
         from spawner.protocol import Kind
@@ -388,7 +388,7 @@ def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:
         ok = (has("count", int) and 0 < fields["count"] <= len(ranks) and has("puts", dict)
               and all(isinstance(v, str) for v in fields["puts"].values()))
     else:
-        return  # PMIx's: run/pmixworld.py reads them
+        return  # PMIx's: run/worlds/pmix.py reads them
     if not ok:
         raise ProtocolError(f"a {kind.name} that is not one of this host's ranks'")
 

@@ -1,16 +1,16 @@
 """Open MPI's world (PMIx) of one attempt, as the launcher serves and joins it
 (docs/architecture.md, "The instances' worlds").
 
-This host's instances are served by this host's PMIx server (spawner/pmixhost.py: a process
-of its own per attempt); every other host's by its agent's (spawner/agentworld.py). What
+This host's instances are served by this host's PMIx server (spawner/worlds/pmixhost.py: a process
+of its own per attempt); every other host's by its agent's (spawner/worlds/nodeworld.py). What
 crosses hosts comes here over the agents' connections, as for PMI-1: one FENCE_IN per host
 and fence (that host's instances' data), answered with FENCE_OUT once every host holding a
-participant has entered (their data in node order: spawner/pmixplan.FenceTable); a direct
+participant has entered (their data in node order: spawner/worlds/pmixplan.FenceTable); a direct
 modex for a rank on another host goes to that host's agent (MODEX_ASK, answered MODEX_GOT)
 and back (MODEX_DATA). Fences are named by their participants and a sequence number per
 participant set, which every host counts alike.
 
-What an agent sends is checked (spawner/pmixplan.FenceError): a broken or hostile host's
+What an agent sends is checked (spawner/worlds/pmixplan.FenceError): a broken or hostile host's
 fence ends in an error for that fence's instances, never in an exception here.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from poprun.errors import LaunchError
 from spawner.worlds import pmixplan
 
-SUCCESS, ERROR, ERR_NOT_FOUND = 0, -1, -46  # libpmix's statuses (spawner/pmixserver.py)
+SUCCESS, ERROR, ERR_NOT_FOUND = 0, -1, -46  # libpmix's statuses (spawner/worlds/pmixserver.py)
 MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in one world
 
 
@@ -48,7 +48,8 @@ class PmixWorld:
         # answers it)
         self._asks: dict[int, tuple[Callable[[int, bytes], None], str]] = {}
         self._local = bool(local)
-        self.ns = None  # the world's namespace on this host's server (spawner.pmixhost.Served)
+        # the world's namespace on this host's server (spawner.worlds.pmixhost.Served)
+        self.ns = None
 
     async def open(self) -> None:
         """Register the world on this host's server (a fresh one), before the instances
@@ -78,7 +79,7 @@ class PmixWorld:
         self.ns.finalized.add(rank)
         return True
 
-    # --- this host's server (spawner.pmixhost.Handler) -----------------------------------
+    # --- this host's server (spawner.worlds.pmixhost.Handler) -----------------------------------
 
     def fence(self, fence: pmixplan.FenceId, data: bytes, done) -> None:
         self._done[fence] = done

@@ -2,17 +2,17 @@
 started by poprun itself on the job's hosts (docs/architecture.md, "The instances' worlds").
 
 Each spawn is a world of its own, as under Hydra: a new kvsname (`<the job's>-spawn<n>`),
-served as the instances' world is (run/world.MpiWorld: its root here, an agent serving the
+served as the instances' world is (run/worlds/pmi1.MpiWorld: its root here, an agent serving the
 ranks on each other host), the preput keys in it (MPICH puts the parent's port as
 ``PARENT_ROOT_PORT_NAME``; the children's MPI_Init connects to it over MPICH's own network
 module), ``PMI_SPAWNED=1`` in the children's environment, and the job's names. Where they
-run is pure planning (spawner/pmispawn.place): the `host` info key, else Hydra's way over the
-job's hosts. The children are the job's processes like its instances: started by the job's
-spawners (this host's, or the agent of theirs: its containment, its lifeline: a killed
+run is pure planning (spawner/worlds/pmi1spawn.place): the `host` info key, else Hydra's
+way over the job's hosts. The children are the job's processes like its instances: started
+by the job's spawners (this host's, or the agent of theirs: its containment, its lifeline: a killed
 poprun leaves none), stopped with the job, their output tagged ``[2,0]`` for the first
 spawn's rank 0 (Open MPI's tag for a spawned job: the instances are ``[1,i]``), and a child
 that fails stops the job as an instance would, its spawning instance counted as the root
-cause. The job waits for them as mpiexec does. Bounds (spawner/pmispawn.py): a spawn storm
+cause. The job waits for them as mpiexec does. Bounds (spawner/worlds/pmi1spawn.py): a spawn storm
 is refused with rc=1 (an MPI error), never started.
 """
 

@@ -165,8 +165,7 @@ class AgentWorld:
 
     def exited(self, rank: int) -> None:
         """An instance here exited: had it joined Open MPI's world and not left it properly?"""
-        if self.pmix_ns is not None and self.pmix_ns.unfinalized(rank):
-            self.pmix_ns.finalized.add(rank)  # said once
+        if self.pmix_ns is not None and self.pmix_ns.lost_on_exit(rank):
             self._lost(rank, True)
 
     def _pmix_answered(self, kind: Kind, fields: dict[str, Any]) -> None:

@@ -34,8 +34,8 @@ from typing import Any
 
 from . import pmixplan
 from ..protocol import Control, FrameDecoder, Kind, ProtocolError, encode
+from .pmixplan import ERROR, SUCCESS
 
-SUCCESS, ERROR = 0, -1  # PMIx statuses (spawner/worlds/pmixserver.py)
 START_TIMEOUT = 30.0  # seconds for a server to start and to register a world
 MAX_FRAME_BACKLOG = 256 << 20  # bytes from a server not yet a whole frame
 KILL_WAIT = 1.0  # seconds to wait for a SIGKILLed server to be reaped
@@ -73,12 +73,17 @@ class Served:
         self.connected: set[int] = set()
         self.finalized: set[int] = set()
 
-    def unfinalized(self, rank: int) -> bool:
-        """Whether `rank` joined the world here and has not left it properly. What the
+    def lost_on_exit(self, rank: int) -> bool:
+        """`rank`'s instance exited: whether it had joined the world here and not left it
+        properly (no MPI_Finalize), so that its peers lost it. True once a rank (the one
+        place this is decided, for the launcher's host and an agent's alike). What the
         server said before the instance was released is read first: its exit cannot have
         overtaken its "finalized"."""
         self.server.drain()
-        return rank in self.connected and rank not in self.finalized
+        if rank not in self.connected or rank in self.finalized:
+            return False
+        self.finalized.add(rank)  # said once
+        return True
 
 
 class _Server:
@@ -233,7 +238,7 @@ class _Server:
             served.handler.abort(int(fields["key"]), int(fields["exitcode"]),
                                  str(fields.get("message", "")))
         elif kind is Kind.FENCE_IN:
-            fence = pmixplan.FenceId(tuple(int(r) for r in fields["ranks"]), int(fields["seq"]))
+            fence = pmixplan.fence_of(fields)
             data = pmixplan.decode_data(fields["data"], pmixplan.MAX_FENCE_DATA)
             served.handler.fence(fence, data, lambda status, blob: self.send(
                 Kind.FENCE_OUT, kvsname=served.world.nspace, ranks=list(fence.ranks),

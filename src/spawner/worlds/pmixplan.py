@@ -21,6 +21,12 @@ import binascii
 from collections.abc import Sequence
 from typing import NamedTuple
 
+# libpmix's statuses (OpenPMIx include/pmix_common.h), the one definition: the server's process
+# (pmixserver.py), its spawner (pmixhost.py), the uplink and the launcher's world answer
+# fences and direct modex with them.
+SUCCESS, ERROR, ERR_NOT_FOUND, ERR_NOT_SUPPORTED = 0, -1, -46, -47
+OPERATION_SUCCEEDED = -157  # an upcall that finished at once
+
 # OpenPMIx include/pmix_common.h: data types of the values we register.
 PMIX_BOOL, PMIX_STRING, PMIX_UINT32, PMIX_PROC_RANK = 1, 3, 14, 40
 
@@ -117,6 +123,12 @@ class FenceId(NamedTuple):
 
     ranks: tuple[int, ...]
     seq: int
+
+
+def fence_of(fields: dict) -> FenceId:
+    """The fence a FENCE_IN or FENCE_OUT frame names (another process's word: KeyError,
+    TypeError or ValueError where its fields cannot be one)."""
+    return FenceId(tuple(int(r) for r in fields["ranks"]), int(fields["seq"]))
 
 
 class FenceCounter:

@@ -34,8 +34,8 @@ from ctypes import (CFUNCTYPE, POINTER, Structure, c_char, c_char_p, c_int, c_si
 
 from . import pmixplan
 
-SUCCESS, ERROR, ERR_NOT_SUPPORTED, ERR_NOT_FOUND = 0, -1, -47, -46
-OPERATION_SUCCEEDED = -157  # an upcall that finished at once
+from .pmixplan import ERR_NOT_FOUND, ERR_NOT_SUPPORTED, ERROR, OPERATION_SUCCEEDED, SUCCESS
+
 # 28 functions in 4.2, 29 in 5.0; the table only grows at its end. Safe because only those
 # versions are served: start() refuses any other before PMIx_server_init reads the table
 # (spawner/worlds/pmixcheck.TESTED; a later one may have outgrown it).

@@ -13,8 +13,8 @@ from typing import Any
 
 from . import pmixplan
 from ..protocol import Kind
+from .pmixplan import ERROR, SUCCESS
 
-ERROR = -1  # PMIx's PMIX_ERROR: a fence or a request nobody is left to complete
 Done = Callable[[int, bytes], None]
 
 
@@ -44,15 +44,15 @@ class Uplink:
         data that cannot be is an error answered to the waiting server, never a fault of
         this side. Raises KeyError/TypeError/ValueError for other fields that cannot be."""
         if kind is Kind.FENCE_OUT:
-            done = self._fences.pop((tuple(int(r) for r in fields["ranks"]),
-                                     int(fields["seq"])), None)
+            fence = pmixplan.fence_of(fields)
+            done = self._fences.pop((fence.ranks, fence.seq), None)
             if done is not None:
                 done(*_decoded(fields, pmixplan.MAX_FENCE_DATA * self._hosts))
         elif kind is Kind.MODEX_DATA:
             done = self._wants.pop(int(fields["id"]), None)
             if done is not None:
                 status, data = _decoded(fields, pmixplan.MAX_MODEX)
-                done(int(fields["status"]) if status == 0 else status, data)
+                done(int(fields["status"]) if status == SUCCESS else status, data)
 
     def modex_got(self, ask: object) -> Done:
         """The answer to the MODEX_ASK `ask`: its MODEX_GOT, once the data is here."""
@@ -68,11 +68,11 @@ class Uplink:
 
 
 def _decoded(fields: dict[str, Any], limit: int) -> tuple[int, bytes]:
-    """(0, the data of a PMIx answer), or (ERROR, b"") where it is an error or cannot be
+    """(SUCCESS, the data of a PMIx answer), or (ERROR, b"") where it is an error or cannot be
     data."""
     if fields.get("error"):
         return ERROR, b""
     try:
-        return 0, pmixplan.decode_data(fields.get("data") or "", limit)
+        return SUCCESS, pmixplan.decode_data(fields.get("data") or "", limit)
     except ValueError:
         return ERROR, b""

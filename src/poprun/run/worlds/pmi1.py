@@ -163,7 +163,7 @@ class MpiWorld:
     def exited(self, rank: int) -> None:
         """A local instance exited: one that joined Open MPI's world here and never left it
         properly (no MPI_Finalize) is lost to its peers."""
-        if self.pmix is not None and self.pmix.unfinalized(rank):
+        if self.pmix is not None and self.pmix.lost_on_exit(rank):
             self._on_lost(rank, True)
 
     def open_remote(self) -> None:

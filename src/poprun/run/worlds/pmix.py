@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from poprun.errors import LaunchError
 from spawner.worlds import pmixplan
+from spawner.worlds.pmixplan import ERR_NOT_FOUND, ERROR, SUCCESS
 
-SUCCESS, ERROR, ERR_NOT_FOUND = 0, -1, -46  # libpmix's statuses (spawner/worlds/pmixserver.py)
 MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in one world
 
 
@@ -71,13 +71,9 @@ class PmixWorld:
     def instance_env(self, rank: int, environ) -> dict[str, str]:
         return self._pmix.instance_env(self.ns, rank, environ)
 
-    def unfinalized(self, rank: int) -> bool:
-        """A local instance exited: had it joined the world here, and not left it properly
-        (no MPI_Finalize)? Said once (the server's word, read up to now: Served)."""
-        if self.ns is None or not self.ns.unfinalized(rank):
-            return False
-        self.ns.finalized.add(rank)
-        return True
+    def lost_on_exit(self, rank: int) -> bool:
+        """A local instance exited: lost to its peers (pmixhost.Served.lost_on_exit)?"""
+        return self.ns is not None and self.ns.lost_on_exit(rank)
 
     # --- this host's server (spawner.worlds.pmixhost.Handler) -----------------------------------
 
@@ -108,8 +104,7 @@ class PmixWorld:
             return
         try:
             if kind_name == "FENCE_IN":
-                fence = pmixplan.FenceId(tuple(int(r) for r in fields["ranks"]),
-                                         int(fields["seq"]))
+                fence = pmixplan.fence_of(fields)
                 self._contribute(fence, self.names.index(host),
                                  pmixplan.decode_data(fields["data"], pmixplan.MAX_FENCE_DATA))
             elif kind_name == "MODEX_WANT":

@@ -423,17 +423,18 @@ PMI_CLIENT = textwrap.dedent("""
 
 def test_a_world_s_ranks_here_go_to_the_launcher_once_per_barrier(agent):
     """The agent serves the PMI of the world's ranks on its host (spawner/worlds/nodeworld.py):
-    one BARRIER_IN for both, with both puts; BARRIER_OUT's puts answer their gets of a key
-    put on another host; abort and a connection closed unfinalized are reported."""
+    one FENCE_IN of PMI-1's for both (a fence over every rank), with both puts; FENCE_OUT's
+    puts answer their gets of a key put on another host; abort and a connection closed
+    unfinalized are reported."""
     agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__, python=[3, 11])
     agent.send(Kind.WORLD, kvsname="w", size=3, ranks=[1, 2], nodes=[0, 1, 1])
     for rank, end in ((1, "none"), (2, "abort")):
         assert agent.spawn(rank, PY, "-c", PMI_CLIENT, end, world="w",
                            env_set={"PMI_RANK": str(rank), "PMI_SIZE": "3"}).kind is Kind.STARTED
-    barrier = agent.wait_for(lambda f: f.kind is Kind.BARRIER_IN)
-    assert barrier.fields == {"kvsname": "w", "count": 2,
+    barrier = agent.wait_for(lambda f: f.kind is Kind.FENCE_IN)
+    assert barrier.fields == {"kvsname": "w", "of": "pmi1", "ranks": [0, 1, 2], "seq": 0,
                               "puts": {"k1": "from 1", "k2": "from 2"}}
-    agent.send(Kind.BARRIER_OUT, kvsname="w",
+    agent.send(Kind.FENCE_OUT, kvsname="w", of="pmi1", ranks=[0, 1, 2], seq=0,
                puts={"k0": "from 0", "k1": "from 1", "k2": "from 2"})
     for rank in (1, 2):
         assert agent.read_line(rank).decode().split(" ", 2) == [
@@ -443,7 +444,7 @@ def test_a_world_s_ranks_here_go_to_the_launcher_once_per_barrier(agent):
         "kvsname": "w", "key": 2, "exitcode": 9, "message": "bye now"}
     assert agent.wait_for(lambda f: f.kind is Kind.MPI_LOST).fields == {
         "kvsname": "w", "key": 1, "initialized": True}
-    assert not [f for f in agent.events if f.kind is Kind.BARRIER_IN]  # once per barrier
+    assert not [f for f in agent.events if f.kind is Kind.FENCE_IN]  # once per barrier
 
 
 def test_a_spawn_into_a_world_the_agent_was_not_told_of_fails(agent):

@@ -247,7 +247,10 @@ SPAWN_REQUEST = {"commands": [{"execname": "true", "nprocs": 1, "args": [], "inf
 world_fields = st.fixed_dictionaries(
     {"kvsname": st.sampled_from(["poprun-fuzz-9", "other"])},
     optional={"key": st.sampled_from([0, 2, 4, 5, -1, "2", True, None, 2**70]),
-              "count": st.sampled_from([0, 1, 3, 4, -1, "3", None, 2**70]),
+              "of": st.sampled_from(["pmi1", "pmix", None]),
+              "ranks": st.sampled_from([[0, 1, 2, 3, 4], [2, 3, 4], [0, 1, 2, 3, 4, 5], [], None,
+                                        ["0"], [True, 1, 2, 3, 4], [2**70]]),
+              "seq": st.sampled_from([0, 1, -1, "0", None, 2**70]),
               "puts": st.sampled_from([{}, {"k": "v"}, {"k": 1}, [], None, "x"]),
               "id": st.sampled_from([1, 2, "1", None]), "exitcode": json_values,
               "message": json_values, "initialized": json_values, "value": json_values,
@@ -285,7 +288,7 @@ class FakeAgent:
 
 @settings(FAST, max_examples=200)
 @given(st.lists(st.tuples(st.sampled_from(["h9", "h7"]),
-                          st.sampled_from(["BARRIER_IN", "GET", "MPI_ABORT", "MPI_LOST",
+                          st.sampled_from(["FENCE_IN", "GET", "MPI_ABORT", "MPI_LOST",
                                            "SPAWN_ASK", "NAME", "PMI_UNSERVED"]),
                           world_fields), max_size=8))
 def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
@@ -336,14 +339,20 @@ def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
         assert answered == sorted((host, {"SPAWN_ASK": "SPAWNED_ANSWER"}.get(name, "NAMED"),
                                    ask) for host, name, ask in taken), (answered, taken)
         for kind, fields in agents["h7"].told:  # h7 runs none of the world: refused, all
-            assert (fields.get("rc", fields.get("reply", {}).get("rc")) == 1
-                    if kind is not Kind.VALUE else fields["value"] is None), fields
+            if kind is Kind.VALUE:
+                assert fields["value"] is None, fields
+            elif kind is Kind.FENCE_OUT:
+                assert fields["error"] and "puts" not in fields, fields
+            else:
+                assert fields.get("rc", fields.get("reply", {}).get("rc")) == 1, fields
+        for kind, fields in agents["h9"].told:  # its barriers wait for this host's ranks'
+            assert kind is not Kind.FENCE_OUT or fields["error"], fields
         for host, agent in agents.items():  # a refusal is said once per host
             said = [w for w in log.warnings if w.startswith(f"{host}: ")]
             assert len(said) == min(agent.refused, 1), (said, agent.refused)
             if agent.refused:
                 event(f"{host}'s requests refused")
-        assert all(kind in (Kind.VALUE, Kind.BARRIER_OUT, Kind.SPAWNED_ANSWER, Kind.NAMED)
+        assert all(kind in (Kind.VALUE, Kind.FENCE_OUT, Kind.SPAWNED_ANSWER, Kind.NAMED)
                    for agent in agents.values() for kind, _ in agent.told)
         await world.close()
 

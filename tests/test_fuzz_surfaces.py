@@ -106,10 +106,10 @@ def test_a_pmi_server_survives_any_lines(lines):
         assert rank == 0 and isinstance(code, int) and isinstance(message, str)
 
 
-# Several ranks, some served by the job's root server and the others, in agent mode, by a
-# host's agent whose barriers go up to the root as one batch (LocalUpstream: the group-barrier
-# path of a host's BARRIER_IN, without the wire between them, which the agent protocol's own
-# fuzzing feeds). One rank is hostile: after its peers have put their keys it sends generated
+# Several ranks, served by one server alone, or by the node-level servers of two hosts whose
+# barriers go up to the world's root as one batch each (Root.node: the fence a host's
+# FENCE_IN enters, without the wire between them, which the agent protocol's own fuzzing
+# feeds). One rank is hostile: after its peers have put their keys it sends generated
 # lines, lines up to and past PMI's 1 MiB, and puts until KEYS_PER_RANK x size is reached, then
 # plays its part (init, put, barrier, finalize). The honest ranks must get each other's values
 # exactly; a hostile line past 1 MiB drops its connection (reported lost: its peers then wait
@@ -201,32 +201,34 @@ class PmiClient:
 
 @HEAVY
 @given(st.integers(2, 4), st.data())
-@pytest.mark.parametrize("mode", ["root", "agent"])
+@pytest.mark.parametrize("mode", ["alone", "nodes"])
 def test_pmi_ranks_get_their_values_whatever_one_rank_sends(mode, size, data):
-    from spawner.worlds.pmi1 import KEYS_PER_RANK, LocalUpstream, PmiServer
+    from spawner.worlds.pmi1 import KEYS_PER_RANK, PmiServer, Root
 
     kvsname = "poprun-fuzz-7"
     hostile = data.draw(st.integers(0, size - 1), label="hostile rank")
-    # Served by the root: every rank (root mode) or rank 0, the others by a host's agent.
-    here = list(range(size)) if mode == "root" else [0]
+    # Served here: every rank (alone) or rank 0, the others by another host's server.
+    here = list(range(size)) if mode == "alone" else [0]
     keys_max = KEYS_PER_RANK * size
-    # A flood reaches the world's bound where the root serves every rank; with an agent, it
-    # stays within what the root can take as the agent's batch beside rank 0's keys (a bound
+    # A flood reaches the world's bound where one server serves every rank; across hosts, it
+    # stays within what the root can take as a host's batch beside rank 0's keys (a bound
     # with a test of its own, below: reaching it drops a whole host's ranks). The generated
     # lines' puts take a few keys more.
-    flood = keys_max if mode == "root" else keys_max - 40 * size
+    flood = keys_max if mode == "alone" else keys_max - 40 * size
     items = data.draw(hostile_pmi(flood), label="hostile")
     sent, too_long = pmi_bytes(items, kvsname)
     aborts, lost = [], []
 
     async def main():
-        root = PmiServer(kvsname, size, local_ranks=here, on_abort=lambda *a: aborts.append(a),
-                         on_lost=lambda *a: lost.append(a))
-        agent = None if mode == "root" else PmiServer(
-            kvsname, size, local_ranks=range(1, size), upstream=LocalUpstream(root),
+        root = None if mode == "alone" else Root(size, [0] + [1] * (size - 1))
+        first = PmiServer(kvsname, size, local_ranks=here, on_abort=lambda *a: aborts.append(a),
+                          on_lost=lambda *a: lost.append(a),
+                          upstream=root and root.node(0))
+        other = None if mode == "alone" else PmiServer(
+            kvsname, size, local_ranks=range(1, size), upstream=root.node(1),
             on_abort=lambda *a: aborts.append(a), on_lost=lambda *a: lost.append(a))
-        servers = [s for s in (root, agent) if s is not None]
-        clients = {rank: await PmiClient.on((root if rank in here else agent).attach(rank))
+        servers = [s for s in (first, other) if s is not None]
+        clients = {rank: await PmiClient.on((first if rank in here else other).attach(rank))
                    for rank in range(size)}
         honest = [rank for rank in range(size) if rank != hostile]
         ready = {rank: asyncio.Event() for rank in honest}
@@ -246,9 +248,9 @@ def test_pmi_ranks_get_their_values_whatever_one_rank_sends(mode, size, data):
                     await asyncio.gather(*tasks)
                     assert not lost, lost
                 assert all(rank == hostile for rank, _, _ in aborts), aborts
-                for server in servers:
-                    assert len(server.kvs) <= keys_max
-                    if len(server.kvs) == keys_max:
+                for kvs in [s.kvs for s in servers] + ([root.kvs] if root else []):
+                    assert len(kvs) <= keys_max
+                    if len(kvs) == keys_max:
                         event("the world's keys all taken")
         finally:
             for server in servers:
@@ -263,29 +265,26 @@ def test_pmi_ranks_get_their_values_whatever_one_rank_sends(mode, size, data):
 @HEAVY
 @given(st.integers(0, 3), st.sampled_from([0, 1, -1]) | st.integers(-300, 300))
 def test_a_hosts_barrier_batch_is_bounded_as_a_whole(before, past):
-    """A host's BARRIER_IN carries every put of its instances since the last barrier: the
-    world's bound (KEYS_PER_RANK x size) holds for the batch as a whole, as for the puts of
-    one instance; a batch that would take the world past it is refused whole."""
-    from spawner.worlds.pmi1 import KEYS_PER_RANK, PmiError, PmiServer
+    """A host's barrier (FENCE_IN) carries every put of its instances since the last barrier:
+    the world's bound (KEYS_PER_RANK x size) holds for the batch as a whole, as for the puts
+    of one instance; a batch that would take the world past it is refused whole."""
+    from spawner.worlds.fences import FenceId
+    from spawner.worlds.pmi1 import KEYS_PER_RANK, Root
 
     size = 2
     keys_max = KEYS_PER_RANK * size
-
-    async def main():
-        root = PmiServer("poprun-fuzz-8", size, local_ranks=[])
-        root.kvs.update({f"before{i}": "v" for i in range(before)})  # earlier barriers'
-        batch = {f"b{i}": "v" for i in range(keys_max - before + past)}
-        try:
-            await asyncio.wait_for(root.group_barrier(size, batch), 10)
-        except PmiError:
-            assert before + len(batch) > keys_max  # refused only past the bound, and whole
-            assert len(root.kvs) == before
-        else:
-            assert before + len(batch) <= keys_max
-        assert len(root.kvs) <= keys_max
-        await root.close()
-
-    run(main())
+    root = Root(size, [0, 1])
+    root.kvs.update({f"before{i}": "v" for i in range(before)})  # earlier barriers'
+    batch = {f"b{i}": "v" for i in range(keys_max - before + past)}
+    answers = []
+    root.enter(FenceId((0, 1), 0), 0, batch, lambda *a: answers.append(a))
+    if answers:  # refused at once
+        assert answers[0][0] is None and "too_many_keys" in answers[0][1]
+        assert before + len(batch) > keys_max  # refused only past the bound, and whole
+        assert len(root.kvs) == before
+    else:  # taken, waiting for the other host
+        assert before + len(batch) <= keys_max
+    assert len(root.kvs) <= keys_max
 
 
 ABORTER = """

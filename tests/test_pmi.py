@@ -14,6 +14,7 @@ import re
 import pytest
 
 from spawner.worlds import pmi1
+from spawner.worlds.fences import FenceId
 from spawner.reaphere import mpich_shm_leftovers, mpich_world_ids
 
 T = pytest.mark.timeout
@@ -298,30 +299,37 @@ def test_server_abort_and_lost():
     assert len(events) == 3
 
 
-class CountingUpstream(pmi1.LocalUpstream):
-    def __init__(self, root):
-        super().__init__(root)
-        self.calls = []
+class CountingUpstream(pmi1.Upstream):
+    """A node-level server's upstream, the root's in-process one, counting what it is sent."""
 
-    async def barrier(self, count, puts):
-        self.calls.append((count, dict(puts)))
-        return await super().barrier(count, puts)
+    def __init__(self, upstream):
+        self.upstream, self.calls = upstream, []
+
+    async def barrier(self, puts):
+        self.calls.append(dict(puts))
+        return await self.upstream.barrier(puts)
+
+    async def get(self, key):
+        return await self.upstream.get(key)
 
 
 @T(15)
-def test_agent_forwarding_fake_clients():
-    """Root serves rank 0 itself; agent A serves ranks 1,2; agent B serves 3."""
+def test_node_forwarding_fake_clients():
+    """One root (the launcher's), three node-level servers: the launcher's host serves rank
+    0, host A ranks 1 and 2, host B rank 3; every barrier is one fence each host enters
+    once with its instances' puts."""
     async def main():
-        root = pmi1.PmiServer("poprun-t4-0", 4, local_ranks=[0])
-        ups = {n: CountingUpstream(root) for n in "AB"}
+        root = pmi1.Root(4, [0, 1, 1, 2])
+        ups = {n: CountingUpstream(root.node(node)) for node, n in enumerate("HAB")}
+        here = pmi1.PmiServer("poprun-t4-0", 4, local_ranks=[0], upstream=ups["H"])
         a = pmi1.PmiServer("poprun-t4-0", 4, local_ranks=[1, 2], upstream=ups["A"])
         b = pmi1.PmiServer("poprun-t4-0", 4, local_ranks=[3], upstream=ups["B"])
-        srv_of = {0: root, 1: a, 2: a, 3: b}
+        srv_of = {0: here, 1: a, 2: a, 3: b}
         socks = {r: srv_of[r].attach(r) for r in range(4)}
         cs = {r: await Client.over(s) for r, s in socks.items()}
         for r in range(4):
             await cs[r].ask(f"cmd=put kvsname=poprun-t4-0 key=bc-{r} value=addr {r}")
-        # rank 1 can already see rank 2's put (same agent), not rank 3's
+        # rank 1 can already see rank 2's put (same host), not rank 3's
         assert (await cs[1].ask("cmd=get key=bc-2")).endswith("value=addr\\ 2")
         for r in range(4):
             await cs[r].send("cmd=barrier_in")
@@ -331,51 +339,53 @@ def test_agent_forwarding_fake_clients():
             for k in range(4):
                 assert await cs[r].ask(f"cmd=get key=bc-{k}") == \
                     f"cmd=get_result rc=0 value=addr\\ {k}"
-        # one upstream message per agent and epoch, carrying its instances' puts
-        assert ups["A"].calls == [(2, {"bc-1": "addr 1", "bc-2": "addr 2"})]
-        assert ups["B"].calls == [(1, {"bc-3": "addr 3"})]
-        # second epoch: delta only; a key put before it (without barrier)
-        # is found through upstream.get
-        await cs[0].ask("cmd=put key=late value=L")
+        # one upstream message per host and epoch, carrying its instances' puts
+        assert ups["A"].calls == [{"bc-1": "addr 1", "bc-2": "addr 2"}]
+        assert ups["B"].calls == [{"bc-3": "addr 3"}]
+        assert ups["H"].calls == [{"bc-0": "addr 0"}]
+        # second epoch: delta only; a key the root holds that a host has not seen (a
+        # spawned world's preput) is found through upstream.get
+        root.kvs.update({"late": "L"})
         assert await cs[3].ask("cmd=get key=late") == "cmd=get_result rc=0 value=L"
         for r in range(4):
             await cs[r].send("cmd=barrier_in")
         for r in range(4):
             assert await cs[r].recv() == "cmd=barrier_out rc=0"
-        assert ups["A"].calls[1] == (2, {}) and ups["B"].calls[1] == (1, {})
-        assert a.kvs.get("late") == "L"
+        assert ups["A"].calls[1] == {} and ups["B"].calls[1] == {}
         for c in cs.values():
             await c.ask("cmd=finalize")
             c.close()
         for s in socks.values():
             s.close()
-        for srv in (a, b, root):
+        for srv in (a, b, here):
             await srv.close()
     run(main())
 
 
-@T(5)
 def test_a_hosts_barrier_batch_is_bounded_by_its_total_not_key_by_key():
-    """Guards a defect: the root checked each key of a host's BARRIER_IN batch against the count
+    """Guards a defect: the root checked each key of a host's barrier batch against the count
     held before the batch, so one batch could bring any number of keys. The batch's new keys
-    together must fit KEYS_PER_RANK x size; keys already held cost nothing new."""
-    async def main():
-        srv = pmi1.PmiServer("poprun-t9-1", 2)
-        limit = pmi1.KEYS_PER_RANK * 2
-        too_many = {f"k{i}": "v" for i in range(limit + 1)}
-        with pytest.raises(pmi1.PmiError, match="too_many_keys"):
-            await srv.group_barrier(1, too_many)
-        assert len(srv.kvs) == 0  # refused whole: nothing of it was taken
-        half = {f"k{i}": "v" for i in range(limit - 1)}
-        waiting = asyncio.ensure_future(srv.group_barrier(1, half))
-        await asyncio.sleep(0)
-        with pytest.raises(pmi1.PmiError, match="too_many_keys"):  # 2 new ones: one too many
-            await srv.group_barrier(1, {"k0": "w", "new1": "v", "new2": "v"})
-        delta = await srv.group_barrier(1, {"k0": "w", "new1": "v"})  # fits exactly
-        assert len(delta) == limit and (await waiting) == delta
-        with pytest.raises(pmi1.PmiError, match="PMI_"):
-            await srv.group_barrier(2, {"PMI_x": "v"})
-        with pytest.raises(pmi1.PmiError, match="not_text"):  # JSON from a host: any type
-            await srv.group_barrier(2, {"k": 3})
-        await srv.close()
-    run(main())
+    together must fit KEYS_PER_RANK x size; keys already held cost nothing new. A part that
+    cannot be one fails that host's barrier at once, nothing of it taken."""
+    root = pmi1.Root(2, [0, 1])
+    limit = pmi1.KEYS_PER_RANK * 2
+
+    def enter(node, puts, seq=0, ranks=(0, 1)):
+        answers = []
+        root.enter(FenceId(ranks, seq), node, puts, lambda *a: answers.append(a))
+        return answers
+
+    [(delta, error)] = enter(0, {f"k{i}": "v" for i in range(limit + 1)})
+    assert delta is None and "too_many_keys" in error
+    assert len(root.kvs) == 0  # refused whole: nothing of it was taken
+    waiting = enter(0, {f"k{i}": "v" for i in range(limit - 1)})
+    assert waiting == []
+    [(_, error)] = enter(1, {"k0": "w", "new1": "v", "new2": "v"})  # 2 new ones: one too many
+    assert "too_many_keys" in error
+    [(delta, error)] = enter(1, {"k0": "w", "new1": "v"})  # fits exactly
+    assert error is None and len(delta) == limit and waiting == [(delta, None)]
+    assert "PMI_" in enter(0, {"PMI_x": "v"}, seq=1)[0][1]
+    assert "not text" in enter(0, {"k": 3}, seq=1)[0][1]  # JSON from a host: any type
+    assert "every rank" in enter(0, {}, seq=1, ranks=(0,))[0][1]
+    assert enter(0, {}, seq=1) == []
+    assert "twice" in enter(0, {}, seq=1)[0][1]  # a host enters a barrier once

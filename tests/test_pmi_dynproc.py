@@ -231,13 +231,14 @@ def test_a_spawn_is_handed_to_the_launcher_with_its_request():
 
 @T(15)
 def test_names_are_the_job_s_across_the_root_and_an_agent():
-    """Rank 0 is served by the root, rank 1 by an agent: a name one publishes the other finds
-    (the agent asks its upstream: NAME/NAMED across hosts)."""
+    """Rank 0 is served on the launcher's host, rank 1 on an agent's, each by a node-level
+    server: a name one publishes the other finds (both ask the root's table: in-process, or
+    NAME/NAMED across hosts)."""
     async def main():
-        root = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[0])
-        agent = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[1],
-                              upstream=pmi1.LocalUpstream(root))
-        c0, c1 = await Client.over(root.attach(0)), await Client.over(agent.attach(1))
+        root = pmi1.Root(2, [0, 1])
+        here = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[0], upstream=root.node(0))
+        agent = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[1], upstream=root.node(1))
+        c0, c1 = await Client.over(here.attach(0)), await Client.over(agent.attach(1))
         assert await c1.ask("cmd=publish_name service=ocean port=tag#0$x$") == \
             "cmd=publish_result rc=0"
         assert await c0.ask("cmd=lookup_name service=ocean") == \
@@ -250,7 +251,7 @@ def test_names_are_the_job_s_across_the_root_and_an_agent():
         for c in (c0, c1):
             c.close()
         await agent.close()
-        await root.close()
+        await here.close()
     run(main())
 
 

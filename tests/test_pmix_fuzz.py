@@ -275,6 +275,7 @@ MESSAGES = st.lists(st.tuples(
 def test_what_an_agent_sends_about_pmix_never_breaks_the_launcher(messages):
     from poprun.run.worlds.pmix import PmixWorld
     from spawner.worlds import pmixplan
+    from spawner.worlds.fences import MAX_OPEN_FENCES
 
     agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
     log, lost = _Log(), []
@@ -282,7 +283,7 @@ def test_what_an_agent_sends_about_pmix_never_breaks_the_launcher(messages):
                       lambda *a: None, lambda host, why: lost.append((host, why)), log)
     for kind, host, fields in messages:
         world.from_agent(agents[host], kind, fields)
-    assert len(world._fences._open) <= pmixplan.MAX_OPEN_FENCES
+    assert len(world._fences._open) <= MAX_OPEN_FENCES
     assert all(len(m) < 1000 for m in log.warnings)
     assert all(len(why) <= 500 for _, why in lost)
     # A proper fence over the whole world still completes, with both hosts' data in order.

@@ -360,7 +360,6 @@ class Agent:
                           Kind.SPAWN: self._spawn, Kind.SIGNAL: self._signal,
                           Kind.STACKS: self._stacks, Kind.WORLD: self._open_world,
                           Kind.WORLD_END: self._end_world,
-                          Kind.BARRIER_OUT: partial(self._to_world, Kind.BARRIER_OUT),
                           Kind.VALUE: partial(self._to_world, Kind.VALUE),
                           Kind.NAMED: partial(self._to_world, Kind.NAMED),
                           Kind.SPAWNED_ANSWER: partial(self._to_world, Kind.SPAWNED_ANSWER),
@@ -623,7 +622,7 @@ class Agent:
             self._loop.create_task(world.close())
 
     def _to_world(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """BARRIER_OUT, VALUE: the launcher's answers to a world's requests."""
+        """FENCE_OUT, VALUE...: the launcher's answers to a world's requests."""
         world = self._worlds.get(fields["kvsname"])
         if world is not None:  # else one that has ended
             world.answered(kind, fields)

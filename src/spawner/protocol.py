@@ -45,13 +45,14 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
                                              appnums (absent: all 0): {rank: appnum} where
                                              they differ (MPI_Comm_spawn_multiple's worlds)
       WORLD_END {kvsname}                    the world's instances are gone: clean up after it
-      BARRIER_OUT {kvsname, puts | error}    the job-wide barrier is complete: its puts
       VALUE   {kvsname, id, value}           answers GET (value null: absent)
       NAMED   {kvsname, id, rc, value}       answers NAME: rc 0 and the port (a lookup), or
                                              rc 1 and why
       SPAWNED_ANSWER {kvsname, id, reply}    answers SPAWN_ASK: spawn_result's fields
-      FENCE_OUT {kvsname, ranks, seq, data | error}  a PMIx fence every host took part in
-                                             is complete: all their data (base64)
+      FENCE_OUT {kvsname, ranks, seq, of, data | puts | error}  a fence every host
+                                             taking part entered is complete: PMIx's (`of`
+                                             absent), all their data (base64); PMI-1's
+                                             barrier (`of`: "pmi1"), the epoch's puts
       MODEX_ASK {kvsname, id, rank}          a rank of this host's: its PMIx data, please
       MODEX_DATA {kvsname, id, status, data} answers MODEX_WANT (data base64)
       PROBE   {id, address, port, token, within}  connect to the launcher there, send the
@@ -90,12 +91,13 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       STATS   {usage: {key: [cpu %, rss]},   every `stats` seconds, when HELLO gave it;
                progress: {key: [step, total]}}  progress (optional): popdist.progress()
       ALIVE   {}                             every `interval` seconds (the agent's heartbeat)
-      BARRIER_IN {kvsname, count, puts}      all `count` instances here entered a PMI barrier
       GET     {kvsname, id, key}             a PMI key this host has not seen
       MPI_ABORT {kvsname, key, exitcode, message}   an instance called MPI_Abort
       MPI_LOST {kvsname, key, initialized}   an instance's PMI connection closed unfinalized
-      FENCE_IN {kvsname, ranks, seq, data}   every instance here entered this PMIx fence
-                                             (once per host and fence; data base64)
+      FENCE_IN {kvsname, ranks, seq, of, data | puts}  every instance here entered this
+                                             fence (once per host and fence: fences.py):
+                                             PMIx's, data base64; PMI-1's barrier (of:
+                                             "pmi1", ranks: all), puts: theirs since the last
       MODEX_WANT {kvsname, id, rank}         an instance here wants another host's rank's data
       MODEX_GOT {kvsname, id, status, data}  answers MODEX_ASK
       PMIX_UNSERVED {kvsname, error}         Open MPI's world cannot be served here
@@ -155,8 +157,9 @@ def __getattr__(name: str):
 # NAME, NAMED, PMI_UNSERVED, SPAWN_ASK, SPAWNED_ANSWER (MPI's published names and spawns,
 # PMI-1 commands not served), the PMIx server in a process of its own (PMIX_LOST;
 # PMIX_SERVE..PMIX_REFUSED on its link), SPAWN's rank and WORLD's appnums (spawned processes
-# on the agents' hosts)
-PROTOCOL_VERSION = 7
+# on the agents' hosts); 8: PMI-1's barrier is a fence (FENCE_IN/FENCE_OUT's `of`, `puts`),
+# BARRIER_IN and BARRIER_OUT gone
+PROTOCOL_VERSION = 8
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)
@@ -192,14 +195,14 @@ class Kind(enum.IntEnum):
     """Launcher: serve an MPI world's PMI for the instances of it that will run here."""
     WORLD_END = 9
     """Launcher: that world is over (its instances are gone): clean up after it."""
-    BARRIER_OUT = 10
-    """Launcher: the world's barrier is complete; the puts of its epoch."""
+    # 10: BARRIER_OUT until protocol 8 (PMI-1's barrier is a fence now)
     VALUE = 11
     """Launcher: the value of a key an agent asked for (GET)."""
     PROBE = 12
     """Launcher: can this host reach me back there? Agent answers with REPLY {ok, error}."""
     FENCE_OUT = 13
-    """Launcher: a PMIx fence is complete on every host; the data of all of them."""
+    """Launcher: a fence (PMIx's, or PMI-1's barrier) is complete on every host taking part;
+    what all of them brought."""
     MODEX_ASK = 14
     """Launcher: another host wants the PMIx data of a rank here. Answered by MODEX_GOT."""
     MODEX_DATA = 15
@@ -223,8 +226,7 @@ class Kind(enum.IntEnum):
     """Agent: I am here (its heartbeat). A launcher that hears nothing declares it lost."""
     INTERNAL = 23
     """Agent: it hit a bug (`error`, `traceback`), killed its instances and is exiting."""
-    BARRIER_IN = 25
-    """Agent: every instance of a world here entered a barrier (once per host and barrier)."""
+    # 25: BARRIER_IN until protocol 8
     GET = 26
     """Agent: a world's key this host has not seen. Launcher answers with VALUE."""
     MPI_ABORT = 27
@@ -232,7 +234,8 @@ class Kind(enum.IntEnum):
     MPI_LOST = 28
     """Agent: an instance's PMI connection closed before MPI_Finalize."""
     FENCE_IN = 29
-    """Agent: every instance of a world here entered a PMIx fence (once per host and fence)."""
+    """Agent: every instance of a world here entered a fence (PMIx's, or PMI-1's barrier),
+    once per host and fence."""
     MODEX_WANT = 30
     """Agent: an instance here wants another host's rank's PMIx data (direct modex)."""
     MODEX_GOT = 31

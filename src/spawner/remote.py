@@ -74,7 +74,7 @@ STDERR_TAIL = 4096  # bytes of the agent's stderr kept for error messages
 
 
 # The agent's frames about an MPI world it serves (spawner.worlds.nodeworld).
-_WORLD_KINDS = frozenset({Kind.BARRIER_IN, Kind.GET, Kind.MPI_ABORT, Kind.MPI_LOST,
+_WORLD_KINDS = frozenset({Kind.GET, Kind.MPI_ABORT, Kind.MPI_LOST,
                           Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED,
                           Kind.NAME, Kind.PMI_UNSERVED, Kind.SPAWN_ASK})
 
@@ -559,7 +559,7 @@ class RemoteSpawner:
             self.tell(Kind.WORLD_END, kvsname=kvsname)
 
     def tell(self, kind: Kind, **fields: Any) -> None:
-        """A frame that needs no answer (a world's WORLD_END, BARRIER_OUT, VALUE): dropped
+        """A frame that needs no answer (a world's WORLD_END, FENCE_OUT, VALUE): dropped
         when the agent is gone or going, as nothing there needs it any more."""
         self._send_quietly(encode(kind, **fields))
 

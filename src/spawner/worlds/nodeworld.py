@@ -4,8 +4,8 @@ through the launcher (docs/architecture.md, "The instances' worlds").
 The launcher's WORLD frame says which of its ranks run here. Each gets a PMI socket (its end
 watched until it speaks: worlds/pmi1ends.py); then an agent-mode PmiServer (worlds/pmi1.py)
 answers them, and goes to the launcher only where the world is bigger than this host: ONE
-BARRIER_IN per barrier for all of this host's instances (with their puts), answered by
-BARRIER_OUT with every put of that epoch; a GET for a key this host has not seen; a NAME to
+FENCE_IN per barrier for all of this host's instances (a fence over every rank, with their
+puts: spawner/worlds/fences.py), answered by FENCE_OUT with every put of that epoch; a GET for a key this host has not seen; a NAME to
 publish, unpublish or look up (the job's names are the launcher's: worlds/mpinames.py); a
 SPAWN_ASK for an instance's MPI_Comm_spawn (the launcher starts the children, here too: a
 spawned world's ranks on this host are served by an AgentWorld of its own, its SPAWNs naming
@@ -57,7 +57,8 @@ class AgentWorld:
         self._send, self._lifeline = send, lifeline
         self._ends = PmiEnds(loop, self._start)
         self.server = None  # spawner.worlds.pmi1.PmiServer, once an instance here has spoken
-        self._barrier: asyncio.Future | None = None
+        self._barriers: dict[int, asyncio.Future] = {}  # by number (the fence's seq)
+        self._barrier_seq = itertools.count()
         self._gets: dict[int, asyncio.Future] = {}
         # NAME and SPAWN_ASK frames awaiting their NAMED and SPAWNED_ANSWER
         self._asks: dict[int, asyncio.Future] = {}
@@ -116,10 +117,12 @@ class AgentWorld:
 
     # --- the launcher, as the agent-mode server's upstream (spawner.worlds.pmi1.Upstream) -------
 
-    async def barrier(self, count: int, puts: dict[str, str]) -> dict[str, str]:
-        self._barrier = asyncio.get_running_loop().create_future()
-        self._send(encode(Kind.BARRIER_IN, kvsname=self.kvsname, count=count, puts=puts))
-        return await self._barrier
+    async def barrier(self, puts: dict[str, str]) -> dict[str, str]:
+        seq = next(self._barrier_seq)
+        future = self._barriers[seq] = asyncio.get_running_loop().create_future()
+        self._send(encode(Kind.FENCE_IN, kvsname=self.kvsname, of="pmi1",
+                          ranks=list(range(self.size)), seq=seq, puts=puts))
+        return await future
 
     async def get(self, key: str) -> str | None:
         ask = next(self._ids)
@@ -178,20 +181,12 @@ class AgentWorld:
                                       self._uplink.modex_got(fields["id"]))
 
     def answered(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """BARRIER_OUT or VALUE from the launcher (or PMIx's answers)."""
-        from .pmi1 import PmiError
-
-        if kind in (Kind.FENCE_OUT, Kind.MODEX_DATA, Kind.MODEX_ASK):
+        """FENCE_OUT (PMI-1's barrier or PMIx's), VALUE, NAMED, SPAWNED_ANSWER from the
+        launcher (or PMIx's other answers)."""
+        if kind is Kind.FENCE_OUT and fields.get("of") == "pmi1":
+            self._barrier_out(fields)
+        elif kind in (Kind.FENCE_OUT, Kind.MODEX_DATA, Kind.MODEX_ASK):
             self._pmix_answered(kind, fields)
-            return
-        if kind is Kind.BARRIER_OUT:
-            future, self._barrier = self._barrier, None
-            if future is None or future.done():
-                return
-            if fields.get("error"):
-                future.set_exception(PmiError(fields["error"]))
-            else:
-                future.set_result(dict(fields["puts"]))
         elif kind is Kind.NAMED:
             future = self._asks.pop(int(fields["id"]), None)
             if future is not None and not future.done():
@@ -204,6 +199,21 @@ class AgentWorld:
             future = self._gets.pop(int(fields["id"]), None)
             if future is not None and not future.done():
                 future.set_result(fields.get("value"))
+
+    def _barrier_out(self, fields: dict[str, Any]) -> None:
+        """The launcher's answer to a barrier: its delta (checked as the launcher checks a
+        host's puts: pmi1.checked_puts), or why it failed."""
+        from .pmi1 import PmiError, checked_puts
+
+        future = self._barriers.pop(int(fields["seq"]), None)
+        if future is None or future.done():
+            return
+        try:
+            if fields.get("error"):
+                raise PmiError(str(fields["error"]))
+            future.set_result(checked_puts(fields.get("puts")))
+        except PmiError as exc:
+            future.set_exception(exc)
 
     def _aborted(self, rank: int, code: int, message: str) -> None:
         self._send(encode(Kind.MPI_ABORT, kvsname=self.kvsname, key=rank, exitcode=code,

@@ -73,26 +73,24 @@ Structure of this module:
 * pure protocol core, no I/O: :func:`parse`, :func:`format`,
   :func:`process_mapping`, :func:`process_mapping_for_ranks`,
   :class:`KeyValueSpace`, :class:`Barrier`;
-* asyncio I/O: :class:`PmiServer` (serves the instances of one job, either
-  as the job's root or as a per-host agent forwarding to an upstream), and
-  :class:`LocalUpstream` (adapter that connects an agent-mode server directly
-  to a root server in the same process, used by tests);
+* asyncio I/O: :class:`PmiServer` (serves one host's instances of a world,
+  alone or as a node of a world across hosts, forwarding to an upstream), and
+  :class:`Root` (the world's root: its key-value space, and each barrier as a
+  fence every host enters once: spawner/worlds/fences.py);
 * MPICH's /dev/shm segments of a job are found and removed by spawner/reaphere.py
   (``mpich_shm_leftovers``, ``remove_mpich_shm``): reap runs it on every host.
 
-Barrier / key-value exchange across hosts (agent forwarding)
-------------------------------------------------------------
-Every barrier participant contributes ``(count, puts)``: ``count`` is how
-many MPI processes it stands for and ``puts`` the key/values those processes
-put since the previous barrier.  A local instance served directly by the
-root is a participant with count 1.  A per-host agent serves its own
-instances with an agent-mode :class:`PmiServer`; when all of *its* instances
-have entered the barrier it sends ONE message upstream carrying
-``count = number of its instances`` and the union of their puts.  The root's
-:class:`Barrier` completes when the counts add up to the world size and then
-answers every participant with the *delta* of that epoch: every key/value
+Barrier / key-value exchange across hosts (node-level forwarding)
+-----------------------------------------------------------------
+Every host serves its own instances with a node-level :class:`PmiServer`
+(the launcher's host in-process, the others in their agents); when all of
+*its* instances have entered the barrier it enters ONE fence upstream over
+every rank of the world (the barrier's number its sequence number), its part
+the union of their puts (FENCE_IN from an agent).  The :class:`Root`
+completes the fence once every host has entered it (fences.FenceTable) and
+then answers each with the *delta* of that epoch: every key/value
 contributed by anybody during the epoch (not the whole key-value space).
-Agents merge the delta into their local mirror of the key-value space and
+Node-level servers merge the delta into their local mirror of the key-value space and
 answer their instances' ``get`` locally; a key missing locally is asked
 upstream (:meth:`Upstream.get`).  This is Hydra's design (proxy ``mput`` +
 ``barrier_in count=`` upstream, server broadcast of ``keyval_cache`` before
@@ -115,7 +113,7 @@ __all__ = [
     "PmiError", "parse", "format_cmd", "escape", "unescape",
     "process_mapping", "process_mapping_for_ranks",
     "KeyValueSpace", "Barrier", "BarrierRelease",
-    "PmiServer", "Upstream", "LocalUpstream",
+    "PmiServer", "Upstream", "Root", "checked_puts",
     "KVSNAME_MAX", "KEYLEN_MAX", "VALLEN_MAX", "KEYS_PER_RANK",
 ]
 
@@ -404,11 +402,11 @@ class Barrier:
 # --------------------------------------------------------------------------
 
 class Upstream:
-    """What an agent-mode :class:`PmiServer` needs from the level above."""
+    """What a node-level :class:`PmiServer` needs from the level above."""
 
-    async def barrier(self, count: int, puts: Dict[str, str]) -> Dict[str, str]:
-        """Enter the job-wide barrier for ``count`` processes with their
-        puts; return the epoch's delta once the whole job has entered."""
+    async def barrier(self, puts: Dict[str, str]) -> Dict[str, str]:
+        """Enter the world-wide barrier for every instance here, with their
+        puts; return the epoch's delta once every host has entered."""
 
     async def get(self, key: str) -> Optional[str]:
         """Look up a key this host has not seen (None if absent)."""
@@ -441,14 +439,14 @@ UnservedCallback = Callable[[int, str, str], None]
 class PmiServer:
     """Serves the PMI-1 connections of one job's instances on this host.
 
-    Root mode (``upstream=None``): authoritative key-value space and a
-    :class:`Barrier` over the whole world (``size`` processes); local
-    instances are participants of count 1, per-host agents join through
-    :meth:`group_barrier` / :meth:`lookup` with their instance count.
+    Alone (``upstream=None``): its own key-value space and a :class:`Barrier`
+    over its ranks (a world that is all here, as tests serve one).
 
-    Agent mode (``upstream`` given): serves ``local_ranks`` only; when all of
-    them entered a barrier it calls ``upstream.barrier(len(local_ranks),
-    their puts)`` once, merges the returned delta and releases them.
+    Node-level (``upstream`` given: the world's :class:`Root` through
+    :meth:`Root.node`, or an agent's link to the launcher): serves
+    ``local_ranks`` only; when all of them entered a barrier it calls
+    ``upstream.barrier(their puts)`` once, merges the returned delta and
+    releases them.
 
     ``kvsname`` must be unique per job *and attempt* (e.g.
     ``poprun-<jobid>-<attempt>``): MPICH derives its /dev/shm names from it.
@@ -501,8 +499,7 @@ class PmiServer:
             if not 0 <= r < size:
                 raise ValueError(f"rank {r} outside world of {size}")
         self.instances: Dict[int, _Instance] = {r: _Instance(r) for r in ranks}
-        # Root: the barrier counts the whole world.  Agent: only local ranks.
-        self.barrier = Barrier(size if upstream is None else max(1, len(ranks)))
+        self.barrier = Barrier(max(1, len(ranks)))  # the world's other hosts: upstream
         self._waiters: List[asyncio.Future] = []
         self.on_abort = on_abort
         self.on_lost = on_lost
@@ -573,22 +570,6 @@ class PmiServer:
         t.add_done_callback(self._tasks.discard)
         return t
 
-    # ---- barrier / kvs entry points (root mode) ----------------------------
-
-    async def group_barrier(self, count: int, puts: Dict[str, str]) -> Dict[str, str]:
-        """Root mode: an agent enters the barrier for ``count`` processes with
-        their puts; returns the epoch's delta (all puts of the epoch)."""
-        if self.upstream is not None:
-            raise PmiError("group_barrier is for the root server")
-        err = self.kvs.check_batch(puts)
-        if err:
-            raise PmiError(err)
-        return await self._enter(count, puts)
-
-    async def lookup(self, key: str) -> Optional[str]:
-        """Root mode: answer an agent's get for a key it has not seen."""
-        return self.kvs.get(key)
-
     async def _enter(self, count: int, puts: Dict[str, str]) -> Dict[str, str]:
         # Make the puts visible at once (gets before the barrier completes
         # may see them; PMI only promises visibility after it).
@@ -600,8 +581,8 @@ class PmiServer:
             waiters, self._waiters = self._waiters, []
             try:
                 if self.upstream is not None:
-                    # Agent: all local instances are in; go upstream once.
-                    delta = await self.upstream.barrier(self.barrier.total, release.puts)
+                    # All local instances are in; go upstream once.
+                    delta = await self.upstream.barrier(release.puts)
                     self.kvs.update(delta)
                 else:
                     delta = release.puts
@@ -773,22 +754,95 @@ class PmiServer:
         return format_cmd("spawn_result", fields)
 
 
-class LocalUpstream:
-    """:class:`Upstream` that talks to a root :class:`PmiServer` in-process.
+def checked_puts(value: object) -> Dict[str, str]:
+    """A barrier's puts as another process sent them (a host's part, the root's delta):
+    text keys and values, else PmiError. The one check of them on both sides."""
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise PmiError("a barrier's puts that are not text keys and values")
+    return value
 
-    The real agent will carry the same two calls over its control
-    connection to the launcher; this adapter lets tests run the
-    agent-forwarding path without a network.
-    """
 
-    def __init__(self, root: PmiServer):
-        self.root = root
+class Root:
+    """The root of one world across hosts: the job's key-value space (what every barrier
+    brought, and a spawned world's preput keys), its published names, and each barrier as a
+    fence over every rank (fences.FenceTable): each host enters it once, with its
+    instances' puts, bounded and checked against the space; once every host has, each gets
+    the epoch's delta. A host's part that cannot be one fails that host's barrier, never the
+    root. `nodes`: each rank's host, as node indices. The launcher's own host enters through
+    `node()`, in-process; an agent's through FENCE_IN (`enter`)."""
 
-    async def barrier(self, count: int, puts: Dict[str, str]) -> Dict[str, str]:
-        return await self.root.group_barrier(count, puts)
+    def __init__(self, size: int, nodes: Iterable[int], names=None) -> None:
+        from .fences import FenceTable
+
+        self.ranks = tuple(range(size))
+        self.kvs = KeyValueSpace(keys_max=KEYS_PER_RANK * size)
+        self._fences = FenceTable(list(nodes), KEYS_PER_RANK * size)
+        self._answers: Dict[object, Dict[int, Callable]] = {}
+        if names is None:
+            from .mpinames import NameService
+            names = NameService()
+        self.names = names
+
+    def enter(self, fence, node: int, puts: object,
+              answer: Callable[[Optional[Dict[str, str]], Optional[str]], None]) -> None:
+        """`node` entered barrier `fence` (fences.FenceId: every rank, the barrier's
+        number) with `puts`: `answer(delta, None)` once every host has, or `answer(None,
+        why)` at once where its part cannot be one."""
+        from .fences import FenceError
+
+        try:
+            if fence.ranks != self.ranks:
+                raise FenceError("a barrier is over every rank of the world")
+            puts = checked_puts(puts)
+            err = self.kvs.check_batch(puts)
+            if err:
+                raise FenceError(err)
+            complete = self._fences.contribute(fence, node, puts)
+        except (FenceError, PmiError) as exc:
+            answer(None, str(exc))
+            return
+        # Visible at once (gets before the barrier completes may see them; PMI only
+        # promises visibility after it).
+        self.kvs.update(puts)
+        self._answers.setdefault(fence, {})[node] = answer
+        if complete is None:
+            return
+        delta: Dict[str, str] = {}
+        for part in complete[1]:  # in node order
+            delta.update(part)
+        for done in self._answers.pop(fence).values():
+            done(delta, None)
+
+    def node(self, node: int) -> "Upstream":
+        """The :class:`Upstream` of a node-level server in this process (the launcher's
+        own host's): its barriers entered here, its gets and names answered here."""
+        return _InProcess(self, node)
+
+
+class _InProcess(Upstream):
+    def __init__(self, root: Root, node: int) -> None:
+        self.root, self.node, self._seq = root, node, 0
+
+    async def barrier(self, puts: Dict[str, str]) -> Dict[str, str]:
+        from .fences import FenceId
+
+        future = asyncio.get_running_loop().create_future()
+
+        def done(delta: Optional[Dict[str, str]], error: Optional[str]) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(PmiError(error))
+            else:
+                future.set_result(delta)
+
+        fence, self._seq = FenceId(self.root.ranks, self._seq), self._seq + 1
+        self.root.enter(fence, self.node, puts, done)
+        return await future
 
     async def get(self, key: str) -> Optional[str]:
-        return await self.root.lookup(key)
+        return self.root.kvs.get(key)
 
     async def name(self, op: str, service: str, port: str = "") -> Tuple[int, str]:
-        return await self.root.names.name(op, service, port)
+        return self.root.names.answer(op, service, port)

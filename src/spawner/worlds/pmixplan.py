@@ -16,10 +16,11 @@ pretend hosts on one machine are different nodes to Open MPI).
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Sequence
 from typing import NamedTuple
+
+# The fence protocol's (fences.py), named here too for the PMIx modules that use them.
+from .fences import FenceError, FenceId, b64, decode_data, fence_of  # noqa: F401
 
 # libpmix's statuses (OpenPMIx include/pmix_common.h), the one definition: the server's process
 # (pmixserver.py), its spawner (pmixhost.py), the uplink and the launcher's world answer
@@ -116,21 +117,6 @@ def job_keys(w: World, node_map: str, proc_map: str, tmpdir: str) -> list[Key]:
     ]
 
 
-class FenceId(NamedTuple):
-    """A fence, as hosts agree on it: the ranks taking part and how many fences over that
-    same set this host has entered before (PMIx allows concurrent fences on different sets,
-    never two on one set at once)."""
-
-    ranks: tuple[int, ...]
-    seq: int
-
-
-def fence_of(fields: dict) -> FenceId:
-    """The fence a FENCE_IN or FENCE_OUT frame names (another process's word: KeyError,
-    TypeError or ValueError where its fields cannot be one)."""
-    return FenceId(tuple(int(r) for r in fields["ranks"]), int(fields["seq"]))
-
-
 class FenceCounter:
     """Numbers each host's fences per participant set, so every host names the n-th fence
     on a set the same way."""
@@ -208,64 +194,3 @@ def abort_message(message: str) -> str:
 
 MAX_FENCE_DATA = 64 << 20  # bytes one host may contribute to one fence
 MAX_MODEX = 64 << 20  # bytes of one rank's data in a direct modex answer
-MAX_OPEN_FENCES = 1024  # fences begun and not complete, in one world
-
-
-class FenceError(ValueError):
-    """A host's fence contribution that cannot be one (hostile or broken)."""
-
-
-class FenceTable:
-    """The launcher's view of a world's fences across hosts: each host that holds a
-    participant contributes once (its instances' data, as its server gave it); the fence is
-    complete when every such host has, and its data is theirs concatenated in node order
-    (what libpmix unpacks, one host's blob after another)."""
-
-    def __init__(self, w: World) -> None:
-        self.world = w
-        self._open: dict[FenceId, dict[int, bytes]] = {}
-
-    def contribute(self, fence: FenceId, node: int, data: bytes
-                   ) -> tuple[list[int], bytes] | None:
-        """Record `node`'s part; when the fence is complete, (the nodes to answer, the data)."""
-        ranks = fence.ranks
-        if (not ranks or len(ranks) > self.world.size or list(ranks) != sorted(set(ranks))
-                or ranks[0] < 0 or ranks[-1] >= self.world.size or fence.seq < 0):
-            raise FenceError(f"a fence over ranks that are not this world's: {ranks[:8]}")
-        needed = hosts_of(ranks, self.world)
-        if node not in needed:
-            raise FenceError(f"node {node} holds no rank of that fence")
-        if len(data) > MAX_FENCE_DATA:
-            raise FenceError(f"{len(data)} bytes for one fence")
-        parts = self._open.get(fence)
-        if parts is None:
-            if len(self._open) >= MAX_OPEN_FENCES:
-                raise FenceError(f"more than {MAX_OPEN_FENCES} fences open")
-            parts = self._open[fence] = {}
-        if node in parts:
-            raise FenceError(f"node {node} entered fence {fence.seq} twice")
-        parts[node] = data
-        if set(parts) != needed:
-            return None
-        del self._open[fence]
-        nodes = sorted(parts)
-        return nodes, b"".join(parts[n] for n in nodes)
-
-
-def b64(data: bytes) -> str:
-    """PMIx data in a JSON frame (spawner/protocol.py)."""
-    return base64.b64encode(data).decode()
-
-
-def decode_data(text: object, limit: int) -> bytes:
-    """The bytes of a frame's base64 `data` field, at most `limit` of them: ValueError for
-    anything else (not a string, longer than `limit` bytes could encode, not strict base64).
-    The one decoder of PMIx data from another process: the launcher reads what agents send,
-    an agent what the launcher sends, a PMIx server's process and its spawner what the other
-    sends (docs/architecture.md, "Runtime guarantees")."""
-    if not isinstance(text, str) or len(text) > (limit + 2) // 3 * 4:
-        raise ValueError("no data, or too much")
-    try:
-        return base64.b64decode(text, validate=True)
-    except binascii.Error as exc:
-        raise ValueError(f"not base64: {exc}") from None

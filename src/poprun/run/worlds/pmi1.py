@@ -6,8 +6,10 @@ server (spawner/worlds/pmi1.py) answers its puts, gets and barriers. Ranks are i
 
 This host's instances are served here. On every other host the agent serves its own
 (spawner/worlds/nodeworld.py) and comes here only for what crosses hosts, over the connection it
-already has: one BARRIER_IN per host and barrier, a GET for a key it has not seen, an abort or
-a lost connection. This server holds the job's key-value space and the world-wide barrier.
+already has: one FENCE_IN per host and barrier, a GET for a key it has not seen, an abort or
+a lost connection. The world's root (spawner/worlds/pmi1.Root) holds the job's key-value
+space and combines the hosts' barriers; this host's instances are served by the same
+node-level server an agent runs, entering the root's barriers in-process.
 
 A job that does not use MPI pays for a socket pair per instance and a WORLD frame per host:
 the servers (and the import of their module, ~5 ms) start when an instance first writes to
@@ -112,6 +114,7 @@ class MpiWorld:
         self._local_index = _local_indices(self._hosts)  # each rank's place on its host
         order = list(dict.fromkeys(self._hosts))
         self._nodes = [order.index(host) for host in self._hosts]  # each rank's host
+        self._order = order
         self._ends = PmiEnds(loop, self._start_server)
         self._log, self._argv, self._spawned = log, list(argv), spawned
         self._appnums = dict(appnums or {})
@@ -119,7 +122,8 @@ class MpiWorld:
         self.names = names  # the job's published names (spawner/worlds/mpinames.py), once served
         self.on_spawn = None  # the job's MPI_Comm_spawn (Job._spawn_children: run/worlds/spawn.py)
         self._tasks: set[asyncio.Task] = set()
-        self.server = None  # spawner.worlds.pmi1.PmiServer, once an instance or an agent has spoken
+        self.root = None  # spawner.worlds.pmi1.Root, once an instance or an agent has spoken
+        self.server = None  # this host's node-level PmiServer, then, where ranks run here
         self._cleans_here = False  # MPICH may leave segments on this host (local instances)
         self.pmix = None  # Open MPI's world (run/worlds/pmix.PmixWorld), where PMIx is served
         if pmix is not None:  # before the instances start: they need its variables
@@ -179,7 +183,7 @@ class MpiWorld:
     def start(self) -> None:
         """Serve now, not when a rank first speaks (a spawned world: its preput keys go in
         before its processes start)."""
-        if self.server is None:
+        if self.root is None:
             self._start_server()
 
     def _start_server(self) -> None:
@@ -191,14 +195,15 @@ class MpiWorld:
         self._cleans_here = bool(local)
         if self._cleans_here and self._lifeline is not None:
             self._lifeline.add_mpi_world(self.kvsname)
-        if self.names is None:  # the instances' world: the job's names start here
-            from spawner.worlds.mpinames import NameService
-
-            self.names = NameService()
+        self.root = pmi1.Root(self.size, self._nodes, self.names)
+        self.names = self.root.names  # the instances' world: the job's names start here
+        if not local:
+            return
         self.server = pmi1.PmiServer(
             self.kvsname, self.size, local_ranks=local,
+            upstream=self.root.node(self._nodes[local[0]]),
             on_abort=self._on_abort, on_lost=self._on_lost,
-            process_mapping=pmi1.process_mapping_for_ranks(self._nodes), names=self.names,
+            process_mapping=pmi1.process_mapping_for_ranks(self._nodes),
             on_unserved=self._on_unserved, on_spawn=self.on_spawn, appnums=self._appnums)
         for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
@@ -225,6 +230,9 @@ class MpiWorld:
         if frame.kind is Kind.MPI_LOST:
             self._on_lost(int(fields["key"]), bool(fields["initialized"]))
             return
+        if _pmi1_barrier(frame.kind, fields):
+            self._barrier(spawner, fields)
+            return
         if frame.kind in (Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED,
                           Kind.PMIX_LOST):
             if self.pmix is not None:
@@ -234,7 +242,7 @@ class MpiWorld:
             self._on_unserved(fields["key"], str(fields.get("cmd")),
                               str(fields.get("why")))
             return
-        if self.server is None:
+        if self.root is None:
             self._start_server()
         if frame.kind is Kind.SPAWN_ASK:
             task = self.loop.create_task(self._spawn_for(spawner, fields))
@@ -246,14 +254,9 @@ class MpiWorld:
                                           str(fields.get("port") or ""))
             spawner.tell(Kind.NAMED, kvsname=self.kvsname, id=fields["id"], rc=rc,
                          value=value)
-        elif frame.kind is Kind.GET:
+        else:  # GET
             spawner.tell(Kind.VALUE, kvsname=self.kvsname, id=fields["id"],
-                         value=self.server.kvs.get(str(fields["key"])))
-        else:  # BARRIER_IN: answered once the whole world is in
-            task = self.loop.create_task(self._barrier(spawner, int(fields["count"]),
-                                                       dict(fields["puts"])))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+                         value=self.root.kvs.get(str(fields["key"])))
 
     def _refuse(self, spawner, frame: Control) -> None:
         """A request for a rank that does not run on the agent's host (another host's, or
@@ -275,6 +278,10 @@ class MpiWorld:
                          value="not_one_of_this_hosts_ranks")
         elif frame.kind is Kind.GET:  # not found: MPICH's PMI_KVS_Get fails
             spawner.tell(Kind.VALUE, kvsname=self.kvsname, id=frame.fields["id"], value=None)
+        elif _pmi1_barrier(frame.kind, frame.fields):  # the barrier fails there
+            spawner.tell(Kind.FENCE_OUT, kvsname=self.kvsname, of="pmi1",
+                         ranks=frame.fields["ranks"], seq=frame.fields["seq"],
+                         error="not one of this host's ranks")
         spawner.refused += 1
         if spawner.refused == 1 and self._log is not None:
             self._log.warning(
@@ -307,16 +314,23 @@ class MpiWorld:
             self._log.info(f"instance {rank}: PMI-1 command {shown_text(cmd)[:64]!r} answered "
                            f"with an error: {shown_text(why)[:200]}")
 
-    async def _barrier(self, spawner, count: int, puts: dict[str, str]) -> None:
-        from spawner.worlds.pmi1 import PmiError
+    def _barrier(self, spawner, fields) -> None:
+        """An agent's host entered a barrier (FENCE_IN of PMI-1): answered with FENCE_OUT
+        once every host has, at once with an error where its part cannot be one (its
+        instances' barrier fails, never the launcher)."""
         from spawner.protocol import Kind
+        from spawner.worlds.fences import fence_of
 
-        try:
-            delta = await self.server.group_barrier(count, puts)
-        except PmiError as exc:  # a host's instances broke the protocol: theirs fail
-            spawner.tell(Kind.BARRIER_OUT, kvsname=self.kvsname, error=str(exc))
-            return
-        spawner.tell(Kind.BARRIER_OUT, kvsname=self.kvsname, puts=delta)
+        if self.root is None:
+            self._start_server()
+        fence = fence_of(fields)  # its types: _check_from_agent
+
+        def answer(delta, error) -> None:
+            result = {"puts": delta} if error is None else {"error": error}
+            spawner.tell(Kind.FENCE_OUT, kvsname=self.kvsname, of="pmi1",
+                         ranks=list(fence.ranks), seq=fence.seq, **result)
+
+        self.root.enter(fence, self._order.index(spawner.host), fields.get("puts"), answer)
 
     # --- ending -------------------------------------------------------------------------
 
@@ -331,9 +345,8 @@ class MpiWorld:
             spawner.end_world(self.kvsname)
         for task in list(self._tasks):
             task.cancel()
-        if self.server is None:
-            return []
-        await self.server.close()
+        if self.server is not None:
+            await self.server.close()
         if not self._cleans_here:  # none of its ranks ran here
             return []
         from spawner.reaphere import remove_mpich_shm
@@ -361,7 +374,17 @@ def _for_own_ranks(kind, fields: Mapping, ranks: set[int]) -> bool:
 
     if kind in (Kind.SPAWN_ASK, Kind.PMI_UNSERVED):
         return fields["key"] in ranks
-    return bool(ranks) or kind not in (Kind.NAME, Kind.GET)
+    if kind in (Kind.NAME, Kind.GET) or _pmi1_barrier(kind, fields):
+        return bool(ranks)
+    return True
+
+
+def _pmi1_barrier(kind, fields: Mapping) -> bool:
+    """Whether an agent's frame is its host's entry into a PMI-1 barrier (a FENCE_IN of
+    PMI-1's; PMIx's are run/worlds/pmix.py's)."""
+    from spawner.protocol import Kind
+
+    return kind is Kind.FENCE_IN and fields.get("of") == "pmi1"
 
 
 def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:
@@ -384,9 +407,9 @@ def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:
         ok = has("key", int) and (kind is Kind.PMI_UNSERVED or has("id", int))
     elif kind is Kind.NAME:
         ok = has("id", int)
-    elif kind is Kind.BARRIER_IN:
-        ok = (has("count", int) and 0 < fields["count"] <= len(ranks) and has("puts", dict)
-              and all(isinstance(v, str) for v in fields["puts"].values()))
+    elif _pmi1_barrier(kind, fields):  # its puts: Root.enter
+        ok = (has("seq", int) and isinstance(fields.get("ranks"), list)
+              and all(isinstance(r, int) for r in fields["ranks"]))
     else:
         return  # PMIx's: run/worlds/pmix.py reads them
     if not ok:

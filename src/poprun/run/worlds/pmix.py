@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from poprun.errors import LaunchError
 from spawner.worlds import pmixplan
+from spawner.worlds.fences import FenceTable
 from spawner.worlds.pmixplan import ERR_NOT_FOUND, ERROR, SUCCESS
 
 MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in one world
@@ -41,7 +42,7 @@ class PmixWorld:
         self.world = pmixplan.world(kvsname, hosts, here)
         self._local_node = self.names.index(here) if local else None
         self._pmix = pmix
-        self._fences = pmixplan.FenceTable(self.world)
+        self._fences = FenceTable(self.world.nodes, pmixplan.MAX_FENCE_DATA)
         self._done: dict[pmixplan.FenceId, Callable[[int, bytes], None]] = {}  # local waiter
         self._ids = itertools.count(1)
         # our MODEX_ASK's id -> (who waits for the data, the host asked: only its agent
@@ -128,8 +129,8 @@ class PmixWorld:
             self._answer_fence(fence, [node], ERROR, b"", str(exc))
             return
         if complete is not None:
-            nodes, blob = complete
-            self._answer_fence(fence, nodes, SUCCESS, blob)
+            nodes, parts = complete  # libpmix unpacks one host's blob after another
+            self._answer_fence(fence, nodes, SUCCESS, b"".join(parts))
 
     def _answer_fence(self, fence: pmixplan.FenceId, nodes: list[int], status: int,
                       blob: bytes, error: str | None = None) -> None:

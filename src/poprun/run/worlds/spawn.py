@@ -127,7 +127,7 @@ class Spawned:
                 + (" before MPI_Finalize" if initialized else "")))
         world.on_spawn = self.for_world(origin)
         world.start()
-        world.server.kvs.update(preput)
+        world.root.kvs.update(preput)
         world.open_remote()
         self._worlds.append(world)
         return world

@@ -447,8 +447,11 @@ class PmixHost:
 
 
 def _source_root() -> str:
-    """Where `spawner` is imported from (a directory, or the agent's zip)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """Where `spawner` is imported from (a directory, or the agent's zip): its package's
+    parent, wherever in it this module lives."""
+    import spawner
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(spawner.__file__)))
 
 
 def _how(returncode: int) -> str:

@@ -11,8 +11,8 @@ the launcher's: worlds/mpinames.py); a SPAWN_ASK for an instance's MPI_Comm_spaw
 launcher starts the children, here too: a spawned world's ranks on this host are served by
 an AgentWorld of its own, its SPAWNs naming each child's rank, its WORLD frame their
 appnums); an instance's MPI_ABORT or a connection closed before MPI_Finalize (MPI_LOST),
-for the job to act on; PMI_UNSERVED, for the launcher's -v line, where a command was answered with an error.
-What MPICH leaves in /dev/shm is removed when the launcher ends the world (WORLD_END), when
+for the job to act on; PMI_UNSERVED, for the launcher's -v line, where a command was
+answered with an error. What MPICH leaves in /dev/shm is removed when the launcher ends the world (WORLD_END), when
 the agent ends, and by its lifeline's watchdog when the agent is killed outright.
 
 Where the WORLD frame asks for it, Open MPI's world is served here too: a PMIx server of its

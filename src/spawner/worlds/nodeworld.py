@@ -5,15 +5,16 @@ The launcher's WORLD frame says which of its ranks run here. Each gets a PMI soc
 watched until it speaks: worlds/pmi1ends.py); then a node-level PmiServer (worlds/pmi1.py)
 answers them, and goes to the launcher only where the world is bigger than this host: ONE
 FENCE_IN per barrier for all of this host's instances (a fence over every rank, with their
-puts: worlds/fences.py), answered by FENCE_OUT with every put of that epoch; a GET for a
-key this host has not seen; a NAME to publish, unpublish or look up (the job's names are
-the launcher's: worlds/mpinames.py); a SPAWN_ASK for an instance's MPI_Comm_spawn (the
-launcher starts the children, here too: a spawned world's ranks on this host are served by
-an AgentWorld of its own, its SPAWNs naming each child's rank, its WORLD frame their
-appnums); an instance's MPI_ABORT or a connection closed before MPI_Finalize (MPI_LOST),
-for the job to act on; PMI_UNSERVED, for the launcher's -v line, where a command was
-answered with an error. What MPICH leaves in /dev/shm is removed when the launcher ends the world (WORLD_END), when
-the agent ends, and by its lifeline's watchdog when the agent is killed outright.
+puts: worlds/fences.py), answered by FENCE_OUT with every put of that epoch; a GET for a key
+this host has not seen; a NAME to publish, unpublish or look up (the job's names are the
+launcher's: worlds/mpinames.py); a SPAWN_ASK for an instance's MPI_Comm_spawn (the launcher
+starts the children, here too: a spawned world's ranks on this host are served by an
+AgentWorld of its own, its SPAWNs naming each child's rank, its WORLD frame their appnums);
+an instance's MPI_ABORT or a connection closed before MPI_Finalize (MPI_LOST), for the job
+to act on; PMI_UNSERVED, for the launcher's -v line, where a command was answered with an
+error. What MPICH leaves in /dev/shm is removed when the launcher ends the world
+(WORLD_END), when the agent ends, and by its lifeline's watchdog when the agent is killed
+outright.
 
 Where the WORLD frame asks for it, Open MPI's world is served here too: a PMIx server of its
 own (spawner/worlds/pmixhost.py, a process per world) registers the world's namespace, the SPAWNs

@@ -4,6 +4,6 @@ server (`pmi1`), its sockets, wire words and spawn message; MPI's published name
 (`mpinames`); the PMIx server, its process, gate and link (`pmix*`); the node-level world an
 agent runs (`nodeworld`).
 
-Nothing is imported here: the PMIx server's process starts with `python -m
-spawner.worlds.pmixproc`, and a job without MPI imports none of this package's modules but
-`pmi1ends`."""
+Nothing is imported here: each module loads where it is first needed (the PMIx server's
+process starts with `python -m spawner.worlds.pmixproc` and pays for nothing else; PMI-1's
+server is imported once an instance first speaks)."""

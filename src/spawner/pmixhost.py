@@ -22,17 +22,19 @@ is off the launch's path where the launch's own set-up takes longer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
+import select
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import pmixplan
+from .containment import spare_child, unspare_child
 from .protocol import Control, FrameDecoder, Kind, ProtocolError, encode
 
 SUCCESS, ERROR = 0, -1  # PMIx statuses (spawner/pmixserver.py)
@@ -85,27 +87,21 @@ class _Server:
     """One server process and its link."""
 
     def __init__(self, host: PmixHost) -> None:
-        """Start the process: Python's start and its imports, before the job's name (and so
-        the server's directory) is known; `serve()` then starts libpmix's server there."""
+        """Start the process (a fork, importing the gate's and libpmix's modules) before the
+        job's name (and so the server's directory) is known; `serve()` then starts libpmix's
+        server there."""
         self.host, self.loop = host, host.loop
         self.tmpdir: str | None = None
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [_source_root(), *filter(None, [env.get("PYTHONPATH")])])
-        if host._lifeline is not None:  # spared between attempts, killed with the owner
-            from .containment import MARK, helpers_mark
-
-            env[MARK] = helpers_mark(host._lifeline.token)
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-S", "-m", "spawner.pmixproc", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
-                process_group=0)
+            self.proc = _fork(theirs.fileno())
         finally:
             theirs.close()
+        # Killed with its owner; spared by the sweep between attempts (where a helper is
+        # known by its mark, which a fork's environment cannot show).
         if host._lifeline is not None:
             host._lifeline.add_group(self.proc.pid)
+        spare_child(self.proc.pid)
         self.link = ours
         ours.setblocking(False)
         self._decoder = FrameDecoder()
@@ -265,15 +261,14 @@ class _Server:
         """Its end of the link closed: it died (or is dying). How, once it is reaped."""
         self._stop_reading()
         self.dead = "its PMIx server ended"
-        try:  # it is exiting: known now, the instances' exits it causes are not its cause
-            self._ended(_how(self.proc.wait(EXITING_WAIT)))
+        # It is exiting: known now, the instances' exits it causes are not its cause.
+        if self.proc.wait(EXITING_WAIT) is not None:
+            self._ended(_how(self.proc.returncode))
             return
-        except subprocess.TimeoutExpired:
-            pass
         try:
             pidfd = os.pidfd_open(self.proc.pid)
         except OSError:  # reaped already
-            self._ended(_how(self.proc.poll() or 0))
+            self._ended(_how(self.proc.wait()))
             return
 
         def reaped() -> None:
@@ -315,10 +310,7 @@ class _Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except OSError:
                 pass
-            try:
-                self.proc.wait(KILL_WAIT)
-            except subprocess.TimeoutExpired:
-                pass
+            self.proc.wait(KILL_WAIT)
         self.link.close()
         if self.dead is None:
             self.dead = why or "its PMIx server was stopped"
@@ -328,6 +320,7 @@ class _Server:
                     served.handler.server_lost(why)
         if self.host._lifeline is not None:
             self.host._lifeline.discard_group(self.proc.pid)
+        unspare_child(self.proc.pid)
         if self.tmpdir is not None:
             self.host._remove(self.tmpdir)
 
@@ -441,9 +434,66 @@ class PmixHost:
         self._shm.clear()
 
 
-def _source_root() -> str:
-    """Where `spawner` is imported from (a directory, or the agent's zip)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+class _Child:
+    """A server's process as its spawner reaps it (what pmixhost used of subprocess.Popen)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None  # as Popen's: -N once killed by signal N
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Its returncode once it has ended, waiting at most `timeout` s (None: for ever);
+        None if it still runs then."""
+        if self.returncode is None:
+            if timeout:
+                try:
+                    pidfd = os.pidfd_open(self.pid)
+                except OSError:
+                    pidfd = None
+                if pidfd is not None:
+                    try:
+                        select.select([pidfd], [], [], timeout)
+                    finally:
+                        os.close(pidfd)
+            try:
+                pid, status = os.waitpid(self.pid, 0 if timeout is None else os.WNOHANG)
+            except ChildProcessError:  # reaped by a final sweep: its status went with it
+                pid, status = self.pid, 0
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def _fork(fd: int) -> _Child:
+    """The server's process: a fork of this one, which becomes it (pmixproc.forked) with
+    `fd` as its end of the link. A fork, not a new Python: the interpreter's start and the
+    modules its spawner has imported already were most of a server's start (~60 of ~100 ms
+    of CPU; bench/README.md, "Open MPI's wire-up and PMIx's cost"), and on the path of the
+    first instances' MPI_Init wherever the launch reached its world before the server was
+    up. Every signal waits until the child has replaced the handlers it inherited: a
+    Ctrl-C for the terminal's group must not run poprun's in it."""
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+        with contextlib.suppress(Exception):
+            stream.flush()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        pid = os.fork()
+        if pid == 0:  # the server's process; never returns
+            try:
+                from . import pmixproc
+
+                pmixproc.forked(fd, mask)
+            except BaseException:  # noqa: BLE001 - said, and the link's EOF tells its spawner
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(1)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    with contextlib.suppress(OSError):  # here too: whichever runs first makes the group
+        os.setpgid(pid, pid)
+    return _Child(pid)
 
 
 def _how(returncode: int) -> str:

@@ -363,14 +363,15 @@ def test_a_killed_poprun_leaves_nothing(tmp_path, ompi):
 
 
 def pmix_servers(pid: int) -> list[int]:
-    """The PMIx server processes (spawner/pmixproc.py) poprun `pid` runs now."""
-    from spawner import procid
+    """The PMIx server processes (spawner/pmixproc.py) poprun `pid` runs now: forks of
+    poprun, told from it by their name."""
+    from spawner import pmixproc, procid
 
     found = []
     for child in procid.children(pid):
         try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawner.pmixproc" in f.read():
+            with open(f"/proc/{child}/comm", "rb") as f:
+                if f.read().strip() == pmixproc.NAME:
                     found.append(child)
         except OSError:
             continue

@@ -1,7 +1,7 @@
 """This host's PMIx service for one job, on the launcher and on an agent alike
-(docs/architecture.md, "The instances' worlds"): one PMIx server process per attempt
-(`python -m spawner.pmixproc`), started here and driven over a socket pair in the framed
-protocol (spawner/protocol.py, "spawner -> its PMIx server's process").
+(docs/architecture.md, "The instances' worlds"): one PMIx server process per attempt (a
+fork of this one: `_fork`, spawner/pmixproc.py), started here and driven over a socket pair
+in the framed protocol (spawner/protocol.py, "spawner -> its PMIx server's process").
 
 libpmix never runs in this process: a server that wedges, crashes or aborts costs its
 attempt's world, never poprun or the agent. Its death while its world is open is reported to
@@ -10,13 +10,15 @@ PMIx_server_finalize (where libpmix's thread wedges or frees a tracker twice). E
 gets a private 0700 directory (libpmix's files, and the gate's Unix socket:
 spawner/pmixgate.py) and each world a private directory in /dev/shm for Open MPI's
 segments, both registered with the lifeline before they exist; the server's process group
-too, and it carries the lifeline's helpers mark: a SIGKILLed owner leaves none of them.
+too (a fork cannot show the helpers' mark: the sweep between attempts spares its pid, and it
+ends at its link's EOF when its owner dies): a SIGKILLed owner leaves none of them.
 
 The first server's process is started as soon as the launch knows it serves PMIx (right
 after the lifeline's fork), libpmix's server in it as soon as the job has a name, and the
-next attempt's as the previous one is cleaned up: their start (~60-110 ms of CPU on the
-loaded machine here: Python, its imports, libpmix's initialisation; bench/pmix_start_bench.py)
-is off the launch's path where the launch's own set-up takes longer.
+next attempt's as the previous one is cleaned up: their start (a fork, the server's own
+imports and libpmix's initialisation: ~60 ms of CPU on the loaded machine here, ~100 with a
+new Python; bench/pmix_start_bench.py) is off the launch's path where the launch's own
+set-up takes longer.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ so served by its own libpmix 5.0, whose listener libevent watches with epoll):
   nobody had tried;
 - an idle connection held 30 s by another user delays neither MPI_Init nor MPI_Finalize,
   and SIGTERM still ends poprun within --kill-timeout + 1 s;
+- the server's process, a fork of poprun, holds none of poprun's pipes or sockets and
+  ignores stop signals sent to it alone;
 - a server killed mid-job (SIGKILL, SIGSEGV) is the root cause, named with its signal, and
   nothing of the world is left behind;
 - restarts after an MPI_Abort beside a rank in MPI_Finalize (where libpmix frees a fence
@@ -248,6 +250,43 @@ def _environ(pid: int) -> dict[str, str]:
     except OSError:
         return {}
     return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+
+
+def test_the_server_s_fork_holds_nothing_of_poprun_s_and_ignores_stop_signals(tmp_path, ompi):
+    """The server's process is a fork of poprun (spawner/pmixhost.py's `_fork`): in a group
+    of its own, holding none of poprun's pipes or sockets (the lifeline's among them), with
+    poprun's signal mask; stop signals sent to it alone change nothing, and its world forms
+    after them."""
+    job, go, out = _start(ompi, tmp_path)
+    with reaped(job):
+        _uri(job.stdout.readline())  # an instance has its variables: the server is up
+        (server,) = pmix_servers(job.pid)
+        assert os.getpgid(server) == server
+        assert _pipes_and_sockets(server, 3) & _pipes_and_sockets(job.pid, 0) == set()
+        assert _status(server, "SigBlk") == _status(job.pid, "SigBlk")
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            os.kill(server, sig)
+        go.touch()
+        stdout, stderr, result = _finish(job, out)
+    _assert_as_if_nobody_tried(job, stdout, stderr, result)
+
+
+def _pipes_and_sockets(pid: int, lowest: int) -> set[str]:
+    """The pipes and sockets process `pid` holds at descriptors `lowest` and up."""
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if int(fd) >= lowest and target.startswith(("pipe:", "socket:")):
+            held.add(target)
+    return held
+
+
+def _status(pid: int, field: str) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split(":", 1)[1].strip() for line in f if line.startswith(field + ":"))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import os
 import select
@@ -482,6 +483,10 @@ def _fork(fd: int) -> _Child:
         pid = os.fork()
         if pid == 0:  # the server's process; never returns
             try:
+                # First: a copy of a socket of ours that the collector would close here
+                # (garbage not yet collected at the fork) would close a descriptor number
+                # that the server has reused by then.
+                gc.freeze()
                 from . import pmixproc
 
                 pmixproc.forked(fd, mask)

@@ -174,14 +174,11 @@ class _Namespace:
 def forked(fd: int, mask: set[int]) -> None:
     """The server's process, in the child of its spawner's fork (spawner/pmixhost.py's
     `_fork`), with `fd` its end of the link and `mask` the signal mask to restore; never
-    returns. What the fork copied of the spawner is made harmless first: its Python objects
-    are never collected here (a socket of the spawner's closed by the collector would close
-    a descriptor number libpmix has reused), its signal handlers and wakeup descriptor go,
-    and every descriptor but the link and the standard ones is closed (a pipe of the
-    spawner's held here would keep its readers, the lifeline's watchdog among them, waiting)."""
-    import gc
-
-    gc.freeze()
+    returns. What the fork copied of the spawner is made harmless first (its Python objects
+    are out of the collector's reach already: `_fork`): its signal handlers and wakeup
+    descriptor go, and every descriptor but the link and the standard ones is closed (a
+    pipe of the spawner's held here would keep its readers, the lifeline's watchdog among
+    them, waiting)."""
     os.setpgid(0, 0)  # its own group: the lifeline's, killed whole
     signal.set_wakeup_fd(-1)
     for sig in signal.valid_signals():

@@ -124,17 +124,21 @@ class _Server:
         if self._ready is not None:
             return
         self.tmpdir = self.host._make_dir(kvsname, tmp=True)
-        self._ready = self.loop.create_task(self._serve())
+        lifeline = self.host._lifeline  # its token marks the job's instances
+        mark = "=".join(lifeline.mark) if lifeline is not None else None
+        # Sent now, not when the task first runs: libpmix's initialisation overlaps the
+        # launch's own set-up until it awaits the world (~60 ms at load ~20: bench/README.md,
+        # "Open MPI's wire-up and PMIx's cost").
+        asked = self._ask(Kind.PMIX_SERVE, dict(
+            libpmix=self.host.path, tmpdir=self.tmpdir, hostname=self.host.hostname,
+            owner=os.getpid(), mark=mark))
+        self._ready = self.loop.create_task(self._served(*asked))
         # Its failure is raised by `ready()`; one never awaited (a prestart the job did not
         # use) is not an error to report.
         self._ready.add_done_callback(lambda task: task.cancelled() or task.exception())
 
-    async def _serve(self) -> None:
-        lifeline = self.host._lifeline  # its token marks the job's instances
-        mark = "=".join(lifeline.mark) if lifeline is not None else None
-        result = await self.request(Kind.PMIX_SERVE, libpmix=self.host.path,
-                                    tmpdir=self.tmpdir, hostname=self.host.hostname,
-                                    owner=os.getpid(), mark=mark)
+    async def _served(self, ident: int, future: asyncio.Future) -> None:
+        result = await self._answer(ident, future)
         self.version = str(result.get("version") or "")
 
     async def ready(self) -> None:
@@ -143,11 +147,20 @@ class _Server:
     # --- requests ------------------------------------------------------------------------
 
     async def request(self, kind: Kind, **fields: Any) -> dict[str, Any]:
+        return await self._answer(*self._ask(kind, fields))
+
+    def _ask(self, kind: Kind, fields: dict[str, Any]) -> tuple[int, asyncio.Future]:
+        """`kind` sent now; its id, and the future of its answer (`_answer` awaits it)."""
+        future = self.loop.create_future()
         if self.dead is not None:
-            raise PmixServerError(self.dead)
+            future.set_exception(PmixServerError(self.dead))
+            return 0, future
         ident = next(self._ids)
-        future = self._waiting[ident] = self.loop.create_future()
+        self._waiting[ident] = future
         self.send(kind, id=ident, **fields)
+        return ident, future
+
+    async def _answer(self, ident: int, future: asyncio.Future) -> dict[str, Any]:
         try:
             return await asyncio.wait_for(future, START_TIMEOUT)
         except asyncio.TimeoutError:

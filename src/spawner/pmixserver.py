@@ -315,9 +315,12 @@ class PmixServer:
 
 # The server's own security mode: "native" (over TCP it trusts the uid a client claims: who
 # may connect at all is spawner/pmixgate.py's); under munge libpmix would otherwise offer a
-# mode the wheel's client complains about. Set in the server process's environment
-# (spawner/pmixproc.py): libpmix reads its MCA parameters there.
-SERVER_MCA = {"PMIX_MCA_psec": "native"}
+# mode the wheel's client complains about. Its data store: "hash" only, not the shared
+# memory one (ds21/ds12, 4.2's default) under which a rank's get for a peer on its host that
+# committed just then could be answered "not found" (docs/architecture.md, "The instances'
+# worlds"). Set in the server process's environment (spawner/pmixproc.py): libpmix reads its
+# MCA parameters there, and tells its clients which stores it has (setup_fork).
+SERVER_MCA = {"PMIX_MCA_psec": "native", "PMIX_MCA_gds": "hash"}
 
 
 class Namespace:

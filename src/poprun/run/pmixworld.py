@@ -17,6 +17,7 @@ fence ends in an error for that fence's instances, never in an exception here.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from poprun.errors import LaunchError
@@ -48,6 +49,7 @@ class PmixWorld:
         # answers it)
         self._asks: dict[int, tuple[Callable[[int, bytes], None], str]] = {}
         self._local = bool(local)
+        self._said: set[tuple[str, str]] = set()  # (host, what): its warnings, once each
         self.ns = None  # the world's namespace on this host's server (spawner.pmixhost.Served)
 
     async def open(self) -> None:
@@ -119,11 +121,19 @@ class PmixWorld:
             elif kind_name == "PMIX_LOST":
                 self._on_server_lost(host, str(fields.get("error"))[:500])
             elif kind_name == "PMIX_UNSERVED":
-                self._log.warning(f"{host}: Open MPI's world is not served there: "
-                                  f"{str(fields.get('error'))[:500]}")
+                self._warn_once(host, "unserved", f"{host}: Open MPI's world is not served "
+                                f"there: {str(fields.get('error'))[:500]}")
         except (KeyError, TypeError, ValueError,
                 pmixplan.FenceError) as exc:
-            self._log.warning(f"{host}: a PMIx message that cannot be one ({exc}); ignored")
+            self._warn_once(host, "malformed", f"{host}: a PMIx message that cannot be one "
+                            f"({str(exc)[:200]}); ignored (and its others, not said again)")
+
+    def _warn_once(self, host: str, what: str, message: str) -> None:
+        """Said once per host and kind of message: a host that sends it in a loop cannot
+        fill the launcher's log."""
+        if (host, what) not in self._said:
+            self._said.add((host, what))
+            self._log.warning(message)
 
     def _contribute(self, fence: pmixplan.FenceId, node: int, data: bytes) -> None:
         try:
@@ -159,8 +169,12 @@ class PmixWorld:
             raise ValueError(f"rank {rank}")
         owner = self._hosts[rank]
         self._log.debug(f"PMIx: {spawner.host} asks for rank {rank}'s data ({owner} has it)")
+        asked = time.monotonic()
 
         def answer(status: int, data: bytes) -> None:
+            # how long the owner took (it waits for the rank to commit): -vv
+            self._log.debug(f"PMIx: rank {rank}'s data to {spawner.host}: status {status}, "
+                            f"{len(data)} bytes, after {1000 * (time.monotonic() - asked):.0f} ms")
             spawner.tell(_kind("MODEX_DATA"), kvsname=self.kvsname, id=their_id,
                          status=status, data=pmixplan.b64(data))
 

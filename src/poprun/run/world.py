@@ -259,13 +259,14 @@ class MpiWorld:
         """A request for a rank that does not run on the agent's host (another host's, or
         none of this world's: `_for_own_ranks`) is the agent's host speaking for others:
         answered with an error where its rank waits for one (MPI_Comm_spawn, the name call
-        or the get fails), and nothing done. Said once per host (spawner.refused counts
-        them), not once a frame."""
+        or the get fails), and nothing done (an abort or a loss it reports for another
+        host's rank ends nothing). Said once per host (spawner.refused counts them), not
+        once a frame."""
         from spawner.pmispawn import spawn_reply
         from spawner.protocol import Kind
 
-        key = frame.fields.get("key")  # of a SPAWN_ASK or PMI_UNSERVED; NAME and GET name
-        # none (refused: the host runs none of the world)
+        key = frame.fields.get("key")  # the rank a SPAWN_ASK, PMI_UNSERVED, MPI_ABORT or
+        # MPI_LOST names; NAME and GET name none (refused: the host runs none of the world)
         what = f"rank {key}" if key is not None else "a rank"
         if frame.kind is Kind.SPAWN_ASK:
             spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=frame.fields["id"],
@@ -354,20 +355,19 @@ def _local_indices(hosts: Sequence[str]) -> list[int]:
 
 
 def _for_own_ranks(kind, fields: Mapping, ranks: set[int]) -> bool:
-    """Whether an agent's request (its types checked) is for its own host's ranks: a spawn
-    or an unserved command names one; a name or a key is asked for them (from a host that
-    runs some of the world)."""
+    """Whether an agent's request (its types checked) is for its own host's ranks: a spawn,
+    an unserved command, an abort or a loss names one; a name or a key is asked for them
+    (from a host that runs some of the world)."""
     from spawner.protocol import Kind
 
-    if kind in (Kind.SPAWN_ASK, Kind.PMI_UNSERVED):
+    if kind in (Kind.SPAWN_ASK, Kind.PMI_UNSERVED, Kind.MPI_ABORT, Kind.MPI_LOST):
         return fields["key"] in ranks
     return bool(ranks) or kind not in (Kind.NAME, Kind.GET)
 
 
 def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:
-    """That an agent's world frame has its fields' types (spawner/protocol.py) and, where
-    it reports on a rank (an abort, a loss), names one of its own host's; ProtocolError if
-    not."""
+    """That an agent's world frame has its fields' types (spawner/protocol.py);
+    ProtocolError if not. Whose ranks it names is `_for_own_ranks`'."""
     from spawner.protocol import Kind, ProtocolError
 
     def has(name: str, *types: type) -> bool:
@@ -375,12 +375,11 @@ def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:
         return isinstance(value, types) and (bool in types or not isinstance(value, bool))
 
     if kind in (Kind.MPI_ABORT, Kind.MPI_LOST):
-        ok = has("key", int) and fields["key"] in ranks and (
-            has("exitcode", int) and has("message", str) if kind is Kind.MPI_ABORT
-            else has("initialized", bool))
+        ok = has("key", int) and (has("exitcode", int) and has("message", str)
+                                  if kind is Kind.MPI_ABORT else has("initialized", bool))
     elif kind is Kind.GET:
         ok = has("id", int) and has("key", str)
-    elif kind in (Kind.SPAWN_ASK, Kind.PMI_UNSERVED):  # whose rank: MpiWorld._refuse
+    elif kind in (Kind.SPAWN_ASK, Kind.PMI_UNSERVED):
         ok = has("key", int) and (kind is Kind.PMI_UNSERVED or has("id", int))
     elif kind is Kind.NAME:
         ok = has("id", int)
@@ -390,5 +389,5 @@ def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:
     else:
         return  # PMIx's: run/pmixworld.py reads them
     if not ok:
-        raise ProtocolError(f"a {kind.name} that is not one of this host's ranks'")
+        raise ProtocolError(f"a {kind.name} whose fields cannot be one")
 

@@ -36,7 +36,11 @@ LOOKUP_WAIT_MAX = 600.0
 WAITING_MAX = 1024
 BYTES_MAX = 8 << 20
 
-OPS = ("publish", "unpublish", "lookup")
+OPS = ("publish", "unpublish", "lookup", "context")
+# PMIx group context IDs (Open MPI 5's MPI_Comm_create_from_group asks one per group): each
+# group's key gets the next number, the same for every host asking with that key; at most
+# CONTEXTS_MAX groups per job (Open MPI's own communicators take 0).
+CONTEXTS_MAX = 1 << 16
 
 
 class NameService:
@@ -47,6 +51,7 @@ class NameService:
         self._once: set[str] = set()  # names that go with their first lookup
         self._waiting: dict[str, list[asyncio.Future]] = {}  # lookups waiting for a name
         self._bytes = 0
+        self._contexts: dict[str, int] = {}
         self.names_max = names_max
 
     def answer(self, op: str, service: str, port: str = "", once: bool = False,
@@ -57,6 +62,12 @@ class NameService:
             return 1, "unknown_name_operation"
         if not service or len(service) > SERVICE_MAX or "\n" in service:
             return 1, "bad_service_name"
+        if op == "context":
+            if service not in self._contexts:
+                if len(self._contexts) >= CONTEXTS_MAX:
+                    return 1, "too_many_groups"
+                self._contexts[service] = len(self._contexts) + 1
+            return 0, str(self._contexts[service])
         if op == "lookup":
             found = self._names.get(service)
             if found is not None and service in self._once:

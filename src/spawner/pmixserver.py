@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import hashlib
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -45,12 +46,13 @@ OPERATION_SUCCEEDED = -157  # an upcall that finished at once
 MODULE_SLOTS = 32
 # Indices in pmix_server_module_t.
 _CONNECTED, _FINALIZED, _ABORT, _FENCE, _DMODEX, _JOB_CONTROL = 0, 1, 2, 3, 4, 19
-_PUBLISH, _LOOKUP, _UNPUBLISH, _CONNECT, _DISCONNECT = 5, 6, 7, 9, 10
+_PUBLISH, _LOOKUP, _UNPUBLISH, _CONNECT, _DISCONNECT, _GROUP = 5, 6, 7, 9, 10, 25
 # Upcalls not served, answered ERR_NOT_SUPPORTED at once and said to the owner (`unserved`,
 # for poprun's -v): where the slot is left empty libpmix answers the same, but nobody hears
 # of it. Only slots where an empty one means exactly that are here (an empty `query` slot,
 # say, lets libpmix answer some queries itself).
-UNSERVED_SLOTS = {8: "spawn", 25: "group"}
+UNSERVED_SLOTS = {8: "spawn"}
+GROUP_CONSTRUCT, GROUP_DESTRUCT = 0, 1  # pmix_group_operation_t
 
 
 class Proc(Structure):
@@ -86,9 +88,16 @@ LOOKUP_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(c_char_p), POINTER(Info), c_
                       c_void_p, c_void_p)  # unpublish's too
 CONNECT_FN = CFUNCTYPE(c_int, POINTER(Proc), c_size_t, POINTER(Info), c_size_t, c_void_p,
                        c_void_p)  # disconnect's too
+GROUP_FN = CFUNCTYPE(c_int, c_int, c_char_p, POINTER(Proc), c_size_t, POINTER(Info), c_size_t,
+                     c_void_p, c_void_p)
 # An upcall answered unserved reads none of its arguments: declared without them (the
 # caller cleans up its arguments in the x86-64 and aarch64 C conventions).
 UNSERVED_FN = CFUNCTYPE(c_int)
+
+
+class DataArray(Structure):
+    """pmix_data_array_t."""
+    _fields_ = [("type", c_uint16), ("size", c_size_t), ("array", c_void_p)]
 
 
 class Value(Structure):
@@ -110,7 +119,8 @@ MAX_KEYS_IN_UPCALL = 64  # the keys of a lookup or unpublish (Open MPI's: 1)
 _INTS = {4: (8, False), 6: (4, True), 7: (1, True), 8: (2, True), 9: (4, True),
          10: (8, True), 11: (4, False), 12: (1, False), 13: (2, False), 14: (4, False),
          15: (8, False), 30: (1, False), 33: (1, False)}  # 30: persistence, 33: range
-PMIX_STRING, PMIX_BOOL, PMIX_BYTE_OBJECT = 3, 1, 27
+PMIX_STRING, PMIX_BOOL, PMIX_BYTE_OBJECT, PMIX_SIZE, PMIX_PROC, PMIX_DATA_ARRAY = (
+    3, 1, 27, 4, 22, 39)
 # A published byte object (Open MPI's intercommunicator CID exchange) is kept in the job's
 # table as this mark and its base64: a C string, which a string value is, never holds a NUL.
 BYTES_MARK = "\0b64:"
@@ -277,6 +287,12 @@ def _infos(keys: Sequence[pmixplan.Key], lib: _Lib):
             data = ctypes.cast(c_char_p(str(key.value).encode()), c_void_p)
         elif key.type == pmixplan.PMIX_BOOL:
             data = ctypes.cast(ctypes.pointer(ctypes.c_bool(bool(key.value))), c_void_p)
+        elif key.type == PMIX_SIZE:
+            data = ctypes.cast(ctypes.pointer(c_size_t(int(key.value))), c_void_p)
+        elif key.type == PMIX_DATA_ARRAY:  # of procs (libpmix copies it whole)
+            procs = (Proc * max(1, len(key.value)))(*(_proc(*p) for p in key.value))
+            data = ctypes.cast(ctypes.pointer(DataArray(PMIX_PROC, len(key.value), ctypes.cast(
+                procs, c_void_p))), c_void_p)
         else:  # every other type we use is 32-bit unsigned
             data = ctypes.cast(ctypes.pointer(c_uint32(int(key.value))), c_void_p)
         rc = lib.PMIx_Info_load(ctypes.byref(info), key.key.encode(), data, key.type)
@@ -314,6 +330,7 @@ class PmixServer:
                          (_JOB_CONTROL, "job_control"), (_PUBLISH, "publish"),
                          (_LOOKUP, "lookup"), (_UNPUBLISH, "unpublish"),
                          (_CONNECT, "connect"), (_DISCONNECT, "disconnect"),
+                         (_GROUP, "group"),
                          *UNSERVED_SLOTS.items()):
             self._module[slot] = ctypes.cast(self._callbacks[fn], c_void_p)
 
@@ -412,6 +429,20 @@ class PmixServer:
                 return SUCCESS
             return upcall
 
+        def group(op, grp, procs, nprocs, info, ninfo, cb, cbdata):
+            members = _procs(procs, nprocs)
+            try:
+                flags = {key for key, value in info_items(info, ninfo)
+                         if key in ("pmix.grp.lcl", "pmix.grp.actxid") and value is not False}
+            except ValueError:
+                flags = set()
+            assign = "pmix.grp.actxid" in flags and op == GROUP_CONSTRUCT
+            if op == GROUP_DESTRUCT and ("pmix.grp.lcl" in flags or self._all_here(members)):
+                return OPERATION_SUCCEEDED  # libpmix holds this host's group itself
+            self.submit(self._group, int(op), (grp or b"").decode("utf-8", "replace"),
+                        members, assign, cb, cbdata)
+            return SUCCESS
+
         def unserved(what):
             def upcall():
                 self.submit(self._unserved, None, None, what, "poprun does not serve it")
@@ -439,6 +470,7 @@ class PmixServer:
                 "unpublish": LOOKUP_FN(lookup_or_unpublish("unpublish")),
                 "connect": CONNECT_FN(connect_or_disconnect("connect")),
                 "disconnect": CONNECT_FN(connect_or_disconnect("disconnect")),
+                "group": GROUP_FN(group),
                 **{what: UNSERVED_FN(unserved(what)) for what in UNSERVED_SLOTS.values()}}
 
     def _event(self, what: str, nspace: str, rank: int, *args) -> None:
@@ -540,6 +572,63 @@ class PmixServer:
             return
         ns.fence(ranks, b"", lambda status, _blob: OP_CB(cb)(status, cbdata))
 
+    def _all_here(self, procs: list[tuple[str, int]]) -> bool:
+        """Whether every one of `procs` is an instance of this host (a dict read: safe on
+        libpmix's thread)."""
+        for nspace, rank in procs:
+            ns = self._namespaces.get(nspace)
+            if ns is None or (rank != pmixplan.WILDCARD and not (
+                    0 <= rank < ns.world.size and ns.world.nodes[rank] == ns.world.here)):
+                return False
+            if rank == pmixplan.WILDCARD and len(set(ns.world.nodes)) > 1:
+                return False
+        return bool(procs)
+
+    def _group(self, op: int, grp: str, procs: list[tuple[str, int]], assign: bool, cb: int,
+               cbdata: int) -> None:
+        """A PMIx group of one namespace's instances (MPI_Comm_create_from_group,
+        MPI_Intercomm_create_from_groups): a fence with no data over their ranks (the
+        hosts holding none of them take no part), then, where asked, the group's context
+        ID, one per group of the job, from the launcher's table (spawner/pminames.py).
+        A group over several namespaces is not served: answered with an error through
+        the callback, which every local member waiting gets at once (an error the upcall
+        returned would reach only the last to arrive, the others waiting for good)."""
+        ns = self._namespaces.get(procs[0][0]) if procs else None
+        ranks = pmixplan.fence_ranks(procs, ns.world) if ns is not None else None
+
+        def answer(status: int, ctxid: int | None = None) -> None:
+            # A construct's answer names its members (libpmix's client cannot read one
+            # without them) and its context ID where one was asked for
+            keys = [] if status != SUCCESS or op != GROUP_CONSTRUCT else [
+                pmixplan.Key("pmix.grp.mbrs", PMIX_DATA_ARRAY, procs),
+                *([pmixplan.Key("pmix.grp.ctxid", PMIX_SIZE, ctxid)] if ctxid else [])]
+            infos = _infos(keys, self._lib) if keys and self._lib is not None else None
+            key = self._hold(infos)  # libpmix reads them on its thread, then releases them
+            INFO_CB(cb)(status, ctypes.cast(infos, c_void_p) if infos is not None else None,
+                        len(keys) if infos is not None else 0, cbdata,
+                        self._callbacks["release"], key)
+
+        if ranks is None:
+            self._unserved(ns.world.nspace if ns is not None else None, None,
+                           "group construct" if op == GROUP_CONSTRUCT else "group destruct",
+                           f"its {len(procs)} processes are of several namespaces")
+            answer(ERR_NOT_SUPPORTED)
+            return
+        asker = next((r for r in ranks if ns.world.nodes[r] == ns.world.here), ranks[0])
+        fence = ns.upcoming(ranks)
+
+        def fenced(status: int, _blob: bytes) -> None:
+            if status != SUCCESS or not assign:
+                answer(status)
+                return
+            # The same on every host of the group: its namespace, tag, members and number
+            key = hashlib.sha1(repr((ns.world.nspace, grp, fence)).encode()).hexdigest()
+            ns.handler.name(NameRequest(asker, "context", f"group:{key}"),
+                            lambda status, port: answer(status, int(port) if status ==
+                                                        SUCCESS else None))
+
+        ns.fence(ranks, b"", fenced)
+
     def _dmodex(self, nspace: str, rank: int, cb: int, cbdata: int) -> None:
         ns = self._namespaces.get(nspace)
         if ns is None or not 0 <= rank < ns.world.size:
@@ -628,8 +717,14 @@ class Namespace:
             i += 1
         return out
 
+    def upcoming(self, ranks: tuple[int, ...]) -> pmixplan.FenceId:
+        """What the next fence over `ranks` is called, on every host."""
+        return self._fences.peek(ranks)
+
     def fence(self, ranks: tuple[int, ...], data: bytes,
               done: Callable[[int, bytes], None]) -> None:
+        """A fence (or a connect, a disconnect, a group: one with no data) over `ranks`,
+        numbered as every host numbers it."""
         fence = self._fences.next(ranks)
         if pmixplan.hosts_of(ranks, self.world) == {self.world.here}:
             done(SUCCESS, data)  # nobody else takes part: this host's data is all of it

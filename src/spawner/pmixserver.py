@@ -564,13 +564,23 @@ class PmixServer:
         ns = self._namespaces.get(procs[0][0]) if procs else None
         ranks = pmixplan.fence_ranks(procs, ns.world) if ns is not None else None
         if ranks is None:
-            nspaces = sorted({nspace for nspace, _ in procs})
-            self._unserved(ns.world.nspace if ns is not None else None, None, op,
+            nspaces = {nspace for nspace, _ in procs}
+            self._unserved(*self._member_here(procs), op,
                            f"its {len(procs)} procs are of {len(nspaces)} namespaces "
                            "(one is served)")
             OP_CB(cb)(ERR_NOT_SUPPORTED, cbdata)
             return
         ns.fence(ranks, b"", lambda status, _blob: OP_CB(cb)(status, cbdata))
+
+    def _member_here(self, procs: list[tuple[str, int]]) -> tuple[str | None, int | None]:
+        """The first of `procs` that is an instance of this host (who asked, for -v), or
+        (None, None)."""
+        for nspace, rank in procs:
+            ns = self._namespaces.get(nspace)
+            if ns is not None and 0 <= rank < ns.world.size and \
+                    ns.world.nodes[rank] == ns.world.here:
+                return nspace, rank
+        return None, None
 
     def _all_here(self, procs: list[tuple[str, int]]) -> bool:
         """Whether every one of `procs` is an instance of this host (a dict read: safe on
@@ -609,7 +619,7 @@ class PmixServer:
                         self._callbacks["release"], key)
 
         if ranks is None:
-            self._unserved(ns.world.nspace if ns is not None else None, None,
+            self._unserved(*self._member_here(procs),
                            "group construct" if op == GROUP_CONSTRUCT else "group destruct",
                            f"its {len(procs)} processes are of several namespaces")
             answer(ERR_NOT_SUPPORTED)

@@ -111,7 +111,7 @@ class NameService:
         rc, value = self.answer(op, service, port, once, port_max)
         if rc == 0 or op != "lookup" or wait <= 0 or value != "service_not_found":
             return rc, value
-        if sum(map(len, self._waiting.values())) >= WAITING_MAX:
+        if self.waiting() >= WAITING_MAX:
             return 1, "too_many_waiting_lookups"
         future = asyncio.get_running_loop().create_future()
         waiting = self._waiting.setdefault(service, [])
@@ -125,6 +125,10 @@ class NameService:
                 waiting.remove(future)
             if not waiting:
                 self._waiting.pop(service, None)
+
+    def waiting(self) -> int:
+        """How many lookups wait for a name."""
+        return sum(map(len, self._waiting.values()))
 
     def __len__(self) -> int:
         return len(self._names)

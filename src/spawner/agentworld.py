@@ -21,8 +21,10 @@ wait for it (`ready`), each instance gets its PMIX_* variables, and what crosses
 to the launcher (run/pmixworld.py):
 ONE FENCE_IN per fence for this host's instances (answered by FENCE_OUT with every host's
 data), MODEX_WANT for a rank on another host (answered by MODEX_DATA), MODEX_GOT answering the
-launcher's MODEX_ASK for a rank here. Where no libpmix is found or the server does not
-start, PMIX_UNSERVED says why; a server that dies while the world is open, PMIX_LOST.
+launcher's MODEX_ASK for a rank here, the server's NAMEs (PMIx's names and group context
+IDs, asked of the launcher's table as PMI-1's) and PMI_UNSERVEDs. Where no libpmix is found
+or the server does not start, PMIX_UNSERVED says why; a server that dies while the world is
+open, PMIX_LOST.
 """
 
 from __future__ import annotations

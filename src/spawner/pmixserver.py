@@ -12,9 +12,11 @@ PMIx_server_finalize or beside a running server, aborts the whole process), its 
 wedge, and its fence tracker can be freed twice (docs/architecture.md). It runs its own
 progress thread, and every upcall (the module's functions) arrives there: connected,
 finalized and abort are told to the owner at once, by `post` on that thread (before the
-client is released: its exit can never overtake them); fence and direct modex copy what they
-need and are handed to the process's main thread (`submit`), and the answer goes back later
-through the callback libpmix gave. Data we hand libpmix (a fence's or a direct modex's
+client is released: its exit can never overtake them); fence, direct modex, publish, lookup,
+unpublish, connect, disconnect and group copy what they need and are handed to the process's
+main thread (`submit`), and the answer goes back later through the callback libpmix gave
+(names go to the job's table, connect, disconnect and group are fences: docs/architecture.md,
+"The instances' worlds"); spawn is answered "not supported" at once and said. Data we hand libpmix (a fence's or a direct modex's
 result) must live until libpmix calls our release function, so it is kept in `_held` until
 then. The process never calls PMIx_server_finalize: it is killed instead.
 

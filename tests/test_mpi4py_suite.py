@@ -108,9 +108,9 @@ def _summary(out: str) -> tuple[list[int], set[str], list[str]]:
     return ran, failed, closing
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("version", sorted(OPEN_MPIS))
-def test_mpi4py_s_suite_under_open_mpi_gives_what_open_mpi_s_launcher_gives(suite, version):
+def _open_mpi(version: str) -> tuple[dict[str, str], list[str], list[str]]:
+    """This Open MPI's variables (over this environment), launcher and poprun options; a
+    skip (POPRUN_REQUIRE_OPENMPI=1: a failure) where it is not here."""
     env, launcher, options = OPEN_MPIS[version]
     env = {**os.environ, **env}
     probe = subprocess.run([sys.executable, "-c", "from mpi4py import MPI; "
@@ -120,6 +120,13 @@ def test_mpi4py_s_suite_under_open_mpi_gives_what_open_mpi_s_launcher_gives(suit
         skip_or_fail(f"mpi4py over Open MPI {version} with its launcher is not here "
                      f"({(probe.stdout + probe.stderr).strip()[-200:]})",
                      "POPRUN_REQUIRE_OPENMPI")
+    return env, launcher, options
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("version", sorted(OPEN_MPIS))
+def test_mpi4py_s_suite_under_open_mpi_gives_what_open_mpi_s_launcher_gives(suite, version):
+    env, launcher, options = _open_mpi(version)
     parts = [arg for part in OPEN_MPI_PARTS for arg in ("-i", part)]
     theirs = subprocess.run(
         launcher + ["--oversubscribe", "-n", "2", *(["--allow-run-as-root"]
@@ -136,3 +143,27 @@ def test_mpi4py_s_suite_under_open_mpi_gives_what_open_mpi_s_launcher_gives(suit
         theirs_out[-3000:]
     assert _summary(ours_out) == expected, ours_out[-3000:]
     assert ours.returncode == 0, ours_out[-3000:]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("version", sorted(OPEN_MPIS))
+def test_mpi4py_s_dynamic_process_tests_under_open_mpi_pass_across_two_hosts(suite, two_hosts,
+                                                                            version):
+    """One instance on each of h1 and h2: names, connect/accept, join and the groups'
+    constructors across hosts (PMIx connect, disconnect and group served as fences across
+    them, the names and context IDs from the launcher's table)."""
+    from test_openmpi_world import PRETEND_NODES
+
+    env, _, options = _open_mpi(version)
+    passed = [f"--env={var}" for var in (*PRETEND_NODES, *(
+        f"{k}={v}" for k, v in OPEN_MPIS[version][0].items()))]
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, "-v", "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                    *options, *passed, sys.executable, "test/main.py", "-q",
+                    *(arg for part in OPEN_MPI_PARTS for arg in ("-i", part))),
+        cwd=suite, env=poprun_env({**env, **two_hosts.env()}), capture_output=True,
+        timeout=540)
+    out = proc.stdout.decode() + proc.stderr.decode()
+    ran, failed, _ = _summary(out)
+    assert proc.returncode == 0 and len(ran) == 2 and min(ran) >= 200, out[-3000:]
+    assert not failed, out[-3000:]

@@ -219,10 +219,15 @@ class MpiWorld:
         wait = fields.get("wait")
         wait = float(wait) if isinstance(wait, (int, float)) and not isinstance(
             wait, bool) and wait > 0 else 0.0
-        task = self.loop.create_task(self.job_names().name(
-            str(fields.get("op")), str(fields.get("service") or ""),
-            str(fields.get("port") or ""), wait=wait, once=fields.get("once") is True,
-            port_max=pminames.PMIX_PORT_MAX if fields.get("pmix") else pminames.PORT_MAX))
+        ask = (str(fields.get("op")), str(fields.get("service") or ""),
+               str(fields.get("port") or ""))
+        port_max = pminames.PMIX_PORT_MAX if fields.get("pmix") else pminames.PORT_MAX
+        if not wait:  # answered now, in the order asked
+            done(*self.job_names().answer(*ask, once=fields.get("once") is True,
+                                          port_max=port_max))
+            return
+        task = self.loop.create_task(self.job_names().name(*ask, wait=wait,
+                                                           port_max=port_max))
         self._tasks.add(task)
 
         def answered(task: asyncio.Task) -> None:

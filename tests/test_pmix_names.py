@@ -98,6 +98,11 @@ def test_an_upcall_s_names_are_its_data_its_directives_set_once_and_wait():
     assert name_requests("lookup", 0, [("pmix.wait", True), ("pmix.timeout", 10**6)],
                          ["k"])[0].wait == pminames.LOOKUP_WAIT_MAX
     assert name_requests("lookup", 0, [], ["k"])[0].wait == 0
+    # past the table's bounds: refused in the server's process, before any link
+    with pytest.raises(ValueError):
+        name_requests("publish", 0, [("n", "p" * (pminames.PMIX_PORT_MAX + 1))])
+    with pytest.raises(ValueError):
+        name_requests("lookup", 0, [], ["s" * (pminames.SERVICE_MAX + 1)])
 
 
 @pytest.mark.parametrize("answer, status", [

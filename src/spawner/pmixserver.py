@@ -168,8 +168,9 @@ class NameRequest(NamedTuple):
 
 
 def info_items(array, count: int) -> list[tuple[str, object]]:
-    """(key, value) of an info array from libpmix: strings, booleans and integers; a value
-    of another type is None. Raises ValueError for more than MAX_INFOS_IN_UPCALL."""
+    """(key, value) of an info array from libpmix: strings, booleans, integers and byte
+    objects; a value of another type is None. Raises ValueError for more than
+    MAX_INFOS_IN_UPCALL, or a byte object past what the job's table takes."""
     if not array or count <= 0:
         return []
     if count > MAX_INFOS_IN_UPCALL:
@@ -187,8 +188,9 @@ def info_items(array, count: int) -> list[tuple[str, object]]:
         elif value.type == PMIX_BYTE_OBJECT:
             start, size = ctypes.c_void_p.from_address(address).value, c_size_t.from_address(
                 address + 8).value
-            data = ctypes.string_at(start, size) if start and size <= pminames.PMIX_PORT_MAX \
-                else b""
+            if size > pminames.PMIX_PORT_MAX:
+                raise ValueError(f"{info.key[:64]!r}: a byte object of {size} bytes")
+            data = ctypes.string_at(start, size) if start and size else b""
         elif value.type in _INTS:
             width, signed = _INTS[value.type]
             data = int.from_bytes(ctypes.string_at(address, width), "little", signed=signed)
@@ -216,13 +218,23 @@ def name_requests(op: str, rank: int, infos: list[tuple[str, object]],
             elif not isinstance(value, str):
                 raise ValueError(f"{key}: published values are strings or bytes here")
             out.append(NameRequest(rank, op, key, value, once=once))
-        return out
+        return _bounded(out)
     wait = 0.0
     if op == "lookup" and directives.get("pmix.wait") not in (None, False):
         timeout = directives.get("pmix.timeout")
         wait = (min(float(timeout), pminames.LOOKUP_WAIT_MAX)
                 if isinstance(timeout, int) and timeout > 0 else pminames.LOOKUP_WAIT_MAX)
-    return [NameRequest(rank, op, key, wait=wait) for key in keys]
+    return _bounded([NameRequest(rank, op, key, wait=wait) for key in keys])
+
+
+def _bounded(requests: list[NameRequest]) -> list[NameRequest]:
+    """Refused here, before anything crosses a link: a name or a value past the table's
+    bounds (spawner/pminames.py), which it would refuse."""
+    for request in requests:
+        if len(request.service) > pminames.SERVICE_MAX or len(
+                request.port) > pminames.PMIX_PORT_MAX:
+            raise ValueError(f"a name or a value past {pminames.PMIX_PORT_MAX} characters")
+    return requests
 
 
 # Why the job's table refused a name (spawner/pminames.py) -> the PMIx status the client gets

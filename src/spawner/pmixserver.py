@@ -325,6 +325,17 @@ def _procs(array, count: int) -> list[tuple[str, int]]:
     return [(array[i].nspace.decode("utf-8", "replace"), array[i].rank) for i in range(count)]
 
 
+def _guarded(upcall):
+    """An upcall that answers PMIX_ERROR where it fails: ctypes would print the exception
+    and return 0, SUCCESS, and the client would wait for a callback that never comes."""
+    def guarded(*args):
+        try:
+            return upcall(*args)
+        except Exception:  # noqa: BLE001 - nothing can be raised into C
+            return ERROR
+    return guarded
+
+
 class PmixServer:
     """This process's PMIx server: started with `start()` before the instances that use it
     are spawned, one `Namespace` per world. `submit(fn, *args)` runs fn in the process's
@@ -479,12 +490,12 @@ class PmixServer:
                 "abort": ABORT_FN(abort), "fence": FENCE_FN(fence),
                 "dmodex": DMODEX_FN(dmodex), "job_control": JOB_CONTROL_FN(job_control),
                 "release": RELEASE_CB(release), "dmodex_response": DMODEX_RESPONSE(dmodex_response),
-                "op_done": OP_CB(op_done), "publish": PUBLISH_FN(publish),
-                "lookup": LOOKUP_FN(lookup_or_unpublish("lookup")),
-                "unpublish": LOOKUP_FN(lookup_or_unpublish("unpublish")),
-                "connect": CONNECT_FN(connect_or_disconnect("connect")),
-                "disconnect": CONNECT_FN(connect_or_disconnect("disconnect")),
-                "group": GROUP_FN(group),
+                "op_done": OP_CB(op_done), "publish": PUBLISH_FN(_guarded(publish)),
+                "lookup": LOOKUP_FN(_guarded(lookup_or_unpublish("lookup"))),
+                "unpublish": LOOKUP_FN(_guarded(lookup_or_unpublish("unpublish"))),
+                "connect": CONNECT_FN(_guarded(connect_or_disconnect("connect"))),
+                "disconnect": CONNECT_FN(_guarded(connect_or_disconnect("disconnect"))),
+                "group": GROUP_FN(_guarded(group)),
                 **{what: UNSERVED_FN(unserved(what)) for what in UNSERVED_SLOTS.values()}}
 
     def _event(self, what: str, nspace: str, rank: int, *args) -> None:

@@ -127,6 +127,9 @@ class FenceCounter:
     def __init__(self) -> None:
         self._next: dict[tuple[int, ...], int] = {}
 
+    def peek(self, ranks: tuple[int, ...]) -> FenceId:
+        return FenceId(ranks, self._next.get(ranks, 0))
+
     def next(self, ranks: tuple[int, ...]) -> FenceId:
         seq = self._next.get(ranks, 0)
         self._next[ranks] = seq + 1

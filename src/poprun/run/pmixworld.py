@@ -32,8 +32,13 @@ class PmixWorld:
 
     def __init__(self, kvsname: str, hosts: Sequence[str], remote: Mapping[str, object],
                  pmix, on_abort: Callable[[int, int, str], None],
-                 on_server_lost: Callable[[str, str], None], log) -> None:
+                 on_server_lost: Callable[[str, str], None], log, names=None,
+                 on_unserved: Callable[[int, str, str], None] | None = None) -> None:
+        """`names(fields, done)`: asks the job's name table (run/world.MpiWorld.name_for);
+        `on_unserved(rank, cmd, why)`: a request answered with an error, for -v."""
         self.kvsname, self._remote, self._on_abort, self._log = kvsname, remote, on_abort, log
+        self._names = names
+        self.unserved = on_unserved or (lambda rank, cmd, why: None)
         self._on_server_lost = on_server_lost
         self.names = list(dict.fromkeys(hosts))
         self._hosts = list(hosts)
@@ -97,6 +102,12 @@ class PmixWorld:
 
     def abort(self, rank: int, status: int, message: str) -> None:
         self._on_abort(rank, status, pmixplan.abort_message(message))
+
+    def pmix_name(self, fields: dict, done: Callable[[int, str], None]) -> None:
+        if self._names is None:
+            done(1, "names_not_served")
+        else:
+            self._names({**fields, "pmix": True}, done)
 
     def server_lost(self, reason: str) -> None:
         self._on_server_lost(self.here, reason)

@@ -34,14 +34,14 @@ from ctypes import (CFUNCTYPE, POINTER, Structure, c_char, c_char_p, c_int, c_si
 
 from . import pmixplan
 
-SUCCESS, ERROR, ERR_NOT_SUPPORTED, ERR_NOT_FOUND = 0, -1, -47, -46
+SUCCESS, ERROR, ERR_NOT_SUPPORTED, ERR_NOT_FOUND, ERR_BAD_PARAM = 0, -1, -47, -46, -27
 OPERATION_SUCCEEDED = -157  # an upcall that finished at once
 # 28 functions in 4.2, 29 in 5.0; the table only grows at its end. Safe because only those
 # versions are served: start() refuses any other before PMIx_server_init reads the table
 # (spawner/pmixcheck.TESTED; a later one may have outgrown it).
 MODULE_SLOTS = 32
 # Indices in pmix_server_module_t.
-_CONNECTED, _FINALIZED, _ABORT, _FENCE, _DMODEX, _JOB_CONTROL = 0, 1, 2, 3, 4, 19
+_CONNECTED, _FINALIZED, _ABORT, _FENCE, _DMODEX, _SPAWN, _JOB_CONTROL = 0, 1, 2, 3, 4, 8, 19
 
 
 class Proc(Structure):
@@ -54,7 +54,15 @@ class Info(Structure):
                 ("value", c_char * 32)]
 
 
-assert ctypes.sizeof(Proc) == 260 and ctypes.sizeof(Info) == 552
+class App(Structure):
+    """pmix_app_t: one command of a PMIx_Spawn (its argv[0] is the command, as Open MPI's
+    ompi_dpm_spawn fills it; env: "NAME=value" strings; both NULL-terminated)."""
+    _fields_ = [("cmd", c_char_p), ("argv", POINTER(c_char_p)), ("env", POINTER(c_char_p)),
+                ("cwd", c_char_p), ("maxprocs", c_int), ("info", POINTER(Info)),
+                ("ninfo", c_size_t)]
+
+
+assert ctypes.sizeof(Proc) == 260 and ctypes.sizeof(Info) == 552 and ctypes.sizeof(App) == 56
 
 OP_CB = CFUNCTYPE(None, c_int, c_void_p)
 RELEASE_CB = CFUNCTYPE(None, c_void_p)
@@ -69,10 +77,17 @@ ABORT_FN = CFUNCTYPE(c_int, POINTER(Proc), c_void_p, c_int, c_char_p, POINTER(Pr
 FENCE_FN = CFUNCTYPE(c_int, POINTER(Proc), c_size_t, POINTER(Info), c_size_t, c_void_p,
                      c_size_t, c_void_p, c_void_p)
 DMODEX_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(Info), c_size_t, c_void_p, c_void_p)
+SPAWN_CB = CFUNCTYPE(None, c_int, c_char_p, c_void_p)  # status, the new namespace, cbdata
+SPAWN_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(Info), c_size_t, POINTER(App), c_size_t,
+                     c_void_p, c_void_p)
 JOB_CONTROL_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(Proc), c_size_t, POINTER(Info),
                            c_size_t, c_void_p, c_void_p)
 
 MAX_PROCS_IN_UPCALL = 1 << 20  # a fence over more procs than that is not one of ours
+# What one spawn upcall is read for (a client's request, so hostile input): past these it is
+# refused before anything is copied. Generous: spawner/pmispawn.py bounds it again.
+MAX_APPS, MAX_STRINGS, MAX_INFOS, MAX_STRING = 65, 8192, 256, 1 << 20
+PMIX_STRING_TYPE = 3
 
 
 class PmixError(RuntimeError):
@@ -94,6 +109,60 @@ class Handler:
 
     def direct_modex(self, rank: int, done: Callable[[int, bytes], None]) -> None:
         """An instance here wants `rank`'s data, which is on another host."""
+
+    def spawn(self, rank: int, request: dict, done: Callable[[int, str], None]) -> None:
+        """Rank `rank` here called PMIx_Spawn (MPI_Comm_spawn[_multiple]): `request` is
+        `spawn_request`'s; `done(status, the new namespace)` once its processes started."""
+
+
+def _string(ptr) -> str:
+    raw = ctypes.string_at(ptr) if ptr else b""
+    if len(raw) > MAX_STRING:
+        raise ValueError("a string too long")
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _strings(array) -> list[str]:
+    """A NULL-terminated char** as strings (at most MAX_STRINGS)."""
+    out: list[str] = []
+    while array and array[len(out)]:
+        if len(out) >= MAX_STRINGS:
+            raise ValueError("too many strings")
+        out.append(_string(array[len(out)]))
+    return out
+
+
+def _info_strings(array, count: int) -> dict[str, str]:
+    """The string-valued keys of a pmix_info_t array (pmix_value_t: its type, a uint16, at
+    its start, the union 8 bytes in: a char* for PMIX_STRING); keys of other types are
+    kept with an empty value (said ignored at -v, never acted on)."""
+    if count > MAX_INFOS:
+        raise ValueError("too many info keys")
+    out: dict[str, str] = {}
+    for i in range(count if array else 0):
+        info = array[i]
+        key = info.key.decode("utf-8", "replace")
+        value = ctypes.addressof(info) + Info.value.offset
+        kind = ctypes.c_uint16.from_address(value).value
+        out[key] = (_string(c_char_p.from_address(value + 8).value)
+                    if kind == PMIX_STRING_TYPE else "")
+    return out
+
+
+def spawn_request(job_info, ninfo: int, apps, napps: int) -> dict:
+    """A PMIx_Spawn's job info and apps, copied out of libpmix's memory: the JSON an agent's
+    SPAWN_ASK carries (spawner/pmispawn.request_from_pmix checks it). Raises ValueError past
+    the bounds above."""
+    if napps > MAX_APPS:
+        raise ValueError(f"{napps} apps")
+    commands = []
+    for i in range(napps if apps else 0):
+        app = apps[i]
+        commands.append({"cmd": _string(app.cmd), "argv": _strings(app.argv),
+                         "env": _strings(app.env), "cwd": _string(app.cwd),
+                         "maxprocs": int(app.maxprocs),
+                         "info": _info_strings(app.info, int(app.ninfo))})
+    return {"apps": commands, "job_info": _info_strings(job_info, ninfo)}
 
 
 class _Lib:
@@ -182,7 +251,7 @@ class PmixServer:
         self._module = (c_void_p * MODULE_SLOTS)()
         for slot, fn in ((_CONNECTED, "connected"), (_FINALIZED, "finalized"),
                          (_ABORT, "abort"), (_FENCE, "fence"), (_DMODEX, "dmodex"),
-                         (_JOB_CONTROL, "job_control")):
+                         (_SPAWN, "spawn"), (_JOB_CONTROL, "job_control")):
             self._module[slot] = ctypes.cast(self._callbacks[fn], c_void_p)
 
     @property
@@ -243,6 +312,15 @@ class PmixServer:
             self.submit(self._dmodex, proc[0].nspace.decode(), proc[0].rank, cb, cbdata)
             return SUCCESS
 
+        def spawn(proc, job_info, ninfo, apps, napps, cb, cbdata):
+            try:  # copied now: libpmix frees them when we return
+                request = spawn_request(job_info, ninfo, apps, napps)
+            except ValueError:
+                return ERR_BAD_PARAM
+            self.submit(self._spawn, proc[0].nspace.decode(), proc[0].rank, request, cb,
+                        cbdata)
+            return SUCCESS
+
         def job_control(*_args):
             # Present so libpmix accepts its clients' cleanup registrations (Open MPI 5's
             # /dev/shm segments are removed at their exit); the control itself: not ours.
@@ -262,7 +340,8 @@ class PmixServer:
 
         return {"connected": CONNECTED_FN(connected), "finalized": FINALIZED_FN(finalized),
                 "abort": ABORT_FN(abort), "fence": FENCE_FN(fence),
-                "dmodex": DMODEX_FN(dmodex), "job_control": JOB_CONTROL_FN(job_control),
+                "dmodex": DMODEX_FN(dmodex), "spawn": SPAWN_FN(spawn),
+                "job_control": JOB_CONTROL_FN(job_control),
                 "release": RELEASE_CB(release), "dmodex_response": DMODEX_RESPONSE(dmodex_response),
                 "op_done": OP_CB(op_done)}
 
@@ -288,6 +367,18 @@ class PmixServer:
             return
         ns.handler.direct_modex(rank, lambda status, blob: self._modex_answer(cb, cbdata,
                                                                              status, blob))
+
+    def _spawn(self, nspace: str, rank: int, request: dict, cb: int, cbdata: int) -> None:
+        ns = self._namespaces.get(nspace)
+
+        def done(status: int, child: str) -> None:
+            if self._lib is not None:  # libpmix copies the name
+                SPAWN_CB(cb)(status, child.encode() if status == SUCCESS else None, cbdata)
+
+        if ns is None or not 0 <= rank < ns.world.size:
+            done(ERR_NOT_SUPPORTED, "")
+            return
+        ns.handler.spawn(rank, request, done)
 
     def _modex_answer(self, cb: int, cbdata: int, status: int, blob: bytes) -> None:
         if self._lib is None:

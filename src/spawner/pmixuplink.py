@@ -2,7 +2,9 @@
 "The instances' worlds"): what an agent's world sends the launcher, and what a PMIx
 server's process sends its spawner, are the same frames. A fence this side's instances
 entered goes up as FENCE_IN and comes back as FENCE_OUT with every host's data; a rank's
-data from elsewhere is asked for with MODEX_WANT and comes back as MODEX_DATA.
+data from elsewhere is asked for with MODEX_WANT and comes back as MODEX_DATA; a spawn
+(PMIx_Spawn) goes up as SPAWN_ASK and comes back as SPAWNED_ANSWER, the new world's name in
+its reply (run/spawned.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from .protocol import Kind
 
 ERROR = -1  # PMIx's PMIX_ERROR: a fence or a request nobody is left to complete
 Done = Callable[[int, bytes], None]
+Spawned = Callable[[int, str], None]  # a spawn's status and its world's name
 
 
 class Uplink:
@@ -26,6 +29,7 @@ class Uplink:
         self.kvsname, self._send, self._hosts = kvsname, send, hosts
         self._fences: dict[tuple[tuple[int, ...], int], Done] = {}
         self._wants: dict[int, Done] = {}
+        self._spawns: dict[int, Spawned] = {}
         self._ids = itertools.count(1)
 
     def fence(self, fence: pmixplan.FenceId, data: bytes, done: Done) -> None:
@@ -37,6 +41,12 @@ class Uplink:
         want = next(self._ids)
         self._wants[want] = done
         self._send(Kind.MODEX_WANT, kvsname=self.kvsname, id=want, rank=rank)
+
+    def spawn(self, rank: int, request: dict, done: Spawned) -> None:
+        ask = next(self._ids)
+        self._spawns[ask] = done
+        self._send(Kind.SPAWN_ASK, kvsname=self.kvsname, id=ask, key=rank,
+                   request={"pmix": request})
 
     def answered(self, kind: Kind, fields: dict[str, Any]) -> None:
         """FENCE_OUT or MODEX_DATA: the waiting fence or request completes. Their data is
@@ -53,6 +63,10 @@ class Uplink:
             if done is not None:
                 status, data = _decoded(fields, pmixplan.MAX_MODEX)
                 done(int(fields["status"]) if status == 0 else status, data)
+        elif kind is Kind.SPAWNED_ANSWER:
+            done = self._spawns.pop(int(fields["id"]), None)
+            if done is not None:
+                done(*spawn_status(fields.get("reply")))
 
     def modex_got(self, ask: object) -> Done:
         """The answer to the MODEX_ASK `ask`: its MODEX_GOT, once the data is here."""
@@ -63,8 +77,21 @@ class Uplink:
         """Nobody is left to complete what waits."""
         for done in [*self._fences.values(), *self._wants.values()]:
             done(ERROR, b"")
+        for spawned in self._spawns.values():
+            spawned(ERROR, "")
         self._fences.clear()
         self._wants.clear()
+        self._spawns.clear()
+
+
+def spawn_status(reply: object) -> tuple[int, str]:
+    """A spawn's reply (pmispawn.spawn_reply's fields, `world` its new world's name) as
+    PMIx's answer: (0, the namespace), or (ERROR, "") for a refusal or a reply that cannot
+    be one."""
+    if isinstance(reply, dict) and reply.get("rc") == 0 and isinstance(
+            reply.get("world"), str) and 0 < len(reply["world"]) <= pmixplan.NSPACE_MAX:
+        return 0, reply["world"]
+    return ERROR, ""
 
 
 def _decoded(fields: dict[str, Any], limit: int) -> tuple[int, bytes]:

@@ -104,7 +104,8 @@ class MpiWorld:
                  argv: Sequence[str] = (),
                  log=None, names=None, appnums: Mapping[int, int] | None = None,
                  spawned: bool = False,
-                 on_unserved: Callable[[int, str, str], None] | None = None) -> None:
+                 on_unserved: Callable[[int, str, str], None] | None = None,
+                 pmix_beside=None) -> None:
         self.kvsname, self.loop, self._lifeline = kvsname, loop, lifeline
         self._hosts, self._remote = list(hosts), dict(remote or {})
         self._on_abort, self._on_lost = on_abort, on_lost
@@ -126,7 +127,8 @@ class MpiWorld:
             from poprun.run.pmixworld import PmixWorld
 
             self.pmix = PmixWorld(kvsname, self._hosts, self._remote, pmix, on_abort,
-                                  on_server_lost or (lambda host, reason: None), log)
+                                  on_server_lost or (lambda host, reason: None), log,
+                                  on_spawn=self.answer_spawn, beside=pmix_beside)
 
     async def ready(self) -> None:
         """Wait until the instances can be spawned: Open MPI's world registered here."""
@@ -285,20 +287,25 @@ class MpiWorld:
     async def _spawn_for(self, spawner, fields) -> None:
         """A rank on an agent's host called MPI_Comm_spawn: the launcher starts the
         children (run/spawned.py)."""
-        from spawner.pmi import PmiError
-        from spawner.pmispawn import request_from_json, spawn_reply
         from spawner.protocol import Kind
 
+        # fields["key"]: one of the agent's host's ranks (_from_agent)
+        reply = await self.answer_spawn(fields["key"], fields.get("request"))
+        spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=fields["id"], reply=reply)
+
+    async def answer_spawn(self, rank: int, fields: object) -> dict:
+        """A SPAWN_ASK's request (an agent's, or this host's PMIx server's: PMIx_Spawn),
+        checked and started (run/spawned.py); spawn_result's fields."""
+        from spawner.pmi import PmiError
+        from spawner.pmispawn import request_from_json, spawn_reply
+
         try:
-            request = request_from_json(fields.get("request"))
-            rank = fields["key"]  # one of the agent's host's ranks (_from_agent)
+            request = request_from_json(fields)
             if self.on_spawn is None:
                 raise PmiError("spawn: not served")
         except (PmiError, ValueError, TypeError) as exc:
-            reply = spawn_reply(1, msg=str(exc))
-        else:
-            reply = await self.on_spawn(rank, request)
-        spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=fields["id"], reply=reply)
+            return spawn_reply(1, msg=str(exc))
+        return await self.on_spawn(rank, request)
 
     def unserved(self, rank: int, cmd: str, why: str) -> None:
         """An instance's PMI-1 command was answered with an error, at once (never a silent

@@ -37,10 +37,11 @@ if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agen
     from spawner.protocol import Control
 
 
-def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
+def find_libpmix(config, environ: Mapping[str, str], program,
                  log) -> pmixcheck.Check | None:
     """The libpmix to serve Open MPI's world with here (spawner/pmixfind.py), where the job
-    may use one: several `instances`, --mpi-worlds auto, a program that may start Open MPI
+    may use one: --mpi-worlds auto (one instance too: its MPI_Comm_spawn needs the server, as
+    under `mpirun -n 1`), a program that may start Open MPI
     and an Open MPI there for it (or a --libpmix given): the server's start costs every
     launch that has one (docs/architecture.md, "The instances' worlds"). Its check starts
     now, in a process of its own (spawner/pmixcheck.py); `usable_libpmix` waits for it. A
@@ -51,7 +52,7 @@ def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
     problem = pmixcheck.file_problem(config.libpmix) if config.libpmix else None
     if problem is not None:
         raise ConfigError(f"--libpmix: {config.libpmix}: {problem}")
-    if config.mpi_worlds != "auto" or instances < 2:
+    if config.mpi_worlds != "auto":
         return None
     if not config.libpmix and not pmixfind.may_use_open_mpi(program, environ):
         return None  # `true`, `hostname`: nothing that could start Open MPI

@@ -300,13 +300,19 @@ class MpiWorld:
         from spawner.pmi import PmiError
         from spawner.pmispawn import request_from_json, spawn_reply
 
+        pmix = isinstance(fields, dict) and "pmix" in fields
         try:
             request = request_from_json(fields)
             if self.on_spawn is None:
                 raise PmiError("spawn: not served")
         except (PmiError, ValueError, TypeError) as exc:
-            return spawn_reply(1, msg=str(exc))
-        return await self.on_spawn(rank, request)
+            reply = spawn_reply(1, msg=str(exc))
+        else:
+            reply = await self.on_spawn(rank, request)
+        if pmix and reply.get("rc") and self._log is not None:  # PMI-1's: said where read
+            self._log.info(f"rank {rank} of MPI world {self.kvsname}: PMIx_Spawn answered "
+                           f"with an error: {shown_text(str(reply.get('msg')))[:300]}")
+        return reply
 
     def unserved(self, rank: int, cmd: str, why: str) -> None:
         """An instance's PMI-1 command was answered with an error, at once (never a silent

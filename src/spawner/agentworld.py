@@ -142,11 +142,12 @@ class AgentWorld:
         self._send(encode(Kind.GET, kvsname=self.kvsname, id=ask, key=key))
         return await future
 
-    async def name(self, op: str, service: str, port: str = "") -> tuple[int, str]:
+    async def name(self, op: str, service: str, port: str = "", **pmix) -> tuple[int, str]:
+        """`pmix`: a PMIx name's wait and once (spawner/pminames.py)."""
         ask = next(self._ids)
         future = self._asks[ask] = asyncio.get_running_loop().create_future()
         self._send(encode(Kind.NAME, kvsname=self.kvsname, id=ask, op=op, service=service,
-                          port=port))
+                          port=port, **pmix))
         return await future
 
     async def _spawn(self, rank: int, request) -> dict:
@@ -172,6 +173,17 @@ class AgentWorld:
 
     def direct_modex(self, rank: int, done: Callable[[int, bytes], None]) -> None:
         self._uplink.direct_modex(rank, done)
+
+    def pmix_name(self, fields: dict[str, Any], done: Callable[[int, str], None]) -> None:
+        """Asked of the launcher as PMI-1's names are, for the PMIx server here."""
+        task = asyncio.get_running_loop().create_task(self.name(
+            str(fields.get("op")), str(fields.get("service") or ""),
+            str(fields.get("port") or ""), pmix=True, wait=fields.get("wait") or 0,
+            once=bool(fields.get("once"))))
+        task.add_done_callback(lambda t: t.cancelled() or done(*t.result()))
+
+    def unserved(self, rank: int, cmd: str, why: str) -> None:
+        self._unserved(rank, cmd, why)
 
     def abort(self, rank: int, status: int, message: str) -> None:
         from . import pmixplan

@@ -60,6 +60,13 @@ class Handler:
     def abort(self, rank: int, status: int, message: str) -> None:
         """An instance here called MPI_Abort."""
 
+    def pmix_name(self, fields: dict[str, Any], done: Callable[[int, str], None]) -> None:
+        """A NAME from the server (an instance here publishes, looks up or unpublishes a
+        name): `done(rc, port or why)` once the job's table answered."""
+
+    def unserved(self, rank: int, cmd: str, why: str) -> None:
+        """Instance `rank`'s request `cmd` was answered with an error at once (-v)."""
+
     def server_lost(self, reason: str) -> None:
         """The server died while the world was open (`reason`: how, with its signal)."""
 
@@ -256,6 +263,13 @@ class _Server:
                 raise ValueError(f"a spawn for rank {rank}, not one of this host's")
             served.handler.spawn(rank, dict(fields["request"]), lambda reply: self.send(
                 Kind.SPAWNED_ANSWER, kvsname=served.world.nspace, id=ask, reply=reply))
+        elif kind is Kind.NAME:
+            ask = int(fields["id"])
+            served.handler.pmix_name(fields, lambda rc, value: self.send(
+                Kind.NAMED, kvsname=served.world.nspace, id=ask, rc=rc, value=value))
+        elif kind is Kind.PMI_UNSERVED:
+            served.handler.unserved(int(fields["key"]), str(fields["cmd"])[:64],
+                                    str(fields.get("why"))[:200])
         elif kind is Kind.MODEX_GOT:
             done = self._asks.pop(int(fields["id"]), None)
             if done is not None:

@@ -147,6 +147,12 @@ class _Namespace:
         self.uplink = Uplink(world.nspace, proc.post, len(world.names))
         self.fence, self.direct_modex = self.uplink.fence, self.uplink.direct_modex
         self.spawn = self.uplink.spawn
+        self.unserved = self.uplink.unserved
+
+    def name(self, request, done) -> None:
+        from .pmixserver import name_status
+
+        self.uplink.name(request, lambda rc, value: done(*name_status(rc, value)))
 
     def event(self, what: str, rank: int, *args) -> None:  # on libpmix's thread
         if what == "abort":
@@ -157,7 +163,7 @@ class _Namespace:
             self.proc.post(Kind.PMIX_CLIENT, kvsname=self.kvsname, key=rank, event=what)
 
     def from_spawner(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """FENCE_OUT, MODEX_DATA, MODEX_ASK, SPAWNED_ANSWER, WORLD_END."""
+        """FENCE_OUT, MODEX_DATA, NAMED, SPAWNED_ANSWER, MODEX_ASK, WORLD_END."""
         if kind is Kind.WORLD_END:
             import shutil  # here: its import (compression modules) is not the start's
 

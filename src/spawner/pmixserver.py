@@ -25,16 +25,19 @@ spawner/agentworld.py).
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import itertools
 import os
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 from ctypes import (CFUNCTYPE, POINTER, Structure, c_char, c_char_p, c_int, c_size_t,
                     c_uint16, c_uint32, c_void_p)
 
-from . import pmixplan
+from . import pminames, pmixplan
 
-SUCCESS, ERROR, ERR_NOT_SUPPORTED, ERR_NOT_FOUND, ERR_BAD_PARAM = 0, -1, -47, -46, -27
+SUCCESS, ERROR, ERR_NOT_SUPPORTED, ERR_NOT_FOUND = 0, -1, -47, -46
+ERR_BAD_PARAM = -27
 OPERATION_SUCCEEDED = -157  # an upcall that finished at once
 # 28 functions in 4.2, 29 in 5.0; the table only grows at its end. Safe because only those
 # versions are served: start() refuses any other before PMIx_server_init reads the table
@@ -42,6 +45,12 @@ OPERATION_SUCCEEDED = -157  # an upcall that finished at once
 MODULE_SLOTS = 32
 # Indices in pmix_server_module_t.
 _CONNECTED, _FINALIZED, _ABORT, _FENCE, _DMODEX, _SPAWN, _JOB_CONTROL = 0, 1, 2, 3, 4, 8, 19
+_PUBLISH, _LOOKUP, _UNPUBLISH, _CONNECT, _DISCONNECT = 5, 6, 7, 9, 10
+# Upcalls not served, answered ERR_NOT_SUPPORTED at once and said to the owner (`unserved`,
+# for poprun's -v): where the slot is left empty libpmix answers the same, but nobody hears
+# of it. Only slots where an empty one means exactly that are here (an empty `query` slot,
+# say, lets libpmix answer some queries itself).
+UNSERVED_SLOTS = {25: "group"}
 
 
 class Proc(Structure):
@@ -69,6 +78,7 @@ RELEASE_CB = CFUNCTYPE(None, c_void_p)
 MODEX_CB = CFUNCTYPE(None, c_int, c_void_p, c_size_t, c_void_p, RELEASE_CB, c_void_p)
 INFO_CB = CFUNCTYPE(None, c_int, c_void_p, c_size_t, c_void_p, c_void_p, c_void_p)
 DMODEX_RESPONSE = CFUNCTYPE(None, c_int, c_void_p, c_size_t, c_void_p)  # 4 arguments
+LOOKUP_CB = CFUNCTYPE(None, c_int, c_void_p, c_size_t, c_void_p)
 
 CONNECTED_FN = CFUNCTYPE(c_int, POINTER(Proc), c_void_p, c_void_p, c_void_p)
 FINALIZED_FN = CFUNCTYPE(c_int, POINTER(Proc), c_void_p, c_void_p, c_void_p)
@@ -82,12 +92,43 @@ SPAWN_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(Info), c_size_t, POINTER(App)
                      c_void_p, c_void_p)
 JOB_CONTROL_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(Proc), c_size_t, POINTER(Info),
                            c_size_t, c_void_p, c_void_p)
+PUBLISH_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(Info), c_size_t, c_void_p, c_void_p)
+LOOKUP_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(c_char_p), POINTER(Info), c_size_t,
+                      c_void_p, c_void_p)  # unpublish's too
+CONNECT_FN = CFUNCTYPE(c_int, POINTER(Proc), c_size_t, POINTER(Info), c_size_t, c_void_p,
+                       c_void_p)  # disconnect's too
+# An upcall answered unserved reads none of its arguments: declared without them (the
+# caller cleans up its arguments in the x86-64 and aarch64 C conventions).
+UNSERVED_FN = CFUNCTYPE(c_int)
+
+
+class Value(Structure):
+    """pmix_value_t: its type, then an 8-aligned union (a string is a char *)."""
+    _fields_ = [("type", c_uint16), ("_pad", c_char * 6), ("data", c_char * 24)]
+
+
+class Pdata(Structure):
+    """pmix_pdata_t (lookup's answer): proc, key[PMIX_MAX_KEYLEN + 1], value."""
+    _fields_ = [("proc", Proc), ("key", c_char * 512), ("_pad", c_uint32), ("value", Value)]
+
+
+assert ctypes.sizeof(Pdata) == 808 and Pdata.value.offset == 776
 
 MAX_PROCS_IN_UPCALL = 1 << 20  # a fence over more procs than that is not one of ours
 # What one spawn upcall is read for (a client's request, so hostile input): past these it is
 # refused before anything is copied. Generous: spawner/pmispawn.py bounds it again.
-MAX_APPS, MAX_STRINGS, MAX_INFOS, MAX_STRING = 65, 8192, 256, 1 << 20
-PMIX_STRING_TYPE = 3
+MAX_APPS, MAX_STRINGS, MAX_STRING = 65, 8192, 1 << 20
+MAX_INFOS_IN_UPCALL = 256  # a publish's data and directives (Open MPI's: 2 to 5)
+MAX_KEYS_IN_UPCALL = 64  # the keys of a lookup or unpublish (Open MPI's: 1)
+# Integer types an info's value may have (pmix_common.h: their width in bytes, signed)
+_INTS = {4: (8, False), 6: (4, True), 7: (1, True), 8: (2, True), 9: (4, True),
+         10: (8, True), 11: (4, False), 12: (1, False), 13: (2, False), 14: (4, False),
+         15: (8, False), 30: (1, False), 33: (1, False)}  # 30: persistence, 33: range
+PMIX_STRING, PMIX_BOOL, PMIX_BYTE_OBJECT = 3, 1, 27
+# A published byte object (Open MPI's intercommunicator CID exchange) is kept in the job's
+# table as this mark and its base64: a C string, which a string value is, never holds a NUL.
+BYTES_MARK = "\0b64:"
+PERSIST_FIRST_READ = 1  # pmix_persistence_t: the name goes with its first lookup
 
 
 class PmixError(RuntimeError):
@@ -114,6 +155,93 @@ class Handler:
         """Rank `rank` here called PMIx_Spawn (MPI_Comm_spawn[_multiple]): `request` is
         `spawn_request`'s; `done(status, the new namespace)` once its processes started."""
 
+    def name(self, request: NameRequest, done: Callable[[int, str], None]) -> None:
+        """Publish, unpublish or look up one name in the job's table: `done(status, the
+        port found)`."""
+
+    def unserved(self, rank: int, what: str, why: str) -> None:
+        """Rank `rank`'s request `what` was answered with an error at once (main thread)."""
+
+
+class NameRequest(NamedTuple):
+    """One name of an instance's PMIx_Publish, PMIx_Lookup or PMIx_Unpublish."""
+    rank: int
+    op: str  # "publish", "lookup" or "unpublish"
+    service: str
+    port: str = ""
+    wait: float = 0.0  # a lookup waits this long for the name to be published
+    once: bool = False  # a publish whose name goes with its first lookup
+
+
+def info_items(array, count: int) -> list[tuple[str, object]]:
+    """(key, value) of an info array from libpmix: strings, booleans and integers; a value
+    of another type is None. Raises ValueError for more than MAX_INFOS_IN_UPCALL."""
+    if not array or count <= 0:
+        return []
+    if count > MAX_INFOS_IN_UPCALL:
+        raise ValueError(f"{count} infos")
+    items = []
+    for i in range(count):
+        info = array[i]
+        value = Value.from_address(ctypes.addressof(info) + Info.value.offset)
+        address = ctypes.addressof(value) + Value.data.offset
+        if value.type == PMIX_STRING:
+            raw = c_char_p.from_address(address).value
+            data: object = raw.decode("utf-8", "replace") if raw is not None else ""
+        elif value.type == PMIX_BOOL:
+            data = bool(ctypes.c_bool.from_address(address).value)
+        elif value.type == PMIX_BYTE_OBJECT:
+            start, size = ctypes.c_void_p.from_address(address).value, c_size_t.from_address(
+                address + 8).value
+            data = ctypes.string_at(start, size) if start and size <= pminames.PMIX_PORT_MAX \
+                else b""
+        elif value.type in _INTS:
+            width, signed = _INTS[value.type]
+            data = int.from_bytes(ctypes.string_at(address, width), "little", signed=signed)
+        else:
+            data = None
+        items.append((info.key.decode("utf-8", "replace"), data))
+    return items
+
+
+def name_requests(op: str, rank: int, infos: list[tuple[str, object]],
+                  keys: Sequence[str] = ()) -> list[NameRequest]:
+    """The names an upcall asks about: a publish's data are its infos whose keys are not
+    PMIx's own (`pmix.*`: its directives, and the uid libpmix adds); a lookup waits where
+    PMIX_WAIT asks (PMIX_TIMEOUT long, or as long as the table allows). Raises ValueError
+    for a value that is not a string (MPI's ports are)."""
+    directives = {key: value for key, value in infos if key.startswith("pmix.")}
+    if op == "publish":
+        once = directives.get("pmix.persist") == PERSIST_FIRST_READ
+        out = []
+        for key, value in infos:
+            if key.startswith("pmix."):
+                continue
+            if isinstance(value, bytes):
+                value = BYTES_MARK + base64.b64encode(value).decode()
+            elif not isinstance(value, str):
+                raise ValueError(f"{key}: published values are strings or bytes here")
+            out.append(NameRequest(rank, op, key, value, once=once))
+        return out
+    wait = 0.0
+    if op == "lookup" and directives.get("pmix.wait") not in (None, False):
+        timeout = directives.get("pmix.timeout")
+        wait = (min(float(timeout), pminames.LOOKUP_WAIT_MAX)
+                if isinstance(timeout, int) and timeout > 0 else pminames.LOOKUP_WAIT_MAX)
+    return [NameRequest(rank, op, key, wait=wait) for key in keys]
+
+
+# Why the job's table refused a name (spawner/pminames.py) -> the PMIx status the client gets
+_NAME_STATUSES = {"service_not_found": ERR_NOT_FOUND, "lookup_timed_out": -24,  # TIMEOUT
+                  "service_already_published": -53}  # PMIX_ERR_DUPLICATE_KEY
+
+
+def name_status(rc: int, value: str) -> tuple[int, str]:
+    """(PMIx status, the port) of the table's answer (rc 0 or 1, the port or why)."""
+    if rc == 0:
+        return SUCCESS, value
+    return _NAME_STATUSES.get(value, ERROR), ""
+
 
 def _string(ptr) -> str:
     raw = ctypes.string_at(ptr) if ptr else b""
@@ -132,23 +260,6 @@ def _strings(array) -> list[str]:
     return out
 
 
-def _info_strings(array, count: int) -> dict[str, str]:
-    """The string-valued keys of a pmix_info_t array (pmix_value_t: its type, a uint16, at
-    its start, the union 8 bytes in: a char* for PMIX_STRING); keys of other types are
-    kept with an empty value (said ignored at -v, never acted on)."""
-    if count > MAX_INFOS:
-        raise ValueError("too many info keys")
-    out: dict[str, str] = {}
-    for i in range(count if array else 0):
-        info = array[i]
-        key = info.key.decode("utf-8", "replace")
-        value = ctypes.addressof(info) + Info.value.offset
-        kind = ctypes.c_uint16.from_address(value).value
-        out[key] = (_string(c_char_p.from_address(value + 8).value)
-                    if kind == PMIX_STRING_TYPE else "")
-    return out
-
-
 def spawn_request(job_info, ninfo: int, apps, napps: int) -> dict:
     """A PMIx_Spawn's job info and apps, copied out of libpmix's memory: the JSON an agent's
     SPAWN_ASK carries (spawner/pmispawn.request_from_pmix checks it). Raises ValueError past
@@ -161,8 +272,14 @@ def spawn_request(job_info, ninfo: int, apps, napps: int) -> dict:
         commands.append({"cmd": _string(app.cmd), "argv": _strings(app.argv),
                          "env": _strings(app.env), "cwd": _string(app.cwd),
                          "maxprocs": int(app.maxprocs),
-                         "info": _info_strings(app.info, int(app.ninfo))})
-    return {"apps": commands, "job_info": _info_strings(job_info, ninfo)}
+                         "info": _strings_of(info_items(app.info, int(app.ninfo)))})
+    return {"apps": commands, "job_info": _strings_of(info_items(job_info, ninfo))}
+
+
+def _strings_of(items: list[tuple[str, object]]) -> dict[str, str]:
+    """The string-valued infos; others kept with an empty value (said ignored at -v, never
+    acted on)."""
+    return {key: value if isinstance(value, str) else "" for key, value in items}
 
 
 class _Lib:
@@ -251,7 +368,10 @@ class PmixServer:
         self._module = (c_void_p * MODULE_SLOTS)()
         for slot, fn in ((_CONNECTED, "connected"), (_FINALIZED, "finalized"),
                          (_ABORT, "abort"), (_FENCE, "fence"), (_DMODEX, "dmodex"),
-                         (_SPAWN, "spawn"), (_JOB_CONTROL, "job_control")):
+                         (_SPAWN, "spawn"), (_JOB_CONTROL, "job_control"),
+                         (_PUBLISH, "publish"), (_LOOKUP, "lookup"), (_UNPUBLISH, "unpublish"),
+                         (_CONNECT, "connect"), (_DISCONNECT, "disconnect"),
+                         *UNSERVED_SLOTS.items()):
             self._module[slot] = ctypes.cast(self._callbacks[fn], c_void_p)
 
     @property
@@ -326,6 +446,44 @@ class PmixServer:
             # /dev/shm segments are removed at their exit); the control itself: not ours.
             return ERR_NOT_SUPPORTED
 
+        def publish(proc, info, ninfo, cb, cbdata):
+            try:
+                requests = name_requests("publish", proc[0].rank, info_items(info, ninfo))
+            except ValueError as exc:
+                self.submit(self._unserved, proc[0].nspace.decode(), proc[0].rank,
+                            "publish", str(exc))
+                return ERR_BAD_PARAM
+            self.submit(self._names, proc[0].nspace.decode(), requests, OP_CB(cb), cbdata)
+            return SUCCESS
+
+        def lookup_or_unpublish(op):
+            def upcall(proc, keys, info, ninfo, cb, cbdata):
+                names = []
+                while keys and keys[len(names)] is not None:
+                    if len(names) == MAX_KEYS_IN_UPCALL:
+                        return ERR_BAD_PARAM
+                    names.append(keys[len(names)].decode("utf-8", "replace"))
+                try:
+                    requests = name_requests(op, proc[0].rank, info_items(info, ninfo), names)
+                except ValueError:
+                    return ERR_BAD_PARAM
+                answer = LOOKUP_CB(cb) if op == "lookup" else OP_CB(cb)
+                self.submit(self._names, proc[0].nspace.decode(), requests, answer, cbdata)
+                return SUCCESS
+            return upcall
+
+        def connect_or_disconnect(op):
+            def upcall(procs, nprocs, _info, _ninfo, cb, cbdata):
+                self.submit(self._connect, op, _procs(procs, nprocs), cb, cbdata)
+                return SUCCESS
+            return upcall
+
+        def unserved(what):
+            def upcall():
+                self.submit(self._unserved, None, None, what, "poprun does not serve it")
+                return ERR_NOT_SUPPORTED
+            return upcall
+
         def op_done(_status, _cbdata):
             pass
 
@@ -343,7 +501,12 @@ class PmixServer:
                 "dmodex": DMODEX_FN(dmodex), "spawn": SPAWN_FN(spawn),
                 "job_control": JOB_CONTROL_FN(job_control),
                 "release": RELEASE_CB(release), "dmodex_response": DMODEX_RESPONSE(dmodex_response),
-                "op_done": OP_CB(op_done)}
+                "op_done": OP_CB(op_done), "publish": PUBLISH_FN(publish),
+                "lookup": LOOKUP_FN(lookup_or_unpublish("lookup")),
+                "unpublish": LOOKUP_FN(lookup_or_unpublish("unpublish")),
+                "connect": CONNECT_FN(connect_or_disconnect("connect")),
+                "disconnect": CONNECT_FN(connect_or_disconnect("disconnect")),
+                **{what: UNSERVED_FN(unserved(what)) for what in UNSERVED_SLOTS.values()}}
 
     def _event(self, what: str, nspace: str, rank: int, *args) -> None:
         ns = self._namespaces.get(nspace)  # a dict read: safe beside the main thread's writes
@@ -359,6 +522,90 @@ class PmixServer:
             self._modex_answer(cb, cbdata, ERR_NOT_SUPPORTED, b"")
             return
         ns.fence(ranks, data, lambda status, blob: self._modex_answer(cb, cbdata, status, blob))
+
+    def _unserved(self, nspace: str | None, rank: int | None, what: str, why: str) -> None:
+        """Said to the namespace's owner (the first one's where the upcall names none)."""
+        ns = self._namespaces.get(nspace) if nspace is not None else next(
+            iter(self._namespaces.values()), None)
+        if ns is not None:
+            ns.handler.unserved(rank if rank is not None else ns.world.local_ranks[0],
+                                what, why)
+
+    def _names(self, nspace: str, requests: list[NameRequest], answer, cbdata: int) -> None:
+        """Each name asked of the job's table in turn; the first failure is the answer (a
+        lookup's: what was found, NOT_FOUND where nothing was)."""
+        ns = self._namespaces.get(nspace)
+        found: list[tuple[str, str]] = []
+        pending = list(requests)
+
+        def finish(status: int) -> None:
+            if isinstance(answer, LOOKUP_CB):
+                if status == SUCCESS and not found:
+                    status = ERR_NOT_FOUND
+                self._lookup_answer(answer, cbdata, status, nspace, found)
+            else:
+                answer(status, cbdata)
+
+        def next_one(status: int = SUCCESS, port: str = "") -> None:
+            if status != SUCCESS:
+                finish(status)
+                return
+            if port and request.op == "lookup":
+                found.append((request.service, port))
+            if not pending:
+                finish(SUCCESS)
+                return
+            step(pending.pop(0))
+
+        def step(this: NameRequest) -> None:
+            nonlocal request
+            request = this
+            ns.handler.name(this, next_one)
+
+        request = None
+        if ns is None or not requests:
+            finish(ERR_NOT_FOUND if ns is None else ERR_BAD_PARAM)
+            return
+        next_one()
+
+    def _lookup_answer(self, answer, cbdata: int, status: int, nspace: str,
+                       found: list[tuple[str, str]]) -> None:
+        """libpmix packs the answer before the callback returns: what it reads lives that
+        long. Each pdata's proc is the asker's namespace (the table keeps no publisher)."""
+        data = (Pdata * max(1, len(found)))()
+        keep = []
+        for pdata, (service, port) in zip(data, found):
+            pdata.proc = _proc(nspace, pmixplan.WILDCARD)
+            pdata.key = service.encode()[:511]
+            address = ctypes.addressof(pdata) + Pdata.value.offset + Value.data.offset
+            if port.startswith(BYTES_MARK):
+                raw = base64.b64decode(port[len(BYTES_MARK):])
+                pdata.value.type = PMIX_BYTE_OBJECT
+                c_size_t.from_address(address + 8).value = len(raw)
+            else:
+                raw = port.encode() + b"\0"
+                pdata.value.type = PMIX_STRING
+            text = ctypes.create_string_buffer(raw, max(1, len(raw)))
+            keep.append(text)
+            c_void_p.from_address(address).value = ctypes.addressof(text)
+        answer(status, ctypes.cast(data, c_void_p) if found else None, len(found), cbdata)
+        del keep
+
+    def _connect(self, op: str, procs: list[tuple[str, int]], cb: int, cbdata: int) -> None:
+        """PMIx_Connect and PMIx_Disconnect whose procs are on several hosts (libpmix
+        completes those of one host itself): a fence with no data over their ranks, once
+        this host's are all in (docs/architecture.md, "The instances' worlds"). Procs of
+        several namespaces are not served here."""
+        ns = self._namespaces.get(procs[0][0]) if procs else None
+        ranks = pmixplan.fence_ranks(procs, ns.world) if ns is not None else None
+        if ranks is None:
+            nspaces = sorted({nspace for nspace, _ in procs})
+            self._unserved(ns.world.nspace if ns is not None else None, None, op,
+                           f"its {len(procs)} procs are of {len(nspaces)} namespaces "
+                           "(one is served)")
+            OP_CB(cb)(ERR_NOT_SUPPORTED, cbdata)
+            return
+        ns.fence(ranks, b"", lambda status, _blob: OP_CB(cb)(status, cbdata))
 
     def _dmodex(self, nspace: str, rank: int, cb: int, cbdata: int) -> None:
         ns = self._namespaces.get(nspace)

@@ -2,9 +2,11 @@
 "The instances' worlds"): what an agent's world sends the launcher, and what a PMIx
 server's process sends its spawner, are the same frames. A fence this side's instances
 entered goes up as FENCE_IN and comes back as FENCE_OUT with every host's data; a rank's
-data from elsewhere is asked for with MODEX_WANT and comes back as MODEX_DATA; a spawn
-(PMIx_Spawn) goes up as SPAWN_ASK and comes back as SPAWNED_ANSWER, the new world's name in
-its reply (run/spawned.py).
+data from elsewhere is asked for with MODEX_WANT and comes back as MODEX_DATA; a name of the
+job's table (PMIx_Publish, _Lookup, _Unpublish) with NAME, answered by NAMED; a spawn
+(PMIx_Spawn) with SPAWN_ASK, answered by SPAWNED_ANSWER, the new world's name in its reply
+(run/spawned.py); a request answered with an error at once, for the launcher's -v, is said
+with PMI_UNSERVED.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Uplink:
         self._fences: dict[tuple[tuple[int, ...], int], Done] = {}
         self._wants: dict[int, Done] = {}
         self._spawns: dict[int, Spawned] = {}
+        self._names: dict[int, Callable[[int, str], None]] = {}
         self._ids = itertools.count(1)
 
     def fence(self, fence: pmixplan.FenceId, data: bytes, done: Done) -> None:
@@ -48,9 +51,22 @@ class Uplink:
         self._send(Kind.SPAWN_ASK, kvsname=self.kvsname, id=ask, key=rank,
                    request={"pmix": request})
 
+    def name(self, request, done: Callable[[int, str], None]) -> None:
+        """One name of the job's table (spawner.pmixserver.NameRequest): `done(rc, port or
+        why)`, rc 0 or 1 as spawner.pminames.NameService answers."""
+        ask = next(self._ids)
+        self._names[ask] = done
+        self._send(Kind.NAME, kvsname=self.kvsname, id=ask, key=request.rank, op=request.op,
+                   service=request.service, port=request.port, wait=request.wait,
+                   once=request.once)
+
+    def unserved(self, rank: int, what: str, why: str) -> None:
+        self._send(Kind.PMI_UNSERVED, kvsname=self.kvsname, key=rank, cmd=f"PMIx {what}",
+                   why=why)
+
     def answered(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """FENCE_OUT or MODEX_DATA: the waiting fence or request completes. Their data is
-        decoded as the launcher decodes the agents' (pmixplan.decode_data: strict, bounded);
+        """FENCE_OUT, MODEX_DATA, NAMED or SPAWNED_ANSWER: the waiting fence or request
+        completes. Their data is decoded as the launcher decodes the agents' (pmixplan.decode_data: strict, bounded);
         data that cannot be is an error answered to the waiting server, never a fault of
         this side. Raises KeyError/TypeError/ValueError for other fields that cannot be."""
         if kind is Kind.FENCE_OUT:
@@ -58,6 +74,10 @@ class Uplink:
                                      int(fields["seq"])), None)
             if done is not None:
                 done(*_decoded(fields, pmixplan.MAX_FENCE_DATA * self._hosts))
+        elif kind is Kind.NAMED:
+            done = self._names.pop(int(fields["id"]), None)
+            if done is not None:
+                done(int(fields["rc"]), str(fields.get("value") or ""))
         elif kind is Kind.MODEX_DATA:
             done = self._wants.pop(int(fields["id"]), None)
             if done is not None:
@@ -79,8 +99,11 @@ class Uplink:
             done(ERROR, b"")
         for spawned in self._spawns.values():
             spawned(ERROR, "")
+        for named in self._names.values():
+            named(1, "the world ended")
         self._fences.clear()
         self._wants.clear()
+        self._names.clear()
         self._spawns.clear()
 
 

@@ -34,10 +34,15 @@ class PmixWorld:
 
     def __init__(self, kvsname: str, hosts: Sequence[str], remote: Mapping[str, object],
                  pmix, on_abort: Callable[[int, int, str], None],
-                 on_server_lost: Callable[[str, str], None], log,
+                 on_server_lost: Callable[[str, str], None], log, names=None,
+                 on_unserved: Callable[[int, str, str], None] | None = None,
                  on_spawn: Callable[[int, object], Awaitable[dict]] | None = None,
                  beside=None) -> None:
+        """`names(fields, done)`: asks the job's name table (run/world.MpiWorld.name_for);
+        `on_unserved(rank, cmd, why)`: a request answered with an error, for -v."""
         self.kvsname, self._remote, self._on_abort, self._log = kvsname, remote, on_abort, log
+        self._names = names
+        self.unserved = on_unserved or (lambda rank, cmd, why: None)
         self._on_spawn, self._beside = on_spawn, beside
         self._tasks: set[asyncio.Task] = set()
         self._on_server_lost = on_server_lost
@@ -108,6 +113,12 @@ class PmixWorld:
 
     def abort(self, rank: int, status: int, message: str) -> None:
         self._on_abort(rank, status, pmixplan.abort_message(message))
+
+    def pmix_name(self, fields: dict, done: Callable[[int, str], None]) -> None:
+        if self._names is None:
+            done(1, "names_not_served")
+        else:
+            self._names({**fields, "pmix": True}, done)
 
     def server_lost(self, reason: str) -> None:
         self._on_server_lost(self.here, reason)

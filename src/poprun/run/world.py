@@ -129,6 +129,7 @@ class MpiWorld:
 
             self.pmix = PmixWorld(kvsname, self._hosts, self._remote, pmix, on_abort,
                                   on_server_lost or (lambda host, reason: None), log,
+                                  names=self.name_for, on_unserved=self._on_unserved,
                                   on_spawn=self.answer_spawn, beside=pmix_beside)
 
     async def ready(self) -> None:
@@ -194,17 +195,45 @@ class MpiWorld:
         self._cleans_here = bool(local)
         if self._cleans_here and self._lifeline is not None:
             self._lifeline.add_mpi_world(self.kvsname)
-        if self.names is None:  # the instances' world: the job's names start here
-            from spawner.pminames import NameService
-
-            self.names = NameService()
         self.server = pmi.PmiServer(
             self.kvsname, self.size, local_ranks=local,
             on_abort=self._on_abort, on_lost=self._on_lost,
-            process_mapping=pmi.process_mapping_for_ranks(self._nodes), names=self.names,
+            process_mapping=pmi.process_mapping_for_ranks(self._nodes), names=self.job_names(),
             on_unserved=self._on_unserved, on_spawn=self.on_spawn, appnums=self._appnums)
         for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
+
+    def job_names(self):
+        """The job's published names (spawner/pminames.py): the instances' world makes
+        them, its spawned worlds are given them."""
+        if self.names is None:
+            from spawner.pminames import NameService
+
+            self.names = NameService()
+        return self.names
+
+    def name_for(self, fields: Mapping, done: Callable[[int, str], None]) -> None:
+        """A NAME (an agent's, or this host's PMIx server's: `pmix`, its longer ports, a
+        lookup's `wait` and a publish's `once`) asked of the job's table; `done(rc, port
+        or why)` once answered (a lookup that waits: when the name comes, or its wait
+        ends)."""
+        from spawner import pminames
+
+        wait = fields.get("wait")
+        wait = float(wait) if isinstance(wait, (int, float)) and not isinstance(
+            wait, bool) and wait > 0 else 0.0
+        task = self.loop.create_task(self.job_names().name(
+            str(fields.get("op")), str(fields.get("service") or ""),
+            str(fields.get("port") or ""), wait=wait, once=fields.get("once") is True,
+            port_max=pminames.PMIX_PORT_MAX if fields.get("pmix") else pminames.PORT_MAX))
+        self._tasks.add(task)
+
+        def answered(task: asyncio.Task) -> None:
+            self._tasks.discard(task)
+            if not task.cancelled():
+                done(*task.result())
+
+        task.add_done_callback(answered)
 
     # --- what the agents ask ------------------------------------------------------------
 
@@ -244,11 +273,8 @@ class MpiWorld:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         elif frame.kind is Kind.NAME:
-            rc, value = self.names.answer(str(fields.get("op")),
-                                          str(fields.get("service") or ""),
-                                          str(fields.get("port") or ""))
-            spawner.tell(Kind.NAMED, kvsname=self.kvsname, id=fields["id"], rc=rc,
-                         value=value)
+            self.name_for(fields, lambda rc, value: spawner.tell(
+                Kind.NAMED, kvsname=self.kvsname, id=fields["id"], rc=rc, value=value))
         elif frame.kind is Kind.GET:
             spawner.tell(Kind.VALUE, kvsname=self.kvsname, id=fields["id"],
                          value=self.server.kvs.get(str(fields["key"])))
@@ -318,8 +344,11 @@ class MpiWorld:
         """An instance's PMI-1 command was answered with an error, at once (never a silent
         hang): said at -v."""
         if self._log is not None:
-            self._log.info(f"instance {rank}: PMI-1 command {shown_text(cmd)[:64]!r} answered "
-                           f"with an error: {shown_text(why)[:200]}")
+            api, _, request = cmd.partition(" ") if cmd.startswith("PMIx ") else (
+                "PMI-1", "", cmd)
+            what = "request" if api == "PMIx" else "command"
+            self._log.info(f"instance {rank}: {api} {what} {shown_text(request)[:64]!r} "
+                           f"answered with an error: {shown_text(why)[:200]}")
 
     async def _barrier(self, spawner, count: int, puts: dict[str, str]) -> None:
         from spawner.pmi import PmiError

@@ -228,3 +228,162 @@ def test_children_on_another_host_are_served_there(ompi, two_hosts, tmp_path, ho
         enumerate([h2, h2, h1] if host else [h1, h2, h1])], lines
     assert [c["host"] for c in result["spawned"]] == (
         ["h2", "h2", "h1"] if host else ["h1", "h2", "h1"])
+
+
+# MPI children, connected to their parent (Open MPI's connect/accept over the server's
+# publish, lookup and connect): each says its world, arguments and working directory, and
+# adds to a sum over the intercommunicator.
+SPAWN = """
+import os, sys
+from mpi4py import MPI
+parent = MPI.Comm.Get_parent()
+if parent == MPI.COMM_NULL:
+    here = MPI.Info.Create()
+    here.Set("wdir", sys.argv[1])
+    if sys.argv[2] == "yes":
+        inter = MPI.COMM_SELF.Spawn_multiple(
+            [sys.executable] * 2, args=[[__file__, "one", "a b"], [__file__, "two"]],
+            maxprocs=[2, 1], info=[here, MPI.INFO_NULL])
+    else:
+        inter = MPI.COMM_SELF.Spawn(sys.executable, args=[__file__, "one", "a b"], maxprocs=3,
+                                    info=here)
+    print("parent", inter.Get_remote_size(), inter.reduce(None, op=MPI.SUM, root=MPI.ROOT),
+          flush=True)
+    inter.Disconnect()
+else:
+    world = MPI.COMM_WORLD
+    print("child", world.Get_rank(), world.Get_size(), sys.argv[1:], os.getcwd(), flush=True)
+    parent.reduce(world.Get_rank() + 1, op=MPI.SUM, root=0)
+    parent.Disconnect()
+"""
+
+
+@pytest.mark.parametrize("multiple", [False, True], ids=["spawn", "spawn_multiple"])
+def test_mpi_children_connect_to_their_parent(ompi, tmp_path, multiple):
+    script = tmp_path / "spawn.py"
+    script.write_text(SPAWN)
+    proc, result = run(ompi, tmp_path, "--num-instances=1",
+                       argv=[*ompi.python, str(script), str(tmp_path),
+                             "yes" if multiple else "no"])
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    third = f"['two'] {os.getcwd()}" if multiple else f"['one', 'a b'] {tmp_path}"
+    assert sorted(proc.stdout.decode().splitlines()) == ["[1,0]<stdout>:parent 3 6"] + [
+        f"[2,{r}]<stdout>:child {r} 3 ['one', 'a b'] {tmp_path}" for r in range(2)] + [
+        f"[2,2]<stdout>:child 2 3 {third}"]
+    assert [(c["tag"], c["exit_status"]) for c in result["spawned"]] == [
+        (f"2,{r}", 0) for r in range(3)]
+
+
+POOL = """
+import os, sys, time
+from mpi4py import MPI
+from mpi4py.futures import MPIPoolExecutor
+
+def work(x):
+    return x * x, os.getpid()
+
+if __name__ == "__main__":
+    with MPIPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(work, range(12), chunksize=1))
+        print("squares", [r for r, _ in results], flush=True)
+        print("workers", " ".join(str(p) for p in sorted({p for _, p in results})), flush=True)
+        if sys.argv[1:] == ["hang"]:
+            list(pool.map(time.sleep, [120] * 3))
+"""
+
+
+def pool_argv(ompi, tmp_path, *args: str) -> list[str]:
+    """The pool's program, in a file (its workers import their functions from it)."""
+    script = tmp_path / "pool.py"
+    script.write_text(POOL)
+    return [*ompi.python, str(script), *args]
+
+
+def test_an_mpi_pool_of_three_workers_gives_the_right_results(ompi, tmp_path):
+    proc, result = run(ompi, tmp_path, "--num-instances=1", argv=pool_argv(ompi, tmp_path))
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    squares, workers = proc.stdout.decode().splitlines()
+    assert squares == f"[1,0]<stdout>:squares {[x * x for x in range(12)]}"
+    assert 1 <= len(workers.split()[1:]) <= 3
+    assert [c["exit_status"] for c in result["spawned"]] == [0, 0, 0]
+
+
+def test_a_killed_poprun_leaves_none_of_the_pool_s_workers(ompi, tmp_path, job_state):
+    """poprunctl shows the workers while they run; a SIGKILL of poprun leaves none."""
+    with reaped(subprocess.Popen(
+            ompi.poprun(*OFFLINE, "--num-instances=1", *pool_argv(ompi, tmp_path, "hang")),
+            env=poprun_env({**ompi.env, **job_state, "POPRUN_NO_DASHBOARD": "1"}),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)) as job:
+        assert job.stdout.readline().startswith(b"squares")
+        workers = [int(p) for p in job.stdout.readline().split()[1:]]
+        assert workers and all(os.path.exists(f"/proc/{p}") for p in workers)
+        [listed] = json.loads(run_poprunctl("list", "--json", env=job_state).stdout)["jobs"]
+        shown = json.loads(run_poprunctl("show", "--json", listed["id"], env=job_state).stdout)
+        job.kill()
+        job.wait(30)
+    assert set(workers) <= {c["pid"] for c in shown["spawned"]}
+    assert [(c["tag"], c["exit_status"]) for c in shown["spawned"]] == [
+        (f"2,{r}", None) for r in range(3)]
+    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers),
+               "the lifeline to kill the spawned workers")
+
+
+def test_a_failing_mpi_child_is_the_root_cause(ompi, tmp_path):
+    child = "import sys; from mpi4py import MPI; MPI.Comm.Get_parent().Barrier(); sys.exit(3)"
+    program = ("import sys, time\nfrom mpi4py import MPI\n"
+               f"MPI.COMM_WORLD.Spawn(sys.executable, args=['-c', {child!r}]).Barrier()\n"
+               "time.sleep(60)\n")
+    proc, result = run(ompi, tmp_path, "--num-instances=2", "--num-replicas=2",
+                       argv=[*ompi.python, "-c", program])
+    err = proc.stderr.decode()
+    assert proc.returncode == 3, err[-3000:]
+    assert re.search(r"instance 0 \(pid \d+ on localhost\) failed first: MPI_Comm_spawn: its "
+                     r"spawned process \[2,0\] exited with 3", err), err[-3000:]
+    assert result["root_cause"] == 0
+
+
+# Instance 0 on h1 spawns MPI children: its first command's on the host `host` names (or
+# spread), the second's spread over the job's hosts; all connect to it across hosts.
+ACROSS = """
+import os, sys
+from mpi4py import MPI
+parent = MPI.Comm.Get_parent()
+if parent == MPI.COMM_NULL:
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        there = MPI.Info.Create()
+        if sys.argv[1]:
+            there.Set("host", sys.argv[1])
+        inter = MPI.COMM_SELF.Spawn_multiple(
+            [sys.executable] * 2, args=[[__file__, "", "named"], [__file__, "", "spread"]],
+            maxprocs=[2, 3], info=[there, MPI.INFO_NULL])
+        print("parent", inter.Get_remote_size(), inter.reduce(None, op=MPI.SUM, root=MPI.ROOT),
+              flush=True)
+        inter.Disconnect()
+    MPI.COMM_WORLD.Barrier()
+else:
+    world = MPI.COMM_WORLD
+    print("child", world.Get_rank(), world.Get_size(), sys.argv[2],
+          os.environ["POPRUN_SSH_CONNECTION"].split()[2], flush=True)
+    world.Barrier()
+    parent.reduce(world.Get_rank() + 1, op=MPI.SUM, root=0)
+    parent.Disconnect()
+"""
+
+
+@pytest.mark.parametrize("host", ["h2", "h2:2"])
+def test_mpi_children_on_another_host_connect_to_their_parent(ompi, two_hosts, tmp_path,
+                                                                  host):
+    script = tmp_path / "across.py"
+    script.write_text(ACROSS)
+    proc, result = run(ompi, tmp_path, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                       *(f"--env={v}" for v in PRETEND_NODES),
+                       argv=[*ompi.python, str(script), host], hosts=two_hosts)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    h1, h2 = (h.addr for h in two_hosts.hosts)
+    assert sorted(proc.stdout.decode().splitlines()) == ["[1,0]<stdout>:parent 5 15"] + [
+        f"[2,{r}]<stdout>:child {r} 5 {word} {addr}" for r, word, addr in [
+            (0, "named", h2), (1, "named", h2), (2, "spread", h1), (3, "spread", h2),
+            (4, "spread", h1)]]
+    assert [c["host"] for c in result["spawned"]] == ["h2", "h2", "h1", "h2", "h1"]

@@ -28,6 +28,7 @@ import pytest
 from conftest import OFFLINE, poprun_env, reaped, run_poprunctl
 from spawner import pmixfind
 from sshd_hosts import wait_until
+from test_mpi_dynproc import shown_then_killed
 from test_openmpi_world import (PRETEND_NODES, WHEEL_LIBPMIX, ompi,  # noqa: F401 (fixtures)
                                 two_hosts, world_leftovers)
 
@@ -231,8 +232,8 @@ def test_children_on_another_host_are_served_there(ompi, two_hosts, tmp_path, ho
 
 
 # MPI children, connected to their parent (Open MPI's connect/accept over the server's
-# publish, lookup and connect): each says its world, arguments and working directory, and
-# adds to a sum over the intercommunicator.
+# publish, lookup and connect): each says its world, appnum (its command's), arguments and
+# working directory, and adds to a sum over the intercommunicator.
 SPAWN = """
 import os, sys
 from mpi4py import MPI
@@ -252,7 +253,8 @@ if parent == MPI.COMM_NULL:
     inter.Disconnect()
 else:
     world = MPI.COMM_WORLD
-    print("child", world.Get_rank(), world.Get_size(), sys.argv[1:], os.getcwd(), flush=True)
+    print("child", world.Get_rank(), world.Get_size(), world.Get_attr(MPI.APPNUM), sys.argv[1:],
+          os.getcwd(), flush=True)
     parent.reduce(world.Get_rank() + 1, op=MPI.SUM, root=0)
     parent.Disconnect()
 """
@@ -267,9 +269,9 @@ def test_mpi_children_connect_to_their_parent(ompi, tmp_path, multiple):
                              "yes" if multiple else "no"])
     err = proc.stderr.decode()
     assert proc.returncode == 0, err[-3000:]
-    third = f"['two'] {os.getcwd()}" if multiple else f"['one', 'a b'] {tmp_path}"
+    third = f"1 ['two'] {os.getcwd()}" if multiple else f"0 ['one', 'a b'] {tmp_path}"
     assert sorted(proc.stdout.decode().splitlines()) == ["[1,0]<stdout>:parent 3 6"] + [
-        f"[2,{r}]<stdout>:child {r} 3 ['one', 'a b'] {tmp_path}" for r in range(2)] + [
+        f"[2,{r}]<stdout>:child {r} 3 0 ['one', 'a b'] {tmp_path}" for r in range(2)] + [
         f"[2,2]<stdout>:child 2 3 {third}"]
     assert [(c["tag"], c["exit_status"]) for c in result["spawned"]] == [
         (f"2,{r}", 0) for r in range(3)]
@@ -311,22 +313,11 @@ def test_an_mpi_pool_of_three_workers_gives_the_right_results(ompi, tmp_path):
 
 def test_a_killed_poprun_leaves_none_of_the_pool_s_workers(ompi, tmp_path, job_state):
     """poprunctl shows the workers while they run; a SIGKILL of poprun leaves none."""
-    with reaped(subprocess.Popen(
-            ompi.poprun(*OFFLINE, "--num-instances=1", *pool_argv(ompi, tmp_path, "hang")),
-            env=poprun_env({**ompi.env, **job_state, "POPRUN_NO_DASHBOARD": "1"}),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE)) as job:
-        assert job.stdout.readline().startswith(b"squares")
-        workers = [int(p) for p in job.stdout.readline().split()[1:]]
-        assert workers and all(os.path.exists(f"/proc/{p}") for p in workers)
-        [listed] = json.loads(run_poprunctl("list", "--json", env=job_state).stdout)["jobs"]
-        shown = json.loads(run_poprunctl("show", "--json", listed["id"], env=job_state).stdout)
-        job.kill()
-        job.wait(30)
-    assert set(workers) <= {c["pid"] for c in shown["spawned"]}
+    shown, _ = shown_then_killed(
+        ompi.poprun(*OFFLINE, "--num-instances=1", *pool_argv(ompi, tmp_path, "hang")),
+        ompi.env, job_state)
     assert [(c["tag"], c["exit_status"]) for c in shown["spawned"]] == [
         (f"2,{r}", None) for r in range(3)]
-    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers),
-               "the lifeline to kill the spawned workers")
 
 
 def test_a_failing_mpi_child_is_the_root_cause(ompi, tmp_path):

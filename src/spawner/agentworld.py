@@ -99,8 +99,9 @@ class AgentWorld:
                 await parents.ready
                 beside = parents.pmix_ns
             self._pmix = pmix_host(pmix, here)
-            self.pmix_ns = await self._pmix.open(pmixplan.world(self.kvsname, hosts, here),
-                                                 self, beside=beside)
+            appnums = [self._appnums.get(rank, 0) for rank in range(self.size)]
+            self.pmix_ns = await self._pmix.open(
+                pmixplan.world(self.kvsname, hosts, here, appnums), self, beside=beside)
         except (LookupError, OSError, RuntimeError, TypeError, ValueError) as exc:
             self._pmix = None
             self._send(encode(Kind.PMIX_UNSERVED, kvsname=self.kvsname, error=str(exc)))

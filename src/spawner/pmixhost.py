@@ -422,6 +422,7 @@ class PmixHost:
         served = Served(server, world, handler, beside is not None)
         server.worlds[world.nspace] = served
         result = await server.request(Kind.PMIX_OPEN, kvsname=world.nspace,
+                                      appnums=list(world.appnums),
                                       nodes=list(world.nodes), names=list(world.names),
                                       here=world.here)
         env = result["env"]

@@ -118,7 +118,8 @@ class ServerProcess:
 
     def _open(self, fields: dict[str, Any]) -> dict[str, Any]:
         world = pmixplan.World(str(fields["kvsname"]), [int(n) for n in fields["nodes"]],
-                               [str(n) for n in fields["names"]], int(fields["here"]))
+                               [str(n) for n in fields["names"]], int(fields["here"]),
+                               tuple(int(a) for a in fields.get("appnums") or ()))
         ns = _Namespace(self, world)
         # In the server's directory: the spawner, its lifeline and `poprunctl reap` remove it
         # with that (made again, private, where a /tmp cleaner took it meanwhile); private

@@ -102,6 +102,14 @@ CONNECT_FN = CFUNCTYPE(c_int, POINTER(Proc), c_size_t, POINTER(Info), c_size_t, 
 UNSERVED_FN = CFUNCTYPE(c_int)
 
 
+class DataArray(Structure):
+    """pmix_data_array_t: its elements' type, their count, the array."""
+    _fields_ = [("type", c_uint16), ("size", c_size_t), ("array", c_void_p)]
+
+
+PMIX_INFO = 24  # pmix_data_type_t of an array of pmix_info_t
+
+
 class Value(Structure):
     """pmix_value_t: its type, then an 8-aligned union (a string is a char *)."""
     _fields_ = [("type", c_uint16), ("_pad", c_char * 6), ("data", c_char * 24)]
@@ -330,10 +338,16 @@ def _infos(keys: Sequence[pmixplan.Key], lib: _Lib):
     namespace, where 4.2 exports no destructor)."""
     array = (Info * max(1, len(keys)))()
     for info, key in zip(array, keys):
-        if key.type == pmixplan.PMIX_STRING:
+        if key.type == pmixplan.PMIX_DATA_ARRAY:  # libpmix copies it whole (value_load)
+            inner = _infos(key.value, lib)
+            data = ctypes.cast(ctypes.pointer(DataArray(PMIX_INFO, len(key.value), ctypes.cast(
+                inner, c_void_p))), c_void_p)
+        elif key.type == pmixplan.PMIX_STRING:
             data = ctypes.cast(c_char_p(str(key.value).encode()), c_void_p)
         elif key.type == pmixplan.PMIX_BOOL:
             data = ctypes.cast(ctypes.pointer(ctypes.c_bool(bool(key.value))), c_void_p)
+        elif key.type == pmixplan.PMIX_UINT16:
+            data = ctypes.cast(ctypes.pointer(c_uint16(int(key.value))), c_void_p)
         else:  # every other type we use is 32-bit unsigned
             data = ctypes.cast(ctypes.pointer(c_uint32(int(key.value))), c_void_p)
         rc = lib.PMIx_Info_load(ctypes.byref(info), key.key.encode(), data, key.type)

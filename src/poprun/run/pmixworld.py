@@ -37,7 +37,7 @@ class PmixWorld:
                  on_server_lost: Callable[[str, str], None], log, names=None,
                  on_unserved: Callable[[int, str, str], None] | None = None,
                  on_spawn: Callable[[int, object], Awaitable[dict]] | None = None,
-                 beside=None) -> None:
+                 beside=None, appnums: Sequence[int] = ()) -> None:
         """`names(fields, done)`: asks the job's name table (run/world.MpiWorld.name_for);
         `on_unserved(rank, cmd, why)`: a request answered with an error, for -v."""
         self.kvsname, self._remote, self._on_abort, self._log = kvsname, remote, on_abort, log
@@ -50,7 +50,7 @@ class PmixWorld:
         self._hosts = list(hosts)
         local = [h for h in self.names if h not in remote]
         here = self.here = local[0] if local else self.names[0]
-        self.world = pmixplan.world(kvsname, hosts, here)
+        self.world = pmixplan.world(kvsname, hosts, here, appnums)
         self._local_node = self.names.index(here) if local else None
         self._pmix = pmix
         self._fences = pmixplan.FenceTable(self.world)

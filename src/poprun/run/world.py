@@ -130,7 +130,8 @@ class MpiWorld:
             self.pmix = PmixWorld(kvsname, self._hosts, self._remote, pmix, on_abort,
                                   on_server_lost or (lambda host, reason: None), log,
                                   names=self.name_for, on_unserved=self._on_unserved,
-                                  on_spawn=self.answer_spawn, beside=pmix_beside)
+                                  on_spawn=self.answer_spawn, beside=pmix_beside,
+                                  appnums=[self._appnums.get(r, 0) for r in range(self.size)])
 
     async def ready(self) -> None:
         """Wait until the instances can be spawned: Open MPI's world registered here."""

@@ -174,3 +174,29 @@ def test_the_server_refuses_an_upcall_past_its_bounds_before_copying_it():
         pmixserver.spawn_request(None, 0, apps, 1)
     with pytest.raises(ValueError, match="apps"):
         pmixserver.spawn_request(None, 0, apps, pmixserver.MAX_APPS + 1)
+
+
+@T(5)
+def test_each_command_s_processes_are_registered_with_its_app_number():
+    """MPI_Comm_spawn_multiple's world: PMIX_APPNUM per rank (as PMIX_PROC_DATA, its rank
+    first, with the keys libpmix then no longer derives from the maps), and the job's count
+    of apps; a world of one app registers none of it."""
+    from spawner import pmixplan
+
+    w = pmixplan.world("ns", ["h1", "h2", "h1"], "h1", [0, 0, 1])
+    keys = pmixplan.job_keys(w, "nmap", "pmap", "/tmp/x")
+    assert {k.key: k.value for k in keys}["pmix.job.napps"] == 2
+    data = [[(k.key, k.value) for k in key.value] for key in keys if key.key == "pmix.pdata"]
+    assert data == [
+        [("pmix.rank", 0), ("pmix.appnum", 0), ("pmix.nodeid", 0), ("pmix.lrank", 0),
+         ("pmix.nrank", 0)],
+        [("pmix.rank", 1), ("pmix.appnum", 0), ("pmix.nodeid", 1), ("pmix.lrank", 0),
+         ("pmix.nrank", 0)],
+        [("pmix.rank", 2), ("pmix.appnum", 1), ("pmix.nodeid", 0), ("pmix.lrank", 1),
+         ("pmix.nrank", 1)]]
+    one = pmixplan.world("ns", ["h1", "h1"], "h1", [0, 0])
+    assert one.appnums == () and not [k for k in pmixplan.job_keys(one, "n", "p", "/t")
+                                      if k.key == "pmix.pdata"]
+    for bad in ([0], [0, 2], [0, -1]):
+        with pytest.raises(ValueError, match="appnums"):
+            pmixplan.world("ns", ["h1", "h1"], "h1", bad)

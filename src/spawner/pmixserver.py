@@ -449,7 +449,9 @@ class PmixServer:
         def spawn(proc, job_info, ninfo, apps, napps, cb, cbdata):
             try:  # copied now: libpmix frees them when we return
                 request = spawn_request(job_info, ninfo, apps, napps)
-            except ValueError:
+            except ValueError as exc:  # refused at once, and said (-v)
+                self.submit(self._unserved, proc[0].nspace.decode(), proc[0].rank, "spawn",
+                            f"refused unread: {exc}")
                 return ERR_BAD_PARAM
             self.submit(self._spawn, proc[0].nspace.decode(), proc[0].rank, request, cb,
                         cbdata)

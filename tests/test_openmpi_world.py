@@ -473,7 +473,7 @@ def test_open_mpi_without_a_libpmix_is_said_before_anything_starts(monkeypatch):
 
     config = LaunchConfig(program=("python3",), num_instances=4, num_replicas=4,
                           offline_mode=True)
-    assert find_libpmix(config, {"PATH": "/usr/bin"}, ("python3",), 4, Log) is None
+    assert find_libpmix(config, {"PATH": "/usr/bin"}, ("python3",), Log) is None
     (line,) = said
     assert "Open MPI is here (/opt/ompi/lib/libmpi.so.40) but no libpmix" in line
     assert pmixfind.system_candidates()[0] in line and "apt-get install libpmix2" in line

@@ -75,12 +75,18 @@ class Handler:
     def server_lost(self, reason: str) -> None:
         """The server died while the world was open (`reason`: how, with its signal)."""
 
+    def spawn(self, rank: int, request: dict, done: Callable[[dict], None]) -> None:
+        """An instance here called PMIx_Spawn (`request`: a SPAWN_ASK's, {"pmix": ...});
+        `done(reply)` with spawn_reply's fields, the new world's name as `world`."""
+
 
 class Served:
     """One world's namespace on this host's server, as its owner sees it."""
 
-    def __init__(self, server: _Server, world: pmixplan.World, handler: Handler) -> None:
+    def __init__(self, server: _Server, world: pmixplan.World, handler: Handler,
+                 beside: bool = False) -> None:
         self.server, self.world, self.handler = server, world, handler
+        self.beside = beside  # on the server of another world (a spawned one's: its parents')
         self.env: dict[int, dict[str, str]] = {}
         self.connected: set[int] = set()
         self.finalized: set[int] = set()
@@ -263,6 +269,12 @@ class _Server:
             served.handler.direct_modex(int(fields["rank"]), lambda status, blob: self.send(
                 Kind.MODEX_DATA, kvsname=served.world.nspace, id=want, status=status,
                 data=pmixplan.b64(blob)))
+        elif kind is Kind.SPAWN_ASK:
+            rank, ask = int(fields["key"]), int(fields["id"])
+            if rank not in served.world.local_ranks:
+                raise ValueError(f"a spawn for rank {rank}, not one of this host's")
+            served.handler.spawn(rank, dict(fields["request"]), lambda reply: self.send(
+                Kind.SPAWNED_ANSWER, kvsname=served.world.nspace, id=ask, reply=reply))
         elif kind is Kind.NAME:
             ask = int(fields["id"])
             served.handler.pmix_name(fields, lambda rc, value: self.send(
@@ -403,16 +415,23 @@ class PmixHost:
 
         return tempfile.mkdtemp(prefix=name, dir=parent)
 
-    async def open(self, world: pmixplan.World, handler: Handler) -> Served:
-        """`world`'s namespace here, on a server of its own."""
-        self.prestart(world.nspace)
-        server, self._next = self._next, None
-        await server.ready()
+    async def open(self, world: pmixplan.World, handler: Handler,
+                   beside: Served | None = None) -> Served:
+        """`world`'s namespace here, on a server of its own, or on `beside`'s (a spawned
+        world's, on its parents': libpmix serves their connect and each other's data only
+        where it holds both namespaces)."""
+        if beside is None:
+            self.prestart(world.nspace)
+            server, self._next = self._next, None
+            await server.ready()
+        else:
+            server = beside.server
         self.version = server.version
         self._shm[world.nspace] = self._make_dir(world.nspace, tmp=False)
-        served = Served(server, world, handler)
+        served = Served(server, world, handler, beside is not None)
         server.worlds[world.nspace] = served
         result = await server.request(Kind.PMIX_OPEN, kvsname=world.nspace,
+                                      appnums=list(world.appnums),
                                       nodes=list(world.nodes), names=list(world.names),
                                       here=world.here)
         env = result["env"]
@@ -441,8 +460,13 @@ class PmixHost:
                              f"unread: {why}")
 
     def close_world(self, served: Served) -> None:
-        """The world's instances are gone: its server and segments go."""
-        served.server.kill()
+        """The world's instances are gone: its server and segments go (a world on another's
+        server: its namespace, the server staying for that one)."""
+        if served.beside:
+            served.server.worlds.pop(served.world.nspace, None)
+            served.server.send(Kind.WORLD_END, kvsname=served.world.nspace)
+        else:
+            served.server.kill()
         path = self._shm.pop(served.world.nspace, None)
         if path is not None:
             self._remove(path)

@@ -118,7 +118,8 @@ class ServerProcess:
 
     def _open(self, fields: dict[str, Any]) -> dict[str, Any]:
         world = pmixplan.World(str(fields["kvsname"]), [int(n) for n in fields["nodes"]],
-                               [str(n) for n in fields["names"]], int(fields["here"]))
+                               [str(n) for n in fields["names"]], int(fields["here"]),
+                               tuple(int(a) for a in fields.get("appnums") or ()))
         ns = _Namespace(self, world)
         # In the server's directory: the spawner, its lifeline and `poprunctl reap` remove it
         # with that (made again, private, where a /tmp cleaner took it meanwhile); private
@@ -146,6 +147,7 @@ class _Namespace:
         self.ns = None  # spawner.pmixserver.Namespace
         self.uplink = Uplink(world.nspace, proc.post, len(world.names))
         self.fence, self.direct_modex = self.uplink.fence, self.uplink.direct_modex
+        self.spawn = self.uplink.spawn
         self.unserved = self.uplink.unserved
 
     def name(self, request, done) -> None:
@@ -162,7 +164,7 @@ class _Namespace:
             self.proc.post(Kind.PMIX_CLIENT, kvsname=self.kvsname, key=rank, event=what)
 
     def from_spawner(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """FENCE_OUT, MODEX_DATA, NAMED, MODEX_ASK, WORLD_END."""
+        """FENCE_OUT, MODEX_DATA, NAMED, SPAWNED_ANSWER, MODEX_ASK, WORLD_END."""
         if kind is Kind.WORLD_END:
             import shutil  # here: its import (compression modules) is not the start's
 

@@ -47,13 +47,13 @@ OPERATION_SUCCEEDED = -157  # an upcall that finished at once
 # (spawner/pmixcheck.TESTED; a later one may have outgrown it).
 MODULE_SLOTS = 32
 # Indices in pmix_server_module_t.
-_CONNECTED, _FINALIZED, _ABORT, _FENCE, _DMODEX, _JOB_CONTROL = 0, 1, 2, 3, 4, 19
+_CONNECTED, _FINALIZED, _ABORT, _FENCE, _DMODEX, _SPAWN, _JOB_CONTROL = 0, 1, 2, 3, 4, 8, 19
 _PUBLISH, _LOOKUP, _UNPUBLISH, _CONNECT, _DISCONNECT, _GROUP = 5, 6, 7, 9, 10, 25
 # Upcalls not served, answered ERR_NOT_SUPPORTED at once and said to the owner (`unserved`,
 # for poprun's -v): where the slot is left empty libpmix answers the same, but nobody hears
 # of it. Only slots where an empty one means exactly that are here (an empty `query` slot,
 # say, lets libpmix answer some queries itself).
-UNSERVED_SLOTS = {8: "spawn"}
+UNSERVED_SLOTS: dict[int, str] = {}
 GROUP_CONSTRUCT, GROUP_DESTRUCT = 0, 1  # pmix_group_operation_t
 
 
@@ -67,7 +67,15 @@ class Info(Structure):
                 ("value", c_char * 32)]
 
 
-assert ctypes.sizeof(Proc) == 260 and ctypes.sizeof(Info) == 552
+class App(Structure):
+    """pmix_app_t: one command of a PMIx_Spawn (its argv[0] is the command, as Open MPI's
+    ompi_dpm_spawn fills it; env: "NAME=value" strings; both NULL-terminated)."""
+    _fields_ = [("cmd", c_char_p), ("argv", POINTER(c_char_p)), ("env", POINTER(c_char_p)),
+                ("cwd", c_char_p), ("maxprocs", c_int), ("info", POINTER(Info)),
+                ("ninfo", c_size_t)]
+
+
+assert ctypes.sizeof(Proc) == 260 and ctypes.sizeof(Info) == 552 and ctypes.sizeof(App) == 56
 
 OP_CB = CFUNCTYPE(None, c_int, c_void_p)
 RELEASE_CB = CFUNCTYPE(None, c_void_p)
@@ -83,6 +91,9 @@ ABORT_FN = CFUNCTYPE(c_int, POINTER(Proc), c_void_p, c_int, c_char_p, POINTER(Pr
 FENCE_FN = CFUNCTYPE(c_int, POINTER(Proc), c_size_t, POINTER(Info), c_size_t, c_void_p,
                      c_size_t, c_void_p, c_void_p)
 DMODEX_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(Info), c_size_t, c_void_p, c_void_p)
+SPAWN_CB = CFUNCTYPE(None, c_int, c_char_p, c_void_p)  # status, the new namespace, cbdata
+SPAWN_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(Info), c_size_t, POINTER(App), c_size_t,
+                     c_void_p, c_void_p)
 JOB_CONTROL_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(Proc), c_size_t, POINTER(Info),
                            c_size_t, c_void_p, c_void_p)
 PUBLISH_FN = CFUNCTYPE(c_int, POINTER(Proc), POINTER(Info), c_size_t, c_void_p, c_void_p)
@@ -98,8 +109,11 @@ UNSERVED_FN = CFUNCTYPE(c_int)
 
 
 class DataArray(Structure):
-    """pmix_data_array_t."""
+    """pmix_data_array_t: its elements' type, their count, the array."""
     _fields_ = [("type", c_uint16), ("size", c_size_t), ("array", c_void_p)]
+
+
+PMIX_INFO = 24  # pmix_data_type_t of an array of pmix_info_t
 
 
 class Value(Structure):
@@ -115,6 +129,9 @@ class Pdata(Structure):
 assert ctypes.sizeof(Pdata) == 808 and Pdata.value.offset == 776
 
 MAX_PROCS_IN_UPCALL = 1 << 20  # a fence over more procs than that is not one of ours
+# What one spawn upcall is read for (a client's request, so hostile input): past these it is
+# refused before anything is copied. Generous: spawner/pmispawn.py bounds it again.
+MAX_APPS, MAX_STRINGS, MAX_STRING = 65, 8192, 1 << 20
 MAX_INFOS_IN_UPCALL = 256  # a publish's data and directives (Open MPI's: 2 to 5)
 MAX_KEYS_IN_UPCALL = 64  # the keys of a lookup or unpublish (Open MPI's: 1)
 # Integer types an info's value may have (pmix_common.h: their width in bytes, signed)
@@ -148,6 +165,10 @@ class Handler:
 
     def direct_modex(self, rank: int, done: Callable[[int, bytes], None]) -> None:
         """An instance here wants `rank`'s data, which is on another host."""
+
+    def spawn(self, rank: int, request: dict, done: Callable[[int, str], None]) -> None:
+        """Rank `rank` here called PMIx_Spawn (MPI_Comm_spawn[_multiple]): `request` is
+        `spawn_request`'s; `done(status, the new namespace)` once its processes started."""
 
     def name(self, request: NameRequest, done: Callable[[int, str], None]) -> None:
         """Publish, unpublish or look up one name in the job's table: `done(status, the
@@ -249,6 +270,45 @@ def name_status(rc: int, value: str) -> tuple[int, str]:
     return _NAME_STATUSES.get(value, ERROR), ""
 
 
+def _string(ptr) -> str:
+    raw = ctypes.string_at(ptr) if ptr else b""
+    if len(raw) > MAX_STRING:
+        raise ValueError("a string too long")
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _strings(array) -> list[str]:
+    """A NULL-terminated char** as strings (at most MAX_STRINGS)."""
+    out: list[str] = []
+    while array and array[len(out)]:
+        if len(out) >= MAX_STRINGS:
+            raise ValueError("too many strings")
+        out.append(_string(array[len(out)]))
+    return out
+
+
+def spawn_request(job_info, ninfo: int, apps, napps: int) -> dict:
+    """A PMIx_Spawn's job info and apps, copied out of libpmix's memory: the JSON an agent's
+    SPAWN_ASK carries (spawner/pmispawn.request_from_pmix checks it). Raises ValueError past
+    the bounds above."""
+    if napps > MAX_APPS:
+        raise ValueError(f"{napps} apps")
+    commands = []
+    for i in range(napps if apps else 0):
+        app = apps[i]
+        commands.append({"cmd": _string(app.cmd), "argv": _strings(app.argv),
+                         "env": _strings(app.env), "cwd": _string(app.cwd),
+                         "maxprocs": int(app.maxprocs),
+                         "info": _strings_of(info_items(app.info, int(app.ninfo)))})
+    return {"apps": commands, "job_info": _strings_of(info_items(job_info, ninfo))}
+
+
+def _strings_of(items: list[tuple[str, object]]) -> dict[str, str]:
+    """The string-valued infos; others kept with an empty value (said ignored at -v, never
+    acted on)."""
+    return {key: value if isinstance(value, str) else "" for key, value in items}
+
+
 class _Lib:
     """libpmix's server functions, with their C signatures."""
 
@@ -297,21 +357,33 @@ def _infos(keys: Sequence[pmixplan.Key], lib: _Lib):
     namespace, where 4.2 exports no destructor)."""
     array = (Info * max(1, len(keys)))()
     for info, key in zip(array, keys):
-        if key.type == pmixplan.PMIX_STRING:
+        if key.type == PMIX_DATA_ARRAY:  # of infos or of procs (libpmix copies it whole)
+            data = ctypes.cast(ctypes.pointer(_data_array(key.value, lib)), c_void_p)
+        elif key.type == pmixplan.PMIX_STRING:
             data = ctypes.cast(c_char_p(str(key.value).encode()), c_void_p)
         elif key.type == pmixplan.PMIX_BOOL:
             data = ctypes.cast(ctypes.pointer(ctypes.c_bool(bool(key.value))), c_void_p)
         elif key.type == PMIX_SIZE:
             data = ctypes.cast(ctypes.pointer(c_size_t(int(key.value))), c_void_p)
-        elif key.type == PMIX_DATA_ARRAY:  # of procs (libpmix copies it whole)
-            procs = (Proc * max(1, len(key.value)))(*(_proc(*p) for p in key.value))
-            data = ctypes.cast(ctypes.pointer(DataArray(PMIX_PROC, len(key.value), ctypes.cast(
-                procs, c_void_p))), c_void_p)
+        elif key.type == pmixplan.PMIX_UINT16:
+            data = ctypes.cast(ctypes.pointer(c_uint16(int(key.value))), c_void_p)
         else:  # every other type we use is 32-bit unsigned
             data = ctypes.cast(ctypes.pointer(c_uint32(int(key.value))), c_void_p)
         rc = lib.PMIx_Info_load(ctypes.byref(info), key.key.encode(), data, key.type)
         if rc != SUCCESS:
             raise PmixError(f"PMIx_Info_load({key.key}): status {rc}")
+    return array
+
+
+def _data_array(values: Sequence, lib: _Lib) -> DataArray:
+    """A pmix_data_array_t of `values`: keys (pmixplan.Key, a spawned world's per-rank data)
+    as infos, else (namespace, rank) pairs (a group's members) as procs."""
+    if values and isinstance(values[0], pmixplan.Key):
+        kind, backing = PMIX_INFO, _infos(values, lib)
+    else:
+        kind, backing = PMIX_PROC, (Proc * max(1, len(values)))(*(_proc(*p) for p in values))
+    array = DataArray(kind, len(values), ctypes.cast(backing, c_void_p))
+    array.backing = backing  # alive until libpmix has copied it (the caller's Info_load)
     return array
 
 
@@ -352,8 +424,8 @@ class PmixServer:
         self._module = (c_void_p * MODULE_SLOTS)()
         for slot, fn in ((_CONNECTED, "connected"), (_FINALIZED, "finalized"),
                          (_ABORT, "abort"), (_FENCE, "fence"), (_DMODEX, "dmodex"),
-                         (_JOB_CONTROL, "job_control"), (_PUBLISH, "publish"),
-                         (_LOOKUP, "lookup"), (_UNPUBLISH, "unpublish"),
+                         (_SPAWN, "spawn"), (_JOB_CONTROL, "job_control"),
+                         (_PUBLISH, "publish"), (_LOOKUP, "lookup"), (_UNPUBLISH, "unpublish"),
                          (_CONNECT, "connect"), (_DISCONNECT, "disconnect"),
                          (_GROUP, "group"),
                          *UNSERVED_SLOTS.items()):
@@ -415,6 +487,17 @@ class PmixServer:
 
         def dmodex(proc, _info, _ninfo, cb, cbdata):
             self.submit(self._dmodex, proc[0].nspace.decode(), proc[0].rank, cb, cbdata)
+            return SUCCESS
+
+        def spawn(proc, job_info, ninfo, apps, napps, cb, cbdata):
+            try:  # copied now: libpmix frees them when we return
+                request = spawn_request(job_info, ninfo, apps, napps)
+            except ValueError as exc:  # refused at once, and said (-v)
+                self.submit(self._unserved, proc[0].nspace.decode(), proc[0].rank, "spawn",
+                            f"refused unread: {exc}")
+                return ERR_BAD_PARAM
+            self.submit(self._spawn, proc[0].nspace.decode(), proc[0].rank, request, cb,
+                        cbdata)
             return SUCCESS
 
         def job_control(*_args):
@@ -488,7 +571,8 @@ class PmixServer:
 
         return {"connected": CONNECTED_FN(connected), "finalized": FINALIZED_FN(finalized),
                 "abort": ABORT_FN(abort), "fence": FENCE_FN(fence),
-                "dmodex": DMODEX_FN(dmodex), "job_control": JOB_CONTROL_FN(job_control),
+                "dmodex": DMODEX_FN(dmodex), "spawn": SPAWN_FN(spawn),
+                "job_control": JOB_CONTROL_FN(job_control),
                 "release": RELEASE_CB(release), "dmodex_response": DMODEX_RESPONSE(dmodex_response),
                 "op_done": OP_CB(op_done), "publish": PUBLISH_FN(_guarded(publish)),
                 "lookup": LOOKUP_FN(_guarded(lookup_or_unpublish("lookup"))),
@@ -671,6 +755,18 @@ class PmixServer:
             return
         ns.handler.direct_modex(rank, lambda status, blob: self._modex_answer(cb, cbdata,
                                                                              status, blob))
+
+    def _spawn(self, nspace: str, rank: int, request: dict, cb: int, cbdata: int) -> None:
+        ns = self._namespaces.get(nspace)
+
+        def done(status: int, child: str) -> None:
+            if self._lib is not None:  # libpmix copies the name
+                SPAWN_CB(cb)(status, child.encode() if status == SUCCESS else None, cbdata)
+
+        if ns is None or not 0 <= rank < ns.world.size:
+            done(ERR_NOT_SUPPORTED, "")
+            return
+        ns.handler.spawn(rank, request, done)
 
     def _modex_answer(self, cb: int, cbdata: int, status: int, blob: bytes) -> None:
         if self._lib is None:

@@ -3,8 +3,10 @@
 server's process sends its spawner, are the same frames. A fence this side's instances
 entered goes up as FENCE_IN and comes back as FENCE_OUT with every host's data; a rank's
 data from elsewhere is asked for with MODEX_WANT and comes back as MODEX_DATA; a name of the
-job's table (PMIx_Publish, _Lookup, _Unpublish) with NAME, answered by NAMED; a request answered
-with an error at once, for the launcher's -v, is said with PMI_UNSERVED.
+job's table (PMIx_Publish, _Lookup, _Unpublish) with NAME, answered by NAMED; a spawn
+(PMIx_Spawn) with SPAWN_ASK, answered by SPAWNED_ANSWER, the new world's name in its reply
+(run/spawned.py); a request answered with an error at once, for the launcher's -v, is said
+with PMI_UNSERVED.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .protocol import Kind
 
 ERROR = -1  # PMIx's PMIX_ERROR: a fence or a request nobody is left to complete
 Done = Callable[[int, bytes], None]
+Spawned = Callable[[int, str], None]  # a spawn's status and its world's name
 
 
 class Uplink:
@@ -28,6 +31,7 @@ class Uplink:
         self.kvsname, self._send, self._hosts = kvsname, send, hosts
         self._fences: dict[tuple[tuple[int, ...], int], Done] = {}
         self._wants: dict[int, Done] = {}
+        self._spawns: dict[int, Spawned] = {}
         self._names: dict[int, Callable[[int, str], None]] = {}
         self._ids = itertools.count(1)
 
@@ -40,6 +44,12 @@ class Uplink:
         want = next(self._ids)
         self._wants[want] = done
         self._send(Kind.MODEX_WANT, kvsname=self.kvsname, id=want, rank=rank)
+
+    def spawn(self, rank: int, request: dict, done: Spawned) -> None:
+        ask = next(self._ids)
+        self._spawns[ask] = done
+        self._send(Kind.SPAWN_ASK, kvsname=self.kvsname, id=ask, key=rank,
+                   request={"pmix": request})
 
     def name(self, request, done: Callable[[int, str], None]) -> None:
         """One name of the job's table (spawner.pmixserver.NameRequest): `done(rc, port or
@@ -55,8 +65,8 @@ class Uplink:
                    why=why)
 
     def answered(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """FENCE_OUT, MODEX_DATA or NAMED: the waiting fence or request completes. Their data is
-        decoded as the launcher decodes the agents' (pmixplan.decode_data: strict, bounded);
+        """FENCE_OUT, MODEX_DATA, NAMED or SPAWNED_ANSWER: the waiting fence or request
+        completes. Their data is decoded as the launcher decodes the agents' (pmixplan.decode_data: strict, bounded);
         data that cannot be is an error answered to the waiting server, never a fault of
         this side. Raises KeyError/TypeError/ValueError for other fields that cannot be."""
         if kind is Kind.FENCE_OUT:
@@ -73,6 +83,10 @@ class Uplink:
             if done is not None:
                 status, data = _decoded(fields, pmixplan.MAX_MODEX)
                 done(int(fields["status"]) if status == 0 else status, data)
+        elif kind is Kind.SPAWNED_ANSWER:
+            done = self._spawns.pop(int(fields["id"]), None)
+            if done is not None:
+                done(*spawn_status(fields.get("reply")))
 
     def modex_got(self, ask: object) -> Done:
         """The answer to the MODEX_ASK `ask`: its MODEX_GOT, once the data is here."""
@@ -83,11 +97,24 @@ class Uplink:
         """Nobody is left to complete what waits."""
         for done in [*self._fences.values(), *self._wants.values()]:
             done(ERROR, b"")
+        for spawned in self._spawns.values():
+            spawned(ERROR, "")
         for named in self._names.values():
             named(1, "the world ended")
         self._fences.clear()
         self._wants.clear()
         self._names.clear()
+        self._spawns.clear()
+
+
+def spawn_status(reply: object) -> tuple[int, str]:
+    """A spawn's reply (pmispawn.spawn_reply's fields, `world` its new world's name) as
+    PMIx's answer: (0, the namespace), or (ERROR, "") for a refusal or a reply that cannot
+    be one."""
+    if isinstance(reply, dict) and reply.get("rc") == 0 and isinstance(
+            reply.get("world"), str) and 0 < len(reply["world"]) <= pmixplan.NSPACE_MAX:
+        return 0, reply["world"]
+    return ERROR, ""
 
 
 def _decoded(fields: dict[str, Any], limit: int) -> tuple[int, bytes]:

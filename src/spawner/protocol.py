@@ -118,7 +118,7 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       PMIX_SERVE {id, libpmix, tmpdir, hostname, owner, mark}  start libpmix's server; who
                                              may connect: owner's descendants, and processes
                                              with mark (NAME=token) in their environment
-      PMIX_OPEN {id, kvsname, nodes, names, here}  register a world's namespace and its ranks
+      PMIX_OPEN {id, kvsname, nodes, names, here, appnums}  register a world's namespace and its ranks
                                              here; REPLY {id, result: {env: {rank: {...}}}}
       FENCE_OUT, MODEX_DATA, MODEX_ASK, NAMED, WORLD_END  as from the launcher to an agent
     PMIx server -> spawner

@@ -37,10 +37,11 @@ if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agen
     from spawner.protocol import Control
 
 
-def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
+def find_libpmix(config, environ: Mapping[str, str], program,
                  log) -> pmixcheck.Check | None:
     """The libpmix to serve Open MPI's world with here (spawner/pmixfind.py), where the job
-    may use one: several `instances`, --mpi-worlds auto, a program that may start Open MPI
+    may use one: --mpi-worlds auto (one instance too: its MPI_Comm_spawn needs the server, as
+    under `mpirun -n 1`), a program that may start Open MPI
     and an Open MPI there for it (or a --libpmix given): the server's start costs every
     launch that has one (docs/architecture.md, "The instances' worlds"). Its check starts
     now, in a process of its own (spawner/pmixcheck.py); `usable_libpmix` waits for it. A
@@ -51,7 +52,7 @@ def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
     problem = pmixcheck.file_problem(config.libpmix) if config.libpmix else None
     if problem is not None:
         raise ConfigError(f"--libpmix: {config.libpmix}: {problem}")
-    if config.mpi_worlds != "auto" or instances < 2:
+    if config.mpi_worlds != "auto":
         return None
     if not config.libpmix and not pmixfind.may_use_open_mpi(program, environ):
         return None  # `true`, `hostname`: nothing that could start Open MPI
@@ -104,7 +105,8 @@ class MpiWorld:
                  argv: Sequence[str] = (),
                  log=None, names=None, appnums: Mapping[int, int] | None = None,
                  spawned: bool = False,
-                 on_unserved: Callable[[int, str, str], None] | None = None) -> None:
+                 on_unserved: Callable[[int, str, str], None] | None = None,
+                 pmix_beside=None) -> None:
         self.kvsname, self.loop, self._lifeline = kvsname, loop, lifeline
         self._hosts, self._remote = list(hosts), dict(remote or {})
         self._on_abort, self._on_lost = on_abort, on_lost
@@ -127,7 +129,9 @@ class MpiWorld:
 
             self.pmix = PmixWorld(kvsname, self._hosts, self._remote, pmix, on_abort,
                                   on_server_lost or (lambda host, reason: None), log,
-                                  names=self.name_for, on_unserved=self._on_unserved)
+                                  names=self.name_for, on_unserved=self._on_unserved,
+                                  on_spawn=self.answer_spawn, beside=pmix_beside,
+                                  appnums=[self._appnums.get(r, 0) for r in range(self.size)])
 
     async def ready(self) -> None:
         """Wait until the instances can be spawned: Open MPI's world registered here."""
@@ -317,20 +321,31 @@ class MpiWorld:
     async def _spawn_for(self, spawner, fields) -> None:
         """A rank on an agent's host called MPI_Comm_spawn: the launcher starts the
         children (run/spawned.py)."""
-        from spawner.pmi import PmiError
-        from spawner.pmispawn import request_from_json, spawn_reply
         from spawner.protocol import Kind
 
+        # fields["key"]: one of the agent's host's ranks (_from_agent)
+        reply = await self.answer_spawn(fields["key"], fields.get("request"))
+        spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=fields["id"], reply=reply)
+
+    async def answer_spawn(self, rank: int, fields: object) -> dict:
+        """A SPAWN_ASK's request (an agent's, or this host's PMIx server's: PMIx_Spawn),
+        checked and started (run/spawned.py); spawn_result's fields."""
+        from spawner.pmi import PmiError
+        from spawner.pmispawn import request_from_json, spawn_reply
+
+        pmix = isinstance(fields, dict) and "pmix" in fields
         try:
-            request = request_from_json(fields.get("request"))
-            rank = fields["key"]  # one of the agent's host's ranks (_from_agent)
+            request = request_from_json(fields)
             if self.on_spawn is None:
                 raise PmiError("spawn: not served")
         except (PmiError, ValueError, TypeError) as exc:
             reply = spawn_reply(1, msg=str(exc))
         else:
             reply = await self.on_spawn(rank, request)
-        spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=fields["id"], reply=reply)
+        if pmix and reply.get("rc") and self._log is not None:  # PMI-1's: said where read
+            self._log.info(f"rank {rank} of MPI world {self.kvsname}: PMIx_Spawn answered "
+                           f"with an error: {shown_text(str(reply.get('msg')))[:300]}")
+        return reply
 
     def unserved(self, rank: int, cmd: str, why: str) -> None:
         """An instance's PMI-1 command was answered with an error, at once (never a silent

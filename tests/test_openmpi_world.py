@@ -184,14 +184,19 @@ def run_world(tmp_path, ompi, instances: int, program: str, *options: str):
 
 
 MAPPED_LIBPMIX = """
+import os
 print("libpmix", *sorted({line.split()[-1] for line in open("/proc/self/maps")
                           if "libpmix" in line}), flush=True)
+print("gds", os.environ.get("PMIX_GDS_MODULE"), flush=True)
 """
 
 
 def test_four_instances_form_one_world_with_ranks_their_indices(tmp_path, ompi, clean):
     """... served by the libpmix its users have: Debian's for 4.1; on the pip-only machine the
-    wheel's own, in poprun and in every instance."""
+    wheel's own, in poprun and in every instance; each told to keep the world's data in
+    libpmix's hash store only (not 4.2's shared-memory one, under which a get for a peer's
+    data could be answered "not found" just as it committed: docs/architecture.md, "The
+    instances' worlds")."""
     proc, _ = run_world(tmp_path, ompi, 4, WORLD + MAPPED_LIBPMIX, "-v")
     err = proc.stderr.decode()
     assert proc.returncode == 0, err[-3000:]
@@ -201,6 +206,7 @@ def test_four_instances_form_one_world_with_ranks_their_indices(tmp_path, ompi, 
     served = re.search(r"MPI world: PMIx for Open MPI, namespace poprun-\S+, served by "
                        r"OpenPMIx (\d+\.\d+)\S* .*\((\S+)\)\n", err)
     assert served, err[-3000:]
+    assert [line for line in out if line.startswith("gds")] == ["gds hash"] * 4
     mapped = {line for line in out if line.startswith("libpmix")}
     if ompi.pip_only:
         assert served.groups() == ("5.0", WHEEL_LIBPMIX)
@@ -363,14 +369,16 @@ def test_a_killed_poprun_leaves_nothing(tmp_path, ompi):
 
 
 def pmix_servers(pid: int) -> list[int]:
-    """The PMIx server processes (spawner/worlds/pmixproc.py) poprun `pid` runs now."""
+    """The PMIx server processes (spawner/worlds/pmixproc.py) poprun `pid` runs now: forks of
+    poprun, told from it by their name."""
     from spawner import procid
+    from spawner.worlds import pmixproc
 
     found = []
     for child in procid.children(pid):
         try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawner.worlds.pmixproc" in f.read():
+            with open(f"/proc/{child}/comm", "rb") as f:
+                if f.read().strip() == pmixproc.NAME:
                     found.append(child)
         except OSError:
             continue
@@ -466,7 +474,7 @@ def test_open_mpi_without_a_libpmix_is_said_before_anything_starts(monkeypatch):
 
     config = LaunchConfig(program=("python3",), num_instances=4, num_replicas=4,
                           offline_mode=True)
-    assert find_libpmix(config, {"PATH": "/usr/bin"}, ("python3",), 4, Log) is None
+    assert find_libpmix(config, {"PATH": "/usr/bin"}, ("python3",), Log) is None
     (line,) = said
     assert "Open MPI is here (/opt/ompi/lib/libmpi.so.40) but no libpmix" in line
     assert pmixfind.system_candidates()[0] in line and "apt-get install libpmix2" in line
@@ -495,13 +503,14 @@ DIRECT_MODEX = ("OMPI_MCA_pmix_base_async_modex=1", "OMPI_MCA_pmix_base_collect_
 
 
 def run_across(hosts, tmp_path, ompi, host_list: str, program: str, *env: str,
-               verbose: str = "-v"):
+               verbose: str = "-v", instances: int = 4):
     out = tmp_path / "r.json"
     options = [f"--env={var}" for var in (*PRETEND_NODES, *env,
                                           *(f"{k}={v}" for k, v in ompi.env.items()))]
     proc = subprocess.run(
-        ompi.poprun(*OFFLINE, verbose, "-H", host_list, "--num-instances=4", "--num-replicas=4",
-                    *options, f"--result-json={out}", *ompi.python, "-c", program),
+        ompi.poprun(*OFFLINE, verbose, "-H", host_list, f"--num-instances={instances}",
+                    f"--num-replicas={instances}", *options, f"--result-json={out}",
+                    *ompi.python, "-c", program),
         env=poprun_env(hosts.env()), capture_output=True, timeout=150)
     result = json.loads(out.read_text()) if out.exists() else None
     assert world_leftovers(result) == []  # every host's (all of them this machine)
@@ -519,6 +528,28 @@ def test_two_hosts_of_two_form_one_world_with_an_8_mb_allreduce(two_hosts, tmp_p
     assert "MPI world: PMIx for Open MPI" in err
 
 
+# Rank SLOW_RANK stops for 4 s once its MPI_Init has joined the world and opened its PML
+# (Debian's Open MPI 4.1 loads it as mca_pml_ob1.so), before it puts and commits its data: a
+# child of its own stops it and lets it go on. Said on stdout ("stopped"), where it was.
+STOPPED_BEFORE_COMMIT = """
+import os, signal, time
+if os.environ.get("PMIX_RANK") == os.environ["SLOW_RANK"]:
+    parent = os.getpid()
+    if os.fork() == 0:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with open(f"/proc/{parent}/maps") as maps:
+                if "mca_pml_ob1" in maps.read():
+                    os.kill(parent, signal.SIGSTOP)
+                    print("stopped", flush=True)
+                    time.sleep(4)
+                    break
+            time.sleep(0.001)
+        os.kill(parent, signal.SIGCONT)
+        os._exit(0)
+"""
+
+
 def test_direct_modex_across_hosts(two_hosts, tmp_path, ompi, clean):
     """A rank's data fetched when needed, through poprun to the agent whose host has it: with
     these parameters (async modex, no data collected at MPI_Init's fence) both Open MPIs ask
@@ -534,6 +565,43 @@ def test_direct_modex_across_hosts(two_hosts, tmp_path, ompi, clean):
                                ("h2", "1", "h1")}, err[-3000:]
     lines = sorted(line for line in proc.stdout.decode().splitlines() if line.startswith("world"))
     assert lines == [f"world rank={r} size=4 sum=10-10 bcast=from 1" for r in range(4)]
+
+
+@pytest.mark.parametrize("ompi", ["4.1"], indirect=True)
+def test_a_direct_modex_across_hosts_waits_for_a_rank_that_has_not_committed(two_hosts,
+                                                                             tmp_path, ompi,
+                                                                             clean):
+    """Rank 0 (h1) asks for rank 1's data while rank 1 (h2) is stopped for 4 s inside its
+    MPI_Init, connected and its data not yet committed (no barrier ends MPI_Init here, so
+    rank 0 goes on): the ask, through poprun to h2's server, waits for the data (libpmix
+    defers a request from the host that long), past the 2 s libpmix gives a peer on the
+    asker's own host, never "not found". Debian's 4.1, whose PML is a module to wait for."""
+    proc, _ = run_across(two_hosts, tmp_path, ompi, "h1,h2", STOPPED_BEFORE_COMMIT + ACROSS,
+                         *DIRECT_MODEX, "OMPI_MCA_async_mpi_init=1", "SLOW_RANK=1",
+                         verbose="-vv", instances=2)
+    err, out = proc.stderr.decode(), proc.stdout.decode()
+    assert proc.returncode == 0, err[-3000:]
+    waited = re.findall(r"PMIx: rank 1's data to h1: status 0, [1-9]\d* bytes, after (\d+) ms",
+                        err)
+    assert "stopped" in out and len(waited) == 1 and int(waited[0]) > 2000, err[-3000:]
+    lines = sorted(line for line in out.splitlines() if line.startswith("world"))
+    assert lines == [f"world rank={r} size=2 sum=3-3 bcast=from 1" for r in range(2)]
+
+
+@pytest.mark.parametrize("ompi", ["4.1"], indirect=True)
+def test_open_mpi_4_1_gives_a_rank_s_peer_on_its_host_2_s_to_commit(tmp_path, ompi, clean):
+    """What poprun cannot serve otherwise (libpmix's, and Open MPI's mpirun fails alike):
+    rank 1 stopped for 4 s inside MPI_Init, before it commits, and rank 0 on the same host
+    fails MPI_Init, whose PML check reads rank 1's data: libpmix's server ends its wait for a
+    connected peer of its own host after 2 s (src/server/pmix_server_get.c, 4.2.2 to
+    5.0.x). poprun reports it as such a failure."""
+    program = STOPPED_BEFORE_COMMIT + "from mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+    proc, result = run_world(tmp_path, ompi, 2, program, "-v", *(
+        f"--env={var}" for var in (*PRETEND_NODES, *DIRECT_MODEX, "SLOW_RANK=1")))
+    err = proc.stderr.decode()
+    assert "stopped" in proc.stdout.decode(), err[-3000:]
+    assert proc.returncode == 1 and result["root_cause"] == 0, err[-3000:]
+    assert "PML add procs failed" in err and '"Not found" (-13)' in err, err[-3000:]
 
 
 def test_mpi_abort_on_another_host_ends_the_job_with_its_code(two_hosts, tmp_path, ompi,

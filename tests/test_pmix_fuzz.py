@@ -299,6 +299,24 @@ def test_what_an_agent_sends_about_pmix_never_breaks_the_launcher(messages):
         assert base64.b64decode(out["data"]) == b"onetwo"
 
 
+def test_what_an_agent_says_about_pmix_in_a_loop_is_warned_once_per_host():
+    """PMIX_UNSERVED, and messages that cannot be PMIx's, over and over from each host: each
+    host's of each is said once (another host's too), never once a frame."""
+    from poprun.run.worlds.pmix import PmixWorld
+
+    agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
+    log = _Log()
+    world = PmixWorld("poprun-fuzz-3", ["h1", "h2"], agents, None, lambda *a: None,
+                      lambda *a: None, log)
+    for _ in range(100):
+        for host in ("h1", "h2"):
+            world.from_agent(agents[host], "PMIX_UNSERVED", {"error": "no libpmix"})
+            world.from_agent(agents[host], "FENCE_IN", {"ranks": "x", "seq": 0})
+            world.from_agent(agents[host], "MODEX_WANT", {"id": 1, "rank": 99})
+    assert sorted(w.split(":")[0] + ("" if "not served" in w else " bad")
+                  for w in log.warnings) == ["h1", "h1 bad", "h2", "h2 bad"], log.warnings
+
+
 def test_a_host_that_enters_a_fence_twice_or_for_others_fails_that_fence_only():
     from poprun.run.worlds.pmix import PmixWorld
 

@@ -8,6 +8,8 @@ so served by its own libpmix 5.0, whose listener libevent watches with epoll):
   nobody had tried;
 - an idle connection held 30 s by another user delays neither MPI_Init nor MPI_Finalize,
   and SIGTERM still ends poprun within --kill-timeout + 1 s;
+- the server's process, a fork of poprun, holds none of poprun's pipes or sockets and
+  ignores stop signals sent to it alone;
 - a server killed mid-job (SIGKILL, SIGSEGV) is the root cause, named with its signal, and
   nothing of the world is left behind;
 - restarts after an MPI_Abort beside a rank in MPI_Finalize (where libpmix frees a fence
@@ -26,6 +28,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -235,6 +238,29 @@ def test_the_gate_s_socket_removed_under_it_leaves_the_world_working(tmp_path, o
     _assert_as_if_nobody_tried(job, stdout, stderr, result)
 
 
+def test_the_gate_makes_its_directory_again_where_it_was_removed_before_the_start(tmp_path):
+    """A /tmp cleaner (or a concurrent cleanup of poprun's directories) took the server's
+    directory between its making and the server's start: the gate makes it again, private,
+    and listens there, in place of libpmix's listener (the start failed: "cannot be served
+    here: FileNotFoundError"). A process of its own, as the server's: `take` finds the one
+    listening TCP socket of its process."""
+    gone = str(tmp_path / "server")
+    code = f"""
+import os, socket
+from spawner.worlds.pmixgate import Gate
+libpmix = socket.socket()  # as libpmix's listener
+libpmix.bind(("127.0.0.1", 0))
+libpmix.listen()
+port = libpmix.getsockname()[1]
+taken = Gate({gone!r}, os.getpid(), None, print).take() == port
+now = socket.socket(fileno=os.dup(libpmix.fileno()))  # what libpmix's descriptor holds
+print(taken, oct(os.stat({gone!r}).st_mode & 0o777), now.getsockname() == {gone!r} + "/gate")
+"""
+    done = subprocess.run([sys.executable, "-c", code], env=poprun_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == ["True", "0o700", "True"], done.stderr[-2000:]
+
+
 def _instances(pid: int) -> list[int]:
     from spawner import procid
 
@@ -248,6 +274,43 @@ def _environ(pid: int) -> dict[str, str]:
     except OSError:
         return {}
     return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+
+
+def test_the_server_s_fork_holds_nothing_of_poprun_s_and_ignores_stop_signals(tmp_path, ompi):
+    """The server's process is a fork of poprun (spawner/worlds/pmixhost.py's `_fork`): in a group
+    of its own, holding none of poprun's pipes or sockets (the lifeline's among them), with
+    poprun's signal mask; stop signals sent to it alone change nothing, and its world forms
+    after them."""
+    job, go, out = _start(ompi, tmp_path)
+    with reaped(job):
+        _uri(job.stdout.readline())  # an instance has its variables: the server is up
+        (server,) = pmix_servers(job.pid)
+        assert os.getpgid(server) == server
+        assert _pipes_and_sockets(server, 3) & _pipes_and_sockets(job.pid, 0) == set()
+        assert _status(server, "SigBlk") == _status(job.pid, "SigBlk")
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            os.kill(server, sig)
+        go.touch()
+        stdout, stderr, result = _finish(job, out)
+    _assert_as_if_nobody_tried(job, stdout, stderr, result)
+
+
+def _pipes_and_sockets(pid: int, lowest: int) -> set[str]:
+    """The pipes and sockets process `pid` holds at descriptors `lowest` and up."""
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if int(fd) >= lowest and target.startswith(("pipe:", "socket:")):
+            held.add(target)
+    return held
+
+
+def _status(pid: int, field: str) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split(":", 1)[1].strip() for line in f if line.startswith(field + ":"))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])

@@ -591,7 +591,7 @@ class Agent:
         from .worlds.nodeworld import AgentWorld
 
         world = AgentWorld(self._loop, fields, self._outbox.send, self._lifeline,
-                           self._pmix_host)
+                           self._pmix_host, self._worlds)
         self._worlds[world.kvsname] = world
 
     def _pmix_host(self, pmix: dict[str, Any], hostname: str):

@@ -106,13 +106,29 @@ def is_subreaper() -> bool:
     return _subreaper
 
 
+_spared: set[int] = set()  # children the sweep between attempts leaves: spare_child
+
+
+def spare_child(pid: int) -> None:
+    """A helper of the launcher's (its child) that the sweep between attempts leaves, as it
+    leaves those carrying the helpers' mark, until `unspare_child`: one whose environment
+    cannot show the mark (a fork: /proc/PID/environ is what its parent started with; the
+    PMIx server's process, spawner/worlds/pmixhost.py)."""
+    _spared.add(pid)
+
+
+def unspare_child(pid: int) -> None:
+    _spared.discard(pid)
+
+
 def reap_children(keep: frozenset[int] = frozenset(), spare: str | None = None) -> int:
     """For a subreaper at its end: SIGKILL and reap every child but `keep` (descendants
     re-parented to us, whatever they did to their environment) and, with `spare`, but those
-    marked with it (the launcher's helpers, between attempts); how many there were."""
+    marked with it and those spared (the launcher's helpers, between attempts); how many
+    there were."""
     count = 0
     for pid in procid.children() - keep:
-        if spare is not None and marked_with(pid, spare):
+        if spare is not None and (pid in _spared or marked_with(pid, spare)):
             continue
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)

@@ -102,7 +102,11 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       MODEX_GOT {kvsname, id, status, data}  answers MODEX_ASK
       PMIX_UNSERVED {kvsname, error}         Open MPI's world cannot be served here
       NAME    {kvsname, id, op, service, port}  publish, unpublish or look up a name in
-                                             the job's table (spawner/worlds/mpinames.py)
+                                             the job's table (spawner/worlds/mpinames.py);
+              [wait, once, pmix]             PMIx's also: a lookup's wait (s, bounded), a
+                                             name read once, a PMIx port (longer); op
+                                             "context": a PMIx group's context ID (service:
+                                             the group)
       SPAWN_ASK {kvsname, id, key, request}  rank `key` of that world, here, called
                                              MPI_Comm_spawn: request {commands: [{execname,
                                              nprocs, args, info}], preput}; the launcher
@@ -118,15 +122,21 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       PMIX_SERVE {id, libpmix, tmpdir, hostname, owner, mark}  start libpmix's server; who
                                              may connect: owner's descendants, and processes
                                              with mark (NAME=token) in their environment
-      PMIX_OPEN {id, kvsname, nodes, names, here}  register a world's namespace and its ranks
-                                             here; REPLY {id, result: {env: {rank: {...}}}}
-      FENCE_OUT, MODEX_DATA, MODEX_ASK, WORLD_END  as from the launcher to an agent
+      PMIX_OPEN {id, kvsname, nodes, names, here, appnums}  register a world's namespace
+                                             and its ranks here; REPLY {id, result: {env: {rank: {...}}}}
+      FENCE_OUT, MODEX_DATA, MODEX_ASK, NAMED, WORLD_END  as from the launcher to an agent
     PMIx server -> spawner
       REPLY / FAILED {id, ...}               answers PMIX_SERVE (result: {version}), PMIX_OPEN
       PMIX_CLIENT {kvsname, key, event}      connected or finalized, sent before the instance
                                              is released
       PMIX_REFUSED {uid, why}                a connection from outside the job, closed unread
       FENCE_IN, MODEX_WANT, MODEX_GOT, MPI_ABORT  as from an agent to the launcher
+      NAME {kvsname, id, key, op, service, port, wait, once}  an instance's PMIx_Publish,
+                                             _Lookup or _Unpublish (one frame a name), or a
+                                             group's context ID: answered with NAMED
+      PMI_UNSERVED {kvsname, key, cmd, why}  a PMIx request answered with an error at once
+                                             (cmd "PMIx <request>"), for the launcher's -v
+      (an agent sends the NAME on to the launcher, PMI_UNSERVED too)
 """
 
 from __future__ import annotations

@@ -487,7 +487,7 @@ class Job:
             from poprun.run.worlds.spawn import Spawned
 
             self.spawned = Spawned(self, self.world.kvsname, self._lifeline,
-                                   self.world.names, self.world.unserved)
+                                   self.world.job_names(), self.world.unserved)
         return await self.spawned.for_world()(rank, request)
 
     def child_failed(self, origin: int, why: str, returncode: int) -> None:

@@ -449,8 +449,7 @@ class _Session:
         Open MPI is there and no libpmix, said now, not after a wrong result."""
         from poprun.run.worlds.pmi1 import find_libpmix
 
-        return find_libpmix(self.config, self.environ, self.program, sum(self.hosts.counts),
-                            self.log)
+        return find_libpmix(self.config, self.environ, self.program, self.log)
 
     def _start_pmix(self) -> None:
         """This host's PMIx service, its first server's process starting while the launch

@@ -22,8 +22,12 @@ wait for it (`ready`), each instance gets its PMIX_* variables, and what crosses
 to the launcher (run/worlds/pmix.py):
 ONE FENCE_IN per fence for this host's instances (answered by FENCE_OUT with every host's
 data), MODEX_WANT for a rank on another host (answered by MODEX_DATA), MODEX_GOT answering the
-launcher's MODEX_ASK for a rank here. Where no libpmix is found or the server does not
-start, PMIX_UNSERVED says why; a server that dies while the world is open, PMIX_LOST.
+launcher's MODEX_ASK for a rank here, the server's NAMEs (PMIx's names and group context
+IDs, asked of the launcher's table as PMI-1's), PMI_UNSERVEDs, and SPAWN_ASK for a PMIx_Spawn
+(Open MPI's MPI_Comm_spawn, the launcher starting the children as for PMI-1's). A spawned
+world's namespace goes on the server of its parents' (WORLD's pmix `beside`), where libpmix
+holds both. Where no libpmix is found or the server does not start, PMIX_UNSERVED says why; a
+server that dies while the world is open, PMIX_LOST.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import asyncio
 import itertools
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from popdist.env import PMI_FD, PMI_HOSTNAME
@@ -45,7 +49,10 @@ class AgentWorld:
     """The world named in a WORLD frame, for the instances of it that run here."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fields: dict[str, Any],
-                 send: Callable[[bytes], None], lifeline, pmix_host=None) -> None:
+                 send: Callable[[bytes], None], lifeline, pmix_host=None,
+                 worlds: Mapping[str, AgentWorld] | None = None) -> None:
+        """`worlds`: the agent's others, by kvsname (a spawned world's PMIx namespace goes
+        on the server of its parents', named by WORLD's pmix `beside`)."""
         self.kvsname = str(fields["kvsname"])
         self.size = int(fields["size"])
         self._nodes = [int(n) for n in fields["nodes"]]  # each rank's host, in host order
@@ -56,6 +63,7 @@ class AgentWorld:
         self._appnums = {int(r): int(n) for r, n in dict(fields.get("appnums") or {}).items()
                          if int(r) in self.ranks}
         self._send, self._lifeline = send, lifeline
+        self._worlds = worlds if worlds is not None else {}
         self._ends = PmiEnds(loop, self._start)
         self.server = None  # spawner.worlds.pmi1.PmiServer, once an instance here has spoken
         self._barriers: dict[int, asyncio.Future] = {}  # by number (the fence's seq)
@@ -85,9 +93,18 @@ class AgentWorld:
             names = [str(n) for n in pmix["names"]]
             hosts = [names[n] for n in self._nodes]
             here = hosts[self.ranks[0]]
+            beside = None
+            if pmix.get("beside") is not None:
+                parents = self._worlds.get(str(pmix["beside"]))
+                if parents is None or parents.pmix_ns is None:
+                    raise LookupError(f"its parents' world {str(pmix['beside'])[:80]} is not "
+                                      "served here")
+                await parents.ready
+                beside = parents.pmix_ns
             self._pmix = pmix_host(pmix, here)
-            self.pmix_ns = await self._pmix.open(pmixplan.world(self.kvsname, hosts, here),
-                                                 self)
+            appnums = [self._appnums.get(rank, 0) for rank in range(self.size)]
+            self.pmix_ns = await self._pmix.open(
+                pmixplan.world(self.kvsname, hosts, here, appnums), self, beside=beside)
         except (LookupError, OSError, RuntimeError, TypeError, ValueError) as exc:
             self._pmix = None
             self._send(encode(Kind.PMIX_UNSERVED, kvsname=self.kvsname, error=str(exc)))
@@ -131,21 +148,25 @@ class AgentWorld:
         self._send(encode(Kind.GET, kvsname=self.kvsname, id=ask, key=key))
         return await future
 
-    async def name(self, op: str, service: str, port: str = "") -> tuple[int, str]:
+    async def name(self, op: str, service: str, port: str = "", **pmix) -> tuple[int, str]:
+        """`pmix`: a PMIx name's wait and once (spawner/worlds/mpinames.py)."""
         ask = next(self._ids)
         future = self._asks[ask] = asyncio.get_running_loop().create_future()
         self._send(encode(Kind.NAME, kvsname=self.kvsname, id=ask, op=op, service=service,
-                          port=port))
+                          port=port, **pmix))
         return await future
 
     async def _spawn(self, rank: int, request) -> dict:
         """An instance here called MPI_Comm_spawn: the launcher starts the children."""
         from .pmi1spawn import request_json
 
+        return await self._ask_spawn(rank, request_json(request))
+
+    async def _ask_spawn(self, rank: int, request: dict) -> dict:
         ask = next(self._ids)
         future = self._asks[ask] = asyncio.get_running_loop().create_future()
         self._send(encode(Kind.SPAWN_ASK, kvsname=self.kvsname, id=ask, key=rank,
-                          request=request_json(request)))
+                          request=request))
         return await future
 
     def _unserved(self, rank: int, cmd: str, why: str) -> None:
@@ -159,10 +180,26 @@ class AgentWorld:
     def direct_modex(self, rank: int, done: Callable[[int, bytes], None]) -> None:
         self._uplink.direct_modex(rank, done)
 
+    def pmix_name(self, fields: dict[str, Any], done: Callable[[int, str], None]) -> None:
+        """Asked of the launcher as PMI-1's names are, for the PMIx server here."""
+        task = asyncio.get_running_loop().create_task(self.name(
+            str(fields.get("op")), str(fields.get("service") or ""),
+            str(fields.get("port") or ""), pmix=True, wait=fields.get("wait") or 0,
+            once=bool(fields.get("once"))))
+        task.add_done_callback(lambda t: t.cancelled() or done(*t.result()))
+
+    def unserved(self, rank: int, cmd: str, why: str) -> None:
+        self._unserved(rank, cmd, why)
+
     def abort(self, rank: int, status: int, message: str) -> None:
         from . import pmixplan
 
         self._aborted(rank, status, pmixplan.abort_message(message))
+
+    def spawn(self, rank: int, request: dict, done: Callable[[dict], None]) -> None:
+        """PMIx_Spawn here: the launcher starts the children, as for PMI-1's spawn."""
+        task = asyncio.get_running_loop().create_task(self._ask_spawn(rank, request))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() or done(t.result()))
 
     def server_lost(self, reason: str) -> None:
         self._send(encode(Kind.PMIX_LOST, kvsname=self.kvsname, error=reason))

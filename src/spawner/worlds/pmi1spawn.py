@@ -49,8 +49,14 @@ MCMD_MAX_BYTES = 1 << 20
 COMMANDS_MAX = 64
 SPAWN_MAX = 256
 SPAWNED_MAX = 1024
-# Info keys poprun acts on (Hydra's: wdir, path, host/hosts); others are ignored, said at -v.
-INFO_KEYS = ("wdir", "path", "host", "hosts")
+# Info keys poprun acts on (Hydra's: wdir, path, host/hosts; Open MPI's, as named below);
+# others are ignored, said at -v.
+INFO_KEYS = ("wdir", "path", "host", "hosts", "hostfile", "add-host")
+# Open MPI's spawn (PMIx_Spawn's app info, OpenPMIx include/pmix_common.h) in those terms:
+# PMIX_WDIR, PMIX_HOST, PMIX_HOSTFILE, PMIX_ADD_HOST.
+PMIX_INFO_KEYS = {"pmix.wdir": "wdir", "pmix.host": "host", "pmix.hostfile": "hostfile",
+                  "pmix.addhost": "add-host"}
+HOSTFILE_MAX_BYTES = 64 << 10  # a hostfile that names the job's hosts is far smaller
 
 
 class McmdReader:
@@ -78,25 +84,29 @@ class McmdReader:
 
 
 class Command:
-    """One command of a spawn: `nprocs` copies of `execname` with `args`, its `info`."""
+    """One command of a spawn: `nprocs` copies of `execname` with `args`, its `info`, and
+    variables for its processes' environment (Open MPI's app env: its OMPI_PARENT_PORT)."""
 
-    __slots__ = ("execname", "nprocs", "args", "info")
+    __slots__ = ("execname", "nprocs", "args", "info", "env")
 
     def __init__(self, execname: str, nprocs: int, args: list[str],
-                 info: dict[str, str]) -> None:
+                 info: dict[str, str], env: dict[str, str] | None = None) -> None:
         self.execname, self.nprocs, self.args, self.info = execname, nprocs, args, info
+        self.env = env or {}
 
     def __repr__(self) -> str:
         return f"Command({self.execname!r}, {self.nprocs}, {self.args!r}, {self.info!r})"
 
 
 class SpawnRequest:
-    """A whole MPI_Comm_spawn[_multiple]: its commands and the keys put for the children."""
+    """A whole MPI_Comm_spawn[_multiple]: its commands and the keys put for the children;
+    `pmix`: Open MPI's (PMIx_Spawn), whose children get a PMIx namespace, not PMI-1 keys."""
 
-    __slots__ = ("commands", "preput")
+    __slots__ = ("commands", "preput", "pmix")
 
-    def __init__(self, commands: list[Command], preput: dict[str, str]) -> None:
-        self.commands, self.preput = commands, preput
+    def __init__(self, commands: list[Command], preput: dict[str, str],
+                 pmix: bool = False) -> None:
+        self.commands, self.preput, self.pmix = commands, preput, pmix
 
     @property
     def total(self) -> int:
@@ -174,13 +184,14 @@ def spawn_reply(rc: int, errcodes: int = 0, msg: str | None = None) -> dict[str,
 
 class Placed:
     """One process to start: its host (the job's name for it), argv, working directory
-    (None: the job's), appnum, and rank in the new world."""
+    (None: the job's), appnum, rank in the new world, and its command's variables."""
 
-    __slots__ = ("host", "argv", "wdir", "appnum", "rank")
+    __slots__ = ("host", "argv", "wdir", "appnum", "rank", "env")
 
     def __init__(self, host: str, argv: list[str], wdir: str | None, appnum: int,
-                 rank: int) -> None:
+                 rank: int, env: dict[str, str] | None = None) -> None:
         self.host, self.argv, self.wdir, self.appnum, self.rank = host, argv, wdir, appnum, rank
+        self.env = env or {}
 
 
 def place(request: SpawnRequest, slots: Sequence[tuple[str, int]],
@@ -202,6 +213,8 @@ def place(request: SpawnRequest, slots: Sequence[tuple[str, int]],
         info = command.info
         asked = ",".join(info[k] for k in ("host", "hosts") if k in info)
         ring = _ring(_host_slots(asked, resolve) if asked.strip() else slots)
+        if info.get("add-host", "").strip():  # poprun adds no hosts: the job's are there
+            _host_slots(info["add-host"], resolve)
         ignored += [key for key in info if key not in INFO_KEYS]
         execname = command.execname
         if info.get("path") and "/" not in execname:
@@ -210,7 +223,7 @@ def place(request: SpawnRequest, slots: Sequence[tuple[str, int]],
             at = cursors.get(ring, 0)
             cursors[ring] = at + 1
             placed.append(Placed(ring[at % len(ring)], [execname, *command.args],
-                                 info.get("wdir") or None, appnum, len(placed)))
+                                 info.get("wdir") or None, appnum, len(placed), command.env))
     return placed, ignored
 
 
@@ -238,6 +251,80 @@ def _ring(slots: Sequence[tuple[str, int]]) -> tuple[str, ...]:
     return tuple(host for host, count in slots for _ in range(count))
 
 
+def hostfile_hosts(text: str) -> str:
+    """An Open MPI hostfile (``name [slots=n]`` a line, ``#`` comments) as a `host` info
+    value (``name:n,...``); PmiError for a line that is not one."""
+    hosts = []
+    for line in text.splitlines()[:SPAWN_MAX]:
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        slots = [w for w in words[1:] if w.startswith("slots=")]
+        if len(words) > 1 + len(slots) or len(slots) > 1:
+            raise PmiError(f"spawn: hostfile line {line.strip()[:80]!r}: poprun reads "
+                           "'name [slots=n]' only")
+        hosts.append(words[0] + (":" + slots[0][len("slots="):] if slots else ""))
+    if not hosts:
+        raise PmiError("spawn: the hostfile names no host")
+    return ",".join(hosts)
+
+
+def request_from_pmix(fields: object) -> SpawnRequest:
+    """Open MPI's PMIx_Spawn as the PMIx server's process copied it (spawner/worlds/pmixserver.
+    spawn_request: its apps' cmd, argv with the command first, env as NAME=value, cwd,
+    maxprocs, string info keys; the job's info), checked as an agent's request is: PmiError
+    where it is not one Open MPI could have sent, or past the bounds."""
+    if not isinstance(fields, dict) or not isinstance(fields.get("apps"), list):
+        raise PmiError("spawn: no apps")
+    commands = []
+    for app in fields["apps"][:COMMANDS_MAX + 1]:
+        if not isinstance(app, dict) or type(app.get("maxprocs")) is not int:
+            raise PmiError("spawn: a bad app")
+        argv = _text_list(app.get("argv"), lines=True)
+        env = dict(entry.split("=", 1) for entry in _text_list(app.get("env"), lines=True)
+                   if "=" in entry)
+        info = {PMIX_INFO_KEYS.get(k, k): v for k, v in _texts(app.get("info"), True).items()}
+        cwd = _text(app.get("cwd") or "")
+        if cwd and not info.get("wdir"):
+            info["wdir"] = cwd
+        commands.append(Command(_text(app.get("cmd")), app["maxprocs"], argv[1:], info, env))
+    request = SpawnRequest(commands, {}, pmix=True)
+    _check_counts(request)
+    return request
+
+
+def _text(value: object, lines: bool = False) -> str:
+    """A string one of the requests could hold: never a NUL (C's), nor a newline where
+    PMI-1's line protocol carried it (`lines`: PMIx's, where argv and env may hold one)."""
+    if not isinstance(value, str) or "\0" in value or (not lines and "\n" in value) or len(
+            value) > MCMD_MAX_BYTES:
+        raise PmiError("spawn: a bad string")
+    return value
+
+
+def _texts(value: object, lines: bool = False) -> dict[str, str]:
+    if not isinstance(value, dict) or len(value) > MCMD_MAX_LINES:
+        raise PmiError("spawn: a bad mapping")
+    return {_text(k): _text(v, lines) for k, v in value.items()}
+
+
+def _text_list(value: object, lines: bool = False) -> list[str]:
+    if not isinstance(value, list) or len(value) > MCMD_MAX_LINES:
+        raise PmiError("spawn: a bad list")
+    return [_text(v, lines) for v in value]
+
+
+def _check_counts(request: SpawnRequest) -> None:
+    commands = request.commands
+    if not 1 <= len(commands) <= COMMANDS_MAX or not all(c.execname for c in commands):
+        raise PmiError(f"spawn: {len(commands)} commands refused (1..{COMMANDS_MAX} taken)")
+    if not all(c.nprocs >= 1 for c in commands):
+        raise PmiError("spawn: a command of no process")
+    if request.total > SPAWN_MAX:
+        raise PmiError(f"spawn of {request.total} processes refused: poprun starts at most "
+                       f"{SPAWN_MAX} in one spawn")
+
+
 def request_json(request: SpawnRequest) -> dict:
     """The request as an agent sends it to the launcher (SPAWN_ASK)."""
     return {"commands": [{"execname": c.execname, "nprocs": c.nprocs, "args": c.args,
@@ -247,29 +334,18 @@ def request_json(request: SpawnRequest) -> dict:
 
 def request_from_json(fields: object) -> SpawnRequest:
     """An agent's SPAWN_ASK request, checked again (an agent's host is hostile input too):
-    PmiError where it is not one parse_spawn could have made."""
-    def text(value: object) -> str:
-        if not isinstance(value, str) or "\n" in value or len(value) > MCMD_MAX_BYTES:
-            raise PmiError("spawn: a bad string")
-        return value
-
-    def texts(value: object) -> dict[str, str]:
-        if not isinstance(value, dict) or len(value) > MCMD_MAX_LINES:
-            raise PmiError("spawn: a bad mapping")
-        return {text(k): text(v) for k, v in value.items()}
-
+    PmiError where it is not one parse_spawn (or, under ``pmix``, Open MPI: request_from_pmix)
+    could have made."""
+    if isinstance(fields, dict) and "pmix" in fields:
+        return request_from_pmix(fields["pmix"])
     if not isinstance(fields, dict) or not isinstance(fields.get("commands"), list):
         raise PmiError("spawn: no commands")
     commands = []
     for c in fields["commands"][:COMMANDS_MAX + 1]:
-        if not isinstance(c, dict) or type(c.get("nprocs")) is not int or not isinstance(
-                c.get("args"), list) or len(c["args"]) > MCMD_MAX_LINES:
+        if not isinstance(c, dict) or type(c.get("nprocs")) is not int:
             raise PmiError("spawn: a bad command")
-        commands.append(Command(text(c.get("execname")), c["nprocs"],
-                                [text(a) for a in c["args"]], texts(c.get("info"))))
-    request = SpawnRequest(commands, texts(fields.get("preput")))
-    if not 1 <= len(commands) <= COMMANDS_MAX or not all(
-            c.execname and c.nprocs >= 1 for c in commands) or request.total > SPAWN_MAX:
-        raise PmiError(f"spawn: {len(commands)} commands of {request.total} processes "
-                       "refused")
+        commands.append(Command(_text(c.get("execname")), c["nprocs"],
+                                _text_list(c.get("args")), _texts(c.get("info"))))
+    request = SpawnRequest(commands, _texts(fields.get("preput")))
+    _check_counts(request)
     return request

@@ -264,7 +264,10 @@ class Gate:
 
     def _renew_inner(self) -> None:
         """A Unix listener under libpmix's listening descriptor (again, where its path was
-        removed under us: libpmix's accept thread then finds it within its 2 s select)."""
+        removed under us: libpmix's accept thread then finds it within its 2 s select). Its
+        directory is made again, private, where a /tmp cleaner took it (even before the
+        first: the server's start then failed)."""
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
         if os.path.exists(self._inner_path):
             os.unlink(self._inner_path)
         inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -403,7 +406,6 @@ class Gate:
         try:
             inner.connect(self._inner_path)
         except (FileNotFoundError, ConnectionRefusedError):  # its path removed under us
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
             self._renew_inner()
             inner.connect(self._inner_path)
         splice = _Splice(self, conn, inner)

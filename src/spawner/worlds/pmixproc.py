@@ -1,8 +1,8 @@
-"""This host's PMIx server for one attempt, in a process of its own:
-`python -m spawner.worlds.pmixproc FD` (docs/architecture.md, "The instances' worlds").
+"""This host's PMIx server for one attempt, in a process of its own (docs/architecture.md,
+"The instances' worlds"): a fork of its spawner, `forked()` its start.
 
-Started by spawner/worlds/pmixhost.py, on the launcher's host by poprun and on the others by the
-agent, with one end of a socket pair as FD: the framed protocol of spawner/protocol.py
+Forked by spawner/worlds/pmixhost.py, on the launcher's host by poprun and on the others by the
+agent, with one end of a socket pair: the framed protocol of spawner/protocol.py
 ("spawner -> its PMIx server's process"). Whatever libpmix does here (wedge its thread,
 free a fence tracker twice, abort the process on a second PMIx_server_init) stays here: the
 spawner kills this process and removes its directories, and libpmix never runs in poprun.
@@ -22,7 +22,6 @@ import os
 import queue
 import signal
 import socket
-import sys
 import threading
 from typing import Any
 
@@ -34,6 +33,7 @@ from .pmixserver import SERVER_MCA, PmixServer
 from ..protocol import Control, FrameDecoder, Kind, ProtocolError, encode
 
 MAX_REFUSALS_TOLD = 64  # PMIX_REFUSED frames per process: one per uid, and at most these
+NAME = b"poprun-pmix"  # its /proc/PID/comm (15 bytes at most)
 
 
 class ServerProcess:
@@ -118,7 +118,8 @@ class ServerProcess:
 
     def _open(self, fields: dict[str, Any]) -> dict[str, Any]:
         world = pmixplan.World(str(fields["kvsname"]), [int(n) for n in fields["nodes"]],
-                               [str(n) for n in fields["names"]], int(fields["here"]))
+                               [str(n) for n in fields["names"]], int(fields["here"]),
+                               tuple(int(a) for a in fields.get("appnums") or ()))
         ns = _Namespace(self, world)
         # In the server's directory: the spawner, its lifeline and `poprunctl reap` remove it
         # with that (made again, private, where a /tmp cleaner took it meanwhile); private
@@ -146,6 +147,13 @@ class _Namespace:
         self.ns = None  # spawner.worlds.pmixserver.Namespace
         self.uplink = Uplink(world.nspace, proc.post, len(world.names))
         self.fence, self.direct_modex = self.uplink.fence, self.uplink.direct_modex
+        self.spawn = self.uplink.spawn
+        self.unserved = self.uplink.unserved
+
+    def name(self, request, done) -> None:
+        from .pmixserver import name_status
+
+        self.uplink.name(request, lambda rc, value: done(*name_status(rc, value)))
 
     def event(self, what: str, rank: int, *args) -> None:  # on libpmix's thread
         if what == "abort":
@@ -156,7 +164,7 @@ class _Namespace:
             self.proc.post(Kind.PMIX_CLIENT, kvsname=self.kvsname, key=rank, event=what)
 
     def from_spawner(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """FENCE_OUT, MODEX_DATA, MODEX_ASK, WORLD_END."""
+        """FENCE_OUT, MODEX_DATA, NAMED, SPAWNED_ANSWER, MODEX_ASK, WORLD_END."""
         if kind is Kind.WORLD_END:
             import shutil  # here: its import (compression modules) is not the start's
 
@@ -171,17 +179,35 @@ class _Namespace:
             self.uplink.answered(kind, fields)
 
 
-def main(argv: list[str]) -> None:
+def forked(fd: int, mask: set[int]) -> None:
+    """The server's process, in the child of its spawner's fork (spawner/worlds/pmixhost.py's
+    `_fork`), with `fd` its end of the link and `mask` the signal mask to restore; never
+    returns. What the fork copied of the spawner is made harmless first (its Python objects
+    are out of the collector's reach already: `_fork`): its signal handlers and wakeup
+    descriptor go, and every descriptor but the link and the standard ones is closed (a
+    pipe of the spawner's held here would keep its readers, the lifeline's watchdog among
+    them, waiting)."""
+    os.setpgid(0, 0)  # its own group: the lifeline's, killed whole
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        if callable(signal.getsignal(sig)):  # the spawner's Python handlers
+            signal.signal(sig, signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.closerange(3, fd)
+    os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
+    try:  # `ps` and the tests tell it from its spawner (same command line: a fork)
+        with open("/proc/self/comm", "wb", buffering=0) as comm:
+            comm.write(NAME)
+    except OSError:
+        pass
     # Stop signals are its spawner's business, never its own: Slurm signals every process
     # of a job step (`scancel --signal TERM`, a preemption's warning: proctrack linuxproc),
     # and a server that died of it lost its host's instances their world while they were
     # still in their stop window. It ends with its link, or by its spawner's SIGKILL.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    link = socket.socket(fileno=int(argv[1]))
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    link = socket.socket(fileno=fd)
     link.setblocking(True)
     ServerProcess(link).run()
-
-
-if __name__ == "__main__":
-    main(sys.argv)

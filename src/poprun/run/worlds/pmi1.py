@@ -39,10 +39,11 @@ if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agen
     from spawner.protocol import Control
 
 
-def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
+def find_libpmix(config, environ: Mapping[str, str], program,
                  log) -> pmixcheck.Check | None:
-    """The libpmix to serve Open MPI's world with here (spawner/worlds/pmixfind.py), where the job
-    may use one: several `instances`, --mpi-worlds auto, a program that may start Open MPI
+    """The libpmix to serve Open MPI's world with here (spawner/worlds/pmixfind.py), where the
+    job may use one: --mpi-worlds auto (one instance too: its MPI_Comm_spawn needs the server,
+    as under `mpirun -n 1`), a program that may start Open MPI
     and an Open MPI there for it (or a --libpmix given): the server's start costs every
     launch that has one (docs/architecture.md, "The instances' worlds"). Its check starts
     now, in a process of its own (spawner/worlds/pmixcheck.py); `usable_libpmix` waits for it. A
@@ -53,7 +54,7 @@ def find_libpmix(config, environ: Mapping[str, str], program, instances: int,
     problem = pmixcheck.file_problem(config.libpmix) if config.libpmix else None
     if problem is not None:
         raise ConfigError(f"--libpmix: {config.libpmix}: {problem}")
-    if config.mpi_worlds != "auto" or instances < 2:
+    if config.mpi_worlds != "auto":
         return None
     if not config.libpmix and not pmixfind.may_use_open_mpi(program, environ):
         return None  # `true`, `hostname`: nothing that could start Open MPI
@@ -106,7 +107,8 @@ class MpiWorld:
                  argv: Sequence[str] = (),
                  log=None, names=None, appnums: Mapping[int, int] | None = None,
                  spawned: bool = False,
-                 on_unserved: Callable[[int, str, str], None] | None = None) -> None:
+                 on_unserved: Callable[[int, str, str], None] | None = None,
+                 pmix_beside=None) -> None:
         self.kvsname, self.loop, self._lifeline = kvsname, loop, lifeline
         self._hosts, self._remote = list(hosts), dict(remote or {})
         self._on_abort, self._on_lost = on_abort, on_lost
@@ -130,7 +132,10 @@ class MpiWorld:
             from poprun.run.worlds.pmix import PmixWorld
 
             self.pmix = PmixWorld(kvsname, self._hosts, self._remote, pmix, on_abort,
-                                  on_server_lost or (lambda host, reason: None), log)
+                                  on_server_lost or (lambda host, reason: None), log,
+                                  names=self.name_for, on_unserved=self._on_unserved,
+                                  on_spawn=self.answer_spawn, beside=pmix_beside,
+                                  appnums=[self._appnums.get(r, 0) for r in range(self.size)])
 
     async def ready(self) -> None:
         """Wait until the instances can be spawned: Open MPI's world registered here."""
@@ -195,8 +200,7 @@ class MpiWorld:
         self._cleans_here = bool(local)
         if self._cleans_here and self._lifeline is not None:
             self._lifeline.add_mpi_world(self.kvsname)
-        self.root = pmi1.Root(self.size, self._nodes, self.names)
-        self.names = self.root.names  # the instances' world: the job's names start here
+        self.root = pmi1.Root(self.size, self._nodes, self.job_names())
         if not local:
             return
         self.server = pmi1.PmiServer(
@@ -207,6 +211,47 @@ class MpiWorld:
             on_unserved=self._on_unserved, on_spawn=self.on_spawn, appnums=self._appnums)
         for rank, ours in self._ends.hand_over().items():
             self.server.adopt(rank, ours)
+
+    def job_names(self):
+        """The job's published names (spawner/worlds/mpinames.py), which the world's root
+        holds once served (pmi1.Root.names: PMI-1's node-level servers reach them there, PMIx's
+        through `name_for`): the instances' world makes them, its spawned worlds are given
+        them."""
+        if self.root is not None:
+            return self.root.names
+        if self.names is None:
+            from spawner.worlds.mpinames import NameService
+
+            self.names = NameService()
+        return self.names
+
+    def name_for(self, fields: Mapping, done: Callable[[int, str], None]) -> None:
+        """A NAME (an agent's, or this host's PMIx server's: `pmix`, its longer ports, a
+        lookup's `wait` and a publish's `once`) asked of the job's table; `done(rc, port
+        or why)` once answered (a lookup that waits: when the name comes, or its wait
+        ends)."""
+        from spawner.worlds import mpinames
+
+        wait = fields.get("wait")
+        wait = float(wait) if isinstance(wait, (int, float)) and not isinstance(
+            wait, bool) and wait > 0 else 0.0
+        ask = (str(fields.get("op")), str(fields.get("service") or ""),
+               str(fields.get("port") or ""))
+        port_max = mpinames.PMIX_PORT_MAX if fields.get("pmix") else mpinames.PORT_MAX
+        if not wait:  # answered now, in the order asked
+            done(*self.job_names().answer(*ask, once=fields.get("once") is True,
+                                          port_max=port_max))
+            return
+        task = self.loop.create_task(self.job_names().name(*ask, wait=wait,
+                                                           port_max=port_max))
+        self._tasks.add(task)
+
+        def answered(task: asyncio.Task) -> None:
+            self._tasks.discard(task)
+            if not task.cancelled():
+                done(*task.result())
+
+        task.add_done_callback(answered)
 
     # --- what the agents ask ------------------------------------------------------------
 
@@ -249,11 +294,8 @@ class MpiWorld:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         elif frame.kind is Kind.NAME:
-            rc, value = self.names.answer(str(fields.get("op")),
-                                          str(fields.get("service") or ""),
-                                          str(fields.get("port") or ""))
-            spawner.tell(Kind.NAMED, kvsname=self.kvsname, id=fields["id"], rc=rc,
-                         value=value)
+            self.name_for(fields, lambda rc, value: spawner.tell(
+                Kind.NAMED, kvsname=self.kvsname, id=fields["id"], rc=rc, value=value))
         else:  # GET
             spawner.tell(Kind.VALUE, kvsname=self.kvsname, id=fields["id"],
                          value=self.root.kvs.get(str(fields["key"])))
@@ -262,13 +304,14 @@ class MpiWorld:
         """A request for a rank that does not run on the agent's host (another host's, or
         none of this world's: `_for_own_ranks`) is the agent's host speaking for others:
         answered with an error where its rank waits for one (MPI_Comm_spawn, the name call
-        or the get fails), and nothing done. Said once per host (spawner.refused counts
-        them), not once a frame."""
+        or the get fails), and nothing done (an abort or a loss it reports for another
+        host's rank ends nothing). Said once per host (spawner.refused counts them), not
+        once a frame."""
         from spawner.worlds.pmi1spawn import spawn_reply
         from spawner.protocol import Kind
 
-        key = frame.fields.get("key")  # of a SPAWN_ASK or PMI_UNSERVED; NAME and GET name
-        # none (refused: the host runs none of the world)
+        key = frame.fields.get("key")  # the rank a SPAWN_ASK, PMI_UNSERVED, MPI_ABORT or
+        # MPI_LOST names; NAME and GET name none (refused: the host runs none of the world)
         what = f"rank {key}" if key is not None else "a rank"
         if frame.kind is Kind.SPAWN_ASK:
             spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=frame.fields["id"],
@@ -292,27 +335,41 @@ class MpiWorld:
     async def _spawn_for(self, spawner, fields) -> None:
         """A rank on an agent's host called MPI_Comm_spawn: the launcher starts the
         children (run/worlds/spawn.py)."""
-        from spawner.worlds.pmi1 import PmiError
-        from spawner.worlds.pmi1spawn import request_from_json, spawn_reply
         from spawner.protocol import Kind
 
+        # fields["key"]: one of the agent's host's ranks (_from_agent)
+        reply = await self.answer_spawn(fields["key"], fields.get("request"))
+        spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=fields["id"], reply=reply)
+
+    async def answer_spawn(self, rank: int, fields: object) -> dict:
+        """A SPAWN_ASK's request (an agent's, or this host's PMIx server's: PMIx_Spawn),
+        checked and started (run/worlds/spawn.py); spawn_result's fields."""
+        from spawner.worlds.pmi1 import PmiError
+        from spawner.worlds.pmi1spawn import request_from_json, spawn_reply
+
+        pmix = isinstance(fields, dict) and "pmix" in fields
         try:
-            request = request_from_json(fields.get("request"))
-            rank = fields["key"]  # one of the agent's host's ranks (_from_agent)
+            request = request_from_json(fields)
             if self.on_spawn is None:
                 raise PmiError("spawn: not served")
         except (PmiError, ValueError, TypeError) as exc:
             reply = spawn_reply(1, msg=str(exc))
         else:
             reply = await self.on_spawn(rank, request)
-        spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=fields["id"], reply=reply)
+        if pmix and reply.get("rc") and self._log is not None:  # PMI-1's: said where read
+            self._log.info(f"rank {rank} of MPI world {self.kvsname}: PMIx_Spawn answered "
+                           f"with an error: {shown_text(str(reply.get('msg')))[:300]}")
+        return reply
 
     def unserved(self, rank: int, cmd: str, why: str) -> None:
         """An instance's PMI-1 command was answered with an error, at once (never a silent
         hang): said at -v."""
         if self._log is not None:
-            self._log.info(f"instance {rank}: PMI-1 command {shown_text(cmd)[:64]!r} answered "
-                           f"with an error: {shown_text(why)[:200]}")
+            api, _, request = cmd.partition(" ") if cmd.startswith("PMIx ") else (
+                "PMI-1", "", cmd)
+            what = "request" if api == "PMIx" else "command"
+            self._log.info(f"instance {rank}: {api} {what} {shown_text(request)[:64]!r} "
+                           f"answered with an error: {shown_text(why)[:200]}")
 
     def _barrier(self, spawner, fields) -> None:
         """An agent's host entered a barrier (FENCE_IN of PMI-1): answered with FENCE_OUT
@@ -367,12 +424,12 @@ def _local_indices(hosts: Sequence[str]) -> list[int]:
 
 
 def _for_own_ranks(kind, fields: Mapping, ranks: set[int]) -> bool:
-    """Whether an agent's request (its types checked) is for its own host's ranks: a spawn
-    or an unserved command names one; a name or a key is asked for them (from a host that
-    runs some of the world)."""
+    """Whether an agent's request (its types checked) is for its own host's ranks: a spawn,
+    an unserved command, an abort or a loss names one; a name or a key is asked for them
+    (from a host that runs some of the world)."""
     from spawner.protocol import Kind
 
-    if kind in (Kind.SPAWN_ASK, Kind.PMI_UNSERVED):
+    if kind in (Kind.SPAWN_ASK, Kind.PMI_UNSERVED, Kind.MPI_ABORT, Kind.MPI_LOST):
         return fields["key"] in ranks
     if kind in (Kind.NAME, Kind.GET) or _pmi1_barrier(kind, fields):
         return bool(ranks)
@@ -388,9 +445,8 @@ def _pmi1_barrier(kind, fields: Mapping) -> bool:
 
 
 def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:
-    """That an agent's world frame has its fields' types (spawner/protocol.py) and, where
-    it reports on a rank (an abort, a loss), names one of its own host's; ProtocolError if
-    not."""
+    """That an agent's world frame has its fields' types (spawner/protocol.py);
+    ProtocolError if not. Whose ranks it names is `_for_own_ranks`'."""
     from spawner.protocol import Kind, ProtocolError
 
     def has(name: str, *types: type) -> bool:
@@ -398,12 +454,11 @@ def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:
         return isinstance(value, types) and (bool in types or not isinstance(value, bool))
 
     if kind in (Kind.MPI_ABORT, Kind.MPI_LOST):
-        ok = has("key", int) and fields["key"] in ranks and (
-            has("exitcode", int) and has("message", str) if kind is Kind.MPI_ABORT
-            else has("initialized", bool))
+        ok = has("key", int) and (has("exitcode", int) and has("message", str)
+                                  if kind is Kind.MPI_ABORT else has("initialized", bool))
     elif kind is Kind.GET:
         ok = has("id", int) and has("key", str)
-    elif kind in (Kind.SPAWN_ASK, Kind.PMI_UNSERVED):  # whose rank: MpiWorld._refuse
+    elif kind in (Kind.SPAWN_ASK, Kind.PMI_UNSERVED):
         ok = has("key", int) and (kind is Kind.PMI_UNSERVED or has("id", int))
     elif kind is Kind.NAME:
         ok = has("id", int)
@@ -413,5 +468,5 @@ def _check_from_agent(kind, fields: Mapping, ranks: set[int]) -> None:
     else:
         return  # PMIx's: run/worlds/pmix.py reads them
     if not ok:
-        raise ProtocolError(f"a {kind.name} that is not one of this host's ranks'")
+        raise ProtocolError(f"a {kind.name} whose fields cannot be one")
 

@@ -16,8 +16,10 @@ fence ends in an error for that fence's instances, never in an exception here.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from poprun.errors import LaunchError
 from spawner.worlds import pmixplan
@@ -28,18 +30,29 @@ MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in on
 
 
 class PmixWorld:
-    """One attempt's PMIx namespace across hosts; `remote`: the agents by host."""
+    """One attempt's PMIx namespace across hosts, or one its MPI_Comm_spawn made (`beside`:
+    the parents' namespace here, whose server serves it too); `remote`: the agents by host.
+    `on_spawn(rank, request)`: a spawn's reply (run/world.MpiWorld.answer_spawn)."""
 
     def __init__(self, kvsname: str, hosts: Sequence[str], remote: Mapping[str, object],
                  pmix, on_abort: Callable[[int, int, str], None],
-                 on_server_lost: Callable[[str, str], None], log) -> None:
+                 on_server_lost: Callable[[str, str], None], log, names=None,
+                 on_unserved: Callable[[int, str, str], None] | None = None,
+                 on_spawn: Callable[[int, object], Awaitable[dict]] | None = None,
+                 beside=None, appnums: Sequence[int] = ()) -> None:
+        """`names(fields, done)`: asks the job's name table (run/world.MpiWorld.name_for);
+        `on_unserved(rank, cmd, why)`: a request answered with an error, for -v."""
         self.kvsname, self._remote, self._on_abort, self._log = kvsname, remote, on_abort, log
+        self._names = names
+        self.unserved = on_unserved or (lambda rank, cmd, why: None)
+        self._on_spawn, self._beside = on_spawn, beside
+        self._tasks: set[asyncio.Task] = set()
         self._on_server_lost = on_server_lost
         self.names = list(dict.fromkeys(hosts))
         self._hosts = list(hosts)
         local = [h for h in self.names if h not in remote]
         here = self.here = local[0] if local else self.names[0]
-        self.world = pmixplan.world(kvsname, hosts, here)
+        self.world = pmixplan.world(kvsname, hosts, here, appnums)
         self._local_node = self.names.index(here) if local else None
         self._pmix = pmix
         self._fences = FenceTable(self.world.nodes, pmixplan.MAX_FENCE_DATA)
@@ -49,8 +62,8 @@ class PmixWorld:
         # answers it)
         self._asks: dict[int, tuple[Callable[[int, bytes], None], str]] = {}
         self._local = bool(local)
-        # the world's namespace on this host's server (spawner.worlds.pmixhost.Served)
-        self.ns = None
+        self._said: set[tuple[str, str]] = set()  # (host, what): its warnings, once each
+        self.ns = None  # the world's namespace on this host's server (worlds.pmixhost.Served)
 
     async def open(self) -> None:
         """Register the world on this host's server (a fresh one), before the instances
@@ -59,15 +72,21 @@ class PmixWorld:
 
         if self._pmix is not None and self._local:
             try:
-                self.ns = await self._pmix.open(self.world, self)
+                self.ns = await self._pmix.open(self.world, self, beside=self._beside)
             except PmixServerError as exc:
                 raise LaunchError(f"Open MPI's world (PMIx) cannot be served here: {exc}") \
                     from None
 
+    @property
+    def service(self):
+        """This host's PMIx service (spawner.worlds.pmixhost.PmixHost)."""
+        return self._pmix
+
     def world_fields(self, argv: Sequence[str]) -> dict:
         """What a WORLD frame tells the agents: serve PMIx too, with these node names (and
         the libpmix the user named, else theirs, found as here)."""
-        return {"names": self.names, "libpmix": self._pmix.given, "argv": list(argv[:1])}
+        return {"names": self.names, "libpmix": self._pmix.given, "argv": list(argv[:1]),
+                **({"beside": self._beside.world.nspace} if self._beside is not None else {})}
 
     def instance_env(self, rank: int, environ) -> dict[str, str]:
         return self._pmix.instance_env(self.ns, rank, environ)
@@ -94,8 +113,27 @@ class PmixWorld:
     def abort(self, rank: int, status: int, message: str) -> None:
         self._on_abort(rank, status, pmixplan.abort_message(message))
 
+    def pmix_name(self, fields: dict, done: Callable[[int, str], None]) -> None:
+        if self._names is None:
+            done(1, "names_not_served")
+        else:
+            self._names({**fields, "pmix": True}, done)
+
     def server_lost(self, reason: str) -> None:
         self._on_server_lost(self.here, reason)
+
+    def spawn(self, rank: int, request: dict, done: Callable[[dict], None]) -> None:
+        async def answer() -> None:
+            if self._on_spawn is None:
+                from spawner.worlds.pmi1spawn import spawn_reply
+
+                done(spawn_reply(1, msg="spawn: not served"))
+            else:
+                done(await self._on_spawn(rank, request))
+
+        task = asyncio.get_running_loop().create_task(answer())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # --- what the agents send ------------------------------------------------------------
 
@@ -116,11 +154,19 @@ class PmixWorld:
             elif kind_name == "PMIX_LOST":
                 self._on_server_lost(host, str(fields.get("error"))[:500])
             elif kind_name == "PMIX_UNSERVED":
-                self._log.warning(f"{host}: Open MPI's world is not served there: "
-                                  f"{str(fields.get('error'))[:500]}")
+                self._warn_once(host, "unserved", f"{host}: Open MPI's world is not served "
+                                f"there: {str(fields.get('error'))[:500]}")
         except (KeyError, TypeError, ValueError,
                 pmixplan.FenceError) as exc:
-            self._log.warning(f"{host}: a PMIx message that cannot be one ({exc}); ignored")
+            self._warn_once(host, "malformed", f"{host}: a PMIx message that cannot be one "
+                            f"({str(exc)[:200]}); ignored (and its others, not said again)")
+
+    def _warn_once(self, host: str, what: str, message: str) -> None:
+        """Said once per host and kind of message: a host that sends it in a loop cannot
+        fill the launcher's log."""
+        if (host, what) not in self._said:
+            self._said.add((host, what))
+            self._log.warning(message)
 
     def _contribute(self, fence: pmixplan.FenceId, node: int, data: bytes) -> None:
         try:
@@ -156,8 +202,12 @@ class PmixWorld:
             raise ValueError(f"rank {rank}")
         owner = self._hosts[rank]
         self._log.debug(f"PMIx: {spawner.host} asks for rank {rank}'s data ({owner} has it)")
+        asked = time.monotonic()
 
         def answer(status: int, data: bytes) -> None:
+            # how long the owner took (it waits for the rank to commit): -vv
+            self._log.debug(f"PMIx: rank {rank}'s data to {spawner.host}: status {status}, "
+                            f"{len(data)} bytes, after {1000 * (time.monotonic() - asked):.0f} ms")
             spawner.tell(_kind("MODEX_DATA"), kvsname=self.kvsname, id=their_id,
                          status=status, data=pmixplan.b64(data))
 
@@ -183,6 +233,8 @@ class PmixWorld:
             waiting[0](status, data)
 
     def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         for done in self._done.values():  # nobody is left to complete them
             done(ERROR, b"")
         self._done.clear()

@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 
+from poprun.errors import LaunchError
 from poprun.run.worlds.pmi1 import MpiWorld
 from spawner.worlds import pmi1spawn
 from spawner.local import ProcessSpec, Stream
@@ -73,6 +74,7 @@ class Spawned:
         try:
             if self._job.stop_reason != "success":  # its stop would miss them
                 raise PmiError(f"spawn refused: the job is stopping ({self._job.stop_reason})")
+            self._read_hostfiles(request)
             placed, ignored = pmi1spawn.place(request, self._slots(), self._resolve)
             if len(self.alive()) + len(placed) > pmi1spawn.SPAWNED_MAX:
                 raise PmiError(f"spawn of {len(placed)} refused: the job has "
@@ -80,9 +82,12 @@ class Spawned:
                                f"{pmi1spawn.SPAWNED_MAX} taken")
             self._check(placed, request.preput)
             number = len(self._worlds) + 2  # the tag's job number: the instances are 1
-            world = self._world(origin, number, placed, request.preput)
+            world = self._world(origin, number, placed, request)
+            await world.ready()
         except PmiError as exc:
             return pmi1spawn.spawn_reply(1, msg=str(exc))
+        except LaunchError as exc:  # its PMIx namespace could not be registered here
+            return pmi1spawn.spawn_reply(1, msg=f"spawn: {exc}")
         for key in sorted(set(ignored)):
             log.info(f"instance {origin}: spawn info key {key!r} ignored (poprun acts on "
                      f"{', '.join(pmi1spawn.INFO_KEYS)})")
@@ -94,7 +99,25 @@ class Spawned:
         log.info(f"instance {origin}: spawned {len(placed)} process(es) in world "
                  f"{world.kvsname} on {hosts}, tagged [{number},*] (pids "
                  f"{', '.join(str(self.children[k].pid) for k in keys)})")
-        return pmi1spawn.spawn_reply(0, len(placed))
+        reply = pmi1spawn.spawn_reply(0, len(placed))
+        if request.pmix:  # Open MPI's answer names the children's namespace
+            reply["world"] = world.kvsname
+        return reply
+
+    def _read_hostfiles(self, request: pmi1spawn.SpawnRequest) -> None:
+        """Open MPI's `hostfile` info key, read (here, bounded) into the `host` it means."""
+        for command in request.commands:
+            path = command.info.get("hostfile")
+            if not path or command.info.get("host"):
+                continue
+            try:
+                with open(os.path.join(self._job.cwd, path), "rb") as file:
+                    text = file.read(pmi1spawn.HOSTFILE_MAX_BYTES + 1)
+            except OSError as exc:
+                raise PmiError(f"spawn: hostfile {path[:200]}: {exc.strerror}") from None
+            if len(text) > pmi1spawn.HOSTFILE_MAX_BYTES:
+                raise PmiError(f"spawn: hostfile {path[:200]}: too long")
+            command.info["host"] = pmi1spawn.hostfile_hosts(text.decode("utf-8", "replace"))
 
     def _check(self, placed: list[pmi1spawn.Placed], preput: dict[str, str]) -> None:
         """What can be refused before anything starts: a preput key MPICH's client could not
@@ -109,14 +132,18 @@ class Spawned:
                 raise PmiError(f"spawn: wdir {process.wdir}: no such directory")
 
     def _world(self, origin: int, number: int, placed: list[pmi1spawn.Placed],
-               preput: dict[str, str]) -> MpiWorld:
+               request: pmi1spawn.SpawnRequest) -> MpiWorld:
+        """The spawn's world: PMI-1's, and for Open MPI's spawn a PMIx namespace too, on
+        the server of the parents' namespace on each host (`ready()` registers it)."""
         job = self._job
         hosts = [p.host for p in placed]
+        parents = job.world.pmix if request.pmix and job.world is not None else None
         world = MpiWorld(
             f"{self._kvsname}-spawn{number - 1}", hosts, job.loop, lifeline=self._lifeline,
             remote={h: job.remote[h] for h in dict.fromkeys(hosts) if h in job.remote},
             log=job.log, names=self._names, appnums={p.rank: p.appnum for p in placed},
-            spawned=True,
+            spawned=True, pmix=parents.service if parents is not None else None,
+            pmix_beside=parents.ns if parents is not None else None,
             on_unserved=lambda rank, cmd, why: self._unserved(
                 origin, cmd, f"(from its spawned process [{number},{rank}]) {why}"),
             on_abort=lambda rank, code, message: job.child_failed(
@@ -127,7 +154,7 @@ class Spawned:
                 + (" before MPI_Finalize" if initialized else "")))
         world.on_spawn = self.for_world(origin)
         world.start()
-        world.root.kvs.update(preput)
+        world.root.kvs.update(request.preput)
         world.open_remote()
         self._worlds.append(world)
         return world
@@ -172,9 +199,10 @@ class Spawned:
         specs, ends = [], []
         try:
             for key, process in mine:
-                env, pmi_end = world.attach(process.rank, job.environ)
+                environ = {**job.environ, **process.env}
+                env, pmi_end = world.attach(process.rank, environ)
                 ends.append(pmi_end)
-                specs.append(ProcessSpec(key=key, argv=process.argv, env={**job.environ, **env},
+                specs.append(ProcessSpec(key=key, argv=process.argv, env={**environ, **env},
                                          cwd=os.path.join(job.cwd, process.wdir or ""),
                                          merge_stderr=job.config.effective_merge_stderr,
                                          pass_fds=(pmi_end.fileno(),)))
@@ -199,8 +227,8 @@ class Spawned:
         job = self._job
         spawner = job.remote[host]
         requests = [SpawnRequest(
-            key=key, argv=tuple(process.argv), env_set={**self._common_env(),
-                                                        **world.variables(process.rank)},
+            key=key, argv=tuple(process.argv), env_set={
+                **self._common_env(), **process.env, **world.variables(process.rank)},
             env_unset=job.plan.unset_env, cwd=os.path.join(job.cwd, process.wdir or ""),
             merge_stderr=job.config.effective_merge_stderr, world=world.kvsname,
             rank=process.rank) for key, process in started]

@@ -5,5 +5,5 @@ server (`pmi1`), its sockets, wire words and spawn message; MPI's published name
 agent runs (`nodeworld`).
 
 Nothing is imported here: each module loads where it is first needed (the PMIx server's
-process starts with `python -m spawner.worlds.pmixproc` and pays for nothing else; PMI-1's
-server is imported once an instance first speaks)."""
+process, a fork of its spawner, imports `pmixproc` and what it needs only in the child;
+PMI-1's server is imported once an instance first speaks)."""

@@ -1,16 +1,17 @@
 """Open MPI's world (PMIx) of one attempt, as the launcher serves and joins it
 (docs/architecture.md, "The instances' worlds").
 
-This host's instances are served by this host's PMIx server (spawner/worlds/pmixhost.py: a process
-of its own per attempt); every other host's by its agent's (spawner/worlds/nodeworld.py). What
-crosses hosts comes here over the agents' connections, as for PMI-1: one FENCE_IN per host
-and fence (that host's instances' data), answered with FENCE_OUT once every host holding a
-participant has entered (their data in node order: spawner/worlds/pmixplan.FenceTable); a direct
-modex for a rank on another host goes to that host's agent (MODEX_ASK, answered MODEX_GOT)
-and back (MODEX_DATA). Fences are named by their participants and a sequence number per
-participant set, which every host counts alike.
+This host's instances are served by this host's PMIx server (spawner/worlds/pmixhost.py: a
+process of its own per attempt, a fork of poprun); every other host's by its agent's
+(spawner/worlds/nodeworld.py). What crosses hosts comes here over the agents' connections, as
+for PMI-1: one FENCE_IN per host and fence (that host's instances' data), answered with
+FENCE_OUT once every host holding a participant has entered (their data in node order:
+spawner/worlds/fences.FenceTable); a direct modex for a rank on another host goes to that
+host's agent (MODEX_ASK, answered MODEX_GOT) and back (MODEX_DATA). Fences are named by their
+participants and a sequence number per participant set, which every host counts alike. Names
+and spawns go to the PMI-1 world's (MpiWorld.name_for, MpiWorld.answer_spawn).
 
-What an agent sends is checked (spawner/worlds/pmixplan.FenceError): a broken or hostile host's
+What an agent sends is checked (spawner/worlds/fences.FenceError): a broken or hostile host's
 fence ends in an error for that fence's instances, never in an exception here.
 """
 
@@ -32,7 +33,7 @@ MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in on
 class PmixWorld:
     """One attempt's PMIx namespace across hosts, or one its MPI_Comm_spawn made (`beside`:
     the parents' namespace here, whose server serves it too); `remote`: the agents by host.
-    `on_spawn(rank, request)`: a spawn's reply (run/world.MpiWorld.answer_spawn)."""
+    `on_spawn(rank, request)`: a spawn's reply (run/worlds/pmi1.MpiWorld.answer_spawn)."""
 
     def __init__(self, kvsname: str, hosts: Sequence[str], remote: Mapping[str, object],
                  pmix, on_abort: Callable[[int, int, str], None],
@@ -40,7 +41,7 @@ class PmixWorld:
                  on_unserved: Callable[[int, str, str], None] | None = None,
                  on_spawn: Callable[[int, object], Awaitable[dict]] | None = None,
                  beside=None, appnums: Sequence[int] = ()) -> None:
-        """`names(fields, done)`: asks the job's name table (run/world.MpiWorld.name_for);
+        """`names(fields, done)`: asks the job's name table (run/worlds/pmi1.MpiWorld.name_for);
         `on_unserved(rank, cmd, why)`: a request answered with an error, for -v."""
         self.kvsname, self._remote, self._on_abort, self._log = kvsname, remote, on_abort, log
         self._names = names

@@ -60,8 +60,11 @@ ROOT = ["--allow-run-as-root"] if os.geteuid() == 0 else []
 TIMEOUT_S = 300
 
 
+POPRUN = [sys.executable, "-m", "poprun"]  # --poprun replaces it (another tree's launcher)
+
+
 def poprun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "poprun", "--offline-mode=yes", *args]
+    return [*POPRUN, "--offline-mode=yes", *args]
 
 
 def loop_seconds(argv: list[str], env: dict[str, str], size: int) -> float | None:
@@ -79,8 +82,13 @@ def loop_seconds(argv: list[str], env: dict[str, str], size: int) -> float | Non
     return float(found.group(1))
 
 
+SIDES: list[str] = []  # --sides: only the sides so named
+
+
 def interleave(sides: dict[str, tuple[list[str], dict[str, str]]], reps: int, size: int,
                label: str) -> dict[str, list[float]]:
+    if SIDES:
+        sides = {name: side for name, side in sides.items() if name in SIDES}
     times: dict[str, list[float]] = {name: [] for name in sides}
     for rep in range(reps + 1):  # the first round is the warm-up
         for name, (argv, env) in sides.items():
@@ -178,7 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--scenarios", default="oversub,twohosts")
+    p.add_argument("--poprun", help="poprun command to time (default: python -m poprun)")
+    p.add_argument("--sides", help="comma-separated: only the sides so named")
     args = p.parse_args(argv)
+    if args.poprun:
+        POPRUN[:] = args.poprun.split()
+    if args.sides:
+        SIDES[:] = args.sides.split(",")
     for name in args.scenarios.split(","):
         {"oversub": oversub, "twohosts": twohosts}[name](args.reps)
     return 0

@@ -330,7 +330,7 @@ def _autogroups_on() -> bool:
         return False
 
 
-def _own_cpu_cgroup() -> tuple[str, str] | None:
+def own_cpu_cgroup() -> tuple[str, str] | None:
     """(this process's directory, the mount point) in the v1 hierarchy of the `cpu`
     controller (alone or co-mounted, as `cpu,cpuacct`), where one is mounted."""
     return _own_cgroup(lambda controllers: "cpu" in controllers.split(","),
@@ -342,7 +342,7 @@ def cpu_group_root(token: str) -> str | None:
     group, if poprun makes one: `<this process's v1 cpu cgroup>/poprun-<token>` (None
     without a v1 cpu hierarchy). The one definition: `CpuGroup` makes it there, the job's
     record names it for reap."""
-    own = _own_cpu_cgroup()
+    own = own_cpu_cgroup()
     return os.path.join(own[0], f"{CGROUP_PREFIX}{token}") if own else None
 
 
@@ -359,7 +359,7 @@ class CpuGroup:
         on: autogroups on, and this process in the root of a v1 cpu hierarchy (in any other
         cpu cgroup, its instances already share its task group). None where not needed, or
         not allowed (not root, no delegation: then each session stays a group of its own)."""
-        own = _own_cpu_cgroup()
+        own = own_cpu_cgroup()
         if own is None or own[0] != own[1] or not _autogroups_on():
             return None
         path = os.path.join(own[0], f"{CGROUP_PREFIX}{token}")

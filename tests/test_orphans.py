@@ -7,6 +7,7 @@ worth watching carries a unique marker in its command line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shlex
@@ -21,7 +22,7 @@ import pytest
 
 from spawner.local import ProcessSpec
 
-from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun, wait_started
+from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
 from sshd_hosts import (freeze, instances_with, kill_marked, processes_with, start_ssh_hosts,
                         thaw, wait_until, watchdog_of)
 
@@ -841,11 +842,13 @@ def test_a_job_s_instances_share_one_cpu_group_each_in_a_session_of_its_own(tmp)
     its own (a session's autogroup); in one cgroup of the job's in the cpu hierarchy, the
     kernel uses that cgroup's task group instead (task_wants_autogroup()), shared by all
     as mpirun's ranks share orted's session. The cgroup goes with the job."""
+    from spawner.containment import own_cpu_cgroup
+
     if not cpu_group_here():
         # no switch: the machine's cgroup layout, privileges and kernel.sched_autogroup_enabled
         pytest.skip("poprun makes no CPU group here (no v1 cpu hierarchy, autogroups off, "
                     "not our root, or not allowed)")
-    proc = subprocess.run(poprun_argv(*OFFLINE, "--num-instances=4", "--num-replicas=4",
+    proc = subprocess.run(poprun_argv(*OFFLINE, "-v", "--num-instances=4", "--num-replicas=4",
                                       PY, "-c", SHOW_GROUP),
                           env=poprun_env({**tmp, "HOLD": "0"}), capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr.decode()
@@ -855,7 +858,8 @@ def test_a_job_s_instances_share_one_cpu_group_each_in_a_session_of_its_own(tmp)
     assert len({sid for _, sid, _ in rows}) == 4
     groups = {group for _, _, group in rows}
     assert len(groups) == 1 and groups.pop().startswith("/poprun-")  # one, the job's
-    from spawner.containment import own_cpu_cgroup
+    said = next(l for l in proc.stderr.decode().splitlines() if "containment:" in l)
+    assert said.endswith(f"one CPU scheduling group {own_cpu_cgroup()[1]}{rows[0][2]}")
 
     assert not Path(own_cpu_cgroup()[1], rows[0][2].lstrip("/")).exists()  # gone with the job
 
@@ -891,3 +895,47 @@ def test_a_job_s_cpu_group_goes_with_a_sigkilled_poprun(tmp):
         job.wait()
     assert_all_gone(mark, tmp["TMPDIR"])
     wait_until(lambda: not path.exists(), "the job's CPU group to go", GONE)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["in-a-cpu-cgroup", "read-only"])
+def test_where_poprun_needs_or_may_make_no_cpu_group_it_makes_none(where, tmp):
+    """Started inside a cpu cgroup of its own (as under a systemd slice with CPU accounting,
+    a container or a Slurm step), poprun's instances share that cgroup's task group already:
+    no group is made. Not allowed to make one (the cpu hierarchy mounted read-only, as in
+    most containers, in a mount namespace of the test's): none, and the job runs as before,
+    each instance its own session."""
+    from spawner.containment import own_cpu_cgroup
+
+    if not cpu_group_here():
+        # no switch: the machine's cgroup layout, privileges and kernel.sched_autogroup_enabled
+        pytest.skip("poprun makes no CPU group here")
+    mount = own_cpu_cgroup()[1]
+    outer = Path(mount, f"test-outer-{uuid.uuid4().hex[:8]}")
+    argv = poprun_argv(*OFFLINE, "--num-instances=3", "--num-replicas=3", PY, "-c", SHOW_GROUP)
+    with contextlib.ExitStack() as stack:
+        if where == "read-only":
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    'mount -o remount,bind,ro "$0" && exec "$@"', mount, *argv]
+        else:
+            outer.mkdir()
+            stack.callback(_remove_emptied, outer)
+            argv = ["sh", "-c", 'echo 0 >"$0" && exec "$@"', str(outer / "cgroup.procs"), *argv]
+        job = stack.enter_context(reaped(subprocess.Popen(
+            argv, env=poprun_env({**tmp, "HOLD": "300"}), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE)))
+        rows = [job.stdout.readline().split() for _ in range(3)]
+        assert all(len(row) == 3 for row in rows), (rows, job.stderr.read1().decode())
+        assert all(pid == sid for pid, sid, _ in rows) and len({r[1] for r in rows}) == 3
+        if where == "read-only":
+            assert {r[2] for r in rows} == {b"/"}  # as before: root task group
+        else:  # that cgroup's, with nothing made below it
+            assert {r[2] for r in rows} == {f"/{outer.name}".encode()}
+            assert not list(outer.glob("poprun-*"))
+
+
+def _remove_emptied(cgroup: Path) -> None:
+    """rmdir a test's v1 cgroup once what it started there is gone."""
+    wait_until(lambda: not (cgroup / "cgroup.procs").read_text().split(),
+               "the job to leave its cpu cgroup", GONE)
+    cgroup.rmdir()

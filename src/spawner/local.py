@@ -373,6 +373,8 @@ class LocalSpawner:
             ways.append(f"the {containment.MARK} environment mark")
         if containment.is_subreaper():
             ways.append("child subreaper")
+        if self._cpu_group:  # not containment, but how the cgroups are laid out
+            ways.append(f"one CPU scheduling group {self._cpu_group.path}")
         return ", ".join(ways) or "process groups only"
 
     def _watch_exit(self, child: _Child) -> None:

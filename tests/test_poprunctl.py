@@ -594,6 +594,9 @@ def test_reap_after_sigkill_of_poprun_and_its_lifeline(environ, program):
         record = record_of(environ, job_id)
         caches = list(record["caches"].values())
         assert caches and all(os.path.isdir(c) for c in caches)
+        # The job's CPU group, where this host has poprun make one (docs/architecture.md,
+        # "One scheduling group per job and host"): named in the record, reaped with the rest.
+        cpu_group = record["cpu_cgroup"] if os.path.isdir(record["cpu_cgroup"] or "") else None
         os.kill(record["lifeline"]["pid"], signal.SIGKILL)
         os.kill(record["launcher"]["pid"], signal.SIGKILL)
         job.wait(timeout=30)
@@ -609,6 +612,8 @@ def test_reap_after_sigkill_of_poprun_and_its_lifeline(environ, program):
         assert f"{caches[0]}: removed" in reaped.stdout
         wait_until(lambda: not instances_with(marker), "the leftovers gone")
         assert not any(os.path.exists(c) for c in caches)
+        if cpu_group is not None:
+            assert f"{cpu_group}: removed" in reaped.stdout and not os.path.exists(cpu_group)
     finally:
         kill_leftovers(marker, job)
 

@@ -832,7 +832,7 @@ SHOW_GROUP = ("import os, time\n"
               "cpu = [l.split(':', 2)[2] for l in open('/proc/self/cgroup').read().split()\n"
               "       if 'cpu' in l.split(':', 2)[1].split(',')]\n"
               "print(os.getpid(), os.getsid(0), *cpu, flush=True)\n"
-              "time.sleep(float(os.environ['HOLD']))\n")
+              "time.sleep(float(os.environ.get('HOLD', '0')))\n")
 
 
 @pytest.mark.timeout(60)
@@ -862,6 +862,29 @@ def test_a_job_s_instances_share_one_cpu_group_each_in_a_session_of_its_own(tmp)
     assert said.endswith(f"one CPU scheduling group {own_cpu_cgroup()[1]}{rows[0][2]}")
 
     assert not Path(own_cpu_cgroup()[1], rows[0][2].lstrip("/")).exists()  # gone with the job
+
+
+@pytest.mark.timeout(120)
+def test_each_host_s_agent_gives_its_instances_one_cpu_group(hosts, tmp):
+    """Two hosts (sshd on loopback, one machine): each agent makes the group of its host's
+    instances, one per host, each instance a session of its own; both go with the job."""
+    from spawner.containment import own_cpu_cgroup
+
+    if not cpu_group_here():
+        # no switch: the machine's cgroup layout, privileges and kernel.sched_autogroup_enabled
+        pytest.skip("poprun makes no CPU group here")
+    proc = subprocess.run(poprun_argv(*OFFLINE, "-H", "h1,h2", "--num-instances=4",
+                                      "--num-replicas=4", PY, "-c", SHOW_GROUP),
+                          env=poprun_env({**hosts.env(), **tmp}), capture_output=True,
+                          timeout=90)
+    assert proc.returncode == 0, proc.stderr.decode()
+    rows = [line.split() for line in proc.stdout.decode().splitlines()]
+    assert len(rows) == 4 and all(pid == sid for pid, sid, _ in rows)
+    groups = sorted(group for _, _, group in rows)
+    assert groups[0] == groups[1] != groups[2] == groups[3], groups  # two hosts, two each
+    assert all(group.startswith("/poprun-") for group in groups)
+    wait_until(lambda: not any(Path(own_cpu_cgroup()[1], g.lstrip("/")).exists()
+                               for g in groups), "the hosts' CPU groups to go", GONE)
 
 
 @pytest.mark.timeout(120)

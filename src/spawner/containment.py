@@ -309,7 +309,8 @@ def remove_tree(root: str, timeout: float = CGROUP_EMPTY_TIMEOUT) -> None:
 # default), every session is a scheduling group of its own, and every instance leads a
 # session of its own: CPU time is shared between sessions first, so where ranks outnumber
 # cores the sched_yield() of a rank that waits no longer hands the CPU to the rank it waits
-# for (Open MPI's collectives ran 7x slower than under mpirun, whose ranks share one session).
+# for (Open MPI's collectives ran 4-11x slower than under mpirun, whose ranks share one
+# session).
 # The kernel applies autogroups only to tasks of the root CPU task group
 # (task_wants_autogroup(): false for any other task group), so the job's instances on a host,
 # placed together in one cgroup of the CPU controller, share one scheduling group as mpirun's

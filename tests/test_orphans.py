@@ -860,7 +860,6 @@ def test_a_job_s_instances_share_one_cpu_group_each_in_a_session_of_its_own(tmp)
     assert len(groups) == 1 and groups.pop().startswith("/poprun-")  # one, the job's
     said = next(l for l in proc.stderr.decode().splitlines() if "containment:" in l)
     assert said.endswith(f"one CPU scheduling group {own_cpu_cgroup()[1]}{rows[0][2]}")
-
     assert not Path(own_cpu_cgroup()[1], rows[0][2].lstrip("/")).exists()  # gone with the job
 
 

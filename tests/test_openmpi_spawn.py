@@ -333,3 +333,47 @@ def test_a_failing_mpi_child_is_the_root_cause(ompi, tmp_path):
                      r"spawned process \[2,0\] exited with 3", err), err[-3000:]
     assert result["root_cause"] == 0
 
+# Instance 0 on h1 spawns MPI children: its first command's on the host `host` names (or
+# spread), the second's spread over the job's hosts; all connect to it across hosts.
+ACROSS = """
+import os, sys
+from mpi4py import MPI
+parent = MPI.Comm.Get_parent()
+if parent == MPI.COMM_NULL:
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        there = MPI.Info.Create()
+        if sys.argv[1]:
+            there.Set("host", sys.argv[1])
+        inter = MPI.COMM_SELF.Spawn_multiple(
+            [sys.executable] * 2, args=[[__file__, "", "named"], [__file__, "", "spread"]],
+            maxprocs=[2, 3], info=[there, MPI.INFO_NULL])
+        print("parent", inter.Get_remote_size(), inter.reduce(None, op=MPI.SUM, root=MPI.ROOT),
+              flush=True)
+        inter.Disconnect()
+    MPI.COMM_WORLD.Barrier()
+else:
+    world = MPI.COMM_WORLD
+    print("child", world.Get_rank(), world.Get_size(), sys.argv[2],
+          os.environ["POPRUN_SSH_CONNECTION"].split()[2], flush=True)
+    world.Barrier()
+    parent.reduce(world.Get_rank() + 1, op=MPI.SUM, root=0)
+    parent.Disconnect()
+"""
+
+
+@pytest.mark.parametrize("host", ["h2", "h2:2"])
+def test_mpi_children_on_another_host_connect_to_their_parent(ompi, two_hosts, tmp_path,
+                                                                  host):
+    script = tmp_path / "across.py"
+    script.write_text(ACROSS)
+    proc, result = run(ompi, tmp_path, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                       *(f"--env={v}" for v in PRETEND_NODES),
+                       argv=[*ompi.python, str(script), host], hosts=two_hosts)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    h1, h2 = (h.addr for h in two_hosts.hosts)
+    assert sorted(proc.stdout.decode().splitlines()) == ["[1,0]<stdout>:parent 5 15"] + [
+        f"[2,{r}]<stdout>:child {r} 5 {word} {addr}" for r, word, addr in [
+            (0, "named", h2), (1, "named", h2), (2, "spread", h1), (3, "spread", h2),
+            (4, "spread", h1)]]
+    assert [c["host"] for c in result["spawned"]] == ["h2", "h2", "h1", "h2", "h1"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 # OpenPMIx include/pmix_common.h: data types of the values we register (a data array's
@@ -144,6 +144,9 @@ class FenceId(NamedTuple):
 
     ranks: tuple[int, ...]
     seq: int
+    # A connect or group over several namespaces: each one's ranks, by namespace in order
+    # (`ranks` then the set of the namespace whose link it goes up; `seq` counts per sets)
+    sets: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 class FenceCounter:
@@ -179,6 +182,56 @@ def fence_ranks(procs: Sequence[tuple[str, int]], w: World) -> tuple[int, ...] |
         else:
             return None
     return tuple(sorted(ranks)) if ranks else None
+
+
+MAX_CONNECT_NSPACES = 64  # namespaces one connect or group may span
+MAX_CROSS_RANKS = 1 << 20  # ranks one connect across namespaces may name, in all
+
+
+def connect_sets(procs: Sequence[tuple[str, int]], worlds: Mapping[str, World]
+                 ) -> tuple[tuple[str, tuple[int, ...]], ...] | str:
+    """A connect's or group's procs of several namespaces as FenceId.sets (a wildcard: all
+    ranks of its namespace), or why they cannot be served here: a namespace this host's
+    server does not hold, a rank outside its world, too many namespaces."""
+    sets: dict[str, set[int]] = {}
+    for nspace, rank in procs:
+        w = worlds.get(nspace)
+        if w is None:
+            return f"namespace {nspace[:80]} is not served on this host"
+        if rank != WILDCARD and not 0 <= rank < w.size:
+            return f"rank {rank} is not one of namespace {nspace[:80]}'s"
+        sets.setdefault(nspace, set()).update(range(w.size) if rank == WILDCARD else [rank])
+    if not 1 < len(sets) <= MAX_CONNECT_NSPACES:
+        return f"{len(sets)} namespaces"
+    return tuple((nspace, tuple(sorted(ranks))) for nspace, ranks in sorted(sets.items()))
+
+
+def parse_sets(value: object, limit: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """A frame's `sets` (FenceId.sets as JSON: [[nspace, [rank, ...]], ...]) read strictly,
+    at most `limit` ranks in all: ValueError for anything else (hostile input: an agent's,
+    the launcher's, a server process's)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not 1 < len(value) <= MAX_CONNECT_NSPACES:
+        raise ValueError("sets: not a list of 2 to 64 namespaces")
+    sets, total = [], 0
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                and 0 < len(item[0].encode()) <= NSPACE_MAX and isinstance(item[1], list)):
+            raise ValueError("sets: an entry that is not [namespace, [ranks]]")
+        ranks = item[1]
+        total += len(ranks)
+        if (not ranks or total > limit or not all(type(r) is int for r in ranks)
+                or ranks != sorted(set(ranks)) or ranks[0] < 0):
+            raise ValueError("sets: ranks that are not sorted distinct ranks, or too many")
+        sets.append((item[0], tuple(ranks)))
+    if [n for n, _ in sets] != sorted({n for n, _ in sets}):
+        raise ValueError("sets: namespaces not sorted and distinct")
+    return tuple(sets)
+
+
+def sets_json(sets: tuple[tuple[str, tuple[int, ...]], ...]) -> list:
+    return [[nspace, list(ranks)] for nspace, ranks in sets]
 
 
 def hosts_of(ranks: Sequence[int], w: World) -> set[int]:
@@ -268,6 +321,46 @@ class FenceTable:
         del self._open[fence]
         nodes = sorted(parts)
         return nodes, b"".join(parts[n] for n in nodes)
+
+
+class CrossTable:
+    """The launcher's connects and groups over several namespaces of the job's worlds
+    (`worlds`, by namespace): each host holding a participant enters once, by the link of
+    one namespace it holds a participant of; complete when every such host has. They carry
+    no data (libpmix sends none up for a connect or group)."""
+
+    def __init__(self) -> None:
+        self.worlds: dict[str, World] = {}
+        self._open: dict[tuple, dict[str, str]] = {}
+
+    def enter(self, fence: FenceId, nspace: str, host: str) -> dict[str, str] | None:
+        """`host` entered `fence` by `nspace`'s link; once all have: each host's namespace
+        (to answer it by). FenceError for an entry that cannot be one."""
+        needed: set[str] = set()
+        for name, ranks in fence.sets:
+            w = self.worlds.get(name)
+            if w is None or not ranks or ranks[-1] >= w.size:
+                raise FenceError(f"a connect over namespace {name[:80]}, not the job's, or "
+                                 "ranks outside it")
+            needed.update(w.names[w.nodes[r]] for r in ranks)
+        w = self.worlds.get(nspace)
+        if (fence.seq < 0 or w is None or dict(fence.sets).get(nspace) != fence.ranks
+                or host not in {w.names[w.nodes[r]] for r in fence.ranks}):
+            raise FenceError(f"{host} entered a connect by a namespace it holds no "
+                             "participant of")
+        key = (fence.sets, fence.seq)
+        entered = self._open.get(key)
+        if entered is None:
+            if len(self._open) >= MAX_OPEN_FENCES:
+                raise FenceError(f"more than {MAX_OPEN_FENCES} connects open")
+            entered = self._open[key] = {}
+        if host in entered:
+            raise FenceError(f"{host} entered connect {fence.seq} twice")
+        entered[host] = nspace
+        if set(entered) != needed:
+            return None
+        del self._open[key]
+        return entered
 
 
 def b64(data: bytes) -> str:

@@ -345,7 +345,7 @@ if parent == MPI.COMM_NULL:
         if sys.argv[1]:
             there.Set("host", sys.argv[1])
         inter = MPI.COMM_SELF.Spawn_multiple(
-            [sys.executable] * 2, args=[[__file__, "", "named"], [__file__, "", "spread"]],
+            [sys.executable] * 2, args=[[__file__, "-", "named"], [__file__, "-", "spread"]],
             maxprocs=[2, 3], info=[there, MPI.INFO_NULL])
         print("parent", inter.Get_remote_size(), inter.reduce(None, op=MPI.SUM, root=MPI.ROOT),
               flush=True)

@@ -325,7 +325,7 @@ def test_what_an_agent_sends_about_a_connect_across_namespaces_never_breaks_the_
                         lambda *a: None, log)
     children = PmixWorld("poprun-fuzz-0-spawn0", ["h2", "h2", "h1"], agents, None,
                          lambda *a: None, lambda *a: None, log,
-                         crossings=parents.crossings)
+                         beside=parents)
     worlds = [parents, children]
     for which, host, fields in messages:
         worlds[which].from_agent(agents[host], "FENCE_IN", fields)
@@ -356,7 +356,7 @@ def test_a_connect_across_namespaces_is_refused_to_a_host_without_a_participant_
     parents = PmixWorld("poprun-fuzz-0", ["h1", "h2"], agents, None, lambda *a: None,
                         lambda *a: None, _Log())
     PmixWorld("poprun-fuzz-0-spawn0", ["h2"], agents, None, lambda *a: None,
-              lambda *a: None, _Log(), crossings=parents.crossings)
+              lambda *a: None, _Log(), beside=parents)
     sets = [["poprun-fuzz-0", [0]], ["poprun-fuzz-0-spawn0", [0]]]
     parents.from_agent(agents["h2"], "FENCE_IN", {"ranks": [0], "seq": 0, "data": "",
                                                   "sets": sets})

@@ -24,7 +24,7 @@ data), MODEX_WANT for a rank on another host (answered by MODEX_DATA), MODEX_GOT
 launcher's MODEX_ASK for a rank here, the server's NAMEs (PMIx's names and group context
 IDs, asked of the launcher's table as PMI-1's), PMI_UNSERVEDs, and SPAWN_ASK for a PMIx_Spawn
 (Open MPI's MPI_Comm_spawn, the launcher starting the children as for PMI-1's). A spawned
-world's namespace goes on the server of its parents' (WORLD's pmix `beside`), where libpmix
+world's namespace goes on the server of its parents' where any runs here (WORLD's pmix `beside`), where libpmix
 holds both. Where no libpmix is found or the server does not start, PMIX_UNSERVED says why; a
 server that dies while the world is open, PMIX_LOST.
 """
@@ -92,11 +92,8 @@ class AgentWorld:
             hosts = [names[n] for n in self._nodes]
             here = hosts[self.ranks[0]]
             beside = None
-            if pmix.get("beside") is not None:
-                parents = self._worlds.get(str(pmix["beside"]))
-                if parents is None or parents.pmix_ns is None:
-                    raise LookupError(f"its parents' world {str(pmix['beside'])[:80]} is not "
-                                      "served here")
+            parents = self._worlds.get(str(pmix.get("beside")))
+            if parents is not None:  # else none of its parents is here: a server of its own
                 await parents.ready
                 beside = parents.pmix_ns
             self._pmix = pmix_host(pmix, here)

@@ -324,18 +324,20 @@ class FenceTable:
 
 
 class CrossTable:
-    """The launcher's connects and groups over several namespaces of the job's worlds
-    (`worlds`, by namespace): each host holding a participant enters once, by the link of
-    one namespace it holds a participant of; complete when every such host has. They carry
-    no data (libpmix sends none up for a connect or group)."""
+    """The launcher's fences, connects and groups over several namespaces of the job's
+    worlds (`worlds`, by namespace): each host holding a participant enters once, by the
+    link of one namespace it holds a participant of; complete when every such host has,
+    their data then concatenated in host order (at most MAX_FENCE_DATA in all)."""
 
     def __init__(self) -> None:
         self.worlds: dict[str, World] = {}
-        self._open: dict[tuple, dict[str, str]] = {}
+        self._open: dict[tuple, dict[str, tuple[str, bytes]]] = {}
 
-    def enter(self, fence: FenceId, nspace: str, host: str) -> dict[str, str] | None:
-        """`host` entered `fence` by `nspace`'s link; once all have: each host's namespace
-        (to answer it by). FenceError for an entry that cannot be one."""
+    def enter(self, fence: FenceId, nspace: str, host: str, data: bytes = b""
+              ) -> tuple[dict[str, str], bytes] | None:
+        """`host` entered `fence` by `nspace`'s link with `data`; once all have: each host's
+        namespace (to answer it by), and all their data. FenceError for an entry that
+        cannot be one."""
         needed: set[str] = set()
         for name, ranks in fence.sets:
             w = self.worlds.get(name)
@@ -356,11 +358,14 @@ class CrossTable:
             entered = self._open[key] = {}
         if host in entered:
             raise FenceError(f"{host} entered connect {fence.seq} twice")
-        entered[host] = nspace
+        if len(data) + sum(len(d) for _, d in entered.values()) > MAX_FENCE_DATA:
+            raise FenceError(f"more than {MAX_FENCE_DATA} bytes for one connect")
+        entered[host] = (nspace, data)
         if set(entered) != needed:
             return None
         del self._open[key]
-        return entered
+        return ({h: n for h, (n, _) in entered.items()},
+                b"".join(entered[h][1] for h in sorted(entered)))
 
 
 def b64(data: bytes) -> str:

@@ -591,12 +591,8 @@ class PmixServer:
     # --- in the main thread -------------------------------------------------------------
 
     def _fence(self, procs: list[tuple[str, int]], data: bytes, cb: int, cbdata: int) -> None:
-        ns = self._namespaces.get(procs[0][0]) if procs else None
-        ranks = pmixplan.fence_ranks(procs, ns.world) if ns is not None else None
-        if ranks is None:
-            self._modex_answer(cb, cbdata, ERR_NOT_SUPPORTED, b"")
-            return
-        ns.fence(ranks, data, lambda status, blob: self._modex_answer(cb, cbdata, status, blob))
+        self._collective(procs, "fence", lambda status, _fence, blob: self._modex_answer(
+            cb, cbdata, status, blob), data)
 
     def _unserved(self, nspace: str | None, rank: int | None, what: str, why: str) -> None:
         """Said to the namespace's owner (the first one's where the upcall names none)."""
@@ -672,36 +668,38 @@ class PmixServer:
         this host's are all in; over several namespaces, the job's (docs/architecture.md,
         "The instances' worlds"). One naming a namespace this host's server does not hold
         is not served here."""
-        self._collective(procs, op, lambda status, _fence: OP_CB(cb)(status, cbdata))
+        self._collective(procs, op, lambda status, _fence, _blob: OP_CB(cb)(status, cbdata))
 
     def _collective(self, procs: list[tuple[str, int]], what: str,
-                    done: Callable[[int, pmixplan.FenceId | None], None]) -> None:
-        """A connect's or group's fence with no data over `procs`: `done(status, the
-        fence)` once every host holding one of them has entered it (an error at once, said
-        for -v, where it cannot be served here)."""
+                    done: Callable[[int, pmixplan.FenceId | None, bytes], None],
+                    data: bytes = b"") -> None:
+        """A fence over `procs` (a connect's or group's: with no data), of one namespace or
+        several (Open MPI 4.1's MPI_Comm_disconnect is a fence over both sides):
+        `done(status, the fence, every host's data)` once every host holding one of them
+        has entered it (an error at once, said for -v, where it cannot be served here)."""
         ns = self._namespaces.get(procs[0][0]) if procs else None
         ranks = pmixplan.fence_ranks(procs, ns.world) if ns is not None else None
         if ranks is not None:
             fence = ns.upcoming(ranks)
-            ns.fence(ranks, b"", lambda status, _blob: done(status, fence))
+            ns.fence(ranks, data, lambda status, blob: done(status, fence, blob))
             return
         sets = pmixplan.connect_sets(procs, {name: served.world for name, served
                                              in self._namespaces.items()})
         if isinstance(sets, str):
             self._unserved(*self._member_here(procs), what,
                            f"its {len(procs)} processes: {sets}")
-            done(ERR_NOT_SUPPORTED, None)
+            done(ERR_NOT_SUPPORTED, None, b"")
             return
         fence = pmixplan.FenceId((), self._crossings.next(sets).seq, sets)
         hosts = {self._namespaces[name].world.names[self._namespaces[name].world.nodes[r]]
                  for name, ranks in sets for r in ranks}
         if len(hosts) == 1:  # every participant is here: nobody else takes part
-            done(SUCCESS, fence)
+            done(SUCCESS, fence, data)
             return
         link = self._link_of(sets)
         fence = fence._replace(ranks=dict(sets)[link])
-        self._namespaces[link].handler.fence(fence, b"",
-                                             lambda status, _blob: done(status, fence))
+        self._namespaces[link].handler.fence(fence, data,
+                                             lambda status, blob: done(status, fence, blob))
 
     def _link_of(self, sets) -> str:
         """The namespace whose link a connect over `sets` goes up: the first with a
@@ -759,7 +757,7 @@ class PmixServer:
 
         asker = self._member_here(procs)
 
-        def fenced(status: int, fence: pmixplan.FenceId | None) -> None:
+        def fenced(status: int, fence: pmixplan.FenceId | None, _blob: bytes) -> None:
             if status != SUCCESS or not assign:
                 answer(status)
                 return

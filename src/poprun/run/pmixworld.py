@@ -35,7 +35,8 @@ MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in on
 
 class PmixWorld:
     """One attempt's PMIx namespace across hosts, or one its MPI_Comm_spawn made (`beside`:
-    the parents' namespace here, whose server serves it too); `remote`: the agents by host.
+    the parents' PmixWorld, whose server serves it too on each host holding both, and whose
+    `crossings` it shares); `remote`: the agents by host.
     `on_spawn(rank, request)`: a spawn's reply (run/world.MpiWorld.answer_spawn)."""
 
     def __init__(self, kvsname: str, hosts: Sequence[str], remote: Mapping[str, object],
@@ -43,8 +44,7 @@ class PmixWorld:
                  on_server_lost: Callable[[str, str], None], log, names=None,
                  on_unserved: Callable[[int, str, str], None] | None = None,
                  on_spawn: Callable[[int, object], Awaitable[dict]] | None = None,
-                 beside=None, appnums: Sequence[int] = (),
-                 crossings: Crossings | None = None) -> None:
+                 beside: PmixWorld | None = None, appnums: Sequence[int] = ()) -> None:
         """`names(fields, done)`: asks the job's name table (run/world.MpiWorld.name_for);
         `on_unserved(rank, cmd, why)`: a request answered with an error, for -v."""
         self.kvsname, self._remote, self._on_abort, self._log = kvsname, remote, on_abort, log
@@ -71,7 +71,7 @@ class PmixWorld:
         self.ns = None  # the world's namespace on this host's server (spawner.pmixhost.Served)
         # The job's connects across namespaces: the instances' world makes it, each world
         # spawned from it shares it
-        self.crossings = crossings if crossings is not None else Crossings()
+        self.crossings = beside.crossings if beside is not None else Crossings()
         self.crossings.add(self)
 
     async def open(self) -> None:
@@ -81,7 +81,8 @@ class PmixWorld:
 
         if self._pmix is not None and self._local:
             try:
-                self.ns = await self._pmix.open(self.world, self, beside=self._beside)
+                self.ns = await self._pmix.open(self.world, self, beside=self._beside.ns
+                                                if self._beside is not None else None)
             except PmixServerError as exc:
                 raise LaunchError(f"Open MPI's world (PMIx) cannot be served here: {exc}") \
                     from None
@@ -95,7 +96,7 @@ class PmixWorld:
         """What a WORLD frame tells the agents: serve PMIx too, with these node names (and
         the libpmix the user named, else theirs, found as here)."""
         return {"names": self.names, "libpmix": self._pmix.given, "argv": list(argv[:1]),
-                **({"beside": self._beside.world.nspace} if self._beside is not None else {})}
+                **({"beside": self._beside.kvsname} if self._beside is not None else {})}
 
     def instance_env(self, rank: int, environ) -> dict[str, str]:
         return self._pmix.instance_env(self.ns, rank, environ)
@@ -113,7 +114,7 @@ class PmixWorld:
     def fence(self, fence: pmixplan.FenceId, data: bytes, done) -> None:
         self._done[fence] = done
         if fence.sets:
-            self.crossings.enter(self, self.here, fence)
+            self.crossings.enter(self, self.here, fence, data)
         else:
             self._contribute(fence, self._local_node, data)
 
@@ -162,7 +163,7 @@ class PmixWorld:
                 fence = fence_of(fields)
                 data = pmixplan.decode_data(fields["data"], pmixplan.MAX_FENCE_DATA)
                 if fence.sets:
-                    self.crossings.enter(self, host, fence)
+                    self.crossings.enter(self, host, fence, data)
                 else:
                     self._contribute(fence, self.names.index(host), data)
             elif kind_name == "MODEX_WANT":
@@ -268,7 +269,7 @@ class PmixWorld:
 
 
 class Crossings:
-    """One job's connects and groups over several of its worlds' namespaces (each world's
+    """One job's fences, connects and groups over several of its worlds' namespaces (each world's
     PmixWorld added while open): a host's entry goes to pmixplan.CrossTable, its answer back
     by the link it came by; one that cannot be an entry is answered with an error."""
 
@@ -285,17 +286,18 @@ class Crossings:
             del self._worlds[world.kvsname]
             del self.table.worlds[world.kvsname]
 
-    def enter(self, via: PmixWorld, host: str, fence: pmixplan.FenceId) -> None:
+    def enter(self, via: PmixWorld, host: str, fence: pmixplan.FenceId, data: bytes) -> None:
         try:
-            entered = self.table.enter(fence, via.kvsname, host)
+            complete = self.table.enter(fence, via.kvsname, host, data)
         except pmixplan.FenceError as exc:
             via.answer_host(host, fence, ERROR, b"", str(exc))
             return
-        for there, nspace in (entered or {}).items():
+        entered, blob = complete or ({}, b"")
+        for there, nspace in entered.items():
             world = self._worlds.get(nspace)
             if world is not None:
                 world.answer_host(there, fence._replace(ranks=dict(fence.sets)[nspace]),
-                                  SUCCESS, b"")
+                                  SUCCESS, blob)
 
 
 def _kind(name: str):

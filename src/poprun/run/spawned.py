@@ -143,8 +143,7 @@ class Spawned:
             remote={h: job.remote[h] for h in dict.fromkeys(hosts) if h in job.remote},
             log=job.log, names=self._names, appnums={p.rank: p.appnum for p in placed},
             spawned=True, pmix=parents.service if parents is not None else None,
-            pmix_beside=parents.ns if parents is not None else None,
-            pmix_crossings=parents.crossings if parents is not None else None,
+            pmix_beside=parents,
             on_unserved=lambda rank, cmd, why: self._unserved(
                 origin, cmd, f"(from its spawned process [{number},{rank}]) {why}"),
             on_abort=lambda rank, code, message: job.child_failed(

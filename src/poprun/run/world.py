@@ -106,7 +106,7 @@ class MpiWorld:
                  log=None, names=None, appnums: Mapping[int, int] | None = None,
                  spawned: bool = False,
                  on_unserved: Callable[[int, str, str], None] | None = None,
-                 pmix_beside=None, pmix_crossings=None) -> None:
+                 pmix_beside=None) -> None:
         self.kvsname, self.loop, self._lifeline = kvsname, loop, lifeline
         self._hosts, self._remote = list(hosts), dict(remote or {})
         self._on_abort, self._on_lost = on_abort, on_lost
@@ -131,8 +131,7 @@ class MpiWorld:
                                   on_server_lost or (lambda host, reason: None), log,
                                   names=self.name_for, on_unserved=self._on_unserved,
                                   on_spawn=self.answer_spawn, beside=pmix_beside,
-                                  appnums=[self._appnums.get(r, 0) for r in range(self.size)],
-                                  crossings=pmix_crossings)
+                                  appnums=[self._appnums.get(r, 0) for r in range(self.size)])
 
     async def ready(self) -> None:
         """Wait until the instances can be spawned: Open MPI's world registered here."""

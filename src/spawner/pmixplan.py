@@ -308,13 +308,7 @@ class FenceTable:
             raise FenceError(f"node {node} holds no rank of that fence")
         if len(data) > MAX_FENCE_DATA:
             raise FenceError(f"{len(data)} bytes for one fence")
-        parts = self._open.get(fence)
-        if parts is None:
-            if len(self._open) >= MAX_OPEN_FENCES:
-                raise FenceError(f"more than {MAX_OPEN_FENCES} fences open")
-            parts = self._open[fence] = {}
-        if node in parts:
-            raise FenceError(f"node {node} entered fence {fence.seq} twice")
+        parts = _entered(self._open, fence, node, f"node {node}", f"fence {fence.seq}")
         parts[node] = data
         if set(parts) != needed:
             return None
@@ -351,13 +345,7 @@ class CrossTable:
             raise FenceError(f"{host} entered a connect by a namespace it holds no "
                              "participant of")
         key = (fence.sets, fence.seq)
-        entered = self._open.get(key)
-        if entered is None:
-            if len(self._open) >= MAX_OPEN_FENCES:
-                raise FenceError(f"more than {MAX_OPEN_FENCES} connects open")
-            entered = self._open[key] = {}
-        if host in entered:
-            raise FenceError(f"{host} entered connect {fence.seq} twice")
+        entered = _entered(self._open, key, host, host, f"connect {fence.seq}")
         if len(data) + sum(len(d) for _, d in entered.values()) > MAX_FENCE_DATA:
             raise FenceError(f"more than {MAX_FENCE_DATA} bytes for one connect")
         entered[host] = (nspace, data)
@@ -366,6 +354,19 @@ class CrossTable:
         del self._open[key]
         return ({h: n for h, (n, _) in entered.items()},
                 b"".join(entered[h][1] for h in sorted(entered)))
+
+
+def _entered(table: dict, key, who, name: str, what: str) -> dict:
+    """What has entered the open collective `key` of `table` (made open here), `who` not
+    yet: FenceError where that many are open already, or `who` (`name`) entered twice."""
+    parts = table.get(key)
+    if parts is None:
+        if len(table) >= MAX_OPEN_FENCES:
+            raise FenceError(f"more than {MAX_OPEN_FENCES} fences open")
+        parts = table[key] = {}
+    if who in parts:
+        raise FenceError(f"{name} entered {what} twice")
+    return parts
 
 
 def b64(data: bytes) -> str:

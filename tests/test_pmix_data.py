@@ -46,7 +46,8 @@ def test_an_agent_answers_data_it_cannot_decode_as_an_error(monkeypatch, data):
     world, loop = _world()
     try:
         answers = []
-        world._uplink._fences[pmixplan.FenceId((0, 1), 4)] = lambda status, blob: answers.append((status, blob))
+        world._uplink._fences[pmixplan.FenceId((0, 1), 4)] = lambda status, blob: \
+            answers.append((status, blob))
         world._uplink._wants[9] = lambda status, blob: answers.append((status, blob))
         world.answered(Kind.FENCE_OUT, {"kvsname": "poprun-d-0", "ranks": [0, 1], "seq": 4,
                                         "data": data})
@@ -61,7 +62,8 @@ def test_an_agent_passes_good_data_and_the_launchers_status_on():
     world, loop = _world()
     try:
         answers = []
-        world._uplink._fences[pmixplan.FenceId((0, 1), 1)] = lambda status, blob: answers.append((status, blob))
+        world._uplink._fences[pmixplan.FenceId((0, 1), 1)] = lambda status, blob: \
+            answers.append((status, blob))
         world._uplink._wants[2] = lambda status, blob: answers.append((status, blob))
         world.answered(Kind.FENCE_OUT, {"ranks": [0, 1], "seq": 1,
                                         "data": base64.b64encode(b"onetwo").decode()})

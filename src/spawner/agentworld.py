@@ -24,9 +24,9 @@ data), MODEX_WANT for a rank on another host (answered by MODEX_DATA), MODEX_GOT
 launcher's MODEX_ASK for a rank here, the server's NAMEs (PMIx's names and group context
 IDs, asked of the launcher's table as PMI-1's), PMI_UNSERVEDs, and SPAWN_ASK for a PMIx_Spawn
 (Open MPI's MPI_Comm_spawn, the launcher starting the children as for PMI-1's). A spawned
-world's namespace goes on the server of its parents' where any runs here (WORLD's pmix `beside`), where libpmix
-holds both. Where no libpmix is found or the server does not start, PMIX_UNSERVED says why; a
-server that dies while the world is open, PMIX_LOST.
+world's namespace goes on the server of its parents' where any of them runs here (WORLD's
+pmix `beside`), where libpmix holds both. Where no libpmix is found or the server does not
+start, PMIX_UNSERVED says why; a server that dies while the world is open, PMIX_LOST.
 """
 
 from __future__ import annotations

@@ -269,9 +269,10 @@ class PmixWorld:
 
 
 class Crossings:
-    """One job's fences, connects and groups over several of its worlds' namespaces (each world's
-    PmixWorld added while open): a host's entry goes to pmixplan.CrossTable, its answer back
-    by the link it came by; one that cannot be an entry is answered with an error."""
+    """One job's fences, connects and groups over several of its worlds' namespaces (each
+    world's PmixWorld added while open): a host's entry goes to pmixplan.CrossTable, its
+    answer back by the link it came by; one that cannot be an entry is answered with an
+    error."""
 
     def __init__(self) -> None:
         self.table = pmixplan.CrossTable()

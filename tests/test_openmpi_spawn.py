@@ -333,6 +333,7 @@ def test_a_failing_mpi_child_is_the_root_cause(ompi, tmp_path):
                      r"spawned process \[2,0\] exited with 3", err), err[-3000:]
     assert result["root_cause"] == 0
 
+
 # Instance 0 on h1 spawns MPI children: its first command's on the host `host` names (or
 # spread), the second's spread over the job's hosts; all connect to it across hosts.
 ACROSS = """
@@ -377,3 +378,47 @@ def test_mpi_children_on_another_host_connect_to_their_parent(ompi, two_hosts, t
             (0, "named", h2), (1, "named", h2), (2, "spread", h1), (3, "spread", h2),
             (4, "spread", h1)]]
     assert [c["host"] for c in result["spawned"]] == ["h2", "h2", "h1", "h2", "h1"]
+
+
+# Both instances (h1, h2) spawn MPI children, all on the host `host` names: the other host
+# runs parents only (its server holds the children's namespace with none of their processes).
+ONE_SIDE = """
+import os, sys
+from mpi4py import MPI
+parent = MPI.Comm.Get_parent()
+if parent == MPI.COMM_NULL:
+    there = MPI.Info.Create()
+    there.Set("host", sys.argv[1])
+    world = MPI.COMM_WORLD
+    inter = world.Spawn(sys.executable, args=[__file__, "-"], maxprocs=2, info=there)
+    me = world.Get_rank()
+    root = MPI.ROOT if me == 0 else MPI.PROC_NULL
+    inter.bcast(f"from {me}", root=root)
+    print("parent", me, inter.Get_remote_size(), inter.reduce(None, op=MPI.SUM, root=root),
+          flush=True)
+    inter.Disconnect()
+else:
+    got = parent.bcast(None, root=0)
+    parent.reduce(MPI.COMM_WORLD.Get_rank() + 1, op=MPI.SUM, root=0)
+    print("child", MPI.COMM_WORLD.Get_rank(), got,
+          os.environ["POPRUN_SSH_CONNECTION"].split()[2], flush=True)
+    parent.Disconnect()
+"""
+
+
+@pytest.mark.parametrize("host", ["h1", "h2"])
+def test_mpi_children_on_one_host_connect_to_parents_on_two(ompi, two_hosts, tmp_path, host):
+    """The host without children serves their namespace beside their parents' (none of
+    their processes there): the parents' connect, bcast, reduce and disconnect across."""
+    script = tmp_path / "one_side.py"
+    script.write_text(ONE_SIDE)
+    proc, result = run(ompi, tmp_path, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                       *(f"--env={v}" for v in PRETEND_NODES),
+                       argv=[*ompi.python, str(script), host], hosts=two_hosts)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    addr = {h.alias: h.addr for h in two_hosts.hosts}[host]
+    assert sorted(proc.stdout.decode().splitlines()) == [
+        "[1,0]<stdout>:parent 0 2 3", "[1,1]<stdout>:parent 1 2 None"] + [
+        f"[2,{r}]<stdout>:child {r} from 0 {addr}" for r in range(2)]
+    assert [c["host"] for c in result["spawned"]] == [host, host]

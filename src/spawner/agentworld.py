@@ -79,7 +79,8 @@ class AgentWorld:
             encode(kind, **fields)), len(set(self._nodes)))
         # Done once the instances can be spawned (Open MPI's world registered, or not served)
         self.ready: asyncio.Future = loop.create_future()
-        if fields.get("pmix") and self.ranks and pmix_host is not None:
+        if fields.get("pmix") and pmix_host is not None and (
+                self.ranks or str(dict(fields["pmix"]).get("beside")) in self._worlds):
             task = loop.create_task(self._open_pmix(dict(fields["pmix"]), pmix_host))
             task.add_done_callback(lambda _: self.ready.done() or self.ready.set_result(None))
         else:
@@ -90,13 +91,15 @@ class AgentWorld:
         try:
             names = [str(n) for n in pmix["names"]]
             hosts = [names[n] for n in self._nodes]
-            here = hosts[self.ranks[0]]
+            here = hosts[self.ranks[0]] if self.ranks else None  # None: only its parents
             beside = None
             parents = self._worlds.get(str(pmix.get("beside")))
             if parents is not None:  # else none of its parents is here: a server of its own
                 await parents.ready
                 beside = parents.pmix_ns
-            self._pmix = pmix_host(pmix, here)
+            if here is None and beside is None:
+                return
+            self._pmix = pmix_host(pmix, here or beside.world.names[beside.world.here])
             appnums = [self._appnums.get(rank, 0) for rank in range(self.size)]
             self.pmix_ns = await self._pmix.open(
                 pmixplan.world(self.kvsname, hosts, here, appnums), self, beside=beside)

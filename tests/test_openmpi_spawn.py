@@ -11,7 +11,10 @@ on its host: on another sshd host, that host agent's). They show the children st
 their arguments, working directory and environment (Open MPI's app env), placed by the `host`
 info key or spread over the job's hosts, tagged `[2,<rank>]`, in `--result-json`, a failing
 child the root cause, a spawn of 10,000 refused with an MPI error while the job goes on, and a
-SIGKILLed poprun leaving none of them.
+SIGKILLed poprun leaving none of them. MPI children (mpi4py's) connect to their parents
+across two sshd hosts: spread over both, or all on one with their parents on both (the
+other host's server holding their namespace with none of their processes): PMIx connects
+and fences over both namespaces, the job's collective on the launcher.
 
 They skip where an Open MPI is missing, and fail instead where POPRUN_REQUIRE_OPENMPI=1 (CI).
 """

@@ -38,6 +38,7 @@ from typing import Any
 
 from . import pmixplan
 from .containment import spare_child, unspare_child
+from .pmixuplink import fence_of
 from .protocol import Control, FrameDecoder, Kind, ProtocolError, encode
 
 SUCCESS, ERROR = 0, -1  # PMIx statuses (spawner/pmixserver.py)
@@ -258,12 +259,13 @@ class _Server:
             served.handler.abort(int(fields["key"]), int(fields["exitcode"]),
                                  str(fields.get("message", "")))
         elif kind is Kind.FENCE_IN:
-            fence = pmixplan.FenceId(tuple(int(r) for r in fields["ranks"]), int(fields["seq"]))
+            fence = fence_of(fields)
             data = pmixplan.decode_data(fields["data"], pmixplan.MAX_FENCE_DATA)
+            sets = {"sets": pmixplan.sets_json(fence.sets)} if fence.sets else {}
             served.handler.fence(fence, data, lambda status, blob: self.send(
                 Kind.FENCE_OUT, kvsname=served.world.nspace, ranks=list(fence.ranks),
-                seq=fence.seq, **({"data": pmixplan.b64(blob)} if status == SUCCESS
-                                  else {"error": f"status {status}"})))
+                seq=fence.seq, **sets, **({"data": pmixplan.b64(blob)} if status == SUCCESS
+                                          else {"error": f"status {status}"})))
         elif kind is Kind.MODEX_WANT:
             want = int(fields["id"])
             served.handler.direct_modex(int(fields["rank"]), lambda status, blob: self.send(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 # OpenPMIx include/pmix_common.h: data types of the values we register (a data array's
@@ -40,7 +40,9 @@ class Key(NamedTuple):
 
 class World(NamedTuple):
     """One world as a host's PMIx server sees it: `nodes[r]` is rank r's node index,
-    `names[i]` node i's host name, `here` this host's node index."""
+    `names[i]` node i's host name, `here` this host's node index (NONE_HERE: a spawned
+    world registered beside its parents on a host none of its ranks runs on, so that
+    libpmix there knows the processes its parents connect to)."""
 
     nspace: str
     nodes: Sequence[int]
@@ -57,20 +59,25 @@ class World(NamedTuple):
         return [rank for rank, node in enumerate(self.nodes) if node == self.here]
 
 
-def world(nspace: str, hosts: Sequence[str], here: str,
+NONE_HERE = -1  # World.here of a world none of whose ranks runs on this host
+
+
+def world(nspace: str, hosts: Sequence[str], here: str | None,
           appnums: Sequence[int] = ()) -> World:
-    """The world of ranks whose hosts are `hosts` (rank order), seen from host `here`;
-    `appnums`: each rank's app number (a spawned world's), () where all are app 0."""
+    """The world of ranks whose hosts are `hosts` (rank order), seen from host `here` (None:
+    from a host none of them runs on); `appnums`: each rank's app number (a spawned
+    world's), () where all are app 0."""
     if (not nspace or len(nspace.encode()) > NSPACE_MAX or "/" in nspace or "\0" in nspace
             or nspace in (".", "..")):  # also a directory's name: nsdir()
         raise ValueError(f"bad PMIx namespace {nspace!r}")
     names = list(dict.fromkeys(hosts))
-    if here not in names:
+    if here is not None and here not in names:
         raise ValueError(f"no rank of the world runs on {here!r}")
     if appnums and (len(appnums) != len(hosts) or not all(0 <= a < len(hosts)
                                                              for a in appnums)):
         raise ValueError("appnums do not fit the world")
-    return World(nspace, [names.index(h) for h in hosts], names, names.index(here),
+    return World(nspace, [names.index(h) for h in hosts], names,
+                 NONE_HERE if here is None else names.index(here),
                  tuple(appnums) if any(appnums) else ())
 
 
@@ -114,9 +121,9 @@ def job_keys(w: World, node_map: str, proc_map: str, tmpdir: str) -> list[Key]:
         Key("pmix.num.nodes", PMIX_UINT32, len(w.names)),
         Key("pmix.jobid", PMIX_STRING, w.nspace),
         Key("pmix.local.size", PMIX_UINT32, len(local)),
-        Key("pmix.nodeid", PMIX_UINT32, w.here),
-        Key("pmix.lpeers", PMIX_STRING, ",".join(map(str, local))),
-        Key("pmix.lldr", PMIX_PROC_RANK, local[0]),
+        *([Key("pmix.nodeid", PMIX_UINT32, w.here),
+           Key("pmix.lpeers", PMIX_STRING, ",".join(map(str, local))),
+           Key("pmix.lldr", PMIX_PROC_RANK, local[0])] if local else []),
         *proc_data(w),
     ]
 
@@ -144,6 +151,9 @@ class FenceId(NamedTuple):
 
     ranks: tuple[int, ...]
     seq: int
+    # A connect or group over several namespaces: each one's ranks, by namespace in order
+    # (`ranks` then the set of the namespace whose link it goes up; `seq` counts per sets)
+    sets: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 class FenceCounter:
@@ -179,6 +189,56 @@ def fence_ranks(procs: Sequence[tuple[str, int]], w: World) -> tuple[int, ...] |
         else:
             return None
     return tuple(sorted(ranks)) if ranks else None
+
+
+MAX_CONNECT_NSPACES = 64  # namespaces one connect or group may span
+MAX_CROSS_RANKS = 1 << 20  # ranks one connect across namespaces may name, in all
+
+
+def connect_sets(procs: Sequence[tuple[str, int]], worlds: Mapping[str, World]
+                 ) -> tuple[tuple[str, tuple[int, ...]], ...] | str:
+    """A connect's or group's procs of several namespaces as FenceId.sets (a wildcard: all
+    ranks of its namespace), or why they cannot be served here: a namespace this host's
+    server does not hold, a rank outside its world, too many namespaces."""
+    sets: dict[str, set[int]] = {}
+    for nspace, rank in procs:
+        w = worlds.get(nspace)
+        if w is None:
+            return f"namespace {nspace[:80]} is not served on this host"
+        if rank != WILDCARD and not 0 <= rank < w.size:
+            return f"rank {rank} is not one of namespace {nspace[:80]}'s"
+        sets.setdefault(nspace, set()).update(range(w.size) if rank == WILDCARD else [rank])
+    if not 1 < len(sets) <= MAX_CONNECT_NSPACES:  # none: libpmix's client refuses that
+        return f"{len(sets)} namespaces (2 to {MAX_CONNECT_NSPACES} are served)"
+    return tuple((nspace, tuple(sorted(ranks))) for nspace, ranks in sorted(sets.items()))
+
+
+def parse_sets(value: object, limit: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """A frame's `sets` (FenceId.sets as JSON: [[nspace, [rank, ...]], ...]) read strictly,
+    at most `limit` ranks in all: ValueError for anything else (hostile input: an agent's,
+    the launcher's, a server process's)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not 1 < len(value) <= MAX_CONNECT_NSPACES:
+        raise ValueError("sets: not a list of 2 to 64 namespaces")
+    sets, total = [], 0
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                and 0 < len(item[0].encode()) <= NSPACE_MAX and isinstance(item[1], list)):
+            raise ValueError("sets: an entry that is not [namespace, [ranks]]")
+        ranks = item[1]
+        total += len(ranks)
+        if (not ranks or total > limit or not all(type(r) is int for r in ranks)
+                or ranks != sorted(set(ranks)) or ranks[0] < 0):
+            raise ValueError("sets: ranks that are not sorted distinct ranks, or too many")
+        sets.append((item[0], tuple(ranks)))
+    if [n for n, _ in sets] != sorted({n for n, _ in sets}):
+        raise ValueError("sets: namespaces not sorted and distinct")
+    return tuple(sets)
+
+
+def sets_json(sets: tuple[tuple[str, tuple[int, ...]], ...]) -> list:
+    return [[nspace, list(ranks)] for nspace, ranks in sets]
 
 
 def hosts_of(ranks: Sequence[int], w: World) -> set[int]:
@@ -255,19 +315,65 @@ class FenceTable:
             raise FenceError(f"node {node} holds no rank of that fence")
         if len(data) > MAX_FENCE_DATA:
             raise FenceError(f"{len(data)} bytes for one fence")
-        parts = self._open.get(fence)
-        if parts is None:
-            if len(self._open) >= MAX_OPEN_FENCES:
-                raise FenceError(f"more than {MAX_OPEN_FENCES} fences open")
-            parts = self._open[fence] = {}
-        if node in parts:
-            raise FenceError(f"node {node} entered fence {fence.seq} twice")
+        parts = _entered(self._open, fence, node, f"node {node}", f"fence {fence.seq}")
         parts[node] = data
         if set(parts) != needed:
             return None
         del self._open[fence]
         nodes = sorted(parts)
         return nodes, b"".join(parts[n] for n in nodes)
+
+
+class CrossTable:
+    """The launcher's fences, connects and groups over several namespaces of the job's
+    worlds (`worlds`, by namespace): each host holding a participant enters once, by the
+    link of one namespace it holds a participant of; complete when every such host has,
+    their data then concatenated in host order (at most MAX_FENCE_DATA in all)."""
+
+    def __init__(self) -> None:
+        self.worlds: dict[str, World] = {}
+        self._open: dict[tuple, dict[str, tuple[str, bytes]]] = {}
+
+    def enter(self, fence: FenceId, nspace: str, host: str, data: bytes = b""
+              ) -> tuple[dict[str, str], bytes] | None:
+        """`host` entered `fence` by `nspace`'s link with `data`; once all have: each host's
+        namespace (to answer it by), and all their data. FenceError for an entry that
+        cannot be one."""
+        needed: set[str] = set()
+        for name, ranks in fence.sets:
+            w = self.worlds.get(name)
+            if w is None or not ranks or ranks[-1] >= w.size:
+                raise FenceError(f"a connect over namespace {name[:80]}, not the job's, or "
+                                 "ranks outside it")
+            needed.update(w.names[w.nodes[r]] for r in ranks)
+        w = self.worlds.get(nspace)
+        if (fence.seq < 0 or w is None or dict(fence.sets).get(nspace) != fence.ranks
+                or host not in {w.names[w.nodes[r]] for r in fence.ranks}):
+            raise FenceError(f"{host} entered a connect by a namespace it holds no "
+                             "participant of")
+        key = (fence.sets, fence.seq)
+        entered = _entered(self._open, key, host, host, f"connect {fence.seq}")
+        if len(data) + sum(len(d) for _, d in entered.values()) > MAX_FENCE_DATA:
+            raise FenceError(f"more than {MAX_FENCE_DATA} bytes for one connect")
+        entered[host] = (nspace, data)
+        if set(entered) != needed:
+            return None
+        del self._open[key]
+        return ({h: n for h, (n, _) in entered.items()},
+                b"".join(entered[h][1] for h in sorted(entered)))
+
+
+def _entered(table: dict, key, who, name: str, what: str) -> dict:
+    """What has entered the open collective `key` of `table` (made open here), `who` not
+    yet: FenceError where that many are open already, or `who` (`name`) entered twice."""
+    parts = table.get(key)
+    if parts is None:
+        if len(table) >= MAX_OPEN_FENCES:
+            raise FenceError(f"more than {MAX_OPEN_FENCES} fences open")
+        parts = table[key] = {}
+    if who in parts:
+        raise FenceError(f"{name} entered {what} twice")
+    return parts
 
 
 def b64(data: bytes) -> str:

@@ -50,8 +50,9 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       NAMED   {kvsname, id, rc, value}       answers NAME: rc 0 and the port (a lookup), or
                                              rc 1 and why
       SPAWNED_ANSWER {kvsname, id, reply}    answers SPAWN_ASK: spawn_result's fields
-      FENCE_OUT {kvsname, ranks, seq, data | error}  a PMIx fence every host took part in
-                                             is complete: all their data (base64)
+      FENCE_OUT {kvsname, ranks, seq, data | error, sets}  a PMIx fence every host took
+                                             part in is complete: all their data (base64);
+                                             sets (absent: one namespace's): as FENCE_IN's
       MODEX_ASK {kvsname, id, rank}          a rank of this host's: its PMIx data, please
       MODEX_DATA {kvsname, id, status, data} answers MODEX_WANT (data base64)
       PROBE   {id, address, port, token, within}  connect to the launcher there, send the
@@ -94,8 +95,11 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       GET     {kvsname, id, key}             a PMI key this host has not seen
       MPI_ABORT {kvsname, key, exitcode, message}   an instance called MPI_Abort
       MPI_LOST {kvsname, key, initialized}   an instance's PMI connection closed unfinalized
-      FENCE_IN {kvsname, ranks, seq, data}   every instance here entered this PMIx fence
-                                             (once per host and fence; data base64)
+      FENCE_IN {kvsname, ranks, seq, data, sets}  every instance here entered this PMIx
+                                             fence (once per host and fence; data base64);
+                                             sets (absent: one namespace's): [[namespace,
+                                             [ranks]], ...] of a connect or group over
+                                             several, `ranks` kvsname's, seq counted per sets
       MODEX_WANT {kvsname, id, rank}         an instance here wants another host's rank's data
       MODEX_GOT {kvsname, id, status, data}  answers MODEX_ASK
       PMIX_UNSERVED {kvsname, error}         Open MPI's world cannot be served here
@@ -163,8 +167,9 @@ def __getattr__(name: str):
 # NAME, NAMED, PMI_UNSERVED, SPAWN_ASK, SPAWNED_ANSWER (MPI's published names and spawns,
 # PMI-1 commands not served), the PMIx server in a process of its own (PMIX_LOST;
 # PMIX_SERVE..PMIX_REFUSED on its link), SPAWN's rank and WORLD's appnums (spawned processes
-# on the agents' hosts)
-PROTOCOL_VERSION = 7
+# on the agents' hosts); 8: FENCE_IN's and FENCE_OUT's sets (a PMIx connect or group over
+# several namespaces: an agent that ignored it would take it for one namespace's fence)
+PROTOCOL_VERSION = 8
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)

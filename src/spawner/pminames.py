@@ -117,8 +117,9 @@ class NameService:
         waiting = self._waiting.setdefault(service, [])
         waiting.append(future)
         try:
-            return await asyncio.wait_for(future, min(wait, LOOKUP_WAIT_MAX))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(min(wait, LOOKUP_WAIT_MAX)):  # not wait_for: pmixhost
+                return await future
+        except TimeoutError:
             return 1, "lookup_timed_out"
         finally:
             if future in waiting:

@@ -176,8 +176,12 @@ class _Server:
 
     async def _answer(self, ident: int, future: asyncio.Future) -> dict[str, Any]:
         try:
-            return await asyncio.wait_for(future, START_TIMEOUT)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the answer that
+            # came in the same turn as a cancellation (a stop signal before any instance
+            # started), swallowing the cancellation, and the launch then went on waiting.
+            async with asyncio.timeout(START_TIMEOUT):
+                return await future
+        except TimeoutError:
             self.kill(f"its PMIx server did not answer within {START_TIMEOUT:g} s")
             raise PmixServerError(self.dead) from None
         finally:

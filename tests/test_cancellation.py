@@ -3,8 +3,8 @@
 Python 3.11's `asyncio.wait_for` returns the awaited result when the cancellation of its
 task meets that result's arrival in one turn, and the cancellation is gone: a SIGTERM before
 any instance started, meeting the PMIx server's answer, left poprun waiting for good. The
-waits on an answer use `asyncio.timeout` instead (docs/architecture.md, "The instances'
-worlds"). These tests make the two arrive in the same turn, on purpose.
+waits on an answer use `spawner.within` instead (the agent's Python 3.10 has no
+`asyncio.timeout`). These tests make the two arrive in the same turn, on purpose.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 
 from spawner import pmixhost
 from spawner.pminames import NameService
+from spawner.within import within
 
 
 class _Link:
@@ -56,6 +57,15 @@ def test_a_cancellation_that_meets_the_pmix_server_s_answer_is_not_lost():
 
     _cancelled_as_answered(waiter, lambda: future.set_result({"version": "4.2.2"}))
     assert link._waiting == {} and link.killed == []
+
+
+def test_an_answer_that_does_not_come_is_a_timeout():
+    async def main():
+        future = asyncio.get_running_loop().create_future()
+        with pytest.raises(TimeoutError):
+            await within(future, 0.01)
+
+    asyncio.run(main())
 
 
 def test_a_cancellation_that_meets_a_waited_for_name_is_not_lost():

@@ -40,6 +40,7 @@ from . import pmixplan
 from .containment import spare_child, unspare_child
 from .pmixuplink import fence_of
 from .protocol import Control, FrameDecoder, Kind, ProtocolError, encode
+from .within import within
 
 SUCCESS, ERROR = 0, -1  # PMIx statuses (spawner/pmixserver.py)
 START_TIMEOUT = 30.0  # seconds for a server to start and to register a world
@@ -176,11 +177,7 @@ class _Server:
 
     async def _answer(self, ident: int, future: asyncio.Future) -> dict[str, Any]:
         try:
-            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the answer that
-            # came in the same turn as a cancellation (a stop signal before any instance
-            # started), swallowing the cancellation, and the launch then went on waiting.
-            async with asyncio.timeout(START_TIMEOUT):
-                return await future
+            return await within(future, START_TIMEOUT)  # never wait_for: spawner/within.py
         except TimeoutError:
             self.kill(f"its PMIx server did not answer within {START_TIMEOUT:g} s")
             raise PmixServerError(self.dead) from None

@@ -490,6 +490,21 @@ def dead_host_leftovers() -> Iterator[None]:
             remove_tree(str(path))
 
 
+def launched_with(marker: str) -> list[int]:
+    """`processes_with(marker)` but poprun's own forks: its lifeline's watchdog and its PMIx
+    server's process carry poprun's command line (spawner.lifeline.WATCHDOG_NAME,
+    spawner.pmixproc.NAME name them in /proc/PID/comm)."""
+    from spawner.lifeline import WATCHDOG_NAME
+    from spawner.pmixproc import NAME
+
+    def own_fork(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/comm").read_bytes().strip() in (WATCHDOG_NAME, NAME)
+        except OSError:
+            return False
+    return [pid for pid in processes_with(marker) if not own_fork(pid)]
+
+
 def processes_with(marker: str) -> list[int]:
     """Pids of every process whose command line contains `marker`."""
     pids = []

@@ -14,8 +14,6 @@ Open MPI up as mpirun would (docs/architecture.md, "The environment contract"):
 
     python bench/ompi_collectives_bench.py                      # both, 5 reps
     python bench/ompi_collectives_bench.py --scenarios oversub --reps 9
-    python bench/ompi_collectives_bench.py --scenarios oversub --poprun 'python -m poprun' \
-        --baseline /path/to/other/poprun --sides '4.1 poprun,4.1 poprun baseline,...'
 
 Each run's figure is the collective loop's own time, as rank 0 measures it (after a warm-up
 collective and a barrier), not the launch's; the sides are interleaved, one warm-up run each.
@@ -62,26 +60,8 @@ ROOT = ["--allow-run-as-root"] if os.geteuid() == 0 else []
 TIMEOUT_S = 300
 
 
-POPRUN = [sys.executable, "-m", "poprun"]  # --poprun replaces it (another tree's launcher)
-BASELINE: list[str] = []  # --baseline: a second poprun, its sides interleaved with the first's
-
-
 def poprun(*args: str) -> list[str]:
-    return [*POPRUN, "--offline-mode=yes", *args]
-
-
-def with_baseline(sides: dict[str, tuple[list[str], dict[str, str]]]
-                  ) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """`sides`, and with --baseline each poprun side again under that launcher (same
-    arguments), named "... baseline"."""
-    if not BASELINE:
-        return sides
-    more = {}
-    for name, (argv, env) in sides.items():
-        if "poprun" in name:
-            at = argv.index(POPRUN[0])
-            more[f"{name} baseline"] = (argv[:at] + BASELINE + argv[at + len(POPRUN):], env)
-    return {**sides, **more}
+    return [sys.executable, "-m", "poprun", "--offline-mode=yes", *args]
 
 
 def loop_seconds(argv: list[str], env: dict[str, str], size: int) -> float | None:
@@ -99,22 +79,15 @@ def loop_seconds(argv: list[str], env: dict[str, str], size: int) -> float | Non
     return float(found.group(1))
 
 
-SIDES: list[str] = []  # --sides: only the sides so named
-
-
 def interleave(sides: dict[str, tuple[list[str], dict[str, str]]], reps: int, size: int,
                label: str) -> dict[str, list[float]]:
-    if SIDES:
-        sides = {name: side for name, side in sides.items() if name in SIDES}
     times: dict[str, list[float]] = {name: [] for name in sides}
-    load = os.getloadavg()[0]
     for rep in range(reps + 1):  # the first round is the warm-up
         for name, (argv, env) in sides.items():
             took = loop_seconds(argv, env, size)
             if rep and took is not None:
                 times[name].append(took)
-    print(f"{label}: medians (min-max) of {reps} reps, load {load:.1f} -> "
-          f"{os.getloadavg()[0]:.1f}")
+    print(f"{label}: medians (min-max) of {reps} reps")
     for name, got in times.items():
         if got:
             print(f"  {name:28} {statistics.median(got):.3f} s "
@@ -153,12 +126,9 @@ def oversub(reps: int) -> None:
                                               *ROOT, "--oversubscribe", "-n", "4",
                                               sys.executable, *rank], wheel),
     }
-    times = interleave(with_baseline(sides), reps, 4,
-                       "oversub: 4 ranks on 2 CPUs, 2000 x allreduce(8 doubles)")
-    for mine in ("4.1 poprun", "4.1 poprun baseline"):
-        ratio(times, mine, "4.1 mpirun --oversubscribe")
-    for mine in ("5 poprun", "5 poprun baseline"):
-        ratio(times, mine, "5 prterun --oversubscribe")
+    times = interleave(sides, reps, 4, "oversub: 4 ranks on 2 CPUs, 2000 x allreduce(8 doubles)")
+    ratio(times, "4.1 poprun", "4.1 mpirun --oversubscribe")
+    ratio(times, "5 poprun", "5 prterun --oversubscribe")
 
 
 def twohosts(reps: int) -> None:
@@ -208,17 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--scenarios", default="oversub,twohosts")
-    p.add_argument("--poprun", help="poprun command to time (default: python -m poprun)")
-    p.add_argument("--baseline", help="a second poprun command, its poprun sides interleaved "
-                   "with the first's (named '... baseline')")
-    p.add_argument("--sides", help="comma-separated: only the sides so named")
     args = p.parse_args(argv)
-    if args.poprun:
-        POPRUN[:] = args.poprun.split()
-    if args.baseline:
-        BASELINE[:] = args.baseline.split()
-    if args.sides:
-        SIDES[:] = args.sides.split(",")
     for name in args.scenarios.split(","):
         {"oversub": oversub, "twohosts": twohosts}[name](args.reps)
     return 0

@@ -7,7 +7,6 @@ worth watching carries a unique marker in its command line.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shlex
@@ -22,7 +21,7 @@ import pytest
 
 from spawner.local import ProcessSpec
 
-from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
+from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun, wait_started
 from sshd_hosts import (freeze, instances_with, kill_marked, processes_with, start_ssh_hosts,
                         thaw, wait_until, watchdog_of)
 
@@ -575,7 +574,7 @@ def test_a_batch_s_cgroups_are_made_before_its_first_spawn():
         spawner.reserve([0, 1, 2])
         assert sorted(p.name for p in Path(root).iterdir() if p.is_dir()) == ["i0", "i1", "i2"]
         entering = spawner._contained(ProcessSpec(2, ("true",), {}), {"PATH": os.defpath})
-        assert entering[4] == os.path.join(root, "i2", "cgroup.procs")
+        assert entering[3] == os.path.join(root, "i2", "cgroup.procs")
         assert spawner.cgroup_of(2) == os.path.join(root, "i2") and spawner.cgroup_of(1) is None
     finally:
         lifeline.close()
@@ -800,164 +799,3 @@ print(pid in procid.children())
                           env=poprun_env())
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "True\n"  # left to the sweep
-
-
-# --- one CPU scheduling group per job and host (docs/architecture.md, "One scheduling group
-# per job and host") ---------------------------------------------------------------------------
-
-def cpu_group_here() -> bool:
-    """Whether poprun makes its jobs a CPU group on this host (containment.CpuGroup: a v1
-    `cpu` hierarchy whose root we are in, autogroups on, and allowed to make one)."""
-    from spawner.containment import CpuGroup
-
-    found = CpuGroup.create(f"probe-{uuid.uuid4().hex[:8]}")
-    if found is None:
-        return False
-    os.rmdir(found.path)
-    return True
-
-
-def _cpu_cgroup(pid: int) -> str | None:
-    """Process `pid`'s directory in the v1 `cpu` hierarchy (None without one, or gone)."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    return next((line.split(":", 2)[2] for line in lines
-                 if "cpu" in line.split(":", 2)[1].split(",")), None)
-
-
-# Says its pid, its session and its directory in the cpu hierarchy, then sleeps.
-SHOW_GROUP = ("import os, time\n"
-              "cpu = [l.split(':', 2)[2] for l in open('/proc/self/cgroup').read().split()\n"
-              "       if 'cpu' in l.split(':', 2)[1].split(',')]\n"
-              "print(os.getpid(), os.getsid(0), *cpu, flush=True)\n"
-              "time.sleep(float(os.environ.get('HOLD', '0')))\n")
-
-
-@pytest.mark.timeout(60)
-def test_a_job_s_instances_share_one_cpu_group_each_in_a_session_of_its_own(tmp):
-    """With autogroups on and poprun in the root CPU task group, every instance, a session
-    leader of its own (its signal and terminal handling), would be a scheduling group of
-    its own (a session's autogroup); in one cgroup of the job's in the cpu hierarchy, the
-    kernel uses that cgroup's task group instead (task_wants_autogroup()), shared by all
-    as mpirun's ranks share orted's session. The cgroup goes with the job."""
-    from spawner.containment import own_cpu_cgroup
-
-    if not cpu_group_here():
-        # no switch: the machine's cgroup layout, privileges and kernel.sched_autogroup_enabled
-        pytest.skip("poprun makes no CPU group here (no v1 cpu hierarchy, autogroups off, "
-                    "not our root, or not allowed)")
-    proc = subprocess.run(poprun_argv(*OFFLINE, "-v", "--num-instances=4", "--num-replicas=4",
-                                      PY, "-c", SHOW_GROUP),
-                          env=poprun_env({**tmp, "HOLD": "0"}), capture_output=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr.decode()
-    rows = [line.split() for line in proc.stdout.decode().splitlines()]
-    assert len(rows) == 4
-    assert all(pid == sid for pid, sid, _ in rows)  # each leads a session of its own
-    assert len({sid for _, sid, _ in rows}) == 4
-    groups = {group for _, _, group in rows}
-    assert len(groups) == 1 and groups.pop().startswith("/poprun-")  # one, the job's
-    said = next(l for l in proc.stderr.decode().splitlines() if "containment:" in l)
-    assert said.endswith(f"one CPU scheduling group {own_cpu_cgroup()[1]}{rows[0][2]}")
-    assert not Path(own_cpu_cgroup()[1], rows[0][2].lstrip("/")).exists()  # gone with the job
-
-
-@pytest.mark.timeout(120)
-def test_each_host_s_agent_gives_its_instances_one_cpu_group(hosts, tmp):
-    """Two hosts (sshd on loopback, one machine): each agent makes the group of its host's
-    instances, one per host, each instance a session of its own; both go with the job."""
-    from spawner.containment import own_cpu_cgroup
-
-    if not cpu_group_here():
-        # no switch: the machine's cgroup layout, privileges and kernel.sched_autogroup_enabled
-        pytest.skip("poprun makes no CPU group here")
-    proc = subprocess.run(poprun_argv(*OFFLINE, "-H", "h1,h2", "--num-instances=4",
-                                      "--num-replicas=4", PY, "-c", SHOW_GROUP),
-                          env=poprun_env({**hosts.env(), **tmp}), capture_output=True,
-                          timeout=90)
-    assert proc.returncode == 0, proc.stderr.decode()
-    rows = [line.split() for line in proc.stdout.decode().splitlines()]
-    assert len(rows) == 4 and all(pid == sid for pid, sid, _ in rows)
-    groups = sorted(group for _, _, group in rows)
-    assert groups[0] == groups[1] != groups[2] == groups[3], groups  # two hosts, two each
-    assert all(group.startswith("/poprun-") for group in groups)
-    wait_until(lambda: not any(Path(own_cpu_cgroup()[1], g.lstrip("/")).exists()
-                               for g in groups), "the hosts' CPU groups to go", GONE)
-
-
-@pytest.mark.timeout(120)
-def test_a_job_s_cpu_group_goes_with_a_sigkilled_poprun(tmp):
-    """poprun SIGKILLed while its instances run in the job's CPU group: its watchdog kills
-    them and removes the group (it has no cgroup.kill in v1: emptied by the other
-    mechanisms first)."""
-    if not cpu_group_here():
-        # no switch: the machine's cgroup layout, privileges and kernel.sched_autogroup_enabled
-        pytest.skip("poprun makes no CPU group here")
-    mark = marker()
-    job = subprocess.Popen(poprun_argv(*OFFLINE, "--num-instances=3", "--num-replicas=3", PY,
-                                       "-c", SLEEPER, mark),
-                           env=poprun_env(tmp), stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(3):
-            assert job.stdout.readline().strip() == b"ready"
-        instances = instances_with(mark)
-        groups = {_cpu_cgroup(pid) for pid in instances}
-        assert len(instances) == 3 and len(groups) == 1
-        group = groups.pop()
-        assert group.startswith("/poprun-")
-        from spawner.containment import own_cpu_cgroup
-
-        path = Path(own_cpu_cgroup()[1], group.lstrip("/"))
-        assert sorted(int(p) for p in (path / "cgroup.procs").read_text().split()) == \
-            sorted(instances)
-    finally:
-        job.kill()
-        job.wait()
-    assert_all_gone(mark, tmp["TMPDIR"])
-    wait_until(lambda: not path.exists(), "the job's CPU group to go", GONE)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("where", ["in-a-cpu-cgroup", "read-only"])
-def test_where_poprun_needs_or_may_make_no_cpu_group_it_makes_none(where, tmp):
-    """Started inside a cpu cgroup of its own (as under a systemd slice with CPU accounting,
-    a container or a Slurm step), poprun's instances share that cgroup's task group already:
-    no group is made. Not allowed to make one (the cpu hierarchy mounted read-only, as in
-    most containers, in a mount namespace of the test's): none, and the job runs as before,
-    each instance its own session."""
-    from spawner.containment import own_cpu_cgroup
-
-    if not cpu_group_here():
-        # no switch: the machine's cgroup layout, privileges and kernel.sched_autogroup_enabled
-        pytest.skip("poprun makes no CPU group here")
-    mount = own_cpu_cgroup()[1]
-    outer = Path(mount, f"test-outer-{uuid.uuid4().hex[:8]}")
-    argv = poprun_argv(*OFFLINE, "--num-instances=3", "--num-replicas=3", PY, "-c", SHOW_GROUP)
-    with contextlib.ExitStack() as stack:
-        if where == "read-only":
-            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                    'mount -o remount,bind,ro "$0" && exec "$@"', mount, *argv]
-        else:
-            outer.mkdir()
-            stack.callback(_remove_emptied, outer)
-            argv = ["sh", "-c", 'echo 0 >"$0" && exec "$@"', str(outer / "cgroup.procs"), *argv]
-        job = stack.enter_context(reaped(subprocess.Popen(
-            argv, env=poprun_env({**tmp, "HOLD": "300"}), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE)))
-        rows = [job.stdout.readline().split() for _ in range(3)]
-        assert all(len(row) == 3 for row in rows), (rows, job.stderr.read1().decode())
-        assert all(pid == sid for pid, sid, _ in rows) and len({r[1] for r in rows}) == 3
-        if where == "read-only":
-            assert {r[2] for r in rows} == {b"/"}  # as before: root task group
-        else:  # that cgroup's, with nothing made below it
-            assert {r[2] for r in rows} == {f"/{outer.name}".encode()}
-            assert not list(outer.glob("poprun-*"))
-
-
-def _remove_emptied(cgroup: Path) -> None:
-    """rmdir a test's v1 cgroup once what it started there is gone."""
-    wait_until(lambda: not (cgroup / "cgroup.procs").read_text().split(),
-               "the job to leave its cpu cgroup", GONE)
-    cgroup.rmdir()

@@ -594,9 +594,6 @@ def test_reap_after_sigkill_of_poprun_and_its_lifeline(environ, program):
         record = record_of(environ, job_id)
         caches = list(record["caches"].values())
         assert caches and all(os.path.isdir(c) for c in caches)
-        # The job's CPU group, where this host has poprun make one (docs/architecture.md,
-        # "One scheduling group per job and host"): named in the record, reaped with the rest.
-        cpu_group = record["cpu_cgroup"] if os.path.isdir(record["cpu_cgroup"] or "") else None
         os.kill(record["lifeline"]["pid"], signal.SIGKILL)
         os.kill(record["launcher"]["pid"], signal.SIGKILL)
         job.wait(timeout=30)
@@ -612,8 +609,6 @@ def test_reap_after_sigkill_of_poprun_and_its_lifeline(environ, program):
         assert f"{caches[0]}: removed" in reaped.stdout
         wait_until(lambda: not instances_with(marker), "the leftovers gone")
         assert not any(os.path.exists(c) for c in caches)
-        if cpu_group is not None:
-            assert f"{cpu_group}: removed" in reaped.stdout and not os.path.exists(cpu_group)
     finally:
         kill_leftovers(marker, job)
 
@@ -778,17 +773,13 @@ def test_reap_over_ssh_after_the_launcher_and_a_remote_agent_were_killed(environ
                              .read_text().split("\0") if "=" in e)
         error_dir = os.path.dirname(environ_there["POPDIST_ERROR_FILE"])
         cgroup = _cgroup_tree(remote["pid"])
-        cpu_group = _cpu_group(remote["pid"])
-        left += [error_dir, *([cgroup] if cgroup else []), *([cpu_group] if cpu_group else [])]
+        left += [error_dir, *([cgroup] if cgroup else [])]
         (agent_leaves,) = record["agents"]["h1"]
         assert agent_leaves["error_dir"] == error_dir
         assert agent_leaves["mark"] == environ_there["POPRUN_LIFELINE"]
         if cgroup:  # this host gives poprun cgroups: the instance is in the named tree
             assert agent_leaves["cgroup"] == cgroup and cgroup.rsplit("/", 1)[1] == \
                 CGROUP_PREFIX + agent_leaves["mark"]
-        if cpu_group:  # and its one CPU group (docs/architecture.md, "One scheduling group
-            # per job and host")
-            assert agent_leaves["cpu_cgroup"] == cpu_group
         agent = _ppid(remote["pid"])
         launcher = record["launcher"]["pid"]
         os.kill(launcher, signal.SIGSTOP)  # it must not see its agent go
@@ -833,18 +824,6 @@ def test_reap_over_ssh_after_the_launcher_and_a_remote_agent_were_killed(environ
                 remove_tree(path)
             else:
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def _cpu_group(pid: int) -> str | None:
-    """The job's `poprun-<token>` cgroup in the v1 cpu hierarchy that `pid` is in, if any."""
-    from spawner.containment import CGROUP_PREFIX, own_cpu_cgroup
-
-    mount = own_cpu_cgroup()
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if mount and "cpu" in controllers.split(",") and path.startswith(f"/{CGROUP_PREFIX}"):
-            return os.path.join(mount[1], path.lstrip("/"))
-    return None
 
 
 def _cgroup_tree(pid: int) -> str | None:

@@ -28,7 +28,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 
 from . import procid
 
@@ -172,32 +172,21 @@ async def helpers_reaped(keep: frozenset[int] = frozenset()) -> None:
 
 def own_cgroup_dir() -> str | None:
     """This process's cgroup v2 directory, when the unified hierarchy is mounted."""
-    found = _own_cgroup(lambda controllers: controllers == "", lambda fstype, options:
-                        fstype == "cgroup2")
-    return found[0] if found else None
-
-
-def _own_cgroup(line: Callable[[str], bool], mount: Callable[[str, list[str]], bool]
-                ) -> tuple[str, str] | None:
-    """(this process's directory, the hierarchy's mount point) in the first mounted cgroup
-    hierarchy whose /proc/self/cgroup controllers field satisfies `line` and whose mount
-    (filesystem type, super options) satisfies `mount`."""
     try:
         with open("/proc/self/cgroup") as f:
-            path = next((fields[2].strip() for fields in (entry.split(":", 2) for entry in f)
-                         if len(fields) == 3 and line(fields[1])), None)
+            path = next((line[3:].strip() for line in f if line.startswith("0::")), None)
         with open("/proc/self/mountinfo") as f:
-            mounts = [entry.split() for entry in f]
+            mounts = [line.split() for line in f]
     except OSError:
         return None
     if path is None:
         return None
     for fields in mounts:
         sep = fields.index("-")
-        if mount(fields[sep + 1], fields[sep + 3].split(",") if len(fields) > sep + 3 else []):
-            directory = os.path.normpath(os.path.join(fields[4], path.lstrip("/")))
+        if fields[sep + 1] == "cgroup2":
+            directory = os.path.join(fields[4], path.lstrip("/"))
             if os.path.isdir(directory):
-                return directory, fields[4]
+                return directory
     return None
 
 
@@ -209,21 +198,19 @@ def cgroup_root(token: str) -> str | None:
     return os.path.join(home, f"{CGROUP_PREFIX}{token}") if home else None
 
 
-# How an instance enters its cgroups before its program's first instruction: a shell writes 0
-# (itself) to each cgroup's cgroup.procs (its own cgroup v2, the job's CPU group), then execs
-# the program in its place (same pid), so nothing the program ever forks can be outside
-# them. The move is the child's: the kernel's wait on a launch's first move (an RCU grace
-# period, 5-25 ms here) never holds up the launcher, and no Python runs between fork and exec
-# (spawning stays on the vfork path). A move that fails (the cgroup gone meanwhile) leaves
-# the mark and the sweep to catch it.
-_ENTER = 'for p; do shift; [ "$p" = -- ] && break; echo 0 >"$p" 2>/dev/null; done; exec "$@"'
+# How an instance enters its cgroup before its program's first instruction: a shell writes 0
+# (itself) to the cgroup's cgroup.procs, then execs the program in its place (same pid), so
+# nothing the program ever forks can be outside it. The move is the child's: the kernel's
+# wait on a launch's first move (an RCU grace period, 5-25 ms here) never holds up the
+# launcher, and no Python runs between fork and exec (spawning stays on the vfork path). A
+# move that fails (the cgroup gone meanwhile) leaves the mark and the sweep to catch it.
+_ENTER = 'echo 0 >"$0" 2>/dev/null; exec "$@"'
 SHELL = "/bin/sh"
 
 
-def entering(procs: Sequence[str], argv: tuple[str, ...]) -> list[str]:
-    """`argv`, run so that it starts inside the cgroups whose cgroup.procs files are
-    `procs`."""
-    return [SHELL, "-c", _ENTER, "poprun-enter", *procs, "--", *argv]
+def entering(procs: str, argv: tuple[str, ...]) -> list[str]:
+    """`argv`, run so that it starts inside the cgroup whose cgroup.procs is `procs`."""
+    return [SHELL, "-c", _ENTER, procs, *argv]
 
 
 class Cgroups:
@@ -318,75 +305,3 @@ def remove_tree(root: str, timeout: float = CGROUP_EMPTY_TIMEOUT) -> None:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.005)
-
-
-# --- one CPU scheduling group per job and host ------------------------------------------------
-# With the scheduler's autogroups on (kernel.sched_autogroup_enabled=1, most distributions'
-# default), every session is a scheduling group of its own, and every instance leads a
-# session of its own: CPU time is shared between sessions first, so where ranks outnumber
-# cores the sched_yield() of a rank that waits no longer hands the CPU to the rank it waits
-# for (Open MPI's collectives ran 4-11x slower than under mpirun, whose ranks share one
-# session).
-# The kernel applies autogroups only to tasks of the root CPU task group
-# (task_wants_autogroup(): false for any other task group), so the job's instances on a host,
-# placed together in one cgroup of the CPU controller, share one scheduling group as mpirun's
-# ranks do, each still in a session of its own (docs/architecture.md, "One scheduling group
-# per job and host"). Only the v1 `cpu` hierarchy needs poprun to act; under cgroup v2 the
-# instances' own cgroups (`Cgroups`) never enable the controller, so they share the task
-# group of the nearest cgroup above that has it, or are in the root's, which poprun could
-# change only for the whole machine.
-
-AUTOGROUP_SWITCH = "/proc/sys/kernel/sched_autogroup_enabled"
-
-
-def _autogroups_on() -> bool:
-    try:
-        with open(AUTOGROUP_SWITCH) as f:
-            return f.read().strip() == "1"
-    except OSError:  # a kernel without CONFIG_SCHED_AUTOGROUP
-        return False
-
-
-def own_cpu_cgroup() -> tuple[str, str] | None:
-    """(this process's directory, the mount point) in the v1 hierarchy of the `cpu`
-    controller (alone or co-mounted, as `cpu,cpuacct`), where one is mounted."""
-    return _own_cgroup(lambda controllers: "cpu" in controllers.split(","),
-                       lambda fstype, options: fstype == "cgroup" and "cpu" in options)
-
-
-def cpu_group_root(token: str) -> str | None:
-    """Where the instances of the lifeline `token` on this host share one CPU scheduling
-    group, if poprun makes one: `<this process's v1 cpu cgroup>/poprun-<token>` (None
-    without a v1 cpu hierarchy). The one definition: `CpuGroup` makes it there, the job's
-    record names it for reap."""
-    own = own_cpu_cgroup()
-    return os.path.join(own[0], f"{CGROUP_PREFIX}{token}") if own else None
-
-
-class CpuGroup:
-    """The job's one v1 cpu cgroup on this host, which its instances enter (`entering`)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.procs = os.path.join(path, "cgroup.procs")
-
-    @classmethod
-    def create(cls, token: str) -> CpuGroup | None:
-        """Made where the instances would otherwise be in the root task group with autogroups
-        on: autogroups on, and this process in the root of a v1 cpu hierarchy (in any other
-        cpu cgroup, its instances already share its task group). None where not needed, or
-        not allowed (not root, no delegation: then each session stays a group of its own)."""
-        own = own_cpu_cgroup()
-        if own is None or own[0] != own[1] or not _autogroups_on():
-            return None
-        path = os.path.join(own[0], f"{CGROUP_PREFIX}{token}")
-        try:
-            os.mkdir(path, 0o755)
-        except OSError:
-            return None
-        return cls(path)
-
-    def close(self) -> None:
-        """Remove it, once the instances are gone (the other mechanisms kill them: v1 has
-        no cgroup.kill)."""
-        remove_tree(self.path)

@@ -34,7 +34,7 @@ from popdist.env import ERROR_FILE, PROGRESS_FILE
 
 from . import containment
 from .binding import bound, memory_binding_unavailable
-from .containment import Cgroups, CpuGroup
+from .containment import Cgroups
 from .lifeline import Lifeline
 from .oomkills import OomWatch
 from .uncompiled import dataclass
@@ -176,9 +176,6 @@ class LocalSpawner:
         self._error_dir: str | None = None
         wanted = cgroups and os.environ.get(containment.CGROUPS_SWITCH) != "0"
         self._cgroups: Cgroups | bool | None = None if wanted and lifeline else False
-        # The job's one CPU scheduling group here, where it needs one (containment.CpuGroup);
-        # made with the cgroups.
-        self._cpu_group: CpuGroup | None = None
         self._tracking = False  # the lifeline learns the instances' descendants (no cgroups)
         self._pipe_growth = 0  # bytes the grown pipes hold above the default (PIPE_GROWTH_BUDGET)
         self._read_buffer = bytearray(READ_SIZE)  # every pipe is read into it (_on_readable)
@@ -305,10 +302,9 @@ class LocalSpawner:
         instances carry, the root of their cgroups (where cgroups may be used) and the error
         dir. The job's record keeps it; `poprunctl reap` removes it (spawner/reaphere.py)."""
         token = self._lifeline.token if self._lifeline else None
-        cgroups = token and self._cgroups is not False
         return {"mark": token, "error_dir": self._make_error_dir(),
-                "cgroup": containment.cgroup_root(token) if cgroups else None,
-                "cpu_cgroup": containment.cpu_group_root(token) if cgroups else None}
+                "cgroup": containment.cgroup_root(token)
+                if token and self._cgroups is not False else None}
 
     def _read_error(self, key: int) -> None:
         if self._error_dir is None:
@@ -333,9 +329,6 @@ class LocalSpawner:
             self._cgroups = Cgroups.create(self._lifeline.token) or False
             if self._cgroups:
                 self._lifeline.add_cgroup(self._cgroups.root)
-            self._cpu_group = CpuGroup.create(self._lifeline.token)
-            if self._cpu_group:
-                self._lifeline.add_cgroup(self._cpu_group.path)
         return bool(self._cgroups)
 
     def _contained(self, spec: ProcessSpec, env: dict[str, str],
@@ -345,9 +338,8 @@ class LocalSpawner:
         program that cannot be run is refused here, as Popen would refuse it, not by the
         shell later."""
         argv = spec.argv if argv is None else argv
-        own = self._cgroups.prepare(spec.key) if self._has_cgroups() else None
-        procs = [p for p in (own, self._cpu_group and self._cpu_group.procs) if p]
-        if not procs:
+        procs = self._cgroups.prepare(spec.key) if self._has_cgroups() else None
+        if procs is None:
             return argv
         _check_runnable(argv[0], env.get("PATH", os.defpath), spec.cwd)
         return containment.entering(procs, argv)
@@ -373,8 +365,6 @@ class LocalSpawner:
             ways.append(f"the {containment.MARK} environment mark")
         if containment.is_subreaper():
             ways.append("child subreaper")
-        if self._cpu_group:  # not containment, but how the cgroups are laid out
-            ways.append(f"one CPU scheduling group {self._cpu_group.path}")
         return ", ".join(ways) or "process groups only"
 
     def _watch_exit(self, child: _Child) -> None:
@@ -644,9 +634,6 @@ class LocalSpawner:
             self._cgroups = False  # a late move must not make the tree again
         if self._lifeline:  # with cgroups too: an instance whose cgroup could not be made
             containment.kill_marked(self._lifeline.token)
-        if self._cpu_group:  # after the kills above: it must be empty to go
-            self._cpu_group.close()
-            self._cpu_group = None
         self._wait_removals()
         if containment.is_subreaper():  # the launcher's helpers serve the next attempt
             containment.reap_children(

@@ -155,8 +155,8 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "exit_reason": _TEXT, "program": _LIST, "argv": _LIST, "cwd": _TEXT, "hosts": _LIST,
     "num_instances": (int,), "launcher": _MAPPING, "lifeline": _MAPPING,
     "partition": _MAPPING, "control": _TEXT, "caches": _MAPPING, "error_dirs": _MAPPING,
-    "pythons": _MAPPING, "agents": _MAPPING, "cgroup": _TEXT, "cpu_cgroup": _TEXT,
-    "output_dir": _TEXT, "log": _TEXT, "host_differences": _LIST, "quarantined": _LIST}
+    "pythons": _MAPPING, "agents": _MAPPING, "cgroup": _TEXT, "output_dir": _TEXT, "log": _TEXT,
+    "host_differences": _LIST, "quarantined": _LIST}
 INSTANCE_TYPES: dict[str, tuple[type, ...]] = {
     "index": (int,), "host": _TEXT, "pid": (int,), "start": (int,), "state": _TEXT,
     "start_time": _NUMBER, "end_time": _NUMBER}

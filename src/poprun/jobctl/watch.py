@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from spawner import procid
-from spawner.containment import cgroup_root, cpu_group_root
+from spawner.containment import cgroup_root
 
 from poprun.events import InstanceRows, JobObserver
 from poprun.jobctl import records
@@ -146,8 +146,6 @@ class JobRecord(JobObserver):
             "stall_action": self.config.stall_action,
             # Where its instances' cgroups are, if this host gives poprun cgroups (reap).
             "cgroup": cgroup_root(lifeline.token) if lifeline is not None else None,
-            # and its one CPU scheduling group (spawner/containment.py, CpuGroup).
-            "cpu_cgroup": cpu_group_root(lifeline.token) if lifeline is not None else None,
         }
 
     def meta(self) -> dict[str, Any]:

@@ -109,8 +109,7 @@ def host_parts(record: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     token = (record.get("lifeline") or {}).get("token")
     for part in parts.values():
         if part["local"]:
-            _add_leaves(part, {"mark": token, "cgroup": record.get("cgroup"),
-                               "cpu_cgroup": record.get("cpu_cgroup")})
+            _add_leaves(part, {"mark": token, "cgroup": record.get("cgroup")})
     for label, agents in (record.get("agents") or {}).items():
         for leaves in agents if label in parts and isinstance(agents, list) else ():
             _add_leaves(parts[label], leaves)
@@ -133,8 +132,7 @@ def _add_leaves(part: dict[str, Any], leaves: Any) -> None:
     """One lifeline's leftovers (spawner.local.LocalSpawner.leaves) into a host's part."""
     if not isinstance(leaves, dict):
         return
-    for key, into in (("mark", "marks"), ("cgroup", "cgroups"), ("cpu_cgroup", "cgroups"),
-                      ("error_dir", "dirs")):
+    for key, into in (("mark", "marks"), ("cgroup", "cgroups"), ("error_dir", "dirs")):
         if isinstance(leaves.get(key), str) and leaves[key] and leaves[key] not in part[into]:
             part[into].append(leaves[key])
 

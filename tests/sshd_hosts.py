@@ -435,29 +435,37 @@ def _kill_tree(root: int) -> None:
 
 def kill_trees(find_roots, spare: frozenset[int] = frozenset()) -> None:
     """SIGKILL every process ``find_roots()`` returns and all their descendants, except the
-    pids in ``spare`` (and theirs).
+    pids in ``spare`` (and theirs), as a host that fails whole would end them: none of them
+    runs again once the first is killed.
 
     Each process is SIGSTOPped as it is found, so none forks or is reparented (and lost)
-    between a scan and the kill; rescan until no new process shows up.
+    between a scan and the kill; rescan until no new process shows up. Then the deepest
+    are killed first: a stopped process whose parent (of its session, in another process
+    group: slurmstepd and its task) dies first is in an orphaned process group, and the
+    kernel sends that group SIGHUP and SIGCONT. The task woke and acted on its SIGHUP before
+    its own SIGKILL (an agent killed its instance and reported it: test_slurm_launch's
+    node-failure test got 137, not a lost host's 255, once under load). With its SIGKILL
+    already pending, it dies without running.
     """
-    found: set[int] = set()
+    depth: dict[int, int] = {}  # every process found -> its depth below a root
     while True:
         children = _children()
-        tree, todo = set(), list(find_roots())
+        tree: dict[int, int] = {}
+        todo = [(root, 0) for root in find_roots()]
         while todo:
-            pid = todo.pop()
-            if pid in tree or pid in spare:
+            pid, level = todo.pop()
+            if pid in spare or tree.get(pid, -1) >= level:  # deeper under another root
                 continue
-            tree.add(pid)
-            todo.extend(children.get(pid, ()))
-        new = tree - found
+            tree[pid] = level
+            todo.extend((child, level + 1) for child in children.get(pid, ()))
+        new = tree.keys() - depth.keys()
+        depth.update(tree)  # the latest scan's (a root found late may sit above others)
         if not new:
             break
         for pid in new:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
-        found |= new
-    for pid in found:
+    for pid in sorted(depth, key=depth.__getitem__, reverse=True):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
@@ -480,6 +488,21 @@ def dead_host_leftovers() -> Iterator[None]:
             with contextlib.suppress(OSError):
                 (path / "cgroup.kill").write_text("1")
             remove_tree(str(path))
+
+
+def launched_with(marker: str) -> list[int]:
+    """`processes_with(marker)` but poprun's own forks: its lifeline's watchdog and its PMIx
+    server's process carry poprun's command line (spawner.lifeline.WATCHDOG_NAME,
+    spawner.worlds.pmixproc.NAME name them in /proc/PID/comm)."""
+    from spawner.lifeline import WATCHDOG_NAME
+    from spawner.worlds.pmixproc import NAME
+
+    def own_fork(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/comm").read_bytes().strip() in (WATCHDOG_NAME, NAME)
+        except OSError:
+            return False
+    return [pid for pid in processes_with(marker) if not own_fork(pid)]
 
 
 def processes_with(marker: str) -> list[int]:

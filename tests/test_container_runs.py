@@ -24,7 +24,7 @@ import pytest
 from conftest import OFFLINE, poprun_argv, poprun_env, reaped, run_poprun, wait_started
 from container_runtimes import podman_containers, runtime_options
 from requires import skip_or_fail
-from sshd_hosts import processes_with, start_ssh_hosts, wait_until
+from sshd_hosts import launched_with, processes_with, start_ssh_hosts, wait_until
 from test_mpi_world import WORLD
 from test_openmpi_world import OPEN_MPIS, _probe
 
@@ -192,7 +192,7 @@ def begun(program: str, marker: str, launcher: int) -> bool:
     """Whether both instances' first processes run `program` (the runtime's: it is making
     their containers; bare: python), not yet theirs inside."""
     found = 0
-    for pid in processes_with(marker):
+    for pid in launched_with(marker):  # poprun's forks are python too
         try:
             found += pid != launcher and os.path.basename(
                 os.readlink(f"/proc/{pid}/exe")).startswith(program)

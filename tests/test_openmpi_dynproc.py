@@ -155,5 +155,6 @@ def test_a_request_poprun_does_not_serve_fails_at_once_and_is_said_at_v(tmp_path
                    if line.startswith("connect"))
     assert lines == [f"connect rank={r} rc=-47" for r in range(2)], err[-3000:]
     said = re.findall(r"instance (\d): PMIx request 'connect' answered with an error: its 2 "
-                      r"procs are of 2 namespaces", err)
+                      r"processes: namespace a-namespace-poprun-does-not-serve is not served "
+                      r"on this host", err)
     assert sorted(said) == ["0", "1"], err[-3000:]

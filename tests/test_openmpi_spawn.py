@@ -11,7 +11,10 @@ on its host: on another sshd host, that host agent's). They show the children st
 their arguments, working directory and environment (Open MPI's app env), placed by the `host`
 info key or spread over the job's hosts, tagged `[2,<rank>]`, in `--result-json`, a failing
 child the root cause, a spawn of 10,000 refused with an MPI error while the job goes on, and a
-SIGKILLed poprun leaving none of them.
+SIGKILLed poprun leaving none of them. MPI children (mpi4py's) connect to their parents
+across two sshd hosts: spread over both, or all on one with their parents on both (the
+other host's server holding their namespace with none of their processes): PMIx connects
+and fences over both namespaces, the job's collective on the launcher.
 
 They skip where an Open MPI is missing, and fail instead where POPRUN_REQUIRE_OPENMPI=1 (CI).
 """
@@ -333,3 +336,92 @@ def test_a_failing_mpi_child_is_the_root_cause(ompi, tmp_path):
                      r"spawned process \[2,0\] exited with 3", err), err[-3000:]
     assert result["root_cause"] == 0
 
+
+def run_on_two_hosts(ompi, two_hosts, tmp_path, text: str, arg: str
+                     ) -> tuple[subprocess.CompletedProcess, dict]:
+    """The program `text` (given `arg`) on instances 0 on h1 and 1 on h2; it succeeded."""
+    script = tmp_path / "across.py"
+    script.write_text(text)
+    proc, result = run(ompi, tmp_path, "-H", "h1,h2", "--num-instances=2", "--num-replicas=2",
+                       *(f"--env={v}" for v in PRETEND_NODES),
+                       argv=[*ompi.python, str(script), arg], hosts=two_hosts)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    return proc, result
+
+
+# Instance 0 on h1 spawns MPI children: its first command's on the host `host` names (or
+# spread), the second's spread over the job's hosts; all connect to it across hosts.
+ACROSS = """
+import os, sys
+from mpi4py import MPI
+parent = MPI.Comm.Get_parent()
+if parent == MPI.COMM_NULL:
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        there = MPI.Info.Create()
+        if sys.argv[1]:
+            there.Set("host", sys.argv[1])
+        inter = MPI.COMM_SELF.Spawn_multiple(
+            [sys.executable] * 2, args=[[__file__, "-", "named"], [__file__, "-", "spread"]],
+            maxprocs=[2, 3], info=[there, MPI.INFO_NULL])
+        print("parent", inter.Get_remote_size(), inter.reduce(None, op=MPI.SUM, root=MPI.ROOT),
+              flush=True)
+        inter.Disconnect()
+    MPI.COMM_WORLD.Barrier()
+else:
+    world = MPI.COMM_WORLD
+    print("child", world.Get_rank(), world.Get_size(), sys.argv[2],
+          os.environ["POPRUN_SSH_CONNECTION"].split()[2], flush=True)
+    world.Barrier()
+    parent.reduce(world.Get_rank() + 1, op=MPI.SUM, root=0)
+    parent.Disconnect()
+"""
+
+
+@pytest.mark.parametrize("host", ["h2", "h2:2"])
+def test_mpi_children_on_another_host_connect_to_their_parent(ompi, two_hosts, tmp_path,
+                                                                  host):
+    proc, result = run_on_two_hosts(ompi, two_hosts, tmp_path, ACROSS, host)
+    h1, h2 = (h.addr for h in two_hosts.hosts)
+    assert sorted(proc.stdout.decode().splitlines()) == ["[1,0]<stdout>:parent 5 15"] + [
+        f"[2,{r}]<stdout>:child {r} 5 {word} {addr}" for r, word, addr in [
+            (0, "named", h2), (1, "named", h2), (2, "spread", h1), (3, "spread", h2),
+            (4, "spread", h1)]]
+    assert [c["host"] for c in result["spawned"]] == ["h2", "h2", "h1", "h2", "h1"]
+
+
+# Both instances (h1, h2) spawn MPI children, all on the host `host` names: the other host
+# runs parents only (its server holds the children's namespace with none of their processes).
+ONE_SIDE = """
+import os, sys
+from mpi4py import MPI
+parent = MPI.Comm.Get_parent()
+if parent == MPI.COMM_NULL:
+    there = MPI.Info.Create()
+    there.Set("host", sys.argv[1])
+    world = MPI.COMM_WORLD
+    inter = world.Spawn(sys.executable, args=[__file__, "-"], maxprocs=2, info=there)
+    me = world.Get_rank()
+    root = MPI.ROOT if me == 0 else MPI.PROC_NULL
+    inter.bcast(f"from {me}", root=root)
+    print("parent", me, inter.Get_remote_size(), inter.reduce(None, op=MPI.SUM, root=root),
+          flush=True)
+    inter.Disconnect()
+else:
+    got = parent.bcast(None, root=0)
+    parent.reduce(MPI.COMM_WORLD.Get_rank() + 1, op=MPI.SUM, root=0)
+    print("child", MPI.COMM_WORLD.Get_rank(), got,
+          os.environ["POPRUN_SSH_CONNECTION"].split()[2], flush=True)
+    parent.Disconnect()
+"""
+
+
+@pytest.mark.parametrize("host", ["h1", "h2"])
+def test_mpi_children_on_one_host_connect_to_parents_on_two(ompi, two_hosts, tmp_path, host):
+    """The host without children serves their namespace beside their parents' (none of
+    their processes there): the parents' connect, bcast, reduce and disconnect across."""
+    proc, result = run_on_two_hosts(ompi, two_hosts, tmp_path, ONE_SIDE, host)
+    addr = {h.alias: h.addr for h in two_hosts.hosts}[host]
+    assert sorted(proc.stdout.decode().splitlines()) == [
+        "[1,0]<stdout>:parent 0 2 3", "[1,1]<stdout>:parent 1 2 None"] + [
+        f"[2,{r}]<stdout>:child {r} from 0 {addr}" for r in range(2)]
+    assert [c["host"] for c in result["spawned"]] == [host, host]

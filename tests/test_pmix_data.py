@@ -46,7 +46,8 @@ def test_an_agent_answers_data_it_cannot_decode_as_an_error(monkeypatch, data):
     world, loop = _world()
     try:
         answers = []
-        world._uplink._fences[((0, 1), 4)] = lambda status, blob: answers.append((status, blob))
+        world._uplink._fences[pmixplan.FenceId((0, 1), 4)] = lambda status, blob: \
+            answers.append((status, blob))
         world._uplink._wants[9] = lambda status, blob: answers.append((status, blob))
         world.answered(Kind.FENCE_OUT, {"kvsname": "poprun-d-0", "ranks": [0, 1], "seq": 4,
                                         "data": data})
@@ -61,7 +62,8 @@ def test_an_agent_passes_good_data_and_the_launchers_status_on():
     world, loop = _world()
     try:
         answers = []
-        world._uplink._fences[((0, 1), 1)] = lambda status, blob: answers.append((status, blob))
+        world._uplink._fences[pmixplan.FenceId((0, 1), 1)] = lambda status, blob: \
+            answers.append((status, blob))
         world._uplink._wants[2] = lambda status, blob: answers.append((status, blob))
         world.answered(Kind.FENCE_OUT, {"ranks": [0, 1], "seq": 1,
                                         "data": base64.b64encode(b"onetwo").decode()})
@@ -69,3 +71,26 @@ def test_an_agent_passes_good_data_and_the_launchers_status_on():
         assert answers == [(0, b"onetwo"), (-46, b"")]
     finally:
         loop.close()
+
+
+def test_a_connect_s_procs_of_several_namespaces_are_named_as_every_host_names_them():
+    """pmixplan.connect_sets: namespaces in order, a wildcard expanded to its world's ranks,
+    each set sorted; what this host's server cannot serve is said, never raised."""
+    parents = pmixplan.world("job-0", ["h1", "h2"], "h1")
+    children = pmixplan.world("job-0-spawn0", ["h2", "h2", "h1"], None)
+    worlds = {"job-0": parents, "job-0-spawn0": children}
+    assert children.local_ranks == [] and children.here == pmixplan.NONE_HERE
+    assert pmixplan.connect_sets([("job-0-spawn0", pmixplan.WILDCARD), ("job-0", 1),
+                                  ("job-0", 0), ("job-0", 1)], worlds) == (
+        ("job-0", (0, 1)), ("job-0-spawn0", (0, 1, 2)))
+    assert pmixplan.connect_sets([("job-0", 0), ("other", 0)], worlds) == \
+        "namespace other is not served on this host"
+    assert pmixplan.connect_sets([("job-0", 0), ("job-0-spawn0", 3)], worlds) == \
+        "rank 3 is not one of namespace job-0-spawn0's"
+    assert pmixplan.connect_sets([], worlds) == "0 namespaces (2 to 64 are served)"
+    sets = pmixplan.connect_sets([("job-0", 0), ("job-0-spawn0", 2)], worlds)
+    assert pmixplan.parse_sets(pmixplan.sets_json(sets), 10) == sets  # the frame's round trip
+    for bad in ([["job-0", [0]]], [["b", [0]], ["a", [0]]], [["a", [1, 0]], ["b", [0]]],
+                [["a", [0]], ["b", [True]]], [["a", [0, 1]], ["b", [0]]]):
+        with pytest.raises(ValueError):
+            pmixplan.parse_sets(bad, 2)

@@ -299,6 +299,81 @@ def test_what_an_agent_sends_about_pmix_never_breaks_the_launcher(messages):
         assert base64.b64decode(out["data"]) == b"onetwo"
 
 
+SETS = st.lists(st.tuples(st.sampled_from(["poprun-fuzz-0", "poprun-fuzz-0-spawn0", "x", ""]),
+                          RANKS), max_size=4).map(lambda s: [[n, r] for n, r in s])
+CROSS_MESSAGES = st.lists(st.tuples(st.sampled_from([0, 1]), st.sampled_from(["h1", "h2"]),
+                                    st.fixed_dictionaries({}, optional={
+                                        "ranks": RANKS | JSON_VALUES,
+                                        "seq": st.integers(-1, 3) | JSON_VALUES,
+                                        "data": st.just("") | JSON_VALUES,
+                                        "sets": SETS | JSON_VALUES})), max_size=60)
+
+
+@IN_PROCESS
+@given(messages=CROSS_MESSAGES)
+def test_what_an_agent_sends_about_a_connect_across_namespaces_never_breaks_the_launcher(
+        messages):
+    """FENCE_IN's `sets` (a connect or group over the instances' and a spawned world's
+    namespaces), fuzzed through either world's link: nothing raised, the job's table
+    bounded, and then a proper connect over both still completes on both hosts, each
+    answered by the link it came by."""
+    from poprun.run.worlds.pmix import PmixWorld
+    from spawner.worlds.fences import MAX_OPEN_FENCES
+
+    agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
+    log = _Log()
+    parents = PmixWorld("poprun-fuzz-0", ["h1", "h2"], agents, None, lambda *a: None,
+                        lambda *a: None, log)
+    children = PmixWorld("poprun-fuzz-0-spawn0", ["h2", "h2", "h1"], agents, None,
+                         lambda *a: None, lambda *a: None, log,
+                         beside=parents)
+    worlds = [parents, children]
+    for which, host, fields in messages:
+        worlds[which].from_agent(agents[host], "FENCE_IN", fields)
+    assert len(parents.crossings.table._open) <= MAX_OPEN_FENCES
+    assert all(len(m) < 1000 for m in log.warnings)
+    for agent in agents.values():
+        agent.told.clear()
+    sets = [["poprun-fuzz-0", [0]], ["poprun-fuzz-0-spawn0", [0, 1, 2]]]
+    children.from_agent(agents["h2"], "FENCE_IN", {"ranks": [0, 1, 2], "seq": 9, "data": "",
+                                                   "sets": sets})
+    assert not agents["h2"].told  # h1 holds participants too
+    parents.from_agent(agents["h1"], "FENCE_IN", {"ranks": [0], "seq": 9, "data": "",
+                                                  "sets": sets})
+    assert agents["h1"].told == [("FENCE_OUT", {"kvsname": "poprun-fuzz-0", "ranks": [0],
+                                                "seq": 9, "sets": sets, "data": ""})]
+    assert agents["h2"].told == [("FENCE_OUT", {"kvsname": "poprun-fuzz-0-spawn0",
+                                                "ranks": [0, 1, 2], "seq": 9, "sets": sets,
+                                                "data": ""})]
+
+
+def test_a_connect_across_namespaces_is_refused_to_a_host_without_a_participant_by_its_link():
+    """h2 enters a connect by the parents' link, holding none of their participants (rank 0
+    is h1's); a namespace that is not the job's; an entry twice: each answered with an
+    error, to that host only."""
+    from poprun.run.worlds.pmix import PmixWorld
+
+    agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
+    parents = PmixWorld("poprun-fuzz-0", ["h1", "h2"], agents, None, lambda *a: None,
+                        lambda *a: None, _Log())
+    PmixWorld("poprun-fuzz-0-spawn0", ["h2"], agents, None, lambda *a: None,
+              lambda *a: None, _Log(), beside=parents)
+    sets = [["poprun-fuzz-0", [0]], ["poprun-fuzz-0-spawn0", [0]]]
+    parents.from_agent(agents["h2"], "FENCE_IN", {"ranks": [0], "seq": 0, "data": "",
+                                                  "sets": sets})
+    assert "holds no participant" in agents["h2"].told[-1][1]["error"]
+    parents.from_agent(agents["h1"], "FENCE_IN", {"ranks": [0], "seq": 0, "data": "",
+                                                  "sets": [["poprun-fuzz-0", [0]],
+                                                           ["poprun-other", [0]]]})
+    assert "not the job's" in agents["h1"].told[-1][1]["error"]
+    parents.from_agent(agents["h1"], "FENCE_IN", {"ranks": [0], "seq": 1, "data": "",
+                                                  "sets": sets})
+    parents.from_agent(agents["h1"], "FENCE_IN", {"ranks": [0], "seq": 1, "data": "",
+                                                  "sets": sets})
+    assert agents["h1"].told[-1][1]["error"] == "h1 entered connect 1 twice"
+    assert not [f for _, f in agents["h2"].told if "data" in f]
+
+
 def test_what_an_agent_says_about_pmix_in_a_loop_is_warned_once_per_host():
     """PMIX_UNSERVED, and messages that cannot be PMIx's, over and over from each host: each
     host's of each is said once (another host's too), never once a frame."""

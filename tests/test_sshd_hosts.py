@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -219,13 +220,73 @@ def test_servers_die_with_a_killed_test_process(tmp_path: Path) -> None:
         child.kill()
         child.wait(timeout=TIMEOUT)
 
-    def dead() -> bool:  # gone, or a zombie waiting for init to reap it
-        try:
-            return Path(f"/proc/{sshd_pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            return True
+    wait_until(lambda: _dead(sshd_pid), f"sshd {sshd_pid} to die with its parent")
 
-    wait_until(dead, f"sshd {sshd_pid} to die with its parent")
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie waiting for init (or a subreaper) to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+# A session leader whose child and grandchild have process groups of their own (slurmstepd,
+# its task, the task's child), each writing its pid to argv[1] once its handlers are set,
+# and to argv[2] if it ever runs a SIGHUP or SIGCONT handler.
+_ORPHANABLE_CHAIN = """\
+import os, signal, sys
+def woke(*_):
+    with open(sys.argv[2], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+for level in range(3):
+    if level:
+        os.setpgid(0, 0)
+        signal.signal(signal.SIGHUP, woke)
+        signal.signal(signal.SIGCONT, woke)
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    if level == 2 or os.fork():
+        break
+while True:
+    signal.pause()
+"""
+
+
+def test_kill_trees_ends_a_tree_as_a_failed_host_would(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Children are SIGKILLed before their parents: a stopped process whose parent died
+    first is in an orphaned group, which the kernel SIGHUPs and SIGCONTs, and it ran (a
+    Slurm task, poprun's agent, then killed its instance and reported that: the node-failure
+    test's 137 instead of a lost host's 255). None of the chain's handlers ever runs."""
+    ready, woke = tmp_path / "ready", tmp_path / "woke"
+    ready.touch()
+    leader = subprocess.Popen([sys.executable, "-c", _ORPHANABLE_CHAIN, str(ready), str(woke)],
+                              start_new_session=True)
+    kills: list[int] = []
+    real_kill = os.kill
+
+    def kill(pid: int, sig: int) -> None:
+        if sig == signal.SIGKILL:
+            kills.append(pid)
+        real_kill(pid, sig)
+
+    try:
+        wait_until(lambda: len(ready.read_text().split()) == 3, "the chain to start", TIMEOUT)
+        chain = [int(pid) for pid in ready.read_text().split()]
+        monkeypatch.setattr(sshd_hosts.os, "kill", kill)
+        sshd_hosts.kill_trees(lambda: [leader.pid])
+        monkeypatch.undo()
+        leader.wait(timeout=TIMEOUT)
+        wait_until(lambda: all(map(_dead, chain)), "the chain to die", TIMEOUT)
+    finally:
+        monkeypatch.undo()
+        if not kills:  # failed before kill_trees: the chain (all alive) is ours to end
+            for pid in map(int, ready.read_text().split()):
+                os.kill(pid, signal.SIGKILL)
+        leader.wait(timeout=TIMEOUT)
+    assert [pid for pid in kills if pid in chain] == chain[::-1]  # the deepest first
+    assert not woke.exists(), woke.read_text()
 
 
 def test_instances_are_told_from_poprun_whatever_their_paths_hold(tmp_path: Path) -> None:

@@ -49,10 +49,11 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       NAMED   {kvsname, id, rc, value}       answers NAME: rc 0 and the port (a lookup), or
                                              rc 1 and why
       SPAWNED_ANSWER {kvsname, id, reply}    answers SPAWN_ASK: spawn_result's fields
-      FENCE_OUT {kvsname, ranks, seq, of, data | puts | error}  a fence every host
+      FENCE_OUT {kvsname, ranks, seq, of, data | puts | error, sets}  a fence every host
                                              taking part entered is complete: PMIx's (`of`
                                              absent), all their data (base64); PMI-1's
-                                             barrier (`of`: "pmi1"), the epoch's puts
+                                             barrier (`of`: "pmi1"), the epoch's puts; sets
+                                             (absent: one namespace's): as FENCE_IN's
       MODEX_ASK {kvsname, id, rank}          a rank of this host's: its PMIx data, please
       MODEX_DATA {kvsname, id, status, data} answers MODEX_WANT (data base64)
       PROBE   {id, address, port, token, within}  connect to the launcher there, send the
@@ -94,10 +95,13 @@ Messages (JSON fields; `id` pairs a request with its REPLY or FAILED):
       GET     {kvsname, id, key}             a PMI key this host has not seen
       MPI_ABORT {kvsname, key, exitcode, message}   an instance called MPI_Abort
       MPI_LOST {kvsname, key, initialized}   an instance's PMI connection closed unfinalized
-      FENCE_IN {kvsname, ranks, seq, of, data | puts}  every instance here entered this
-                                             fence (once per host and fence: fences.py):
+      FENCE_IN {kvsname, ranks, seq, of, data | puts, sets}  every instance here entered
+                                             this fence (once per host and fence: fences.py):
                                              PMIx's, data base64; PMI-1's barrier (of:
-                                             "pmi1", ranks: all), puts: theirs since the last
+                                             "pmi1", ranks: all), puts: theirs since the last;
+                                             sets (absent: one namespace's): [[namespace,
+                                             [ranks]], ...] of a PMIx connect or group over
+                                             several, `ranks` kvsname's, seq counted per sets
       MODEX_WANT {kvsname, id, rank}         an instance here wants another host's rank's data
       MODEX_GOT {kvsname, id, status, data}  answers MODEX_ASK
       PMIX_UNSERVED {kvsname, error}         Open MPI's world cannot be served here
@@ -167,9 +171,11 @@ def __getattr__(name: str):
 # NAME, NAMED, PMI_UNSERVED, SPAWN_ASK, SPAWNED_ANSWER (MPI's published names and spawns,
 # PMI-1 commands not served), the PMIx server in a process of its own (PMIX_LOST;
 # PMIX_SERVE..PMIX_REFUSED on its link), SPAWN's rank and WORLD's appnums (spawned processes
-# on the agents' hosts); 8: PMI-1's barrier is a fence (FENCE_IN/FENCE_OUT's `of`, `puts`),
-# BARRIER_IN and BARRIER_OUT gone
-PROTOCOL_VERSION = 8
+# on the agents' hosts); 8: FENCE_IN's and FENCE_OUT's sets (a PMIx connect or group over
+# several namespaces: an agent that ignored it would take it for one namespace's fence);
+# 9: PMI-1's barrier is a fence (FENCE_IN/FENCE_OUT's `of`, `puts`), BARRIER_IN and
+# BARRIER_OUT gone
+PROTOCOL_VERSION = 9
 MAGIC = b"\0poprun-agent\0"
 HEADER = struct.Struct(">IB")  # payload length, kind
 OUTPUT_HEADER = struct.Struct(">IBIB")  # frame header + (instance key, stream)
@@ -205,7 +211,7 @@ class Kind(enum.IntEnum):
     """Launcher: serve an MPI world's PMI for the instances of it that will run here."""
     WORLD_END = 9
     """Launcher: that world is over (its instances are gone): clean up after it."""
-    # 10: BARRIER_OUT until protocol 8 (PMI-1's barrier is a fence now)
+    # 10: BARRIER_OUT until protocol 9 (PMI-1's barrier is a fence now)
     VALUE = 11
     """Launcher: the value of a key an agent asked for (GET)."""
     PROBE = 12
@@ -236,7 +242,7 @@ class Kind(enum.IntEnum):
     """Agent: I am here (its heartbeat). A launcher that hears nothing declares it lost."""
     INTERNAL = 23
     """Agent: it hit a bug (`error`, `traceback`), killed its instances and is exiting."""
-    # 25: BARRIER_IN until protocol 8
+    # 25: BARRIER_IN until protocol 9
     GET = 26
     """Agent: a world's key this host has not seen. Launcher answers with VALUE."""
     MPI_ABORT = 27

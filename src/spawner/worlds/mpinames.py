@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 
+from ..within import within
+
 # The most names a job holds at once (Hydra's name server has no bound; a program publishes a
 # handful of service names, one per server it runs).
 NAMES_MAX = 1024
@@ -117,8 +119,8 @@ class NameService:
         waiting = self._waiting.setdefault(service, [])
         waiting.append(future)
         try:
-            return await asyncio.wait_for(future, min(wait, LOOKUP_WAIT_MAX))
-        except asyncio.TimeoutError:
+            return await within(future, min(wait, LOOKUP_WAIT_MAX))  # never wait_for
+        except TimeoutError:
             return 1, "lookup_timed_out"
         finally:
             if future in waiting:

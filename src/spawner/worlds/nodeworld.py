@@ -25,9 +25,9 @@ data), MODEX_WANT for a rank on another host (answered by MODEX_DATA), MODEX_GOT
 launcher's MODEX_ASK for a rank here, the server's NAMEs (PMIx's names and group context
 IDs, asked of the launcher's table as PMI-1's), PMI_UNSERVEDs, and SPAWN_ASK for a PMIx_Spawn
 (Open MPI's MPI_Comm_spawn, the launcher starting the children as for PMI-1's). A spawned
-world's namespace goes on the server of its parents' (WORLD's pmix `beside`), where libpmix
-holds both. Where no libpmix is found or the server does not start, PMIX_UNSERVED says why; a
-server that dies while the world is open, PMIX_LOST.
+world's namespace goes on the server of its parents' where any of them runs here (WORLD's
+pmix `beside`), where libpmix holds both. Where no libpmix is found or the server does not
+start, PMIX_UNSERVED says why; a server that dies while the world is open, PMIX_LOST.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ class AgentWorld:
             encode(kind, **fields)), len(set(self._nodes)))
         # Done once the instances can be spawned (Open MPI's world registered, or not served)
         self.ready: asyncio.Future = loop.create_future()
-        if fields.get("pmix") and self.ranks and pmix_host is not None:
+        if fields.get("pmix") and pmix_host is not None and (
+                self.ranks or str(dict(fields["pmix"]).get("beside")) in self._worlds):
             task = loop.create_task(self._open_pmix(dict(fields["pmix"]), pmix_host))
             task.add_done_callback(lambda _: self.ready.done() or self.ready.set_result(None))
         else:
@@ -92,16 +93,15 @@ class AgentWorld:
         try:
             names = [str(n) for n in pmix["names"]]
             hosts = [names[n] for n in self._nodes]
-            here = hosts[self.ranks[0]]
+            here = hosts[self.ranks[0]] if self.ranks else None  # None: only its parents
             beside = None
-            if pmix.get("beside") is not None:
-                parents = self._worlds.get(str(pmix["beside"]))
-                if parents is None or parents.pmix_ns is None:
-                    raise LookupError(f"its parents' world {str(pmix['beside'])[:80]} is not "
-                                      "served here")
+            parents = self._worlds.get(str(pmix.get("beside")))
+            if parents is not None:  # else none of its parents is here: a server of its own
                 await parents.ready
                 beside = parents.pmix_ns
-            self._pmix = pmix_host(pmix, here)
+            if here is None and beside is None:
+                return
+            self._pmix = pmix_host(pmix, here or beside.world.names[beside.world.here])
             appnums = [self._appnums.get(rank, 0) for rank in range(self.size)]
             self.pmix_ns = await self._pmix.open(
                 pmixplan.world(self.kvsname, hosts, here, appnums), self, beside=beside)

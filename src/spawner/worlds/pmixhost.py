@@ -39,6 +39,7 @@ from typing import Any
 from . import pmixplan
 from ..containment import spare_child, unspare_child
 from ..protocol import Control, FrameDecoder, Kind, ProtocolError, encode
+from ..within import within
 from .pmixplan import ERROR, SUCCESS
 
 START_TIMEOUT = 30.0  # seconds for a server to start and to register a world
@@ -180,8 +181,8 @@ class _Server:
 
     async def _answer(self, ident: int, future: asyncio.Future) -> dict[str, Any]:
         try:
-            return await asyncio.wait_for(future, START_TIMEOUT)
-        except asyncio.TimeoutError:
+            return await within(future, START_TIMEOUT)  # never wait_for: spawner/within.py
+        except TimeoutError:
             self.kill(f"its PMIx server did not answer within {START_TIMEOUT:g} s")
             raise PmixServerError(self.dead) from None
         finally:
@@ -265,10 +266,11 @@ class _Server:
         elif kind is Kind.FENCE_IN:
             fence = pmixplan.fence_of(fields)
             data = pmixplan.decode_data(fields["data"], pmixplan.MAX_FENCE_DATA)
+            sets = {"sets": pmixplan.sets_json(fence.sets)} if fence.sets else {}
             served.handler.fence(fence, data, lambda status, blob: self.send(
                 Kind.FENCE_OUT, kvsname=served.world.nspace, ranks=list(fence.ranks),
-                seq=fence.seq, **({"data": pmixplan.b64(blob)} if status == SUCCESS
-                                  else {"error": f"status {status}"})))
+                seq=fence.seq, **sets, **({"data": pmixplan.b64(blob)} if status == SUCCESS
+                                          else {"error": f"status {status}"})))
         elif kind is Kind.MODEX_WANT:
             want = int(fields["id"])
             served.handler.direct_modex(int(fields["rank"]), lambda status, blob: self.send(

@@ -16,11 +16,13 @@ pretend hosts on one machine are different nodes to Open MPI).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 # The fence protocol's (fences.py), named here too for the PMIx modules that use them.
-from .fences import FenceError, FenceId, b64, decode_data, fence_of  # noqa: F401
+from .fences import (  # noqa: F401
+    MAX_CONNECT_NSPACES, NSPACE_MAX, FenceError, FenceId, b64, decode_data, fence_of,
+    parse_sets, sets_json)
 
 # libpmix's statuses (OpenPMIx include/pmix_common.h), the one definition: the server's process
 # (pmixserver.py), its spawner (pmixhost.py), the uplink and the launcher's world answer
@@ -37,8 +39,6 @@ PMIX_PROC_RANK, PMIX_DATA_ARRAY = 40, 39
 # Job-level keys (pmix_common.h) and the two maps libpmix encodes itself.
 NODE_MAP, PROC_MAP = "pmix.nmap", "pmix.pmap"
 
-NSPACE_MAX = 255  # PMIX_MAX_NSLEN: a namespace is a char[256]
-
 
 class Key(NamedTuple):
     key: str
@@ -48,7 +48,9 @@ class Key(NamedTuple):
 
 class World(NamedTuple):
     """One world as a host's PMIx server sees it: `nodes[r]` is rank r's node index,
-    `names[i]` node i's host name, `here` this host's node index."""
+    `names[i]` node i's host name, `here` this host's node index (NONE_HERE: a spawned
+    world registered beside its parents on a host none of its ranks runs on, so that
+    libpmix there knows the processes its parents connect to)."""
 
     nspace: str
     nodes: Sequence[int]
@@ -65,20 +67,25 @@ class World(NamedTuple):
         return [rank for rank, node in enumerate(self.nodes) if node == self.here]
 
 
-def world(nspace: str, hosts: Sequence[str], here: str,
+NONE_HERE = -1  # World.here of a world none of whose ranks runs on this host
+
+
+def world(nspace: str, hosts: Sequence[str], here: str | None,
           appnums: Sequence[int] = ()) -> World:
-    """The world of ranks whose hosts are `hosts` (rank order), seen from host `here`;
-    `appnums`: each rank's app number (a spawned world's), () where all are app 0."""
+    """The world of ranks whose hosts are `hosts` (rank order), seen from host `here` (None:
+    from a host none of them runs on); `appnums`: each rank's app number (a spawned
+    world's), () where all are app 0."""
     if (not nspace or len(nspace.encode()) > NSPACE_MAX or "/" in nspace or "\0" in nspace
             or nspace in (".", "..")):  # also a directory's name: nsdir()
         raise ValueError(f"bad PMIx namespace {nspace!r}")
     names = list(dict.fromkeys(hosts))
-    if here not in names:
+    if here is not None and here not in names:
         raise ValueError(f"no rank of the world runs on {here!r}")
     if appnums and (len(appnums) != len(hosts) or not all(0 <= a < len(hosts)
                                                              for a in appnums)):
         raise ValueError("appnums do not fit the world")
-    return World(nspace, [names.index(h) for h in hosts], names, names.index(here),
+    return World(nspace, [names.index(h) for h in hosts], names,
+                 NONE_HERE if here is None else names.index(here),
                  tuple(appnums) if any(appnums) else ())
 
 
@@ -122,9 +129,9 @@ def job_keys(w: World, node_map: str, proc_map: str, tmpdir: str) -> list[Key]:
         Key("pmix.num.nodes", PMIX_UINT32, len(w.names)),
         Key("pmix.jobid", PMIX_STRING, w.nspace),
         Key("pmix.local.size", PMIX_UINT32, len(local)),
-        Key("pmix.nodeid", PMIX_UINT32, w.here),
-        Key("pmix.lpeers", PMIX_STRING, ",".join(map(str, local))),
-        Key("pmix.lldr", PMIX_PROC_RANK, local[0]),
+        *([Key("pmix.nodeid", PMIX_UINT32, w.here),
+           Key("pmix.lpeers", PMIX_STRING, ",".join(map(str, local))),
+           Key("pmix.lldr", PMIX_PROC_RANK, local[0])] if local else []),
         *proc_data(w),
     ]
 
@@ -178,6 +185,24 @@ def fence_ranks(procs: Sequence[tuple[str, int]], w: World) -> tuple[int, ...] |
         else:
             return None
     return tuple(sorted(ranks)) if ranks else None
+
+
+def connect_sets(procs: Sequence[tuple[str, int]], worlds: Mapping[str, World]
+                 ) -> tuple[tuple[str, tuple[int, ...]], ...] | str:
+    """A connect's or group's procs of several namespaces as FenceId.sets (a wildcard: all
+    ranks of its namespace), or why they cannot be served here: a namespace this host's
+    server does not hold, a rank outside its world, too many namespaces."""
+    sets: dict[str, set[int]] = {}
+    for nspace, rank in procs:
+        w = worlds.get(nspace)
+        if w is None:
+            return f"namespace {nspace[:80]} is not served on this host"
+        if rank != WILDCARD and not 0 <= rank < w.size:
+            return f"rank {rank} is not one of namespace {nspace[:80]}'s"
+        sets.setdefault(nspace, set()).update(range(w.size) if rank == WILDCARD else [rank])
+    if not 1 < len(sets) <= MAX_CONNECT_NSPACES:  # none: libpmix's client refuses that
+        return f"{len(sets)} namespaces (2 to {MAX_CONNECT_NSPACES} are served)"
+    return tuple((nspace, tuple(sorted(ranks))) for nspace, ranks in sorted(sets.items()))
 
 
 def hosts_of(ranks: Sequence[int], w: World) -> set[int]:

@@ -421,6 +421,7 @@ class PmixServer:
         self._namespaces: dict[str, Namespace] = {}
         self._held: dict[int, object] = {}  # what libpmix still reads, until it releases it
         self._ids = itertools.count(1)
+        self._crossings = pmixplan.FenceCounter()  # connects over several namespaces, by sets
         self._callbacks = self._make_callbacks()
         self._module = (c_void_p * MODULE_SLOTS)()
         for slot, fn in ((_CONNECTED, "connected"), (_FINALIZED, "finalized"),
@@ -591,12 +592,8 @@ class PmixServer:
     # --- in the main thread -------------------------------------------------------------
 
     def _fence(self, procs: list[tuple[str, int]], data: bytes, cb: int, cbdata: int) -> None:
-        ns = self._namespaces.get(procs[0][0]) if procs else None
-        ranks = pmixplan.fence_ranks(procs, ns.world) if ns is not None else None
-        if ranks is None:
-            self._modex_answer(cb, cbdata, ERR_NOT_SUPPORTED, b"")
-            return
-        ns.fence(ranks, data, lambda status, blob: self._modex_answer(cb, cbdata, status, blob))
+        self._collective(procs, "fence", lambda status, _fence, blob: self._modex_answer(
+            cb, cbdata, status, blob), data)
 
     def _unserved(self, nspace: str | None, rank: int | None, what: str, why: str) -> None:
         """Said to the namespace's owner (the first one's where the upcall names none)."""
@@ -669,27 +666,60 @@ class PmixServer:
     def _connect(self, op: str, procs: list[tuple[str, int]], cb: int, cbdata: int) -> None:
         """PMIx_Connect and PMIx_Disconnect whose procs are on several hosts (libpmix
         completes those of one host itself): a fence with no data over their ranks, once
-        this host's are all in (docs/architecture.md, "The instances' worlds"). Procs of
-        several namespaces are not served here."""
+        this host's are all in; over several namespaces, the job's (docs/architecture.md,
+        "The instances' worlds"). One naming a namespace this host's server does not hold
+        is not served here."""
+        self._collective(procs, op, lambda status, _fence, _blob: OP_CB(cb)(status, cbdata))
+
+    def _collective(self, procs: list[tuple[str, int]], what: str,
+                    done: Callable[[int, pmixplan.FenceId | None, bytes], None],
+                    data: bytes = b"") -> None:
+        """A fence over `procs` (a connect's or group's: with no data), of one namespace or
+        several (Open MPI 4.1's MPI_Comm_disconnect is a fence over both sides):
+        `done(status, the fence, every host's data)` once every host holding one of them
+        has entered it (an error at once, said for -v, where it cannot be served here)."""
         ns = self._namespaces.get(procs[0][0]) if procs else None
         ranks = pmixplan.fence_ranks(procs, ns.world) if ns is not None else None
-        if ranks is None:
-            nspaces = {nspace for nspace, _ in procs}
-            self._unserved(*self._member_here(procs), op,
-                           f"its {len(procs)} procs are of {len(nspaces)} namespaces "
-                           "(one is served)")
-            OP_CB(cb)(ERR_NOT_SUPPORTED, cbdata)
+        if ranks is not None:
+            fence = ns.upcoming(ranks)
+            ns.fence(ranks, data, lambda status, blob: done(status, fence, blob))
             return
-        ns.fence(ranks, b"", lambda status, _blob: OP_CB(cb)(status, cbdata))
+        sets = pmixplan.connect_sets(procs, {name: served.world for name, served
+                                             in self._namespaces.items()})
+        if isinstance(sets, str):
+            self._unserved(*self._member_here(procs), what,
+                           f"its {len(procs)} processes: {sets}")
+            done(ERR_NOT_SUPPORTED, None, b"")
+            return
+        fence = pmixplan.FenceId((), self._crossings.next(sets).seq, sets)
+        hosts = {self._namespaces[name].world.names[self._namespaces[name].world.nodes[r]]
+                 for name, ranks in sets for r in ranks}
+        if len(hosts) == 1:  # every participant is here: nobody else takes part
+            done(SUCCESS, fence, data)
+            return
+        link = self._link_of(sets)
+        fence = fence._replace(ranks=dict(sets)[link])
+        self._namespaces[link].handler.fence(fence, data,
+                                             lambda status, blob: done(status, fence, blob))
+
+    def _link_of(self, sets) -> str:
+        """The namespace whose link a connect over `sets` goes up: the first with a
+        participant here (the launcher checks that it has one)."""
+        return next(name for name, ranks in sets if any(
+            self._namespaces[name].world.nodes[r] == self._namespaces[name].world.here
+            for r in ranks))
 
     def _member_here(self, procs: list[tuple[str, int]]) -> tuple[str | None, int | None]:
-        """The first of `procs` that is an instance of this host (who asked, for -v), or
-        (None, None)."""
+        """The first of `procs` (a wildcard: its namespace's ranks) that is an instance of
+        this host (who asked, for -v and a group's context ID), or (None, None)."""
         for nspace, rank in procs:
             ns = self._namespaces.get(nspace)
-            if ns is not None and 0 <= rank < ns.world.size and \
-                    ns.world.nodes[rank] == ns.world.here:
-                return nspace, rank
+            if ns is None:
+                continue
+            w = ns.world
+            for r in range(w.size) if rank == pmixplan.WILDCARD else (rank,):
+                if 0 <= r < w.size and w.nodes[r] == w.here:
+                    return nspace, r
         return None, None
 
     def _all_here(self, procs: list[tuple[str, int]]) -> bool:
@@ -709,13 +739,11 @@ class PmixServer:
         """A PMIx group of one namespace's instances (MPI_Comm_create_from_group,
         MPI_Intercomm_create_from_groups): a fence with no data over their ranks (the
         hosts holding none of them take no part), then, where asked, the group's context
-        ID, one per group of the job, from the launcher's table (spawner/mpinames.py).
-        A group over several namespaces is not served: answered with an error through
-        the callback, which every local member waiting gets at once (an error the upcall
-        returned would reach only the last to arrive, the others waiting for good)."""
-        ns = self._namespaces.get(procs[0][0]) if procs else None
-        ranks = pmixplan.fence_ranks(procs, ns.world) if ns is not None else None
-
+        ID, one per group of the job, from the launcher's table (spawner/worlds/mpinames.py).
+        Over several namespaces, the job's fence (`_collective`). One that cannot be served
+        here is answered with an error through the callback, which every local member
+        waiting gets at once (an error the upcall returned would reach only the last to
+        arrive, the others waiting for good)."""
         def answer(status: int, ctxid: int | None = None) -> None:
             # A construct's answer names its members (libpmix's client cannot read one
             # without them) and its context ID where one was asked for
@@ -728,26 +756,25 @@ class PmixServer:
                         len(keys) if infos is not None else 0, cbdata,
                         self._callbacks["release"], key)
 
-        if ranks is None:
-            self._unserved(*self._member_here(procs),
-                           "group construct" if op == GROUP_CONSTRUCT else "group destruct",
-                           f"its {len(procs)} processes are of several namespaces")
-            answer(ERR_NOT_SUPPORTED)
-            return
-        asker = next((r for r in ranks if ns.world.nodes[r] == ns.world.here), ranks[0])
-        fence = ns.upcoming(ranks)
+        asker = self._member_here(procs)
 
-        def fenced(status: int, _blob: bytes) -> None:
+        def fenced(status: int, fence: pmixplan.FenceId | None, _blob: bytes) -> None:
             if status != SUCCESS or not assign:
                 answer(status)
                 return
-            # The same on every host of the group: its namespace, tag, members and number
-            key = hashlib.sha1(repr((ns.world.nspace, grp, fence)).encode()).hexdigest()
-            ns.handler.name(NameRequest(asker, "context", f"group:{key}"),
-                            lambda status, port: answer(status, int(port) if status ==
-                                                        SUCCESS else None))
+            # The same on every host of the group: its namespaces, tag, members and number
+            same = fence._replace(ranks=()) if fence.sets else fence  # not the link's
+            key = hashlib.sha1(repr((sorted({n for n, _ in procs}), grp, same)).encode()
+                               ).hexdigest()
+            if asker[0] is None:
+                answer(ERROR)
+                return
+            self._namespaces[asker[0]].handler.name(
+                NameRequest(asker[1], "context", f"group:{key}"),
+                lambda status, port: answer(status, int(port) if status == SUCCESS else None))
 
-        ns.fence(ranks, b"", fenced)
+        self._collective(procs, "group construct" if op == GROUP_CONSTRUCT
+                         else "group destruct", fenced)
 
     def _dmodex(self, nspace: str, rank: int, cb: int, cbdata: int) -> None:
         ns = self._namespaces.get(nspace)

@@ -29,16 +29,17 @@ class Uplink:
 
     def __init__(self, kvsname: str, send: Callable[..., None], hosts: int) -> None:
         self.kvsname, self._send, self._hosts = kvsname, send, hosts
-        self._fences: dict[tuple[tuple[int, ...], int], Done] = {}
+        self._fences: dict[pmixplan.FenceId, Done] = {}
         self._wants: dict[int, Done] = {}
         self._spawns: dict[int, Spawned] = {}
         self._names: dict[int, Callable[[int, str], None]] = {}
         self._ids = itertools.count(1)
 
     def fence(self, fence: pmixplan.FenceId, data: bytes, done: Done) -> None:
-        self._fences[(tuple(fence.ranks), fence.seq)] = done
+        self._fences[fence] = done
+        sets = {"sets": pmixplan.sets_json(fence.sets)} if fence.sets else {}
         self._send(Kind.FENCE_IN, kvsname=self.kvsname, ranks=list(fence.ranks),
-                   seq=fence.seq, data=pmixplan.b64(data))
+                   seq=fence.seq, data=pmixplan.b64(data), **sets)
 
     def direct_modex(self, rank: int, done: Done) -> None:
         want = next(self._ids)
@@ -71,8 +72,7 @@ class Uplink:
         the waiting server, never a fault of this side. Raises KeyError/TypeError/ValueError
         for other fields that cannot be."""
         if kind is Kind.FENCE_OUT:
-            fence = pmixplan.fence_of(fields)
-            done = self._fences.pop((fence.ranks, fence.seq), None)
+            done = self._fences.pop(pmixplan.fence_of(fields), None)
             if done is not None:
                 done(*_decoded(fields, pmixplan.MAX_FENCE_DATA * self._hosts))
         elif kind is Kind.NAMED:

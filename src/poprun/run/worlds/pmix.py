@@ -9,7 +9,12 @@ FENCE_OUT once every host holding a participant has entered (their data in node 
 spawner/worlds/fences.FenceTable); a direct modex for a rank on another host goes to that
 host's agent (MODEX_ASK, answered MODEX_GOT) and back (MODEX_DATA). Fences are named by their
 participants and a sequence number per participant set, which every host counts alike. Names
-and spawns go to the PMI-1 world's (MpiWorld.name_for, MpiWorld.answer_spawn).
+and spawns go to the PMI-1 world's (MpiWorld.name_for, MpiWorld.answer_spawn). A connect or
+group over several of the job's namespaces (an MPI_Comm_spawn's parents and children,
+MPI_Comm_connect between them) is the job's, not one world's: its hosts enter it by the link
+of any world they hold a participant of, and `Crossings` (one per job, its worlds' table:
+spawner/worlds/fences.CrossTable) answers each by that link once every host holding a
+participant of any of the namespaces has entered.
 
 What an agent sends is checked (spawner/worlds/fences.FenceError): a broken or hostile host's
 fence ends in an error for that fence's instances, never in an exception here.
@@ -24,7 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from poprun.errors import LaunchError
 from spawner.worlds import pmixplan
-from spawner.worlds.fences import FenceTable
+from spawner.worlds.fences import CrossTable, FenceTable
 from spawner.worlds.pmixplan import ERR_NOT_FOUND, ERROR, SUCCESS
 
 MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in one world
@@ -32,7 +37,8 @@ MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in on
 
 class PmixWorld:
     """One attempt's PMIx namespace across hosts, or one its MPI_Comm_spawn made (`beside`:
-    the parents' namespace here, whose server serves it too); `remote`: the agents by host.
+    the parents' PmixWorld, whose server serves it too on each host holding both, and whose
+    `crossings` it shares); `remote`: the agents by host.
     `on_spawn(rank, request)`: a spawn's reply (run/worlds/pmi1.MpiWorld.answer_spawn)."""
 
     def __init__(self, kvsname: str, hosts: Sequence[str], remote: Mapping[str, object],
@@ -40,7 +46,7 @@ class PmixWorld:
                  on_server_lost: Callable[[str, str], None], log, names=None,
                  on_unserved: Callable[[int, str, str], None] | None = None,
                  on_spawn: Callable[[int, object], Awaitable[dict]] | None = None,
-                 beside=None, appnums: Sequence[int] = ()) -> None:
+                 beside: PmixWorld | None = None, appnums: Sequence[int] = ()) -> None:
         """`names(fields, done)`: asks the job's name table (run/worlds/pmi1.MpiWorld.name_for);
         `on_unserved(rank, cmd, why)`: a request answered with an error, for -v."""
         self.kvsname, self._remote, self._on_abort, self._log = kvsname, remote, on_abort, log
@@ -65,15 +71,23 @@ class PmixWorld:
         self._local = bool(local)
         self._said: set[tuple[str, str]] = set()  # (host, what): its warnings, once each
         self.ns = None  # the world's namespace on this host's server (worlds.pmixhost.Served)
+        # The job's connects across namespaces: the instances' world makes it, each world
+        # spawned from it shares it
+        self.crossings = beside.crossings if beside is not None else Crossings()
+        self.crossings.add(self)
 
     async def open(self) -> None:
         """Register the world on this host's server (a fresh one), before the instances
         that need its variables start."""
         from spawner.worlds.pmixhost import PmixServerError
 
-        if self._pmix is not None and self._local:
+        beside = self._beside.ns if self._beside is not None else None
+        if self._pmix is not None and (self._local or beside is not None):
+            # None of its ranks here but its parents: beside them, for their connect
+            world = self.world if self._local else self.world._replace(
+                here=pmixplan.NONE_HERE)
             try:
-                self.ns = await self._pmix.open(self.world, self, beside=self._beside)
+                self.ns = await self._pmix.open(world, self, beside=beside)
             except PmixServerError as exc:
                 raise LaunchError(f"Open MPI's world (PMIx) cannot be served here: {exc}") \
                     from None
@@ -87,7 +101,7 @@ class PmixWorld:
         """What a WORLD frame tells the agents: serve PMIx too, with these node names (and
         the libpmix the user named, else theirs, found as here)."""
         return {"names": self.names, "libpmix": self._pmix.given, "argv": list(argv[:1]),
-                **({"beside": self._beside.world.nspace} if self._beside is not None else {})}
+                **({"beside": self._beside.kvsname} if self._beside is not None else {})}
 
     def instance_env(self, rank: int, environ) -> dict[str, str]:
         return self._pmix.instance_env(self.ns, rank, environ)
@@ -100,7 +114,10 @@ class PmixWorld:
 
     def fence(self, fence: pmixplan.FenceId, data: bytes, done) -> None:
         self._done[fence] = done
-        self._contribute(fence, self._local_node, data)
+        if fence.sets:
+            self.crossings.enter(self, self.here, fence, data)
+        else:
+            self._contribute(fence, self._local_node, data)
 
     def direct_modex(self, rank: int, done) -> None:
         spawner = self._remote.get(self._hosts[rank])
@@ -140,13 +157,16 @@ class PmixWorld:
 
     def from_agent(self, spawner, kind_name: str, fields: dict) -> None:
         host = spawner.host
-        if host not in self.names:
+        if host not in self._remote:  # a host of the world's, or of its parents' only
             return
         try:
             if kind_name == "FENCE_IN":
                 fence = pmixplan.fence_of(fields)
-                self._contribute(fence, self.names.index(host),
-                                 pmixplan.decode_data(fields["data"], pmixplan.MAX_FENCE_DATA))
+                data = pmixplan.decode_data(fields["data"], pmixplan.MAX_FENCE_DATA)
+                if fence.sets:
+                    self.crossings.enter(self, host, fence, data)
+                else:
+                    self._contribute(fence, self.names.index(host), data)
             elif kind_name == "MODEX_WANT":
                 self._wanted(spawner, int(fields["id"]), int(fields["rank"]))
             elif kind_name == "MODEX_GOT":
@@ -182,20 +202,23 @@ class PmixWorld:
     def _answer_fence(self, fence: pmixplan.FenceId, nodes: list[int], status: int,
                       blob: bytes, error: str | None = None) -> None:
         for node in nodes:
-            if node == self._local_node:
-                done = self._done.pop(fence, None)
-                if done is not None:
-                    done(status, blob)
-                continue
-            spawner = self._remote.get(self.names[node])
-            if spawner is None:
-                continue
-            if error is None:
-                spawner.tell(_kind("FENCE_OUT"), kvsname=self.kvsname, ranks=list(fence.ranks),
-                             seq=fence.seq, data=pmixplan.b64(blob))
-            else:
-                spawner.tell(_kind("FENCE_OUT"), kvsname=self.kvsname, ranks=list(fence.ranks),
-                             seq=fence.seq, error=error)
+            self.answer_host(self.names[node], fence, status, blob, error)
+
+    def answer_host(self, host: str, fence: pmixplan.FenceId, status: int, blob: bytes,
+                    error: str | None = None) -> None:
+        """`host`'s answer to a fence it entered by this world's link."""
+        if self._local and host == self.here:
+            done = self._done.pop(fence, None)
+            if done is not None:
+                done(status, blob)
+            return
+        spawner = self._remote.get(host)
+        if spawner is None:
+            return
+        sets = {"sets": pmixplan.sets_json(fence.sets)} if fence.sets else {}
+        outcome = {"data": pmixplan.b64(blob)} if error is None else {"error": error}
+        spawner.tell(_kind("FENCE_OUT"), kvsname=self.kvsname, ranks=list(fence.ranks),
+                     seq=fence.seq, **sets, **outcome)
 
     def _wanted(self, spawner, their_id: int, rank: int) -> None:
         """An agent wants `rank`'s data: from this host's server, or from its host's agent."""
@@ -240,9 +263,43 @@ class PmixWorld:
             done(ERROR, b"")
         self._done.clear()
         self._asks.clear()
+        self.crossings.remove(self)
         if self.ns is not None:
             self._pmix.close_world(self.ns)
             self.ns = None
+
+
+class Crossings:
+    """One job's fences, connects and groups over several of its worlds' namespaces (each
+    world's PmixWorld added while open): a host's entry goes to fences.CrossTable, its
+    answer back by the link it came by; one that cannot be an entry is answered with an
+    error."""
+
+    def __init__(self) -> None:
+        self.table = CrossTable(pmixplan.MAX_FENCE_DATA)
+        self._worlds: dict[str, PmixWorld] = {}
+
+    def add(self, world: PmixWorld) -> None:
+        self._worlds[world.kvsname] = world
+        self.table.worlds[world.kvsname] = world.world
+
+    def remove(self, world: PmixWorld) -> None:
+        if self._worlds.get(world.kvsname) is world:
+            del self._worlds[world.kvsname]
+            del self.table.worlds[world.kvsname]
+
+    def enter(self, via: PmixWorld, host: str, fence: pmixplan.FenceId, data: bytes) -> None:
+        try:
+            complete = self.table.enter(fence, via.kvsname, host, data)
+        except pmixplan.FenceError as exc:
+            via.answer_host(host, fence, ERROR, b"", str(exc))
+            return
+        entered, blob = complete or ({}, b"")
+        for there, nspace in entered.items():
+            world = self._worlds.get(nspace)
+            if world is not None:
+                world.answer_host(there, fence._replace(ranks=dict(fence.sets)[nspace]),
+                                  SUCCESS, blob)
 
 
 def _kind(name: str):

@@ -140,10 +140,12 @@ class Spawned:
         parents = job.world.pmix if request.pmix and job.world is not None else None
         world = MpiWorld(
             f"{self._kvsname}-spawn{number - 1}", hosts, job.loop, lifeline=self._lifeline,
-            remote={h: job.remote[h] for h in dict.fromkeys(hosts) if h in job.remote},
+            # Open MPI's: its parents' hosts too, whose servers then hold its namespace
+            remote={h: job.remote[h] for h in dict.fromkeys(
+                hosts + (parents.names if parents is not None else [])) if h in job.remote},
             log=job.log, names=self._names, appnums={p.rank: p.appnum for p in placed},
             spawned=True, pmix=parents.service if parents is not None else None,
-            pmix_beside=parents.ns if parents is not None else None,
+            pmix_beside=parents,
             on_unserved=lambda rank, cmd, why: self._unserved(
                 origin, cmd, f"(from its spawned process [{number},{rank}]) {why}"),
             on_abort=lambda rank, code, message: job.child_failed(

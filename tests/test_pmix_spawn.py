@@ -9,6 +9,7 @@ Fuzzed with Hypothesis. The real Open MPI programs are tests/test_openmpi_spawn.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 from hypothesis import given, settings
@@ -201,3 +202,23 @@ def test_each_command_s_processes_are_registered_with_its_app_number():
     for bad in ([0], [0, 2], [0, -1]):
         with pytest.raises(ValueError, match="appnums"):
             pmixplan.world("ns", ["h1", "h1"], "h1", bad)
+
+
+@T(10)
+def test_a_hostfile_that_is_not_a_regular_file_is_refused_without_waiting(tmp_path):
+    """An instance names the hostfile: a FIFO nobody writes (an open that would block the
+    launcher), a directory, a file past the bound: each refused at once; a regular file is
+    read."""
+    from poprun.run.worlds.spawn import read_hostfile
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big"
+    big.write_bytes(b"h1\n" * (pmi1spawn.HOSTFILE_MAX_BYTES // 3 + 1))
+    for path, why in [(fifo, "not a regular file"), (tmp_path, "not a regular file"),
+                      (big, "too long"), (tmp_path / "none", "No such file")]:
+        with pytest.raises(PmiError, match=why):
+            read_hostfile(str(path), path.name)
+    good = tmp_path / "hosts"
+    good.write_text("h1 slots=2\n")
+    assert pmi1spawn.hostfile_hosts(read_hostfile(str(good), "hosts")) == "h1:2"

@@ -23,12 +23,37 @@ import itertools
 import os
 import signal
 import socket
+import stat
 
 from poprun.errors import LaunchError
 from poprun.run.worlds.pmi1 import MpiWorld
 from spawner.worlds import pmi1spawn
 from spawner.local import ProcessSpec, Stream
 from spawner.worlds.pmi1 import KeyValueSpace, PmiError
+
+
+def read_hostfile(where: str, path: str) -> str:
+    """The text of the hostfile an instance's spawn names (`path`, at `where`): a regular
+    file of at most HOSTFILE_MAX_BYTES, else PmiError. Opened without blocking and checked
+    before a byte is read: a FIFO, a terminal or a device named there cannot hold up the
+    launcher's event loop (an instance's word: docs/architecture.md, "What arrives is
+    hostile input")."""
+    shown = path[:200]
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PmiError(f"spawn: hostfile {shown}: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PmiError(f"spawn: hostfile {shown}: not a regular file")
+        text = os.read(fd, pmi1spawn.HOSTFILE_MAX_BYTES + 1)
+    except OSError as exc:
+        raise PmiError(f"spawn: hostfile {shown}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(text) > pmi1spawn.HOSTFILE_MAX_BYTES:
+        raise PmiError(f"spawn: hostfile {shown}: too long")
+    return text.decode("utf-8", "replace")
 
 
 class Child:
@@ -108,16 +133,9 @@ class Spawned:
         """Open MPI's `hostfile` info key, read (here, bounded) into the `host` it means."""
         for command in request.commands:
             path = command.info.get("hostfile")
-            if not path or command.info.get("host"):
-                continue
-            try:
-                with open(os.path.join(self._job.cwd, path), "rb") as file:
-                    text = file.read(pmi1spawn.HOSTFILE_MAX_BYTES + 1)
-            except OSError as exc:
-                raise PmiError(f"spawn: hostfile {path[:200]}: {exc.strerror}") from None
-            if len(text) > pmi1spawn.HOSTFILE_MAX_BYTES:
-                raise PmiError(f"spawn: hostfile {path[:200]}: too long")
-            command.info["host"] = pmi1spawn.hostfile_hosts(text.decode("utf-8", "replace"))
+            if path and not command.info.get("host"):
+                command.info["host"] = pmi1spawn.hostfile_hosts(
+                    read_hostfile(os.path.join(self._job.cwd, path), path))
 
     def _check(self, placed: list[pmi1spawn.Placed], preput: dict[str, str]) -> None:
         """What can be refused before anything starts: a preput key MPICH's client could not

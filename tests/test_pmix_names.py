@@ -13,7 +13,7 @@ import pytest
 
 from spawner.worlds import mpinames
 from spawner.worlds.pmixserver import (BYTES_MARK, ERR_NOT_FOUND, SUCCESS, NameRequest,
-                                name_requests, name_status)
+                                       _published_bytes, name_requests, name_status)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -112,3 +112,13 @@ def test_an_upcall_s_names_are_its_data_its_directives_set_once_and_wait():
     ((1, "too_many_names"), (-1, ""))])
 def test_the_table_s_answers_are_pmix_statuses(answer, status):
     assert name_status(*answer) == status
+
+
+@pytest.mark.parametrize("port, value", [
+    (BYTES_MARK + "AAE=", b"\x00\x01"), ("0.0:2", None),
+    # only looks marked (another instance's value, PMI-1's too): a string, no exception
+    (BYTES_MARK + "AAE", None), (BYTES_MARK + "A*E=", None), (BYTES_MARK + "\u00e9", None),
+    (BYTES_MARK + "A" * (4 * mpinames.PMIX_PORT_MAX // 3 + 8), None)])
+def test_a_published_byte_object_is_read_strictly(port, value):
+    """What a lookup answers as a byte object: only strict base64 within the bound."""
+    assert _published_bytes(port) == value

@@ -28,7 +28,6 @@ spawner/worlds/nodeworld.py).
 
 from __future__ import annotations
 
-import base64
 import ctypes
 import hashlib
 import itertools
@@ -144,6 +143,21 @@ PMIX_STRING, PMIX_BOOL, PMIX_BYTE_OBJECT, PMIX_SIZE, PMIX_PROC, PMIX_DATA_ARRAY 
 # A published byte object (Open MPI's intercommunicator CID exchange) is kept in the job's
 # table as this mark and its base64: a C string, which a string value is, never holds a NUL.
 BYTES_MARK = "\0b64:"
+
+
+def _published_bytes(port: str) -> bytes | None:
+    """A table value's bytes where it is a byte object published through PMIx (the mark,
+    then strict base64 of at most PMIX_PORT_MAX bytes); None for a string. The table is the
+    job's, filled by any instance (PMI-1's too): a value that only looks marked is a string,
+    never an exception on libpmix's callback."""
+    if not port.startswith(BYTES_MARK):
+        return None
+    try:
+        return pmixplan.decode_data(port[len(BYTES_MARK):], mpinames.PMIX_PORT_MAX)
+    except ValueError:
+        return None
+
+
 PERSIST_FIRST_READ = 1  # pmix_persistence_t: the name goes with its first lookup
 
 
@@ -650,12 +664,12 @@ class PmixServer:
             pdata.proc = _proc(nspace, pmixplan.WILDCARD)
             pdata.key = service.encode()[:511]
             address = ctypes.addressof(pdata) + Pdata.value.offset + Value.data.offset
-            if port.startswith(BYTES_MARK):
-                raw = base64.b64decode(port[len(BYTES_MARK):])
+            raw = _published_bytes(port)
+            if raw is not None:
                 pdata.value.type = PMIX_BYTE_OBJECT
                 c_size_t.from_address(address + 8).value = len(raw)
             else:
-                raw = port.encode() + b"\0"
+                raw = port.replace("\0", "").encode() + b"\0"
                 pdata.value.type = PMIX_STRING
             text = ctypes.create_string_buffer(raw, max(1, len(raw)))
             keep.append(text)

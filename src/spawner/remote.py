@@ -620,7 +620,8 @@ class RemoteSpawner:
         except _channel_errors():
             pass  # the channel is going anyway
         try:
-            await asyncio.wait_for(self._closed.wait(), timeout)
+            async with asyncio.timeout(timeout):  # launcher-only: 3.11's; not wait_for
+                await self._closed.wait()
         except asyncio.TimeoutError:
             self._chan.close()  # the agent still sees EOF; stop waiting for its exit
 
@@ -671,7 +672,10 @@ class RemoteSpawner:
 
     async def _wait(self, awaitable: Any, timeout: float, what: str) -> Any:
         try:
-            return await asyncio.wait_for(awaitable, timeout)
+            # not wait_for, which can drop a cancellation (spawner/within.py); this module
+            # runs only in the launcher (Python 3.11+: bootstrap.LAUNCHER_ONLY)
+            async with asyncio.timeout(timeout):
+                return await awaitable
         except asyncio.TimeoutError:
             raise AgentLostError(self.host, f"the agent did not answer {what} within "
                                  f"{timeout:g} s") from None

@@ -60,7 +60,8 @@ class ControlServer:
                 await _send(writer, {"ok": False, "error": "another user's job"})
                 return
             try:
-                line = await asyncio.wait_for(reader.readline(), REQUEST_TIMEOUT)
+                async with asyncio.timeout(REQUEST_TIMEOUT):  # not wait_for: spawner/within.py
+                    line = await reader.readline()
                 request = json.loads(line)
                 if not isinstance(request, dict):
                     raise ValueError("not a JSON object")

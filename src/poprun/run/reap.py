@@ -207,8 +207,8 @@ async def _reap_remote(record: Mapping[str, Any], parts: dict[str, dict[str, Any
             python = (record.get("pythons") or {}).get(label) or "python3"
             command = "exec " + shlex.join([python, "-c", remote_script(), payload])
             try:
-                done = await asyncio.wait_for(conn.run(command, check=False, encoding=None),
-                                              REMOTE_TIMEOUT)
+                async with asyncio.timeout(REMOTE_TIMEOUT):  # not wait_for: spawner/within.py
+                    done = await conn.run(command, check=False, encoding=None)
             except (asyncio.TimeoutError, OSError) as exc:
                 report.error = f"no answer: {exc or 'timed out'}"
                 return

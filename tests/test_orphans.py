@@ -288,10 +288,17 @@ def test_a_stop_signal_in_the_first_100_ms_is_one_clean_line(sig, tmp):
                                             "sh", "-c", "sleep 300; :", mark),
                                 env=poprun_env(tmp), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
-        wait_until(lambda: handlers_installed(proc.pid), "poprun's first instructions", 10)
-        time.sleep(delay)  # the moment of the signal is the test's input
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
+        try:
+            wait_until(lambda: handlers_installed(proc.pid), "poprun's first instructions",
+                       10)
+            time.sleep(delay)  # the moment of the signal is the test's input
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=30)
+        finally:  # a poprun that did not stop, and its instances, end with the test
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+                kill_marked(mark)
         assert proc.returncode == 128 + sig, (delay, err.decode())
         assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err.decode()
         assert_all_gone(mark, tmp["TMPDIR"])

@@ -528,7 +528,7 @@ def test_two_hosts_of_two_form_one_world_with_an_8_mb_allreduce(two_hosts, tmp_p
     assert "MPI world: PMIx for Open MPI" in err
 
 
-# Rank SLOW_RANK stops for 4 s once its MPI_Init has joined the world and opened its PML
+# Rank SLOW_RANK stops for SLOW_FOR s (4) once its MPI_Init has joined the world and opened its PML
 # (Debian's Open MPI 4.1 loads it as mca_pml_ob1.so), before it puts and commits its data: a
 # child of its own stops it and lets it go on. Said on stdout ("stopped"), where it was.
 STOPPED_BEFORE_COMMIT = """
@@ -542,7 +542,7 @@ if os.environ.get("PMIX_RANK") == os.environ["SLOW_RANK"]:
                 if "mca_pml_ob1" in maps.read():
                     os.kill(parent, signal.SIGSTOP)
                     print("stopped", flush=True)
-                    time.sleep(4)
+                    time.sleep(float(os.environ.get("SLOW_FOR", "4")))
                     break
             time.sleep(0.001)
         os.kill(parent, signal.SIGCONT)
@@ -591,13 +591,17 @@ def test_a_direct_modex_across_hosts_waits_for_a_rank_that_has_not_committed(two
 @pytest.mark.parametrize("ompi", ["4.1"], indirect=True)
 def test_open_mpi_4_1_gives_a_rank_s_peer_on_its_host_2_s_to_commit(tmp_path, ompi, clean):
     """What poprun cannot serve otherwise (libpmix's, and Open MPI's mpirun fails alike):
-    rank 1 stopped for 4 s inside MPI_Init, before it commits, and rank 0 on the same host
+    rank 1 stopped for 12 s inside MPI_Init, before it commits, and rank 0 on the same host
     fails MPI_Init, whose PML check reads rank 1's data: libpmix's server ends its wait for a
     connected peer of its own host after 2 s (src/server/pmix_server_get.c, 4.2.2 to
     5.0.x). poprun reports it as such a failure."""
     program = STOPPED_BEFORE_COMMIT + "from mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
     proc, result = run_world(tmp_path, ompi, 2, program, "-v", *(
-        f"--env={var}" for var in (*PRETEND_NODES, *DIRECT_MODEX, "SLOW_RANK=1")))
+        f"--env={var}" for var in (*PRETEND_NODES, *DIRECT_MODEX, "SLOW_RANK=1",
+                                   # stopped long past the 2 s: a rank 0 that a loaded
+                                   # machine kept 2 s behind rank 1 would find it committed
+                                   # (CI once: the job exited 0)
+                                   "SLOW_FOR=12")))
     err = proc.stderr.decode()
     assert "stopped" in proc.stdout.decode(), err[-3000:]
     assert proc.returncode == 1 and result["root_cause"] == 0, err[-3000:]

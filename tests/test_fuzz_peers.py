@@ -319,7 +319,7 @@ def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
             spawned.append(rank)
             return {"rc": 0, "errcodes": "0"}
 
-        world = MpiWorld("poprun-fuzz-9", HOSTS, loop, lifeline=None, log=log,
+        world = MpiWorld("poprun-fuzz-9", HOSTS, loop, log=log,
                          on_abort=lambda *a: aborts.append(a), on_lost=lambda *a: lost.append(a),
                          on_unserved=lambda *a: unserved.append(a))
         world.on_spawn = on_spawn
@@ -383,7 +383,7 @@ def test_an_abort_or_a_loss_an_agent_reports_for_another_host_s_rank_is_refused(
 
     async def main():
         aborts, lost, log = [], [], Warnings()
-        world = MpiWorld("poprun-fuzz-9", HOSTS, asyncio.get_running_loop(), lifeline=None,
+        world = MpiWorld("poprun-fuzz-9", HOSTS, asyncio.get_running_loop(),
                          log=log, on_abort=lambda *a: aborts.append(a),
                          on_lost=lambda *a: lost.append(a), on_unserved=lambda *a: None)
         h9 = FakeAgent("h9")

@@ -56,7 +56,7 @@ from poprun._version import __version__
 from .carried import MIN_PYTHON
 from .local import Sink
 from .protocol import (PROTOCOL_VERSION, Control, FrameDecoder, Kind, Output, ProtocolError,
-                       SpawnRequest, encode)
+                       SpawnRequest, WORLD_KINDS, encode)
 from .srun import STDERR_DATATYPE, NodeLink
 from .ssh import SshError
 from .uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
@@ -74,9 +74,7 @@ STDERR_TAIL = 4096  # bytes of the agent's stderr kept for error messages
 
 
 # The agent's frames about an MPI world it serves (spawner.worlds.nodeworld).
-_WORLD_KINDS = frozenset({Kind.GET, Kind.MPI_ABORT, Kind.MPI_LOST,
-                          Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED,
-                          Kind.NAME, Kind.PMI_UNSERVED, Kind.SPAWN_ASK})
+_WORLD_KINDS = WORLD_KINDS
 
 
 # The fields the launcher reads of the agent's frames, and the types they must have.
@@ -803,22 +801,9 @@ class RemoteSpawner:
         return None
 
     def _no_world(self, frame: Control) -> None:
-        """A world frame for a kvsname not served here (the world has ended, or never ran
-        there): dropped, a request answered with an error (its rank, if any, must not wait:
-        MPI_Comm_spawn, the name call or the get fails)."""
-        fields = frame.fields
-        if type(fields.get("id")) is not int:
-            return
-        if frame.kind is Kind.SPAWN_ASK:
-            from .worlds.pmi1spawn import spawn_reply
+        from .worlds.nodeworld import answer_no_world
 
-            self.tell(Kind.SPAWNED_ANSWER, kvsname=fields["kvsname"], id=fields["id"],
-                      reply=spawn_reply(1, msg="spawn: no such MPI world here"))
-        elif frame.kind is Kind.NAME:
-            self.tell(Kind.NAMED, kvsname=fields["kvsname"], id=fields["id"], rc=1,
-                      value="no_such_world")
-        elif frame.kind is Kind.GET:
-            self.tell(Kind.VALUE, kvsname=fields["kvsname"], id=fields["id"], value=None)
+        answer_no_world(self.tell, frame)
 
     @staticmethod
     def _resolve(future: asyncio.Future | None, result: Any) -> None:

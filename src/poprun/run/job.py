@@ -103,6 +103,8 @@ class Job:
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
         self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
         self.world = None  # the instances' MPI world (run/worlds/pmi1.MpiWorld), where served
+        # this host's node-level worlds (run/worlds/hostlink.HostLink), where ranks run here
+        self.host_link = None
         self.spawned = None  # what its instances spawned (run/worlds/spawn.Spawned), once they do
         # instance -> why a process it spawned failed and its status, for the first failure
         self._child_failures: dict[int, tuple[str, int]] = {}
@@ -147,8 +149,13 @@ class Job:
         if kvsname:
             from poprun.run.worlds.pmi1 import MpiWorld
 
+            here = [inst.host for inst in self.plan.instances if inst.host not in self.remote]
+            if here:  # this host's worlds, served as every agent serves its host's
+                from poprun.run.worlds.hostlink import HostLink
+
+                self.host_link = HostLink(here[0], self.loop, lifeline, pmix)
             self.world = MpiWorld(kvsname, [inst.host for inst in self.plan.instances],
-                                  self.loop, lifeline=lifeline, remote=self.remote,
+                                  self.loop, remote=self.remote, here=self.host_link,
                                   on_abort=self.on_mpi_abort, on_lost=self.on_mpi_lost,
                                   on_server_lost=self.on_world_server_lost, pmix=pmix,
                                   argv=self.plan.instances[0].argv, log=self.log)
@@ -158,7 +165,7 @@ class Job:
             self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s)"
                           f"{hosts}, kvsname {kvsname}")
             await self.world.ready()
-            self._pmix_here = self.world.pmix is not None and self.world.pmix.ns is not None
+            self._pmix_here = self.world.served_here
             if pmix is not None:
                 self.log.info(f"MPI world: PMIx for Open MPI, namespace {kvsname}, served "
                               f"by {pmix.version or 'libpmix'} ({pmix.path})")

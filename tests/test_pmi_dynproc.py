@@ -21,6 +21,7 @@ from spawner.worlds import pmi1, mpinames, pmi1spawn
 from conftest import OFFLINE, run_poprun
 from test_fuzz_surfaces import ABORTER as WRITES  # writes its argument's bytes to PMI_FD
 from test_fuzz_peers import Warnings
+from pmi_root import RootUpstream
 from test_pmi import Client, run
 
 T = pytest.mark.timeout
@@ -236,8 +237,10 @@ def test_names_are_the_job_s_across_the_root_and_an_agent():
     NAME/NAMED across hosts)."""
     async def main():
         root = pmi1.Root(2, [0, 1])
-        here = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[0], upstream=root.node(0))
-        agent = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[1], upstream=root.node(1))
+        here = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[0],
+                              upstream=RootUpstream(root, 0))
+        agent = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[1],
+                               upstream=RootUpstream(root, 1))
         c0, c1 = await Client.over(here.attach(0)), await Client.over(agent.attach(1))
         assert await c1.ask("cmd=publish_name service=ocean port=tag#0$x$") == \
             "cmd=publish_result rc=0"

@@ -108,7 +108,6 @@ class Job:
         self.spawned = None  # what its instances spawned (run/worlds/spawn.Spawned), once they do
         # instance -> why a process it spawned failed and its status, for the first failure
         self._child_failures: dict[int, tuple[str, int]] = {}
-        self._lifeline: Lifeline | None = None
         self.mpi_aborts: dict[int, tuple[int, str]] = {}  # instance -> MPI_Abort's code, text
         self._unfinalized: set[int] = set()  # closed its MPI world before MPI_Finalize
         self._no_finalize: int | None = None  # the instance whose exit 0 stopped the job
@@ -145,7 +144,6 @@ class Job:
         (spawner.worlds.pmixhost), where Open MPI's world is served too."""
         self.on_finished, self.remote = on_finished, remote or {}
         self.local = LocalSpawner(self, self.loop, lifeline)
-        self._lifeline = lifeline
         if kvsname:
             from poprun.run.worlds.pmi1 import MpiWorld
 
@@ -493,7 +491,7 @@ class Job:
         if self.spawned is None:
             from poprun.run.worlds.spawn import Spawned
 
-            self.spawned = Spawned(self, self.world.kvsname, self._lifeline,
+            self.spawned = Spawned(self, self.world.kvsname,
                                    self.world.job_names(), self.world.unserved)
         return await self.spawned.for_world()(rank, request)
 

@@ -75,15 +75,17 @@ class AgentWorld:
         self._pmix = None  # this host's PMIx service, where Open MPI's world is served too
         self.pmix_ns = None  # the world's namespace on it (spawner.worlds.pmixhost.Served)
         self.pmix_error: str | None = None  # why it could not be served here, if so
-        from .pmixuplink import Uplink
-
-        # Its PMIx fences and requests to the launcher (where Open MPI's world is served)
-        self._uplink = Uplink(self.kvsname, lambda kind, **fields: self._send(
-            encode(kind, **fields)), len(set(self._nodes)))
+        # Its PMIx fences and requests to the launcher, where Open MPI's world is served here
+        # (a world without: the module's import spared, as on the launcher's host)
+        self._uplink = None
         # Done once the instances can be spawned (Open MPI's world registered, or not served)
         self.ready: asyncio.Future = loop.create_future()
         if fields.get("pmix") and pmix_host is not None and (
                 self.ranks or str(dict(fields["pmix"]).get("beside")) in self._worlds):
+            from .pmixuplink import Uplink
+
+            self._uplink = Uplink(self.kvsname, lambda kind, **fields: self._send(
+                encode(kind, **fields)), len(set(self._nodes)))
             task = loop.create_task(self._open_pmix(dict(fields["pmix"]), pmix_host))
             task.add_done_callback(lambda _: self.ready.done() or self.ready.set_result(None))
         else:
@@ -214,6 +216,8 @@ class AgentWorld:
     def _pmix_answered(self, kind: Kind, fields: dict[str, Any]) -> None:
         """FENCE_OUT, MODEX_DATA, MODEX_ASK from the launcher (their data decoded as the
         launcher decodes the agents': spawner/worlds/pmixuplink.py)."""
+        if self._uplink is None:  # none asked: Open MPI's world is not served here
+            return
         if kind is not Kind.MODEX_ASK:
             self._uplink.answered(kind, fields)
         elif self.pmix_ns is not None:
@@ -275,7 +279,8 @@ class AgentWorld:
         return self.remove_leftovers()
 
     def _close_pmix(self) -> None:
-        self._uplink.close()
+        if self._uplink is not None:
+            self._uplink.close()
         if self.pmix_ns is not None:
             self._pmix.close_world(self.pmix_ns)
             self.pmix_ns = None

@@ -4,16 +4,16 @@ MVAPICH) find their world through PMI-1: each instance gets one end of a socket 
 host's spawner (`PMI_FD`, `PMI_RANK`, `PMI_SIZE`, and the variables Hydra adds) and a PMI
 server (spawner/worlds/pmi1.py) answers its puts, gets and barriers. Ranks are instance indices.
 
-This host's instances are served here. On every other host the agent serves its own
-(spawner/worlds/nodeworld.py) and comes here only for what crosses hosts, over the connection it
-already has: one FENCE_IN per host and barrier, a GET for a key it has not seen, an abort or
-a lost connection. The world's root (spawner/worlds/pmi1.Root) holds the job's key-value
-space and combines the hosts' barriers; this host's instances are served by the same
-node-level server an agent runs, entering the root's barriers in-process.
+Every host's instances, this host's too, are served by that host's node-level world
+(spawner/worlds/nodeworld.py: in its agent, or here through run/worlds/hostlink.py), which
+comes here only for what crosses hosts, by its link: one FENCE_IN per host and barrier, a
+GET for a key it has not seen, a name, a spawn, an abort or a lost connection. The world's
+root (spawner/worlds/pmi1.Root) holds the job's key-value space and combines the hosts'
+barriers; it serves no host itself.
 
 A job that does not use MPI pays for a socket pair per instance and a WORLD frame per host:
 the servers (and the import of their module, ~5 ms) start when an instance first writes to
-its socket, or an agent first asks.
+its socket.
 
 The kvsname is unique per job and per attempt: MPICH names its shared memory after it, and a
 name used again finds the old segment (MPI_Init hangs). What an aborted or killed world
@@ -232,8 +232,8 @@ class MpiWorld:
         return self.names
 
     def name_for(self, fields: Mapping, done: Callable[[int, str], None]) -> None:
-        """A NAME (an agent's, or this host's PMIx server's: `pmix`, its longer ports, a
-        lookup's `wait` and a publish's `once`) asked of the job's table; `done(rc, port
+        """A NAME (a host's; its PMIx server's: `pmix`, its longer ports, a lookup's `wait`
+        and a publish's `once`) asked of the job's table; `done(rc, port
         or why)` once answered (a lookup that waits: when the name comes, or its wait
         ends)."""
         from spawner.worlds import mpinames
@@ -348,7 +348,7 @@ class MpiWorld:
         spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=fields["id"], reply=reply)
 
     async def answer_spawn(self, rank: int, fields: object) -> dict:
-        """A SPAWN_ASK's request (an agent's, or this host's PMIx server's: PMIx_Spawn),
+        """A SPAWN_ASK's request (a host's PMI-1 spawn, or its PMIx server's PMIx_Spawn),
         checked and started (run/worlds/spawn.py); spawn_result's fields."""
         from spawner.worlds.pmi1 import PmiError
         from spawner.worlds.pmi1spawn import request_from_json, spawn_reply

@@ -1,22 +1,23 @@
-"""Open MPI's world (PMIx) of one attempt, as the launcher serves and joins it
+"""Open MPI's world (PMIx) of one attempt, its root: what the hosts' PMIx servers send
 (docs/architecture.md, "The instances' worlds").
 
-This host's instances are served by this host's PMIx server (spawner/worlds/pmixhost.py: a
-process of its own per attempt, a fork of poprun); every other host's by its agent's
-(spawner/worlds/nodeworld.py). What crosses hosts comes here over the agents' connections, as
-for PMI-1: one FENCE_IN per host and fence (that host's instances' data), answered with
-FENCE_OUT once every host holding a participant has entered (their data in node order:
-spawner/worlds/fences.FenceTable); a direct modex for a rank on another host goes to that
-host's agent (MODEX_ASK, answered MODEX_GOT) and back (MODEX_DATA). Fences are named by their
-participants and a sequence number per participant set, which every host counts alike. Names
-and spawns go to the PMI-1 world's (MpiWorld.name_for, MpiWorld.answer_spawn). A connect or
+Every host's instances, this host's too, are served by that host's PMIx server
+(spawner/worlds/pmixhost.py: a process of its own per attempt) behind its node-level world
+(spawner/worlds/nodeworld.py: an agent's, or this host's through run/worlds/hostlink.py).
+What crosses hosts comes here by each host's link, as for PMI-1: one FENCE_IN per host and
+fence (that host's instances' data), answered with FENCE_OUT once every host holding a
+participant has entered (their data in node order: spawner/worlds/fences.FenceTable); a
+direct modex for a rank goes to the host that has it (MODEX_ASK, answered MODEX_GOT) and
+back (MODEX_DATA). Fences are named by their participants and a sequence number per
+participant set, which every host counts alike. A host's names, spawns and aborts are the
+PMI-1 world's frames (NAME, SPAWN_ASK, MPI_ABORT: run/worlds/pmi1.MpiWorld). A connect or
 group over several of the job's namespaces (an MPI_Comm_spawn's parents and children,
 MPI_Comm_connect between them) is the job's, not one world's: its hosts enter it by the link
 of any world they hold a participant of, and `Crossings` (one per job, its worlds' table:
 spawner/worlds/fences.CrossTable) answers each by that link once every host holding a
 participant of any of the namespaces has entered.
 
-What an agent sends is checked (spawner/worlds/fences.FenceError): a broken or hostile host's
+What a host sends is checked (spawner/worlds/fences.FenceError): a broken or hostile host's
 fence ends in an error for that fence's instances, never in an exception here.
 """
 

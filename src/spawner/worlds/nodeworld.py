@@ -75,21 +75,26 @@ class AgentWorld:
         self._pmix = None  # this host's PMIx service, where Open MPI's world is served too
         self.pmix_ns = None  # the world's namespace on it (spawner.worlds.pmixhost.Served)
         self.pmix_error: str | None = None  # why it could not be served here, if so
-        # Its PMIx fences and requests to the launcher, where Open MPI's world is served here
-        # (a world without: the module's import spared, as on the launcher's host)
-        self._uplink = None
+        self._made_uplink = None  # `_uplink`, once needed
         # Done once the instances can be spawned (Open MPI's world registered, or not served)
         self.ready: asyncio.Future = loop.create_future()
         if fields.get("pmix") and pmix_host is not None and (
                 self.ranks or str(dict(fields["pmix"]).get("beside")) in self._worlds):
-            from .pmixuplink import Uplink
-
-            self._uplink = Uplink(self.kvsname, lambda kind, **fields: self._send(
-                encode(kind, **fields)), len(set(self._nodes)))
             task = loop.create_task(self._open_pmix(dict(fields["pmix"]), pmix_host))
             task.add_done_callback(lambda _: self.ready.done() or self.ready.set_result(None))
         else:
             self.ready.set_result(None)
+
+    @property
+    def _uplink(self):
+        """Its PMIx fences and requests to the root (spawner/worlds/pmixuplink.py), made
+        when first needed: a world without Open MPI's spares its modules' import."""
+        if self._made_uplink is None:
+            from .pmixuplink import Uplink
+
+            self._made_uplink = Uplink(self.kvsname, lambda kind, **fields: self._send(
+                encode(kind, **fields)), len(set(self._nodes)))
+        return self._made_uplink
 
     async def _open_pmix(self, pmix: dict[str, Any], pmix_host) -> None:
         from . import pmixplan
@@ -216,8 +221,6 @@ class AgentWorld:
     def _pmix_answered(self, kind: Kind, fields: dict[str, Any]) -> None:
         """FENCE_OUT, MODEX_DATA, MODEX_ASK from the launcher (their data decoded as the
         launcher decodes the agents': spawner/worlds/pmixuplink.py)."""
-        if self._uplink is None:  # none asked: Open MPI's world is not served here
-            return
         if kind is not Kind.MODEX_ASK:
             self._uplink.answered(kind, fields)
         elif self.pmix_ns is not None:
@@ -279,8 +282,8 @@ class AgentWorld:
         return self.remove_leftovers()
 
     def _close_pmix(self) -> None:
-        if self._uplink is not None:
-            self._uplink.close()
+        if self._made_uplink is not None:
+            self._made_uplink.close()
         if self.pmix_ns is not None:
             self._pmix.close_world(self.pmix_ns)
             self.pmix_ns = None

@@ -73,10 +73,6 @@ DEADLINE_SLACK = 0.005  # seconds past a silence's deadline at which it is looke
 STDERR_TAIL = 4096  # bytes of the agent's stderr kept for error messages
 
 
-# The agent's frames about an MPI world it serves (spawner.worlds.nodeworld).
-_WORLD_KINDS = WORLD_KINDS
-
-
 # The fields the launcher reads of the agent's frames, and the types they must have.
 _INT, _TEXT, _MAP, _OPTIONAL_MAP = (int,), (str,), (dict,), (dict, type(None))
 _SHAPES: dict[Kind, dict[str, tuple[type, ...]]] = {
@@ -89,7 +85,7 @@ _SHAPES: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.FAILED: {"id": (int, type(None)), "error": _TEXT},
     Kind.INTERNAL: {"error": _TEXT, "traceback": (str, type(None))},
     Kind.STATS: {"usage": _MAP, "progress": _OPTIONAL_MAP},
-    **{kind: {"kvsname": _TEXT} for kind in _WORLD_KINDS},
+    **{kind: {"kvsname": _TEXT} for kind in WORLD_KINDS},
 }
 
 
@@ -392,7 +388,7 @@ class RemoteSpawner:
         self.started_at: dict[int, float] = {}
         # The launcher's side of each MPI world served here (poprun/run/worlds/pmi1.py), by
         # kvsname: the instances' and those of their spawns (run/worlds/spawn.py). Called with
-        # each of the agent's frames about that world (_WORLD_KINDS).
+        # each of the agent's frames about that world (WORLD_KINDS).
         self._worlds: dict[str, Callable[[RemoteSpawner, Control], None]] = {}
         # Its world requests refused for naming a rank that does not run there (the first
         # is said: poprun/run/worlds/pmi1.py's MpiWorld._refuse)
@@ -740,12 +736,14 @@ class RemoteSpawner:
             self._resolve(self._spawning.pop(fields["key"], None), (fields["pid"], None))
         elif frame.kind is Kind.ALIVE:
             pass  # its arrival is the news (_on_data noted the time)
-        elif frame.kind in _WORLD_KINDS:
+        elif frame.kind in WORLD_KINDS:
             on_world = self._worlds.get(fields["kvsname"])
             if on_world is not None:
                 on_world(self, frame)
             else:  # a world that has ended, or none this agent serves
-                self._no_world(frame)
+                from .worlds.nodeworld import answer_no_world
+
+                answer_no_world(self.tell, frame)
         elif frame.kind is Kind.STATS:  # for a sink that shows them (the dashboard)
             on_usage = getattr(self._sink, "on_usage", None)
             # (an instance of an attempt before this one is no longer the sink's)
@@ -799,11 +797,6 @@ class RemoteSpawner:
                     if not (key.isdigit() and pair(value)):
                         return f"its {name} of {key[:20]!r} is not an instance's pair"
         return None
-
-    def _no_world(self, frame: Control) -> None:
-        from .worlds.nodeworld import answer_no_world
-
-        answer_no_world(self.tell, frame)
 
     @staticmethod
     def _resolve(future: asyncio.Future | None, result: Any) -> None:

@@ -1,5 +1,6 @@
 """One MPI world's instances on an agent's host: served here, joined to the job's world
-through the launcher (docs/architecture.md, "The instances' worlds").
+through the launcher (docs/architecture.md, "The instances' worlds"). The launcher's own host
+runs this same code, linked to the world's root in-process (poprun/run/worlds/hostlink.py).
 
 The launcher's WORLD frame says which of its ranks run here. Each gets a PMI socket (its end
 watched until it speaks: worlds/pmi1ends.py); then a node-level PmiServer (worlds/pmi1.py)
@@ -320,9 +321,6 @@ class HostWorlds:
 
     def __getitem__(self, kvsname: str) -> AgentWorld:
         return self._worlds[kvsname]
-
-    def values(self):
-        return self._worlds.values()
 
     def handle(self, kind: Kind, fields: dict[str, Any]) -> asyncio.Task | None:
         """One of the link's world frames; WORLD_END's: the task that ends the world (its

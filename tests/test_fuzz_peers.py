@@ -319,7 +319,7 @@ def test_an_agents_world_frames_are_checked_before_the_world_acts(frames):
             spawned.append(rank)
             return {"rc": 0, "errcodes": "0"}
 
-        world = MpiWorld("poprun-fuzz-9", HOSTS, loop, lifeline=None, log=log,
+        world = MpiWorld("poprun-fuzz-9", HOSTS, loop, log=log,
                          on_abort=lambda *a: aborts.append(a), on_lost=lambda *a: lost.append(a),
                          on_unserved=lambda *a: unserved.append(a))
         world.on_spawn = on_spawn
@@ -383,7 +383,7 @@ def test_an_abort_or_a_loss_an_agent_reports_for_another_host_s_rank_is_refused(
 
     async def main():
         aborts, lost, log = [], [], Warnings()
-        world = MpiWorld("poprun-fuzz-9", HOSTS, asyncio.get_running_loop(), lifeline=None,
+        world = MpiWorld("poprun-fuzz-9", HOSTS, asyncio.get_running_loop(),
                          log=log, on_abort=lambda *a: aborts.append(a),
                          on_lost=lambda *a: lost.append(a), on_unserved=lambda *a: None)
         h9 = FakeAgent("h9")
@@ -625,3 +625,26 @@ def test_an_agents_hello_is_read_whatever_it_says(reply):
         check_versions(info, Versions.here())
     except AgentVersionError as exc:
         assert "\n" not in str(exc) and str(exc).startswith("h9: ")
+
+
+def test_an_agents_pmix_lost_goes_to_its_world_and_the_agent_is_kept():
+    """PMIX_LOST (an agent's PMIx server died while its world was open) is one of a world's
+    frames (spawner.protocol.WORLD_KINDS), as on the launcher's own host's link: it reaches
+    the world's root, which makes it the job's root cause (run/worlds/pmix.py), and the agent
+    is not given up as one that broke the protocol (before, it was: its host lost, the
+    server's death unsaid)."""
+    from spawner.protocol import MAGIC, Kind, encode
+
+    async def main():
+        spawner, session, _, lost, crashes = spawner_under_test(asyncio.get_running_loop())
+        heard = []
+        spawner.open_world(lambda agent, frame: heard.append((agent.host, *frame)),
+                           kvsname="poprun-lost-0", size=1, ranks=[0], nodes=[0])
+        session.data_received(MAGIC + encode(Kind.PMIX_LOST, kvsname="poprun-lost-0",
+                                             error="was killed by SIGKILL"), None)
+        await asyncio.sleep(0)
+        assert heard == [("h9", Kind.PMIX_LOST, {"kvsname": "poprun-lost-0",
+                                                 "error": "was killed by SIGKILL"})]
+        assert spawner.lost is None and not lost and not crashes, crashes
+
+    run(main())

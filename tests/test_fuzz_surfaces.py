@@ -107,7 +107,7 @@ def test_a_pmi_server_survives_any_lines(lines):
 
 
 # Several ranks, served by one server alone, or by the node-level servers of two hosts whose
-# barriers go up to the world's root as one batch each (Root.node: the fence a host's
+# barriers go up to the world's root as one batch each (tests/pmi_root.py: the fence a host's
 # FENCE_IN enters, without the wire between them, which the agent protocol's own fuzzing
 # feeds). One rank is hostile: after its peers have put their keys it sends generated
 # lines, lines up to and past PMI's 1 MiB, and puts until KEYS_PER_RANK x size is reached, then
@@ -203,6 +203,7 @@ class PmiClient:
 @given(st.integers(2, 4), st.data())
 @pytest.mark.parametrize("mode", ["alone", "nodes"])
 def test_pmi_ranks_get_their_values_whatever_one_rank_sends(mode, size, data):
+    from pmi_root import RootUpstream
     from spawner.worlds.pmi1 import KEYS_PER_RANK, PmiServer, Root
 
     kvsname = "poprun-fuzz-7"
@@ -223,9 +224,9 @@ def test_pmi_ranks_get_their_values_whatever_one_rank_sends(mode, size, data):
         root = None if mode == "alone" else Root(size, [0] + [1] * (size - 1))
         first = PmiServer(kvsname, size, local_ranks=here, on_abort=lambda *a: aborts.append(a),
                           on_lost=lambda *a: lost.append(a),
-                          upstream=root and root.node(0))
+                          upstream=root and RootUpstream(root, 0))
         other = None if mode == "alone" else PmiServer(
-            kvsname, size, local_ranks=range(1, size), upstream=root.node(1),
+            kvsname, size, local_ranks=range(1, size), upstream=RootUpstream(root, 1),
             on_abort=lambda *a: aborts.append(a), on_lost=lambda *a: lost.append(a))
         servers = [s for s in (first, other) if s is not None]
         clients = {rank: await PmiClient.on((first if rank in here else other).attach(rank))

@@ -17,6 +17,8 @@ from spawner.worlds import pmi1
 from spawner.worlds.fences import FenceId
 from spawner.reaphere import mpich_shm_leftovers, mpich_world_ids
 
+from pmi_root import RootUpstream
+
 T = pytest.mark.timeout
 
 
@@ -300,7 +302,8 @@ def test_server_abort_and_lost():
 
 
 class CountingUpstream(pmi1.Upstream):
-    """A node-level server's upstream, the root's in-process one, counting what it is sent."""
+    """A node-level server's upstream into the root (pmi_root.py), counting what it is
+    sent."""
 
     def __init__(self, upstream):
         self.upstream, self.calls = upstream, []
@@ -320,7 +323,8 @@ def test_node_forwarding_fake_clients():
     once with its instances' puts."""
     async def main():
         root = pmi1.Root(4, [0, 1, 1, 2])
-        ups = {n: CountingUpstream(root.node(node)) for node, n in enumerate("HAB")}
+        ups = {n: CountingUpstream(RootUpstream(root, node))
+               for node, n in enumerate("HAB")}
         here = pmi1.PmiServer("poprun-t4-0", 4, local_ranks=[0], upstream=ups["H"])
         a = pmi1.PmiServer("poprun-t4-0", 4, local_ranks=[1, 2], upstream=ups["A"])
         b = pmi1.PmiServer("poprun-t4-0", 4, local_ranks=[3], upstream=ups["B"])

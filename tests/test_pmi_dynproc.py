@@ -21,6 +21,7 @@ from spawner.worlds import pmi1, mpinames, pmi1spawn
 from conftest import OFFLINE, run_poprun
 from test_fuzz_surfaces import ABORTER as WRITES  # writes its argument's bytes to PMI_FD
 from test_fuzz_peers import Warnings
+from pmi_root import RootUpstream
 from test_pmi import Client, run
 
 T = pytest.mark.timeout
@@ -236,8 +237,10 @@ def test_names_are_the_job_s_across_the_root_and_an_agent():
     NAME/NAMED across hosts)."""
     async def main():
         root = pmi1.Root(2, [0, 1])
-        here = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[0], upstream=root.node(0))
-        agent = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[1], upstream=root.node(1))
+        here = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[0],
+                              upstream=RootUpstream(root, 0))
+        agent = pmi1.PmiServer("poprun-d3-0", 2, local_ranks=[1],
+                               upstream=RootUpstream(root, 1))
         c0, c1 = await Client.over(here.attach(0)), await Client.over(agent.attach(1))
         assert await c1.ask("cmd=publish_name service=ocean port=tag#0$x$") == \
             "cmd=publish_result rc=0"
@@ -287,13 +290,13 @@ async def h9_and_its_worlds(loop):
         spawned.append(rank)
         return pmi1spawn.spawn_reply(0, request.total)
 
-    world = MpiWorld(KVS, HOSTS, loop, lifeline=None, remote={"h9": spawner}, log=log,
+    world = MpiWorld(KVS, HOSTS, loop, remote={"h9": spawner}, log=log,
                      on_abort=lambda *a: None, on_lost=lambda *a: None,
                      on_unserved=lambda *a: unserved.append(a))
     world.on_spawn = on_spawn
     world.open_remote()
     world.start()  # the job's names start with the instances' world
-    other = MpiWorld(SPAWNED_KVS, ["localhost"], loop, lifeline=None, log=log,
+    other = MpiWorld(SPAWNED_KVS, ["localhost"], loop, log=log,
                      on_abort=lambda *a: None, on_lost=lambda *a: None, names=world.names)
     other.on_spawn = on_spawn
     other.start()
@@ -381,10 +384,10 @@ def test_a_world_refuses_a_name_or_a_key_asked_from_a_host_it_does_not_run_on():
         told = []
         h7 = type("Spawner", (), {"host": "h7", "refused": 0, "tell": lambda self, kind, **f:
                                   told.append((kind, f))})()
-        world = MpiWorld(KVS, HOSTS, asyncio.get_running_loop(), lifeline=None,
+        world = MpiWorld(KVS, HOSTS, asyncio.get_running_loop(),
                          on_abort=lambda *a: None, on_lost=lambda *a: None, log=Warnings())
         world.start()
-        world.server.kvs.update({"k": "v"})
+        world.root.kvs.update({"k": "v"})
         world._from_agent(h7, Control(Kind.NAME, {"kvsname": KVS, "id": 1, "op": "publish",
                                                   "service": "s", "port": "p"}))
         world._from_agent(h7, Control(Kind.GET, {"kvsname": KVS, "id": 2, "key": "k"}))

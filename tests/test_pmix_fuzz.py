@@ -280,7 +280,7 @@ def test_what_an_agent_sends_about_pmix_never_breaks_the_launcher(messages):
     agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
     log, lost = _Log(), []
     world = PmixWorld("poprun-fuzz-0", ["h1", "h1", "h2", "h2"], agents, None,
-                      lambda *a: None, lambda host, why: lost.append((host, why)), log)
+                      lambda host, why: lost.append((host, why)), log)
     for kind, host, fields in messages:
         world.from_agent(agents[host], kind, fields)
     assert len(world._fences._open) <= MAX_OPEN_FENCES
@@ -322,10 +322,10 @@ def test_what_an_agent_sends_about_a_connect_across_namespaces_never_breaks_the_
 
     agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
     log = _Log()
-    parents = PmixWorld("poprun-fuzz-0", ["h1", "h2"], agents, None, lambda *a: None,
+    parents = PmixWorld("poprun-fuzz-0", ["h1", "h2"], agents, None,
                         lambda *a: None, log)
     children = PmixWorld("poprun-fuzz-0-spawn0", ["h2", "h2", "h1"], agents, None,
-                         lambda *a: None, lambda *a: None, log,
+                         lambda *a: None, log,
                          beside=parents)
     worlds = [parents, children]
     for which, host, fields in messages:
@@ -354,9 +354,9 @@ def test_a_connect_across_namespaces_is_refused_to_a_host_without_a_participant_
     from poprun.run.worlds.pmix import PmixWorld
 
     agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
-    parents = PmixWorld("poprun-fuzz-0", ["h1", "h2"], agents, None, lambda *a: None,
+    parents = PmixWorld("poprun-fuzz-0", ["h1", "h2"], agents, None,
                         lambda *a: None, _Log())
-    PmixWorld("poprun-fuzz-0-spawn0", ["h2"], agents, None, lambda *a: None,
+    PmixWorld("poprun-fuzz-0-spawn0", ["h2"], agents, None,
               lambda *a: None, _Log(), beside=parents)
     sets = [["poprun-fuzz-0", [0]], ["poprun-fuzz-0-spawn0", [0]]]
     parents.from_agent(agents["h2"], "FENCE_IN", {"ranks": [0], "seq": 0, "data": "",
@@ -381,7 +381,7 @@ def test_what_an_agent_says_about_pmix_in_a_loop_is_warned_once_per_host():
 
     agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
     log = _Log()
-    world = PmixWorld("poprun-fuzz-3", ["h1", "h2"], agents, None, lambda *a: None,
+    world = PmixWorld("poprun-fuzz-3", ["h1", "h2"], agents, None,
                       lambda *a: None, log)
     for _ in range(100):
         for host in ("h1", "h2"):
@@ -396,7 +396,7 @@ def test_a_host_that_enters_a_fence_twice_or_for_others_fails_that_fence_only():
     from poprun.run.worlds.pmix import PmixWorld
 
     agents = {"h1": _Agent("h1"), "h2": _Agent("h2")}
-    world = PmixWorld("poprun-fuzz-1", ["h1", "h2"], agents, None, lambda *a: None,
+    world = PmixWorld("poprun-fuzz-1", ["h1", "h2"], agents, None,
                       lambda *a: None, _Log())
     data = base64.b64encode(b"x").decode()
     world.from_agent(agents["h1"], "FENCE_IN", {"ranks": [0, 1], "seq": 0, "data": data})
@@ -417,7 +417,7 @@ def test_only_the_host_asked_for_a_rank_s_data_answers_for_it():
     from poprun.run.worlds.pmix import PmixWorld
 
     agents = {h: _Agent(h) for h in ("h1", "h2", "h3")}
-    world = PmixWorld("poprun-fuzz-2", ["h1", "h2", "h3"], agents, None, lambda *a: None,
+    world = PmixWorld("poprun-fuzz-2", ["h1", "h2", "h3"], agents, None,
                       lambda *a: None, _Log())
     world.from_agent(agents["h1"], "MODEX_WANT", {"id": 5, "rank": 2})
     [(kind, ask)] = agents["h3"].told

@@ -358,16 +358,13 @@ class Agent:
         self._handlers = {Kind.HELLO: self._hello, Kind.MKTEMP: self._mktemp,
                           Kind.MKDIR: self._mkdir, Kind.HEARTBEAT: self._heartbeat,
                           Kind.SPAWN: self._spawn, Kind.SIGNAL: self._signal,
-                          Kind.STACKS: self._stacks, Kind.WORLD: self._open_world,
-                          Kind.WORLD_END: self._end_world,
-                          Kind.VALUE: partial(self._to_world, Kind.VALUE),
-                          Kind.NAMED: partial(self._to_world, Kind.NAMED),
-                          Kind.SPAWNED_ANSWER: partial(self._to_world, Kind.SPAWNED_ANSWER),
-                          Kind.FENCE_OUT: partial(self._to_world, Kind.FENCE_OUT),
-                          Kind.MODEX_ASK: partial(self._to_world, Kind.MODEX_ASK),
-                          Kind.MODEX_DATA: partial(self._to_world, Kind.MODEX_DATA),
+                          Kind.STACKS: self._stacks,
                           Kind.PROBE: self._probe, Kind.FACTS: self._facts}
-        self._worlds: dict[str, Any] = {}  # kvsname -> spawner.worlds.nodeworld.AgentWorld
+        from .worlds.nodeworld import DOWN_KINDS, HostWorlds
+
+        # This host's MPI worlds (the launcher's WORLD frames), served as on every host
+        self._worlds = HostWorlds(loop, self._outbox.send, lifeline, self._pmix_host)
+        self._handlers.update({kind: partial(self._worlds.handle, kind) for kind in DOWN_KINDS})
         # this host's PMIx service (spawner.worlds.pmixhost), once a world needs it
         self._pmix = None
         self._facts_read: hostfacts.Reading | None = None  # what HELLO's `facts` asked
@@ -587,13 +584,6 @@ class Agent:
 
     # --- MPI worlds (spawner/worlds/nodeworld.py) -------------------------------------------
 
-    def _open_world(self, fields: dict[str, Any]) -> None:
-        from .worlds.nodeworld import AgentWorld
-
-        world = AgentWorld(self._loop, fields, self._outbox.send, self._lifeline,
-                           self._pmix_host, self._worlds)
-        self._worlds[world.kvsname] = world
-
     def _pmix_host(self, pmix: dict[str, Any], hostname: str):
         """This host's PMIx service (a server process per world), with the libpmix the
         launcher's user named, else the one found here (spawner/worlds/pmixfind.py), once it passed
@@ -615,17 +605,6 @@ class Agent:
                 raise LookupError(f"{path}: {exc}") from None
             self._pmix = PmixHost(path, self._lifeline, hostname, self._loop, warn=_log)
         return self._pmix
-
-    def _end_world(self, fields: dict[str, Any]) -> None:
-        world = self._worlds.pop(fields["kvsname"], None)
-        if world is not None:
-            self._loop.create_task(world.close())
-
-    def _to_world(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """FENCE_OUT, VALUE...: the launcher's answers to a world's requests."""
-        world = self._worlds.get(fields["kvsname"])
-        if world is not None:  # else one that has ended
-            world.answered(kind, fields)
 
     def _spawner_knows(self, key: int) -> bool:
         try:
@@ -658,8 +637,7 @@ class Agent:
         self._outbox.send(output_header(key, stream, len(data)), data)
 
     def on_exit(self, key: int, returncode: int) -> None:
-        for world in self._worlds.values():  # left Open MPI's world without MPI_Finalize?
-            world.exited(key)
+        self._worlds.exited(key)  # left Open MPI's world without MPI_Finalize?
         error = self._spawner.errors.get(key)  # sent only when there is one
         steps = self._spawner.progress(key)  # its last popdist.progress(), if it called it
         oom = self._spawner.oom_kills.get(key)  # the kernel's OOM killer ended it (oomkills.py)
@@ -730,9 +708,7 @@ class Agent:
         """SIGKILL every instance's group and reap it, remove the temp dirs; then a last,
         non-blocking attempt to tell the launcher (if it still listens) how they ended."""
         self._spawner.close()
-        for world in self._worlds.values():  # its instances are dead now
-            world.remove_leftovers()
-        self._worlds.clear()
+        self._worlds.remove_leftovers()  # its instances are dead now
         if self._pmix is not None:
             self._pmix.close()
         for path in self._temp_dirs:

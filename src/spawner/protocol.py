@@ -288,6 +288,10 @@ class Kind(enum.IntEnum):
 
 
 _KINDS = {int(k): k for k in Kind}
+# A host's node-level world's frames up its link to the world's root (spawner.worlds.nodeworld)
+WORLD_KINDS = frozenset({Kind.GET, Kind.MPI_ABORT, Kind.MPI_LOST, Kind.FENCE_IN,
+                         Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED, Kind.NAME,
+                         Kind.PMI_UNSERVED, Kind.SPAWN_ASK, Kind.PMIX_LOST})
 _STREAMS: dict[int, Stream] = {}
 
 

@@ -56,7 +56,7 @@ from poprun._version import __version__
 from .carried import MIN_PYTHON
 from .local import Sink
 from .protocol import (PROTOCOL_VERSION, Control, FrameDecoder, Kind, Output, ProtocolError,
-                       SpawnRequest, encode)
+                       SpawnRequest, WORLD_KINDS, encode)
 from .srun import STDERR_DATATYPE, NodeLink
 from .ssh import SshError
 from .uncompiled import dataclass  # nothing compiled at import (spawner/uncompiled.py)
@@ -73,12 +73,6 @@ DEADLINE_SLACK = 0.005  # seconds past a silence's deadline at which it is looke
 STDERR_TAIL = 4096  # bytes of the agent's stderr kept for error messages
 
 
-# The agent's frames about an MPI world it serves (spawner.worlds.nodeworld).
-_WORLD_KINDS = frozenset({Kind.GET, Kind.MPI_ABORT, Kind.MPI_LOST,
-                          Kind.FENCE_IN, Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED,
-                          Kind.NAME, Kind.PMI_UNSERVED, Kind.SPAWN_ASK})
-
-
 # The fields the launcher reads of the agent's frames, and the types they must have.
 _INT, _TEXT, _MAP, _OPTIONAL_MAP = (int,), (str,), (dict,), (dict, type(None))
 _SHAPES: dict[Kind, dict[str, tuple[type, ...]]] = {
@@ -91,7 +85,7 @@ _SHAPES: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.FAILED: {"id": (int, type(None)), "error": _TEXT},
     Kind.INTERNAL: {"error": _TEXT, "traceback": (str, type(None))},
     Kind.STATS: {"usage": _MAP, "progress": _OPTIONAL_MAP},
-    **{kind: {"kvsname": _TEXT} for kind in _WORLD_KINDS},
+    **{kind: {"kvsname": _TEXT} for kind in WORLD_KINDS},
 }
 
 
@@ -394,7 +388,7 @@ class RemoteSpawner:
         self.started_at: dict[int, float] = {}
         # The launcher's side of each MPI world served here (poprun/run/worlds/pmi1.py), by
         # kvsname: the instances' and those of their spawns (run/worlds/spawn.py). Called with
-        # each of the agent's frames about that world (_WORLD_KINDS).
+        # each of the agent's frames about that world (WORLD_KINDS).
         self._worlds: dict[str, Callable[[RemoteSpawner, Control], None]] = {}
         # Its world requests refused for naming a rank that does not run there (the first
         # is said: poprun/run/worlds/pmi1.py's MpiWorld._refuse)
@@ -742,12 +736,14 @@ class RemoteSpawner:
             self._resolve(self._spawning.pop(fields["key"], None), (fields["pid"], None))
         elif frame.kind is Kind.ALIVE:
             pass  # its arrival is the news (_on_data noted the time)
-        elif frame.kind in _WORLD_KINDS:
+        elif frame.kind in WORLD_KINDS:
             on_world = self._worlds.get(fields["kvsname"])
             if on_world is not None:
                 on_world(self, frame)
             else:  # a world that has ended, or none this agent serves
-                self._no_world(frame)
+                from .worlds.nodeworld import answer_no_world
+
+                answer_no_world(self.tell, frame)
         elif frame.kind is Kind.STATS:  # for a sink that shows them (the dashboard)
             on_usage = getattr(self._sink, "on_usage", None)
             # (an instance of an attempt before this one is no longer the sink's)
@@ -801,24 +797,6 @@ class RemoteSpawner:
                     if not (key.isdigit() and pair(value)):
                         return f"its {name} of {key[:20]!r} is not an instance's pair"
         return None
-
-    def _no_world(self, frame: Control) -> None:
-        """A world frame for a kvsname not served here (the world has ended, or never ran
-        there): dropped, a request answered with an error (its rank, if any, must not wait:
-        MPI_Comm_spawn, the name call or the get fails)."""
-        fields = frame.fields
-        if type(fields.get("id")) is not int:
-            return
-        if frame.kind is Kind.SPAWN_ASK:
-            from .worlds.pmi1spawn import spawn_reply
-
-            self.tell(Kind.SPAWNED_ANSWER, kvsname=fields["kvsname"], id=fields["id"],
-                      reply=spawn_reply(1, msg="spawn: no such MPI world here"))
-        elif frame.kind is Kind.NAME:
-            self.tell(Kind.NAMED, kvsname=fields["kvsname"], id=fields["id"], rc=1,
-                      value="no_such_world")
-        elif frame.kind is Kind.GET:
-            self.tell(Kind.VALUE, kvsname=fields["kvsname"], id=fields["id"], value=None)
 
     @staticmethod
     def _resolve(future: asyncio.Future | None, result: Any) -> None:

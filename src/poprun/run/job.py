@@ -103,10 +103,11 @@ class Job:
         self.spawner_of: dict[int, object] = {}  # instance -> the spawner that runs it
         self.stall: dict | None = None  # --stall-action kill stopped the job: the stall
         self.world = None  # the instances' MPI world (run/worlds/pmi1.MpiWorld), where served
+        # this host's node-level worlds (run/worlds/hostlink.HostLink), where ranks run here
+        self.host_link = None
         self.spawned = None  # what its instances spawned (run/worlds/spawn.Spawned), once they do
         # instance -> why a process it spawned failed and its status, for the first failure
         self._child_failures: dict[int, tuple[str, int]] = {}
-        self._lifeline: Lifeline | None = None
         self.mpi_aborts: dict[int, tuple[int, str]] = {}  # instance -> MPI_Abort's code, text
         self._unfinalized: set[int] = set()  # closed its MPI world before MPI_Finalize
         self._no_finalize: int | None = None  # the instance whose exit 0 stopped the job
@@ -143,12 +144,16 @@ class Job:
         (spawner.worlds.pmixhost), where Open MPI's world is served too."""
         self.on_finished, self.remote = on_finished, remote or {}
         self.local = LocalSpawner(self, self.loop, lifeline)
-        self._lifeline = lifeline
         if kvsname:
             from poprun.run.worlds.pmi1 import MpiWorld
 
+            here = [inst.host for inst in self.plan.instances if inst.host not in self.remote]
+            if here:  # this host's worlds, served as every agent serves its host's
+                from poprun.run.worlds.hostlink import HostLink
+
+                self.host_link = HostLink(here[0], self.loop, lifeline, pmix)
             self.world = MpiWorld(kvsname, [inst.host for inst in self.plan.instances],
-                                  self.loop, lifeline=lifeline, remote=self.remote,
+                                  self.loop, remote=self.remote, here=self.host_link,
                                   on_abort=self.on_mpi_abort, on_lost=self.on_mpi_lost,
                                   on_server_lost=self.on_world_server_lost, pmix=pmix,
                                   argv=self.plan.instances[0].argv, log=self.log)
@@ -158,7 +163,7 @@ class Job:
             self.log.info(f"MPI world: PMI-1 for {len(self.plan.instances)} instance(s)"
                           f"{hosts}, kvsname {kvsname}")
             await self.world.ready()
-            self._pmix_here = self.world.pmix is not None and self.world.pmix.ns is not None
+            self._pmix_here = self.world.served_here
             if pmix is not None:
                 self.log.info(f"MPI world: PMIx for Open MPI, namespace {kvsname}, served "
                               f"by {pmix.version or 'libpmix'} ({pmix.path})")
@@ -486,7 +491,7 @@ class Job:
         if self.spawned is None:
             from poprun.run.worlds.spawn import Spawned
 
-            self.spawned = Spawned(self, self.world.kvsname, self._lifeline,
+            self.spawned = Spawned(self, self.world.kvsname,
                                    self.world.job_names(), self.world.unserved)
         return await self.spawned.for_world()(rank, request)
 

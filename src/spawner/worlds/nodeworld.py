@@ -1,5 +1,6 @@
 """One MPI world's instances on an agent's host: served here, joined to the job's world
-through the launcher (docs/architecture.md, "The instances' worlds").
+through the launcher (docs/architecture.md, "The instances' worlds"). The launcher's own host
+runs this same code, linked to the world's root in-process (poprun/run/worlds/hostlink.py).
 
 The launcher's WORLD frame says which of its ranks run here. Each gets a PMI socket (its end
 watched until it speaks: worlds/pmi1ends.py); then a node-level PmiServer (worlds/pmi1.py)
@@ -74,11 +75,8 @@ class AgentWorld:
         self._ids = itertools.count(1)
         self._pmix = None  # this host's PMIx service, where Open MPI's world is served too
         self.pmix_ns = None  # the world's namespace on it (spawner.worlds.pmixhost.Served)
-        from .pmixuplink import Uplink
-
-        # Its PMIx fences and requests to the launcher (where Open MPI's world is served)
-        self._uplink = Uplink(self.kvsname, lambda kind, **fields: self._send(
-            encode(kind, **fields)), len(set(self._nodes)))
+        self.pmix_error: str | None = None  # why it could not be served here, if so
+        self._made_uplink = None  # `_uplink`, once needed
         # Done once the instances can be spawned (Open MPI's world registered, or not served)
         self.ready: asyncio.Future = loop.create_future()
         if fields.get("pmix") and pmix_host is not None and (
@@ -87,6 +85,17 @@ class AgentWorld:
             task.add_done_callback(lambda _: self.ready.done() or self.ready.set_result(None))
         else:
             self.ready.set_result(None)
+
+    @property
+    def _uplink(self):
+        """Its PMIx fences and requests to the root (spawner/worlds/pmixuplink.py), made
+        when first needed: a world without Open MPI's spares its modules' import."""
+        if self._made_uplink is None:
+            from .pmixuplink import Uplink
+
+            self._made_uplink = Uplink(self.kvsname, lambda kind, **fields: self._send(
+                encode(kind, **fields)), len(set(self._nodes)))
+        return self._made_uplink
 
     async def _open_pmix(self, pmix: dict[str, Any], pmix_host) -> None:
         from . import pmixplan
@@ -107,6 +116,7 @@ class AgentWorld:
                 pmixplan.world(self.kvsname, hosts, here, appnums), self, beside=beside)
         except (LookupError, OSError, RuntimeError, TypeError, ValueError) as exc:
             self._pmix = None
+            self.pmix_error = str(exc)
             self._send(encode(Kind.PMIX_UNSERVED, kvsname=self.kvsname, error=str(exc)))
 
     def attach(self, rank: int, environ: dict[str, str] | None = None
@@ -263,27 +273,106 @@ class AgentWorld:
 
     # --- ending -------------------------------------------------------------------------
 
-    async def close(self) -> None:
+    async def close(self) -> list[str]:
         """The world ends (its instances are gone): stop serving, remove MPICH's leftovers
-        and the namespace (with Open MPI's segments)."""
+        and the namespace (with Open MPI's segments); the paths of MPICH's removed."""
         self._ends.close()
         self._close_pmix()
         if self.server is not None:
             await self.server.close()
-        self.remove_leftovers()
+        return self.remove_leftovers()
 
     def _close_pmix(self) -> None:
-        self._uplink.close()
+        if self._made_uplink is not None:
+            self._made_uplink.close()
         if self.pmix_ns is not None:
             self._pmix.close_world(self.pmix_ns)
             self.pmix_ns = None
 
-    def remove_leftovers(self) -> None:
+    def remove_leftovers(self) -> list[str]:
+        """What MPICH left in /dev/shm removed (the paths), and the namespace."""
         self._close_pmix()
         if self.server is None:  # nobody spoke: MPICH made nothing
-            return
+            return []
         from ..reaphere import remove_mpich_shm
 
-        remove_mpich_shm(self.kvsname)
+        removed = [entry["path"] for entry in remove_mpich_shm(self.kvsname) if entry["done"]]
         if self._lifeline is not None:
             self._lifeline.discard_mpi_world(self.kvsname)
+        return removed
+
+
+class HostWorlds:
+    """A host's node-level worlds, by kvsname, as its link to the launcher's root opens,
+    answers and ends them (WORLD, the answers, WORLD_END): the agent's on every other host,
+    and the launcher's own host's (poprun/run/worlds/hostlink.py), the same code on both.
+    `send(bytes)`: a frame up the link; `pmix_host(pmix, hostname)`: the host's PMIx
+    service (LookupError where there is none)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, send: Callable[[bytes], None],
+                 lifeline, pmix_host) -> None:
+        self._loop, self._send, self._lifeline = loop, send, lifeline
+        self._pmix_host = pmix_host
+        self._worlds: dict[str, AgentWorld] = {}
+        self._closing: set[asyncio.Task] = set()
+
+    def get(self, kvsname: object) -> AgentWorld | None:
+        return self._worlds.get(kvsname)  # type: ignore[arg-type]
+
+    def __getitem__(self, kvsname: str) -> AgentWorld:
+        return self._worlds[kvsname]
+
+    def handle(self, kind: Kind, fields: dict[str, Any]) -> asyncio.Task | None:
+        """One of the link's world frames; WORLD_END's: the task that ends the world (its
+        result: the paths of MPICH's leftovers removed)."""
+        if kind is Kind.WORLD:
+            world = AgentWorld(self._loop, fields, self._send, self._lifeline,
+                               self._pmix_host, self._worlds)
+            self._worlds[world.kvsname] = world
+            return None
+        if kind is Kind.WORLD_END:
+            world = self._worlds.pop(fields["kvsname"], None)
+            if world is None:
+                return None
+            task = self._loop.create_task(world.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+            return task
+        world = self._worlds.get(fields["kvsname"])
+        if world is not None:  # else one that has ended
+            world.answered(kind, fields)
+        return None
+
+    def exited(self, key: int) -> None:
+        for world in self._worlds.values():  # left Open MPI's world without MPI_Finalize?
+            world.exited(key)
+
+    def remove_leftovers(self) -> None:
+        """Its instances are dead now."""
+        for world in self._worlds.values():
+            world.remove_leftovers()
+        self._worlds.clear()
+
+
+# What the root sends a host's worlds (HostWorlds.handle)
+DOWN_KINDS = (Kind.WORLD, Kind.WORLD_END, Kind.VALUE, Kind.NAMED, Kind.SPAWNED_ANSWER,
+              Kind.FENCE_OUT, Kind.MODEX_ASK, Kind.MODEX_DATA)
+
+
+def answer_no_world(tell: Callable[..., None], frame) -> None:
+    """A world frame up a link for a kvsname not served there (the world has ended, or
+    never ran on that host): dropped, a request answered with an error (its rank, if any,
+    must not wait: MPI_Comm_spawn, the name call or the get fails)."""
+    fields = frame.fields
+    if type(fields.get("id")) is not int:
+        return
+    if frame.kind is Kind.SPAWN_ASK:
+        from .pmi1spawn import spawn_reply
+
+        tell(Kind.SPAWNED_ANSWER, kvsname=fields["kvsname"], id=fields["id"],
+             reply=spawn_reply(1, msg="spawn: no such MPI world here"))
+    elif frame.kind is Kind.NAME:
+        tell(Kind.NAMED, kvsname=fields["kvsname"], id=fields["id"], rc=1,
+             value="no_such_world")
+    elif frame.kind is Kind.GET:
+        tell(Kind.VALUE, kvsname=fields["kvsname"], id=fields["id"], value=None)

@@ -83,10 +83,10 @@ Structure of this module:
 Barrier / key-value exchange across hosts (node-level forwarding)
 -----------------------------------------------------------------
 Every host serves its own instances with a node-level :class:`PmiServer`
-(the launcher's host in-process, the others in their agents); when all of
-*its* instances have entered the barrier it enters ONE fence upstream over
-every rank of the world (the barrier's number its sequence number), its part
-the union of their puts (FENCE_IN from an agent).  The :class:`Root`
+(spawner/worlds/nodeworld.py: in its agent, the launcher's host's in poprun, linked
+alike); when all of *its* instances have entered the barrier it enters ONE fence
+upstream over every rank of the world (the barrier's number its sequence number), its
+part the union of their puts (FENCE_IN).  The :class:`Root`
 completes the fence once every host has entered it (fences.FenceTable) and
 then answers each with the *delta* of that epoch: every key/value
 contributed by anybody during the epoch (not the whole key-value space).
@@ -769,8 +769,8 @@ class Root:
     fence over every rank (fences.FenceTable): each host enters it once, with its
     instances' puts, bounded and checked against the space; once every host has, each gets
     the epoch's delta. A host's part that cannot be one fails that host's barrier, never the
-    root. `nodes`: each rank's host, as node indices. The launcher's own host enters through
-    `node()`, in-process; an agent's through FENCE_IN (`enter`)."""
+    root. `nodes`: each rank's host, as node indices. Every host's node-level world enters
+    through FENCE_IN (`enter`), the launcher's own host's too (run/worlds/hostlink.py)."""
 
     def __init__(self, size: int, nodes: Iterable[int], names=None) -> None:
         from .fences import FenceTable
@@ -813,36 +813,3 @@ class Root:
             delta.update(part)
         for done in self._answers.pop(fence).values():
             done(delta, None)
-
-    def node(self, node: int) -> "Upstream":
-        """The :class:`Upstream` of a node-level server in this process (the launcher's
-        own host's): its barriers entered here, its gets and names answered here."""
-        return _InProcess(self, node)
-
-
-class _InProcess(Upstream):
-    def __init__(self, root: Root, node: int) -> None:
-        self.root, self.node, self._seq = root, node, 0
-
-    async def barrier(self, puts: Dict[str, str]) -> Dict[str, str]:
-        from .fences import FenceId
-
-        future = asyncio.get_running_loop().create_future()
-
-        def done(delta: Optional[Dict[str, str]], error: Optional[str]) -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(PmiError(error))
-            else:
-                future.set_result(delta)
-
-        fence, self._seq = FenceId(self.root.ranks, self._seq), self._seq + 1
-        self.root.enter(fence, self.node, puts, done)
-        return await future
-
-    async def get(self, key: str) -> Optional[str]:
-        return self.root.kvs.get(key)
-
-    async def name(self, op: str, service: str, port: str = "") -> Tuple[int, str]:
-        return self.root.names.answer(op, service, port)

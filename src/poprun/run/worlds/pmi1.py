@@ -4,16 +4,16 @@ MVAPICH) find their world through PMI-1: each instance gets one end of a socket 
 host's spawner (`PMI_FD`, `PMI_RANK`, `PMI_SIZE`, and the variables Hydra adds) and a PMI
 server (spawner/worlds/pmi1.py) answers its puts, gets and barriers. Ranks are instance indices.
 
-This host's instances are served here. On every other host the agent serves its own
-(spawner/worlds/nodeworld.py) and comes here only for what crosses hosts, over the connection it
-already has: one FENCE_IN per host and barrier, a GET for a key it has not seen, an abort or
-a lost connection. The world's root (spawner/worlds/pmi1.Root) holds the job's key-value
-space and combines the hosts' barriers; this host's instances are served by the same
-node-level server an agent runs, entering the root's barriers in-process.
+Every host's instances, this host's too, are served by that host's node-level world
+(spawner/worlds/nodeworld.py: in its agent, or here through run/worlds/hostlink.py), which
+comes here only for what crosses hosts, by its link: one FENCE_IN per host and barrier, a
+GET for a key it has not seen, a name, a spawn, an abort or a lost connection. The world's
+root (spawner/worlds/pmi1.Root) holds the job's key-value space and combines the hosts'
+barriers; it serves no host itself.
 
 A job that does not use MPI pays for a socket pair per instance and a WORLD frame per host:
 the servers (and the import of their module, ~5 ms) start when an instance first writes to
-its socket, or an agent first asks.
+its socket.
 
 The kvsname is unique per job and per attempt: MPICH names its shared memory after it, and a
 name used again finds the old segment (MPI_Init hangs). What an aborted or killed world
@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 from popdist import env as E
 from poprun.errors import ConfigError
 from poprun.text import shown_text
-from spawner.worlds.pmi1ends import PmiEnds
 
 if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agents in it
     from spawner.worlds import pmixcheck
@@ -97,10 +96,13 @@ class MpiWorld:
     """One PMI-1 world served from here: the instances' (one per attempt), or one their
     MPI_Comm_spawn made (run/worlds/spawn.py: `spawned`, its job's `names`, its ranks' `appnums`).
     `hosts`: each rank's host; `remote`: the agents (by host) of the hosts other than this
-    one that run some of its ranks. `argv`: the program, for Open MPI's world (`pmix`)."""
+    one; `here`: this host's link (run/worlds/hostlink.HostLink), where ranks run here. Each
+    host of the world (and of its parents', for Open MPI's spawns) is served by its node-level
+    world (spawner/worlds/nodeworld.py), this one's too, reached by its link. `argv`: the
+    program, for Open MPI's world (`pmix`: this host's PMIx service)."""
 
     def __init__(self, kvsname: str, hosts: Sequence[str], loop: asyncio.AbstractEventLoop,
-                 *, lifeline, remote: Mapping[str, object] | None = None,
+                 *, remote: Mapping[str, object] | None = None,
                  on_abort: Callable[[int, int, str], None],
                  on_lost: Callable[[int, bool], None],
                  on_server_lost: Callable[[str, str], None] | None = None, pmix=None,
@@ -108,39 +110,56 @@ class MpiWorld:
                  log=None, names=None, appnums: Mapping[int, int] | None = None,
                  spawned: bool = False,
                  on_unserved: Callable[[int, str, str], None] | None = None,
-                 pmix_beside=None) -> None:
-        self.kvsname, self.loop, self._lifeline = kvsname, loop, lifeline
-        self._hosts, self._remote = list(hosts), dict(remote or {})
+                 pmix_beside=None, here=None) -> None:
+        self.kvsname, self.loop = kvsname, loop
+        self._hosts = list(hosts)
         self._on_abort, self._on_lost = on_abort, on_lost
         self._local_size = {host: self._hosts.count(host) for host in set(self._hosts)}
         self._local_index = _local_indices(self._hosts)  # each rank's place on its host
         order = list(dict.fromkeys(self._hosts))
         self._nodes = [order.index(host) for host in self._hosts]  # each rank's host
         self._order = order
-        self._ends = PmiEnds(loop, self._start_server)
+        # Every host's link: the world's, and its parents' (Open MPI's connect between them)
+        served = order + (list(pmix_beside.names) if pmix_beside is not None else [])
+        links = {**(remote or {}), **({here.host: here} if here is not None else {})}
+        self._links = {host: links[host] for host in dict.fromkeys(served) if host in links}
+        self._here = here if here is not None and here.host in self._links else None
+        self._opened: set[str] = set()  # the hosts told of the world (WORLD)
         self._log, self._argv, self._spawned = log, list(argv), spawned
         self._appnums = dict(appnums or {})
         self._on_unserved = on_unserved or self.unserved
         self.names = names  # the job's published names (spawner/worlds/mpinames.py), once served
         self.on_spawn = None  # the job's MPI_Comm_spawn (Job._spawn_children: run/worlds/spawn.py)
         self._tasks: set[asyncio.Task] = set()
-        self.root = None  # spawner.worlds.pmi1.Root, once an instance or an agent has spoken
-        self.server = None  # this host's node-level PmiServer, then, where ranks run here
-        self._cleans_here = False  # MPICH may leave segments on this host (local instances)
+        self.root = None  # spawner.worlds.pmi1.Root, once a host has spoken
         self.pmix = None  # Open MPI's world (run/worlds/pmix.PmixWorld), where PMIx is served
         if pmix is not None:  # before the instances start: they need its variables
             from poprun.run.worlds.pmix import PmixWorld
 
-            self.pmix = PmixWorld(kvsname, self._hosts, self._remote, pmix, on_abort,
+            self.pmix = PmixWorld(kvsname, self._hosts, self._links, pmix,
                                   on_server_lost or (lambda host, reason: None), log,
-                                  names=self.name_for, on_unserved=self._on_unserved,
-                                  on_spawn=self.answer_spawn, beside=pmix_beside,
+                                  beside=pmix_beside,
                                   appnums=[self._appnums.get(r, 0) for r in range(self.size)])
 
     async def ready(self) -> None:
-        """Wait until the instances can be spawned: Open MPI's world registered here."""
-        if self.pmix is not None:
-            await self.pmix.open()
+        """Wait until the instances can be spawned here: the world open on this host (Open
+        MPI's namespace registered on its server)."""
+        if self._here is None:
+            return
+        self._open([self._here.host])
+        world = self._here.worlds[self.kvsname]
+        await world.ready
+        if self.pmix is not None and world.pmix_error is not None:
+            from poprun.errors import LaunchError
+
+            raise LaunchError(f"Open MPI's world (PMIx) cannot be served here: "
+                              f"{world.pmix_error}")
+
+    @property
+    def served_here(self) -> bool:
+        """Whether Open MPI's world is served on this host (a PMIx namespace here)."""
+        world = self._here.worlds.get(self.kvsname) if self._here is not None else None
+        return world is not None and world.pmix_ns is not None
 
     @property
     def size(self) -> int:
@@ -150,8 +169,8 @@ class MpiWorld:
         return [rank for rank, h in enumerate(self._hosts) if h == host]
 
     def variables(self, rank: int) -> dict[str, str]:
-        """What every rank is told, on any host (its host's spawner adds `PMI_FD` and
-        `PMI_HOSTNAME`); a spawned world's, that it was (`PMI_SPAWNED`)."""
+        """What every rank is told, on any host (its host's node-level world adds `PMI_FD`,
+        `PMI_HOSTNAME` and PMIx's); a spawned world's, that it was (`PMI_SPAWNED`)."""
         return {E.PMI_RANK: str(rank), E.PMI_SIZE: str(self.size),
                 E.MPI_LOCALRANKID: str(self._local_index[rank]),
                 E.MPI_LOCALNRANKS: str(self._local_size[self._hosts[rank]]),
@@ -159,58 +178,45 @@ class MpiWorld:
 
     def attach(self, rank: int, environ: Mapping[str, str] | None = None
                ) -> tuple[dict[str, str], socket.socket]:
-        """A local rank's end of its PMI socket (to inherit, then close here) and every
-        variable that points it there, and to the PMIx server where one is served (what
-        `environ`, the process's own, sets wins)."""
-        theirs = (self.server.attach(rank) if self.server is not None
-                  else self._ends.attach(rank))
-        pmix = (self.pmix.instance_env(rank, environ)
-                if self.pmix is not None and self.pmix.ns is not None else {})
-        return {**self.variables(rank), E.PMI_FD: str(theirs.fileno()),
-                E.PMI_HOSTNAME: socket.gethostname(), **pmix}, theirs
+        """A rank of this host's: its end of its PMI socket (to inherit, then close here) and
+        every variable that points it there, and to the PMIx server where one is served
+        (what `environ`, the process's own, sets wins)."""
+        self._open([self._here.host])
+        ours, theirs = self._here.attach(self.kvsname, rank, environ)
+        return {**self.variables(rank), **ours}, theirs
 
     def exited(self, rank: int) -> None:
-        """A local instance exited: one that joined Open MPI's world here and never left it
-        properly (no MPI_Finalize) is lost to its peers."""
-        if self.pmix is not None and self.pmix.lost_on_exit(rank):
-            self._on_lost(rank, True)
+        """A rank of this host's exited: one that joined Open MPI's world here and never left
+        it properly (no MPI_Finalize) is lost to its peers (its host's MPI_LOST)."""
+        if self._here is not None:
+            self._here.exited(self.kvsname, rank)
 
     def open_remote(self) -> None:
-        """Tell each agent which of the world's ranks run there (before their SPAWNs)."""
+        """Tell each host which of the world's ranks run there (before their SPAWNs)."""
+        self._open(self._links)
+
+    def _open(self, hosts) -> None:
         pmix = self.pmix.world_fields(self._argv) if self.pmix else None
-        for host, spawner in self._remote.items():
+        for host in hosts:
+            if host in self._opened:
+                continue
+            self._opened.add(host)
             ranks = self.ranks_on(host)
             appnums = {str(r): self._appnums[r] for r in ranks if self._appnums.get(r)}
-            spawner.open_world(self._from_agent, kvsname=self.kvsname, size=self.size,
-                               ranks=ranks, nodes=self._nodes, pmix=pmix,
-                               **({"appnums": appnums} if appnums else {}))
+            self._links[host].open_world(self._from_agent, kvsname=self.kvsname,
+                                         size=self.size, ranks=ranks, nodes=self._nodes,
+                                         pmix=pmix, **({"appnums": appnums} if appnums else {}))
 
     def start(self) -> None:
         """Serve now, not when a rank first speaks (a spawned world: its preput keys go in
         before its processes start)."""
         if self.root is None:
-            self._start_server()
+            self._start_root()
 
-    def _start_server(self) -> None:
+    def _start_root(self) -> None:
         from spawner.worlds import pmi1
 
-        local = [rank for rank, host in enumerate(self._hosts) if host not in self._remote]
-        # Before MPICH makes its segment here (its MPI_Init speaks PMI first): a poprun
-        # killed outright leaves nothing in /dev/shm either (spawner/lifeline.py).
-        self._cleans_here = bool(local)
-        if self._cleans_here and self._lifeline is not None:
-            self._lifeline.add_mpi_world(self.kvsname)
         self.root = pmi1.Root(self.size, self._nodes, self.job_names())
-        if not local:
-            return
-        self.server = pmi1.PmiServer(
-            self.kvsname, self.size, local_ranks=local,
-            upstream=self.root.node(self._nodes[local[0]]),
-            on_abort=self._on_abort, on_lost=self._on_lost,
-            process_mapping=pmi1.process_mapping_for_ranks(self._nodes),
-            on_unserved=self._on_unserved, on_spawn=self.on_spawn, appnums=self._appnums)
-        for rank, ours in self._ends.hand_over().items():
-            self.server.adopt(rank, ours)
 
     def job_names(self):
         """The job's published names (spawner/worlds/mpinames.py), which the world's root
@@ -226,8 +232,8 @@ class MpiWorld:
         return self.names
 
     def name_for(self, fields: Mapping, done: Callable[[int, str], None]) -> None:
-        """A NAME (an agent's, or this host's PMIx server's: `pmix`, its longer ports, a
-        lookup's `wait` and a publish's `once`) asked of the job's table; `done(rc, port
+        """A NAME (a host's; its PMIx server's: `pmix`, its longer ports, a lookup's `wait`
+        and a publish's `once`) asked of the job's table; `done(rc, port
         or why)` once answered (a lookup that waits: when the name comes, or its wait
         ends)."""
         from spawner.worlds import mpinames
@@ -288,7 +294,7 @@ class MpiWorld:
                               str(fields.get("why")))
             return
         if self.root is None:
-            self._start_server()
+            self._start_root()
         if frame.kind is Kind.SPAWN_ASK:
             task = self.loop.create_task(self._spawn_for(spawner, fields))
             self._tasks.add(task)
@@ -342,7 +348,7 @@ class MpiWorld:
         spawner.tell(Kind.SPAWNED_ANSWER, kvsname=self.kvsname, id=fields["id"], reply=reply)
 
     async def answer_spawn(self, rank: int, fields: object) -> dict:
-        """A SPAWN_ASK's request (an agent's, or this host's PMIx server's: PMIx_Spawn),
+        """A SPAWN_ASK's request (a host's PMI-1 spawn, or its PMIx server's PMIx_Spawn),
         checked and started (run/worlds/spawn.py); spawn_result's fields."""
         from spawner.worlds.pmi1 import PmiError
         from spawner.worlds.pmi1spawn import request_from_json, spawn_reply
@@ -379,7 +385,7 @@ class MpiWorld:
         from spawner.worlds.fences import fence_of
 
         if self.root is None:
-            self._start_server()
+            self._start_root()
         fence = fence_of(fields)  # its types: _check_from_agent
 
         def answer(delta, error) -> None:
@@ -392,26 +398,19 @@ class MpiWorld:
     # --- ending -------------------------------------------------------------------------
 
     async def close(self) -> list[str]:
-        """Stop serving (every instance has ended by now), let the agents clean up after
-        the world, and remove what MPICH left in /dev/shm here; the paths removed. A world
+        """Stop serving (every instance has ended by now): each host ends the world and
+        cleans up after it; the paths of what MPICH left in /dev/shm removed here. A world
         nobody spoke to has left nothing."""
-        self._ends.close()
         if self.pmix is not None:
             self.pmix.close()
-        for spawner in self._remote.values():
-            spawner.end_world(self.kvsname)
         for task in list(self._tasks):
             task.cancel()
-        if self.server is not None:
-            await self.server.close()
-        if not self._cleans_here:  # none of its ranks ran here
-            return []
-        from spawner.reaphere import remove_mpich_shm
-
-        removed = [entry["path"] for entry in remove_mpich_shm(self.kvsname) if entry["done"]]
-        if self._lifeline is not None:
-            self._lifeline.discard_mpi_world(self.kvsname)
-        return removed
+        ending = None
+        for host, link in self._links.items():
+            if host in self._opened:
+                task = link.end_world(self.kvsname)
+                ending = task if link is self._here else ending
+        return await ending if ending is not None else []
 
 
 def _local_indices(hosts: Sequence[str]) -> list[int]:

@@ -1,33 +1,32 @@
-"""Open MPI's world (PMIx) of one attempt, as the launcher serves and joins it
+"""Open MPI's world (PMIx) of one attempt, its root: what the hosts' PMIx servers send
 (docs/architecture.md, "The instances' worlds").
 
-This host's instances are served by this host's PMIx server (spawner/worlds/pmixhost.py: a
-process of its own per attempt, a fork of poprun); every other host's by its agent's
-(spawner/worlds/nodeworld.py). What crosses hosts comes here over the agents' connections, as
-for PMI-1: one FENCE_IN per host and fence (that host's instances' data), answered with
-FENCE_OUT once every host holding a participant has entered (their data in node order:
-spawner/worlds/fences.FenceTable); a direct modex for a rank on another host goes to that
-host's agent (MODEX_ASK, answered MODEX_GOT) and back (MODEX_DATA). Fences are named by their
-participants and a sequence number per participant set, which every host counts alike. Names
-and spawns go to the PMI-1 world's (MpiWorld.name_for, MpiWorld.answer_spawn). A connect or
+Every host's instances, this host's too, are served by that host's PMIx server
+(spawner/worlds/pmixhost.py: a process of its own per attempt) behind its node-level world
+(spawner/worlds/nodeworld.py: an agent's, or this host's through run/worlds/hostlink.py).
+What crosses hosts comes here by each host's link, as for PMI-1: one FENCE_IN per host and
+fence (that host's instances' data), answered with FENCE_OUT once every host holding a
+participant has entered (their data in node order: spawner/worlds/fences.FenceTable); a
+direct modex for a rank goes to the host that has it (MODEX_ASK, answered MODEX_GOT) and
+back (MODEX_DATA). Fences are named by their participants and a sequence number per
+participant set, which every host counts alike. A host's names, spawns and aborts are the
+PMI-1 world's frames (NAME, SPAWN_ASK, MPI_ABORT: run/worlds/pmi1.MpiWorld). A connect or
 group over several of the job's namespaces (an MPI_Comm_spawn's parents and children,
 MPI_Comm_connect between them) is the job's, not one world's: its hosts enter it by the link
 of any world they hold a participant of, and `Crossings` (one per job, its worlds' table:
 spawner/worlds/fences.CrossTable) answers each by that link once every host holding a
 participant of any of the namespaces has entered.
 
-What an agent sends is checked (spawner/worlds/fences.FenceError): a broken or hostile host's
+What a host sends is checked (spawner/worlds/fences.FenceError): a broken or hostile host's
 fence ends in an error for that fence's instances, never in an exception here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from poprun.errors import LaunchError
 from spawner.worlds import pmixplan
 from spawner.worlds.fences import CrossTable, FenceTable
 from spawner.worlds.pmixplan import ERR_NOT_FOUND, ERROR, SUCCESS
@@ -38,59 +37,30 @@ MAX_ASKS = 1 << 16  # direct modex requests waiting for an agent's answer, in on
 class PmixWorld:
     """One attempt's PMIx namespace across hosts, or one its MPI_Comm_spawn made (`beside`:
     the parents' PmixWorld, whose server serves it too on each host holding both, and whose
-    `crossings` it shares); `remote`: the agents by host.
-    `on_spawn(rank, request)`: a spawn's reply (run/worlds/pmi1.MpiWorld.answer_spawn)."""
+    `crossings` it shares); `links`: every host's link (an agent's, this host's:
+    run/worlds/hostlink.py), by host; `pmix`: this host's PMIx service, whose libpmix the
+    agents are told of."""
 
-    def __init__(self, kvsname: str, hosts: Sequence[str], remote: Mapping[str, object],
-                 pmix, on_abort: Callable[[int, int, str], None],
-                 on_server_lost: Callable[[str, str], None], log, names=None,
-                 on_unserved: Callable[[int, str, str], None] | None = None,
-                 on_spawn: Callable[[int, object], Awaitable[dict]] | None = None,
+    def __init__(self, kvsname: str, hosts: Sequence[str], links: Mapping[str, object],
+                 pmix, on_server_lost: Callable[[str, str], None], log,
                  beside: PmixWorld | None = None, appnums: Sequence[int] = ()) -> None:
-        """`names(fields, done)`: asks the job's name table (run/worlds/pmi1.MpiWorld.name_for);
-        `on_unserved(rank, cmd, why)`: a request answered with an error, for -v."""
-        self.kvsname, self._remote, self._on_abort, self._log = kvsname, remote, on_abort, log
-        self._names = names
-        self.unserved = on_unserved or (lambda rank, cmd, why: None)
-        self._on_spawn, self._beside = on_spawn, beside
-        self._tasks: set[asyncio.Task] = set()
+        self.kvsname, self._links, self._log = kvsname, links, log
+        self._beside = beside
         self._on_server_lost = on_server_lost
         self.names = list(dict.fromkeys(hosts))
         self._hosts = list(hosts)
-        local = [h for h in self.names if h not in remote]
-        here = self.here = local[0] if local else self.names[0]
-        self.world = pmixplan.world(kvsname, hosts, here, appnums)
-        self._local_node = self.names.index(here) if local else None
+        self.world = pmixplan.world(kvsname, hosts, None, appnums)  # the root's: no host's
         self._pmix = pmix
         self._fences = FenceTable(self.world.nodes, pmixplan.MAX_FENCE_DATA)
-        self._done: dict[pmixplan.FenceId, Callable[[int, bytes], None]] = {}  # local waiter
         self._ids = itertools.count(1)
-        # our MODEX_ASK's id -> (who waits for the data, the host asked: only its agent
+        # our MODEX_ASK's id -> (who waits for the data, the host asked: only its link
         # answers it)
         self._asks: dict[int, tuple[Callable[[int, bytes], None], str]] = {}
-        self._local = bool(local)
         self._said: set[tuple[str, str]] = set()  # (host, what): its warnings, once each
-        self.ns = None  # the world's namespace on this host's server (worlds.pmixhost.Served)
         # The job's connects across namespaces: the instances' world makes it, each world
         # spawned from it shares it
         self.crossings = beside.crossings if beside is not None else Crossings()
         self.crossings.add(self)
-
-    async def open(self) -> None:
-        """Register the world on this host's server (a fresh one), before the instances
-        that need its variables start."""
-        from spawner.worlds.pmixhost import PmixServerError
-
-        beside = self._beside.ns if self._beside is not None else None
-        if self._pmix is not None and (self._local or beside is not None):
-            # None of its ranks here but its parents: beside them, for their connect
-            world = self.world if self._local else self.world._replace(
-                here=pmixplan.NONE_HERE)
-            try:
-                self.ns = await self._pmix.open(world, self, beside=beside)
-            except PmixServerError as exc:
-                raise LaunchError(f"Open MPI's world (PMIx) cannot be served here: {exc}") \
-                    from None
 
     @property
     def service(self):
@@ -98,66 +68,16 @@ class PmixWorld:
         return self._pmix
 
     def world_fields(self, argv: Sequence[str]) -> dict:
-        """What a WORLD frame tells the agents: serve PMIx too, with these node names (and
+        """What a WORLD frame tells each host: serve PMIx too, with these node names (and
         the libpmix the user named, else theirs, found as here)."""
         return {"names": self.names, "libpmix": self._pmix.given, "argv": list(argv[:1]),
                 **({"beside": self._beside.kvsname} if self._beside is not None else {})}
-
-    def instance_env(self, rank: int, environ) -> dict[str, str]:
-        return self._pmix.instance_env(self.ns, rank, environ)
-
-    def lost_on_exit(self, rank: int) -> bool:
-        """A local instance exited: lost to its peers (pmixhost.Served.lost_on_exit)?"""
-        return self.ns is not None and self.ns.lost_on_exit(rank)
-
-    # --- this host's server (spawner.worlds.pmixhost.Handler) -----------------------------------
-
-    def fence(self, fence: pmixplan.FenceId, data: bytes, done) -> None:
-        self._done[fence] = done
-        if fence.sets:
-            self.crossings.enter(self, self.here, fence, data)
-        else:
-            self._contribute(fence, self._local_node, data)
-
-    def direct_modex(self, rank: int, done) -> None:
-        spawner = self._remote.get(self._hosts[rank])
-        if spawner is None:
-            done(ERR_NOT_FOUND, b"")
-            return
-        ask = next(self._ids)
-        self._asks[ask] = (done, self._hosts[rank])
-        spawner.tell(_kind("MODEX_ASK"), kvsname=self.kvsname, id=ask, rank=rank)
-
-    def abort(self, rank: int, status: int, message: str) -> None:
-        self._on_abort(rank, status, pmixplan.abort_message(message))
-
-    def pmix_name(self, fields: dict, done: Callable[[int, str], None]) -> None:
-        if self._names is None:
-            done(1, "names_not_served")
-        else:
-            self._names({**fields, "pmix": True}, done)
-
-    def server_lost(self, reason: str) -> None:
-        self._on_server_lost(self.here, reason)
-
-    def spawn(self, rank: int, request: dict, done: Callable[[dict], None]) -> None:
-        async def answer() -> None:
-            if self._on_spawn is None:
-                from spawner.worlds.pmi1spawn import spawn_reply
-
-                done(spawn_reply(1, msg="spawn: not served"))
-            else:
-                done(await self._on_spawn(rank, request))
-
-        task = asyncio.get_running_loop().create_task(answer())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # --- what the agents send ------------------------------------------------------------
 
     def from_agent(self, spawner, kind_name: str, fields: dict) -> None:
         host = spawner.host
-        if host not in self._remote:  # a host of the world's, or of its parents' only
+        if host not in self._links:  # a host of the world's, or of its parents' only
             return
         try:
             if kind_name == "FENCE_IN":
@@ -207,12 +127,7 @@ class PmixWorld:
     def answer_host(self, host: str, fence: pmixplan.FenceId, status: int, blob: bytes,
                     error: str | None = None) -> None:
         """`host`'s answer to a fence it entered by this world's link."""
-        if self._local and host == self.here:
-            done = self._done.pop(fence, None)
-            if done is not None:
-                done(status, blob)
-            return
-        spawner = self._remote.get(host)
+        spawner = self._links.get(host)
         if spawner is None:
             return
         sets = {"sets": pmixplan.sets_json(fence.sets)} if fence.sets else {}
@@ -221,7 +136,7 @@ class PmixWorld:
                      seq=fence.seq, **sets, **outcome)
 
     def _wanted(self, spawner, their_id: int, rank: int) -> None:
-        """An agent wants `rank`'s data: from this host's server, or from its host's agent."""
+        """A host wants `rank`'s data: from its host's node-level world."""
         if not 0 <= rank < self.world.size:
             raise ValueError(f"rank {rank}")
         owner = self._hosts[rank]
@@ -235,18 +150,15 @@ class PmixWorld:
             spawner.tell(_kind("MODEX_DATA"), kvsname=self.kvsname, id=their_id,
                          status=status, data=pmixplan.b64(data))
 
-        if owner not in self._remote:
-            if self.ns is None:
-                answer(ERR_NOT_FOUND, b"")
-            else:
-                self._pmix.dmodex_request(self.ns, rank, answer)
+        if owner not in self._links:  # a host nobody serves
+            answer(ERR_NOT_FOUND, b"")
             return
         if len(self._asks) >= MAX_ASKS:  # an owner that never answers: refuse, not grow
             answer(ERROR, b"")
             return
         ask = next(self._ids)
         self._asks[ask] = (answer, owner)
-        self._remote[owner].tell(_kind("MODEX_ASK"), kvsname=self.kvsname, id=ask, rank=rank)
+        self._links[owner].tell(_kind("MODEX_ASK"), kvsname=self.kvsname, id=ask, rank=rank)
 
     def _got(self, host: str, ask: int, status: int, data: bytes) -> None:
         """`host`'s agent answers a MODEX_ASK: one sent to another host is not its to
@@ -257,16 +169,9 @@ class PmixWorld:
             waiting[0](status, data)
 
     def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for done in self._done.values():  # nobody is left to complete them
-            done(ERROR, b"")
-        self._done.clear()
+        """The world ends (each host's node-level world closes its namespace)."""
         self._asks.clear()
         self.crossings.remove(self)
-        if self.ns is not None:
-            self._pmix.close_world(self.ns)
-            self.ns = None
 
 
 class Crossings:

@@ -76,8 +76,8 @@ class Spawned:
     # Keys of spawned processes in the job's spawners: after any instance index.
     KEY_BASE = 1 << 24
 
-    def __init__(self, job, kvsname: str, lifeline, names, unserved) -> None:
-        self._job, self._kvsname, self._lifeline = job, kvsname, lifeline
+    def __init__(self, job, kvsname: str, names, unserved) -> None:
+        self._job, self._kvsname = job, kvsname
         self._names, self._unserved = names, unserved
         self._keys = itertools.count(self.KEY_BASE)
         self._worlds: list[MpiWorld] = []
@@ -157,11 +157,10 @@ class Spawned:
         hosts = [p.host for p in placed]
         parents = job.world.pmix if request.pmix and job.world is not None else None
         world = MpiWorld(
-            f"{self._kvsname}-spawn{number - 1}", hosts, job.loop, lifeline=self._lifeline,
+            f"{self._kvsname}-spawn{number - 1}", hosts, job.loop,
             # Open MPI's: its parents' hosts too, whose servers then hold its namespace
-            remote={h: job.remote[h] for h in dict.fromkeys(
-                hosts + (parents.names if parents is not None else [])) if h in job.remote},
-            log=job.log, names=self._names, appnums={p.rank: p.appnum for p in placed},
+            remote=job.remote, here=job.host_link, log=job.log, names=self._names,
+            appnums={p.rank: p.appnum for p in placed},
             spawned=True, pmix=parents.service if parents is not None else None,
             pmix_beside=parents,
             on_unserved=lambda rank, cmd, why: self._unserved(

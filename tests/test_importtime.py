@@ -54,8 +54,10 @@ def test_a_start_imports_nothing_heavy(args):
 
 # poprun's own modules a clean local launch has no use for: the root cause of a failure
 # (imported when an instance fails), a stacks dump's parsers (when stacks are asked for), the
-# usage samples of remote agents.
-NOT_FOR_A_CLEAN_LAUNCH = ("poprun.rootcause", "spawner.stackparse", "spawner.procstat")
+# usage samples of remote agents, the node-level MPI world and the agent protocol its link
+# speaks (when an instance first speaks PMI: run/worlds/pmi1.MpiWorld.attach).
+NOT_FOR_A_CLEAN_LAUNCH = ("poprun.rootcause", "spawner.stackparse", "spawner.procstat",
+                          "spawner.worlds.nodeworld", "spawner.protocol")
 
 
 def test_a_clean_launch_leaves_out_what_only_failures_and_remote_hosts_need():
@@ -67,6 +69,16 @@ def test_a_clean_launch_leaves_out_what_only_failures_and_remote_hosts_need():
 def test_a_failed_launch_imports_the_root_cause():  # the check above can see it
     modules = imported("--num-instances=2", "--num-replicas=2", *OFFLINE, "false")
     assert "poprun.rootcause" in modules
+
+
+def test_an_mpi_launch_imports_the_node_level_world():  # the check above can see it
+    probe = subprocess.run([sys.executable, "-c", "import mpi4py.MPI"], capture_output=True,
+                           timeout=60)
+    if probe.returncode != 0:
+        skip_or_fail("no mpi4py over MPICH here", "POPRUN_REQUIRE_MPI")
+    modules = imported("--num-instances=2", "--num-replicas=2", *OFFLINE, sys.executable,
+                       "-c", "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()")
+    assert {"spawner.worlds.nodeworld", "spawner.protocol"} <= modules
 
 
 def test_py_libnuma_is_imported_without_running_ldconfig():

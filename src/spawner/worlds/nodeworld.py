@@ -35,14 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from popdist.env import PMI_FD, PMI_HOSTNAME
-
-from .pmi1ends import PmiEnds
+from .pmi1ends import PmiEnds, end_variables
 from ..protocol import Kind, encode
 
 
@@ -127,8 +124,16 @@ class AgentWorld:
         theirs = self.server.attach(rank) if self.server else self._ends.attach(rank)
         pmix = (self._pmix.instance_env(self.pmix_ns, rank, environ)
                 if self.pmix_ns is not None else {})
-        return {PMI_FD: str(theirs.fileno()), PMI_HOSTNAME: os.uname().nodename,
-                **pmix}, theirs
+        return {**end_variables(theirs), **pmix}, theirs
+
+    def adopt(self, ends: Mapping[int, socket.socket]) -> None:
+        """Ranks' ends handed out before the world was opened here (the launcher's host,
+        where a PMI-1 world opens when one of its ranks first speaks: run/worlds/pmi1.
+        MpiWorld.attach), served from now on as its own."""
+        if self.server is None:
+            self._start()
+        for rank, ours in ends.items():
+            self.server.adopt(rank, ours)
 
     def _start(self) -> None:
         from .pmi1 import PmiServer, process_mapping_for_ranks

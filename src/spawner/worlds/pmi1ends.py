@@ -10,8 +10,16 @@ instance exits without a word is closed and forgotten.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import Callable
+
+from popdist.env import PMI_FD, PMI_HOSTNAME
+
+
+def end_variables(theirs: socket.socket) -> dict[str, str]:
+    """What points an instance at its end of its PMI socket (inherited as is), on any host."""
+    return {PMI_FD: str(theirs.fileno()), PMI_HOSTNAME: os.uname().nodename}
 
 
 class PmiEnds:

@@ -16,10 +16,15 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from spawner.protocol import WORLD_KINDS, Control, FrameDecoder, Kind, ProtocolError, encode
-from spawner.worlds.nodeworld import DOWN_KINDS, HostWorlds, answer_no_world
+if TYPE_CHECKING:
+    from spawner.protocol import Control, Kind
+    from spawner.worlds.nodeworld import HostWorlds
+
+# The protocol's and the node-level world's modules (~4 ms of imports) are imported once a
+# world opens here, not with this module: a job whose instances never speak MPI opens none
+# (run/worlds/pmi1.MpiWorld.attach), and its launch stays where it was.
 
 
 class HostLink:
@@ -29,10 +34,22 @@ class HostLink:
     def __init__(self, host: str, loop: asyncio.AbstractEventLoop, lifeline,
                  pmix=None) -> None:
         self.host, self._pmix = host, pmix
+        self._loop, self._lifeline = loop, lifeline
         self.refused = 0  # as RemoteSpawner.refused (run/worlds/pmi1.MpiWorld._refuse)
-        self._up, self._down = FrameDecoder(), FrameDecoder()
         self._roots: dict[str, Callable[[HostLink, Control], None]] = {}
-        self.worlds = HostWorlds(loop, self._from_host, lifeline, self._pmix_host)
+        self._worlds: HostWorlds | None = None  # once a world opens here (`worlds`)
+
+    @property
+    def worlds(self) -> HostWorlds:
+        """This host's node-level worlds (made when the first opens)."""
+        if self._worlds is None:
+            from spawner.protocol import FrameDecoder
+            from spawner.worlds.nodeworld import HostWorlds
+
+            self._up, self._down = FrameDecoder(), FrameDecoder()
+            self._worlds = HostWorlds(self._loop, self._from_host, self._lifeline,
+                                      self._pmix_host)
+        return self._worlds
 
     def _pmix_host(self, fields: Mapping[str, Any], hostname: str):
         if self._pmix is None:
@@ -44,31 +61,42 @@ class HostLink:
     def open_world(self, on_world: Callable[[HostLink, Control], None],
                    **fields: Any) -> None:
         """WORLD: the world's ranks here served; its frames up go to `on_world`."""
+        from spawner.protocol import Kind
+
         self._roots[fields["kvsname"]] = on_world
         self.tell(Kind.WORLD, **fields)
 
     def end_world(self, kvsname: str) -> asyncio.Task | None:
         """WORLD_END: the task that ends it here (its result: the paths of MPICH's
         leftovers removed), None where it was not open."""
+        from spawner.protocol import Kind
+
         if self._roots.pop(kvsname, None) is None:
             return None
-        return self._send_down(encode(Kind.WORLD_END, kvsname=kvsname))
+        return self._send_down(Kind.WORLD_END, kvsname=kvsname)
 
     def tell(self, kind: Kind, **fields: Any) -> None:
-        self._send_down(encode(kind, **fields))
+        self._send_down(kind, **fields)
 
-    def _send_down(self, data: bytes) -> asyncio.Task | None:
+    def _send_down(self, kind: Kind, **fields: Any) -> asyncio.Task | None:
+        from spawner.protocol import Control, ProtocolError, encode
+        from spawner.worlds.nodeworld import DOWN_KINDS
+
         task = None
-        for frame in self._down.feed(data):
+        worlds = self.worlds
+        for frame in self._down.feed(encode(kind, **fields)):
             if not isinstance(frame, Control) or frame.kind not in DOWN_KINDS:
                 raise ProtocolError(f"not a world's frame down its link: {frame!r:.100}")
-            task = self.worlds.handle(frame.kind, frame.fields)
+            task = worlds.handle(frame.kind, frame.fields)
         return task
 
     # --- the host's side ------------------------------------------------------------------
 
     def _from_host(self, data: bytes) -> None:
         """A node-level world's frame up the link, read as RemoteSpawner reads an agent's."""
+        from spawner.protocol import WORLD_KINDS, Control, ProtocolError
+        from spawner.worlds.nodeworld import answer_no_world
+
         for frame in self._up.feed(data):
             if not (isinstance(frame, Control) and frame.kind in WORLD_KINDS
                     and isinstance(frame.fields.get("kvsname"), str)):
@@ -87,6 +115,6 @@ class HostLink:
 
     def exited(self, kvsname: str, rank: int) -> None:
         """A rank here exited (nodeworld.AgentWorld.exited: lost to its peers?)."""
-        world = self.worlds.get(kvsname)
+        world = self._worlds.get(kvsname) if self._worlds is not None else None
         if world is not None:
             world.exited(rank)

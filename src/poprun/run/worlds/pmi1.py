@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from popdist import env as E
 from poprun.errors import ConfigError
 from poprun.text import shown_text
+from spawner.worlds.pmi1ends import PmiEnds, end_variables
 
 if TYPE_CHECKING:  # the protocol (~3.5 ms to import) only for a world with agents in it
     from spawner.worlds import pmixcheck
@@ -125,6 +126,7 @@ class MpiWorld:
         self._links = {host: links[host] for host in dict.fromkeys(served) if host in links}
         self._here = here if here is not None and here.host in self._links else None
         self._opened: set[str] = set()  # the hosts told of the world (WORLD)
+        self._unspoken = None  # this host's ranks' ends before the world opens here (attach)
         self._log, self._argv, self._spawned = log, list(argv), spawned
         self._appnums = dict(appnums or {})
         self._on_unserved = on_unserved or self.unserved
@@ -144,7 +146,7 @@ class MpiWorld:
     async def ready(self) -> None:
         """Wait until the instances can be spawned here: the world open on this host (Open
         MPI's namespace registered on its server)."""
-        if self._here is None:
+        if self._here is None or self.pmix is None:  # PMI-1's opens when a rank speaks
             return
         self._open([self._here.host])
         world = self._here.worlds[self.kvsname]
@@ -158,7 +160,9 @@ class MpiWorld:
     @property
     def served_here(self) -> bool:
         """Whether Open MPI's world is served on this host (a PMIx namespace here)."""
-        world = self._here.worlds.get(self.kvsname) if self._here is not None else None
+        if self._here is None or self.pmix is None:
+            return False
+        world = self._here.worlds.get(self.kvsname)
         return world is not None and world.pmix_ns is not None
 
     @property
@@ -180,10 +184,24 @@ class MpiWorld:
                ) -> tuple[dict[str, str], socket.socket]:
         """A rank of this host's: its end of its PMI socket (to inherit, then close here) and
         every variable that points it there, and to the PMIx server where one is served
-        (what `environ`, the process's own, sets wins)."""
+        (what `environ`, the process's own, sets wins). A PMI-1 world opens here only once
+        one of its ranks here first writes to its socket (`_spoken_here`): until then they
+        get socket pairs from here, so that a job that never uses MPI pays for those alone,
+        not for the node-level world and its modules' import (~4 ms)."""
+        if self.pmix is None and self._here.host not in self._opened:
+            if self._unspoken is None:
+                self._unspoken = PmiEnds(self.loop, self._spoken_here)
+            theirs = self._unspoken.attach(rank)
+            return {**self.variables(rank), **end_variables(theirs)}, theirs
         self._open([self._here.host])
         ours, theirs = self._here.attach(self.kvsname, rank, environ)
         return {**self.variables(rank), **ours}, theirs
+
+    def _spoken_here(self) -> None:
+        """A rank here wrote first: the world opens here, its node-level world serving the
+        ends handed out so far."""
+        self._open([self._here.host])
+        self._here.worlds[self.kvsname].adopt(self._unspoken.hand_over())
 
     def exited(self, rank: int) -> None:
         """A rank of this host's exited: one that joined Open MPI's world here and never left
@@ -192,8 +210,9 @@ class MpiWorld:
             self._here.exited(self.kvsname, rank)
 
     def open_remote(self) -> None:
-        """Tell each host which of the world's ranks run there (before their SPAWNs)."""
-        self._open(self._links)
+        """Tell each other host which of the world's ranks run there (before their SPAWNs;
+        this one's is opened by `ready` or `attach`)."""
+        self._open(host for host, link in self._links.items() if link is not self._here)
 
     def _open(self, hosts) -> None:
         pmix = self.pmix.world_fields(self._argv) if self.pmix else None
@@ -403,6 +422,8 @@ class MpiWorld:
         nobody spoke to has left nothing."""
         if self.pmix is not None:
             self.pmix.close()
+        if self._unspoken is not None:
+            self._unspoken.close()
         for task in list(self._tasks):
             task.cancel()
         ending = None

@@ -3,9 +3,12 @@
 Open MPI up as mpirun would (docs/architecture.md, "The environment contract"):
 
 - `oversub`: 4 ranks on 2 CPUs (everything under `taskset -c 0,1`), a loop of small
-  allreduces. mpirun, oversubscribed, tells Open MPI to yield when idle; poprun does
-  (OMPI_MCA_mpi_yield_when_idle). The `poprun, no yield` side is poprun told the opposite
-  (what it did before), for scale.
+  allreduces (`--iters`, 200,000: seconds, many scheduler slices; a loop of tens of ms is
+  decided by where a few slices fall). mpirun, oversubscribed, tells Open MPI to yield when
+  idle; poprun does (OMPI_MCA_mpi_yield_when_idle). The `poprun, no yield` sides are poprun
+  told the opposite (what it did before), for scale, on a loop of their own
+  (`--no-yield-iters`, 2000: ~5 ms an allreduce, so the full loop would take ~17 min; 0
+  leaves them out).
 - `twohosts`: two hosts of two ranks each in network namespaces (tests/netns_hosts.py: each
   on networks a and b), a 16 MB allreduce. mpirun is told `--mca btl_tcp_if_include eth-b`;
   poprun `--host-subnet` b, which it passes on (OMPI_MCA_btl_tcp_if_include). The `poprun,
@@ -13,7 +16,7 @@ Open MPI up as mpirun would (docs/architecture.md, "The environment contract"):
   before: it then stripes over a and b.
 
     python bench/ompi_collectives_bench.py                      # both, 5 reps
-    python bench/ompi_collectives_bench.py --scenarios oversub --reps 9
+    python bench/ompi_collectives_bench.py --scenarios oversub --reps 9 --no-yield-iters 0
 
 Each run's figure is the collective loop's own time, as rank 0 measures it (after a warm-up
 collective and a barrier), not the launch's; the sides are interleaved, one warm-up run each.
@@ -103,30 +106,32 @@ def ratio(times: dict[str, list[float]], mine: str, theirs: str) -> None:
               f"{statistics.median(times[mine]) / statistics.median(times[theirs]):.2f}x")
 
 
-def oversub(reps: int) -> None:
-    """4 ranks on CPUs 0 and 1, 2000 allreduces of 8 doubles."""
+def oversub(reps: int, iters: int, no_yield_iters: int) -> None:
+    """4 ranks on CPUs 0 and 1, `iters` allreduces of 8 doubles (`no_yield_iters` where
+    told not to yield)."""
     cpus = ["taskset", "-c", "0,1"]
-    rank = ["-c", PROGRAM, "8", "2000"]
+    rank = ["-c", PROGRAM, "8", str(iters)]
+    slow = ["-c", PROGRAM, "8", str(no_yield_iters)]
+    no_yield = ["-x", "OMPI_MCA_mpi_yield_when_idle=0"]
+    four = ["--num-instances=4", "--num-replicas=4"]
     env = dict(os.environ)
     wheel = {**env, **WHEEL_ENV}
     sides = {
-        "4.1 poprun": (cpus + poprun("--num-instances=4", "--num-replicas=4",
-                                     "/usr/bin/python3", *rank), env),
-        "4.1 poprun, no yield": (cpus + poprun("--num-instances=4", "--num-replicas=4",
-                                               "-x", "OMPI_MCA_mpi_yield_when_idle=0",
-                                               "/usr/bin/python3", *rank), env),
+        "4.1 poprun": (cpus + poprun(*four, "/usr/bin/python3", *rank), env),
+        "4.1 poprun, no yield": (cpus + poprun(*four, *no_yield, "/usr/bin/python3", *slow),
+                                 env),
         "4.1 mpirun --oversubscribe": (cpus + ["/usr/bin/mpirun", *ROOT, "--oversubscribe",
                                                "-n", "4", "/usr/bin/python3", *rank], env),
-        "5 poprun": (cpus + poprun("--num-instances=4", "--num-replicas=4", sys.executable,
-                                   *rank), wheel),
-        "5 poprun, no yield": (cpus + poprun("--num-instances=4", "--num-replicas=4", "-x",
-                                             "OMPI_MCA_mpi_yield_when_idle=0",
-                                             sys.executable, *rank), wheel),
+        "5 poprun": (cpus + poprun(*four, sys.executable, *rank), wheel),
+        "5 poprun, no yield": (cpus + poprun(*four, *no_yield, sys.executable, *slow), wheel),
         "5 prterun --oversubscribe": (cpus + [os.path.join(sys.prefix, "bin", "prterun"),
                                               *ROOT, "--oversubscribe", "-n", "4",
                                               sys.executable, *rank], wheel),
     }
-    times = interleave(sides, reps, 4, "oversub: 4 ranks on 2 CPUs, 2000 x allreduce(8 doubles)")
+    if not no_yield_iters:
+        sides = {name: side for name, side in sides.items() if "no yield" not in name}
+    times = interleave(sides, reps, 4, f"oversub: 4 ranks on 2 CPUs, {iters} x allreduce"
+                       f"(8 doubles); no yield: {no_yield_iters}")
     ratio(times, "4.1 poprun", "4.1 mpirun --oversubscribe")
     ratio(times, "5 poprun", "5 prterun --oversubscribe")
 
@@ -178,9 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--scenarios", default="oversub,twohosts")
+    p.add_argument("--iters", type=int, default=200_000, help="oversub's allreduces")
+    p.add_argument("--no-yield-iters", type=int, default=2000,
+                   help="oversub's allreduces where told not to yield (0: leave them out)")
     args = p.parse_args(argv)
+    scenarios = {"oversub": lambda: oversub(args.reps, args.iters, args.no_yield_iters),
+                 "twohosts": lambda: twohosts(args.reps)}
     for name in args.scenarios.split(","):
-        {"oversub": oversub, "twohosts": twohosts}[name](args.reps)
+        if name not in scenarios:
+            p.error(f"unknown scenario {name!r} (oversub, twohosts)")
+        scenarios[name]()
     return 0
 
 

@@ -453,6 +453,31 @@ def test_a_spawn_into_a_world_the_agent_was_not_told_of_fails(agent):
     assert failed.kind is Kind.SPAWN_FAILED and "nowhere" in failed.fields["error"]
 
 
+def test_the_agent_imports_the_node_level_world_only_once_a_world_opens_here():
+    """An agent whose instances speak no MPI never imports spawner/worlds/nodeworld.py (its
+    start stays where it was); the first WORLD frame does (spawner.agent.Agent._world_frame)."""
+    def imports(*frames: tuple[Kind, dict]) -> set[str]:
+        agent = LocalAgent((PY, "-X", "importtime", "-m", "spawner.agent"))
+        try:
+            agent.request(Kind.HELLO, protocol=PROTOCOL_VERSION, poprun=__version__,
+                          python=[3, 11])
+            for kind, fields in frames:
+                agent.send(kind, **fields)
+            assert agent.spawn(0, PY, "-c", "pass").kind is Kind.STARTED
+            agent.wait_for(lambda f: f.kind is Kind.EXIT)
+            assert agent.close() == 0
+            log = agent.proc.stderr.read().decode()
+        finally:
+            agent.kill()
+        return {line.rpartition("|")[2].strip() for line in log.splitlines()
+                if line.startswith("import time:")}
+
+    plain = imports()
+    assert "spawner.local" in plain and "spawner.worlds.nodeworld" not in plain
+    assert "spawner.worlds.nodeworld" in imports(
+        (Kind.WORLD, {"kvsname": "w", "size": 2, "ranks": [1], "nodes": [0, 1]}))
+
+
 def test_stdin_must_be_a_pipe():
     proc = subprocess.run([PY, "-m", "spawner.agent"], stdin=subprocess.DEVNULL,
                           capture_output=True, env=poprun_env(), timeout=TIMEOUT)

@@ -104,7 +104,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from itertools import islice
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from popdist.env import SSH_CONNECTION_COPY
 from poprun._version import __version__
@@ -115,11 +115,14 @@ from .containment import become_subreaper
 from .lifeline import Lifeline
 from .local import LocalSpawner, ProcessSpec, Stream, resolve_program
 from .procstat import ProcSampler
-from .protocol import (MAGIC, PROTOCOL_VERSION, Control, Frame, FrameDecoder, Kind,
-                       ProtocolError, SpawnRequest, encode, output_header)
+from .protocol import (DOWN_KINDS, MAGIC, PROTOCOL_VERSION, Control, Frame, FrameDecoder,
+                       Kind, ProtocolError, SpawnRequest, encode, output_header)
 from .srun import step_variables
 from .stopsignals import STOP_SIGNALS
 from .sysfs import read_sysfs
+
+if TYPE_CHECKING:
+    from .worlds.nodeworld import AgentWorld, HostWorlds
 
 READ_SIZE = 65536
 HIGH_WATER = 1 << 20  # unsent bytes above which instances' pipes are no longer read
@@ -360,11 +363,10 @@ class Agent:
                           Kind.SPAWN: self._spawn, Kind.SIGNAL: self._signal,
                           Kind.STACKS: self._stacks,
                           Kind.PROBE: self._probe, Kind.FACTS: self._facts}
-        from .worlds.nodeworld import DOWN_KINDS, HostWorlds
-
-        # This host's MPI worlds (the launcher's WORLD frames), served as on every host
-        self._worlds = HostWorlds(loop, self._outbox.send, lifeline, self._pmix_host)
-        self._handlers.update({kind: partial(self._worlds.handle, kind) for kind in DOWN_KINDS})
+        # This host's MPI worlds (the launcher's WORLD frames), served as on every host, made
+        # when the first opens: an agent whose instances speak no MPI never imports them.
+        self._host_worlds: HostWorlds | None = None
+        self._handlers.update({kind: partial(self._world_frame, kind) for kind in DOWN_KINDS})
         # this host's PMIx service (spawner.worlds.pmixhost), once a world needs it
         self._pmix = None
         self._facts_read: hostfacts.Reading | None = None  # what HELLO's `facts` asked
@@ -506,7 +508,7 @@ class Agent:
         self._reply(request, {"path": request["path"]})
 
     def _spawn(self, fields: dict[str, Any]) -> None:
-        world = self._worlds.get(fields.get("world")) if isinstance(fields, dict) else None
+        world = self._world(fields.get("world")) if isinstance(fields, dict) else None
         if world is not None and not world.ready.done():  # its PMIx namespace first
             world.ready.add_done_callback(lambda _: self._spawn(fields))  # in order
             return
@@ -534,7 +536,10 @@ class Agent:
         pmi_end = None
         if request.world is not None:
             rank = request.key if request.rank is None else request.rank
-            world_env, pmi_end = self._worlds[request.world].attach(rank, env)
+            world = self._world(request.world)
+            if world is None:
+                raise ValueError(f"no world {request.world!r} open here")
+            world_env, pmi_end = world.attach(rank, env)
             env.update(world_env)
         try:
             return self._spawner.spawn(ProcessSpec(
@@ -583,6 +588,18 @@ class Agent:
                               "seconds": round(time.monotonic() - started, 6)})
 
     # --- MPI worlds (spawner/worlds/nodeworld.py) -------------------------------------------
+
+    def _world_frame(self, kind: Kind, fields: dict[str, Any]) -> None:
+        if self._host_worlds is None:
+            from .worlds.nodeworld import HostWorlds
+
+            self._host_worlds = HostWorlds(self._loop, self._outbox.send, self._lifeline,
+                                           self._pmix_host)
+        self._host_worlds.handle(kind, fields)
+
+    def _world(self, kvsname: Any) -> AgentWorld | None:
+        """The node-level world `kvsname` (nodeworld.AgentWorld) open here, else None."""
+        return self._host_worlds.get(kvsname) if self._host_worlds is not None else None
 
     def _pmix_host(self, pmix: dict[str, Any], hostname: str):
         """This host's PMIx service (a server process per world), with the libpmix the
@@ -637,7 +654,8 @@ class Agent:
         self._outbox.send(output_header(key, stream, len(data)), data)
 
     def on_exit(self, key: int, returncode: int) -> None:
-        self._worlds.exited(key)  # left Open MPI's world without MPI_Finalize?
+        if self._host_worlds is not None:  # left Open MPI's world without MPI_Finalize?
+            self._host_worlds.exited(key)
         error = self._spawner.errors.get(key)  # sent only when there is one
         steps = self._spawner.progress(key)  # its last popdist.progress(), if it called it
         oom = self._spawner.oom_kills.get(key)  # the kernel's OOM killer ended it (oomkills.py)
@@ -708,7 +726,8 @@ class Agent:
         """SIGKILL every instance's group and reap it, remove the temp dirs; then a last,
         non-blocking attempt to tell the launcher (if it still listens) how they ended."""
         self._spawner.close()
-        self._worlds.remove_leftovers()  # its instances are dead now
+        if self._host_worlds is not None:
+            self._host_worlds.remove_leftovers()  # its instances are dead now
         if self._pmix is not None:
             self._pmix.close()
         for path in self._temp_dirs:

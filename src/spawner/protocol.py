@@ -292,6 +292,9 @@ _KINDS = {int(k): k for k in Kind}
 WORLD_KINDS = frozenset({Kind.GET, Kind.MPI_ABORT, Kind.MPI_LOST, Kind.FENCE_IN,
                          Kind.MODEX_WANT, Kind.MODEX_GOT, Kind.PMIX_UNSERVED, Kind.NAME,
                          Kind.PMI_UNSERVED, Kind.SPAWN_ASK, Kind.PMIX_LOST})
+# ... and the root's frames down it, to a host's node-level world
+DOWN_KINDS = (Kind.WORLD, Kind.WORLD_END, Kind.VALUE, Kind.NAMED, Kind.SPAWNED_ANSWER,
+              Kind.FENCE_OUT, Kind.MODEX_ASK, Kind.MODEX_DATA)
 _STREAMS: dict[int, Stream] = {}
 
 

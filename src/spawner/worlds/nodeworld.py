@@ -359,11 +359,6 @@ class HostWorlds:
         self._worlds.clear()
 
 
-# What the root sends a host's worlds (HostWorlds.handle)
-DOWN_KINDS = (Kind.WORLD, Kind.WORLD_END, Kind.VALUE, Kind.NAMED, Kind.SPAWNED_ANSWER,
-              Kind.FENCE_OUT, Kind.MODEX_ASK, Kind.MODEX_DATA)
-
-
 def answer_no_world(tell: Callable[..., None], frame) -> None:
     """A world frame up a link for a kvsname not served there (the world has ended, or
     never ran on that host): dropped, a request answered with an error (its rank, if any,

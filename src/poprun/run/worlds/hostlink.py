@@ -22,9 +22,14 @@ if TYPE_CHECKING:
     from spawner.protocol import Control, Kind
     from spawner.worlds.nodeworld import HostWorlds
 
-# The protocol's and the node-level world's modules (~4 ms of imports) are imported once a
-# world opens here, not with this module: a job whose instances never speak MPI opens none
-# (run/worlds/pmi1.MpiWorld.attach), and its launch stays where it was.
+
+def _protocol():
+    """The agent protocol's module (~4 ms of imports with the node-level world's), imported
+    once a world opens here, not with this module: a job whose instances never speak MPI
+    opens none (run/worlds/pmi1.MpiWorld.attach), and its launch stays where it was."""
+    import spawner.protocol
+
+    return spawner.protocol
 
 
 class HostLink:
@@ -43,10 +48,10 @@ class HostLink:
     def worlds(self) -> HostWorlds:
         """This host's node-level worlds (made when the first opens)."""
         if self._worlds is None:
-            from spawner.protocol import FrameDecoder
             from spawner.worlds.nodeworld import HostWorlds
 
-            self._up, self._down = FrameDecoder(), FrameDecoder()
+            decoder = _protocol().FrameDecoder
+            self._up, self._down = decoder(), decoder()
             self._worlds = HostWorlds(self._loop, self._from_host, self._lifeline,
                                       self._pmix_host)
         return self._worlds
@@ -61,32 +66,26 @@ class HostLink:
     def open_world(self, on_world: Callable[[HostLink, Control], None],
                    **fields: Any) -> None:
         """WORLD: the world's ranks here served; its frames up go to `on_world`."""
-        from spawner.protocol import Kind
-
         self._roots[fields["kvsname"]] = on_world
-        self.tell(Kind.WORLD, **fields)
+        self.tell(_protocol().Kind.WORLD, **fields)
 
     def end_world(self, kvsname: str) -> asyncio.Task | None:
         """WORLD_END: the task that ends it here (its result: the paths of MPICH's
         leftovers removed), None where it was not open."""
-        from spawner.protocol import Kind
-
         if self._roots.pop(kvsname, None) is None:
             return None
-        return self._send_down(Kind.WORLD_END, kvsname=kvsname)
+        return self._send_down(_protocol().Kind.WORLD_END, kvsname=kvsname)
 
     def tell(self, kind: Kind, **fields: Any) -> None:
         self._send_down(kind, **fields)
 
     def _send_down(self, kind: Kind, **fields: Any) -> asyncio.Task | None:
-        from spawner.protocol import Control, ProtocolError, encode
-        from spawner.worlds.nodeworld import DOWN_KINDS
-
+        protocol = _protocol()
         task = None
         worlds = self.worlds
-        for frame in self._down.feed(encode(kind, **fields)):
-            if not isinstance(frame, Control) or frame.kind not in DOWN_KINDS:
-                raise ProtocolError(f"not a world's frame down its link: {frame!r:.100}")
+        for frame in self._down.feed(protocol.encode(kind, **fields)):
+            if not (isinstance(frame, protocol.Control) and frame.kind in protocol.DOWN_KINDS):
+                raise protocol.ProtocolError(f"not a world's frame down its link: {frame!r:.100}")
             task = worlds.handle(frame.kind, frame.fields)
         return task
 
@@ -94,13 +93,13 @@ class HostLink:
 
     def _from_host(self, data: bytes) -> None:
         """A node-level world's frame up the link, read as RemoteSpawner reads an agent's."""
-        from spawner.protocol import WORLD_KINDS, Control, ProtocolError
         from spawner.worlds.nodeworld import answer_no_world
 
+        protocol = _protocol()
         for frame in self._up.feed(data):
-            if not (isinstance(frame, Control) and frame.kind in WORLD_KINDS
+            if not (isinstance(frame, protocol.Control) and frame.kind in protocol.WORLD_KINDS
                     and isinstance(frame.fields.get("kvsname"), str)):
-                raise ProtocolError(f"not a world's frame up its link: {frame!r:.100}")
+                raise protocol.ProtocolError(f"not a world's frame up its link: {frame!r:.100}")
             on_world = self._roots.get(frame.fields["kvsname"])
             if on_world is not None:
                 on_world(self, frame)

@@ -58,11 +58,14 @@ import itertools
 import json
 import os
 import re
+import select
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,7 +387,38 @@ def _remove(ip: str, names: list[str]) -> None:
         return
     # -force: go on past a namespace already gone (two fixtures cleaning the same leftovers).
     _batch(ip, None, [f"netns del {ns}" for ns in names], check=False, force=True)
+    _let_end(_pids_in(inodes))
     kill_trees(lambda: _pids_in(inodes), spare=frozenset({os.getpid()}))
+
+
+# How long what is still running in the hosts gets to end on SIGTERM before it is killed.
+# An agent whose launcher is gone (its host cut off by the test) removes its instances'
+# files on SIGTERM; SIGKILLed at once, it left its PMIx server's directories behind
+# (/tmp/poprun-<job>-pmix-*, /dev/shm/...: test_spares_netns, when the job ended before
+# that agent had noticed its launcher was gone).
+STOP_GRACE_S = 3.0
+
+
+def _let_end(pids: list[int]) -> None:
+    """SIGTERM `pids`, then wait (on their pidfds) until they are gone or STOP_GRACE_S."""
+    fds = []
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            fd = os.pidfd_open(pid)
+            fds.append(fd)
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    try:
+        while fds and (left := deadline - time.monotonic()) > 0:
+            ended = select.select(fds, [], [], left)[0]
+            for fd in ended:
+                fds.remove(fd)
+                os.close(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _existing_namespaces() -> list[str]:

@@ -528,25 +528,27 @@ def test_two_hosts_of_two_form_one_world_with_an_8_mb_allreduce(two_hosts, tmp_p
     assert "MPI world: PMIx for Open MPI" in err
 
 
-# Rank SLOW_RANK stops for SLOW_FOR s (4) once its MPI_Init has joined the world and opened its PML
-# (Debian's Open MPI 4.1 loads it as mca_pml_ob1.so), before it puts and commits its data: a
-# child of its own stops it and lets it go on. Said on stdout ("stopped"), where it was.
+# Rank SLOW_RANK joins the world with libpmix's own PMIx_Init, as MPI_Init would first, and
+# waits SLOW_FOR s (4), said on stdout ("stopped"), before MPI_Init goes on to put and commit
+# its data (libpmix counts the second init; the rank's last PMIx_Finalize, after MPI's, is
+# its real one: STOPPED_TAIL). Connected and not committed for certain, however loaded the
+# machine: a child that stopped the rank once it saw Open MPI's PML loaded was, once in CI,
+# too late (the data was committed). Debian's 4.1 only: its MPI and poprun share libpmix.so.2.
 STOPPED_BEFORE_COMMIT = """
-import os, signal, time
-if os.environ.get("PMIX_RANK") == os.environ["SLOW_RANK"]:
-    parent = os.getpid()
-    if os.fork() == 0:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with open(f"/proc/{parent}/maps") as maps:
-                if "mca_pml_ob1" in maps.read():
-                    os.kill(parent, signal.SIGSTOP)
-                    print("stopped", flush=True)
-                    time.sleep(float(os.environ.get("SLOW_FOR", "4")))
-                    break
-            time.sleep(0.001)
-        os.kill(parent, signal.SIGCONT)
-        os._exit(0)
+import ctypes, os, time
+SLOW = os.environ.get("PMIX_RANK") == os.environ["SLOW_RANK"]
+if SLOW:
+    pmix = ctypes.CDLL("libpmix.so.2", mode=ctypes.RTLD_GLOBAL)
+    me = ctypes.create_string_buffer(512)  # a pmix_proc_t: nspace[256], rank
+    if pmix.PMIx_Init(me, None, 0) != 0:
+        raise SystemExit("PMIx_Init failed")
+    print("stopped", flush=True)
+    time.sleep(float(os.environ.get("SLOW_FOR", "4")))
+"""
+STOPPED_TAIL = """
+if SLOW:
+    MPI.Finalize()
+    pmix.PMIx_Finalize(None, 0)
 """
 
 
@@ -571,14 +573,14 @@ def test_direct_modex_across_hosts(two_hosts, tmp_path, ompi, clean):
 def test_a_direct_modex_across_hosts_waits_for_a_rank_that_has_not_committed(two_hosts,
                                                                              tmp_path, ompi,
                                                                              clean):
-    """Rank 0 (h1) asks for rank 1's data while rank 1 (h2) is stopped for 12 s inside its
-    MPI_Init, connected and its data not yet committed (no barrier ends MPI_Init here, so
-    rank 0 goes on): the ask, through poprun to h2's server, waits for the data (libpmix
-    defers a request from the host that long), past the 2 s libpmix gives a peer on the
-    asker's own host, never "not found". Debian's 4.1, whose PML is a module to wait for.
-    Stopped 12 s, not 4: under load rank 0 once asked only after a 4 s stop had ended, and
-    got rank 1's data at once (1 run in 8 beside two busy loops)."""
-    proc, _ = run_across(two_hosts, tmp_path, ompi, "h1,h2", STOPPED_BEFORE_COMMIT + ACROSS,
+    """Rank 0 (h1) asks for rank 1's data while rank 1 (h2) waits 12 s connected, its data
+    not yet committed (STOPPED_BEFORE_COMMIT; no barrier ends MPI_Init here, so rank 0 goes
+    on): the ask, through poprun to h2's server, waits for the data (libpmix defers a
+    request from the host that long), past the 2 s libpmix gives a peer on the asker's own
+    host, never "not found". 12 s, not 4: under load rank 0 once asked only after a 4 s wait
+    had ended, and got rank 1's data at once (1 run in 8 beside two busy loops)."""
+    proc, _ = run_across(two_hosts, tmp_path, ompi, "h1,h2",
+                         STOPPED_BEFORE_COMMIT + ACROSS + STOPPED_TAIL,
                          *DIRECT_MODEX, "OMPI_MCA_async_mpi_init=1", "SLOW_RANK=1",
                          "SLOW_FOR=12", verbose="-vv", instances=2)
     err, out = proc.stderr.decode(), proc.stdout.decode()
@@ -593,10 +595,10 @@ def test_a_direct_modex_across_hosts_waits_for_a_rank_that_has_not_committed(two
 @pytest.mark.parametrize("ompi", ["4.1"], indirect=True)
 def test_open_mpi_4_1_gives_a_rank_s_peer_on_its_host_2_s_to_commit(tmp_path, ompi, clean):
     """What poprun cannot serve otherwise (libpmix's, and Open MPI's mpirun fails alike):
-    rank 1 stopped for 12 s inside MPI_Init, before it commits, and rank 0 on the same host
-    fails MPI_Init, whose PML check reads rank 1's data: libpmix's server ends its wait for a
-    connected peer of its own host after 2 s (src/server/pmix_server_get.c, 4.2.2 to
-    5.0.x). poprun reports it as such a failure."""
+    rank 1 connected and waiting 12 s before it commits (STOPPED_BEFORE_COMMIT), and rank 0
+    on the same host fails MPI_Init, whose PML check reads rank 1's data: libpmix's server
+    ends its wait for a connected peer of its own host after 2 s
+    (src/server/pmix_server_get.c, 4.2.2 to 5.0.x). poprun reports it as such a failure."""
     program = STOPPED_BEFORE_COMMIT + "from mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
     proc, result = run_world(tmp_path, ompi, 2, program, "-v", *(
         f"--env={var}" for var in (*PRETEND_NODES, *DIRECT_MODEX, "SLOW_RANK=1",

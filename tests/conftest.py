@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
+# Which test left poprun's temporary directories behind: a report after the run.
+pytest_plugins = ["leftovers"]
 
 
 def poprun_env(extra: dict[str, str] | None = None) -> dict[str, str]:

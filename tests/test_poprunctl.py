@@ -662,16 +662,20 @@ def test_a_job_whose_watchdog_cleaned_up_shows_nothing_running(environ):
     assert [r["state"] for r in shown["instances"]] == ["running", "unknown"]
 
 
-def _remove_pmix_leftovers(environ) -> None:
-    """What the PMIx worlds of the recorded jobs left (a Python with mpi4py gets one)."""
+def _remove_leftovers(environ) -> None:
+    """What the recorded jobs left in the temporary directory and /dev/shm: their caches,
+    error directories and PMIx worlds' directories (a Python with mpi4py gets one)."""
     import shutil
 
     from spawner.reaphere import pmix_leftovers
 
     for record in jobs.scan(environ).records:
+        paths = [*(record.get("caches") or {}).values(),
+                 *(record.get("error_dirs") or {}).values()]
         for names in (record.get("mpi_worlds") or {}).values():
-            for path in (p for name in names for p in pmix_leftovers(name)):
-                shutil.rmtree(path, ignore_errors=True)
+            paths += [p for name in names for p in pmix_leftovers(name)]
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.timeout(180)
@@ -686,7 +690,7 @@ def test_records_and_rings_stay_bounded_whatever_state_jobs_were_left_in(environ
         gone_ids = [_killed_outright(environ, marker, lifeline_too=True) for _ in range(2)]
     finally:
         kill_marked(marker)
-        _remove_pmix_leftovers(environ)  # of the jobs left "gone" on purpose
+        _remove_leftovers(environ)  # of the jobs left "gone" on purpose
     directories = {r["id"]: r["_dir"] for r in jobs.scan(environ).records}
     for job_id in reaped_ids:
         assert record_of(environ, job_id)["exit_reason"] == "reaped"

@@ -15,7 +15,7 @@ import pytest
 
 from spawner.worlds import pmixhost
 from spawner.worlds.mpinames import NameService
-from spawner.within import within
+from spawner.within import bounded, within
 
 
 class _Link:
@@ -76,3 +76,34 @@ def test_a_cancellation_that_meets_a_waited_for_name_is_not_lost():
 
     _cancelled_as_answered(waiter, lambda: names.answer("publish", "svc", "port-1"))
     assert names.waiting() == 0
+
+
+def test_a_cancellation_that_meets_a_bounded_wait_s_result_is_not_lost():
+    """`bounded` (an srun step's call back, a subprocess's output, a reach-back connection):
+    asyncio.wait_for in its place returns the result here, and the stop is gone."""
+    inner: asyncio.Future | None = None
+
+    async def waiter():
+        nonlocal inner
+        inner = asyncio.get_running_loop().create_future()
+        return await bounded(asyncio.shield(inner), 30)
+
+    _cancelled_as_answered(waiter, lambda: inner.set_result("called back"))
+
+
+def test_a_bounded_wait_ends_its_awaitable_at_its_time_limit():
+    async def main():
+        ended = []
+
+        async def slow():
+            try:
+                await asyncio.sleep(30)
+            finally:
+                ended.append(True)
+
+        with pytest.raises(TimeoutError):
+            await bounded(slow(), 0.01)
+        assert ended == [True]  # cancelled, and waited for
+        assert await bounded(asyncio.sleep(0, "done"), 30) == "done"
+
+    asyncio.run(main())

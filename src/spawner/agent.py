@@ -120,6 +120,7 @@ from .protocol import (DOWN_KINDS, MAGIC, PROTOCOL_VERSION, Control, Frame, Fram
 from .srun import step_variables
 from .stopsignals import STOP_SIGNALS
 from .sysfs import read_sysfs
+from .within import bounded
 
 if TYPE_CHECKING:
     from .worlds.nodeworld import AgentWorld, HostWorlds
@@ -571,16 +572,15 @@ class Agent:
         started = time.monotonic()
         error = None
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(address, port),
-                                                    within)
+            reader, writer = await bounded(asyncio.open_connection(address, port), within)
             try:
                 writer.write(token.encode() + b"\n")
-                answer = await asyncio.wait_for(reader.readline(), within)
+                answer = await bounded(reader.readline(), within)
             finally:
                 writer.close()
             if answer.strip() != token.encode():
                 error = "something else answered there"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             error = f"no answer within {within:g} s"
         except OSError as exc:
             error = exc.strerror or str(exc)

@@ -53,6 +53,7 @@ from typing import Any
 from .callback import (CALLBACK_VARIABLE, STEP_VARIABLE, Caller, CallbackListener,
                        is_loopback, new_secret)
 from .containment import MARK
+from .within import bounded
 
 STDERR_DATATYPE = 1  # asyncssh.EXTENDED_DATA_STDERR: how the session tells stderr apart
 # Variables a job step sets that describe the agent's task of its step, not the instances.
@@ -113,8 +114,8 @@ async def node_addresses(scontrol: str, nodes: Sequence[str]) -> tuple[set[str],
         scontrol, "show", "node", "-o", ",".join(nodes), stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     try:
-        out = await asyncio.wait_for(proc.stdout.read(MAX_LOOKUP_OUTPUT), LOOKUP_TIMEOUT)
-        status = await asyncio.wait_for(proc.wait(), LOOKUP_TIMEOUT)
+        out = await bounded(proc.stdout.read(MAX_LOOKUP_OUTPUT), LOOKUP_TIMEOUT)
+        status = await bounded(proc.wait(), LOOKUP_TIMEOUT)
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -303,8 +304,8 @@ class NodeLink:
             raise ValueError(f"the step runs {self._command!r}, not {command!r}")
         session = factory()
         try:
-            await asyncio.wait_for(asyncio.shield(self._called), self.call_timeout)
-        except asyncio.TimeoutError:
+            await bounded(asyncio.shield(self._called), self.call_timeout)
+        except TimeoutError:
             raise ConnectionError(f"its agent did not call back within "
                                   f"{self.call_timeout:g} s") from None
         self._session = session
@@ -468,9 +469,9 @@ class _Step(asyncio.SubprocessProtocol):
         if self._transport is None:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(self._done), STEP_EXIT_GRACE)
+            await bounded(asyncio.shield(self._done), STEP_EXIT_GRACE)
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         if self._transport.get_returncode() is None:
             try:

@@ -32,6 +32,7 @@ from popdist.env import DEFAULT_STACKS_SIGNAL, STACKS_FILE, STACKS_SIGNAL
 
 from .procid import children
 from .untrusted import open_regular, read_regular
+from .within import bounded
 
 
 POLL = 0.01  # seconds between looks at the dump file
@@ -156,9 +157,8 @@ async def _by_pyspy(pid: int, pyspy: str, deadline: float) -> dict[str, Any]:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True)
         try:
-            out, err = await asyncio.wait_for(proc.communicate(),
-                                              max(0.1, deadline - loop.time()))
-        except asyncio.TimeoutError:
+            out, err = await bounded(proc.communicate(), max(0.1, deadline - loop.time()))
+        except TimeoutError:
             proc.kill()
             await proc.wait()
             return result(pid, "py-spy", error="py-spy did not answer in time")

@@ -4,7 +4,9 @@
 cancellation of the task awaiting it, and the cancellation is gone (a stop signal before any
 instance started, meeting the PMIx server's answer, left poprun waiting for good).
 `asyncio.timeout` does not lose it, but is 3.11's, and the agent runs on 3.10
-(`carried.MIN_PYTHON`).
+(`carried.MIN_PYTHON`). So `within` bounds a future of ours, and `bounded` anything else
+(a subprocess's output, a connection, a shielded future); both raise the built-in
+TimeoutError, which 3.10's asyncio.TimeoutError is not.
 """
 
 from __future__ import annotations
@@ -27,3 +29,23 @@ async def within(future: asyncio.Future, seconds: float) -> Any:
         return await future
     finally:
         deadline.cancel()
+
+
+async def bounded(awaitable, seconds: float) -> Any:
+    """`awaitable`'s result, or TimeoutError after `seconds`, once it has been cancelled
+    (and has ended, as `asyncio.wait_for` waits). A cancellation of the awaiting task always
+    comes out of it, and cancels `awaitable` too (not what a shield protects)."""
+    task = asyncio.ensure_future(awaitable)
+    if not task.done():
+        settled = task.get_loop().create_future()
+        task.add_done_callback(lambda _: settled.done() or settled.set_result(None))
+        try:
+            await within(settled, seconds)
+        except TimeoutError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+        except BaseException:
+            task.cancel()
+            raise
+    return task.result()

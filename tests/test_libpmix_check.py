@@ -11,6 +11,7 @@ replaced, a mount namespace of the test's own does it (root; else a skip, CI: a 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 from conftest import OFFLINE, poprun_argv, poprun_env, run_poprun
 from requires import skip_or_fail
 from sshd_hosts import in_mount_namespace, require_mount_namespaces
+from spawner.reaphere import pmix_prefixes
 from spawner.worlds import pmixcheck, pmixfind
 
 pytestmark = pytest.mark.timeout(120)
@@ -193,3 +195,47 @@ def test_a_check_that_does_not_finish_in_time_refuses_the_library_and_ends_its_p
     assert check._proc.returncode is not None  # killed and reaped, not left running
     with pytest.raises(pmixcheck.Unusable):  # and said again, not checked twice
         check.version()
+
+
+# --- the server starts with the launch (session._start_pmix) ---------------------------------
+
+def pmix_dirs() -> set[str]:
+    """Every PMIx world's directory here (spawner/reaphere.pmix_prefixes: in the temporary
+    directory and /dev/shm)."""
+    import glob
+
+    return {path for place in (os.path.dirname(p) for p in pmix_prefixes("poprun-x-0"))
+            for path in glob.glob(os.path.join(place, "poprun-*-pmix-*"))}
+
+
+def test_the_pmix_server_started_with_the_launch_is_named_by_the_job_s_record(tmp_path,
+                                                                            job_state):
+    """libpmix's server starts before the job's control opens, in a directory named by the
+    job's id: the record made for it first has that id, and the instances' namespace is the
+    job's first world."""
+    out = tmp_path / "r.json"
+    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                      f"--libpmix={require_system_libpmix()}", f"--result-json={out}",
+                      sys.executable, "-c", "import os; print(os.environ['PMIX_NAMESPACE'])",
+                      env=job_state)
+    assert proc.returncode == 0, proc.stderr.decode()
+    job_id = json.loads(out.read_text())["id"]
+    assert proc.stdout.decode().split() == [f"poprun-{job_id}-0"] * 2
+    assert os.listdir(os.path.join(job_state["XDG_RUNTIME_DIR"], "poprun", "jobs")) == [job_id]
+
+
+def test_a_launch_refused_after_its_pmix_server_started_leaves_nothing(tmp_path, job_state):
+    """--output-filename that cannot be written is checked after the server's start: the
+    usage error leaves neither its directories nor the job's (empty) record directory."""
+    before = pmix_dirs()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2",
+                      f"--libpmix={require_system_libpmix()}",
+                      f"--output-filename={blocker}/out", sys.executable, "-c", "pass",
+                      env=job_state)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and err.startswith("poprun: error: --output-filename: "), err
+    jobs = os.path.join(job_state["XDG_RUNTIME_DIR"], "poprun", "jobs")
+    assert not os.path.isdir(jobs) or os.listdir(jobs) == []
+    assert pmix_dirs() - before == set()

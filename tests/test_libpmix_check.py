@@ -197,7 +197,7 @@ def test_a_check_that_does_not_finish_in_time_refuses_the_library_and_ends_its_p
         check.version()
 
 
-# --- the server starts with the launch (session._start_pmix) ---------------------------------
+# --- the server's directory and the job's record ------------------------------------------
 
 def pmix_dirs() -> set[str]:
     """Every PMIx world's directory here (spawner/reaphere.pmix_prefixes: in the temporary
@@ -208,11 +208,9 @@ def pmix_dirs() -> set[str]:
             for path in glob.glob(os.path.join(place, "poprun-*-pmix-*"))}
 
 
-def test_the_pmix_server_started_with_the_launch_is_named_by_the_job_s_record(tmp_path,
-                                                                            job_state):
-    """libpmix's server starts before the job's control opens, in a directory named by the
-    job's id: the record made for it first has that id, and the instances' namespace is the
-    job's first world."""
+def test_the_pmix_world_is_named_by_the_job_s_record(tmp_path, job_state):
+    """The server's directory and the instances' namespace are named by the job's id (that
+    of its record: `poprunctl reap` finds them by it), the namespace the job's first world."""
     out = tmp_path / "r.json"
     proc = run_poprun(*OFFLINE, "--num-instances=2", "--num-replicas=2",
                       f"--libpmix={require_system_libpmix()}", f"--result-json={out}",
@@ -225,8 +223,8 @@ def test_the_pmix_server_started_with_the_launch_is_named_by_the_job_s_record(tm
 
 
 def test_a_launch_refused_after_its_pmix_server_started_leaves_nothing(tmp_path, job_state):
-    """--output-filename that cannot be written is checked after the server's start: the
-    usage error leaves neither its directories nor the job's (empty) record directory."""
+    """--output-filename that cannot be written is checked after the server's process has
+    started: the usage error leaves neither PMIx directories nor a job record directory."""
     before = pmix_dirs()
     blocker = tmp_path / "a-file"
     blocker.write_text("")

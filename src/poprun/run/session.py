@@ -11,7 +11,6 @@ signals, lost hosts) is the job's policy: see job.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import signal
@@ -365,10 +364,6 @@ class _Session:
         self.network: dict[str, HostNetwork] | None = None
         self.rendezvous = None  # Horovod's (run/worlds/horovod.Rendezvous), once hosts are open
         self._own_id: str | None = None  # the job's id when it has no record
-        # The job's record directory (id, path), or why it could not be made, made before
-        # its control opens where the PMIx server's directory needs the job's name first
-        # (`_start_pmix`).
-        self._record_dir: tuple[str, str] | OSError | None = None
         self._leaves: dict[str, list[dict]] = {}  # per remote host, its agents' (for reap)
         self._boot_ids: dict[str, object] = {}  # per remote host, its last agent's boot id
         self.host_differences: tuple = ()  # plan/alike.py's Differences among the hosts
@@ -403,7 +398,7 @@ class _Session:
         wants_fold(config, self.environ)  # a bad POPRUN_FOLD_OUTPUT: one line, nothing started
         self.libpmix = self._find_libpmix()
         self.lifeline = Lifeline()
-        if self.libpmix is not None:  # its process and libpmix's server start now
+        if self.libpmix is not None:  # its process starts now, its server once named below
             self._start_pmix()
         if containment.is_subreaper():  # the poprun command: every child it starts is its own
             # ... so its helpers (an SSH ProxyCommand, srun, vipu) carry a mark of the lifeline's
@@ -423,7 +418,6 @@ class _Session:
             self.job.router.check_directory()
         except OSError as exc:
             self._close_pmix()
-            self._drop_record_dir()
             self.lifeline.close()
             given = config.effective_output_filename
             # The path that failed may be a parent of the one given (a directory without
@@ -445,8 +439,6 @@ class _Session:
                 self.control.start_pruning(self.environ)
         except BaseException:
             self._close_pmix()
-            if self.control is None:
-                self._drop_record_dir()
             await self._close_fleet()  # __aexit__ will not run: the steps end here
             raise
         return self
@@ -460,14 +452,9 @@ class _Session:
         return find_libpmix(self.config, self.environ, self.program, self.log)
 
     def _start_pmix(self) -> None:
-        """This host's PMIx service (spawner/worlds/pmixhost.py), its first server's process
-        and libpmix's server in it starting now, while the launch goes on: its directory is
-        named by the job's id, so the job's record directory is made first (the control
-        opens there later). The library's check (`_serve_pmix`) runs meanwhile, in a process
-        of its own: waited for before, it and libpmix's start were one after the other on the
-        path of the first instance (~40 ms at load 2: bench/README.md, "Open MPI's wire-up
-        and PMIx's cost"). A library that then fails it has only been loaded in the server's
-        process, which is killed."""
+        """This host's PMIx service, its first server's process starting while the launch
+        goes on (spawner/worlds/pmixhost.py); libpmix's server in it once the library passed its
+        check (`_serve_pmix`)."""
         from spawner.worlds.pmixhost import PmixHost
 
         local = [label for label in self.hosts.labels if label not in self.hosts.remote]
@@ -478,19 +465,19 @@ class _Session:
         self._pmix_here = bool(local)
         if local:
             self.pmix.spawn()
-            self._make_record_dir()
-            self.pmix.prestart(self._kvsname(0))
 
     def _serve_pmix(self) -> None:
-        """The PMIx service goes on once its libpmix passed its check (run/worlds/pmi1.
-        usable_libpmix: a process of its own, started with the launch). One that fails it
-        is never loaded here, and its server goes: a bad --libpmix is bad input (one line),
-        one poprun found is not served (one warning)."""
+        """Once the job has a name and its libpmix passed its check (run/worlds/pmi1.usable_libpmix:
+        a process of its own, started with the launch), libpmix's server starts in the
+        process started for it. A library that fails the check is never loaded: a bad
+        --libpmix is bad input (one line), one poprun found is not served (one warning)."""
         from poprun.run.worlds.pmi1 import usable_libpmix
 
         if usable_libpmix(self.libpmix, self.config, self.log) is None:
             self._close_pmix()
             self.pmix = self.libpmix = None
+        elif self._pmix_here:  # named by the job's id
+            self.pmix.prestart(self._kvsname(0))
 
     def _close_pmix(self) -> None:
         if self.pmix is not None:
@@ -515,7 +502,7 @@ class _Session:
         from poprun.run.watching import JobControl
 
         self.control = await JobControl.open(
-            self, created=self._record_dir, facts=self._record_facts, stop=self.on_signal,
+            self, facts=self._record_facts, stop=self.on_signal,
             running=lambda: self.job.running(), gather=self._gather_stacks,
             cgroup_of=self._cgroup_of,
             on_stall=lambda stall, ongoing: self.job.report_stall(stall, ongoing),
@@ -541,32 +528,11 @@ class _Session:
 
         return await stacks.gather(self.job, keys, timeout)
 
-    def _make_record_dir(self) -> None:
-        """The job's record directory, made now (for the job's id); where it cannot be, the
-        control says why when it opens (and does not try again: the job keeps the id its
-        PMIx server's directory was named by)."""
-        from poprun.jobctl import records
-
-        try:
-            self._record_dir = records.create(self.environ)
-        except OSError as exc:
-            self._record_dir = exc
-
-    def _drop_record_dir(self) -> None:
-        """The launch ends before its control opened: the record directory made for it goes
-        (empty: nothing was written there)."""
-        if isinstance(self._record_dir, tuple):
-            with contextlib.suppress(OSError):
-                os.rmdir(self._record_dir[1])
-            self._record_dir = None
-
     @property
     def _job_id(self) -> str:
         """The job's id (its record's), else one of its own: unique among this user's jobs."""
         if self.control is not None:
             return self.control.id
-        if isinstance(self._record_dir, tuple):
-            return self._record_dir[0]
         if self._own_id is None:
             self._own_id = os.urandom(6).hex()
         return self._own_id

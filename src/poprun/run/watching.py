@@ -43,17 +43,12 @@ class JobControl:
                    cgroup_of: Callable[[int], str | None],
                    on_stall: Callable[[Mapping[str, Any], bool], None],
                    on_unstall: Callable[[], None],
-                   spawned: Callable[[], Any] = tuple,
-                   created: tuple[str, str] | OSError | None = None) -> JobControl | None:
+                   spawned: Callable[[], Any] = tuple) -> JobControl | None:
         """Register the launch; None (said at -v) where no record can be written. `session`
-        gives the launch's constants (config, environ, cwd, loop, log, lifeline, hosts);
-        `created`: the job's id and record directory where the launch made them already
-        (records.create), or why it could not."""
+        gives the launch's constants (config, environ, cwd, loop, log, lifeline, hosts)."""
         log, config, environ = session.log, session.config, session.environ
         try:
-            if isinstance(created, OSError):
-                raise created
-            job_id, directory = created or records.create(environ)
+            job_id, directory = records.create(environ)
         except OSError as exc:
             log.info(f"no job record (poprunctl will not see this job): {exc.strerror or exc}")
             return None

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -404,3 +405,72 @@ def test_restarts_after_an_abort_during_finalize_neither_crash_nor_hang(tmp_path
         if proc.returncode != 0 or not written or json.loads(written)["exit_code"] != 0:
             failures.append((run, proc.returncode, proc.stderr.decode()[-4000:]))
     assert failures == [], "\n\n".join(f"run {r}: exit {c}\n{e}" for r, c, e in failures)
+
+
+# --- whose socket: the gate's search of the job's tree (pmixgate.Gate._job_holder) ------------
+
+def _holding(*, detached: bool = False):
+    """A process holding one end of a fresh socket pair (the test's end closed): the
+    process, its socket's inode. `detached`: a grandchild whose parent has exited, so that it
+    is no descendant of this process (pytest is no subreaper)."""
+    from spawner.worlds import pmixgate
+
+    ours, theirs = socket.socketpair()
+    inode = os.fstat(theirs.fileno()).st_ino
+    code = ("import os, sys, time\n"
+            + ("if os.fork():\n    os._exit(0)\n" if detached else "")
+            + "print(os.getpid(), flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
+                            stdout=subprocess.PIPE, text=True)
+    theirs.close()
+    pid = int(proc.stdout.readline())
+    assert inode in pmixgate.socket_inodes(pid)
+    return proc, pid, inode, ours
+
+
+def test_the_gate_walks_the_job_s_tree_again_only_for_a_socket_it_does_not_find_there(
+        monkeypatch, tmp_path):
+    """Each connection's holder is looked for in the tree the last walk found (one read of
+    the holder's start time), unadmitted processes first; a process started since is found
+    by a new walk."""
+    from spawner import procid
+    from spawner.worlds.pmixgate import Gate, likely_first
+
+    assert likely_first([5, 6, 7, 8], {5, 7}) == [6, 8, 5, 7]
+    walks = []
+    real = procid.descendants
+    monkeypatch.setattr(procid, "descendants", lambda roots: walks.append(1) or real(roots))
+    gate = Gate(str(tmp_path), os.getpid(), None, print)
+    first = _holding()
+    try:
+        assert gate._job_holder(first[2], {}) == first[1] and len(walks) == 1
+        assert gate._job_holder(first[2], {}) == first[1] and len(walks) == 1
+        second = _holding()
+        try:
+            assert gate._job_holder(second[2], {}) == second[1] and len(walks) == 2
+            ours, _ = socket.socketpair()  # held by no process of the job: a walk, no holder
+            assert gate._job_holder(os.fstat(ours.fileno()).st_ino, {}) is None
+            assert len(walks) == 3
+        finally:
+            second[0].kill()
+            second[0].wait()
+    finally:
+        first[0].kill()
+        first[0].wait()
+
+
+def test_a_pid_of_the_known_tree_taken_by_another_process_is_not_the_job_s(tmp_path):
+    """The tree known from the last walk names a pid whose process is no longer the one it
+    was (another start time): its socket is not the job's, unless a new walk finds it."""
+    from spawner import procid
+    from spawner.worlds.pmixgate import Gate
+
+    outsider = _holding(detached=True)
+    try:
+        gate = Gate(str(tmp_path), os.getpid(), None, print)
+        assert outsider[1] not in procid.descendants([os.getpid()])
+        gate._tree = {outsider[1]: procid.start_ticks(outsider[1]) - 1}
+        assert gate._job_holder(outsider[2], {}) is None
+    finally:
+        os.kill(outsider[1], signal.SIGKILL)
+        outsider[0].wait()

@@ -164,6 +164,28 @@ def wait_started(launcher_pid: int, count: int, timeout: float = 30,
     wait_until(lambda: running() >= count, f"poprun to see {count} instance(s) run", timeout)
 
 
+def remove_job_leftovers(environ: dict[str, str] | None = None,
+                         launcher: int | None = None) -> None:
+    """What jobs killed outright with their watchdogs (on purpose: poprun and its watchdog
+    SIGKILLed, so nothing cleaned up) left in the temporary directory and /dev/shm, as their
+    records name it: caches, error directories, PMIx worlds' directories (a Python with
+    mpi4py gets one). `launcher`: only the job of that poprun."""
+    import shutil
+
+    from poprun.jobctl import records
+    from spawner.reaphere import pmix_leftovers
+
+    for record in records.scan(environ or os.environ).records:
+        if launcher is not None and (record.get("launcher") or {}).get("pid") != launcher:
+            continue
+        paths = [*(record.get("caches") or {}).values(),
+                 *(record.get("error_dirs") or {}).values()]
+        for names in (record.get("mpi_worlds") or {}).values():
+            paths += [p for name in names for p in pmix_leftovers(name)]
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def run_poprun_peak(*args: str, timeout: float = 60, env: dict[str, str] | None = None
                     ) -> tuple[subprocess.CompletedProcess, int]:
     """Run poprun to completion as `run_poprun` does; also its peak resident memory (KiB,

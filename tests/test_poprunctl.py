@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import OFFLINE, poprun_argv, poprun_env, reaped
+from conftest import OFFLINE, poprun_argv, poprun_env, reaped, remove_job_leftovers
 from poprun.cli import ctl
 from poprun.jobctl import joblog
 from poprun.jobctl import records as jobs
@@ -662,22 +662,6 @@ def test_a_job_whose_watchdog_cleaned_up_shows_nothing_running(environ):
     assert [r["state"] for r in shown["instances"]] == ["running", "unknown"]
 
 
-def _remove_leftovers(environ) -> None:
-    """What the recorded jobs left in the temporary directory and /dev/shm: their caches,
-    error directories and PMIx worlds' directories (a Python with mpi4py gets one)."""
-    import shutil
-
-    from spawner.reaphere import pmix_leftovers
-
-    for record in jobs.scan(environ).records:
-        paths = [*(record.get("caches") or {}).values(),
-                 *(record.get("error_dirs") or {}).values()]
-        for names in (record.get("mpi_worlds") or {}).values():
-            paths += [p for name in names for p in pmix_leftovers(name)]
-        for path in paths:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 @pytest.mark.timeout(180)
 def test_records_and_rings_stay_bounded_whatever_state_jobs_were_left_in(environ):
     """Jobs killed outright (poprun and its watchdog) leave their control socket; reaped or
@@ -690,7 +674,7 @@ def test_records_and_rings_stay_bounded_whatever_state_jobs_were_left_in(environ
         gone_ids = [_killed_outright(environ, marker, lifeline_too=True) for _ in range(2)]
     finally:
         kill_marked(marker)
-        _remove_leftovers(environ)  # of the jobs left "gone" on purpose
+        remove_job_leftovers(environ)  # of the jobs left "gone" on purpose
     directories = {r["id"]: r["_dir"] for r in jobs.scan(environ).records}
     for job_id in reaped_ids:
         assert record_of(environ, job_id)["exit_reason"] == "reaped"

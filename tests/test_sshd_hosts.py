@@ -22,7 +22,7 @@ from requires import assert_skips_or_fails, skip_or_fail
 import sshd_hosts
 from sshd_hosts import (SshHosts, processes_with, require_sshd, require_tool, start_ssh_hosts,
                         wait_until)
-from conftest import OFFLINE, poprun_argv, poprun_env
+from conftest import OFFLINE, poprun_argv, poprun_env, remove_job_leftovers, wait_started
 from sshd_hosts import instances_with, kill_marked
 
 TIMEOUT = 20
@@ -292,7 +292,8 @@ def test_kill_trees_ends_a_tree_as_a_failed_host_would(tmp_path: Path,
 def test_instances_are_told_from_poprun_whatever_their_paths_hold(tmp_path: Path) -> None:
     """instances_with finds a job's instances, not poprun nor its watchdog, where every
     command line holds "poprun" (a clone in a folder of that name with its venv inside once
-    hid every instance from the reap tests); kill_marked then leaves nothing of the job."""
+    hid every instance from the reap tests); kill_marked then leaves no process of the job
+    (poprun and its watchdog too: the test removes the directories they would have)."""
     bin_dir = tmp_path / "poprun" / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "python").symlink_to(sys.executable)
@@ -303,6 +304,7 @@ def test_instances_are_told_from_poprun_whatever_their_paths_hold(tmp_path: Path
         env=poprun_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until(lambda: len(instances_with(marker)) == 2, "both instances to run", TIMEOUT)
+        wait_started(proc.pid, 2)  # its record names its directories
         found = instances_with(marker)
         assert all(f"{bin_dir}/python".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
                    for pid in found)
@@ -310,4 +312,5 @@ def test_instances_are_told_from_poprun_whatever_their_paths_hold(tmp_path: Path
     finally:
         kill_marked(marker)
         proc.wait(timeout=TIMEOUT)
+        remove_job_leftovers(launcher=proc.pid)
     assert not processes_with(marker)
